@@ -1,0 +1,28 @@
+"""rltk: composable reinforcement-learning components for LLM post-training."""
+
+from rltk.registry import (
+    RegistryError,
+    PluginLoadError,
+    get_component,
+    get_plugin_manager,
+    hookimpl,
+    list_components,
+    override,
+    register_plugin,
+    unregister_plugin,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RegistryError",
+    "PluginLoadError",
+    "get_component",
+    "get_plugin_manager",
+    "hookimpl",
+    "list_components",
+    "override",
+    "register_plugin",
+    "unregister_plugin",
+    "__version__",
+]

@@ -1,0 +1,174 @@
+"""Every hook point of rltk, one documented empty function each.
+
+A plugin is any module with functions decorated by ``rltk.hookimpl`` whose
+names match the specs below; it reaches rltk through an entry point in the
+group ``rltk`` (builtins come in exactly the same way, see rltk's own
+``pyproject.toml``). An implementation may accept fewer arguments than its
+spec offers, so specs can grow without breaking plugins.
+
+Component hooks take no arguments and return ``{name: component}``. The
+returned names are what configs refer to (``algorithm.advantage_fn=rloo``).
+Two plugins returning one name is an error naming both, unless the later one
+wraps its component in :func:`rltk.override`.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("rltk")
+
+
+# --------------------------------------------------------------------------
+# Algorithm math (pure tensor functions, see rltk/algorithms)
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def rltk_advantage_fns() -> dict:
+    """Register advantage estimators (kind ``advantage_fn``).
+
+    Called once when the registry loads. Return ``{name: fn}``; ``fn`` is
+    called with keyword arguments only: the batch fields it names in its
+    signature (``token_rewards``, ``response_mask``, ``group_ids``,
+    ``values``, ``scores`` ...) plus its configured arguments, and returns
+    ``(advantages, returns)``, both ``[B, T]`` and zero outside the mask.
+    """
+
+
+@hookspec
+def rltk_kl_penalty_fns() -> dict:
+    """Register KL penalty estimators (kind ``kl_penalty_fn``).
+
+    Return ``{name: fn}`` with ``fn(logprobs, ref_logprobs, **args) -> [B, T]``
+    giving a per-token KL estimate.
+    """
+
+
+@hookspec
+def rltk_loss_aggs() -> dict:
+    """Register loss aggregations (kind ``loss_agg``).
+
+    Return ``{name: fn}`` with ``fn(loss_mat, mask, **normalisers) -> scalar``;
+    the normalisers carry global token and sequence counts so gradient
+    accumulation and data parallelism match one big batch.
+    """
+
+
+@hookspec
+def rltk_policy_losses() -> dict:
+    """Register policy losses (kind ``policy_loss``).
+
+    Return ``{name: fn}`` with ``fn(*, logprobs, old_logprobs, advantages,
+    response_mask, loss_agg, **args) -> (loss, metrics)``.
+    """
+
+
+@hookspec
+def rltk_algorithms() -> dict:
+    """Register algorithm presets (kind ``algorithm``).
+
+    Return ``{name: preset}`` where a preset is a plain dict of defaults for
+    the ``algorithm`` config section (e.g. ``grpo`` chooses the ``grpo``
+    advantage, ``ppo_clip`` loss and ``k3`` KL). User config wins over a
+    preset, a preset wins over the schema defaults.
+    """
+
+
+# --------------------------------------------------------------------------
+# Rewards and workflows
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def rltk_reward_fns() -> dict:
+    """Register reward functions (kind ``reward_fn``).
+
+    Return ``{name: fn}`` with ``fn(*, prompt, response, ground_truth,
+    extras, **args) -> float | dict[str, float]``. A dict names several
+    scores; its ``"score"`` entry (or the sum) is the reward.
+    """
+
+
+@hookspec
+def rltk_workflows() -> dict:
+    """Register workflows (kind ``workflow``): task rows -> experiences.
+
+    Return ``{name: cls}``; the recipe constructs ``cls(engine=...,
+    tokenizer=..., reward=..., sampling=..., **args)`` and calls
+    ``run(rows) -> list[rltk.batch.Experience]``.
+    """
+
+
+# --------------------------------------------------------------------------
+# Buffer, training strategies, rollout engines, loggers
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def rltk_sample_strategies() -> dict:
+    """Register sample strategies (kind ``sample_strategy``).
+
+    Return ``{name: cls}``; ``cls(**args).sample(buffer, step)`` decides which
+    experiences the trainer reads next.
+    """
+
+
+@hookspec
+def rltk_training_strategies() -> dict:
+    """Register training strategies (kind ``training_strategy``).
+
+    Return ``{name: cls}``; a strategy wraps model, optimizer and scheduler
+    (forward/backward/step, accumulation, clipping, save/load, full weights
+    for the rollout engine). See rltk/strategies/base.py.
+    """
+
+
+@hookspec
+def rltk_rollout_engines() -> dict:
+    """Register rollout engines (kind ``rollout_engine``).
+
+    Return ``{name: cls}``; an engine turns prompt token ids and sampling
+    parameters into completions and accepts new weights from the trainer.
+    See rltk/rollout/base.py.
+    """
+
+
+@hookspec
+def rltk_loggers() -> dict:
+    """Register metric loggers (kind ``logger``).
+
+    Return ``{name: cls}``; ``cls(run_dir=..., config=..., total_steps=...,
+    **args)`` gets ``log(metrics, step)`` and ``close()`` calls.
+    """
+
+
+# --------------------------------------------------------------------------
+# Lifecycle (called by recipes; every implementation runs)
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def rltk_on_train_start(config, run_dir) -> None:
+    """Called once by a recipe after everything is built, before step 1.
+
+    ``config`` is the resolved OmegaConf config, ``run_dir`` a ``Path``.
+    """
+
+
+@hookspec
+def rltk_on_step_end(step, metrics) -> None:
+    """Called after every optimizer step with the step's metrics dict.
+
+    Implementations may add entries to ``metrics`` before it is logged.
+    """
+
+
+@hookspec
+def rltk_on_checkpoint(step, path) -> None:
+    """Called after a checkpoint for ``step`` was written completely to ``path``."""
+
+
+@hookspec
+def rltk_on_train_end(run_dir, metrics) -> None:
+    """Called once when training finished, with the final evaluation metrics."""

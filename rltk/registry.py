@@ -1,0 +1,314 @@
+"""The component registry: one pluggy ``PluginManager("rltk")``.
+
+Builtins and third-party plugins are loaded the same way, from the entry-point
+group ``rltk``. ``RLTK_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the entry points
+of the ``rltk`` distribution itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as importlib_metadata
+import inspect
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pluggy
+
+from rltk import hookspecs
+
+PROJECT = "rltk"
+ENTRY_POINT_GROUP = "rltk"
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of component: its registration hook and its calling convention.
+
+    ``provided`` lists parameter names the caller fills in (batch fields,
+    models, tokenizers): a config may not set them, and they are not counted as
+    missing arguments when a config is validated against the signature.
+    """
+
+    name: str
+    hook: str
+    description: str
+    provided: frozenset[str] = field(default_factory=frozenset)
+
+
+BATCH_FIELDS = frozenset(
+    {
+        "input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
+        "logprobs", "values", "token_rewards", "scores", "group_ids", "advantages",
+        "returns", "baseline_scores", "response_lengths",
+    }
+)
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in [
+        Kind("advantage_fn", "rltk_advantage_fns", "advantage estimators", BATCH_FIELDS),
+        Kind("kl_penalty_fn", "rltk_kl_penalty_fns", "per-token KL estimators",
+             frozenset({"logprobs", "ref_logprobs"})),
+        Kind("loss_agg", "rltk_loss_aggs", "loss aggregations",
+             frozenset({"loss_mat", "mask", "global_tokens", "global_seqs", "num_tokens", "num_seqs"})),
+        Kind("policy_loss", "rltk_policy_losses", "policy losses",
+             frozenset({"logprobs", "old_logprobs", "advantages", "response_mask", "loss_agg",
+                        "loss_agg_kwargs", "rollout_logprobs"})),
+        Kind("reward_fn", "rltk_reward_fns", "reward functions",
+             frozenset({"prompt", "response", "ground_truth", "extras"})),
+        Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",
+             frozenset({"engine", "tokenizer", "reward", "sampling"})),
+        Kind("sample_strategy", "rltk_sample_strategies", "buffer sample strategies",
+             frozenset({"buffer"})),
+        Kind("training_strategy", "rltk_training_strategies", "training strategies",
+             frozenset()),
+        Kind("rollout_engine", "rltk_rollout_engines", "rollout engines",
+             frozenset({"model", "tokenizer"})),
+        Kind("logger", "rltk_loggers", "metric loggers",
+             frozenset({"run_dir", "config", "total_steps"})),
+        Kind("algorithm", "rltk_algorithms", "algorithm presets", frozenset()),
+    ]
+}
+
+
+class RegistryError(LookupError):
+    """A component, kind or plugin problem; the message says what is valid."""
+
+
+class PluginLoadError(RegistryError):
+    """A plugin's entry point failed to import or to register."""
+
+
+class Override:
+    """Marks a component that deliberately replaces one of the same name.
+
+    ``return {"grpo": rltk.override(my_grpo)}`` replaces the builtin ``grpo``;
+    without it, two plugins claiming one name is an error.
+    """
+
+    def __init__(self, component: Any):
+        self.component = component
+
+
+def override(component: Any) -> Override:
+    """Wrap ``component`` so it may replace an already registered name."""
+    return Override(component)
+
+
+@dataclass
+class Entry:
+    """One registered component."""
+
+    kind: str
+    name: str
+    obj: Any
+    plugin: str  # plugin name (entry point "dist:name" or module name)
+    overrides: str | None = None
+
+    @property
+    def summary(self) -> str:
+        doc = inspect.getdoc(self.obj) if not isinstance(self.obj, dict) else self.obj.get("description", "")
+        return (doc or "").strip().splitlines()[0] if doc else ""
+
+
+@dataclass
+class PluginInfo:
+    """What one loaded plugin is and registers."""
+
+    name: str
+    distribution: str
+    version: str
+    module: str
+    components: dict[str, list[str]] = field(default_factory=dict)
+
+
+def closest(name: str, valid: list[str], n: int = 3) -> list[str]:
+    """The valid names closest to ``name`` (difflib ratio, then prefix matches)."""
+    close = difflib.get_close_matches(name, valid, n=n, cutoff=0.5)
+    for v in valid:
+        if len(close) >= n:
+            break
+        if v not in close and (v.startswith(name) or name.startswith(v)) and name:
+            close.append(v)
+    return close
+
+
+def unknown_name_message(what: str, name: str, valid: list[str], where: str | None = None) -> str:
+    """One message shape for every unknown-name error in rltk."""
+    close = closest(str(name), valid)
+    at = f" at '{where}'" if where else ""
+    msg = f"unknown {what} '{name}'{at}."
+    if close:
+        msg += " Did you mean: " + ", ".join(f"'{c}'" for c in close) + "?"
+    msg += " Valid: " + (", ".join(sorted(valid)) if valid else "(none registered)")
+    return msg
+
+
+class Registry:
+    """Components by kind and name, collected from every loaded plugin."""
+
+    def __init__(self, pm: pluggy.PluginManager):
+        self.pm = pm
+        self.entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+        self.plugins: dict[str, PluginInfo] = {}
+
+    def collect(self, plugin: object, info: PluginInfo) -> None:
+        """Record what ``plugin`` registers; a name clash names both plugins."""
+        self.plugins[info.name] = info
+        for kind in KINDS.values():
+            impl = getattr(plugin, kind.hook, None)
+            if impl is None:
+                continue
+            try:
+                provided = impl()
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"plugin '{info.name}' (distribution '{info.distribution}') failed in "
+                    f"{kind.hook}(): {type(exc).__name__}: {exc}"
+                ) from exc
+            if provided is None:
+                continue
+            if not isinstance(provided, dict):
+                raise PluginLoadError(
+                    f"plugin '{info.name}': {kind.hook}() must return a dict {{name: component}}, "
+                    f"got {type(provided).__name__}"
+                )
+            for name, obj in provided.items():
+                replaced = None
+                if isinstance(obj, Override):
+                    obj = obj.component
+                    replaced = self.entries[kind.name].get(name)
+                    if replaced is None:
+                        raise PluginLoadError(
+                            f"plugin '{info.name}' overrides {kind.name} '{name}', but no plugin loaded "
+                            f"before it registers that name (builtins load first; check the name)."
+                        )
+                elif name in self.entries[kind.name]:
+                    other = self.entries[kind.name][name]
+                    raise RegistryError(
+                        f"{kind.name} '{name}' is registered by two plugins: '{other.plugin}' and "
+                        f"'{info.name}'. Rename one, or return rltk.override(component) from "
+                        f"'{info.name}' if it is meant to replace the other."
+                    )
+                self.entries[kind.name][name] = Entry(
+                    kind.name, name, obj, info.name, replaced.plugin if replaced else None
+                )
+                info.components.setdefault(kind.name, []).append(name)
+
+    def kind(self, kind: str) -> Kind:
+        if kind not in KINDS:
+            raise RegistryError(unknown_name_message("component kind", kind, list(KINDS)))
+        return KINDS[kind]
+
+    def entry(self, kind: str, name: str, where: str | None = None) -> Entry:
+        self.kind(kind)
+        table = self.entries[kind]
+        if name not in table:
+            raise RegistryError(unknown_name_message(kind, name, list(table), where))
+        return table[name]
+
+
+def _load_entry_points(pm: pluggy.PluginManager, registry: Registry, builtins_only: bool) -> None:
+    eps = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+    # Builtins first so third-party overrides find what they replace; then by
+    # distribution and name so the order never depends on the file system.
+    def order(ep):
+        dist = ep.dist.name if ep.dist else ""
+        return (dist != PROJECT, dist, ep.name)
+
+    seen: set[tuple[str, str]] = set()
+    for ep in sorted(eps, key=order):
+        dist = ep.dist.name if ep.dist else "<unknown distribution>"
+        key = (dist, ep.name)
+        if key in seen:  # the same distribution visible twice on sys.path
+            continue
+        seen.add(key)
+        if builtins_only and dist != PROJECT:
+            continue
+        try:
+            module = ep.load()
+        except Exception as exc:
+            raise PluginLoadError(
+                f"plugin entry point '{ep.name} = {ep.value}' of distribution '{dist}' failed to "
+                f"import: {type(exc).__name__}: {exc}. Fix or uninstall it (pip uninstall {dist}), "
+                f"or set RLTK_DISABLE_PLUGIN_AUTOLOAD=1 to load builtins only."
+            ) from exc
+        plugin_name = f"{dist}:{ep.name}"
+        pm.register(module, name=plugin_name)
+        version = ep.dist.version if ep.dist else "?"
+        registry.collect(module, PluginInfo(plugin_name, dist, version, ep.value))
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+
+
+def get_registry(reload: bool = False) -> Registry:
+    """The process-wide registry, loaded from entry points on first use."""
+    global _registry
+    with _lock:
+        if _registry is None or reload:
+            pm = pluggy.PluginManager(PROJECT)
+            pm.add_hookspecs(hookspecs)
+            registry = Registry(pm)
+            builtins_only = os.environ.get("RLTK_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0")
+            _load_entry_points(pm, registry, builtins_only)
+            _registry = registry
+        return _registry
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The pluggy manager, for lifecycle hooks: ``get_plugin_manager().hook.rltk_on_step_end(...)``."""
+    return get_registry().pm
+
+
+def register_plugin(module: object, name: str | None = None) -> None:
+    """Register an in-process plugin (tests, notebooks) as if it came from an entry point."""
+    registry = get_registry()
+    name = name or getattr(module, "__name__", repr(module))
+    registry.pm.register(module, name=name)
+    registry.collect(module, PluginInfo(name, "<in-process>", "", getattr(module, "__name__", "")))
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove an in-process plugin registered with :func:`register_plugin`."""
+    registry = get_registry()
+    registry.pm.unregister(name=name)
+    info = registry.plugins.pop(name, None)
+    if info:
+        for kind, names in info.components.items():
+            for n in names:
+                e = registry.entries[kind].get(n)
+                if e is not None and e.plugin == name:
+                    del registry.entries[kind][n]
+
+
+def get_component(kind: str, name: str) -> Any:
+    """The component registered as ``name`` for ``kind``.
+
+    Raises :class:`RegistryError` naming the kind, the closest names and all
+    valid ones when ``name`` is unknown.
+    """
+    return get_registry().entry(kind, name).obj
+
+
+def list_components(kind: str | None = None) -> list[Entry]:
+    """Registered components (of one kind, or all), sorted by kind and name."""
+    registry = get_registry()
+    kinds = [registry.kind(kind).name] if kind else list(KINDS)
+    return [registry.entries[k][n] for k in kinds for n in sorted(registry.entries[k])]
+
+
+def call_with_fields(fn: Callable, available: dict[str, Any], args: dict[str, Any]) -> Any:
+    """Call ``fn`` with the fields of ``available`` its signature names, plus ``args``.
+
+    This is how batch fields reach an advantage function: it declares by name
+    what it needs and receives exactly that.
+    """
+    params = inspect.signature(fn).parameters
+    chosen = {k: v for k, v in available.items() if k in params and k not in args}
+    return fn(**chosen, **args)

@@ -1,0 +1,1 @@
+"""Placeholder until this plugin module is written; registers nothing yet."""
