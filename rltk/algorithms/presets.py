@@ -1,1 +1,87 @@
-"""Placeholder until this plugin module is written; registers nothing yet."""
+"""Algorithm presets (kind ``algorithm``): named bundles of ``algorithm.*`` defaults.
+
+``algorithm.name=rloo`` switches every default below at once; anything set in
+YAML or on the command line still wins. A plugin adds a preset the same way.
+"""
+
+from __future__ import annotations
+
+import rltk
+
+GRPO = {
+    "description": "GRPO (Shao et al. 2024): group-normalised outcome advantages, PPO clip, k3 KL as a loss term.",
+    "advantage_fn": "grpo",
+    "advantage_fn_args": {"norm_by_std": True},
+    "policy_loss": "ppo_clip",
+    "policy_loss_args": {"clip_eps_low": 0.2, "clip_eps_high": 0.2},
+    "loss_agg": "token-mean",
+    "kl_penalty_fn": "k3",
+    "kl_in": "loss",
+}
+
+DR_GRPO = {
+    **GRPO,
+    "description": "Dr. GRPO (Liu et al. 2025): no std normalisation, constant-length loss normaliser.",
+    "advantage_fn_args": {"norm_by_std": False},
+    "loss_agg": "seq-mean-token-sum-norm",
+}
+
+DAPO = {
+    **GRPO,
+    "description": "DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28), token-level loss, no KL.",
+    "policy_loss_args": {"clip_eps_low": 0.2, "clip_eps_high": 0.28},
+    "kl_coef": 0.0,
+}
+
+RLOO = {
+    **GRPO,
+    "description": "RLOO (Ahmadian et al. 2024): leave-one-out baseline, KL folded into the reward.",
+    "advantage_fn": "rloo",
+    "advantage_fn_args": {},
+    "kl_penalty_fn": "k1",
+    "kl_in": "reward",
+}
+
+REINFORCE_PP = {
+    **GRPO,
+    "description": "REINFORCE++ (Hu 2025): batch-whitened discounted returns, k2 KL in the reward.",
+    "advantage_fn": "reinforce_plus_plus",
+    "advantage_fn_args": {},
+    "kl_penalty_fn": "k2",
+    "kl_in": "reward",
+}
+
+REINFORCE_PP_BASELINE = {
+    **REINFORCE_PP,
+    "description": "REINFORCE++-baseline: group-mean baseline, then batch whitening.",
+    "advantage_fn": "reinforce_plus_plus_baseline",
+}
+
+GSPO = {
+    **GRPO,
+    "description": "GSPO (Zheng et al. 2025): sequence-level importance ratio and clipping.",
+    "policy_loss": "gspo",
+    "policy_loss_args": {},
+    "loss_agg": "seq-mean-token-mean",
+}
+
+CISPO = {
+    **GRPO,
+    "description": "CISPO (MiniMax-M1, 2025): clipped, detached importance weights on every token.",
+    "policy_loss": "cispo",
+    "policy_loss_args": {},
+}
+
+
+@rltk.hookimpl
+def rltk_algorithms():
+    return {
+        "grpo": GRPO,
+        "dr_grpo": DR_GRPO,
+        "dapo": DAPO,
+        "rloo": RLOO,
+        "reinforce_plus_plus": REINFORCE_PP,
+        "reinforce_plus_plus_baseline": REINFORCE_PP_BASELINE,
+        "gspo": GSPO,
+        "cispo": CISPO,
+    }

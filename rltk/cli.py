@@ -1,0 +1,164 @@
+"""The ``rltk`` command line: list, plugins, validate, run.
+
+Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors
+(message on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from importlib import resources
+from pathlib import Path
+
+from rltk.config.loader import ConfigError, load_config
+from rltk.registry import KINDS, RegistryError, get_registry, list_components, unknown_name_message
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A mistake in how the command was called."""
+
+
+def _recipes_dir() -> Path:
+    return Path(str(resources.files("rltk._recipes")))
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Recipe name -> script path, for every recipe shipped with rltk."""
+    return {p.stem: p for p in sorted(_recipes_dir().glob("*.py")) if not p.name.startswith("_")}
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A shipped recipe name or a path to a recipe script."""
+    path = Path(recipe)
+    if path.suffix == ".py" or path.exists():
+        if not path.is_file():
+            raise UsageError(f"recipe script '{recipe}' does not exist")
+        return path
+    recipes = shipped_recipes()
+    if recipe not in recipes:
+        raise UsageError(unknown_name_message("recipe", recipe, list(recipes)) + ", or a path to a .py file")
+    return recipes[recipe]
+
+
+def default_config_for(recipe_path: Path) -> Path | None:
+    """``configs/<recipe>.yaml`` beside a recipe script, if it exists."""
+    candidate = recipe_path.parent / "configs" / f"{recipe_path.stem}.yaml"
+    return candidate if candidate.is_file() else None
+
+
+# ---------------------------------------------------------------- commands
+
+def cmd_list(args) -> int:
+    kind = args.kind
+    if kind is not None and kind not in KINDS:
+        raise UsageError(unknown_name_message("component kind", kind, list(KINDS)))
+    entries = list_components(kind)
+    current = None
+    for e in entries:
+        if e.kind != current:
+            current = e.kind
+            print(f"{e.kind}  ({KINDS[e.kind].description})")
+        extra = f" [overrides {e.overrides}]" if e.overrides else ""
+        print(f"  {e.name:<30} {e.plugin:<28} {e.summary}{extra}")
+    return EXIT_OK
+
+
+def cmd_plugins(args) -> int:
+    registry = get_registry()
+    for info in registry.plugins.values():
+        print(f"{info.name}  ({info.distribution} {info.version}, module {info.module})")
+        for kind, names in info.components.items():
+            print(f"    {kind}: {', '.join(names)}")
+        if not info.components:
+            print("    (lifecycle hooks only)")
+    return EXIT_OK
+
+
+def _config_files(config: list[str] | None, recipe: str | None) -> list[Path]:
+    files = [Path(c) for c in (config or [])]
+    if not files and recipe is not None:
+        default = default_config_for(resolve_recipe(recipe))
+        if default is not None:
+            files = [default]
+    return files
+
+
+def cmd_validate(args) -> int:
+    target = args.config
+    path = Path(target)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        files = [path]
+    else:  # a shipped recipe name: validate its default config
+        files = _config_files(None, target)
+    cfg = load_config(files, args.overrides)
+    print(f"ok: {', '.join(map(str, files)) or 'defaults'}"
+          f"{' with ' + ' '.join(args.overrides) if args.overrides else ''} "
+          f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))")
+    return EXIT_OK
+
+
+def cmd_run(args, extra: list[str]) -> int:
+    recipe = resolve_recipe(args.recipe)
+    files = _config_files(args.config, args.recipe)
+    overrides = list(args.overrides) + extra
+    # Validate before handing over, so a typo never costs a model load.
+    load_config(files, overrides)
+    argv = [str(recipe)]
+    for f in files:
+        argv += ["--config", str(f)]
+    argv += overrides
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        runpy.run_path(str(recipe), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rltk", description="Composable RL components for LLM post-training."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="registered components, with their plugin and summary")
+    p.add_argument("kind", nargs="?", help=f"one of: {', '.join(KINDS)}")
+    sub.add_parser("plugins", help="loaded plugins: distribution, version, module, what each registers")
+    p = sub.add_parser("validate", help="check a config (file or shipped recipe name) without running it")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p = sub.add_parser("run", help="run a shipped recipe by name, or a recipe script by path")
+    p.add_argument("recipe")
+    p.add_argument("--config", action="append", help="YAML config (repeatable; default: the recipe's own)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command != "run" and extra:
+            parser.error(f"unrecognised arguments: {' '.join(extra)}")
+        if args.command == "list":
+            return cmd_list(args)
+        if args.command == "plugins":
+            return cmd_plugins(args)
+        if args.command == "validate":
+            return cmd_validate(args)
+        return cmd_run(args, extra)
+    except (ConfigError, RegistryError, UsageError) as exc:
+        print(f"rltk: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("rltk: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

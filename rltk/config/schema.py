@@ -1,0 +1,214 @@
+"""The structured config schema: types and defaults of every key rltk reads.
+
+Load order (later wins): this schema < the algorithm preset named by
+``algorithm.name`` < YAML file(s) < command-line ``key=value`` overrides.
+
+Components are chosen by name and their arguments sit beside them under the
+same key with ``_args`` appended, everywhere::
+
+    algorithm.advantage_fn: rloo
+    algorithm.advantage_fn_args: {eps: 1.0e-6}
+
+For keys that take a list of components (``reward.reward_fn``,
+``logging.logger``) the ``_args`` entry maps each name to its arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class TinyModelConfig:
+    """The embedded default policy: a random-init Qwen2 built locally."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 128
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # a local HF causal-LM folder; null builds the tiny model
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    logprob_impl: str = "auto"  # auto | triton | torch | naive (rltk/kernels)
+    logprob_chunk_size: Optional[int] = None
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    task: Optional[str] = "arithmetic"  # synthetic task used when `path` is null
+    task_args: Dict[str, Any] = field(default_factory=dict)
+    train_size: int = 2000
+    eval_size: int = 200
+    path: Optional[str] = None  # json, jsonl, parquet, csv or a local HF datasets folder
+    split: Optional[str] = None
+    eval_path: Optional[str] = None
+    eval_split: Optional[str] = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    extras_keys: List[str] = field(default_factory=list)
+    system_prompt: Optional[str] = None
+    use_chat_template: bool = False
+    prompt_template: str = "{prompt}"
+    max_prompt_tokens: int = 64
+    on_too_long: str = "filter"  # filter | error
+    shuffle: bool = True
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # an algorithm preset; it fills the defaults of this section
+    advantage_fn: str = "grpo"
+    advantage_fn_args: Dict[str, Any] = field(default_factory=dict)
+    policy_loss: str = "ppo_clip"
+    policy_loss_args: Dict[str, Any] = field(default_factory=dict)
+    loss_agg: str = "token-mean"
+    loss_agg_args: Dict[str, Any] = field(default_factory=dict)
+    kl_penalty_fn: str = "k3"
+    kl_penalty_fn_args: Dict[str, Any] = field(default_factory=dict)
+    kl_coef: float = 0.0  # 0 skips the reference model entirely
+    kl_in: str = "loss"  # loss | reward
+    kl_controller: str = "fixed"  # fixed | adaptive
+    kl_target: float = 0.1  # adaptive controller only
+    kl_horizon: int = 10000  # adaptive controller only
+    entropy_coef: float = 0.0
+    use_rollout_logprobs: bool = False  # old log-probs from the engine instead of a trainer recompute
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    engine_args: Dict[str, Any] = field(default_factory=dict)
+    workflow: str = "single_turn"
+    workflow_args: Dict[str, Any] = field(default_factory=dict)
+    n: int = 8  # samples per prompt (the group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    eval_max_new_tokens: Optional[int] = None  # defaults to max_new_tokens
+
+
+@dataclass
+class RewardConfig:
+    reward_fn: List[str] = field(default_factory=lambda: ["exact_match"])
+    reward_fn_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
+    weights: Dict[str, float] = field(default_factory=dict)  # {name: weight}, default 1.0
+    fallback: float = 0.0  # reward given when a reward function raises or times out
+    timeout_s: float = 5.0
+
+
+@dataclass
+class BufferConfig:
+    sample_strategy: str = "on_policy"
+    sample_strategy_args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 200  # optimizer steps of the RL stage
+    prompts_per_step: int = 8  # rollout batch: prompts per step (x rollout.n responses)
+    mini_batches: int = 1  # optimizer steps per rollout batch and epoch
+    ppo_epochs: int = 1
+    micro_batch_size: int = 32  # sequences per forward/backward
+    lr: float = 5.0e-5
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | linear | cosine
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_size: Optional[int] = None  # held-out rows per evaluation; null = all
+
+
+@dataclass
+class SFTConfig:
+    """The supervised warm-up stage (``type: sft`` in ``stages``)."""
+
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 1.0e-3
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"
+    completion_key: Optional[str] = None  # file datasets: column with the target; default the answer
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps; 0 disables
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never | a checkpoint folder
+
+
+@dataclass
+class LoggingConfig:
+    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    logger_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
+    plot: bool = True  # a PNG of reward and held-out accuracy in the run folder at the end
+
+
+@dataclass
+class StageConfig:
+    name: str = "rl"
+    type: str = "rl"  # sft | rl
+    overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    output_dir: str = "runs/${name}"
+    device: str = "auto"  # auto | cpu | cuda
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    strategy: str = "accelerate"
+    strategy_args: Dict[str, Any] = field(default_factory=dict)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])
+
+
+# Config keys that name registered components: key -> (registry kind, takes a list).
+COMPONENT_KEYS: dict[str, tuple[str, bool]] = {
+    "algorithm.name": ("algorithm", False),
+    "algorithm.advantage_fn": ("advantage_fn", False),
+    "algorithm.policy_loss": ("policy_loss", False),
+    "algorithm.loss_agg": ("loss_agg", False),
+    "algorithm.kl_penalty_fn": ("kl_penalty_fn", False),
+    "rollout.engine": ("rollout_engine", False),
+    "rollout.workflow": ("workflow", False),
+    "reward.reward_fn": ("reward_fn", True),
+    "buffer.sample_strategy": ("sample_strategy", False),
+    "strategy": ("training_strategy", False),
+    "logging.logger": ("logger", True),
+}
+
+# Plain keys restricted to a few values.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.logprob_impl": ("auto", "triton", "torch", "naive"),
+    "data.on_too_long": ("filter", "error"),
+    "algorithm.kl_in": ("loss", "reward"),
+    "algorithm.kl_controller": ("fixed", "adaptive"),
+    "trainer.lr_schedule": ("constant", "linear", "cosine"),
+    "sft.lr_schedule": ("constant", "linear", "cosine"),
+    "device": ("auto", "cpu", "cuda"),
+}
+
+STAGE_TYPES = ("sft", "rl")

@@ -1,0 +1,135 @@
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rltk.config import ConfigError, apply_overrides, load_config, validate_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_load_order_schema_preset_yaml_cli(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("trainer:\n  lr: 1.0e-4\n  total_steps: 7\nalgorithm:\n  name: rloo\n")
+    cfg = load_config([cfg_file], ["trainer.total_steps=9"])
+    assert cfg.trainer.lr == 1e-4  # yaml over schema
+    assert cfg.trainer.total_steps == 9  # cli over yaml
+    assert cfg.algorithm.advantage_fn == "rloo"  # preset named in yaml over schema
+    assert cfg.algorithm.kl_in == "reward"
+    assert cfg.trainer.micro_batch_size == 32  # schema default
+
+
+def test_user_setting_beats_preset():
+    cfg = load_config([], ["algorithm.name=rloo", "algorithm.kl_in=loss"])
+    assert cfg.algorithm.advantage_fn == "rloo" and cfg.algorithm.kl_in == "loss"
+
+
+def test_swap_component_by_one_override():
+    cfg = load_config([], ["algorithm.advantage_fn=rloo", "algorithm.kl_penalty_fn=k3"])
+    assert cfg.algorithm.advantage_fn == "rloo"
+
+
+def test_unknown_component_name_names_key_and_suggests():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["algorithm.advantage_fn=grop"])
+    msg = str(info.value)
+    assert "'algorithm.advantage_fn'" in msg and "'grop'" in msg and "'grpo'" in msg and "rloo" in msg
+
+
+def test_unknown_key_is_an_error_with_suggestion(tmp_path):
+    f = tmp_path / "typo.yaml"
+    f.write_text("trainer:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config([f])
+    msg = str(info.value)
+    assert str(f) in msg and "trainer.learning_rate" in msg and "Valid keys under 'trainer'" in msg
+
+
+def test_component_args_checked_against_signature():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["algorithm.advantage_fn=grpo", "algorithm.advantage_fn_args.norm_by_sdt=false"])
+    msg = str(info.value)
+    assert "algorithm.advantage_fn_args.norm_by_sdt" in msg and "'norm_by_std'" in msg
+
+
+def test_batch_fields_cannot_be_configured():
+    with pytest.raises(ConfigError, match="filled in by rltk"):
+        load_config([], ["algorithm.advantage_fn_args.scores=1"])
+
+
+def test_plugin_component_selected_by_name():
+    cfg = load_config([], ["algorithm.advantage_fn=group_rank"])
+    assert cfg.algorithm.advantage_fn == "group_rank"
+
+
+def test_list_component_args_and_weights():
+    cfg = load_config([], [
+        "reward.reward_fn=[exact_match,overlong_penalty]",
+        "reward.reward_fn_args.overlong_penalty.max_length=16",
+        "reward.weights.overlong_penalty=0.5",
+    ])
+    assert list(cfg.reward.reward_fn) == ["exact_match", "overlong_penalty"]
+    with pytest.raises(ConfigError, match="'reward.weights.format_tags'.*not selected"):
+        load_config([], ["reward.weights.format_tags=1.0"])
+    with pytest.raises(ConfigError, match="reward.reward_fn_args.overlong_penalty"):
+        load_config([], ["reward.reward_fn_args.overlong_penalty.max_length=16"])
+
+
+def test_choices_and_ranges():
+    with pytest.raises(ConfigError, match="'algorithm.kl_in'.*Valid: loss, reward"):
+        load_config([], ["algorithm.kl_in=rewrd"])
+    with pytest.raises(ConfigError, match="'rollout.temperature'"):
+        load_config([], ["rollout.temperature=0"])
+    with pytest.raises(ConfigError, match="mini_batches=3 must divide"):
+        load_config([], ["trainer.mini_batches=3", "trainer.prompts_per_step=4", "rollout.n=4"])
+
+
+def test_type_errors_name_the_key():
+    with pytest.raises(ConfigError, match="'abc'.*'trainer.lr'"):
+        load_config([], ["trainer.lr=abc"])
+
+
+def test_interpolation_env_and_arithmetic(monkeypatch):
+    monkeypatch.setenv("RLTK_TEST_STEPS", "12")
+    cfg = load_config([], [
+        "trainer.total_steps=${oc.env:RLTK_TEST_STEPS,5}",
+        "trainer.warmup_steps=${floordiv:${trainer.total_steps},4}",
+        "rollout.max_new_tokens=${sub:${model.tiny.max_position_embeddings},100}",
+        "name=exp1",
+    ])
+    assert cfg.trainer.total_steps == 12 and cfg.trainer.warmup_steps == 3
+    assert cfg.rollout.max_new_tokens == 28
+    assert cfg.output_dir == "runs/exp1"
+
+
+def test_stage_overrides_are_validated():
+    cfg = load_config([], [])
+    staged = apply_overrides(cfg, {"trainer.lr": 0.5}, "stage")
+    assert staged.trainer.lr == 0.5 and cfg.trainer.lr != 0.5
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.lrr'.*'trainer.lr'"):
+        apply_overrides(cfg, {"trainer.lrr": 0.5}, "stage")
+    bad = OmegaConf.merge(cfg, {"stages": [{"name": "warm", "type": "sft", "overrides": {"algorithm.loss_agg": "tok-mean"}}]})
+    with pytest.raises(ConfigError, match="'algorithm.loss_agg'.*token-mean"):
+        validate_config(bad)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config([], ["algorithm.advantage_fn"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config([tmp_path / "nope.yaml"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config([bad])
+
+
+def test_every_shipped_config_validates():
+    # Walk the whole tree: configs in sub-folders must be validated too.
+    files = sorted((REPO / "recipes").rglob("*.yaml"))
+    assert files, "no shipped configs found under recipes/"
+    for f in files:
+        load_config([f])

@@ -1,0 +1,30 @@
+import os
+
+import pytest
+
+# Tests never talk to the network or to a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_registry():
+    """Reload the registry from entry points before and after a test that changes it."""
+    from rltk.registry import get_registry
+
+    get_registry(reload=True)
+    yield
+    get_registry(reload=True)
