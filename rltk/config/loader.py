@@ -289,6 +289,7 @@ def validate_config(cfg: DictConfig) -> None:
             hint = (" Did you mean: " + ", ".join(f"'{c}'" for c in close) + "?") if close else ""
             raise ConfigError(f"bad value {value!r} for '{key}'.{hint} Valid: {', '.join(choices)}")
     _check_positive(cfg)
+    _check_task(cfg)
     for i, stage in enumerate(cfg.stages):
         if stage.type not in STAGE_TYPES:
             raise ConfigError(
@@ -303,6 +304,26 @@ def validate_config(cfg: DictConfig) -> None:
         OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"config interpolation failed at '{getattr(exc, 'full_key', '')}': {exc}") from exc
+
+
+def _check_task(cfg: DictConfig) -> None:
+    """The synthetic task and its arguments, when no dataset path is given."""
+    if cfg.data.path or not cfg.data.task:
+        return
+    from rltk.data.synthetic import TASKS
+
+    if cfg.data.task not in TASKS:
+        raise ConfigError(unknown_name_message("synthetic task", cfg.data.task, list(TASKS), where="data.task"))
+    fn = TASKS[cfg.data.task]
+    valid = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    for arg in cfg.data.task_args or {}:
+        if arg not in valid:
+            close = closest(str(arg), valid)
+            hint = (" Did you mean: " + ", ".join(f"'{c}'" for c in close) + "?") if close else ""
+            raise ConfigError(
+                f"'data.task_args.{arg}': task '{cfg.data.task}' has no argument '{arg}'.{hint} "
+                f"Valid: {', '.join(valid)}"
+            )
 
 
 def _check_positive(cfg: DictConfig) -> None:

@@ -54,7 +54,7 @@ class DataConfig:
     eval_split: Optional[str] = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    extras_keys: List[str] = field(default_factory=list)
+    extras_keys: Optional[List[str]] = None  # columns kept as row extras; null keeps all others
     system_prompt: Optional[str] = None
     use_chat_template: bool = False
     prompt_template: str = "{prompt}"

@@ -1,1 +1,28 @@
-"""Placeholder until this plugin module is written; registers nothing yet."""
+"""rltk's builtin reward functions, registered like any plugin's (kind ``reward_fn``).
+
+A reward function is called with keyword arguments only::
+
+    fn(*, prompt: str, response: str, ground_truth: str, extras: dict, **args) -> float | dict[str, float]
+
+where ``args`` come from the config and are checked
+against the signature before training starts. Combine several with
+:func:`rltk.rewards.compose.build_reward_composer`.
+"""
+
+from __future__ import annotations
+
+import rltk
+from rltk.rewards.countdown import countdown
+from rltk.rewards.format import format_tags
+from rltk.rewards.math import exact_match, math_answer
+
+
+@rltk.hookimpl
+def rltk_reward_fns():
+    """The builtin reward functions, by the names configs use."""
+    return {
+        "exact_match": exact_match,
+        "math_answer": math_answer,
+        "countdown": countdown,
+        "format_tags": format_tags,
+    }

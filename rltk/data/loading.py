@@ -1,0 +1,337 @@
+"""Loading prompt datasets from local files and turning them into model-ready prompts.
+
+Every dataset in rltk ends up as a list of rows of one standard form::
+
+    {"prompt": str, "ground_truth": str, "extras": dict, "id": str}
+
+:func:`load_rows` reads the rows (JSON, JSONL, parquet, CSV, a ``datasets``
+folder written by ``save_to_disk``, or a folder of such files);
+:func:`format_prompts` applies the prompt template, the system prompt and
+the chat template, and filters or rejects prompts that are too long. After
+it, ``prompt`` is the exact text to tokenize with ``add_special_tokens=False``.
+Synthetic tasks (:mod:`rltk.data.synthetic`) produce the same rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FILE_FORMATS = (".json", ".jsonl", ".parquet", ".csv")
+ON_TOO_LONG = ("filter", "error")
+
+
+class DataError(ValueError):
+    """A dataset cannot be read as rltk rows; the message names the file and key."""
+
+
+def load_rows(
+    path_or_name: str | os.PathLike,
+    *,
+    split: str | None = None,
+    prompt_key: str = "prompt",
+    answer_key: str | None = "answer",
+    extras_keys: Sequence[str] | None = None,
+    id_key: str = "id",
+    config_prefix: str = "data",
+) -> list[dict]:
+    """Rows ``{"prompt", "ground_truth", "extras", "id"}`` from a local dataset.
+
+    Sources: a ``.json`` file (a list of objects, or ``{"data": [...]}``), a
+    ``.jsonl`` file (one object per line), ``.parquet``, ``.csv`` (values
+    stay strings), a folder written by ``datasets``' ``save_to_disk`` (a
+    ``DatasetDict`` needs ``split``, default ``train``), or a folder of data
+    files (with ``split``, the files whose name starts with it or that sit in
+    a folder named after it; without, the ``train*`` files if any, else all).
+
+    A prompt is a string, or a list of chat messages ``[{"role", "content"}]``
+    (kept as is; :func:`format_prompts` renders it with the chat template).
+    The answer becomes the string ``ground_truth`` (numbers as written, lists
+    and objects as JSON); ``answer_key=None`` means the rows have no answer.
+
+    Args:
+        path_or_name: a local file or folder; nothing is downloaded.
+        split: which split to read from a folder.
+        prompt_key: the column holding the prompt.
+        answer_key: the column holding the reference answer, or None.
+        extras_keys: columns copied into ``extras`` (for reward functions);
+            ``None`` copies every column except prompt, answer and id.
+        id_key: the column holding a row id if present; otherwise ids are
+            ``"<file stem>-<row index>"``.
+        config_prefix: the config section the arguments came from, used in
+            error messages (``data.prompt_key`` ...).
+    """
+    path = Path(path_or_name).expanduser()
+    if not path.exists():
+        raise DataError(
+            f"{config_prefix}.path='{path_or_name}' does not exist. rltk reads local datasets only: a "
+            f"{', '.join(FILE_FORMATS)} file, a folder written by datasets' save_to_disk, or a folder of "
+            f"such files (for the built-in synthetic tasks see rltk.data.synthetic.make_task)."
+        )
+    records, source = _read_records(path, split, config_prefix)
+    if not records:
+        raise DataError(f"{config_prefix}.path='{source}' holds no rows (empty dataset)")
+    for index, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise DataError(f"{source}: row {index} is a {type(record).__name__}, expected an object with named fields")
+    columns = list(records[0].keys())
+    _require_key(prompt_key, f"{config_prefix}.prompt_key", columns, source)
+    if answer_key is not None:
+        _require_key(answer_key, f"{config_prefix}.answer_key", columns, source)
+    if extras_keys is None:
+        extras_keys = [c for c in columns if c not in (prompt_key, answer_key, id_key)]
+    else:
+        extras_keys = list(extras_keys)
+        for key in extras_keys:
+            _require_key(key, f"{config_prefix}.extras_keys", columns, source)
+    stem = Path(source).stem or "row"
+    rows, seen_ids = [], set()
+    for index, record in enumerate(records):
+        where = f"{source}: row {index}"
+        for key in [prompt_key, *([answer_key] if answer_key else []), *extras_keys]:
+            if key not in record:
+                raise DataError(f"{where} has no '{key}' (columns of that row: {sorted(record)})")
+        prompt = _check_prompt(record[prompt_key], where, f"{config_prefix}.prompt_key={prompt_key!r}")
+        row_id = str(record[id_key]) if record.get(id_key) is not None else f"{stem}-{index}"
+        if row_id in seen_ids:
+            raise DataError(f"{where}: id '{row_id}' (column '{id_key}') appears more than once; ids must be unique")
+        seen_ids.add(row_id)
+        rows.append({
+            "prompt": prompt,
+            "ground_truth": _as_text(record[answer_key]) if answer_key else "",
+            "extras": {key: record[key] for key in extras_keys},
+            "id": row_id,
+        })
+    return rows
+
+
+def _read_records(path: Path, split: str | None, config_prefix: str) -> tuple[list, str]:
+    if path.is_file():
+        return _read_file(path), str(path)
+    if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+        return _read_saved_dataset(path, split, config_prefix), str(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_FORMATS)
+    if not files:
+        raise DataError(
+            f"{config_prefix}.path='{path}' is a folder with no {', '.join(FILE_FORMATS)} files and is not a "
+            f"datasets save_to_disk folder (no dataset_info.json or dataset_dict.json)"
+        )
+
+    def in_split(p: Path, name: str) -> bool:
+        return p.name.lower().startswith(name.lower()) or name in p.relative_to(path).parts[:-1]
+
+    if split:
+        chosen = [p for p in files if in_split(p, split)]
+    else:  # the Hugging Face hub layout names splits in file names; default to train
+        chosen = [p for p in files if in_split(p, "train")] or files
+    if not chosen:
+        raise DataError(
+            f"{config_prefix}.split='{split}': no file in '{path}' is named after it or sits in a folder named "
+            f"after it. Files: {[str(p.relative_to(path)) for p in files][:20]}"
+        )
+    records: list = []
+    for file in chosen:
+        records.extend(_read_file(file))
+    return records, str(path if len(chosen) > 1 else chosen[0])
+
+
+def _read_file(path: Path) -> list:
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: not valid JSON ({exc})") from None
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            return data["data"]
+        if not isinstance(data, list):
+            found = f"an object with keys {sorted(data)[:10]}" if isinstance(data, dict) else type(data).__name__
+            raise DataError(f"{path}: expected a list of rows or {{\"data\": [rows]}}, found {found}")
+        return data
+    if suffix == ".jsonl":
+        records = []
+        with path.open(encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}: line {line_number} is not valid JSON ({exc})") from None
+        return records
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as handle:
+            return list(csv.DictReader(handle))
+    raise DataError(f"{path}: unsupported file type '{suffix}'. Supported: {', '.join(FILE_FORMATS)}")
+
+
+def _read_saved_dataset(path: Path, split: str | None, config_prefix: str) -> list:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded.keys())
+        name = split or ("train" if "train" in loaded else (splits[0] if len(splits) == 1 else None))
+        if name not in loaded:
+            raise DataError(
+                f"{config_prefix}.split={split!r}: the dataset at '{path}' has splits {splits}; choose one"
+            )
+        loaded = loaded[name]
+    return loaded.to_list()
+
+
+def _require_key(key: str, config_key: str, columns: list[str], source: str) -> None:
+    if key not in columns:
+        raise DataError(f"{config_key}='{key}' is not a column of '{source}'. Columns: {', '.join(columns)}")
+
+
+def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise DataError(
+        f"{where}: prompt ({key}) must be a string or a list of {{'role', 'content'}} messages, "
+        f"got {type(prompt).__name__}: {str(prompt)[:80]!r}"
+    )
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def format_prompts(
+    rows: list[dict],
+    tokenizer,
+    *,
+    system_prompt: str | None = None,
+    use_chat_template: bool = False,
+    prompt_template: str = "{prompt}",
+    max_prompt_tokens: int | None = None,
+    on_too_long: str = "filter",
+    config_prefix: str = "data",
+) -> list[dict]:
+    """Rows whose ``prompt`` is the final text to tokenize with ``add_special_tokens=False``.
+
+    1. ``prompt_template`` is filled with ``{prompt}`` and the row's extras
+       (``"Question: {prompt}\\nAnswer:"``).
+    2. With ``use_chat_template``, the messages ``[system?, user]`` are
+       rendered by ``tokenizer.apply_chat_template(..., tokenize=False,
+       add_generation_prompt=True)``; a row whose prompt is already a list of
+       messages gets the system prompt prepended (unless it has one) and is
+       rendered as is. Without it, the system prompt and a newline are put
+       before the text, and the tokenizer's bos token when it adds one by
+       default (Llama-style tokenizers), because special tokens are not
+       added again at tokenization.
+    3. Prompts longer than ``max_prompt_tokens`` are dropped with a logged
+       count (``on_too_long="filter"``) or raise an error naming the row
+       (``"error"``). Filtering every row is an error.
+
+    Returns new row dicts; the input rows are not modified.
+    """
+    if on_too_long not in ON_TOO_LONG:
+        raise ValueError(f"{config_prefix}.on_too_long='{on_too_long}' is not valid. Valid: {', '.join(ON_TOO_LONG)}")
+    if max_prompt_tokens is not None and (not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1):
+        raise ValueError(f"{config_prefix}.max_prompt_tokens must be a positive integer or null, got {max_prompt_tokens!r}")
+    if use_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{config_prefix}.use_chat_template=true but tokenizer {type(tokenizer).__name__} has no chat "
+            f"template; set it to false, or use a model folder whose tokenizer_config.json has one"
+        )
+    bos_prefix = "" if use_chat_template else _default_bos(tokenizer)
+    texts = []
+    for row in rows:
+        prompt = row["prompt"]
+        if isinstance(prompt, list):
+            if not use_chat_template:
+                raise ValueError(
+                    f"row '{row['id']}': the prompt is a list of chat messages, which needs "
+                    f"{config_prefix}.use_chat_template=true"
+                )
+            messages = [dict(m) for m in prompt]
+            for message in messages:
+                if message["role"] == "user" and isinstance(message["content"], str):
+                    message["content"] = _fill(prompt_template, message["content"], row, config_prefix)
+            if system_prompt and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": system_prompt})
+        else:
+            text = _fill(prompt_template, prompt, row, config_prefix)
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+                {"role": "user", "content": text}
+            ]
+        if use_chat_template:
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        else:
+            body = messages[-1]["content"]
+            texts.append(bos_prefix + (f"{system_prompt}\n{body}" if system_prompt else body))
+    if max_prompt_tokens is None:
+        lengths = [0] * len(texts)
+    else:
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    formatted, too_long = [], []
+    for row, text, length in zip(rows, texts, lengths):
+        if max_prompt_tokens is not None and length > max_prompt_tokens:
+            if on_too_long == "error":
+                raise ValueError(
+                    f"row '{row['id']}': the prompt is {length} tokens, more than "
+                    f"{config_prefix}.max_prompt_tokens={max_prompt_tokens}. Raise the limit, shorten the "
+                    f"prompt, or set {config_prefix}.on_too_long=filter to drop such rows"
+                )
+            too_long.append(row["id"])
+            continue
+        formatted.append({**row, "prompt": text, "extras": dict(row.get("extras", {}))})
+    if too_long:
+        logger.warning(
+            "dropped %d of %d prompts longer than %s.max_prompt_tokens=%d (first ids: %s)",
+            len(too_long), len(rows), config_prefix, max_prompt_tokens, ", ".join(too_long[:5]),
+        )
+    if rows and not formatted:
+        raise ValueError(
+            f"all {len(rows)} prompts are longer than {config_prefix}.max_prompt_tokens={max_prompt_tokens}; "
+            f"nothing is left to train on. Raise the limit."
+        )
+    return formatted
+
+
+def _fill(template: str, prompt: str, row: dict, config_prefix: str) -> str:
+    if template == "{prompt}":
+        return prompt
+    fields = {**row.get("extras", {}), "prompt": prompt}
+    try:
+        return template.format(**fields)
+    except KeyError as exc:
+        raise ValueError(
+            f"{config_prefix}.prompt_template={template!r} uses field {exc} that row '{row['id']}' does not "
+            f"have. Available: {', '.join(sorted(fields))}"
+        ) from None
+    except (IndexError, ValueError) as exc:
+        raise ValueError(
+            f"{config_prefix}.prompt_template={template!r} is not a valid format string ({exc}); "
+            f"write literal braces as {{{{ and }}}}"
+        ) from None
+
+
+def _default_bos(tokenizer) -> str:
+    """The bos token text if the tokenizer puts bos first by default, else ''."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return ""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token if ids and ids[0] == bos_id else ""

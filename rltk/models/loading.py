@@ -1,0 +1,146 @@
+"""Loading a causal LM and its tokenizer from a local Hugging Face folder.
+
+rltk never downloads inside a training run: ``model.path`` must be a local
+folder (download it beforehand with ``huggingface-cli download``).
+
+The tokenizer rule (why not simply ``AutoTokenizer``): with transformers 5.x,
+``AutoTokenizer`` on a folder whose tokenizer is declared generic
+(``TokenizersBackend`` / ``PreTrainedTokenizerFast``) but whose
+``config.json`` says e.g. ``qwen2`` rebuilds the tokenizer with Qwen's own
+pre-tokenizer and silently changes token ids. So :func:`load_tokenizer` trusts
+the class the folder's ``tokenizer_config.json`` declares: a generic class is
+loaded verbatim from ``tokenizer.json`` with ``PreTrainedTokenizerFast``;
+a model-specific class (``Qwen2Tokenizer``, ``LlamaTokenizerFast`` ...) goes
+through ``AutoTokenizer`` so real model folders keep their own behaviour.
+Either way, a tokenizer whose ids disagree with the folder's ``tokenizer.json``
+on a probe text is reported with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+#: ``tokenizer_class`` values meaning "exactly what tokenizer.json says".
+GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "auto": "auto",
+}
+
+# Spaces, newlines, digits, letters and punctuation: a text on which any
+# pre-tokenizer substitution changes ids.
+_PROBE_TEXT = "Q: 17+25=?\n  A: 42.  Hello, World!\t#### 7 \\boxed{3/4} <answer>(1+2)*3</answer>"
+
+
+def _require_folder(path: str | os.PathLike, config_key: str, needs: str) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"{config_key}='{path}': the folder does not exist. rltk loads models from local folders only "
+            f"(local_files_only=True); download it first, e.g. `huggingface-cli download <repo> --local-dir "
+            f"<folder>`, and set {config_key}=<folder>."
+        )
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{config_key}='{path}' is a file, not a model folder (expected {needs}).")
+    return folder
+
+
+def load_tokenizer(path: str | os.PathLike, *, config_key: str = "model.path") -> PreTrainedTokenizerBase:
+    """The tokenizer saved in the local folder ``path``, with its token ids unchanged.
+
+    See the module docstring for the rule that picks the class. ``config_key``
+    names the config entry the path came from, for error messages.
+    """
+    folder = _require_folder(path, config_key, "tokenizer.json or tokenizer_config.json")
+    tokenizer_json = folder / "tokenizer.json"
+    tokenizer_config = folder / "tokenizer_config.json"
+    if not tokenizer_json.exists() and not tokenizer_config.exists():
+        present = sorted(p.name for p in folder.iterdir())[:20]
+        raise FileNotFoundError(
+            f"{config_key}='{path}' holds no tokenizer (no tokenizer.json or tokenizer_config.json). "
+            f"Files present: {present}"
+        )
+    declared = None
+    if tokenizer_config.exists():
+        declared = json.loads(tokenizer_config.read_text(encoding="utf-8")).get("tokenizer_class")
+    if tokenizer_json.exists() and (declared is None or declared in GENERIC_TOKENIZER_CLASSES):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if tokenizer_json.exists():
+        _warn_if_ids_differ(tokenizer, tokenizer_json, declared)
+    return tokenizer
+
+
+def _warn_if_ids_differ(tokenizer: PreTrainedTokenizerBase, tokenizer_json: Path, declared: str | None) -> None:
+    from tokenizers import Tokenizer
+
+    try:
+        raw = Tokenizer.from_file(str(tokenizer_json)).encode(_PROBE_TEXT, add_special_tokens=False).ids
+    except Exception as exc:  # a tokenizer.json the installed `tokenizers` cannot read is not fatal here
+        logger.debug("could not read %s for the id check: %s", tokenizer_json, exc)
+        return
+    loaded = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if loaded != raw:
+        logger.warning(
+            "tokenizer %s (declared %r) encodes differently from %s: %s... vs %s... on a probe text. "
+            "Check that this is what the model was trained with.",
+            type(tokenizer).__name__, declared, tokenizer_json, loaded[:12], raw[:12],
+        )
+
+
+def load_model(
+    path: str | os.PathLike, *, dtype: str = "float32", config_key: str = "model.path"
+) -> torch.nn.Module:
+    """The causal LM in the local folder ``path`` (``AutoModelForCausalLM``, no downloads).
+
+    Args:
+        path: a folder holding ``config.json`` and the weights.
+        dtype: one of ``float32``, ``bfloat16``, ``float16`` (or ``fp32``,
+            ``bf16``, ``fp16``), or ``auto`` for the dtype in the config.
+        config_key: the config entry ``path`` came from, for error messages.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype='{dtype}' is not a dtype rltk loads. Valid: {', '.join(DTYPES)}")
+    folder = _require_folder(path, config_key, "config.json and weights")
+    if not (folder / "config.json").exists():
+        present = sorted(p.name for p in folder.iterdir())[:20]
+        raise FileNotFoundError(
+            f"{config_key}='{path}' is not a Hugging Face model folder: it has no config.json. "
+            f"Files present: {present}"
+        )
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype], local_files_only=True)
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give ``tokenizer`` a pad token if it has none, and return it.
+
+    Uses the eos token, as most decoder-only models do: padding is masked out
+    everywhere in rltk, so sharing the id is harmless, while adding a new
+    token would change the vocabulary size the model was trained with.
+    """
+    if tokenizer.pad_token_id is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has neither a pad nor an eos token; rltk needs one to "
+            f"pad batches. Set tokenizer.pad_token to an existing token before building the run."
+        )
+    tokenizer.pad_token = tokenizer.eos_token
+    logger.info("tokenizer has no pad token; using eos %r (id %d) for padding",
+                tokenizer.eos_token, tokenizer.eos_token_id)
+    return tokenizer

@@ -1,0 +1,195 @@
+"""A tiny causal LM and a character-level tokenizer, built locally with no downloads.
+
+This is what rltk's embedded default trains: a randomly initialised Qwen2 of a
+few hundred thousand parameters over a ~100-symbol character vocabulary, small
+enough for GRPO on two CPU cores in minutes. Both save to an ordinary Hugging
+Face folder (:func:`save_pretrained_dir`) that every other part of rltk loads
+like a real model (:mod:`rltk.models.loading`).
+
+Token ids are fixed forever: special tokens first (:data:`SPECIAL_TOKENS`),
+then :data:`ALPHABET` in order, then ``extra_chars``. Never reorder them, or
+saved checkpoints decode to garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|eos|>"
+BOS_TOKEN = "<|bos|>"
+UNK_TOKEN = "<|unk|>"
+SYSTEM_TOKEN = "<|system|>"
+USER_TOKEN = "<|user|>"
+ASSISTANT_TOKEN = "<|assistant|>"
+
+#: Special tokens and their ids (pad 0, eos 1, bos 2, unk 3, then the chat roles).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN, SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN,
+)
+
+#: Every ordinary symbol, in id order after the special tokens. Arithmetic and
+#: Countdown come first so their ids stay small and stable; then letters,
+#: punctuation and the characters answer formats use (``#### 42``,
+#: ``\\boxed{42}``, ``<answer>...</answer>``).
+ALPHABET: str = (
+    string.digits
+    + " +-*/=()"
+    + string.ascii_lowercase
+    + string.ascii_uppercase
+    + ".,:;!?'\"_%$&@^~|[]`"
+    + "#<>\\{}"
+    + "\n\t"
+)
+
+# One token per role marker (rather than spelling "user:" out in characters)
+# keeps prompts short, which matters for a model with 256 positions. Each
+# message ends with eos, so a model trained on the template stops after its
+# answer; the template rejects unknown roles instead of silently dropping them.
+CHAT_TEMPLATE: str = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('tiny chat template: role must be system, user or assistant, got ' + message['role']) }}"
+    "{%- endif -%}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over :data:`ALPHABET` plus ``extra_chars``.
+
+    Every character is one token; a character outside the vocabulary becomes
+    ``<|unk|>`` (one per character, so lengths are preserved). Special tokens
+    have fixed ids: ``<|pad|>`` 0, ``<|eos|>`` 1, ``<|bos|>`` 2, ``<|unk|>`` 3,
+    ``<|system|>`` 4, ``<|user|>`` 5, ``<|assistant|>`` 6. Nothing is added
+    around the text when encoding (no bos), like Qwen tokenizers; rltk
+    tokenizes prompts with ``add_special_tokens=False`` anyway.
+
+    The chat template renders ``<|role|>content<|eos|>`` per message and
+    ``<|assistant|>`` as the generation prompt, so
+    ``apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+    add_generation_prompt=True)`` is ``"<|user|>1+2=<|eos|><|assistant|>"``.
+
+    Args:
+        extra_chars: characters to add after the fixed alphabet (duplicates of
+            existing symbols are ignored), e.g. ``"éü"``.
+    """
+    vocab: dict[str, int] = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in ALPHABET + extra_chars:
+        if char not in vocab:
+            vocab[char] = len(vocab)
+    # BPE with no merges over text with no pre-tokenizer is exactly a
+    # character lookup; Fuse() joins decoded characters without separators.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        bos_token=BOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 causal LM sized for ``tokenizer``.
+
+    The vocabulary size and the pad/bos/eos ids come from ``tokenizer``, so
+    generation stops at its eos. Initialisation is deterministic in ``seed``
+    and does not touch the global torch RNG (it runs inside ``fork_rng``).
+    The defaults give about 130k parameters (with the char tokenizer).
+
+    Args:
+        tokenizer: the tokenizer the model will read, e.g. from
+            :func:`build_char_tokenizer`.
+        hidden_size: width of the residual stream; divisible by ``num_heads``
+            with an even head size (rotary embeddings rotate pairs).
+        num_layers: number of decoder layers.
+        num_heads: attention heads; a multiple of ``num_kv_heads``.
+        num_kv_heads: key/value heads (grouped-query attention).
+        intermediate_size: width of each MLP.
+        max_position_embeddings: longest prompt + response the model handles.
+        tie_word_embeddings: share input embedding and output projection.
+        seed: initialisation seed.
+    """
+    _check_positive(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                    max_position_embeddings=max_position_embeddings)
+    if hidden_size % num_heads != 0 or (hidden_size // num_heads) % 2 != 0:
+        raise ValueError(
+            f"build_tiny_model: hidden_size={hidden_size} must be divisible by num_heads={num_heads} "
+            f"into an even head size (rotary embeddings need pairs); e.g. hidden_size={8 * num_heads}"
+        )
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"build_tiny_model: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
+            f"(grouped-query attention shares each key/value head between num_heads/num_kv_heads heads)"
+        )
+    if tokenizer.eos_token_id is None:
+        raise ValueError("build_tiny_model: the tokenizer has no eos token; generation could never stop")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        use_sliding_window=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
+def save_pretrained_dir(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | os.PathLike
+) -> Path:
+    """Save ``model`` (safetensors) and ``tokenizer`` into one Hugging Face folder.
+
+    The folder loads back with :func:`rltk.models.loading.load_model` and
+    :func:`rltk.models.loading.load_tokenizer` (or ``model.path=<folder>`` in a
+    config). Returns the folder as a ``Path``.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"build_tiny_model: {name} must be a positive integer, got {value!r}")
