@@ -1,1 +1,301 @@
-"""Placeholder until this plugin module is written; registers nothing yet."""
+"""Rollout engine ``hf``: batched ``transformers`` generation, colocated with the trainer.
+
+The engine samples from the very module the trainer optimises, so there is
+nothing to synchronise after an optimizer step; it runs anywhere torch runs
+(CPU included) and is the default engine.
+
+Log-probs. Every completion token carries the log-prob of the distribution it
+was drawn from:
+
+* sampling: ``log softmax(filter_top_p(filter_top_k(logits / temperature)))``
+  at that step, i.e. temperature first, then top-k, then top-p, tokens
+  outside the kept set having probability 0. This is exactly the
+  distribution ``torch.multinomial`` drew from, so ``exp`` of the sum over a
+  completion is its sampling probability (what an importance ratio against
+  the rollout policy needs).
+* greedy: the temperature-1 log-probs ``log softmax(logits)`` of the argmax
+  token (the top-k/top-p filters would make every greedy token log-prob 0).
+
+They are recorded by a logits processor placed after the sampling filters,
+one ``[N]`` vector per step, instead of through ``output_scores``, which would
+keep ``max_new_tokens`` tensors of ``[N, vocab]`` floats alive (tens of GB for
+a 150k vocabulary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import rltk
+from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP / Accelerate / DeepSpeed wrappers (their ``.module``)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+class _SampledTokenLogprobs:
+    """Logits processor that records the log-prob of each token ``generate`` picks.
+
+    At step ``t`` it receives the final (filtered) scores and keeps their
+    log-softmax; at step ``t + 1`` the token chosen at ``t`` is the last
+    column of ``input_ids``, and its log-prob is gathered. The last step's
+    token is gathered in :meth:`finish`. Memory: one ``[N, vocab]`` buffer.
+    """
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []  # each [N]
+        self.pending: torch.Tensor | None = None  # [N, V] log-probs waiting for their chosen token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[N, L]`` of the ``[N, L]`` generated tokens."""
+        length = generated.shape[1]
+        steps = self.steps[:length]  # generate may undo speculative trailing steps
+        if len(steps) < length:
+            steps.append(self.pending.gather(1, generated[:, len(steps) : len(steps) + 1]).squeeze(1))
+        if len(steps) != length:
+            raise RuntimeError(
+                f"internal error: recorded {len(steps)} log-prob steps for {length} generated tokens"
+            )
+        if length == 0:
+            return torch.zeros(generated.shape, dtype=torch.float32)
+        return torch.stack(steps, dim=1)
+
+
+@contextlib.contextmanager
+def _neutral_generation_config(model: nn.Module):
+    """Hide the checkpoint's ``generation_config`` during ``generate``.
+
+    ``generate`` fills every unset field from ``model.generation_config``, so a
+    checkpoint shipping e.g. ``repetition_penalty: 1.05`` or ``top_k: 20``
+    would silently change the sampling distribution (and break the log-prob
+    contract). Everything rltk wants is passed explicitly instead.
+    """
+    from transformers import GenerationConfig
+
+    saved = getattr(model, "generation_config", None)
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Run with a fixed RNG seed without disturbing the caller's RNG state."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Rollouts with ``model.generate`` on the training model itself (registered as ``hf``).
+
+    Args:
+        model: a ``transformers`` causal LM (possibly wrapped by DDP or
+            Accelerate); the engine keeps a reference, so it always samples
+            from the current weights.
+        tokenizer: decodes completion text and supplies eos / pad ids.
+        batch_size: sequences per ``generate`` call (prompts x ``n``); lower it
+            when generation runs out of memory.
+        device: where inputs are placed; defaults to the model's device.
+
+    Prompts are left-padded with an attention mask, so a batch gives the same
+    completions as one prompt at a time. The model is put in eval mode under
+    ``torch.no_grad()`` while generating and returned to its previous mode.
+    The ``n`` completions of a prompt are generated as ``n`` repeated rows.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, batch_size: int = 64, device: Any = None):
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(
+                f"rollout engine 'hf': batch_size (rollout.engine_args.batch_size) must be an integer >= 1 "
+                f"(sequences per generate call), got {batch_size!r}"
+            )
+        if not isinstance(model, nn.Module) or not hasattr(unwrap_model(model), "generate"):
+            raise TypeError(
+                f"rollout engine 'hf' needs a transformers causal LM with .generate(), got {type(model).__name__}"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else None
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample ``params.n`` completions per prompt; see the module docstring for log-probs."""
+        prompt_ids = validate_prompt_ids(prompt_ids)
+        model = unwrap_model(self.model)
+        device = self.device or next(model.parameters()).device
+        stop_ids = self._stop_token_ids(params)
+        pad_id = self._pad_token_id(stop_ids)
+
+        # Row r of the flattened request list is sample r % n of prompt r // n.
+        rows = [(index, ids) for index, ids in enumerate(prompt_ids) for _ in range(params.n)]
+        results: list[list[Completion]] = [[] for _ in prompt_ids]
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), _seeded(params.seed, device), _neutral_generation_config(model):
+                for start in range(0, len(rows), self.batch_size):
+                    chunk = rows[start : start + self.batch_size]
+                    generated, logprobs = self._generate_chunk(
+                        model, [ids for _, ids in chunk], params, stop_ids, pad_id, device
+                    )
+                    for (index, _), token_row, logprob_row in zip(chunk, generated, logprobs):
+                        tokens, lps, reason = cut_at_stop(token_row, logprob_row, stop_ids, params.max_new_tokens)
+                        results[index].append(Completion(index, tokens, lps, reason, self._decode(tokens)))
+        finally:
+            model.train(was_training)
+        return results
+
+    def _generate_chunk(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_ids: list[int],
+        pad_id: int,
+        device: torch.device,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+
+        # The sampling filters are ours, not generate's: generate appends its
+        # own warpers after user processors, and the recorder must see the
+        # scores actually sampled from, so it goes last in this list.
+        recorder = _SampledTokenLogprobs()
+        processors = LogitsProcessorList()
+        if not params.greedy:
+            if params.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                processors.append(TopKLogitsWarper(top_k=params.top_k))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(top_p=params.top_p))
+        processors.append(recorder)
+
+        # Neutral values switch generate's own warpers off (its default top_k is 50).
+        neutral_sampling = {} if params.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        config = GenerationConfig(
+            do_sample=not params.greedy,
+            num_beams=1,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=stop_ids or None,
+            pad_token_id=pad_id,
+            use_cache=True,
+            **neutral_sampling,
+        )
+        sequences = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            logits_processor=processors,
+        )
+        generated = sequences[:, width:]  # [N, L], L <= max_new_tokens
+        logprobs = recorder.finish(generated)  # [N, L]
+        return generated.tolist(), logprobs.tolist()
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        if params.stop_token_ids is not None:
+            return list(params.stop_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(getattr(unwrap_model(self.model), "config", None), "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    def _pad_token_id(self, stop_ids: list[int]) -> int:
+        # Only used for left padding (masked out) and for rows that already
+        # stopped (cut off), so any valid id works when the tokenizer has none.
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is not None:
+            return pad
+        return stop_ids[0] if stop_ids else 0
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state_dict_or_model: Any) -> None:
+        """Load new weights into the model the engine samples from.
+
+        The trainer's own module (the usual colocated case) is a no-op, since
+        the engine already holds it. Another module, or a state dict with the
+        names of ``model.state_dict()``, is copied in; tied weights (e.g. an
+        lm_head sharing the embedding) may be given under either name.
+        """
+        target = unwrap_model(self.model)
+        if isinstance(state_dict_or_model, nn.Module):
+            source = unwrap_model(state_dict_or_model)
+            if source is target:
+                return
+            state = source.state_dict()
+        elif isinstance(state_dict_or_model, Mapping):
+            state = state_dict_or_model
+        else:
+            raise TypeError(
+                f"HFRolloutEngine.update_weights takes an nn.Module or a state dict, "
+                f"got {type(state_dict_or_model).__name__}"
+            )
+        try:
+            with torch.no_grad():
+                result = target.load_state_dict(state, strict=False)
+        except RuntimeError as exc:
+            raise ValueError(f"HFRolloutEngine.update_weights: the state dict does not fit the model: {exc}") from exc
+        missing = _untied_missing_keys(target, result.missing_keys, set(state))
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                "HFRolloutEngine.update_weights: the state dict does not match the model's parameter names; "
+                f"missing {len(missing)}: {missing[:5]}, unexpected {len(result.unexpected_keys)}: "
+                f"{list(result.unexpected_keys)[:5]}"
+            )
+
+
+def _untied_missing_keys(model: nn.Module, missing: list[str], given: set[str]) -> list[str]:
+    """Missing keys that no given key shares storage with (tied weights are fine)."""
+    if not missing:
+        return []
+    tensors = dict(model.state_dict(keep_vars=True))
+    given_ptrs = {tensors[k].data_ptr() for k in given if k in tensors}
+    return [k for k in missing if k not in tensors or tensors[k].data_ptr() not in given_ptrs]
+
+
+@rltk.hookimpl
+def rltk_rollout_engines():
+    return {"hf": HFRolloutEngine}

@@ -1,1 +1,229 @@
-"""Placeholder until this plugin module is written; registers nothing yet."""
+"""Workflow ``single_turn``: one prompt, ``n`` sampled responses, one reward each.
+
+The workflow of GRPO-style training on verifiable tasks: every row's prompt is
+sampled ``n`` times in a single engine call for the whole batch, each response
+is scored by the reward, and the ``n`` experiences of a row form one group
+(the unit group-relative advantages normalise over: GRPO, Shao et al. 2024,
+"DeepSeekMath", arXiv:2402.03300; RLOO, Ahmadian et al. 2024,
+arXiv:2402.14740).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from typing import Any
+
+import rltk
+from rltk.batch import Experience
+from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
+from rltk.workflows.base import Workflow, check_rows, normalize_reward_output
+
+
+class SingleTurnWorkflow(Workflow):
+    """Rows -> ``n`` completions each -> rewards -> experiences (registered as ``single_turn``).
+
+    Args:
+        engine: the rollout engine (``hf``, ``vllm`` or a plugin's).
+        tokenizer: tokenizes prompts (``add_special_tokens=False``: the prompt
+            text is final, chat template included) and decodes responses with
+            ``skip_special_tokens=True`` for the reward.
+        reward: ``reward(prompt=, response=, ground_truth=, extras=)`` returning
+            ``(score, details)``, a float, or a dict of named scores.
+        sampling: sampling parameters of training rollouts (``n`` = group size).
+        max_prompt_tokens: prompts longer than this are an error naming the row
+            (filter them when loading data); ``None`` accepts any length.
+
+    Group ids come from a counter owned by the workflow, so no two rows ever
+    share one, across calls included. Each experience's ``info`` holds the
+    prompt text, response text, ground truth, row id and sample index.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        reward: Any,
+        sampling: SamplingParams,
+        max_prompt_tokens: int | None = None,
+    ):
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(
+                f"single_turn: sampling must be a rltk.rollout.base.SamplingParams, got {type(sampling).__name__}"
+            )
+        if not callable(reward):
+            raise TypeError(f"single_turn: reward must be callable, got {type(reward).__name__}")
+        if max_prompt_tokens is not None and (
+            not isinstance(max_prompt_tokens, int) or isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1
+        ):
+            raise ValueError(
+                f"single_turn: max_prompt_tokens (rollout.workflow_args.max_prompt_tokens) must be an integer "
+                f">= 1 or null, got {max_prompt_tokens!r}"
+            )
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.sampling = sampling
+        self.max_prompt_tokens = max_prompt_tokens
+        self._group_ids = itertools.count()
+        self._metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ training rollouts
+
+    def run(self, rows: list[dict]) -> list[Experience]:
+        """``sampling.n`` experiences per row, in row order, one group per row."""
+        rows = check_rows(rows, "single_turn")
+        if not rows:
+            self._metrics = {}
+            return []
+        prompt_ids = self._tokenize(rows)
+
+        tick = time.perf_counter()
+        groups = self._generate(prompt_ids, self.sampling)
+        generate_s = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        experiences = []
+        for index, (row, ids, completions) in enumerate(zip(rows, prompt_ids, groups)):
+            group_id = next(self._group_ids)
+            for sample_index, completion in enumerate(completions):
+                response = self._decode(completion)
+                score, details = self._score(row, index, response)
+                experiences.append(
+                    Experience(
+                        prompt_ids=list(ids),
+                        response_ids=list(completion.token_ids),
+                        score=score,
+                        group_id=group_id,
+                        rollout_logprobs=list(completion.logprobs),
+                        finish_reason=completion.finish_reason,
+                        reward_details=details,
+                        info={
+                            "prompt": row["prompt"],
+                            "response": response,
+                            "ground_truth": row.get("ground_truth", ""),
+                            "row_id": row.get("id", str(index)),
+                            "sample_index": sample_index,
+                        },
+                    )
+                )
+        reward_s = time.perf_counter() - tick
+        self._metrics = _rollout_metrics(experiences, generate_s, reward_s)
+        return experiences
+
+    def metrics(self) -> dict[str, float]:
+        """About the last :meth:`run`: ``time/generate_s``, ``time/reward_s``,
+        ``rollout/response_length_mean|max``, ``rollout/truncated_fraction``,
+        ``rollout/generated_tokens`` and ``reward/<name>`` (mean of each reward
+        detail)."""
+        return dict(self._metrics)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(
+        self, rows: list[dict], params: SamplingParams | None = None, *, threshold: float = 1.0
+    ) -> dict[str, float]:
+        """Held-out metrics with (by default) greedy decoding, one response per row.
+
+        Returns ``accuracy`` (fraction of responses with score ``>= threshold``;
+        a correct answer scores 1 under the builtin rewards), ``mean_score``,
+        ``mean_response_length`` (tokens), ``truncated_fraction`` (responses cut
+        by ``max_new_tokens``) and ``num_responses``.
+
+        Args:
+            rows: held-out rows, same format as for :meth:`run`.
+            params: decoding parameters; ``None`` means the training sampling
+                parameters with ``n=1, greedy=True``.
+            threshold: the score counted as a solved task.
+        """
+        rows = check_rows(rows, "single_turn")
+        if not rows:
+            raise ValueError("single_turn.evaluate() got no rows; give it the held-out split")
+        if params is None:
+            params = replace(self.sampling, n=1, greedy=True)
+        groups = self._generate(self._tokenize(rows), params)
+        scores, lengths, truncated = [], [], 0
+        for index, (row, completions) in enumerate(zip(rows, groups)):
+            for completion in completions:
+                score, _ = self._score(row, index, self._decode(completion))
+                scores.append(score)
+                lengths.append(len(completion.token_ids))
+                truncated += completion.finish_reason == "length"
+        count = len(scores)
+        return {
+            "accuracy": sum(s >= threshold for s in scores) / count,
+            "mean_score": sum(scores) / count,
+            "mean_response_length": sum(lengths) / count,
+            "truncated_fraction": truncated / count,
+            "num_responses": float(count),
+        }
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tokenize(self, rows: list[dict]) -> list[list[int]]:
+        encoded = self.tokenizer([row["prompt"] for row in rows], add_special_tokens=False)["input_ids"]
+        for index, (row, ids) in enumerate(zip(rows, encoded)):
+            if not ids:
+                raise ValueError(
+                    f"single_turn: row {index} (id {row.get('id', str(index))!r}) tokenizes to no tokens "
+                    f"(prompt {row['prompt']!r}); every prompt needs at least one token"
+                )
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                raise ValueError(
+                    f"single_turn: row {index} (id {row.get('id', str(index))!r}) has a prompt of {len(ids)} "
+                    f"tokens, more than max_prompt_tokens={self.max_prompt_tokens}. Filter long prompts when "
+                    f"loading the data, or raise rollout.workflow_args.max_prompt_tokens."
+                )
+        return [list(ids) for ids in encoded]
+
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        groups = self.engine.generate(prompt_ids, params)
+        if len(groups) != len(prompt_ids) or any(len(g) != params.n for g in groups):
+            raise RuntimeError(
+                f"rollout engine {type(self.engine).__name__} broke its contract: asked for {params.n} "
+                f"completions for each of {len(prompt_ids)} prompts, got group sizes {[len(g) for g in groups]}"
+            )
+        return groups
+
+    def _decode(self, completion: Completion) -> str:
+        return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+    def _score(self, row: dict, index: int, response: str) -> tuple[float, dict[str, float]]:
+        where = f"row {index} (id {row.get('id', str(index))!r})"
+        try:
+            result = self.reward(
+                prompt=row["prompt"],
+                response=response,
+                ground_truth=row.get("ground_truth", ""),
+                extras=dict(row.get("extras") or {}),
+            )
+        except Exception as exc:
+            raise RuntimeError(
+                f"single_turn: the reward raised on {where}: {type(exc).__name__}: {exc}. "
+                f"Use a reward composer with a fallback to keep training through such failures."
+            ) from exc
+        return normalize_reward_output(result, where)
+
+
+def _rollout_metrics(experiences: list[Experience], generate_s: float, reward_s: float) -> dict[str, float]:
+    lengths = [len(e.response_ids) for e in experiences]
+    metrics = {
+        "time/generate_s": generate_s,
+        "time/reward_s": reward_s,
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+        "rollout/truncated_fraction": sum(e.finish_reason == "length" for e in experiences) / len(experiences),
+        "rollout/generated_tokens": float(sum(lengths)),
+    }
+    names = sorted({name for e in experiences for name in e.reward_details})
+    for name in names:
+        values = [e.reward_details[name] for e in experiences if name in e.reward_details]
+        metrics[f"reward/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+@rltk.hookimpl
+def rltk_workflows():
+    return {"single_turn": SingleTurnWorkflow}

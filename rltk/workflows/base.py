@@ -1,0 +1,106 @@
+"""The workflow contract: dataset rows in, experiences out.
+
+A workflow owns everything between a batch of task rows and the experiences
+the trainer learns from: prompting the rollout engine, talking to an
+environment (multi turn), scoring with the reward, and building masks and
+group ids. Workflows are registered under the kind ``workflow`` and built by
+a recipe as ``cls(engine=..., tokenizer=..., reward=..., sampling=..., **args)``.
+
+Rows are plain dicts::
+
+    {"prompt": str,         # text ready to tokenize (chat template already applied)
+     "ground_truth": str,   # what the reward compares against ("" if none)
+     "extras": dict,        # anything else the reward needs (numbers, target, ...)
+     "id": str}             # stable row id, for logs and debugging
+
+The reward is a callable ``reward(prompt=..., response=..., ground_truth=...,
+extras=...)`` returning ``(score, details)`` (what
+:class:`rltk.rewards.compose.RewardComposer` returns), a float, or a dict of
+named scores (its ``"score"`` entry, else the sum, is the score).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from rltk.batch import Experience
+
+
+class Workflow(abc.ABC):
+    """Turns task rows into experiences; subclass it and register under ``rltk_workflows``.
+
+    Contract:
+
+    * :meth:`run` returns one :class:`~rltk.batch.Experience` per response, the
+      responses to one row sharing a ``group_id`` that no other row (in this or
+      any earlier call) uses.
+    * Experiences carry the rollout log-probs and finish reason from the engine
+      and the reward's named details, so the trainer and the logs can use them.
+    * :meth:`evaluate` scores held-out rows without producing experiences.
+    * :meth:`metrics` describes the last :meth:`run` for the logger.
+    """
+
+    @abc.abstractmethod
+    def run(self, rows: list[dict]) -> list[Experience]:
+        """Produce experiences for ``rows``, grouped per row."""
+
+    def evaluate(self, rows: list[dict], params: Any = None) -> dict[str, float]:
+        """Held-out metrics for ``rows``; workflows that cannot evaluate say so."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement evaluate()")
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the last :meth:`run` (timings, lengths, reward parts)."""
+        return {}
+
+
+def normalize_reward_output(result: Any, where: str) -> tuple[float, dict[str, float]]:
+    """``(score, details)`` from whatever a reward callable returned.
+
+    Accepts ``(score, details)``, a plain number, or a dict of named scores
+    (its ``"score"`` entry, else the sum of its values, is the score). A
+    non-finite or non-numeric score is an error naming ``where`` (the row).
+    """
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
+        score, details = result
+    elif isinstance(result, Mapping):
+        details = result
+        score = result["score"] if "score" in result else sum(result.values())
+    else:
+        score, details = result, {}
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        raise ValueError(
+            f"the reward returned a score of {score!r} for {where}; it must be a finite number "
+            f"(return a float, (float, dict) or a dict of named floats)"
+        )
+    return float(score), {str(k): float(v) for k, v in details.items()}
+
+
+def check_rows(rows: Any, workflow: str) -> list[dict]:
+    """Check that ``rows`` is a list of dicts with a string ``"prompt"``, naming the bad row."""
+    if isinstance(rows, Mapping) or not isinstance(rows, (list, tuple)):
+        raise TypeError(f"{workflow}.run() takes a list of row dicts, got {type(rows).__name__}")
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TypeError(f"{workflow}: row {index} must be a dict, got {type(row).__name__}")
+        if "prompt" not in row:
+            raise KeyError(
+                f"{workflow}: row {index} (id {row.get('id', '?')!r}) has no 'prompt' key; "
+                f"its keys are {sorted(row)}. Map your dataset's prompt column to 'prompt' "
+                f"(data.prompt_key)."
+            )
+        if not isinstance(row["prompt"], str):
+            raise TypeError(
+                f"{workflow}: row {index} (id {row.get('id', '?')!r}) 'prompt' must be text, "
+                f"got {type(row['prompt']).__name__}"
+            )
+        extras = row.get("extras", {})
+        if extras is not None and not isinstance(extras, Mapping):
+            raise TypeError(
+                f"{workflow}: row {index} (id {row.get('id', '?')!r}) 'extras' must be a dict, "
+                f"got {type(extras).__name__}"
+            )
+    return list(rows)
+

@@ -1,0 +1,214 @@
+"""HFRolloutEngine against an independent recompute with plain forward passes."""
+
+import pytest
+import torch
+from torch import nn
+
+import rltk
+from rltk.rollout.base import SamplingParams
+from rltk.rollout.hf import HFRolloutEngine
+
+from .conftest import build_model
+
+PROMPTS = ["12+3=", "7=", "abc de", "(9*9)-1="]
+
+
+def reference_logprobs(model, prompt, completion, *, temperature=1.0, top_k=0, top_p=1.0):
+    """Log-probs of ``completion`` tokens re-scored with one unpadded forward pass.
+
+    Written independently of transformers' warpers: divide by temperature, keep
+    the top_k largest logits, then keep the smallest most-likely set whose mass
+    reaches top_p (a token is kept if the mass strictly before it is < top_p).
+    Returns ``(logprobs [L], log-probs of the full filtered distribution [L, V])``.
+    """
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)].double()
+    logits = logits / temperature  # [L, V]
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        probs = logits.softmax(-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    full = logits.log_softmax(-1)
+    return full.gather(1, torch.tensor(completion)[:, None]).squeeze(1), full
+
+
+def test_registered_as_hf():
+    assert rltk.get_component("rollout_engine", "hf") is HFRolloutEngine
+
+
+def test_greedy_tokens_are_argmax_and_logprobs_are_temperature_one(model, tokenizer, encode):
+    engine = HFRolloutEngine(model, tokenizer)
+    prompts = [encode(p) for p in PROMPTS]
+    out = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[]))
+    for prompt, [completion] in zip(prompts, out):
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 6
+        expected, full = reference_logprobs(model, prompt, completion.token_ids)
+        assert completion.token_ids == full.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(2.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.6), (0.7, 5, 0.9)],
+)
+def test_sampled_logprobs_are_those_of_the_filtered_distribution(model, tokenizer, encode, temperature, top_k, top_p):
+    engine = HFRolloutEngine(model, tokenizer)
+    prompts = [encode(p) for p in PROMPTS[:2]]
+    params = SamplingParams(n=3, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=8,
+                            stop_token_ids=[], seed=11)
+    differs_from_unfiltered = 0.0
+    for prompt, group in zip(prompts, engine.generate(prompts, params)):
+        for completion in group:
+            expected, full = reference_logprobs(model, prompt, completion.token_ids,
+                                                temperature=temperature, top_k=top_k, top_p=top_p)
+            assert torch.isfinite(expected).all(), "a sampled token lies outside the kept set"
+            torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), expected,
+                                       atol=1e-5, rtol=0)
+            raw, _ = reference_logprobs(model, prompt, completion.token_ids)
+            differs_from_unfiltered = max(differs_from_unfiltered, (expected - raw).abs().max().item())
+    # The settings really change the distribution, so the comparison above has teeth.
+    assert differs_from_unfiltered > 1e-2
+
+
+def test_top_k_one_makes_sampling_greedy_with_logprob_zero(model, tokenizer, encode):
+    engine = HFRolloutEngine(model, tokenizer)
+    prompts = [encode(p) for p in PROMPTS]
+    sampled = engine.generate(prompts, SamplingParams(top_k=1, max_new_tokens=5, stop_token_ids=[], seed=3))
+    greedy = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=5, stop_token_ids=[]))
+    for [s], [g] in zip(sampled, greedy):
+        assert s.token_ids == g.token_ids
+        assert s.logprobs == [0.0] * 5  # one token kept: probability 1
+
+
+def test_stop_token_cuts_completion_and_is_kept(model, tokenizer, encode):
+    engine = HFRolloutEngine(model, tokenizer)
+    prompt = encode("12+3=")
+    [[free]] = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=[]))
+    position = next(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i] and i >= 2)
+    stop = free.token_ids[position]
+    [[cut]] = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == free.token_ids[: position + 1] and cut.token_ids[-1] == stop
+    assert cut.logprobs == pytest.approx(free.logprobs[: position + 1], abs=1e-6)
+    assert cut.text == tokenizer.decode(cut.token_ids, skip_special_tokens=True)
+
+
+def test_eos_of_the_tokenizer_is_the_default_stop(model, tokenizer, encode):
+    engine = HFRolloutEngine(model, tokenizer)
+    prompt = encode("7=")
+    [[free]] = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=[]))
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(free.token_ids[1])
+    [[cut]] = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=8))
+    first = free.token_ids.index(free.token_ids[1])
+    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[: first + 1]
+
+
+def test_left_padded_batch_matches_one_prompt_at_a_time(model, tokenizer, encode):
+    prompts = [encode(p) for p in PROMPTS]  # lengths 5, 2, 6, 8
+    params = SamplingParams(greedy=True, max_new_tokens=7, stop_token_ids=[])
+    batched = HFRolloutEngine(model, tokenizer, batch_size=64).generate(prompts, params)
+    single = HFRolloutEngine(model, tokenizer, batch_size=1).generate(prompts, params)
+    for [b], [s] in zip(batched, single):
+        assert b.token_ids == s.token_ids
+        assert b.logprobs == pytest.approx(s.logprobs, abs=1e-5)
+
+
+def test_n_samples_are_grouped_by_prompt_across_chunks(model, tokenizer, encode):
+    prompts = [encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=[], seed=5)
+    out = HFRolloutEngine(model, tokenizer, batch_size=5).generate(prompts, params)  # 12 rows in chunks of 5
+    assert [len(group) for group in out] == [4, 4, 4]
+    assert [[c.prompt_index for c in group] for group in out] == [[0] * 4, [1] * 4, [2] * 4]
+    for prompt, group in zip(prompts, out):
+        assert len({tuple(c.token_ids) for c in group}) > 1  # independent samples
+        for completion in group:  # each sample continues its own prompt
+            expected, _ = reference_logprobs(model, prompt, completion.token_ids)
+            assert torch.isfinite(expected).all()
+            assert completion.logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+    greedy = HFRolloutEngine(model, tokenizer, batch_size=5).generate(
+        prompts, SamplingParams(n=3, greedy=True, max_new_tokens=6, stop_token_ids=[]))
+    assert all(len({tuple(c.token_ids) for c in group}) == 1 for group in greedy)
+
+
+def test_seed_makes_a_call_reproducible_without_touching_global_rng(model, tokenizer, encode):
+    engine = HFRolloutEngine(model, tokenizer)
+    prompts = [encode(p) for p in PROMPTS]
+    params = SamplingParams(n=2, max_new_tokens=6, stop_token_ids=[], seed=123)
+    state = torch.get_rng_state()
+    first = engine.generate(prompts, params)
+    assert torch.equal(torch.get_rng_state(), state)
+    second = engine.generate(prompts, params)
+    other = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6, stop_token_ids=[], seed=124))
+    tokens = lambda out: [[c.token_ids for c in g] for g in out]  # noqa: E731
+    assert tokens(first) == tokens(second)
+    assert tokens(first) != tokens(other)
+
+
+def test_train_mode_and_generation_config_are_restored(model, tokenizer, encode):
+    engine = HFRolloutEngine(model, tokenizer)
+    prompts = [encode(p) for p in PROMPTS]
+    params = SamplingParams(greedy=True, max_new_tokens=5, stop_token_ids=[])
+    model.train()
+    clean = engine.generate(prompts, params)
+    assert model.training
+    # A checkpoint's generation defaults must not leak into rollouts.
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.suppress_tokens = clean[0][0].token_ids[:1]
+    noisy = engine.generate(prompts, params)
+    assert [g[0].token_ids for g in noisy] == [g[0].token_ids for g in clean]
+    assert model.generation_config.repetition_penalty == 5.0
+    model.eval()
+    engine.generate(prompts, params)
+    assert not model.training
+
+
+class Wrapper(nn.Module):
+    """Stands in for DDP: the real model sits at ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def test_update_weights(model, tokenizer, encode):
+    prompts = [encode(p) for p in PROMPTS]
+    params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[])
+    engine = HFRolloutEngine(Wrapper(model), tokenizer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    engine.update_weights(model)  # the module it already samples from: nothing to do
+    engine.update_weights(Wrapper(model))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    other = build_model(len(tokenizer), seed=1)
+    want = HFRolloutEngine(other, tokenizer).generate(prompts, params)
+    assert [g[0].token_ids for g in engine.generate(prompts, params)] != [g[0].token_ids for g in want]
+    state = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}  # tied to the embedding
+    engine.update_weights(state)
+    got = engine.generate(prompts, params)
+    assert [g[0].token_ids for g in got] == [g[0].token_ids for g in want]
+
+    engine.update_weights(before)  # back, from a full state dict
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="missing 1"):
+        engine.update_weights({k: v for k, v in before.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match="unexpected 1"):
+        engine.update_weights({**before, "extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.update_weights({**before, "model.norm.weight": torch.zeros(3)})
+    with pytest.raises(TypeError, match="nn.Module or a state dict"):
+        engine.update_weights([1, 2])
+
+
+def test_constructor_errors(model, tokenizer):
+    with pytest.raises(ValueError, match=r"batch_size \(rollout.engine_args.batch_size\) must be an integer >= 1"):
+        HFRolloutEngine(model, tokenizer, batch_size=0)
+    with pytest.raises(TypeError, match="generate"):
+        HFRolloutEngine(nn.Linear(2, 2), tokenizer)
