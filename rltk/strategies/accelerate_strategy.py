@@ -1,1 +1,340 @@
-"""Placeholder until this plugin module is written; registers nothing yet."""
+"""Training strategy ``accelerate``: one process, DDP, or FSDP2, on top of 🤗 Accelerate.
+
+Accelerate owns what it does well: process-group start-up from any launcher
+(``torchrun``, ``accelerate launch``, SLURM), device placement, DDP wrapping
+and seeding. Two things are deliberately kept out of its hands:
+
+* **Mixed precision.** Accelerate implements it by patching ``model.forward``
+  and stores the precision in a process-wide singleton that cannot change
+  afterwards, so an SFT stage in fp32 followed by an RL stage in bf16 (or a
+  policy and a critic with different settings) would fail in one process. Here
+  :meth:`AccelerateStrategy.autocast` is an explicit ``torch.autocast`` context
+  and fp16 uses a ``torch.amp.GradScaler`` owned by the strategy.
+* **FSDP.** Accelerate's FSDP plugin does not shard across CPU processes; we
+  apply torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) directly, one
+  unit per transformer block (the model's ``_no_split_modules``) plus the root.
+
+Launch, e.g. on CPU: ``torchrun --nproc_per_node 2 recipe.py`` (gloo). On CPU,
+``accelerate launch --cpu --num_processes 2`` silently starts a single process;
+use ``torchrun`` or ``accelerate launch --multi_gpu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+import rltk
+from rltk.strategies.base import (
+    GRAD_SCALER_FILE,
+    MODEL_SUBDIR,
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    STRATEGY_META_FILE,
+    OptimizerSettings,
+    TrainingStrategy,
+    build_adamw,
+    build_lr_scheduler,
+    check_mixed_precision,
+    full_cpu_copy,
+    load_full_state_into,
+    load_model_folder,
+    load_optimizer_state_by_name,
+    load_weights_only,
+    optimizer_state_by_name,
+    save_model_folder,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "rltk-accelerate-v1"
+
+
+class AccelerateStrategy(TrainingStrategy):
+    """Data-parallel training with 🤗 Accelerate: single process, DDP or FSDP2.
+
+    Args:
+        mixed_precision: ``"no"`` (fp32), ``"bf16"`` (CPU or Ampere+ GPU) or
+            ``"fp16"`` (CUDA only, with dynamic loss scaling). Parameters and
+            optimizer state stay fp32; only forward passes inside
+            :meth:`autocast` run in the lower precision.
+        cpu: force CPU (``True``) or accelerator (``False``); ``None`` picks CUDA
+            when available.
+        seed: if given, seeds python ``random``, numpy and torch (all devices)
+            with the same value on every rank at construction. Leave ``None`` when
+            the recipe seeds itself, or for a second strategy in one process
+            (e.g. a critic), which would otherwise reset the RNG mid-run.
+        fsdp: shard parameters, gradients and optimizer state with FSDP2 when
+            more than one process runs (with one process there is nothing to
+            shard and this is plain training).
+    """
+
+    def __init__(self, *, mixed_precision: str = "no", cpu: bool | None = None, seed: int | None = None,
+                 fsdp: bool = False):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        if cpu is not None and not isinstance(cpu, bool):
+            raise TypeError(f"AccelerateStrategy: cpu={cpu!r} must be True, False or None (auto).")
+        if not isinstance(fsdp, bool):
+            raise TypeError(f"AccelerateStrategy: fsdp={fsdp!r} must be True or False.")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"AccelerateStrategy: seed={seed!r} must be an integer or None.")
+        if cpu is None:
+            cpu = not torch.cuda.is_available()
+        # mixed_precision="no": Accelerate must not patch forward (see module docstring).
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision="no")
+        self.mixed_precision = mixed_precision
+        self._autocast_dtype = check_mixed_precision(mixed_precision, self.accelerator.device)
+        self._grad_scaler = (
+            torch.amp.GradScaler(self.accelerator.device.type) if self._autocast_dtype == torch.float16 else None
+        )
+        self.fsdp = fsdp
+        self.seed = seed
+        if seed is not None:
+            set_seed(seed)
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._sharded = False
+        self.skipped_steps = 0
+
+    # ---------------------------------------------------------------- setup
+
+    def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
+        if self.fsdp and self.world_size > 1:
+            model = self._shard(model)
+            self._sharded = True
+        else:
+            # Moves to the device and wraps in DDP when several processes run.
+            model = self.accelerator.prepare_model(model)
+        # The optimizer is built after wrapping: FSDP2 replaced the parameters by DTensors.
+        self._model = model
+        self._optimizer = build_adamw(model, settings)
+        self._scheduler = build_lr_scheduler(self._optimizer, settings)
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model.to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        block_classes = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if module is not model and type(module).__name__ in block_classes:
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def model(self) -> nn.Module:
+        self._require_setup("model")
+        return self._model
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        self._require_setup("optimizer")
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        self._require_setup("scheduler")
+        return self._scheduler
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (``None`` unless ``mixed_precision="fp16"``)."""
+        return float(self._grad_scaler.get_scale()) if self._grad_scaler is not None else None
+
+    @property
+    def sharded(self) -> bool:
+        """True when FSDP2 shards the model (``fsdp=True`` and more than one process)."""
+        return self._sharded
+
+    # ---------------------------------------------------------------- training
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` in bf16/fp16 when configured, else a no-op context."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+    @contextlib.contextmanager
+    def accumulate(self, is_last_micro_batch: bool) -> Iterator[None]:
+        """Skip the gradient all-reduce (DDP ``no_sync``) or reduce-scatter (FSDP2) before the last micro-batch.
+
+        Gradients of earlier micro-batches accumulate locally and are synchronised
+        once, together with the last one.
+        """
+        self._require_setup("accumulate()")
+        if is_last_micro_batch or self.world_size == 1:
+            yield
+        elif self._sharded:
+            self._model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self._model.set_requires_gradient_sync(True)
+        elif isinstance(self._model, nn.parallel.DistributedDataParallel):
+            with self._model.no_sync():
+                yield
+        else:
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss * world_size).backward()``, loss-scaled under fp16.
+
+        ``loss`` is this rank's share of a globally normalised sum; DDP and FSDP
+        average gradients over ranks, the factor ``world_size`` turns that average
+        back into the sum, so the result equals one process on the global batch.
+        """
+        self._require_setup("backward()")
+        scaled = loss * self.world_size
+        if self._grad_scaler is not None:
+            scaled = self._grad_scaler.scale(scaled)
+        self.accelerator.backward(scaled)
+
+    def step(self) -> dict[str, float]:
+        """Clip to ``grad_clip``, AdamW step, schedule step, zero gradients.
+
+        A non-finite gradient norm (an inf/NaN anywhere, e.g. an fp16 overflow)
+        skips the update: gradients are dropped, the schedule does not advance,
+        the fp16 loss scale shrinks, and ``skipped`` is 1. Under fp16 the result
+        also holds ``loss_scale``, and ``grad_norm`` is of the unscaled gradients.
+        """
+        self._require_setup("step()")
+        lr = self.current_lr
+        if self._grad_scaler is not None:
+            self._grad_scaler.unscale_(self._optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), self.settings.clip_norm)
+        grad_norm = float(full_cpu_copy(norm))  # FSDP2 returns a DTensor norm
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.skipped_steps += 1
+            logger.warning("optimizer step %d skipped: gradient norm is %s (%d skipped so far)",
+                           self.optimizer_steps + 1, grad_norm, self.skipped_steps)
+            if self._grad_scaler is not None:
+                self._grad_scaler.update()  # an overflow: lower the loss scale for the next step
+        else:
+            if self._grad_scaler is not None:
+                self._grad_scaler.step(self._optimizer)
+                self._grad_scaler.update()
+            else:
+                self._optimizer.step()
+            self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        info = {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+        if self._grad_scaler is not None:
+            info["loss_scale"] = self.loss_scale
+        return info
+
+    # ---------------------------------------------------------------- weights
+
+    def unwrap(self) -> nn.Module:
+        """The model without DDP (FSDP2 modules stay sharded in place: use :meth:`full_state_dict`)."""
+        self._require_setup("unwrap()")
+        # Not accelerator.unwrap_model: it imports DeepSpeed when installed (~2 s) to check for its engine.
+        module = self._model
+        while True:
+            if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+                module = module.module
+            elif isinstance(getattr(module, "_orig_mod", None), nn.Module):  # torch.compile wrapper
+                module = module._orig_mod
+            else:
+                return module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full CPU copies of all weights on every rank (FSDP2: all-gathers each shard)."""
+        self._require_setup("full_state_dict()")
+        return {name: full_cpu_copy(tensor) for name, tensor in self.unwrap().state_dict().items()}
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``model/`` (safetensors), ``optimizer.pt``, ``scheduler.pt`` and ``strategy.json``.
+
+        Weights and optimizer state are full (unsharded) and keyed by parameter
+        name, so a checkpoint resumes under any process count, with or without
+        FSDP. The main rank writes; every rank must call (gathers are collective)
+        and returns after a barrier.
+        """
+        self._require_setup("save()")
+        directory = Path(directory)
+        weights = self.full_state_dict()
+        optimizer_state = optimizer_state_by_name(self._optimizer, self.unwrap())
+        if self.is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+            save_model_folder(self.unwrap(), weights, directory / MODEL_SUBDIR)
+            torch.save(optimizer_state, directory / OPTIMIZER_FILE)
+            torch.save(self._scheduler.state_dict(), directory / SCHEDULER_FILE)
+            if self._grad_scaler is not None:
+                torch.save(self._grad_scaler.state_dict(), directory / GRAD_SCALER_FILE)
+            meta = {"format": CHECKPOINT_FORMAT, **self.describe()}
+            (directory / STRATEGY_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        self.barrier()
+
+    def load(self, directory: str | Path) -> None:
+        """Restore weights, optimizer, schedule (and fp16 loss scale) written by :meth:`save`.
+
+        The optimizer's hyper-parameters and the schedule's position and base
+        learning rate come from the checkpoint; the schedule's shape
+        (warm-up, decay, total steps) from this strategy's ``setup``. Every rank
+        reads the files (they must be on a file system all ranks see); nothing is
+        unpickled beyond tensors and plain containers.
+        """
+        self._require_setup("load()")
+        directory = Path(directory)
+        meta_path = directory / STRATEGY_META_FILE
+        if not meta_path.exists():
+            raise FileNotFoundError(
+                f"'{directory}' has no {STRATEGY_META_FILE}: it is not a checkpoint written by "
+                f"AccelerateStrategy.save() (or it is incomplete)."
+            )
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"checkpoint '{directory}' has format {meta.get('format')!r} (strategy "
+                f"{meta.get('strategy')!r}); AccelerateStrategy reads {CHECKPOINT_FORMAT!r}. Resume with the "
+                "strategy that wrote it, or export its model folder and start from that."
+            )
+        load_full_state_into(self.unwrap(), load_model_folder(directory / MODEL_SUBDIR), directory / MODEL_SUBDIR)
+        load_optimizer_state_by_name(self._optimizer, self.unwrap(), load_weights_only(directory / OPTIMIZER_FILE),
+                                     directory / OPTIMIZER_FILE)
+        self._scheduler.load_state_dict(load_weights_only(directory / SCHEDULER_FILE))
+        if self._grad_scaler is not None and (directory / GRAD_SCALER_FILE).exists():
+            self._grad_scaler.load_state_dict(load_weights_only(directory / GRAD_SCALER_FILE))
+        self.barrier()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "mixed_precision": self.mixed_precision,
+            "fsdp": self._sharded,
+            "optimizer_steps": self.optimizer_steps if self.settings else 0,
+        }
+
+
+@rltk.hookimpl
+def rltk_training_strategies():
+    return {"accelerate": AccelerateStrategy}

@@ -1,0 +1,656 @@
+"""The training-strategy contract every engine (Accelerate, DeepSpeed, ...) implements.
+
+A training strategy owns the model's distributed wrapper, its optimizer and its
+learning-rate schedule. A recipe only ever talks to this interface, so the same
+update loop runs on one CPU, under DDP or FSDP, or under DeepSpeed ZeRO::
+
+    strategy.setup(model, lr=3e-5, total_steps=1000, warmup_steps=20, lr_schedule="cosine")
+    n_tokens = strategy.all_reduce_sum(local_token_count)      # global normaliser
+    for i, micro in enumerate(micro_batches):
+        with strategy.accumulate(i == len(micro_batches) - 1):   # covers backward (DDP no_sync)
+            with strategy.autocast():                            # forward only
+                loss = per_token_loss(strategy.model, micro).sum() / n_tokens
+            strategy.backward(loss)
+    metrics = strategy.step()                                   # grad_norm, lr, skipped
+
+Gradient scaling convention
+---------------------------
+A loss handed to :meth:`TrainingStrategy.backward` is *this rank's share of a
+globally normalised sum*: the caller divides by counts summed over every
+micro-batch of the step and over every rank (use :meth:`all_reduce_sum`). Summing
+these shares over ranks gives exactly the loss of one big batch. Data-parallel
+engines *average* gradients over ranks, which would divide the result by
+``world_size`` a second time, so ``backward`` multiplies the loss by
+``world_size`` first. With this convention the gradient of N ranks x M
+micro-batches equals the gradient of one process on the concatenated batch, for
+every loss aggregation mode (token-mean, sequence-mean, ...).
+
+Shared building blocks live here as functions so every strategy builds its
+optimizer and schedule the same way: :func:`lr_multiplier`,
+:func:`build_adamw`, :func:`build_lr_scheduler`, and the checkpoint-folder
+helpers :func:`save_model_folder` / :func:`load_model_folder`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rltk.registry import unknown_name_message
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+MIXED_PRECISION_MODES = ("no", "bf16", "fp16")
+
+MODEL_SUBDIR = "model"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+GRAD_SCALER_FILE = "grad_scaler.pt"
+STRATEGY_META_FILE = "strategy.json"
+
+
+# --------------------------------------------------------------------------
+# Optimizer settings and learning-rate schedule
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The arguments of :meth:`TrainingStrategy.setup`, validated.
+
+    ``grad_clip`` of ``None`` or ``0`` disables clipping (the gradient norm is
+    still measured and reported).
+    """
+
+    lr: float
+    total_steps: int
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self):
+        def bad(name: str, value: Any, valid: str) -> ValueError:
+            return ValueError(f"strategy.setup(): {name}={value!r} is invalid; {valid}.")
+
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (
+            math.isfinite(self.lr) and self.lr > 0
+        ):
+            raise bad("lr", self.lr, "it must be a finite number > 0, e.g. 3e-5")
+        if isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int) or self.total_steps < 1:
+            raise bad("total_steps", self.total_steps, "it must be an integer >= 1 (number of optimizer steps)")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or not (
+            0 <= self.warmup_steps <= self.total_steps
+        ):
+            raise bad("warmup_steps", self.warmup_steps,
+                      f"it must be an integer in [0, total_steps={self.total_steps}]")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            raise bad("weight_decay", self.weight_decay, "it must be a number >= 0")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        if betas is None or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise bad("betas", self.betas, "it must be two numbers in [0, 1), e.g. (0.9, 0.999)")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
+            raise bad("eps", self.eps, "it must be a number > 0, e.g. 1e-8")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError("strategy.setup(): " + unknown_name_message("lr_schedule", self.lr_schedule,
+                                                                         list(LR_SCHEDULES)))
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):
+            raise bad("min_lr_ratio", self.min_lr_ratio, "it must be a number in [0, 1] (fraction of lr)")
+        if self.grad_clip is not None and not (
+            isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip) and self.grad_clip >= 0
+        ):
+            raise bad("grad_clip", self.grad_clip, "it must be a finite number >= 0, or None/0 to disable clipping")
+
+    @property
+    def clip_norm(self) -> float:
+        """The max-norm handed to ``clip_grad_norm_``; ``inf`` measures without clipping."""
+        return float(self.grad_clip) if self.grad_clip else math.inf
+
+
+def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
+                  min_lr_ratio: float = 0.0) -> float:
+    """Factor applied to the peak learning rate for optimizer step ``step`` (0-based).
+
+    Warm-up: ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, so the
+    first step already learns (no wasted step at lr 0) and the last warm-up step
+    reaches the peak. After warm-up, with decay progress
+    ``p = clamp((step - warmup_steps) / (total_steps - warmup_steps), 0, 1)``
+    and ``m = min_lr_ratio``::
+
+        constant:  1
+        linear:    m + (1 - m) * (1 - p)
+        cosine:    m + (1 - m) * (1 + cos(pi * p)) / 2      (Loshchilov & Hutter, 2017, SGDR)
+
+    so the factor falls from 1 to ``m`` reaching it at ``step == total_steps``.
+    ``min_lr_ratio`` is ignored by ``constant``.
+
+    Example: ``total_steps=10, warmup_steps=2, schedule="linear"`` gives
+    0.5, 1.0 for steps 0, 1 and 1.0, 0.875, ..., 0.125 for steps 2..9.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, progress))
+    if schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(unknown_name_message("lr_schedule", schedule, list(LR_SCHEDULES)))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split into a decayed and a non-decayed AdamW group.
+
+    Matrices (``ndim >= 2``: linear and embedding weights) are decayed; biases and
+    normalisation gains are not, as in GPT-2/nanoGPT and HF Trainer: decaying a
+    LayerNorm gain towards 0 only fights the normalisation. Frozen parameters
+    (``requires_grad=False``) are left out.
+    """
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    if not decay and not no_decay:
+        raise ValueError(
+            f"strategy.setup(): the model ({type(model).__name__}) has no trainable parameters "
+            "(every requires_grad is False); unfreeze at least one before setup()."
+        )
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": float(weight_decay)})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_adamw(model: nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter, 2019) over ``model``'s trainable parameters.
+
+    Build it *after* the model is wrapped/sharded: FSDP2 replaces parameters by
+    sharded DTensors and the optimizer must hold those.
+    """
+    return torch.optim.AdamW(
+        weight_decay_groups(model, settings.weight_decay),
+        lr=settings.lr, betas=settings.betas, eps=settings.eps,
+    )
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimizerSettings) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` applying :func:`lr_multiplier` to every parameter group.
+
+    The schedule's shape comes from ``settings`` (not from a checkpoint) so a
+    resumed run follows the schedule of its config.
+    """
+    multiplier = functools.partial(
+        lr_multiplier, total_steps=settings.total_steps, warmup_steps=settings.warmup_steps,
+        schedule=settings.lr_schedule, min_lr_ratio=settings.min_lr_ratio,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+# --------------------------------------------------------------------------
+# Checkpoint folder helpers (safetensors for weights, weights_only torch.load for the rest)
+# --------------------------------------------------------------------------
+
+
+def save_model_folder(module: nn.Module, state_dict: dict[str, torch.Tensor], directory: str | Path) -> None:
+    """Write full model weights to ``directory``.
+
+    A Hugging Face ``PreTrainedModel`` is written with ``save_pretrained`` (config,
+    generation config, ``*.safetensors``), so the folder loads with
+    ``AutoModelForCausalLM.from_pretrained`` and serves as an export. Any other
+    module gets ``model.safetensors`` alone. ``state_dict`` must hold full
+    (unsharded) CPU tensors, e.g. from :meth:`TrainingStrategy.full_state_dict`.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if hasattr(module, "save_pretrained") and hasattr(module, "config"):
+        module.save_pretrained(directory, state_dict=state_dict)
+        _fix_sharded_class_name(module, directory)
+    else:
+        # safetensors refuses tensors sharing storage; clone so tied weights save as copies.
+        save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, str(directory / "model.safetensors"))
+
+
+def _fix_sharded_class_name(module: nn.Module, directory: Path) -> None:
+    """FSDP2 swaps a module's class for ``FSDP<Class>``; record the original class in config.json."""
+    config_path = directory / "config.json"
+    cls = type(module)
+    if not cls.__name__.startswith("FSDP") or not config_path.exists():
+        return
+    original = next((c for c in cls.__mro__[1:] if not c.__module__.startswith("torch.distributed")), None)
+    if original is None:
+        return
+    config = json.loads(config_path.read_text())
+    config["architectures"] = [original.__name__]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def load_model_folder(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Full model weights from every ``*.safetensors`` file in ``directory`` (sharded folders too)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in '{directory}'; a strategy checkpoint keeps the model under "
+            f"'<checkpoint>/{MODEL_SUBDIR}/' (is this a complete rltk checkpoint?)"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file), device="cpu"))
+    return state
+
+
+def load_full_state_into(module: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
+    """Copy a full state dict into ``module`` (plain, DDP-unwrapped or FSDP2-sharded), strictly.
+
+    A key absent from ``state`` is accepted only when the live module ties it to
+    a key that is present (e.g. ``lm_head.weight`` tied to the embedding), since
+    a checkpoint may store a tied tensor once. Sharded parameters receive their
+    local shard of the full tensor.
+    """
+    live = module.state_dict(keep_vars=True)
+    unexpected = sorted(set(state) - set(live))
+    loaded_ids = {id(live[k]) for k in live if k in state}
+    missing = [k for k in live if k not in state and id(live[k]) not in loaded_ids]
+    mismatched = [f"{k}: model {tuple(live[k].shape)} vs checkpoint {tuple(state[k].shape)}"
+                  for k in live if k in state and tuple(live[k].shape) != tuple(state[k].shape)]
+    if missing or unexpected or mismatched:
+        raise KeyError(
+            f"model weights in '{source}' do not match the model ({type(module).__name__}): "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
+            f"shape mismatches {mismatched[:4]}. Was the checkpoint written for a different model config?"
+        )
+    if not any(_is_dtensor(t) for t in live.values()):
+        # The module's own loader keeps custom _load_from_state_dict hooks working.
+        module.load_state_dict({k: v for k, v in state.items()}, strict=False)
+        return
+    with torch.no_grad():
+        for key, tensor in live.items():
+            if key in state:
+                tensor.copy_(shard_like(state[key], tensor))
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def full_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A full, detached CPU copy of ``tensor``; gathers a sharded DTensor (collective then)."""
+    if _is_dtensor(tensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu", copy=True)
+
+
+def shard_like(full: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like ``live``: this rank's shard if ``live`` is a DTensor, else on its device.
+
+    Every rank holds the same ``full`` tensor (each read the checkpoint), so the
+    shard is cut locally with no communication.
+    """
+    if _is_dtensor(live):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(live.dtype), live.device_mesh, live.placements, src_data_rank=None)
+    return full.to(device=live.device, dtype=live.dtype)
+
+
+def _parameter_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """The optimizer's full state keyed by parameter name instead of position. Collective if sharded.
+
+    Layout (what ``torch.optim`` uses, with names for indices)::
+
+        {"state": {"layers.0.w": {"step": t, "exp_avg": t, ...}, ...},
+         "param_groups": [{"lr": ..., "betas": ..., "params": ["layers.0.w", ...]}, ...]}
+
+    Names make a checkpoint independent of the sharding and of the number of
+    ranks, so it loads under DDP, FSDP or one process alike. Tensors are full
+    CPU copies. Unlike ``torch.distributed.checkpoint``'s helper this never takes
+    a hidden zero-lr optimizer step to create missing state (that would set
+    Adam's step counter to 1 before the first real step).
+    """
+    names = _parameter_names(module)
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    # Walk the groups, not optimizer.state, so every rank gathers in the same order.
+    for group in optimizer.param_groups:
+        group_names = []
+        for param in group["params"]:
+            if id(param) not in names:
+                raise KeyError(
+                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in "
+                    f"{type(module).__name__}.named_parameters(); build the optimizer from this module."
+                )
+            name = names[id(param)]
+            group_names.append(name)
+            if param in optimizer.state:
+                state[name] = {
+                    k: full_cpu_copy(v) if isinstance(v, torch.Tensor) else v
+                    for k, v in optimizer.state[param].items()
+                }
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module,
+                                 saved: dict[str, Any], source: str | Path) -> None:
+    """Inverse of :func:`optimizer_state_by_name`: restore state and hyper-parameters.
+
+    Parameter groups must name the same parameters in the same order; a
+    mismatch (different model or freezing) is an error naming the first
+    differing group. Sharded parameters receive their local shard.
+    """
+    names = _parameter_names(module)
+    saved_groups = saved.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"optimizer state in '{source}' has {len(saved_groups)} parameter groups, the optimizer has "
+            f"{len(optimizer.param_groups)}; was it saved for another model, another optimizer, or with "
+            "other parameters frozen?"
+        )
+    native_state: dict[int, dict[str, Any]] = {}
+    native_groups = []
+    index = 0
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        live_names = [names[id(p)] for p in group["params"]]
+        saved_names = list(saved_group["params"])
+        if live_names != saved_names:
+            first = next(j for j in range(max(len(live_names), len(saved_names)))
+                         if j >= min(len(live_names), len(saved_names)) or live_names[j] != saved_names[j])
+            live_name = live_names[first] if first < len(live_names) else "(end of group)"
+            saved_name = saved_names[first] if first < len(saved_names) else "(end of group)"
+            raise ValueError(
+                f"optimizer parameter group {i} in '{source}' does not match the model: parameter {first} is "
+                f"{live_name!r} in the model but {saved_name!r} in the checkpoint. Was it saved for another "
+                "model, or with other parameters frozen?"
+            )
+        indices = []
+        for name, param in zip(live_names, group["params"]):
+            if name in saved["state"]:
+                native_state[index] = {
+                    k: shard_like(v, param) if isinstance(v, torch.Tensor) and v.ndim > 0 else v
+                    for k, v in saved["state"][name].items()
+                }
+            indices.append(index)
+            index += 1
+        native_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+    optimizer.load_state_dict({"state": native_state, "param_groups": native_groups})
+
+
+def load_weights_only(path: Path) -> Any:
+    """``torch.load`` restricted to tensors and plain containers: never unpickles arbitrary objects."""
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete or not "
+                                f"written by this strategy.")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def check_mixed_precision(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``mixed_precision`` on ``device`` (``None`` for ``"no"``).
+
+    Raises instead of silently training in another precision: ``fp16`` needs
+    loss scaling tuned for GPUs and is refused on CPU; ``bf16`` needs a GPU that
+    supports it (Ampere or newer) or a CPU.
+    """
+    if mixed_precision not in MIXED_PRECISION_MODES:
+        raise ValueError(unknown_name_message("mixed_precision", mixed_precision, list(MIXED_PRECISION_MODES)))
+    if mixed_precision == "no":
+        return None
+    if mixed_precision == "fp16":
+        if device.type != "cuda":
+            raise ValueError(
+                f"mixed_precision='fp16' needs a CUDA device, but training runs on '{device}'. "
+                "Use mixed_precision='bf16' (supported on CPU) or 'no'."
+            )
+        return torch.float16
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"mixed_precision='bf16' is not supported by this GPU ({torch.cuda.get_device_name(device)}); "
+            "use mixed_precision='fp16' or 'no'."
+        )
+    return torch.bfloat16
+
+
+# --------------------------------------------------------------------------
+# The strategy interface
+# --------------------------------------------------------------------------
+
+
+class TrainingStrategy(abc.ABC):
+    """Wraps model, optimizer and LR schedule; hides the distributed engine from recipes.
+
+    Lifecycle: construct (engine options only) -> :meth:`setup` (model and
+    optimizer settings) -> per step: :meth:`accumulate` + :meth:`autocast` +
+    :meth:`backward` over micro-batches, then :meth:`step`. Collective methods
+    (:meth:`all_reduce_sum`, :meth:`all_gather_object`, :meth:`broadcast_object`,
+    :meth:`barrier`, :meth:`full_state_dict`, :meth:`save`, :meth:`load`) must be
+    called by every rank; in a single process they are identities.
+
+    Subclasses implement the abstract methods; the collectives here use the
+    default ``torch.distributed`` process group and work for any engine built
+    on it.
+    """
+
+    settings: OptimizerSettings | None = None
+
+    # ---------------------------------------------------------------- setup
+
+    def setup(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        total_steps: int,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
+        grad_clip: float | None = 1.0,
+    ) -> None:
+        """Wrap ``model`` for the engine and build AdamW plus a warm-up LR schedule.
+
+        See :func:`lr_multiplier` for the schedules (``constant``, ``linear``,
+        ``cosine``) and :func:`weight_decay_groups` for which parameters decay.
+        ``grad_clip`` is the max global L2 norm (``None``/``0``: no clipping).
+        Every argument is validated first, with an error naming it.
+        """
+        if self.settings is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.setup() was already called; build one strategy per model "
+                "(e.g. one for the policy and one for the critic)."
+            )
+        settings = OptimizerSettings(
+            lr=lr, total_steps=total_steps, weight_decay=weight_decay, betas=betas, eps=eps,
+            warmup_steps=warmup_steps, lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio,
+            grad_clip=grad_clip,
+        )
+        self._setup(model, settings)
+        self.settings = settings
+
+    @abc.abstractmethod
+    def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
+        """Engine-specific part of :meth:`setup`: wrap, then build optimizer and scheduler."""
+
+    def _require_setup(self, what: str) -> None:
+        if self.settings is None:
+            raise RuntimeError(f"{type(self).__name__}.{what} needs setup(model, lr=..., total_steps=...) first.")
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    @abc.abstractmethod
+    def model(self) -> nn.Module:
+        """The wrapped module to call forward on (DDP/FSDP/engine); gradients sync through it."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The device this rank computes on; move batches here."""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's global rank (0 in a single process)."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """Number of data-parallel processes (1 in a single process)."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that writes files and prints."""
+        return self.rank == 0
+
+    @property
+    @abc.abstractmethod
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer built by :meth:`setup`."""
+
+    @property
+    @abc.abstractmethod
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        """The LR scheduler built by :meth:`setup`."""
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far (skipped non-finite steps do not count)."""
+        self._require_setup("optimizer_steps")
+        return int(self.scheduler.last_epoch)
+
+    @property
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        self._require_setup("current_lr")
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ---------------------------------------------------------------- training
+
+    @abc.abstractmethod
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed-precision context for forward passes (``nullcontext`` in full precision)."""
+
+    @abc.abstractmethod
+    def accumulate(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's forward+backward; skips gradient sync unless it is the last."""
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate this rank's share of a globally normalised loss.
+
+        Multiplies by ``world_size`` to undo the engine's gradient averaging (see
+        the module docstring), so gradients equal one process on the global batch.
+        """
+
+    @abc.abstractmethod
+    def step(self) -> dict[str, float]:
+        """Clip, optimizer step, scheduler step, zero grads.
+
+        Returns ``{"grad_norm": global L2 norm before clipping, "lr": the rate this
+        step used, "skipped": 1.0 if the norm was not finite and the update was
+        skipped (gradients dropped, schedule not advanced) else 0.0}``.
+        """
+
+    # ---------------------------------------------------------------- weights
+
+    @abc.abstractmethod
+    def unwrap(self) -> nn.Module:
+        """The underlying module without the engine wrapper (for generate, export, hooks)."""
+
+    @abc.abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights as CPU copies, on every rank. Collective.
+
+        This is what the rollout engine loads after each update and what
+        exports write; mutating it never touches the training weights.
+        """
+
+    # ---------------------------------------------------------------- collectives
+
+    @property
+    def _distributed(self) -> bool:
+        return self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``tensor`` over ranks, as a new tensor on the input's device.
+
+        Use it for global normalisers: ``n_tokens = strategy.all_reduce_sum(mask.sum())``.
+        The input is not modified. Single process: a copy of the input.
+        """
+        if not self._distributed:
+            return tensor.detach().clone()
+        buffer = tensor.detach().to(self.device, copy=True)
+        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.SUM)
+        return buffer.to(tensor.device)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order. Single process: ``[obj]``."""
+        if not self._distributed:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (other ranks' argument is ignored)."""
+        if not self._distributed:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point. Single process: returns at once."""
+        if self._distributed:
+            torch.distributed.barrier()
+
+    # ---------------------------------------------------------------- checkpoints
+
+    @abc.abstractmethod
+    def save(self, directory: str | Path) -> None:
+        """Write model (safetensors), optimizer and scheduler state into ``directory``. Collective."""
+
+    @abc.abstractmethod
+    def load(self, directory: str | Path) -> None:
+        """Restore what :meth:`save` wrote (``weights_only`` loading). Collective; call after :meth:`setup`."""
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary of the engine and settings (written beside checkpoints)."""
+        return {
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "settings": asdict(self.settings) if self.settings else None,
+        }
+

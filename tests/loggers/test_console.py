@@ -1,0 +1,121 @@
+"""Console progress: which steps print, the exact line, sticky values, throughput, ETA, terminal bar."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from rltk.loggers.console import ConsoleLogger, format_count, format_duration
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(total_steps=5, **kwargs):
+    stream, clock = io.StringIO(), FakeClock()
+    logger = ConsoleLogger(run_dir=None, config={}, total_steps=total_steps, stream=stream, clock=clock,
+                           **{"tty": False, **kwargs})
+    return logger, stream, clock
+
+
+def test_line_mode_prints_first_every_nth_and_last_step():
+    logger, stream, clock = make(total_steps=5, every=2)
+    for step in range(1, 6):
+        clock.now = 2.0 * step
+        logger.log({"reward": 0.1 * step}, step)
+    printed = [line.split(" |")[0] for line in stream.getvalue().splitlines()]
+    assert printed == ["step 1/5 (20%)", "step 2/5 (40%)", "step 4/5 (80%)", "step 5/5 (100%)"]
+
+
+def test_line_shows_the_watched_metrics_rate_and_eta():
+    logger, stream, clock = make(total_steps=5, every=1)
+    clock.now = 2.0
+    logger.log({"reward": 0.4375, "kl": 0.00123456, "entropy": 1.5, "loss": 9.0}, 1)
+    # 2 s for 1 step -> 2 s/step, 4 steps left -> 8 s; unlisted metrics (loss) are not shown
+    assert stream.getvalue() == "step 1/5 (20%) | reward 0.4375 | kl 0.001235 | entropy 1.5 | 2.00s/step | ETA 8s\n"
+
+
+def test_evaluation_accuracy_sticks_until_the_next_evaluation():
+    logger, stream, clock = make(total_steps=4, every=1)
+    logger.log({"reward": 1.0}, 1)
+    logger.log({"eval/accuracy": 0.25}, 1)  # same step: remembered, not printed twice
+    logger.log({"reward": 2.0}, 2)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "acc" not in lines[0] and "reward 2 | acc 0.25" in lines[1]
+
+
+def test_tokens_per_second_from_token_counts_over_wall_time():
+    logger, stream, clock = make(total_steps=10, every=2)
+    for step in range(1, 5):
+        clock.now = 0.5 * step
+        logger.log({"tokens": 1000}, step)
+    lines = stream.getvalue().splitlines()
+    # step 1: 1000 tokens in 0.5 s; steps 2: 1000 in 0.5 s; steps 3-4: 2000 tokens in 1.0 s
+    assert [line.split(" | ")[1] for line in lines] == ["tok/s 2.0k", "tok/s 2.0k", "tok/s 2.0k"]
+
+
+def test_reported_tokens_per_second_wins_and_tensors_are_accepted():
+    logger, stream, clock = make(total_steps=2, every=1)
+    clock.now = 1.0
+    logger.log({"tokens_per_s": torch.tensor(2_500_000.0), "reward": torch.tensor([0.5])}, 1)
+    assert "reward 0.5 | tok/s 2.5M" in stream.getvalue()
+
+
+def test_eta_after_resume_counts_only_steps_run_here():
+    logger, stream, clock = make(total_steps=20, every=1, resume_step=10)
+    clock.now = 3.0
+    logger.log({}, 11)
+    assert stream.getvalue() == "step 11/20 (55%) | 3.00s/step | ETA 27s\n"
+
+
+def test_terminal_mode_redraws_one_line_and_close_ends_it():
+    logger, stream, clock = make(total_steps=4, tty=True, bar_width=8)
+    clock.now = 1.0
+    logger.log({"reward": 1.0}, 1)
+    clock.now = 2.0
+    logger.log({"reward": 0.5}, 2)
+    logger.close()
+    out = stream.getvalue()
+    assert out.count("\r") == 2 and out.endswith("\x1b[K\n")
+    assert "\r[####....] step 2/4 (50%) | reward 0.5 | 1.00s/step | ETA 2s\x1b[K" in out
+
+
+def test_custom_fields():
+    logger, stream, _ = make(total_steps=1, fields={"pass@1": "eval/pass1", "r": ["score", "reward"]})
+    logger.log({"reward": 3.0, "eval/pass1": 0.5}, 1)
+    assert stream.getvalue().startswith("step 1/1 (100%) | pass@1 0.5 | r 3 |")
+
+
+def test_bad_values_and_arguments_are_named():
+    logger, _, _ = make()
+    with pytest.raises(TypeError, match="metric 'note' has value 'hi' of type str"):
+        logger.log({"note": "hi"}, 1)
+    with pytest.raises(ValueError, match="every=0 must be an integer >= 1"):
+        make(every=0)
+    with pytest.raises(ValueError, match="total_steps=0 must be an integer >= 1"):
+        make(total_steps=0)
+
+
+def test_writes_to_stderr_by_default(capsys):
+    ConsoleLogger(total_steps=1, tty=False).log({"reward": 1.0}, 1)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("step 1/1 (100%) | reward 1")
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (42.4, "42s"), (185, "3m05s"), (7620, "2h07m"),
+                                           (float("inf"), "?")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize("value, text", [(950, "950"), (5100, "5.1k"), (2.34e6, "2.3M"), (3e9, "3.0G")])
+def test_format_count(value, text):
+    assert format_count(value) == text
