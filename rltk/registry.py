@@ -54,10 +54,9 @@ KINDS: dict[str, Kind] = {
         Kind("kl_penalty_fn", "rltk_kl_penalty_fns", "per-token KL estimators",
              frozenset({"logprobs", "ref_logprobs"})),
         Kind("loss_agg", "rltk_loss_aggs", "loss aggregations",
-             frozenset({"loss_mat", "mask", "global_tokens", "global_seqs", "num_tokens", "num_seqs"})),
+             frozenset({"loss_mat", "mask", "global_tokens", "global_seqs"})),
         Kind("policy_loss", "rltk_policy_losses", "policy losses",
-             frozenset({"logprobs", "old_logprobs", "advantages", "response_mask", "loss_agg",
-                        "loss_agg_kwargs", "rollout_logprobs"})),
+             frozenset({"logprobs", "old_logprobs", "advantages", "response_mask", "loss_agg"})),
         Kind("reward_fn", "rltk_reward_fns", "reward functions",
              frozenset({"prompt", "response", "ground_truth", "extras"})),
         Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",
@@ -69,7 +68,7 @@ KINDS: dict[str, Kind] = {
         Kind("rollout_engine", "rltk_rollout_engines", "rollout engines",
              frozenset({"model", "tokenizer"})),
         Kind("logger", "rltk_loggers", "metric loggers",
-             frozenset({"run_dir", "config", "total_steps"})),
+             frozenset({"run_dir", "config", "total_steps", "resume_step"})),
         Kind("algorithm", "rltk_algorithms", "algorithm presets", frozenset()),
     ]
 }

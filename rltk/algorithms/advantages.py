@@ -1,1 +1,658 @@
-"""Placeholder until this plugin module is written; registers nothing yet."""
+"""Advantage estimators: how much better each response token did than expected.
+
+Every estimator is a pure function called with keyword arguments only. It names
+in its signature the batch fields it needs (the recipe passes exactly those,
+see :func:`rltk.registry.call_with_fields`) plus its own configured arguments,
+and returns ``(advantages, returns)``, both ``[B, T]`` float32 and zero outside
+``response_mask``.
+
+Batch fields an estimator may declare (``T`` is the response width):
+
+==================  ========  ===================================================
+``token_rewards``   ``[B,T]`` per-token reward; an outcome reward sits on the last
+                              response token, a KL penalty folded into the reward
+                              (:func:`rltk.algorithms.kl.apply_kl_penalty`) on
+                              every policy token
+``response_mask``   ``[B,T]`` 1 on tokens the policy produced, 0 on padding and on
+                              environment/tool tokens inside a response
+``group_ids``       ``[B]``   int64; responses to one prompt share an id. Ids need
+                              not be contiguous, sorted or adjacent
+``values``          ``[B,T]`` critic value of the state before each token
+``baseline_scores`` ``[B]``   ReMax: the reward of the greedy response
+==================  ========  ===================================================
+
+Conventions of the outcome (critic-free) estimators ``grpo``, ``rloo``,
+``reinforce_plus_plus_baseline``, ``remax`` and ``opo``:
+
+* A response's return is ``R_i = sum_t token_rewards[i, t]`` over the whole
+  row, so a reward the workflow placed on an environment token still counts and
+  a KL penalty folded into the rewards is part of the return. With pure outcome
+  rewards ``R_i`` is the ``scores`` field.
+* They are sequence-level: every policy token of response ``i`` gets the same
+  advantage ``A_i``. Their ``returns`` are ``R_i`` on every policy token (they
+  train no critic; the field is there for logging and for a uniform contract).
+* A group of one response, and a group whose returns are all equal, says
+  nothing about which response was better: its advantage is exactly 0 (not NaN,
+  not the raw score). Equality is tested exactly, so such groups never get
+  rounding noise blown up by a tiny standard deviation.
+* Group statistics are float64 segment reductions over
+  ``torch.unique(group_ids, return_inverse=True)``: no Python loop over groups.
+
+The time-dependent estimators (``gae``, ``reinforce_plus_plus``) treat the
+policy tokens of a row as its time steps. Masked tokens inside a response (tool
+or environment output) are not steps: the next value, return and advantage are
+carried over them unchanged, and a reward placed on a masked token is credited,
+undiscounted, to the policy token before it (a reward on masked tokens before
+the first policy token has no action to credit and is dropped).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import rltk
+
+__all__ = [
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "masked_whiten",
+    "discounted_returns",
+]
+
+
+# --------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------
+
+
+def _check_inputs(
+    where: str,
+    token_tensors: dict[str, torch.Tensor],
+    seq_tensors: dict[str, torch.Tensor] | None = None,
+) -> tuple[int, int]:
+    """Check that token tensors share one ``[B, T]`` shape and seq tensors are ``[B]``."""
+    first_name, first = next(iter(token_tensors.items()))
+    if first.dim() != 2:
+        raise ValueError(
+            f"{where}: {first_name} must be a [B, T] tensor (one row per response), "
+            f"got shape {tuple(first.shape)}"
+        )
+    B, T = first.shape
+    for name, tensor in token_tensors.items():
+        if tuple(tensor.shape) != (B, T):
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(tensor.shape)} but {first_name} has "
+                f"{(B, T)}; every token tensor must be [B, T] over the same responses"
+            )
+    for name, tensor in (seq_tensors or {}).items():
+        if tuple(tensor.shape) != (B,):
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(tensor.shape)} but must be [B] = ({B},), "
+                f"one entry per response (B taken from {first_name} {(B, T)})"
+            )
+        if name == "group_ids" and (tensor.is_floating_point() or tensor.is_complex()):
+            raise ValueError(
+                f"{where}: group_ids must be an integer tensor (int64 prompt ids), got dtype "
+                f"{tensor.dtype}; float ids would group responses by rounding accidents"
+            )
+    return B, T
+
+
+def _check_unit_interval(where: str, **params: float) -> None:
+    for name, value in params.items():
+        if not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"{where}: {name} must be in [0, 1], got {value}")
+
+
+# --------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------
+# On CPU a fresh [B, T] tensor costs more than the arithmetic on it (the
+# allocator maps and faults in new pages), so the hot paths below reuse buffers
+# and work in place.
+
+
+def _whiten_(x: torch.Tensor, on: torch.Tensor, eps: float) -> torch.Tensor:
+    """In-place :func:`masked_whiten` of ``x``, which must already be 0 where ``on`` is 0."""
+    if x.numel() == 0:
+        return x
+    count = on.sum().clamp(min=1)
+    # Shift by one masked entry first: equal entries then become exactly 0, so
+    # an all-equal batch whitens to exactly 0 instead of rounding noise divided
+    # by a rounding-noise std. (It also keeps the variance sum well conditioned.)
+    reference = x.reshape(-1)[on.reshape(-1).argmax()].clone()
+    x.sub_(reference).mul_(on)
+    x.sub_(x.sum() / count).mul_(on)
+    std = torch.linalg.vector_norm(x) / count.sqrt()
+    return x.div_(std + eps)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``values`` to zero mean and unit variance over the masked tokens.
+
+    ``out = (x - mean) / (std + eps)``, with ``mean`` and the population
+    (biased, ``1/n``) ``std`` over every token where ``mask`` is 1 in the whole
+    batch. If every masked value is equal the result is exactly 0; an all-zero
+    mask gives all zeros. The output is zero outside the mask.
+
+    Shape: ``values`` (B, T), ``mask`` (B, T) -> (B, T) float32.
+    """
+    policy = mask > 0
+    out = torch.where(policy, values.detach().to(torch.float32), 0.0)
+    return _whiten_(out, policy.to(torch.float32), eps)
+
+
+def _reverse_discounted_cumsum(x: torch.Tensor, discount: float, chunk: int = 64) -> torch.Tensor:
+    """``s_t = x_t + discount * s_{t+1}`` (``s_T = 0``) for a constant discount.
+
+    A sequential scan over 2048 steps is dominated by per-step overhead, so
+    time is cut into chunks of ``L`` steps: within a chunk the sums are one
+    batched matmul with the ``[L, L]`` matrix of powers ``discount^(k - t)``,
+    and only the ``T / L`` chunk boundaries are chained in a loop. Powers stay
+    in ``[0, 1]`` (no overflow, exact for ``discount = 0``).
+
+    Shape: (B, T) -> (B, T) float32, a new tensor.
+    """
+    B, T = x.shape
+    L = max(1, min(chunk, T))
+    n_chunks = -(-T // L)
+    padded = torch.nn.functional.pad(x, (0, n_chunks * L - T)) if n_chunks * L != T else x.contiguous()
+    # A float32 matmul may silently run in TF32 / bf16 (GPUs, or any device once
+    # torch.set_float32_matmul_precision lowered it): ~1e-3 relative error in
+    # every advantage. Use float64 there; plain float32 is exact enough on CPU.
+    exact = x.device.type == "cpu" and torch.get_float32_matmul_precision() == "highest"
+    dtype = torch.float32 if exact else torch.float64
+    steps = torch.arange(L, device=x.device, dtype=dtype)
+    gap = steps[None, :] - steps[:, None]  # [L, L]: k - t
+    base = torch.tensor(discount, device=x.device, dtype=dtype)
+    powers = torch.where(gap >= 0, torch.pow(base, gap.clamp(min=0)), 0.0)
+    local = torch.matmul(padded.view(B, n_chunks, L).to(dtype), powers.t())  # [B, n, L] sums within a chunk
+    # s at the start of each chunk, chained from the last chunk backwards.
+    chunk_starts = local[:, :, 0]  # [B, n]
+    next_start = torch.zeros(B, n_chunks, device=x.device, dtype=dtype)  # s at the start of chunk j + 1
+    carry = torch.zeros(B, device=x.device, dtype=dtype)
+    span = discount**L
+    for j in range(n_chunks - 1, 0, -1):
+        carry = chunk_starts[:, j] + span * carry
+        next_start[:, j - 1] = carry
+    # Position t of a chunk sees the next chunk's start discounted by discount^(L - t).
+    local.addcmul_(next_start[:, :, None], torch.pow(base, L - steps))
+    out = local.view(B, n_chunks * L)[:, :T].to(torch.float32)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _layout(policy: torch.Tensor, rewards: torch.Tensor) -> tuple[bool, bool]:
+    """(every row's policy tokens form one contiguous run, some reward sits on a masked token)."""
+    if policy.numel() == 0:
+        return True, False
+    segments = policy[:, 0].to(torch.int64)
+    if policy.shape[1] > 1:
+        segments = segments + (policy[:, 1:] > policy[:, :-1]).sum(-1)
+    contiguous = (segments <= 1).all()
+    stray_reward = ((rewards != 0) > policy).any()
+    return bool(contiguous), bool(stray_reward)
+
+
+def _credit_trailing_rewards(rewards: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """For rows with one contiguous run of policy tokens: rewards on masked
+    tokens after the run go to its last token, those before it are dropped.
+
+    Shape: (B, T), (B, T) -> (B, T), 0 off the mask.
+    """
+    T = on.shape[1]
+    positions = torch.arange(T, device=on.device, dtype=torch.float32)
+    last = (on * (positions + 1)).amax(-1, keepdim=True) - 1  # [B, 1], -1 for an empty row
+    trailing = torch.where(positions > last, rewards, 0.0).sum(-1, keepdim=True)  # [B, 1]
+    credited = rewards * on
+    has_token = last >= 0
+    credited.scatter_add_(1, last.clamp(min=0).to(torch.int64), torch.where(has_token, trailing, 0.0))
+    return credited
+
+
+def _compact(
+    rewards: torch.Tensor, values: torch.Tensor | None, on: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Move each row's policy tokens to the front, in order, so that the time
+    steps of every row become one contiguous run starting at column 0.
+
+    Token ``t`` belongs to slot ``(number of policy tokens in [0, t]) - 1``: a
+    policy token to its own slot, a masked token to the slot of the policy
+    token before it. Rewards are summed into their slot, which is exactly the
+    credit rule for rewards on masked tokens; those before the first policy
+    token (slot -1) go to a discarded extra column, like the values of masked
+    tokens.
+
+    On CUDA, ``scatter_add_`` sums with atomics: when several rewards share a
+    slot their order, and so the last bits of the sum, may differ between runs.
+
+    Shape: (B, T) each -> compact rewards (B, T), compact values (B, T) or
+    None, compact mask (B, T), and the slot index (B, T) to gather results back
+    (T for masked tokens).
+    """
+    B, T = on.shape
+    slot = on.cumsum(-1).sub_(1).to(torch.int64)  # [B, T]
+    reward_slot = slot.masked_fill_(slot < 0, T)
+    compact_rewards = torch.zeros(B, T + 1, device=on.device).scatter_add_(1, reward_slot, rewards)
+    policy_slot = reward_slot.masked_fill(on == 0, T)
+    compact_values = None
+    if values is not None:
+        # Several masked tokens write to the discarded column T; which one wins does not matter.
+        compact_values = torch.zeros(B, T + 1, device=on.device).scatter_(1, policy_slot, values)
+        compact_values = compact_values[:, :T]
+    lengths = on.sum(-1, keepdim=True)
+    compact_on = (torch.arange(T, device=on.device) < lengths).to(torch.float32)
+    return compact_rewards[:, :T] * compact_on, compact_values, compact_on, policy_slot
+
+
+def _expand(compact: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_compact` for a result: back to each policy token's column, 0 elsewhere."""
+    return torch.nn.functional.pad(compact, (0, 1)).gather(1, slot)
+
+
+def _gae_contiguous(
+    rewards: torch.Tensor, values: torch.Tensor | None, on: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """GAE for rows whose policy tokens form one contiguous run, with ``values``
+    (or zero values when None) and ``rewards`` already 0 off the mask.
+
+    The next policy token of ``t`` is ``t + 1`` or none, so ``V_{t'}`` is the
+    left shift of ``V`` (0 off the mask) and ``A`` is a reverse discounted
+    cumulative sum of the TD errors with the constant discount ``gamma * lam``.
+
+    Shape: (B, T) each -> (B, T).
+    """
+    if values is None:
+        deltas = rewards.clone()
+    else:
+        deltas = torch.empty_like(values)
+        deltas[:, -1:] = 0.0
+        torch.mul(values[:, 1:], gamma, out=deltas[:, :-1])
+        deltas.add_(rewards).sub_(values)
+    deltas.mul_(on)
+    return _reverse_discounted_cumsum(deltas, gamma * lam).mul_(on)
+
+
+def _gae_any_layout(
+    rewards: torch.Tensor, values: torch.Tensor | None, on: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """GAE for any mask: the fast contiguous path, after compacting the policy
+    tokens when masked tokens interrupt a response or carry rewards.
+
+    Shape: (B, T) each -> (B, T).
+    """
+    contiguous, stray_reward = _layout(on > 0, rewards)
+    if contiguous:
+        if stray_reward:
+            rewards = _credit_trailing_rewards(rewards, on)
+        return _gae_contiguous(rewards, values, on, gamma, lam)
+    compact_rewards, compact_values, compact_on, slot = _compact(rewards, values, on)
+    advantages = _gae_contiguous(compact_rewards, compact_values, compact_on, gamma, lam)
+    return _expand(advantages, slot)
+
+
+def discounted_returns(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """Discounted return of every policy token, skipping masked tokens.
+
+    ``G_t = r'_t + gamma * G_{t'}`` with ``t'`` the next policy token (``G = 0``
+    after the last one) and ``r'_t`` = ``r_t`` plus any reward on masked tokens
+    between ``t`` and ``t'``. For a contiguous mask this is the textbook
+    ``G_t = sum_{k >= t} gamma^(k - t) r_k``.
+
+    Shape: (B, T), (B, T) -> (B, T) float32, zero outside the mask.
+    """
+    _check_inputs("discounted_returns", {"token_rewards": token_rewards, "response_mask": response_mask})
+    _check_unit_interval("discounted_returns", gamma=gamma)
+    policy = response_mask > 0
+    on = policy.to(torch.float32)
+    rewards = token_rewards.detach().to(torch.float32)
+    # With zero values and lam = 1 the GAE recursion is the return recursion.
+    return _gae_any_layout(rewards, None, on, gamma, 1.0)
+
+
+def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense group index of every response and the size of each group."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return inverse, counts
+
+
+def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+
+
+def _group_all_equal(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """For every response: True if each member of its group has exactly its value."""
+    lowest = torch.empty(n_groups, dtype=x.dtype, device=x.device).scatter_reduce_(
+        0, inverse, x, reduce="amin", include_self=False
+    )
+    highest = torch.empty(n_groups, dtype=x.dtype, device=x.device).scatter_reduce_(
+        0, inverse, x, reduce="amax", include_self=False
+    )
+    return (lowest == highest)[inverse]
+
+
+def _sequence_returns(token_rewards: torch.Tensor) -> torch.Tensor:
+    """``R_i = sum_t token_rewards[i, t]``. Shape: (B, T) -> (B,) float64."""
+    return token_rewards.detach().to(torch.float32).sum(-1).to(torch.float64)
+
+
+def _group_centred(
+    returns: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``R_i - mean_g(R)``, exactly 0 for groups of one and all-equal groups.
+
+    Returns (centred [B], size of each response's group [B], dense group index
+    [B], number of groups), all float64 / int64.
+    """
+    inverse, counts = _group_index(group_ids)
+    n_groups = counts.numel()
+    sizes = counts[inverse].to(torch.float64)
+    mean = _group_sum(returns, inverse, n_groups)[inverse] / sizes
+    # A float mean of equal numbers need not equal them; test equality exactly.
+    constant = _group_all_equal(returns, inverse, n_groups)
+    return torch.where(constant, 0.0, returns - mean), sizes, inverse, n_groups
+
+
+def _sequence_level(
+    advantage: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put per-response ``A_i`` and ``R_i`` on every policy token (``response_mask``
+    may already be the bool mask, saving a pass).
+
+    Shape: (B,), (B,), (B, T) -> (B, T), (B, T) float32.
+    """
+    policy = response_mask if response_mask.dtype == torch.bool else response_mask > 0
+    return (
+        torch.where(policy, advantage.to(torch.float32)[:, None], 0.0),
+        torch.where(policy, returns.to(torch.float32)[:, None], 0.0),
+    )
+
+
+# --------------------------------------------------------------------------
+# Estimators
+# --------------------------------------------------------------------------
+
+
+def gae(
+    *,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation with a critic (PPO's estimator).
+
+    Over the policy tokens ``t`` of a row, ``t'`` the next one::
+
+        delta_t = r'_t + gamma * V_{t'} - V_t          (V_{t'} = 0 after the last token)
+        A_t     = delta_t + gamma * lam * A_{t'}
+        returns = A_t + V_t                            (the critic's regression target)
+
+    ``r'_t`` is ``r_t`` plus the rewards on masked tokens before ``t'``. Masked
+    tokens inside a response (tool output) are not time steps: the next value
+    and advantage are carried over them unchanged. ``whiten=True`` (PPO's
+    default) then normalises the advantages over all policy tokens of the batch
+    (:func:`masked_whiten`); ``returns`` always come from the raw advantages.
+
+    ``gamma = lam = 1`` with zero values gives the reward-to-go; ``lam = 0``
+    gives one-step TD errors. Defaults follow LLM PPO practice: gamma 1
+    (episodes are short, rewards sparse) and lam 0.95 (OpenAI's
+    lm-human-preferences, TRL and OpenRLHF use it).
+
+    Paper: Schulman et al. 2016, "High-Dimensional Continuous Control Using
+    Generalized Advantage Estimation", arXiv:1506.02438.
+
+    Shape: ``token_rewards``, ``values``, ``response_mask`` (B, T) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "gae", {"token_rewards": token_rewards, "values": values, "response_mask": response_mask}
+    )
+    _check_unit_interval("gae", gamma=gamma, lam=lam)
+    policy = response_mask > 0
+    on = policy.to(torch.float32)
+    rewards = token_rewards.detach().to(torch.float32)
+    # Critics may emit anything on padding; never let it reach a policy token.
+    values = torch.where(policy, values.detach().to(torch.float32), 0.0)  # [B, T]
+    advantages = _gae_any_layout(rewards, values, on, gamma, lam)
+    returns = values.add_(advantages)  # reuses the values buffer: V + A, zero off the mask
+    if whiten:
+        advantages = _whiten_(advantages, on, eps)
+    return advantages, returns
+
+
+def grpo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantage (GRPO); ``norm_by_std=False`` is Dr. GRPO.
+
+    For response ``i`` in group ``g`` with return ``R_i``::
+
+        A_i = (R_i - mean_g(R)) / (std_g(R) + eps)      norm_by_std=True
+        A_i =  R_i - mean_g(R)                          norm_by_std=False
+
+    on every policy token of ``i``. ``std_g`` is the unbiased (Bessel-corrected,
+    ``1/(n-1)``) standard deviation, as in TRL, verl and OpenRLHF. Groups of
+    one and all-equal groups get ``A = 0``.
+
+    Papers: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical
+    Reasoning in Open Language Models", arXiv:2402.03300 (GRPO); Liu et al.
+    2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+    arXiv:2503.20783 (Dr. GRPO: dividing by the std up-weights groups that are
+    nearly all right or all wrong).
+
+    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "grpo", {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"group_ids": group_ids},
+    )
+    returns = _sequence_returns(token_rewards)
+    centred, sizes, inverse, n_groups = _group_centred(returns, group_ids)
+    advantage = centred
+    if norm_by_std:
+        squared = _group_sum(centred**2, inverse, n_groups)[inverse]
+        std = (squared / (sizes - 1).clamp(min=1)).sqrt()
+        advantage = centred / (std + eps)
+    return _sequence_level(advantage, returns, response_mask)
+
+
+def rloo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out: each response's baseline is the mean of the others.
+
+    For a group of ``n > 1`` responses::
+
+        A_i = R_i - (sum_{j != i} R_j) / (n - 1) = n / (n - 1) * (R_i - mean_g(R))
+
+    on every policy token of ``i``. A group of one has no other member and gets
+    ``A = 0``, as do all-equal groups.
+
+    Papers: Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for
+    Free!" (ICLR DeepRLStructPred workshop); Ahmadian et al. 2024, "Back to
+    Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+    Feedback in LLMs", arXiv:2402.14740.
+
+    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "rloo", {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"group_ids": group_ids},
+    )
+    returns = _sequence_returns(token_rewards)
+    centred, sizes, _, _ = _group_centred(returns, group_ids)
+    # Groups of one already have centred == 0; the clamp only avoids 0 / 0.
+    advantage = centred * sizes / (sizes - 1).clamp(min=1)
+    return _sequence_level(advantage, returns, response_mask)
+
+
+def reinforce_plus_plus(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    whiten: bool = True,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: per-token discounted return, whitened over the whole batch.
+
+    ::
+
+        G_t = r'_t + gamma * G_{t'}          (t' the next policy token, see the module doc)
+        A_t = (G_t - mean_batch(G)) / (std_batch(G) + eps)
+
+    with the mean and population std over every policy token of the batch: the
+    batch statistics are the baseline, so it works with one response per
+    prompt. ``returns`` are ``G``. The per-token rewards usually carry the KL
+    penalty (:func:`rltk.algorithms.kl.apply_kl_penalty`), as in the paper.
+
+    Paper: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
+    Large Language Models", arXiv:2501.03262.
+
+    Shape: (B, T), (B, T) -> (B, T), (B, T).
+    """
+    returns = discounted_returns(token_rewards, response_mask, gamma)
+    advantages = returns.clone()
+    if whiten:
+        advantages = _whiten_(advantages, (response_mask > 0).to(torch.float32), eps)
+    return advantages, returns
+
+
+def reinforce_plus_plus_baseline(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    whiten: bool = True,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: group-mean baseline, then batch whitening.
+
+    ::
+
+        a_i = R_i - mean_g(R)                                (0 for groups of one / all equal)
+        A_t = (a_i - mean_batch(a)) / (std_batch(a) + eps)   on every policy token t of i
+
+    The batch statistics run over policy tokens, so long responses weigh more,
+    as in the paper. Whitening maps the ``a_i = 0`` of a group of one or an
+    all-equal group to ``-mean_batch(a) / std_batch(a)``, the shift every token
+    gets; ``whiten=False`` keeps it exactly 0. ``returns`` are ``R_i``.
+
+    Paper: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
+    Large Language Models", arXiv:2501.03262 (REINFORCE++-baseline).
+
+    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "reinforce_plus_plus_baseline",
+        {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"group_ids": group_ids},
+    )
+    returns = _sequence_returns(token_rewards)
+    centred, _, _, _ = _group_centred(returns, group_ids)
+    advantages, returns = _sequence_level(centred, returns, response_mask)
+    if whiten:
+        advantages = _whiten_(advantages, (response_mask > 0).to(torch.float32), eps)
+    return advantages, returns
+
+
+def remax(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    baseline_scores: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: the reward of the greedy response to the same prompt is the baseline.
+
+    ::
+
+        A_i = R(x, y_i) - R(x, y_greedy)
+
+    on every policy token of ``i``. ``baseline_scores`` holds the greedy
+    response's reward (``rltk.batch.Experience.baseline_score``); ``R`` is the
+    row sum of ``token_rewards``. No group is needed: every response has its
+    own baseline.
+
+    Paper: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient
+    Reinforcement Learning Method for Aligning Large Language Models",
+    arXiv:2310.10505.
+
+    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "remax", {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"baseline_scores": baseline_scores},
+    )
+    returns = _sequence_returns(token_rewards)
+    advantage = returns - baseline_scores.detach().to(torch.float64)
+    return _sequence_level(advantage, returns, response_mask)
+
+
+def opo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO: the length-weighted group mean as the (optimal) baseline.
+
+    With ``l_i`` the number of policy tokens of response ``i``::
+
+        b_g = sum_{i in g} l_i R_i / sum_{i in g} l_i
+        A_i = R_i - b_g                   (no std normalisation)
+
+    on every policy token of ``i``. Groups of one and all-equal groups get
+    ``A = 0``; a group whose responses are all empty has no token to carry an
+    advantage.
+
+    Paper: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline",
+    arXiv:2505.23585.
+
+    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "opo", {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"group_ids": group_ids},
+    )
+    returns = _sequence_returns(token_rewards)
+    policy = response_mask > 0
+    lengths = policy.sum(-1).to(torch.float64)
+    inverse, counts = _group_index(group_ids)
+    n_groups = counts.numel()
+    weighted = _group_sum(lengths * returns, inverse, n_groups)
+    total_length = _group_sum(lengths, inverse, n_groups)
+    baseline = (weighted / total_length.clamp(min=1))[inverse]
+    constant = _group_all_equal(returns, inverse, n_groups)
+    advantage = torch.where(constant, 0.0, returns - baseline)
+    return _sequence_level(advantage, returns, policy)
+
+
+@rltk.hookimpl
+def rltk_advantage_fns():
+    """Register the builtin advantage estimators."""
+    return {
+        "gae": gae,
+        "grpo": grpo,
+        "rloo": rloo,
+        "reinforce_plus_plus": reinforce_plus_plus,
+        "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+        "remax": remax,
+        "opo": opo,
+    }
