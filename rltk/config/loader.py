@@ -172,7 +172,15 @@ def load_config(
 
     preset_name = OmegaConf.select(cli, "algorithm.name") or OmegaConf.select(user, "algorithm.name") \
         or schema.algorithm.name
-    cfg = _merge(schema, OmegaConf.create({"algorithm": _preset(preset_name, source)}), f"preset '{preset_name}'")
+    preset = _preset(preset_name, source)
+    # A preset's arguments belong to the component it chose: swapping the component
+    # (algorithm.advantage_fn=rloo on top of grpo) drops them rather than feeding
+    # grpo's arguments to rloo.
+    for key in [k for k in preset if not k.endswith("_args")]:
+        chosen = OmegaConf.select(cli, f"algorithm.{key}") or OmegaConf.select(user, f"algorithm.{key}")
+        if chosen is not None and chosen != preset[key]:
+            preset.pop(f"{key}_args", None)
+    cfg = _merge(schema, OmegaConf.create({"algorithm": preset}), f"preset '{preset_name}'")
     cfg = _merge(cfg, user, source)
     cfg = _merge(cfg, cli, "command line")
     if validate:
@@ -335,6 +343,12 @@ def _check_positive(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value < minimum:
             raise ConfigError(f"bad value {value!r} for '{key}': must be >= {minimum}")
+    for section, total in (("trainer", "total_steps"), ("sft", "steps")):
+        warmup, steps = OmegaConf.select(cfg, f"{section}.warmup_steps"), OmegaConf.select(cfg, f"{section}.{total}")
+        if not 0 <= warmup <= steps:
+            raise ConfigError(
+                f"bad value {warmup!r} for '{section}.warmup_steps': must be in [0, {section}.{total}={steps}]"
+            )
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"bad value {cfg.trainer.lr!r} for 'trainer.lr': must be > 0")
     if cfg.rollout.temperature <= 0:

@@ -133,3 +133,11 @@ def test_every_shipped_config_validates():
     assert files, "no shipped configs found under recipes/"
     for f in files:
         load_config([f])
+
+
+def test_swapping_a_component_drops_the_presets_arguments_for_it():
+    cfg = load_config([], ["algorithm.name=dr_grpo"])
+    assert cfg.algorithm.advantage_fn_args == {"norm_by_std": False}
+    cfg = load_config([], ["algorithm.name=dr_grpo", "algorithm.advantage_fn=rloo"])
+    assert cfg.algorithm.advantage_fn_args == {}
+    assert cfg.algorithm.loss_agg == "seq-mean-token-sum-norm"  # the rest of the preset stays

@@ -1,0 +1,208 @@
+"""Build a run's pieces from its config: policy, data, reward, engine, loggers, checkpoints.
+
+Recipes call these so that each recipe script stays a readable loop; every
+piece that is a registered component is looked up by its config name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import rltk
+from rltk.config.loader import ConfigError, apply_overrides
+from rltk.rollout.base import SamplingParams
+
+log = logging.getLogger("rltk")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def args_of(cfg: DictConfig, key: str) -> dict:
+    """The ``<key>_args`` mapping of a component key as a plain dict."""
+    node = OmegaConf.select(cfg, key + "_args")
+    return dict(OmegaConf.to_container(node, resolve=True)) if node is not None else {}
+
+
+def stage_config(cfg: DictConfig, index: int) -> DictConfig:
+    """The config of stage ``index``: the run config with that stage's overrides applied."""
+    stage = cfg.stages[index]
+    overrides = OmegaConf.to_container(stage.overrides, resolve=True) if stage.overrides else {}
+    return apply_overrides(cfg, overrides, f"stages[{index}].overrides (stage '{stage.name}')")
+
+
+# ---------------------------------------------------------------- model and data
+
+def build_tokenizer_and_policy(cfg: DictConfig):
+    """The tokenizer and policy model: a local HF folder (``model.path``) or the embedded tiny model."""
+    from rltk.models.loading import ensure_pad_token, load_model, load_tokenizer
+    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+
+    if cfg.model.path:
+        tokenizer = ensure_pad_token(load_tokenizer(cfg.model.path))
+        model = load_model(cfg.model.path, dtype=cfg.model.dtype)
+    else:
+        tiny = cfg.model.tiny
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(
+            tokenizer,
+            hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+            num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
+            max_position_embeddings=tiny.max_position_embeddings,
+            tie_word_embeddings=tiny.tie_word_embeddings, seed=cfg.seed,
+        )
+        model = model.to(getattr(torch, cfg.model.dtype))
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return tokenizer, model
+
+
+def build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
+    """Train and held-out rows in the standard form ``{prompt, ground_truth, extras, id}``."""
+    from rltk.data.loading import format_prompts, load_rows
+    from rltk.data.synthetic import make_task
+
+    d = cfg.data
+    extras_keys = list(d.extras_keys) if d.extras_keys is not None else None
+    if d.path:
+        train = load_rows(d.path, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                          extras_keys=extras_keys)
+        if d.eval_path:
+            held_out = load_rows(d.eval_path, split=d.eval_split, prompt_key=d.prompt_key,
+                                 answer_key=d.answer_key, extras_keys=extras_keys)
+        else:  # carve a deterministic held-out slice off the training file
+            order = list(range(len(train)))
+            random.Random(cfg.seed).shuffle(order)
+            n_eval = min(d.eval_size, max(1, len(train) // 10))
+            held_out = [train[i] for i in order[:n_eval]]
+            train = [train[i] for i in order[n_eval:]]
+    elif d.task:
+        task_args = dict(OmegaConf.to_container(d.task_args, resolve=True))
+        train = make_task(d.task, "train", d.train_size, cfg.seed, **task_args)
+        held_out = make_task(d.task, "heldout", d.eval_size, cfg.seed, **task_args)
+    else:
+        raise ConfigError("set either 'data.path' (a dataset file or folder) or 'data.task' (a synthetic task)")
+    fmt = dict(system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
+               prompt_template=d.prompt_template, max_prompt_tokens=d.max_prompt_tokens,
+               on_too_long=d.on_too_long)
+    return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
+
+
+def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids + eos) for supervised warm-up.
+
+    The completion is ``extras["solution"]`` when the task provides one, else
+    ``extras[completion_key]`` when configured, else the ground truth.
+    """
+    pairs = []
+    for row in rows:
+        extras = row.get("extras") or {}
+        if completion_key:
+            if completion_key not in extras:
+                raise ConfigError(
+                    f"sft.completion_key='{completion_key}' is not a column of row {row.get('id')}; "
+                    f"available extras: {sorted(extras)} (add it to data.extras_keys)"
+                )
+            completion = str(extras[completion_key])
+        else:
+            completion = str(extras.get("solution", row["ground_truth"]))
+        prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        pairs.append((prompt_ids, completion_ids))
+    return pairs
+
+
+# ---------------------------------------------------------------- components
+
+def build_reward(cfg: DictConfig):
+    """The weighted combination of ``reward.reward_fn`` with fallback and timeout."""
+    from rltk.rewards.compose import build_reward_composer
+
+    r = cfg.reward
+    return build_reward_composer(
+        list(r.reward_fn),
+        weights=dict(OmegaConf.to_container(r.weights, resolve=True)),
+        args=dict(OmegaConf.to_container(r.reward_fn_args, resolve=True)),
+        fallback=r.fallback,
+        timeout_s=r.timeout_s,
+    )
+
+
+def sampling_params(cfg: DictConfig, *, greedy: bool = False) -> SamplingParams:
+    r = cfg.rollout
+    if greedy:
+        return SamplingParams(n=1, greedy=True, max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens)
+
+
+def build_strategy(cfg: DictConfig, model, *, lr: float, total_steps: int, warmup_steps: int,
+                   lr_schedule: str):
+    """The configured training strategy, set up with an optimizer and schedule for one stage."""
+    strategy = rltk.get_component("training_strategy", cfg.strategy)(**args_of(cfg, "strategy"))
+    t = cfg.trainer
+    strategy.setup(model, lr=lr, total_steps=total_steps, weight_decay=t.weight_decay,
+                   betas=tuple(t.betas), warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                   min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip)
+    return strategy
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step: int | None = None) -> list:
+    """The configured loggers; ``resume_step`` makes file loggers drop what was logged after it."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    loggers = []
+    for name in cfg.logging.logger:
+        cls = rltk.get_component("logger", name)
+        args = dict(OmegaConf.to_container(cfg.logging.logger_args, resolve=True)).get(name, {})
+        loggers.append(cls(run_dir=run_dir, config=container, total_steps=total_steps,
+                           resume_step=resume_step, **args))
+    return loggers
+
+
+@dataclass
+class MetricLog:
+    """Fans metrics out to every logger and to the lifecycle hook."""
+
+    loggers: list
+    history: list[dict] = field(default_factory=list)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        rltk.get_plugin_manager().hook.rltk_on_step_end(step=step, metrics=metrics)
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))}
+        self.history.append({"step": step, **clean})
+        for logger in self.loggers:
+            logger.log(clean, step)
+
+    def last(self, key: str) -> tuple[int, float] | None:
+        """The latest ``(step, value)`` logged for ``key`` in this process, if any."""
+        for entry in reversed(self.history):
+            if key in entry:
+                return entry["step"], entry[key]
+        return None
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def prepare_run_dir(cfg: DictConfig) -> Path:
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return run_dir
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,42 @@
+"""Supervised fine-tuning steps (the warm-up stage before RL)."""
+
+from __future__ import annotations
+
+import torch
+
+from rltk.batch import Experience, collate, slice_batch
+from rltk.models.logprobs import response_logprobs
+
+
+def sft_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """(prompt ids, completion ids) pairs as a collated batch; the loss covers completions only."""
+    experiences = [Experience(prompt_ids=p, response_ids=c, score=0.0, group_id=i) for i, (p, c) in enumerate(examples)]
+    return collate(experiences, pad_token_id)
+
+
+def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int, impl: str = "auto",
+             chunk_size: int | None = None) -> dict[str, float]:
+    """One optimizer step of token-level cross-entropy on the completion tokens.
+
+        L = - sum_{i,t} m_{i,t} log pi(y_{i,t} | x_i, y_{i,<t}) / sum_{i,t} m_{i,t}
+
+    normalised by the global token count so micro-batching and data parallelism
+    give the gradient of one large batch.
+    """
+    T = batch["response_mask"].shape[1]
+    global_tokens = strategy.all_reduce_sum(
+        torch.tensor([batch["response_mask"].sum().item()], dtype=torch.float64)
+    ).item()
+    total_nll = 0.0
+    starts = list(range(0, batch["input_ids"].shape[0], micro_batch_size))
+    for i, start in enumerate(starts):
+        mb = {k: v.to(strategy.device) for k, v in slice_batch(batch, slice(start, start + micro_batch_size)).items()}
+        with strategy.accumulate(i == len(starts) - 1):
+            with strategy.autocast():
+                logprobs, _ = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
+                                                impl=impl, chunk_size=chunk_size)
+                loss = -(logprobs * mb["response_mask"]).sum() / max(global_tokens, 1.0)
+            strategy.backward(loss)
+        total_nll += loss.item()
+    info = strategy.step()
+    return {"sft_loss": total_nll, **{k: float(v) for k, v in info.items()}}
