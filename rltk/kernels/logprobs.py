@@ -1,0 +1,512 @@
+"""Per-token log-probabilities and entropy straight from hidden states and the LM head.
+
+The usual way to get the log-probability of each sampled token materialises
+the logits ``[N, V]`` (tokens times vocabulary), their log-softmax, the
+softmax and their product for the entropy: at N = 8192 and V = 152k that is
+about 5 GB per copy in fp32, and it is the memory peak of every RL step.
+:func:`token_logprobs_and_entropy` computes both quantities from ``hidden``
+and the LM-head ``weight`` while holding at most one tile of logits at a time.
+
+Math (one token; ``z = (h W^T + b) / t`` are its logits at temperature ``t``)::
+
+    lse      = log sum_v exp(z_v)                 (online: running max m,
+    p_v      = exp(z_v - lse)                      s = sum exp(z - m),
+    logprob  = z_label - lse                       w = sum exp(z - m) (z - m))
+    entropy  = lse - E_p[z] = log s - w / s
+
+and the gradients, with ``g_lp`` and ``g_ent`` the upstream gradients::
+
+    dL/dz_v  = g_lp (1[v = label] - p_v) + g_ent p_v (E_p[z] - z_v)
+    dL/d(hW^T + b) = dL/dz / t
+
+The forward pass keeps, per token, only ``lse`` and ``E_p[z]``; the backward
+pass recomputes each tile of logits from them (the recomputation trick of
+FlashAttention, Dao et al. 2022, https://arxiv.org/abs/2205.14135, applied to
+the LM head as in Cut Cross-Entropy, Wijmans et al. 2024,
+https://arxiv.org/abs/2411.09009). The online softmax is Milakov & Gimelshein
+2018, https://arxiv.org/abs/1805.02867.
+
+Backends (``impl``):
+
+* ``"triton"``: fused GPU kernels (:mod:`rltk.kernels.triton_logprobs`).
+* ``"torch"``: tiles of ``chunk_size`` tokens by vocabulary, pre-allocated
+  buffers, ``torch.mm(out=...)`` and in-place ops; the CPU path and the
+  fallback where Triton is missing.
+* ``"naive"``: full logits and ``log_softmax``; the reference the others are
+  tested against, and the right choice when memory is no concern.
+* ``"auto"``: ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+IMPLS = ("auto", "triton", "torch", "naive")
+IGNORE_INDEX = -100
+
+# Elements in one tile of logits for the torch backend. Two tiles of fp32 are
+# live at a time (logits and exp), so the default costs 2 * 2**25 * 4 B = 256 MiB
+# whatever N and V are; on the benchmark shape a 1024 x 32000 tile runs within a
+# few percent of the bare matmul, while tiles of a few hundred rows lose time
+# to the re-read of the weight for every chunk.
+DEFAULT_TILE_ELEMENTS = 2**25
+DEFAULT_MAX_VOCAB_CHUNK = 32768
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def token_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    impl: str = "auto",
+    chunk_size: int | Sequence[int] | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``labels`` and entropy of the softmax of ``(hidden @ weight.T + bias) / temperature``.
+
+    Never holds the ``[N, V]`` logits (except with ``impl="naive"``): the
+    forward pass runs an online softmax over vocabulary tiles and saves only
+    two fp32 numbers per token; the backward pass recomputes the logits tile by
+    tile. See the module docstring for the formulas.
+
+    Args:
+        hidden: last hidden states. Shape: (N, D); fp32, bf16 or fp16.
+        weight: LM-head weight (the embedding matrix when tied). Shape: (V, D);
+            same dtype as ``hidden``.
+        labels: token ids to score. Shape: (N,); integer. Positions equal to
+            ``ignore_index`` get log-prob 0 and send no gradient through it;
+            their entropy is still computed (and differentiable), so mask it
+            yourself if those positions must not count.
+        bias: optional LM-head bias. Shape: (V,).
+        temperature: logits are divided by it before the softmax (> 0); the
+            sampling temperature of the rollout, so that log-probs match it.
+        impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"naive"`` (see module).
+        chunk_size: tile size: tokens per tile, or ``(tokens, vocab)``. For the
+            torch backend the default keeps a tile at about 2**25 logits
+            (1048 x 32000 at V = 32000) and vocab tiles at most 32768 wide, so
+            memory does not grow with V. For Triton both numbers must be powers
+            of two (block sizes); the default is tuned for GPUs. Ignored by naive.
+        ignore_index: label value that marks positions without a target.
+
+    Returns:
+        ``(logprobs, entropy)``, both fp32. Shape: (N,) each. Differentiable
+        with respect to ``hidden``, ``weight`` and ``bias`` (gradients come back
+        in their dtypes); the upstream gradients of both outputs are used.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, temperature, labels, impl or
+            chunk size; the message names the argument and what is valid.
+    """
+    _check_inputs(hidden, weight, labels, bias, temperature)
+    backend = resolve_impl(impl, hidden)
+    _check_label_range(labels, weight.shape[0], ignore_index)
+    if backend == "naive":
+        return naive_token_logprobs_and_entropy(
+            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index
+        )
+    if backend == "torch":
+        tiling = torch_tiling(hidden.shape[0], weight.shape[0], chunk_size)
+    else:
+        from rltk.kernels import triton_logprobs
+
+        tiling = triton_logprobs.config_for(hidden, weight, chunk_size)
+    return _TokenLogprobsEntropy.apply(
+        hidden, weight, bias, labels, float(temperature), backend, tiling, int(ignore_index)
+    )
+
+
+# --------------------------------------------------------------------------
+# Dispatch and argument checks
+# --------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether ``import triton`` works in this process."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install is as unusable as a missing one
+        return False
+    return True
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton reads the variable when it is imported, so this only tells the truth
+    if nothing changed it since.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
+    """The concrete backend (``"triton"``, ``"torch"`` or ``"naive"``) ``impl`` means for ``hidden``.
+
+    Raises ValueError for an unknown name and RuntimeError when ``"triton"`` is
+    asked for but cannot run here.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not a logprob backend; valid: {', '.join(map(repr, IMPLS))}")
+    if impl == "auto":
+        return "triton" if hidden.is_cuda and triton_available() else "torch"
+    if impl == "triton":
+        if not triton_available():
+            raise RuntimeError(
+                "impl='triton' but `import triton` fails in this environment; install it "
+                "(pip install 'rltk[triton]') or use impl='torch'."
+            )
+        if not hidden.is_cuda and not triton_interpreter_enabled():
+            raise RuntimeError(
+                f"impl='triton' needs CUDA tensors, got tensors on '{hidden.device}'. Use impl='torch' "
+                "on CPU, or set TRITON_INTERPRET=1 before triton is imported to run the kernels in "
+                "Triton's (very slow) CPU interpreter for testing."
+            )
+    return impl
+
+
+def _check_inputs(hidden, weight, labels, bias, temperature) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"hidden must be [N, D] and weight [V, D]; got hidden {tuple(hidden.shape)} and weight "
+            f"{tuple(weight.shape)}. Flatten batch and time first: hidden.reshape(-1, D)."
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size mismatch: hidden is {tuple(hidden.shape)} and weight {tuple(weight.shape)}; "
+            "both need the same D (hidden [N, D], weight [V, D])."
+        )
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"labels must have shape [N] = ({hidden.shape[0]},); got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must hold integer token ids; got dtype {labels.dtype}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"hidden dtype {hidden.dtype} is not supported; valid: float32, bfloat16, float16")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one so they match "
+            "(the op upcasts to fp32 inside)."
+        )
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},); got {tuple(bias.shape)}")
+        if bias.device != weight.device:
+            raise ValueError(f"bias is on {bias.device} but weight on {weight.device}; move them together")
+    for name, t in (("weight", weight), ("labels", labels)):
+        if t.device != hidden.device:
+            raise ValueError(f"hidden is on {hidden.device} but {name} on {t.device}; move them together")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has V = 0 rows: a softmax over an empty vocabulary is undefined")
+
+
+def _check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    # One host sync per call; worth it, since an out-of-range id would otherwise
+    # read past the weight in a kernel or give a silently wrong log-prob.
+    if labels.numel() == 0:
+        return
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if bool(bad.any()):
+        first = int(labels[bad][0])
+        raise ValueError(
+            f"labels contain id {first} outside the vocabulary [0, {vocab_size}) "
+            f"({int(bad.sum())} such positions); use ignore_index={ignore_index} for positions without "
+            "a target, or check that weight is the LM head of the model that produced the tokens."
+        )
+
+
+def torch_tiling(num_tokens: int, vocab_size: int, chunk_size: int | Sequence[int] | None) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)`` the torch backend uses for ``chunk_size`` (see the op)."""
+    if chunk_size is None:
+        vocab_chunk = min(vocab_size, DEFAULT_MAX_VOCAB_CHUNK)
+        token_chunk = max(16, DEFAULT_TILE_ELEMENTS // vocab_chunk)
+    else:
+        token_chunk, vocab_chunk = _parse_chunk_size(chunk_size, default_vocab=vocab_size)
+    return max(1, min(token_chunk, num_tokens)), min(vocab_chunk, vocab_size)
+
+
+def _parse_chunk_size(chunk_size, default_vocab: int) -> tuple[int, int]:
+    if isinstance(chunk_size, bool):
+        raise ValueError(f"chunk_size must be an int or a (tokens, vocab) pair; got {chunk_size!r}")
+    if isinstance(chunk_size, int):
+        sizes = (chunk_size, default_vocab)
+    else:
+        try:
+            sizes = tuple(chunk_size)
+        except TypeError:
+            sizes = ()
+        if len(sizes) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+            raise ValueError(f"chunk_size must be an int or a (tokens, vocab) pair of ints; got {chunk_size!r}")
+    if sizes[0] < 1 or sizes[1] < 1:
+        raise ValueError(f"chunk_size entries must be >= 1; got {chunk_size!r}")
+    return sizes
+
+
+# --------------------------------------------------------------------------
+# The reference: full logits
+# --------------------------------------------------------------------------
+
+
+def naive_token_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference implementation through the full fp32 logits (plain autograd).
+
+    Same contract as :func:`token_logprobs_and_entropy`; costs several ``[N, V]``
+    fp32 tensors. Inputs are upcast to fp32 before the matmul, as in the fused
+    backends, so all backends compute the same function of the given values.
+    """
+    with _fp32_math(hidden):
+        logits = hidden.float() @ weight.float().T  # [N, V]
+        if bias is not None:
+            logits = logits + bias.float()
+        logits = logits / temperature
+        log_probs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        ignored = labels == ignore_index
+        safe_labels = labels.masked_fill(ignored, 0).long()
+        token_logprobs = log_probs.gather(1, safe_labels[:, None]).squeeze(1).masked_fill(ignored, 0.0)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return token_logprobs, entropy
+
+
+def _fp32_math(tensor: torch.Tensor):
+    """Autocast off: the op's matmuls must stay fp32 even inside a caller's bf16 autocast region."""
+    return torch.autocast(device_type=tensor.device.type, enabled=False)
+
+
+# --------------------------------------------------------------------------
+# The autograd op shared by the torch and triton backends
+# --------------------------------------------------------------------------
+
+
+class _TokenLogprobsEntropy(torch.autograd.Function):
+    """(logprobs, entropy) with a backward that recomputes logits from per-token (lse, E_p[z])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, backend, tiling, ignore_index):
+        forward_fn, _ = _backend_fns(backend)
+        with _fp32_math(hidden):
+            logprobs, entropy, lse, expected_logit = forward_fn(
+                hidden, weight, bias, labels, 1.0 / temperature, tiling, ignore_index
+            )
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, expected_logit)
+        ctx.inv_temperature = 1.0 / temperature
+        ctx.backend, ctx.tiling, ctx.ignore_index = backend, tiling, ignore_index
+        # None for an output nobody differentiates, so backward skips its terms.
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, lse, expected_logit = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 8
+        inv_t = ctx.inv_temperature
+        # Fold 1/t and the ignore mask into per-token scales once, so the tiles
+        # produce the gradient with respect to the raw logits h W^T + b.
+        ignored = labels == ctx.ignore_index
+        grad_lp = None
+        if grad_logprobs is not None:
+            grad_lp = (grad_logprobs.float() * inv_t).masked_fill_(ignored, 0.0)
+        grad_ent = None if grad_entropy is None else grad_entropy.float() * inv_t
+        _, backward_fn = _backend_fns(ctx.backend)
+        with _fp32_math(hidden):
+            grad_hidden, grad_weight, grad_bias = backward_fn(
+                hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_t, ctx.tiling,
+                need_hidden=needs_hidden, need_weight=needs_weight, need_bias=bias is not None and needs_bias,
+            )
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None, None, None,
+        )
+
+
+def _backend_fns(backend: str):
+    if backend == "torch":
+        return _torch_forward, _torch_backward
+    from rltk.kernels import triton_logprobs
+
+    return triton_logprobs.triton_forward, triton_logprobs.triton_backward
+
+
+# --------------------------------------------------------------------------
+# Torch backend: tiles, pre-allocated buffers, in-place ops
+# --------------------------------------------------------------------------
+
+
+class _Tiles:
+    """Reusable fp32 buffers for one call, and the fp32 view of each vocab tile of the weight.
+
+    Tiles narrower than the buffer are carved from the front of its flat storage,
+    so every tile is contiguous (``torch.mm(out=...)`` writes in place only then).
+    """
+
+    def __init__(self, weight, bias, token_chunk, vocab_chunk, inv_temperature, n_buffers):
+        self.weight, self.bias = weight, bias
+        self.vocab_size, self.vocab_chunk = weight.shape[0], vocab_chunk
+        self.inv_t = inv_temperature
+        device = weight.device
+        self.buffers = [
+            torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=device) for _ in range(n_buffers)
+        ]
+        self.single_tile = vocab_chunk >= self.vocab_size
+        # Half-precision weights are upcast per tile (a [vocab_chunk, D] fp32 copy),
+        # or once when one tile covers the vocabulary.
+        self.weight_fp32 = None
+        if weight.dtype != torch.float32:
+            self.weight_fp32 = (
+                weight.float() if self.single_tile
+                else torch.empty(vocab_chunk, weight.shape[1], dtype=torch.float32, device=device)
+            )
+        self.scaled_bias = None if bias is None else bias.float() * inv_temperature
+
+    def ranges(self):
+        for start in range(0, self.vocab_size, self.vocab_chunk):
+            yield start, min(self.vocab_chunk, self.vocab_size - start)
+
+    def weight_tile(self, start: int, width: int) -> torch.Tensor:
+        """Rows ``start : start + width`` of the weight in fp32. Shape: (width, D)."""
+        if self.weight_fp32 is None:
+            return self.weight[start : start + width]
+        if self.single_tile:
+            return self.weight_fp32
+        tile = self.weight_fp32[:width]
+        tile.copy_(self.weight[start : start + width])
+        return tile
+
+    def buffer(self, index: int, rows: int, width: int) -> torch.Tensor:
+        return self.buffers[index][: rows * width].view(rows, width)
+
+    def logits(self, scaled_hidden, w_tile, start, width, out) -> torch.Tensor:
+        """``out = scaled_hidden @ w_tile.T + bias[start:start+width] / t``: a tile of z. Shape: (n, width)."""
+        if self.scaled_bias is None:
+            return torch.mm(scaled_hidden, w_tile.T, out=out)
+        return torch.addmm(self.scaled_bias[start : start + width], scaled_hidden, w_tile.T, out=out)
+
+
+def _hidden_chunk(hidden, start, rows, inv_t):
+    """``(h, h / t)`` for rows ``start : start + rows`` in fp32 (the second is ``h`` itself when t = 1)."""
+    h = hidden[start : start + rows].float()
+    return h, (h if inv_t == 1.0 else h * inv_t)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(1)`` without the ``[n, V]`` temporary (a batched 1 x V by V x 1 product)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore_index):
+    """Chunked forward: per-token log-prob, entropy, lse and E_p[z], all fp32. Shape: (N,) each."""
+    num_tokens = hidden.shape[0]
+    token_chunk, vocab_chunk = tiling
+    device = hidden.device
+    logprobs = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    entropy = torch.empty_like(logprobs)
+    lse = torch.empty_like(logprobs)
+    expected_logit = torch.empty_like(logprobs)
+    tiles = _Tiles(weight, bias, token_chunk, vocab_chunk, inv_temperature, n_buffers=2)
+    labels = labels.long()
+    for row in range(0, num_tokens, token_chunk):
+        rows = min(token_chunk, num_tokens - row)
+        _, scaled_h = _hidden_chunk(hidden, row, rows, inv_temperature)
+        chunk_labels = labels[row : row + rows]
+        label_logit = torch.zeros(rows, dtype=torch.float32, device=device)
+        run_max = run_sum = run_wsum = None  # online stats: m, s = sum e^(z-m), w = sum e^(z-m)(z-m)
+        for start, width in tiles.ranges():
+            z = tiles.logits(scaled_h, tiles.weight_tile(start, width), start, width,
+                             out=tiles.buffer(0, rows, width))  # [n, v]
+            in_tile = (chunk_labels >= start) & (chunk_labels < start + width)
+            picked = z.gather(1, (chunk_labels - start).clamp_(0, width - 1)[:, None]).squeeze(1)
+            label_logit = torch.where(in_tile, picked, label_logit)
+            tile_max = z.amax(dim=1)
+            new_max = tile_max if run_max is None else torch.maximum(run_max, tile_max)
+            z.sub_(new_max[:, None])  # z - m: every exp below is <= 1
+            e = torch.exp(z, out=tiles.buffer(1, rows, width))
+            tile_sum, tile_wsum = e.sum(dim=1), _row_dot(e, z)
+            if run_max is None:
+                run_max, run_sum, run_wsum = new_max, tile_sum, tile_wsum
+            else:
+                # Move the old stats to the new max: w' = (w + (m - m') s) e^(m - m').
+                shift = run_max - new_max
+                scale = shift.exp()
+                run_wsum = (run_wsum + shift * run_sum) * scale + tile_wsum
+                run_sum = run_sum * scale + tile_sum
+                run_max = new_max
+        log_sum = run_sum.log()
+        mean_shifted = run_wsum / run_sum  # E_p[z] - m
+        lse[row : row + rows] = run_max + log_sum
+        expected_logit[row : row + rows] = run_max + mean_shifted
+        entropy[row : row + rows] = log_sum - mean_shifted  # lse - E_p[z], both relative to m
+        logprobs[row : row + rows] = label_logit - lse[row : row + rows]
+    logprobs.masked_fill_(labels == ignore_index, 0.0)
+    return logprobs, entropy, lse, expected_logit
+
+
+def _torch_backward(hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_temperature,
+                    tiling, *, need_hidden, need_weight, need_bias):
+    """Chunked backward from the saved per-token stats; logits are recomputed tile by tile.
+
+    ``grad_lp`` and ``grad_ent`` are already scaled by 1/t (and zero at ignored
+    labels), so each tile below is the gradient with respect to the raw logits
+    ``h W^T + b``. Returns fp32 ``(grad_hidden [N, D], grad_weight [V, D], grad_bias [V])``
+    (None where not needed).
+    """
+    num_tokens, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    token_chunk, vocab_chunk = tiling
+    device = hidden.device
+    tiles = _Tiles(weight, bias, token_chunk, vocab_chunk, inv_temperature, n_buffers=2)
+    grad_hidden = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=device) if need_hidden else None
+    grad_weight = torch.zeros(vocab_size, hidden_size, dtype=torch.float32, device=device) if need_weight else None
+    grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=device) if need_bias else None
+    labels = labels.long()
+    for row in range(0, num_tokens, token_chunk):
+        rows = min(token_chunk, num_tokens - row)
+        h, scaled_h = _hidden_chunk(hidden, row, rows, inv_temperature)
+        chunk_labels = labels[row : row + rows]
+        chunk_lse = lse[row : row + rows, None]
+        g_lp = None if grad_lp is None else grad_lp[row : row + rows]
+        g_ent = None if grad_ent is None else grad_ent[row : row + rows]
+        if g_ent is not None:
+            # dz = p * (g_ent (E - z) - g_lp) + g_lp onehot = p * (offset - g_ent z) + g_lp onehot
+            offset = g_ent * expected_logit[row : row + rows]
+            if g_lp is not None:
+                offset = offset - g_lp
+        for start, width in tiles.ranges():
+            w_tile = tiles.weight_tile(start, width)
+            z = tiles.logits(scaled_h, w_tile, start, width, out=tiles.buffer(0, rows, width))  # [n, v]
+            p = torch.sub(z, chunk_lse, out=tiles.buffer(1, rows, width)).exp_()  # softmax tile
+            if g_ent is not None:
+                dz = z.mul_(-g_ent[:, None]).add_(offset[:, None]).mul_(p)
+            else:
+                dz = torch.mul(p, -g_lp[:, None], out=z)
+            if g_lp is not None:
+                in_tile = (chunk_labels >= start) & (chunk_labels < start + width)
+                local = (chunk_labels - start).clamp_(0, width - 1)[:, None]
+                dz.scatter_add_(1, local, torch.where(in_tile, g_lp, 0.0)[:, None])
+            if grad_hidden is not None:
+                grad_hidden[row : row + rows].addmm_(dz, w_tile)
+            if grad_weight is not None:
+                grad_weight[start : start + width].addmm_(dz.T, h)
+            if grad_bias is not None:
+                grad_bias[start : start + width] += dz.sum(dim=0)
+    return grad_hidden, grad_weight, grad_bias

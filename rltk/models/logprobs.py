@@ -1,0 +1,316 @@
+"""Per-token log-probs (and entropy) of the response part of a batch, from a causal LM.
+
+:func:`response_logprobs` runs the model up to its last hidden states and hands
+them, with the LM-head weight, to :func:`rltk.kernels.token_logprobs_and_entropy`,
+so the ``[B, S, V]`` logits never exist. :func:`response_logprobs_naive`
+computes the same numbers through ``model(...).logits``: the reference in
+tests, and the fallback for models the fused path cannot express.
+
+Batch layout (:mod:`rltk.batch`): ``input_ids [B, S]`` hold prompts left-padded
+to ``P = S - T`` and responses right-padded to ``T``; the hidden state at
+position ``P - 1 + t`` predicts response token ``input_ids[:, P + t]``.
+Position ids come from the attention mask (``cumsum - 1``, clamped at 0), so a
+left-padded prompt gets the positions it had at generation time.
+
+Models and wrappers:
+
+* Hugging Face causal LMs whose base model (``get_decoder()``, ``.model`` or
+  ``.base_model``) returns the final, normed hidden states and whose head is
+  ``get_output_embeddings()``; tied and untied heads both work, as does an LM
+  head with a bias.
+* Final logit scalings that are a plain factor: Cohere's ``logit_scale``
+  (logits * s) and Granite's ``logits_scaling`` (logits / s) are folded into
+  the temperature. Tanh soft-capping (Gemma 2/3 ``final_logit_softcapping``,
+  RecurrentGemma ``logits_soft_cap``) is not a linear-softmax and raises
+  NotImplementedError; other model-specific edits of the logits inside
+  ``forward`` (masking of image tokens, vocabulary slicing) are not detected:
+  check new architectures against :func:`response_logprobs_naive`.
+* The model is always called through its own (possibly wrapped) ``forward``,
+  so DDP gradient sync, FSDP2 unsharding and DeepSpeed hooks run; the last
+  hidden states are taken from the base model with a forward hook, and
+  ``logits_to_keep=1`` keeps the head's own output to one position. DeepSpeed
+  ZeRO-3 partitions the head weight outside its module's forward and is not
+  supported (a clear error says so); use the naive function there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+from torch import nn
+
+from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    *,
+    temperature: float = 1.0,
+    impl: str = "auto",
+    with_entropy: bool = False,
+    chunk_size: int | tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of the response tokens under ``model``, without full logits.
+
+    Args:
+        model: a causal LM (Hugging Face ``*ForCausalLM``), possibly wrapped by
+            DDP, FSDP2 or a DeepSpeed engine (ZeRO 0-2).
+        input_ids: prompt left-padded to ``P``, response right-padded to ``T``. Shape: (B, S).
+        attention_mask: 1 on real tokens. Shape: (B, S).
+        response_width: ``T``, the number of response columns (``S - T >= 1``).
+        temperature: the sampling temperature; logits are divided by it.
+        impl: kernel backend, see :func:`rltk.kernels.token_logprobs_and_entropy`.
+        with_entropy: also return the entropy of each next-token distribution.
+        chunk_size: kernel tile size, see the op.
+
+    Returns:
+        ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
+        unless ``with_entropy``. Both are 0 on response padding
+        (``attention_mask == 0``); mask environment tokens yourself with
+        ``response_mask``. Differentiable with respect to the model's parameters.
+    """
+    batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
+    if width == 0:
+        empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
+        return empty, (empty.clone() if with_entropy else None)
+    hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])  # [B, S-1, D]
+    hidden = hidden[:, prompt_len - 1 :]  # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]
+    weight, bias = output_head(model)
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    response_valid = attention_mask[:, prompt_len:].bool()  # [B, T]
+    labels = input_ids[:, prompt_len:].masked_fill(~response_valid, IGNORE_INDEX)
+    logprobs, entropy = token_logprobs_and_entropy(
+        hidden.reshape(batch_size * width, -1).to(dtype),
+        weight.to(dtype),
+        labels.reshape(-1),
+        bias=None if bias is None else bias.to(dtype),
+        temperature=temperature * logit_temperature_factor(model),
+        impl=impl,
+        chunk_size=chunk_size,
+    )
+    logprobs = logprobs.view(batch_size, width)
+    if not with_entropy:
+        return logprobs, None
+    entropy = torch.where(response_valid, entropy.view(batch_size, width), 0.0)
+    return logprobs, entropy
+
+
+def response_logprobs_naive(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_width: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference for :func:`response_logprobs`: full ``model(...).logits`` and ``log_softmax``.
+
+    Same arguments, returns and padding rules; costs ``[B, S, V]`` logits (and
+    their fp32 log-softmax). Works for every model whose ``forward`` returns
+    logits, including soft-capped ones and DeepSpeed ZeRO-3.
+    """
+    batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
+    if width == 0:
+        empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
+        return empty, (empty.clone() if with_entropy else None)
+    position_ids = positions_from_mask(attention_mask)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits[:, prompt_len - 1 : -1]  # [B, T, V]
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    response_valid = attention_mask[:, prompt_len:].bool()
+    labels = input_ids[:, prompt_len:].masked_fill(~response_valid, 0)
+    logprobs = torch.where(response_valid, log_probs.gather(-1, labels[..., None]).squeeze(-1), 0.0)
+    if not with_entropy:
+        return logprobs, None
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logprobs, torch.where(response_valid, entropy, 0.0)
+
+
+# --------------------------------------------------------------------------
+# Pieces: positions, hidden states, the head and its logit scaling
+# --------------------------------------------------------------------------
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: ``cumsum(mask) - 1``, clamped at 0. Shape: (B, S)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DDP / DeepSpeed-engine style wrappers (those holding it in ``.module``)."""
+    # Ask the class, not the instance: DeepSpeed's engine forwards unknown
+    # attributes to its module, so hasattr(engine, "get_output_embeddings") is True.
+    while not hasattr(type(model), "get_output_embeddings") and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The base model's final (normed) hidden states for a left-padded batch. Shape: (B, S, D).
+
+    Calls ``model``'s own forward (so wrappers do their work) with
+    ``logits_to_keep=1`` and catches the base model's output with a forward
+    hook; without a base model it falls back to ``output_hidden_states=True``.
+    """
+    inner = unwrap_model(model)
+    decoder = base_model(inner)
+    kwargs = dict(
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=positions_from_mask(attention_mask), use_cache=False,
+    )
+    keep = _logits_to_keep_argument(inner)
+    if keep is not None:
+        kwargs[keep] = 1
+    elif decoder is not None and inner is model and not any(_is_dtensor(p) for p in inner.parameters()):
+        # No wrapper or sharding hooks to honour, and no way to shorten the head: skip the head.
+        return _hidden_from_output(decoder(**kwargs))
+    else:
+        warnings.warn(
+            f"{type(inner).__name__}.forward takes no logits_to_keep argument, so the wrapped model "
+            "computes its full logits once before the fused log-prob op; memory use is that of naive.",
+            stacklevel=3,
+        )
+    if decoder is None:
+        return model(**kwargs, output_hidden_states=True).hidden_states[-1]
+    captured: list = []
+    handle = decoder.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(**kwargs)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(
+            f"the base model {type(decoder).__name__} ran {len(captured)} times in one forward of "
+            f"{type(inner).__name__}; cannot tell which output holds the last hidden states. "
+            "Use response_logprobs_naive for this model."
+        )
+    return _hidden_from_output(captured[0])
+
+
+def base_model(model: nn.Module) -> nn.Module | None:
+    """The decoder stack that returns final hidden states: ``get_decoder()``, ``.model`` or ``.base_model``."""
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            decoder = get_decoder()
+        except Exception:  # some models raise for "no decoder"; try the attributes below
+            decoder = None
+        if isinstance(decoder, nn.Module) and decoder is not model:
+            return decoder
+    for name in ("model", "base_model"):
+        candidate = getattr(model, name, None)
+        if isinstance(candidate, nn.Module) and candidate is not model:
+            return candidate
+    return None
+
+
+def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [V, D], bias [V] or None)`` of the LM head (the embedding matrix when tied).
+
+    Raises NotImplementedError when the weight is sharded (FSDP2 outside its
+    forward, DeepSpeed ZeRO-3), where the fused op cannot see the full matrix.
+    """
+    inner = unwrap_model(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise NotImplementedError(
+            f"{type(inner).__name__}.get_output_embeddings() gives no Linear head with a .weight, so the "
+            "fused log-prob op cannot be used; call response_logprobs_naive instead."
+        )
+    weight = head.weight
+    if _is_dtensor(weight) or (hasattr(weight, "ds_id") and weight.numel() == 0):
+        raise NotImplementedError(
+            f"the LM head weight of {type(inner).__name__} is sharded ({type(weight).__name__} with shape "
+            f"{tuple(weight.shape)}) after the forward pass (DeepSpeed ZeRO-3, or FSDP with the head "
+            "resharded); the fused op needs the full [V, D] matrix. Use response_logprobs_naive, or ZeRO "
+            "stage <= 2 / FSDP2 with the head in the root module."
+        )
+    bias = getattr(head, "bias", None)
+    return weight, bias if isinstance(bias, torch.Tensor) else None
+
+
+def logit_temperature_factor(model: nn.Module) -> float:
+    """Factor ``f`` with ``model logits = head(h) / f``: folded into the temperature.
+
+    Cohere multiplies its logits by ``logit_scale`` (f = 1 / scale), Granite
+    divides them by ``logits_scaling`` (f = scaling). Raises NotImplementedError
+    for tanh soft-capping, which no temperature can express.
+    """
+    inner = unwrap_model(model)
+    config = getattr(inner, "config", None)
+    if config is None:
+        return 1.0
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    for cfg in configs:
+        for key in ("final_logit_softcapping", "logits_soft_cap"):
+            if getattr(cfg, key, None) is not None:
+                raise NotImplementedError(
+                    f"{type(inner).__name__} soft-caps its logits ({key}={getattr(cfg, key)}): "
+                    "cap * tanh(logits / cap) is not a linear softmax, so the fused log-prob op cannot "
+                    "express it. Use response_logprobs_naive for this model."
+                )
+    factor = 1.0
+    scale = getattr(inner, "logit_scale", None)  # Cohere keeps it on the model
+    if scale is None:
+        scale = getattr(config, "logit_scale", None) if getattr(config, "model_type", "").startswith("cohere") else None
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        factor /= float(scale)
+    scaling = next((getattr(cfg, "logits_scaling") for cfg in configs if getattr(cfg, "logits_scaling", None)), None)
+    if scaling is not None:
+        factor *= float(scaling)
+    return factor
+
+
+def _check_batch(input_ids, attention_mask, response_width) -> tuple[int, int, int]:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S]; got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}"
+        )
+    batch_size, seq_len = input_ids.shape
+    if isinstance(response_width, bool) or not isinstance(response_width, int):
+        raise ValueError(f"response_width must be an int (T); got {response_width!r}")
+    if not 0 <= response_width < seq_len:
+        raise ValueError(
+            f"response_width={response_width} must be in [0, S) with S = {seq_len} columns: at least one "
+            "prompt column must precede the response, since position P - 1 predicts its first token."
+        )
+    return batch_size, seq_len - response_width, response_width
+
+
+def _logits_to_keep_argument(model: nn.Module) -> str | None:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
+
+
+def _hidden_from_output(output) -> torch.Tensor:
+    hidden = getattr(output, "last_hidden_state", None)
+    if hidden is None:
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise RuntimeError(
+            f"the base model returned {type(output).__name__}, not last hidden states [B, S, D]; "
+            "use response_logprobs_naive for this model."
+        )
+    return hidden
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
