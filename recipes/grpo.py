@@ -39,7 +39,7 @@ from rltk.recipe_utils import parse_recipe_args
 from rltk.training.resume import load_model_weights, load_weights, resume_point, save_weights_atomically
 from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
 from rltk.training.setup import (
-    MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy,
+    MetricLog, args_of, build_loggers, process_rank, build_reward, build_rows, build_strategy,
     build_tokenizer_and_policy, prepare_run_dir, sampling_params, seed_everything, sft_pairs,
     stage_config, write_summary,
 )
@@ -123,7 +123,8 @@ def run_rl_stage(cfg, stage_index, policy, tokenizer, train_rows, eval_rows, wor
     for step in range(start + 1, t.total_steps + 1):
         tick = time.perf_counter()
         # rollout: n samples for each prompt, scored by the reward functions
-        experiences = workflow.run(sampler.next_batch())
+        # every rank draws the same global batch of prompts and samples its own share of it
+        experiences = workflow.run(sampler.next_batch()[strategy.rank :: strategy.world_size])
         buffer.put(experiences, step)
         experiences = sample_strategy.sample(buffer, step)
         if not experiences:  # e.g. every group filtered out as all-equal: nothing to learn from
@@ -166,7 +167,8 @@ def run_rl_stage(cfg, stage_index, policy, tokenizer, train_rows, eval_rows, wor
             "kl_coef": kl_ctl.value,
             "tokens_per_s": batch["attention_mask"].sum().item() / elapsed,
             "time/step_s": elapsed,
-            **kl_metrics, **update_metrics, **workflow.metrics(), **workflow.reward.stats(),
+            **kl_metrics, **update_metrics, **workflow.metrics(),
+            **{f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()},
             **sample_strategy.metrics(),
         }
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
@@ -197,6 +199,8 @@ def main():
     seed_everything(cfg.seed)
     run_dir = prepare_run_dir(cfg)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
+    seed_everything(cfg.seed + process_rank())  # same initial weights, different samples per rank
+    tokenizer.save_pretrained(run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
     train_rows, eval_rows = build_rows(cfg, tokenizer)
     stages = [stage_config(cfg, i) for i in range(len(cfg.stages))]
     stage_steps = [s.sft.steps if st.type == "sft" else s.trainer.total_steps for s, st in zip(stages, cfg.stages)]
@@ -240,8 +244,10 @@ def main():
 
     # final evaluation, plot and summary
     final = evaluate(workflow, eval_rows, stages[-1])
-    print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
     metric_log.close()
+    if process_rank() != 0:
+        return
+    print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
     if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png", keys=("reward", "eval/accuracy"))
     summary = {"final": final, "steps": first_step}

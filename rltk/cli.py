@@ -1,4 +1,4 @@
-"""The ``rltk`` command line: list, plugins, validate, run.
+"""The ``rltk`` command line: list, plugins, validate, run, export.
 
 Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors
 (message on stderr, no traceback).
@@ -120,6 +120,14 @@ def cmd_run(args, extra: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_export(args) -> int:
+    from rltk.training.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out_dir)
+    print(f"exported {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rltk", description="Composable RL components for LLM post-training."
@@ -135,12 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe")
     p.add_argument("--config", action="append", help="YAML config (repeatable; default: the recipe's own)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p = sub.add_parser("export", help="write a plain Hugging Face model folder from a checkpoint")
+    p.add_argument("checkpoint", help="a step_XXXXXX folder under <output_dir>/checkpoints")
+    p.add_argument("out_dir")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rltk.strategies.deepspeed_strategy import strip_local_rank_argument
+
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = strip_local_rank_argument(list(sys.argv[1:] if argv is None else argv))
     try:
         args, extra = parser.parse_known_args(argv)
         if args.command != "run" and extra:
@@ -151,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plugins(args)
         if args.command == "validate":
             return cmd_validate(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_run(args, extra)
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)

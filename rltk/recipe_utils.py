@@ -20,7 +20,10 @@ def parse_recipe_args(argv: list[str] | None = None, recipe_file: str | None = N
     exits with status 2, whether the recipe runs under ``rltk run`` or as
     ``python recipes/grpo.py``.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from rltk.strategies.deepspeed_strategy import strip_local_rank_argument
+
+    # The `deepspeed` launcher appends --local_rank=N; it is an environment fact, not config.
+    argv = strip_local_rank_argument(list(sys.argv[1:] if argv is None else argv))
     recipe = Path(recipe_file or sys.argv[0])
     parser = argparse.ArgumentParser(prog=recipe.name)
     parser.add_argument("--config", action="append", default=[])

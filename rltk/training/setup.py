@@ -24,6 +24,13 @@ from rltk.rollout.base import SamplingParams
 log = logging.getLogger("rltk")
 
 
+def process_rank() -> int:
+    """This process's rank under torchrun / deepspeed / accelerate launchers (0 when alone)."""
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -70,7 +77,20 @@ def build_tokenizer_and_policy(cfg: DictConfig):
 
 
 def build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
-    """Train and held-out rows in the standard form ``{prompt, ground_truth, extras, id}``."""
+    """Train and held-out rows in the standard form ``{prompt, ground_truth, extras, id}``.
+
+    Data problems (a missing column, too few synthetic problems, an empty
+    split) are config errors: they name the ``data.*`` key to change.
+    """
+    try:
+        return _build_rows(cfg, tokenizer)
+    except (ValueError, FileNotFoundError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"data: {exc}") from exc
+
+
+def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
     from rltk.data.loading import format_prompts, load_rows
     from rltk.data.synthetic import make_task
 
@@ -163,6 +183,8 @@ def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step:
     """The configured loggers; ``resume_step`` makes file loggers drop what was logged after it."""
     container = OmegaConf.to_container(cfg, resolve=True)
     loggers = []
+    if process_rank() != 0:  # one set of curves per run, written by the main process
+        return loggers
     for name in cfg.logging.logger:
         cls = rltk.get_component("logger", name)
         args = dict(OmegaConf.to_container(cfg.logging.logger_args, resolve=True)).get(name, {})

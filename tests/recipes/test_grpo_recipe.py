@@ -1,0 +1,122 @@
+"""End-to-end runs of `rltk run grpo` on the embedded tiny default (slow; run in CI)."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+import rltk
+from rltk.cli import main
+
+pytestmark = pytest.mark.slow
+
+# Small enough for CI, large enough that learning is unmistakable: one-digit
+# addition, a 2-layer model, a short warm-up (greedy accuracy on the training
+# prompts ends near 0.8 while sampled answers are right only ~40% of the
+# time), then GRPO, which must close part of that gap.
+FAST = [
+    "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=256",
+    "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20",
+    "sft.steps=150", "sft.batch_size=32", "sft.warmup_steps=10",
+    "trainer.prompts_per_step=16", "trainer.eval_every=50", "logging.logger=[jsonl]",
+]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rl_evals(metrics: list[dict]) -> list[float]:
+    return [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+
+
+def test_grpo_learns_on_the_embedded_default(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["run", "grpo", f"output_dir={run_dir}", "trainer.total_steps=150", *FAST]) == 0
+    metrics = read_metrics(run_dir)
+    rewards = [m["reward"] for m in metrics if "reward" in m]
+    assert len(rewards) == 150
+    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
+    assert last > first + 0.07, f"training reward did not rise: {first:.3f} -> {last:.3f}"
+    evals = rl_evals(metrics)
+    assert len(evals) == 4  # start of the RL stage, steps 50, 100, 150
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final"]["eval/accuracy"] == pytest.approx(evals[-1])
+    assert (run_dir / "curves.png").stat().st_size > 1000
+    assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # keep_last
+
+    # The last checkpoint exports as a plain HF folder that reproduces the trained policy.
+    from transformers import AutoModelForCausalLM
+
+    from rltk.models.loading import load_tokenizer
+    from rltk.models.tiny import build_char_tokenizer
+
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    exported = tmp_path / "exported"
+    assert main(["export", str(last), str(exported)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    tokenizer = load_tokenizer(exported)
+    assert tokenizer("17+25=")["input_ids"] == build_char_tokenizer()("17+25=")["input_ids"]
+    ids = tokenizer("17+25=", return_tensors="pt")["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(last / "model", local_files_only=True)
+    assert (model(ids).logits - reference(ids).logits).abs().max() == 0
+    assert main(["export", str(last), str(exported)]) == 2  # never overwrites
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_crash_mid_run_resumes_from_last_checkpoint_and_matches(tmp_path):
+    args = [*FAST, "trainer.total_steps=8", "trainer.warmup_steps=2", "checkpoint.every=4", "sft.steps=20", "sft.warmup_steps=2",
+            "trainer.eval_every=4", "logging.plot=false"]
+    straight = tmp_path / "straight"
+    assert main(["run", "grpo", f"output_dir={straight}", *args]) == 0
+
+    crashing = tmp_path / "crashing"
+    crasher = types.ModuleType("crash_at_step_26")
+
+    @rltk.hookimpl
+    def rltk_on_step_end(step):
+        if step == 26:  # 20 SFT steps + 6 RL steps: after the RL checkpoint at step 24
+            raise Crash("simulated crash")
+
+    crasher.rltk_on_step_end = rltk_on_step_end
+    rltk.register_plugin(crasher, name="crasher")
+    try:
+        with pytest.raises(Crash):
+            main(["run", "grpo", f"output_dir={crashing}", *args])
+    finally:
+        rltk.unregister_plugin("crasher")
+    assert sorted(p.name for p in (crashing / "checkpoints").glob("step_*")) == ["step_000020", "step_000024"]
+
+    assert main(["run", "grpo", f"output_dir={crashing}", *args]) == 0
+    resumed, reference = read_metrics(crashing), read_metrics(straight)
+    assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # nothing logged twice
+    for a, b in zip(resumed, reference):
+        for key in ("reward", "pg_loss", "eval/accuracy"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+
+
+def test_grpo_runs_on_deepspeed_zero2(tmp_path):
+    import os
+    import subprocess
+
+    # A separate process: DeepSpeed initialises torch.distributed, which must not leak into other tests.
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rltk" / "torch_extensions"))
+    run_dir = tmp_path / "ds"
+    out = subprocess.run(
+        ["rltk", "run", "grpo", f"output_dir={run_dir}", "strategy=deepspeed", "strategy_args.zero_stage=2",
+         *FAST, "sft.steps=10", "sft.warmup_steps=2", "trainer.total_steps=4", "trainer.warmup_steps=2", "trainer.eval_every=2",
+         "checkpoint.every=2", "logging.plot=false"],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert main(["export", str(last), str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "config.json").is_file()
