@@ -1,0 +1,164 @@
+"""The scaffolding every recipe shares: open a run, run its stages with resume, finish it.
+
+A recipe supplies the loop of its own RL stage; everything around it (run
+folder, model and data, the rollout workflow, checkpoints and where to resume,
+the supervised warm-up stage, final evaluation, plot and summary) is here so
+recipes never copy it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+import rltk
+from rltk.checkpoint import CheckpointManager
+from rltk.data.sampler import RowSampler
+from rltk.loggers.plot import plot_metrics
+from rltk.training.resume import load_model_weights, resume_point
+from rltk.training.setup import (
+    MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
+    prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config, write_summary,
+)
+from rltk.training.sft import sft_batch, sft_step
+
+
+@dataclass
+class Run:
+    """Everything a stage needs, built once per run."""
+
+    cfg: DictConfig
+    run_dir: Path
+    tokenizer: Any
+    policy: Any
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    workflow: Any
+    ckpt: CheckpointManager
+    metric_log: MetricLog
+    stages: list[DictConfig]  # the config of each stage, its overrides applied
+    stage_steps: list[int]
+    resume: dict | None  # the checkpoint this run continues from
+
+
+@dataclass
+class Stage:
+    """One stage as its runner sees it."""
+
+    run: Run
+    cfg: DictConfig  # this stage's config
+    index: int
+    first_step: int  # global step before this stage's first step
+    resume: dict | None  # set when this stage continues from one of its own checkpoints
+
+
+def open_run(cfg: DictConfig) -> Run:
+    """Run folder, tokenizer and policy, data, rollout workflow, loggers and the resume point."""
+    seed_everything(cfg.seed)
+    run_dir = prepare_run_dir(cfg)
+    tokenizer, policy = build_tokenizer_and_policy(cfg)
+    if process_rank() == 0:
+        tokenizer.save_pretrained(run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
+    seed_everything(cfg.seed + process_rank())  # same initial weights, different samples per rank
+    train_rows, eval_rows = build_rows(cfg, tokenizer)
+    stages = [stage_config(cfg, i) for i in range(len(cfg.stages))]
+    stage_steps = [s.sft.steps if st.type == "sft" else s.trainer.total_steps for s, st in zip(stages, cfg.stages)]
+
+    # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
+    engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
+        model=policy, tokenizer=tokenizer, **args_of(cfg, "rollout.engine"))
+    workflow = rltk.get_component("workflow", cfg.rollout.workflow)(
+        engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
+        **args_of(cfg, "rollout.workflow"))
+
+    ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    resume = resume_point(ckpt, cfg.checkpoint.resume)
+    resume_step = resume["global_step"] if resume is not None else 0
+    metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step))
+    if resume is not None:
+        print(f"rltk: resuming from {resume['path']} (stage {resume['stage']}, step {resume['stage_step']})")
+    return Run(cfg, run_dir, tokenizer, policy, train_rows, eval_rows, workflow, ckpt, metric_log, stages,
+               stage_steps, resume)
+
+
+def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
+    """Run each configured stage with the runner of its type, skipping what a checkpoint already holds."""
+    rltk.get_plugin_manager().hook.rltk_on_train_start(config=run.cfg, run_dir=run.run_dir)
+    resume, first_step = run.resume, 0
+    for i, (scfg, stage) in enumerate(zip(run.stages, run.cfg.stages)):
+        stage_resume = None
+        if resume is not None:
+            if resume["stage"] > i or (resume["stage"] == i and resume["stage_done"]):
+                first_step += run.stage_steps[i]  # finished before the interruption
+                continue
+            if resume["stage"] == i:
+                stage_resume = resume  # continue this stage mid-way
+            else:
+                load_model_weights(resume["path"], run.policy)  # start from where the last stage ended
+            resume = None
+        runners[stage.type](Stage(run, scfg, i, first_step, stage_resume))
+        first_step += run.stage_steps[i]
+    if resume is not None:  # the checkpoint was the run's last: nothing left to train
+        load_model_weights(resume["path"], run.policy)
+
+
+def finish_run(run: Run) -> dict:
+    """Final held-out evaluation, the plot of reward and accuracy, and summary.json."""
+    final = evaluate(run.workflow, run.eval_rows, run.stages[-1])
+    run.metric_log.close()
+    summary = {"final": final, "steps": sum(run.stage_steps)}
+    if process_rank() == 0:
+        print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
+        if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
+            plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=("reward", "eval/accuracy"))
+        write_summary(run.run_dir, summary)
+    rltk.get_plugin_manager().hook.rltk_on_train_end(run_dir=run.run_dir, metrics=summary)
+    return summary
+
+
+def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
+    """Greedy held-out accuracy of the current policy, as ``eval/*`` metrics."""
+    limit = cfg.trainer.eval_size or len(rows)
+    result = workflow.evaluate(rows[:limit], sampling_params(cfg, greedy=True))
+    return {f"eval/{k}": float(v) for k, v in result.items()}
+
+
+def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
+    every = cfg.checkpoint.every
+    return step == last or (every > 0 and step % every == 0)
+
+
+def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
+                    extra: dict | None = None) -> Path:
+    """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook."""
+    state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
+             "sampler": sampler.state_dict(), **(extra or {})}
+    global_step = stage.first_step + stage_step
+    path = stage.run.ckpt.save(global_step, strategy, state)
+    rltk.get_plugin_manager().hook.rltk_on_checkpoint(step=global_step, path=path)
+    return path
+
+
+def run_sft_stage(stage: Stage) -> None:
+    """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy."""
+    run, cfg, s = stage.run, stage.cfg, stage.cfg.sft
+    strategy = build_strategy(cfg, run.policy, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps,
+                              lr_schedule=s.lr_schedule)
+    sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key), s.batch_size,
+                         seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
+    start = 0
+    if stage.resume is not None:
+        state = run.ckpt.load(stage.resume["path"], strategy)
+        sampler.load_state_dict(state["sampler"])
+        start = state["stage_step"]
+
+    for step in range(start + 1, s.steps + 1):
+        batch = sft_batch(sampler.next_batch(), run.tokenizer.pad_token_id)
+        metrics = sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
+                           impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
+        run.metric_log.log({f"sft/{k}": v for k, v in metrics.items()}, stage.first_step + step)
+        if should_checkpoint(cfg, step, s.steps):
+            save_checkpoint(stage, strategy, step, sampler, last_step=s.steps)
