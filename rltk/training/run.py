@@ -8,6 +8,7 @@ recipes never copy it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -113,17 +114,20 @@ def finish_run(run: Run) -> dict:
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
         if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
-            plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=("reward", "eval/accuracy"))
+            plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=("reward", "eval/accuracy", "eval/sampled_accuracy"))
         write_summary(run.run_dir, summary)
     rltk.get_plugin_manager().hook.rltk_on_train_end(run_dir=run.run_dir, metrics=summary)
     return summary
 
 
 def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
-    """Greedy held-out accuracy of the current policy, as ``eval/*`` metrics."""
-    limit = cfg.trainer.eval_size or len(rows)
-    result = workflow.evaluate(rows[:limit], sampling_params(cfg, greedy=True))
-    return {f"eval/{k}": float(v) for k, v in result.items()}
+    """Held-out metrics of the current policy: greedy (``eval/*``) and one sample per
+    prompt at the training temperature (``eval/sampled_accuracy``, what RL sharpens first)."""
+    rows = rows[: cfg.trainer.eval_size or len(rows)]
+    result = {f"eval/{k}": float(v) for k, v in workflow.evaluate(rows, sampling_params(cfg, greedy=True)).items()}
+    sampled = workflow.evaluate(rows, dataclasses.replace(sampling_params(cfg), n=1))
+    result["eval/sampled_accuracy"] = float(sampled["accuracy"])
+    return result
 
 
 def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
