@@ -73,6 +73,22 @@ CISPO = {
 }
 
 
+PPO = {
+    "description": "PPO with a critic (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, clip, k1 KL in the reward.",
+    "advantage_fn": "gae",
+    "advantage_fn_args": {"gamma": 1.0, "lam": 0.95},
+    "policy_loss": "ppo_clip",
+    "policy_loss_args": {"clip_eps_low": 0.2, "clip_eps_high": 0.2},
+    "loss_agg": "token-mean",
+    "kl_penalty_fn": "k1",
+    "kl_in": "reward",
+    # The per-token penalty of InstructGPT-style PPO, small enough that a tiny model
+    # still moves; kl_controller=adaptive (with kl_target) makes it track a target KL.
+    "kl_coef": 0.01,
+    "kl_controller": "fixed",
+}
+
+
 @rltk.hookimpl
 def rltk_algorithms():
     return {
@@ -84,4 +100,5 @@ def rltk_algorithms():
         "reinforce_plus_plus_baseline": REINFORCE_PP_BASELINE,
         "gspo": GSPO,
         "cispo": CISPO,
+        "ppo": PPO,
     }

@@ -143,6 +143,24 @@ class SFTConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of recipes with a critic (``ppo``); other recipes ignore this section.
+
+    The critic has its own optimizer, so there is no value-loss coefficient: with
+    Adam, scaling a loss that no other loss shares its parameters with changes
+    almost nothing. Micro-batching, weight decay, betas, gradient clipping and the
+    LR schedule's shape come from ``trainer``.
+    """
+
+    model_path: Optional[str] = None  # a critic folder or an HF causal-LM folder; null copies the policy's backbone
+    lr: float = 1.0e-4
+    lr_warmup_steps: int = 0  # LR warm-up of the critic, in RL steps
+    warmup_steps: int = 0  # first RL steps that train only the critic (the policy waits for a useful baseline)
+    value_clip: Optional[float] = 0.2  # PPO value clipping in reward units; null = plain squared error
+    head_init_std: float = 0.0  # std of the value head's initial weight; 0 = zero init (V = 0 before training)
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 100  # steps; 0 disables
     keep_last: int = 2
@@ -179,6 +197,7 @@ class RunConfig:
     strategy_args: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])

@@ -1,0 +1,189 @@
+"""PPO with a learned critic: GAE advantages, clipped policy and value losses, KL in the reward.
+
+    rltk run ppo                                   # embedded tiny default: SFT warm-up, then PPO
+    rltk run ppo algorithm.kl_controller=adaptive algorithm.kl_target=0.05
+    rltk run ppo critic.lr=5e-5 critic.warmup_steps=20 model.path=/models/qwen data.path=train.jsonl
+
+The loop, as in the algorithm box of RLHF-style PPO (Ziegler et al. 2019,
+arXiv:1909.08593; Ouyang et al. 2022, arXiv:2203.02155; Schulman et al. 2017,
+arXiv:1707.06347):
+
+    for each stage (e.g. a supervised warm-up, then PPO):
+        critic <- the policy's backbone + a value head (or critic.model_path)
+        for step in 1..N:
+            rows        <- next prompts from the dataset
+            experiences <- workflow(rows): n samples per prompt, each scored by the reward fns
+            batch       <- sample strategy picks what to train on; padded to tensors
+            old / ref log-probs of the sampled tokens, values V(s_t) of the critic
+            rewards     <- outcome reward on the last token - kl_coef * KL(pi_old || pi_ref) per token
+            advantages  <- GAE(rewards, values); returns = advantages + values
+            update      <- critic: ppo_epochs x mini-batches of the clipped value loss (every step)
+                           policy: the same over the clipped policy loss (after critic.warmup_steps)
+            kl_coef     <- fixed, or adapted towards algorithm.kl_target
+            log, evaluate on held-out prompts, checkpoint (policy and critic in one folder)
+
+Policy and critic have separate strategies and optimizers. Every named piece
+comes from the registry, so any of them is one config entry away. This file is
+a script, not a module: copy it to change the loop itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+import rltk
+from rltk.algorithms.aggregation import masked_mean
+from rltk.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from rltk.batch import collate
+from rltk.buffer.buffer import ExperienceBuffer
+from rltk.data.sampler import RowSampler
+from rltk.recipe_utils import parse_recipe_args
+from rltk.training.ppo import (
+    PolicyAndCritic, batched_values, build_critic, build_critic_strategy, check_critic_config, critic_update,
+    updates_per_step,
+)
+from rltk.training.resume import load_weights, save_weights_atomically
+from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
+from rltk.training.run import (
+    Stage, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint, should_checkpoint,
+)
+from rltk.training.setup import args_of, build_strategy, stage_config
+
+
+def run_ppo_stage(stage: Stage) -> None:
+    run, cfg = stage.run, stage.cfg
+    a, t, c = cfg.algorithm, cfg.trainer, cfg.critic
+    per_step = updates_per_step(cfg)  # optimizer steps per RL step; schedules count optimizer steps
+    policy_steps = t.total_steps - c.warmup_steps  # the policy waits while the critic warms up
+    strategy = build_strategy(cfg, run.policy, lr=t.lr, total_steps=policy_steps * per_step,
+                              warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    policy, workflow = strategy.unwrap(), run.workflow
+    # The critic starts from the policy as this stage begins (after any warm-up); a resumed
+    # run overwrites its weights from the checkpoint below.
+    critic_strategy = build_critic_strategy(cfg, build_critic(cfg, policy), total_steps=t.total_steps)
+    strategies = PolicyAndCritic(strategy, critic_strategy)  # one checkpoint holds both
+
+    # Components, each chosen by name in the config.
+    sample_strategy = rltk.get_component("sample_strategy", cfg.buffer.sample_strategy)(
+        **args_of(cfg, "buffer.sample_strategy"))
+    advantage_fn = rltk.get_component("advantage_fn", a.advantage_fn)
+    loss = LossComponents(
+        policy_loss=rltk.get_component("policy_loss", a.policy_loss),
+        policy_loss_args=args_of(cfg, "algorithm.policy_loss"),
+        loss_agg=rltk.get_component("loss_agg", a.loss_agg),
+        loss_agg_args=args_of(cfg, "algorithm.loss_agg"),
+        kl_penalty=rltk.get_component("kl_penalty_fn", a.kl_penalty_fn),
+        kl_penalty_args=args_of(cfg, "algorithm.kl_penalty_fn"),
+        kl_in=a.kl_in,
+        entropy_coef=a.entropy_coef,
+    )
+    kl_ctl = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_controller == "adaptive"
+              else FixedKLController(a.kl_coef))
+    buffer = ExperienceBuffer()
+    sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
+    generator = torch.Generator()  # mini-batch shuffling; reseeded every step, so a resumed run draws the same
+
+    # The reference policy is the policy as this stage starts, frozen; its weights are kept
+    # beside the checkpoints so a resumed run compares against the same one.
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
+    reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
+    start = 0
+    if stage.resume is not None:
+        state = run.ckpt.load(stage.resume["path"], strategies)
+        sampler.load_state_dict(state["sampler"])
+        start = state["stage_step"]
+        kl_ctl.value = state["kl_coef"]
+        if reference is not None:
+            load_weights(reference_file, reference)
+    elif reference is not None:
+        save_weights_atomically(reference.state_dict(), reference_file)
+    if start == 0:
+        run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
+
+    common = dict(micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
+                  impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
+    for step in range(start + 1, t.total_steps + 1):
+        tick = time.perf_counter()
+        generator.manual_seed(cfg.seed * 1_000_003 + step)
+        # rollout: every rank draws the same global batch of prompts and samples its share of it
+        experiences = workflow.run(sampler.next_batch()[strategy.rank :: strategy.world_size])
+        buffer.put(experiences, step)
+        experiences = sample_strategy.sample(buffer, step)
+        if not experiences:  # e.g. every group filtered out: nothing to learn from
+            run.metric_log.log({"skipped_empty_batch": 1.0, **sample_strategy.metrics()}, stage.first_step + step)
+            continue
+        batch = collate(experiences, run.tokenizer.pad_token_id)
+
+        # old and reference log-probs of the sampled tokens, and the critic's values
+        if a.use_rollout_logprobs:
+            batch["old_logprobs"] = batch["rollout_logprobs"]
+        else:
+            batch["old_logprobs"], _ = batched_logprobs(policy, batch, **common)
+        batch["values"] = batched_values(critic_strategy.unwrap(), batch, micro_batch_size=t.micro_batch_size)
+        mask = batch["response_mask"]
+        kl_metrics = {}
+        if reference is not None:
+            batch["ref_logprobs"], _ = batched_logprobs(reference, batch, **common)
+            kl = loss.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], **loss.kl_penalty_args)
+            kl_metrics["kl"] = masked_mean(kl, mask).item()
+            if a.kl_in == "reward":  # PPO's form: a per-token penalty, before advantages
+                batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, kl_ctl.value, mask)
+
+        # advantages: GAE over the (penalised) rewards with the critic's values as baseline
+        compute_advantages(advantage_fn, batch, args_of(cfg, "algorithm.advantage_fn"))
+
+        # update: the critic every step; the policy once the critic has warmed up
+        update_metrics = critic_update(
+            critic_strategy, batch, loss_agg=loss.loss_agg, loss_agg_args=loss.loss_agg_args,
+            clip_range=c.value_clip, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
+            micro_batch_size=t.micro_batch_size, generator=generator,
+        )
+        policy_updated = step > c.warmup_steps
+        if policy_updated:
+            update_metrics.update(policy_update(strategy, batch, loss, kl_coef=kl_ctl.value,
+                                                mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
+                                                generator=generator, **common))
+            workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+            if reference is not None:
+                kl_ctl.update(kl_metrics["kl"], len(experiences))
+
+        # log
+        elapsed = time.perf_counter() - tick
+        metrics = {
+            "reward": batch["scores"].mean().item(),
+            "accuracy": (batch["scores"] >= 1).float().mean().item(),
+            "response_length": batch["response_lengths"].float().mean().item(),
+            "kl_coef": kl_ctl.value,
+            "policy_updated": float(policy_updated),
+            "returns_mean": masked_mean(batch["returns"], mask).item(),
+            "tokens_per_s": batch["attention_mask"].sum().item() / elapsed,
+            "time/step_s": elapsed,
+            **kl_metrics, **update_metrics, **workflow.metrics(),
+            **{f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()},
+            **sample_strategy.metrics(),
+        }
+        if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
+            metrics.update(evaluate(workflow, run.eval_rows, cfg))
+        run.metric_log.log(metrics, stage.first_step + step)
+
+        # checkpoint: policy, critic and the loop's position in one atomic folder
+        if should_checkpoint(cfg, step, t.total_steps):
+            save_checkpoint(stage, strategies, step, sampler, last_step=t.total_steps,
+                            extra={"kl_coef": kl_ctl.value})
+
+
+def main():
+    cfg = parse_recipe_args()
+    for i, stage in enumerate(cfg.stages):
+        if stage.type == "rl":  # rules spanning the critic and trainer sections, checked before anything loads
+            check_critic_config(stage_config(cfg, i))
+    run = open_run(cfg)  # run folder, model, data, workflow, loggers, resume point
+    run_stages(run, {"sft": run_sft_stage, "rl": run_ppo_stage})
+    finish_run(run)  # held-out evaluation, curves.png, summary.json
+
+
+if __name__ == "__main__":
+    main()
