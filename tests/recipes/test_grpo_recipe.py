@@ -32,15 +32,18 @@ def rl_evals(metrics: list[dict]) -> list[float]:
 
 
 def test_grpo_learns_on_the_embedded_default(tmp_path):
+    # The shipped default, shortened to 100 GRPO steps: held-out accuracy must rise clearly.
     run_dir = tmp_path / "run"
-    assert main(["run", "grpo", f"output_dir={run_dir}", "trainer.total_steps=150", *FAST]) == 0
+    assert main(["run", "grpo", f"output_dir={run_dir}", "trainer.total_steps=100", "trainer.eval_every=50",
+                 "logging.logger=[jsonl]"]) == 0
     metrics = read_metrics(run_dir)
     rewards = [m["reward"] for m in metrics if "reward" in m]
-    assert len(rewards) == 150
-    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
-    assert last > first + 0.07, f"training reward did not rise: {first:.3f} -> {last:.3f}"
+    assert len(rewards) == 100
+    first, last = sum(rewards[:25]) / 25, sum(rewards[-25:]) / 25
+    assert last > first + 0.03, f"training reward did not rise: {first:.3f} -> {last:.3f}"
     evals = rl_evals(metrics)
-    assert len(evals) == 4  # start of the RL stage, steps 50, 100, 150
+    assert len(evals) == 3  # start of the RL stage, steps 50 and 100
+    assert evals[-1] > evals[0] + 0.1, f"held-out accuracy did not rise: {evals}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"]["eval/accuracy"] == pytest.approx(evals[-1])
     assert (run_dir / "curves.png").stat().st_size > 1000
