@@ -45,8 +45,9 @@ from rltk.training.setup import args_of, build_strategy
 def run_rl_stage(stage: Stage) -> None:
     run, cfg = stage.run, stage.cfg
     a, t = cfg.algorithm, cfg.trainer
-    strategy = build_strategy(cfg, run.policy, lr=t.lr, total_steps=t.total_steps, warmup_steps=t.warmup_steps,
-                              lr_schedule=t.lr_schedule)
+    per_step = t.mini_batches * t.ppo_epochs  # optimizer steps per RL step: the schedule counts those
+    strategy = build_strategy(cfg, run.policy, lr=t.lr, total_steps=t.total_steps * per_step,
+                              warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
     policy, workflow = strategy.unwrap(), run.workflow
 
     # Components, each chosen by name in the config.

@@ -298,6 +298,11 @@ def validate_config(cfg: DictConfig) -> None:
             raise ConfigError(f"bad value {value!r} for '{key}'.{hint} Valid: {', '.join(choices)}")
     _check_positive(cfg)
     _check_task(cfg)
+    advantage_fn = registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj
+    if "values" in inspect.signature(advantage_fn).parameters:  # a critic-based run: check its section too
+        from rltk.training.ppo import check_critic_config
+
+        check_critic_config(cfg)
     for i, stage in enumerate(cfg.stages):
         if stage.type not in STAGE_TYPES:
             raise ConfigError(

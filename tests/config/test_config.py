@@ -141,3 +141,9 @@ def test_swapping_a_component_drops_the_presets_arguments_for_it():
     cfg = load_config([], ["algorithm.name=dr_grpo", "algorithm.advantage_fn=rloo"])
     assert cfg.algorithm.advantage_fn_args == {}
     assert cfg.algorithm.loss_agg == "seq-mean-token-sum-norm"  # the rest of the preset stays
+
+
+def test_critic_section_checked_when_the_advantage_needs_values():
+    with pytest.raises(ConfigError, match="'critic.lr'"):
+        load_config([], ["algorithm.name=ppo", "critic.lr=-1"])
+    load_config([], ["critic.lr=-1"])  # grpo has no critic: the section is not read
