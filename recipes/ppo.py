@@ -36,7 +36,7 @@ import torch
 
 import rltk
 from rltk.algorithms.aggregation import masked_mean
-from rltk.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from rltk.algorithms.kl import apply_kl_penalty
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
@@ -46,7 +46,9 @@ from rltk.training.ppo import (
     updates_per_step,
 )
 from rltk.training.resume import load_weights, save_weights_atomically
-from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
+from rltk.training.rl import (
+    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update,
+)
 from rltk.training.run import (
     Stage, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint, should_checkpoint,
 )
@@ -70,18 +72,8 @@ def run_ppo_stage(stage: Stage) -> None:
     sample_strategy = rltk.get_component("sample_strategy", cfg.buffer.sample_strategy)(
         **args_of(cfg, "buffer.sample_strategy"))
     advantage_fn = rltk.get_component("advantage_fn", a.advantage_fn)
-    loss = LossComponents(
-        policy_loss=rltk.get_component("policy_loss", a.policy_loss),
-        policy_loss_args=args_of(cfg, "algorithm.policy_loss"),
-        loss_agg=rltk.get_component("loss_agg", a.loss_agg),
-        loss_agg_args=args_of(cfg, "algorithm.loss_agg"),
-        kl_penalty=rltk.get_component("kl_penalty_fn", a.kl_penalty_fn),
-        kl_penalty_args=args_of(cfg, "algorithm.kl_penalty_fn"),
-        kl_in=a.kl_in,
-        entropy_coef=a.entropy_coef,
-    )
-    kl_ctl = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_controller == "adaptive"
-              else FixedKLController(a.kl_coef))
+    loss = LossComponents.from_config(cfg)  # policy loss, aggregation, KL estimator, entropy bonus
+    kl_ctl = build_kl_controller(cfg)
     buffer = ExperienceBuffer()
     sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     generator = torch.Generator()  # mini-batch shuffling; reseeded every step, so a resumed run draws the same

@@ -32,6 +32,34 @@ class LossComponents:
     kl_in: str = "loss"
     entropy_coef: float = 0.0
 
+    @classmethod
+    def from_config(cls, cfg) -> "LossComponents":
+        """The ``algorithm.*`` choices of a config, looked up in the registry."""
+        from rltk import get_component
+        from rltk.training.setup import args_of
+
+        a = cfg.algorithm
+        return cls(
+            policy_loss=get_component("policy_loss", a.policy_loss),
+            policy_loss_args=args_of(cfg, "algorithm.policy_loss"),
+            loss_agg=get_component("loss_agg", a.loss_agg),
+            loss_agg_args=args_of(cfg, "algorithm.loss_agg"),
+            kl_penalty=get_component("kl_penalty_fn", a.kl_penalty_fn),
+            kl_penalty_args=args_of(cfg, "algorithm.kl_penalty_fn"),
+            kl_in=a.kl_in,
+            entropy_coef=a.entropy_coef,
+        )
+
+
+def build_kl_controller(cfg):
+    """``algorithm.kl_controller``: a fixed coefficient or the adaptive target-KL rule."""
+    from rltk.algorithms.kl import AdaptiveKLController, FixedKLController
+
+    a = cfg.algorithm
+    if a.kl_controller == "adaptive":
+        return AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+    return FixedKLController(a.kl_coef)
+
 
 @torch.no_grad()
 def batched_logprobs(
