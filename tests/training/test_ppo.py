@@ -223,8 +223,11 @@ def test_ppo_preset_is_registered_with_gae_and_kl_in_the_reward():
     ("critic.head_init_std=-1", "critic.head_init_std"),
 ])
 def test_critic_config_errors_name_the_key(override, key):
-    cfg = load_config([], ["algorithm.name=ppo", "trainer.total_steps=10", "critic.warmup_steps=3", override])
+    overrides = ["algorithm.name=ppo", "trainer.total_steps=10", "critic.warmup_steps=3", override]
+    cfg = load_config([], overrides, validate=False)
     with pytest.raises(ConfigError, match=f"'{key}'"):
         check_critic_config(cfg)
+    with pytest.raises(ConfigError, match=f"'{key}'"):  # `rltk validate` runs the same check
+        load_config([], overrides)
     check_critic_config(load_config([], ["algorithm.name=ppo", "trainer.total_steps=10", "critic.warmup_steps=9"]))
     assert OmegaConf.select(cfg, "critic.model_path") is None
