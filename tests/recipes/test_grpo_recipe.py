@@ -123,3 +123,25 @@ def test_grpo_runs_on_deepspeed_zero2(tmp_path):
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert main(["export", str(last), str(tmp_path / "exported")]) == 0
     assert (tmp_path / "exported" / "config.json").is_file()
+
+
+@pytest.mark.distributed
+def test_grpo_recipe_under_torchrun_with_two_processes(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "ddp"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", *FAST, "sft.steps=10", "sft.warmup_steps=2",
+         "trainer.total_steps=4", "trainer.warmup_steps=2", "trainer.eval_every=2", "checkpoint.every=2",
+         "logging.plot=false"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    # Only the main rank logs: every step appears exactly once.
+    assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
+    assert [m["step"] for m in metrics if "sft/sft_loss" in m] == list(range(1, 11))
+    assert out.stdout.count("rltk: final held-out") == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000012", "step_000014"]
