@@ -47,7 +47,7 @@ from rltk.training.ppo import (
 )
 from rltk.training.resume import load_weights, save_weights_atomically
 from rltk.training.rl import (
-    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update,
+    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update, rollout_metrics,
 )
 from rltk.training.run import (
     Stage, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint, should_checkpoint,
@@ -144,19 +144,9 @@ def run_ppo_stage(stage: Stage) -> None:
 
         # log
         elapsed = time.perf_counter() - tick
-        metrics = {
-            "reward": batch["scores"].mean().item(),
-            "accuracy": (batch["scores"] >= 1).float().mean().item(),
-            "response_length": batch["response_lengths"].float().mean().item(),
-            "kl_coef": kl_ctl.value,
-            "policy_updated": float(policy_updated),
-            "returns_mean": masked_mean(batch["returns"], mask).item(),
-            "tokens_per_s": batch["attention_mask"].sum().item() / elapsed,
-            "time/step_s": elapsed,
-            **kl_metrics, **update_metrics, **workflow.metrics(),
-            **{f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()},
-            **sample_strategy.metrics(),
-        }
+        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed), "kl_coef": kl_ctl.value,
+                   "policy_updated": float(policy_updated), "returns_mean": masked_mean(batch["returns"], mask).item(),
+                   **kl_metrics, **update_metrics}
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
             metrics.update(evaluate(workflow, run.eval_rows, cfg))
         run.metric_log.log(metrics, stage.first_step + step)

@@ -115,6 +115,21 @@ def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: d
     batch["returns"] = returns.float()
 
 
+def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, elapsed: float) -> dict[str, float]:
+    """What every RL step logs about its rollout batch: reward, accuracy, lengths, throughput,
+    plus the workflow's, reward functions' and sample strategy's own counters."""
+    return {
+        "reward": batch["scores"].mean().item(),
+        "accuracy": (batch["scores"] >= 1).float().mean().item(),
+        "response_length": batch["response_lengths"].float().mean().item(),
+        "tokens_per_s": batch["attention_mask"].sum().item() / elapsed,
+        "time/step_s": elapsed,
+        **workflow.metrics(),
+        **{f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()},
+        **sample_strategy.metrics(),
+    }
+
+
 def _mean_metrics(acc: dict[str, float], new: dict[str, Any], weight: float) -> None:
     for k, v in new.items():
         v = float(v.detach().item() if isinstance(v, torch.Tensor) else v)
