@@ -132,6 +132,24 @@ def _whiten_(x: torch.Tensor, on: torch.Tensor, eps: float) -> torch.Tensor:
     return x.div_(std + eps)
 
 
+def _whiten_sequences(x: torch.Tensor, lengths: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`masked_whiten` of a sequence-level value ``x_i`` repeated on the
+    ``l_i`` policy tokens of row ``i``, computed on ``[B]`` instead of ``[B, T]``::
+
+        mean = sum_i l_i x_i / sum_i l_i,   var = sum_i l_i (x_i - mean)^2 / sum_i l_i
+
+    Shape: (B,), (B,) float64 -> (B,) float64.
+    """
+    count = lengths.sum()
+    if count == 0:
+        return torch.zeros_like(x)
+    # As in _whiten_: shift by a row that has tokens, so an all-equal batch is exactly 0.
+    shifted = x - x[lengths.argmax()]
+    shifted = shifted - (lengths * shifted).sum() / count
+    std = ((lengths * shifted**2).sum() / count).sqrt()
+    return shifted / (std + eps)
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
     """Normalise ``values`` to zero mean and unit variance over the masked tokens.
 
@@ -317,9 +335,26 @@ def discounted_returns(
 
 
 def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense group index of every response and the size of each group."""
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    return inverse, counts
+    """Dense group index of every response (groups numbered in increasing id
+    order) and the size of each group.
+
+    Ids spanning a range of at most ``4 B`` values (prompt indices of a step,
+    the usual case) are ranked with a presence table and a cumulative sum, in
+    ``O(B + span)``; anything else (hashes, huge ids) goes through
+    ``torch.unique``'s sort. Both give the same numbering.
+    """
+    if group_ids.numel() == 0:
+        return group_ids.to(torch.int64), group_ids.new_zeros(0, dtype=torch.int64)
+    lowest, highest = torch.aminmax(group_ids)
+    span = int(highest) - int(lowest) + 1
+    if span > 4 * group_ids.numel():
+        _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+        return inverse, counts
+    offsets = (group_ids - lowest).to(torch.int64)
+    present = torch.zeros(span, dtype=torch.int64, device=group_ids.device)
+    present[offsets] = 1
+    inverse = (present.cumsum(0) - 1)[offsets]
+    return inverse, torch.bincount(inverse)
 
 
 def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -359,18 +394,29 @@ def _group_centred(
     return torch.where(constant, 0.0, returns - mean), sizes, inverse, n_groups
 
 
+def _policy_weights(response_mask: torch.Tensor) -> torch.Tensor:
+    """``response_mask`` as float32 0/1: itself when it already is float32 (the
+    batch contract), else ``(response_mask > 0)`` as float32."""
+    if response_mask.dtype == torch.float32:
+        return response_mask.detach()
+    return (response_mask > 0).to(torch.float32)
+
+
 def _sequence_level(
     advantage: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Put per-response ``A_i`` and ``R_i`` on every policy token (``response_mask``
-    may already be the bool mask, saving a pass).
+    """Put per-response ``A_i`` and ``R_i`` on every policy token.
+
+    The outputs are the only ``[B, T]`` work of an outcome estimator, so each is
+    one broadcast multiply by the 0/1 mask: a ``where`` on a bool mask costs a
+    comparison pass plus a slower select, about 3x the time on CPU.
 
     Shape: (B,), (B,), (B, T) -> (B, T), (B, T) float32.
     """
-    policy = response_mask if response_mask.dtype == torch.bool else response_mask > 0
+    weights = _policy_weights(response_mask)
     return (
-        torch.where(policy, advantage.to(torch.float32)[:, None], 0.0),
-        torch.where(policy, returns.to(torch.float32)[:, None], 0.0),
+        torch.mul(weights, advantage.to(torch.float32)[:, None]),
+        torch.mul(weights, returns.to(torch.float32)[:, None]),
     )
 
 
@@ -567,10 +613,9 @@ def reinforce_plus_plus_baseline(
     )
     returns = _sequence_returns(token_rewards)
     centred, _, _, _ = _group_centred(returns, group_ids)
-    advantages, returns = _sequence_level(centred, returns, response_mask)
     if whiten:
-        advantages = _whiten_(advantages, (response_mask > 0).to(torch.float32), eps)
-    return advantages, returns
+        centred = _whiten_sequences(centred, _policy_weights(response_mask).sum(-1).to(torch.float64), eps)
+    return _sequence_level(centred, returns, response_mask)
 
 
 def remax(
@@ -632,8 +677,8 @@ def opo(
         {"group_ids": group_ids},
     )
     returns = _sequence_returns(token_rewards)
-    policy = response_mask > 0
-    lengths = policy.sum(-1).to(torch.float64)
+    weights = _policy_weights(response_mask)
+    lengths = weights.sum(-1).to(torch.float64)
     inverse, counts = _group_index(group_ids)
     n_groups = counts.numel()
     weighted = _group_sum(lengths * returns, inverse, n_groups)
@@ -641,7 +686,7 @@ def opo(
     baseline = (weighted / total_length.clamp(min=1))[inverse]
     constant = _group_all_equal(returns, inverse, n_groups)
     advantage = torch.where(constant, 0.0, returns - baseline)
-    return _sequence_level(advantage, returns, policy)
+    return _sequence_level(advantage, returns, weights)
 
 
 @rltk.hookimpl

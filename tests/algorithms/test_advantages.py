@@ -465,3 +465,17 @@ def test_gae_stays_exact_when_float32_matmuls_are_allowed_to_lose_precision():
     finally:
         torch.set_float32_matmul_precision(previous)
     torch.testing.assert_close(advantages, expected, atol=1e-4, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(-50, 50), min_size=1, max_size=40),
+    scale=st.sampled_from([1, 1000, 2**40]),
+)
+def test_group_index_numbers_groups_like_torch_unique(ids, scale):
+    # scale 1 takes the presence-table path, huge ids the sort path: both must agree.
+    group_ids = torch.tensor(ids, dtype=torch.int64) * scale
+    inverse, counts = adv._group_index(group_ids)
+    _, expected_inverse, expected_counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    assert torch.equal(inverse, expected_inverse)
+    assert torch.equal(counts, expected_counts)
