@@ -28,7 +28,6 @@ import time
 import torch
 
 import rltk
-from rltk.algorithms.aggregation import masked_mean
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
@@ -37,6 +36,7 @@ from rltk.recipe_utils import parse_recipe_args
 from rltk.training.resume import load_weights, save_weights_atomically
 from rltk.training.rl import (
     LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update, rollout_metrics,
+    any_rank, global_masked_mean,
 )
 from rltk.training.run import (
     Stage, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint, should_checkpoint,
@@ -86,7 +86,9 @@ def run_rl_stage(stage: Stage) -> None:
         experiences = workflow.run(sampler.next_batch()[strategy.rank :: strategy.world_size])
         buffer.put(experiences, step)
         experiences = sample_strategy.sample(buffer, step)
-        if not experiences:  # e.g. every group filtered out as all-equal: nothing to learn from
+        # e.g. every group filtered out as all-equal: nothing to learn from. Ranks stay in lockstep,
+        # so when any rank has nothing, every rank skips the step.
+        if any_rank(strategy, not experiences):
             run.metric_log.log({"skipped_empty_batch": 1.0, **sample_strategy.metrics()}, stage.first_step + step)
             continue
         batch = collate(experiences, run.tokenizer.pad_token_id)
@@ -97,29 +99,29 @@ def run_rl_stage(stage: Stage) -> None:
         if a.use_rollout_logprobs:
             batch["old_logprobs"] = batch["rollout_logprobs"]
         else:
-            batch["old_logprobs"], _ = batched_logprobs(policy, batch, **common)
+            batch["old_logprobs"], _ = batched_logprobs(policy, batch, **common, strategy=strategy)
         kl_metrics = {}
         if reference is not None:
             batch["ref_logprobs"], _ = batched_logprobs(reference, batch, **common)
             kl = loss.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], **loss.kl_penalty_args)
             mask = batch["response_mask"]
-            kl_metrics["kl"] = masked_mean(kl, mask).item()
+            kl_metrics["kl"] = global_masked_mean(kl, mask, strategy)
             if a.kl_in == "reward":  # fold the penalty into the per-token rewards before advantages
                 batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, kl_ctl.value, mask)
 
         # advantages from the fields the estimator names
-        compute_advantages(advantage_fn, batch, args_of(cfg, "algorithm.advantage_fn"))
+        compute_advantages(advantage_fn, batch, args_of(cfg, "algorithm.advantage_fn"), strategy)
 
         # update: ppo_epochs x mini-batches, one optimizer step each
         update_metrics = policy_update(strategy, batch, loss, kl_coef=kl_ctl.value, mini_batches=t.mini_batches,
                                        ppo_epochs=t.ppo_epochs, generator=generator, **common)
         workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
         if reference is not None:
-            kl_ctl.update(kl_metrics["kl"], len(experiences))
+            kl_ctl.update(kl_metrics["kl"], int(strategy.all_reduce_sum(torch.tensor([len(experiences)])).item()))
 
         # log
         elapsed = time.perf_counter() - tick
-        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed), "kl_coef": kl_ctl.value,
+        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed, strategy), "kl_coef": kl_ctl.value,
                    **kl_metrics, **update_metrics}
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
             metrics.update(evaluate(workflow, run.eval_rows, cfg))

@@ -615,6 +615,40 @@ class TrainingStrategy(abc.ABC):
         torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.SUM)
         return buffer.to(tensor.device)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``tensor`` over ranks, as a new tensor on the input's device.
+
+        Use it to keep ranks in lockstep: ``n = strategy.all_reduce_max(torch.tensor(local_n))``.
+        """
+        if not self._distributed:
+            return tensor.detach().clone()
+        buffer = tensor.detach().to(self.device, copy=True)
+        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX)
+        return buffer.to(tensor.device)
+
+    def gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Every rank's rows, concatenated in rank order, and each rank's row count.
+
+        Ranks may hold different numbers of rows and, for ``[B, T, ...]``
+        tensors, different widths: every trailing dimension is right-padded
+        with zeros to the widest rank's. Rank ``r``'s own rows are
+        ``out[sum(counts[:r]) : sum(counts[:r + 1]), :T_r]``. Single process:
+        ``(tensor, [B])``.
+        """
+        if not self._distributed:
+            return tensor, [tensor.shape[0]]
+        shapes = self.all_gather_object(tuple(tensor.shape))
+        counts = [shape[0] for shape in shapes]
+        widest = [max(sizes) for sizes in zip(*shapes)]
+        # gloo has no bool collectives
+        wire_dtype = torch.uint8 if tensor.dtype == torch.bool else tensor.dtype
+        padded = torch.zeros(widest, dtype=wire_dtype, device=self.device)
+        padded[tuple(slice(0, n) for n in tensor.shape)] = tensor.to(self.device, wire_dtype)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, padded)
+        rows = torch.cat([part[:n] for part, n in zip(parts, counts)])
+        return rows.to(tensor.device, tensor.dtype), counts
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order. Single process: ``[obj]``."""
         if not self._distributed:

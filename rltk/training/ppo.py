@@ -32,6 +32,7 @@ from rltk.algorithms.aggregation import loss_agg_normalisers
 from rltk.algorithms.value import clipped_value_loss
 from rltk.batch import slice_batch
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model, response_values
+from rltk.training.rl import lockstep_count
 
 __all__ = [
     "CRITIC_SUBDIR",
@@ -50,12 +51,15 @@ CRITIC_SUBDIR = "critic"
 
 
 @torch.no_grad()
-def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, micro_batch_size: int) -> torch.Tensor:
+def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
+                   strategy=None) -> torch.Tensor:
     """The critic's value of the state before each response token, for a whole batch, without gradients.
 
     Runs in eval mode (no dropout: these are the ``old_values`` the clipped
     value loss compares against, and GAE's baseline) and restores the mode.
     Values on response padding are 0 (see :func:`rltk.models.critic.response_values`).
+    Pass the ``strategy`` that shards ``critic`` to keep ranks' forwards in
+    lockstep (see :func:`rltk.training.rl.batched_logprobs`).
 
     Shape: batch tensors (B, P + T) -> (B, T) fp32 on the batch's device.
     """
@@ -65,10 +69,13 @@ def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, m
     device = next(critic.parameters()).device
     chunks = []
     try:
-        for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
+        starts = list(range(0, batch["input_ids"].shape[0], micro_batch_size))
+        for i in range(lockstep_count(strategy, len(starts))):
+            start = starts[i] if i < len(starts) else 0
             mb = slice_batch(batch, slice(start, start + micro_batch_size))
             values = response_values(critic, mb["input_ids"].to(device), mb["attention_mask"].to(device), T)
-            chunks.append(values.float().to(batch["input_ids"].device))
+            if i < len(starts):
+                chunks.append(values.float().to(batch["input_ids"].device))
     finally:
         critic.train(was_training)
     return torch.cat(chunks)
@@ -174,11 +181,15 @@ def critic_update(
             agg = functools.partial(loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **loss_agg_args)
             step = {"critic/vf_loss": 0.0, "critic/vf_clip_frac": 0.0, "critic/values_mean": 0.0}
             starts = list(range(0, mini_size, micro_batch_size))
-            for i, start in enumerate(starts):
+            n_micro = lockstep_count(strategy, len(starts))
+            for i in range(n_micro):
+                # fewer micro-batches than another rank: repeat the first with zero weight (see policy_update)
+                padding = i >= len(starts)
+                start = 0 if padding else starts[i]
                 mb = {k: v.to(strategy.device) for k, v in slice_batch(mini, slice(start, start + micro_batch_size)).items()}
                 # token-weighted so per-micro means add up to the mini-batch mean
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
-                with strategy.accumulate(i == len(starts) - 1):
+                with strategy.accumulate(i == n_micro - 1):
                     with strategy.autocast():
                         values = response_values(strategy.model, mb["input_ids"], mb["attention_mask"], T)
                         loss, metrics = clipped_value_loss(
@@ -186,10 +197,16 @@ def critic_update(
                             response_mask=mb["response_mask"], loss_agg=agg, clip_range=clip_range,
                         )
                     # backward outside autocast but inside accumulate, whose no-sync must cover it
-                    strategy.backward(loss)
+                    strategy.backward(loss * 0.0 if padding else loss)
+                if padding:
+                    continue
                 step["critic/vf_loss"] += loss.item()  # already this micro-batch's share of the mini-batch loss
                 step["critic/vf_clip_frac"] += metrics["vf_clip_frac"].item() * weight
                 step["critic/values_mean"] += metrics["values_mean"].item() * weight
+            if strategy.world_size > 1:  # every rank's shares add up to the global numbers
+                names = sorted(step)
+                summed = strategy.all_reduce_sum(torch.tensor([step[k] for k in names], dtype=torch.float64))
+                step = dict(zip(names, summed.tolist()))
             info = strategy.step()
             for key, value in info.items():
                 step[f"critic/{key}"] = float(value)

@@ -61,6 +61,31 @@ def build_kl_controller(cfg):
     return FixedKLController(a.kl_coef)
 
 
+def lockstep_count(strategy, local_count: int) -> int:
+    """The largest ``local_count`` over ranks (``local_count`` without a strategy).
+
+    Sharded engines gather parameters inside every forward, a collective: a
+    rank that ran fewer forwards than another would leave it waiting forever.
+    """
+    if strategy is None or strategy.world_size == 1:
+        return local_count
+    return int(strategy.all_reduce_max(torch.tensor([local_count], dtype=torch.int64)).item())
+
+
+def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, strategy=None) -> float:
+    """``sum(values * mask) / sum(mask)`` over every rank's tokens (0 when there are none)."""
+    local = torch.stack([(values.detach().double() * mask).sum(), mask.double().sum()]).cpu()
+    total, count = (local if strategy is None else strategy.all_reduce_sum(local)).tolist()
+    return total / count if count else 0.0
+
+
+def any_rank(strategy, flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on at least one."""
+    if strategy is None or strategy.world_size == 1:
+        return flag
+    return bool(strategy.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
+
+
 @torch.no_grad()
 def batched_logprobs(
     model: torch.nn.Module,
@@ -71,21 +96,32 @@ def batched_logprobs(
     impl: str = "auto",
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    strategy=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
+
+    Pass the ``strategy`` that shards ``model`` (ZeRO-3, FSDP): every forward
+    then gathers parameters collectively, so each rank runs as many forwards
+    as the rank with the most micro-batches, repeating its first micro-batch
+    and discarding the result.
 
     Shape: returns ``[B, T]`` tensors on the batch's device.
     """
     was_training = model.training
     model.eval()  # no dropout: old and reference log-probs must be deterministic
     T = batch["response_mask"].shape[1]
+    starts = list(range(0, batch["input_ids"].shape[0], micro_batch_size))
+    n_forwards = lockstep_count(strategy, len(starts))
     logprobs, entropies = [], []
-    for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
+    for i in range(n_forwards):
+        start = starts[i] if i < len(starts) else 0
         mb = slice_batch(batch, slice(start, start + micro_batch_size))
         lp, ent = response_logprobs(
             model, mb["input_ids"], mb["attention_mask"], T,
             temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
         )
+        if i >= len(starts):
+            continue
         logprobs.append(lp.float())
         if with_entropy:
             entropies.append(ent.float())
@@ -93,10 +129,18 @@ def batched_logprobs(
     return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
 
 
-def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: dict) -> None:
+def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: dict, strategy=None) -> None:
     """Fill ``batch["advantages"]`` and ``batch["returns"]`` with the configured estimator.
 
-    The estimator receives exactly the batch fields its signature names.
+    The estimator receives exactly the batch fields its signature names. With
+    several ranks it sees the *global* batch: the fields are gathered from every
+    rank (rows in rank order, widths padded with zeros, which the response mask
+    marks as padding), every rank computes the same result, and each keeps its
+    own rows. Batch statistics (the whitening of ``gae`` and the REINFORCE++
+    family, or anything a plugin computes over the batch) are then those of one
+    process holding the whole batch. Group ids are made distinct per rank: a
+    rank samples every response of its prompts, so a group never spans ranks,
+    while the workflows number groups per process.
     """
     params = inspect.signature(adv_fn).parameters
     missing = [
@@ -110,23 +154,60 @@ def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: d
             f"(available: {sorted(batch)}); choose another algorithm.advantage_fn "
             f"(e.g. 'values' needs the ppo recipe's critic)"
         )
-    advantages, returns = call_with_fields(adv_fn, batch, args)
+    fields = {k: v for k, v in batch.items() if k in params and k not in args}
+    if strategy is None or strategy.world_size == 1:
+        advantages, returns = adv_fn(**fields, **args)
+    else:
+        B, T = batch["response_mask"].shape
+        gathered, counts = {}, []
+        for name, value in fields.items():
+            gathered[name], counts = strategy.gather_rows(value)
+        if "group_ids" in gathered:
+            rank_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+            pairs = torch.stack([rank_of_row, gathered["group_ids"].to(torch.int64).cpu()], dim=1)
+            gathered["group_ids"] = torch.unique(pairs, dim=0, return_inverse=True)[1].to(
+                batch["group_ids"].device)
+        advantages, returns = adv_fn(**gathered, **args)
+        start = sum(counts[: strategy.rank])
+        advantages = advantages[start : start + B, :T].contiguous()
+        returns = returns[start : start + B, :T].contiguous()
     batch["advantages"] = advantages.float()
     batch["returns"] = returns.float()
 
 
-def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, elapsed: float) -> dict[str, float]:
+def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, elapsed: float,
+                    strategy=None) -> dict[str, float]:
     """What every RL step logs about its rollout batch: reward, accuracy, lengths, throughput,
-    plus the workflow's, reward functions' and sample strategy's own counters."""
-    return {
-        "reward": batch["scores"].mean().item(),
-        "accuracy": (batch["scores"] >= 1).float().mean().item(),
-        "response_length": batch["response_lengths"].float().mean().item(),
-        "tokens_per_s": batch["attention_mask"].sum().item() / elapsed,
-        "time/step_s": elapsed,
+    plus the workflow's, reward functions' and sample strategy's own counters.
+
+    With a ``strategy`` the numbers cover every rank: reward, accuracy and length are means over
+    all responses, ``tokens_per_s`` is the total, and the components' counters are averaged over
+    ranks.
+    """
+    scores = batch["scores"].double().cpu()
+    local = torch.stack([
+        scores.sum(), (scores >= 1).double().sum(), batch["response_lengths"].double().sum().cpu(),
+        torch.tensor(float(scores.numel()), dtype=torch.float64),
+        batch["attention_mask"].double().sum().cpu(),
+    ])
+    score_sum, correct, length_sum, n, tokens = (
+        local if strategy is None else strategy.all_reduce_sum(local)).tolist()
+    counters = {
         **workflow.metrics(),
         **{f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()},
         **sample_strategy.metrics(),
+    }
+    if strategy is not None and strategy.world_size > 1:
+        every_rank = strategy.all_gather_object(counters)
+        counters = {k: sum(float(c.get(k, 0.0)) for c in every_rank) / len(every_rank)
+                    for k in sorted(set().union(*every_rank))}
+    return {
+        "reward": score_sum / max(n, 1),
+        "accuracy": correct / max(n, 1),
+        "response_length": length_sum / max(n, 1),
+        "tokens_per_s": tokens / elapsed,
+        "time/step_s": elapsed,
+        **counters,
     }
 
 
@@ -177,12 +258,18 @@ def policy_update(
             agg = functools.partial(
                 loss.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **loss.loss_agg_args
             )
-            step_metrics: dict[str, float] = {}
+            shares: dict[str, float] = {}
             starts = list(range(0, mini_size, micro_batch_size))
-            for i, start in enumerate(starts):
+            n_micro = lockstep_count(strategy, len(starts))
+            for i in range(n_micro):
+                # A rank with fewer micro-batches than another repeats its first one with zero
+                # weight, so that every rank runs the same forwards and backwards (sharded
+                # engines gather parameters in each; DDP all-reduces in the last backward).
+                padding = i >= len(starts)
+                start = 0 if padding else starts[i]
                 mb = {k: v.to(strategy.device) for k, v in slice_batch(mini, slice(start, start + micro_batch_size)).items()}
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
-                with strategy.accumulate(i == len(starts) - 1):
+                with strategy.accumulate(i == n_micro - 1):
                     with strategy.autocast():
                         logprobs, entropy = response_logprobs(
                             strategy.model, mb["input_ids"], mb["attention_mask"], T,
@@ -206,14 +293,20 @@ def policy_update(
                             parts["kl_loss"] = kl_term.detach()
                     # backward outside autocast (torch's advice) but inside accumulate,
                     # whose no-sync must cover it
-                    strategy.backward(total)
-                # pg_loss and kl_loss are this micro-batch's share of the mini-batch sum already;
-                # per-micro ratios (clip fraction, approx KL) are token-weighted averages.
-                _mean_metrics(step_metrics, {k: v for k, v in parts.items() if k != "entropy"}, 1.0)
-                _mean_metrics(step_metrics, {"entropy": parts["entropy"]}, weight)
-                _mean_metrics(step_metrics, pg_metrics, weight)
+                    strategy.backward(total * 0.0 if padding else total)
+                if padding:
+                    continue
+                # pg_loss and kl_loss are this micro-batch's share of the global mini-batch sum
+                # already; per-micro ratios (clip fraction, approx KL) are weighted by its share
+                # of the global tokens. Summed over micro-batches and ranks, both are global.
+                _mean_metrics(shares, {k: v for k, v in parts.items() if k != "entropy"}, 1.0)
+                _mean_metrics(shares, {"entropy": parts["entropy"]}, weight)
+                _mean_metrics(shares, pg_metrics, weight)
             step_info = strategy.step()
-            _mean_metrics(step_metrics, step_info, 1.0)
-            _mean_metrics(metrics, step_metrics, 1.0)
+            if strategy.world_size > 1:
+                names = sorted(shares)
+                summed = strategy.all_reduce_sum(torch.tensor([shares[k] for k in names], dtype=torch.float64))
+                shares = dict(zip(names, summed.tolist()))
+            _mean_metrics(metrics, {**shares, **step_info}, 1.0)
             n_updates += 1
     return {k: v / n_updates for k, v in metrics.items()}
