@@ -32,7 +32,7 @@ from rltk.algorithms.aggregation import loss_agg_normalisers
 from rltk.algorithms.value import clipped_value_loss
 from rltk.batch import slice_batch
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model, response_values
-from rltk.training.rl import lockstep_count
+from rltk.training.rl import check_mini_batches, lockstep_count
 
 __all__ = [
     "CRITIC_SUBDIR",
@@ -156,11 +156,8 @@ def critic_update(
     """
     B = batch["input_ids"].shape[0]
     T = batch["response_mask"].shape[1]
-    if mini_batches < 1 or B % mini_batches:
-        raise ValueError(
-            f"critic_update: the rollout batch of {B} sequences is not divisible into mini_batches={mini_batches} "
-            "(trainer.mini_batches must divide trainer.prompts_per_step x rollout.n)"
-        )
+    if mini_batches < 1:
+        raise ValueError(f"critic_update: mini_batches must be at least 1, got {mini_batches} (trainer.mini_batches)")
     missing = [k for k in ("input_ids", "attention_mask", "response_mask", "values", "returns") if k not in batch]
     if missing:
         raise KeyError(
@@ -168,13 +165,14 @@ def critic_update(
             "and 'returns' with the advantage estimator before updating the critic"
         )
     loss_agg_args = dict(loss_agg_args or {})
-    mini_size = B // mini_batches
+    check_mini_batches(strategy, B, mini_batches)
     totals: dict[str, float] = {}
     n_updates = 0
     for _ in range(ppo_epochs):
         order = torch.randperm(B, generator=generator)
-        for m in range(mini_batches):
-            mini = slice_batch(batch, order[m * mini_size : (m + 1) * mini_size])
+        for rows in order.tensor_split(mini_batches):  # sizes may differ by one row (see check_mini_batches)
+            mini = slice_batch(batch, rows)
+            mini_size = len(rows)
             local = loss_agg_normalisers(mini["response_mask"])
             counts = torch.tensor([float(local["global_tokens"]), float(local["global_seqs"])], dtype=torch.float64)
             global_tokens, global_seqs = strategy.all_reduce_sum(counts).tolist()
@@ -186,7 +184,8 @@ def critic_update(
                 # fewer micro-batches than another rank: repeat the first with zero weight (see policy_update)
                 padding = i >= len(starts)
                 start = 0 if padding else starts[i]
-                mb = {k: v.to(strategy.device) for k, v in slice_batch(mini, slice(start, start + micro_batch_size)).items()}
+                source = mini if mini_size else batch  # a rank with no rows in this mini-batch still runs
+                mb = {k: v.to(strategy.device) for k, v in slice_batch(source, slice(start, start + micro_batch_size)).items()}
                 # token-weighted so per-micro means add up to the mini-batch mean
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
                 with strategy.accumulate(i == n_micro - 1):

@@ -61,6 +61,25 @@ def build_kl_controller(cfg):
     return FixedKLController(a.kl_coef)
 
 
+def check_mini_batches(strategy, local_rows: int, mini_batches: int) -> None:
+    """Refuse a rollout batch that cannot fill ``trainer.mini_batches`` mini-batches.
+
+    Each rank cuts its rows into ``mini_batches`` parts whose sizes differ by
+    at most one (a sample strategy can leave any number of rows), and
+    mini-batch ``m`` is part ``m`` of every rank. A rank with fewer rows than
+    ``mini_batches`` leaves some parts empty (it then runs zero-weight passes
+    in them); every mini-batch holds a row as long as the largest rank has
+    ``mini_batches`` rows. The test is on a global number, so every rank
+    raises or none does.
+    """
+    largest = lockstep_count(strategy, local_rows)
+    if largest < mini_batches:
+        raise ValueError(
+            f"the largest rank's rollout batch has {largest} sequences, fewer than trainer.mini_batches="
+            f"{mini_batches}; lower trainer.mini_batches or sample more (trainer.prompts_per_step, rollout.n)"
+        )
+
+
 def lockstep_count(strategy, local_count: int) -> int:
     """The largest ``local_count`` over ranks (``local_count`` without a strategy).
 
@@ -243,15 +262,14 @@ def policy_update(
     """
     B = batch["input_ids"].shape[0]
     T = batch["response_mask"].shape[1]
-    if B % mini_batches:
-        raise ValueError(f"rollout batch of {B} sequences is not divisible into {mini_batches} mini-batches")
-    mini_size = B // mini_batches
+    check_mini_batches(strategy, B, mini_batches)
     metrics: dict[str, float] = {}
     n_updates = 0
     for _ in range(ppo_epochs):
         order = torch.randperm(B, generator=generator)
-        for m in range(mini_batches):
-            mini = slice_batch(batch, order[m * mini_size : (m + 1) * mini_size])
+        for rows in order.tensor_split(mini_batches):
+            mini = slice_batch(batch, rows)
+            mini_size = len(rows)
             local = loss_agg_normalisers(mini["response_mask"])
             counts = torch.tensor([float(local["global_tokens"]), float(local["global_seqs"])], dtype=torch.float64)
             global_tokens, global_seqs = strategy.all_reduce_sum(counts).tolist()
@@ -267,7 +285,8 @@ def policy_update(
                 # engines gather parameters in each; DDP all-reduces in the last backward).
                 padding = i >= len(starts)
                 start = 0 if padding else starts[i]
-                mb = {k: v.to(strategy.device) for k, v in slice_batch(mini, slice(start, start + micro_batch_size)).items()}
+                source = mini if mini_size else batch  # a rank with no rows in this mini-batch still runs
+                mb = {k: v.to(strategy.device) for k, v in slice_batch(source, slice(start, start + micro_batch_size)).items()}
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
                 with strategy.accumulate(i == n_micro - 1):
                     with strategy.autocast():

@@ -160,8 +160,8 @@ def test_explained_variance_ignores_a_common_shift_and_masked_tokens(data, shift
 def test_critic_update_errors_name_the_problem():
     strategy = critic_strategy()
     batch = rollout_batch(RETURNS)
-    with pytest.raises(ValueError, match="6 sequences is not divisible into mini_batches=4"):
-        critic_update(strategy, batch, loss_agg=token_mean, clip_range=0.2, mini_batches=4, ppo_epochs=1,
+    with pytest.raises(ValueError, match="has 6 sequences, fewer than trainer.mini_batches=7"):
+        critic_update(strategy, batch, loss_agg=token_mean, clip_range=0.2, mini_batches=7, ppo_epochs=1,
                       micro_batch_size=2)
     del batch["returns"]
     with pytest.raises(KeyError, match=r"lacks \['returns'\]"):

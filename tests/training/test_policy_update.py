@@ -1,0 +1,62 @@
+"""policy_update in one process: mini-batches of any rollout size, and the errors it gives."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import rltk
+from rltk.batch import collate, slice_batch
+from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
+
+_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", Path(__file__).with_name("rl_step_worker.py"))
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+
+def _strategy():
+    from rltk.strategies.accelerate_strategy import AccelerateStrategy
+
+    strategy = AccelerateStrategy(cpu=True)
+    strategy.setup(worker.shared.tiny_qwen2(seed=0), **worker.SETUP)
+    return strategy
+
+
+def _batch(strategy, rows: int):
+    batch = collate(worker.local_experiences(0, 0, 1)[:rows], pad_token_id=0)
+    batch["old_logprobs"], _ = batched_logprobs(strategy.unwrap(), batch, micro_batch_size=2, temperature=1.0)
+    compute_advantages(rltk.get_component("advantage_fn", "grpo"), batch, {})
+    return batch
+
+
+LOSS = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
+                      loss_agg=rltk.get_component("loss_agg", "token-mean"))
+
+
+def test_a_batch_that_mini_batches_do_not_divide_is_cut_into_near_equal_parts():
+    # A sample strategy that filters groups leaves any number of rows: 5 rows in 2 mini-batches are
+    # one step on 3 rows, then one on 2, in the order the generator shuffles them.
+    strategy, reference = _strategy(), _strategy()
+    batch = _batch(strategy, rows=5)
+    policy_update(strategy, batch, LOSS, kl_coef=0.0, mini_batches=2, ppo_epochs=1, micro_batch_size=2,
+                  temperature=1.0, generator=torch.Generator().manual_seed(7))
+    order = torch.randperm(5, generator=torch.Generator().manual_seed(7))
+    parts = order.tensor_split(2)
+    assert [len(p) for p in parts] == [3, 2]
+    for part in parts:
+        policy_update(reference, slice_batch(batch, part), LOSS, kl_coef=0.0, mini_batches=1, ppo_epochs=1,
+                      micro_batch_size=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert strategy.optimizer_steps == reference.optimizer_steps == 2
+    for name, value in reference.full_state_dict().items():
+        torch.testing.assert_close(strategy.full_state_dict()[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_fewer_rows_than_mini_batches_names_the_config_keys():
+    strategy = _strategy()
+    batch = _batch(strategy, rows=3)
+    with pytest.raises(ValueError, match=r"has 3 sequences, fewer than trainer.mini_batches=4"):
+        policy_update(strategy, batch, LOSS, kl_coef=0.0, mini_batches=4, ppo_epochs=1, micro_batch_size=2,
+                      temperature=1.0)
