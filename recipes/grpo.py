@@ -22,7 +22,6 @@ This file is a script, not a module: copy it to change the loop itself.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -39,17 +38,19 @@ from rltk.training.rl import (
     any_rank, global_masked_mean,
 )
 from rltk.training.run import (
-    Stage, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint, should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint,
+    should_checkpoint,
 )
-from rltk.training.setup import args_of, build_strategy
+from rltk.training.setup import args_of
 
 
 def run_rl_stage(stage: Stage) -> None:
     run, cfg = stage.run, stage.cfg
     a, t = cfg.algorithm, cfg.trainer
     per_step = t.mini_batches * t.ppo_epochs  # optimizer steps per RL step: the schedule counts those
-    strategy = build_strategy(cfg, run.policy, lr=t.lr, total_steps=t.total_steps * per_step,
-                              warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
+    strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps * per_step,
+                                    warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
     policy, workflow = strategy.unwrap(), run.workflow
 
     # Components, each chosen by name in the config.
@@ -64,11 +65,12 @@ def run_rl_stage(stage: Stage) -> None:
 
     # The reference policy is the policy as this stage starts (after any warm-up), frozen;
     # its weights are kept beside the checkpoints so a resumed run compares against the same one.
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
+    reference = strategy.full_model_copy().eval().requires_grad_(False) if a.kl_coef > 0 else None
     reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
     start = 0
     if stage.resume is not None:
         state = run.ckpt.load(stage.resume["path"], strategy)
+        workflow.engine.update_weights(policy)  # an engine with a copy of its own takes the restored weights
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]

@@ -29,7 +29,6 @@ a script, not a module: copy it to change the loop itself.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -50,9 +49,10 @@ from rltk.training.rl import (
     any_rank, global_masked_mean,
 )
 from rltk.training.run import (
-    Stage, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint, should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint,
+    should_checkpoint,
 )
-from rltk.training.setup import args_of, build_strategy, stage_config
+from rltk.training.setup import args_of, stage_config
 
 
 def run_ppo_stage(stage: Stage) -> None:
@@ -60,12 +60,15 @@ def run_ppo_stage(stage: Stage) -> None:
     a, t, c = cfg.algorithm, cfg.trainer, cfg.critic
     per_step = updates_per_step(cfg)  # optimizer steps per RL step; schedules count optimizer steps
     policy_steps = t.total_steps - c.warmup_steps  # the policy waits while the critic warms up
-    strategy = build_strategy(cfg, run.policy, lr=t.lr, total_steps=policy_steps * per_step,
-                              warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
+    strategy = build_stage_strategy(stage, lr=t.lr, total_steps=policy_steps * per_step,
+                                    warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
     policy, workflow = strategy.unwrap(), run.workflow
-    # The critic starts from the policy as this stage begins (after any warm-up); a resumed
-    # run overwrites its weights from the checkpoint below.
-    critic_strategy = build_critic_strategy(cfg, build_critic(cfg, policy), total_steps=t.total_steps)
+    # The critic starts from the policy as this stage begins (after any warm-up), copied from a
+    # plain copy of it (ZeRO-3 has partitioned `policy`); a resumed run overwrites its weights
+    # from the checkpoint below.
+    critic_strategy = build_critic_strategy(cfg, build_critic(cfg, strategy.full_model_copy()),
+                                            total_steps=t.total_steps)
     strategies = PolicyAndCritic(strategy, critic_strategy)  # one checkpoint holds both
 
     # Components, each chosen by name in the config.
@@ -80,11 +83,12 @@ def run_ppo_stage(stage: Stage) -> None:
 
     # The reference policy is the policy as this stage starts, frozen; its weights are kept
     # beside the checkpoints so a resumed run compares against the same one.
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
+    reference = strategy.full_model_copy().eval().requires_grad_(False) if a.kl_coef > 0 else None
     reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
     start = 0
     if stage.resume is not None:
         state = run.ckpt.load(stage.resume["path"], strategies)
+        workflow.engine.update_weights(policy)  # an engine with a copy of its own takes the restored weights
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]

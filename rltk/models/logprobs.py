@@ -28,9 +28,17 @@ Models and wrappers:
 * The model is always called through its own (possibly wrapped) ``forward``,
   so DDP gradient sync, FSDP2 unsharding and DeepSpeed hooks run; the last
   hidden states are taken from the base model with a forward hook, and
-  ``logits_to_keep=1`` keeps the head's own output to one position. DeepSpeed
-  ZeRO-3 partitions the head weight outside its module's forward and is not
-  supported (a clear error says so); use the naive function there.
+  ``logits_to_keep=1`` keeps the head's own output to one position.
+* A head whose weight is only whole inside its own module's forward
+  (DeepSpeed ZeRO-3 partitions every parameter outside it; an FSDP2 unit of
+  its own reshards after it): the fused op then runs *as* the head module's
+  forward, so the engine's hooks gather the weight before it, release it
+  after, gather it again before the op's backward and reduce its gradient into
+  the shard, exactly as for the model's own layers. Any ``impl`` works there.
+* A head weight left sharded (a DTensor) by an FSDP2 wrapper whose hooks do
+  not cover the head: ``impl="auto"`` computes the logits through a second
+  forward of the model instead (the response positions only, where the model
+  takes ``logits_to_keep``); an explicit ``impl`` is an error.
 """
 
 from __future__ import annotations
@@ -59,7 +67,8 @@ def response_logprobs(
 
     Args:
         model: a causal LM (Hugging Face ``*ForCausalLM``), possibly wrapped by
-            DDP, FSDP2 or a DeepSpeed engine (ZeRO 0-2).
+            DDP, FSDP2 or a DeepSpeed engine (ZeRO 1-3; a partitioned head is
+            gathered for the op, see the module docstring).
         input_ids: prompt left-padded to ``P``, response right-padded to ``T``. Shape: (B, S).
         attention_mask: 1 on real tokens. Shape: (B, S).
         response_width: ``T``, the number of response columns (``S - T >= 1``).
@@ -80,19 +89,33 @@ def response_logprobs(
         return empty, (empty.clone() if with_entropy else None)
     hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])  # [B, S-1, D]
     hidden = hidden[:, prompt_len - 1 :]  # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]
-    weight, bias = output_head(model)
-    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    head = output_head_module(model)
+    gather_in_forward = _whole_only_in_forward(head)
+    if not gather_in_forward and _is_dtensor(head.weight):
+        if impl != "auto":
+            raise NotImplementedError(
+                f"the LM head weight of {type(unwrap_model(model)).__name__} is a sharded DTensor after the "
+                f"forward pass (an FSDP wrapper that does not unshard the head), so the fused op (impl='{impl}') "
+                "cannot see the full [V, D] matrix. Use impl='auto' (computes the logits through the model's "
+                "forward then), or shard the model with FSDP2 with the head in the root module or in a unit "
+                "of its own."
+            )
+        return _response_logprobs_through_forward(model, input_ids, attention_mask, width,
+                                                  temperature=temperature, with_entropy=with_entropy)
     response_valid = attention_mask[:, prompt_len:].bool()  # [B, T]
-    labels = input_ids[:, prompt_len:].masked_fill(~response_valid, IGNORE_INDEX)
-    logprobs, entropy = token_logprobs_and_entropy(
-        hidden.reshape(batch_size * width, -1).to(dtype),
-        weight.to(dtype),
-        labels.reshape(-1),
-        bias=None if bias is None else bias.to(dtype),
-        temperature=temperature * logit_temperature_factor(model),
-        impl=impl,
-        chunk_size=chunk_size,
-    )
+    labels = input_ids[:, prompt_len:].masked_fill(~response_valid, IGNORE_INDEX).reshape(-1)
+    temperature = temperature * logit_temperature_factor(model)
+
+    def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, bias = output_head(model)
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        return token_logprobs_and_entropy(
+            hidden.to(dtype), weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
+            temperature=temperature, impl=impl, chunk_size=chunk_size,
+        )
+
+    hidden = hidden.reshape(batch_size * width, -1)
+    logprobs, entropy = run_as_forward(head, fused, hidden) if gather_in_forward else fused(hidden)
     logprobs = logprobs.view(batch_size, width)
     if not with_entropy:
         return logprobs, None
@@ -115,14 +138,30 @@ def response_logprobs_naive(
     their fp32 log-softmax). Works for every model whose ``forward`` returns
     logits, including soft-capped ones and DeepSpeed ZeRO-3.
     """
+    return _logprobs_from_logits(model, input_ids, attention_mask, response_width, temperature=temperature,
+                                 with_entropy=with_entropy, keep_response_only=False)
+
+
+def _response_logprobs_through_forward(model, input_ids, attention_mask, response_width, *, temperature,
+                                       with_entropy):
+    """:func:`response_logprobs_naive` restricted to the ``T + 1`` last positions where the model takes
+    ``logits_to_keep``: ``[B, T + 1, V]`` logits instead of ``[B, S, V]``."""
+    return _logprobs_from_logits(model, input_ids, attention_mask, response_width, temperature=temperature,
+                                 with_entropy=with_entropy, keep_response_only=True)
+
+
+def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, temperature, with_entropy,
+                          keep_response_only):
     batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
     if width == 0:
         empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
         return empty, (empty.clone() if with_entropy else None)
-    position_ids = positions_from_mask(attention_mask)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).logits[:, prompt_len - 1 : -1]  # [B, T, V]
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=positions_from_mask(attention_mask), use_cache=False)
+    keep = _logits_to_keep_argument(unwrap_model(model)) if keep_response_only else None
+    if keep is not None:
+        kwargs[keep] = width + 1  # positions P-1 .. S-1; the last one predicts nothing
+    logits = model(**kwargs).logits[:, -(width + 1) : -1]  # [B, T, V]
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     response_valid = attention_mask[:, prompt_len:].bool()
     labels = input_ids[:, prompt_len:].masked_fill(~response_valid, 0)
@@ -211,12 +250,8 @@ def base_model(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight [V, D], bias [V] or None)`` of the LM head (the embedding matrix when tied).
-
-    Raises NotImplementedError when the weight is sharded (FSDP2 outside its
-    forward, DeepSpeed ZeRO-3), where the fused op cannot see the full matrix.
-    """
+def output_head_module(model: nn.Module) -> nn.Module:
+    """The LM head module (``get_output_embeddings()``); raises NotImplementedError without a ``.weight``."""
     inner = unwrap_model(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
@@ -224,13 +259,26 @@ def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
             f"{type(inner).__name__}.get_output_embeddings() gives no Linear head with a .weight, so the "
             "fused log-prob op cannot be used; call response_logprobs_naive instead."
         )
+    return head
+
+
+def output_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [V, D], bias [V] or None)`` of the LM head (the embedding matrix when tied).
+
+    Raises NotImplementedError when the weight is sharded (FSDP2 outside its
+    forward, DeepSpeed ZeRO-3 outside the head's forward), where the fused op
+    cannot see the full matrix; :func:`response_logprobs` avoids that case by
+    running the op inside the head's forward (:func:`run_as_forward`).
+    """
+    inner = unwrap_model(model)
+    head = output_head_module(model)
     weight = head.weight
     if _is_dtensor(weight) or (hasattr(weight, "ds_id") and weight.numel() == 0):
         raise NotImplementedError(
             f"the LM head weight of {type(inner).__name__} is sharded ({type(weight).__name__} with shape "
             f"{tuple(weight.shape)}) after the forward pass (DeepSpeed ZeRO-3, or FSDP with the head "
-            "resharded); the fused op needs the full [V, D] matrix. Use response_logprobs_naive, or ZeRO "
-            "stage <= 2 / FSDP2 with the head in the root module."
+            "resharded); the fused op needs the full [V, D] matrix. Call response_logprobs, which runs the "
+            "op inside the head's forward, or response_logprobs_naive."
         )
     bias = getattr(head, "bias", None)
     return weight, bias if isinstance(bias, torch.Tensor) else None
@@ -306,6 +354,41 @@ def _hidden_from_output(output) -> torch.Tensor:
             "use response_logprobs_naive for this model."
         )
     return hidden
+
+
+def run_as_forward(module: nn.Module, fn, *args):
+    """``fn(*args)`` called as ``module``'s forward, so the hooks registered on ``module`` run around it.
+
+    Engines that gather a module's parameters only for its own forward and
+    backward (DeepSpeed ZeRO-3, FSDP2 units) attach that work to the module
+    call: the forward pre-hook gathers, the forward hook releases and marks the
+    outputs, whose backward gathers again before ``fn``'s backward runs and
+    hands the gradient to the engine's reduction. Tensors in ``args`` must be
+    positional (forward pre-hooks see only those). ``module.forward`` is
+    restored afterwards, even on error.
+    """
+    own = module.__dict__.get("forward")  # e.g. a wrapper's patched forward, put back as it was
+    module.forward = fn
+    try:
+        return module(*args)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def _whole_only_in_forward(head: nn.Module) -> bool:
+    """Whether the head's weight is complete only while its own module runs: a ZeRO-3 parameter
+    (``ds_id``; partitioned outside the module's forward) or the weight of an FSDP2 unit of its own."""
+    weight = head.weight
+    if hasattr(weight, "ds_id"):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(head, FSDPModule) and _is_dtensor(weight)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -4,6 +4,14 @@ The engine samples from the very module the trainer optimises, so there is
 nothing to synchronise after an optimizer step; it runs anywhere torch runs
 (CPU included) and is the default engine.
 
+Under a strategy that shards parameters (DeepSpeed ZeRO-3) that module is no
+model on its own: every forward gathers parameters, a collective, so ranks
+would have to generate in lockstep and an evaluation on one rank would hang.
+The engine then samples from a whole copy of its own (:meth:`HFRolloutEngine.use_model`
+with ``strategy.full_model_copy()``), and :meth:`HFRolloutEngine.update_weights`
+given the trainer's sharded module gathers its parameters, one at a time, into
+that copy (a collective then, which every rank calls after every optimizer step).
+
 Log-probs. Every completion token carries the log-prob of the distribution it
 was drawn from:
 
@@ -32,6 +40,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
 
 
@@ -252,18 +261,33 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
+    def use_model(self, model: nn.Module) -> None:
+        """Sample from ``model`` from now on: the trainer's module (shared, nothing to copy after a step)
+        or a whole copy of the engine's own (when the trainer shards its parameters)."""
+        if not isinstance(model, nn.Module) or not hasattr(unwrap_model(model), "generate"):
+            raise TypeError(
+                f"rollout engine 'hf' needs a transformers causal LM with .generate(), got {type(model).__name__}"
+            )
+        self.model = model
+
     def update_weights(self, state_dict_or_model: Any) -> None:
         """Load new weights into the model the engine samples from.
 
         The trainer's own module (the usual colocated case) is a no-op, since
         the engine already holds it. Another module, or a state dict with the
         names of ``model.state_dict()``, is copied in; tied weights (e.g. an
-        lm_head sharing the embedding) may be given under either name.
+        lm_head sharing the embedding) may be given under either name. A
+        module with sharded parameters (ZeRO-3, FSDP2) is gathered one tensor
+        at a time straight into the engine's copy: a collective then, to be
+        called on every rank.
         """
         target = unwrap_model(self.model)
         if isinstance(state_dict_or_model, nn.Module):
             source = unwrap_model(state_dict_or_model)
             if source is target:
+                return
+            if has_sharded_parameters(source):
+                self._copy_gathered(source, target)
                 return
             state = source.state_dict()
         elif isinstance(state_dict_or_model, Mapping):
@@ -284,6 +308,28 @@ class HFRolloutEngine(RolloutEngine):
                 "HFRolloutEngine.update_weights: the state dict does not match the model's parameter names; "
                 f"missing {len(missing)}: {missing[:5]}, unexpected {len(result.unexpected_keys)}: "
                 f"{list(result.unexpected_keys)[:5]}"
+            )
+
+    @staticmethod
+    def _copy_gathered(source: nn.Module, target: nn.Module) -> None:
+        """Copy every tensor of a sharded ``source`` into ``target`` as it is gathered (collective)."""
+        live = target.state_dict(keep_vars=True)
+        copied, unexpected, mismatched = set(), [], []
+        with torch.no_grad():
+            # Every rank walks the whole iterator, whatever it finds: the gathers are collectives.
+            for name, full in iter_full_state(source):
+                if name not in live:
+                    unexpected.append(name)
+                elif live[name].shape != full.shape:
+                    mismatched.append(f"{name}: model {tuple(live[name].shape)} vs given {tuple(full.shape)}")
+                else:
+                    live[name].copy_(full)
+                    copied.add(name)
+        missing = _untied_missing_keys(target, [k for k in live if k not in copied], copied)
+        if missing or unexpected or mismatched:
+            raise ValueError(
+                "HFRolloutEngine.update_weights: the trainer's module does not match the engine's model; "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatches {mismatched[:3]}"
             )
 
 

@@ -597,6 +597,41 @@ class TrainingStrategy(abc.ABC):
         exports write; mutating it never touches the training weights.
         """
 
+    @property
+    def shards_parameters(self) -> bool:
+        """True when a rank holds only a shard of the parameters outside the model's forward.
+
+        Then every forward of :attr:`model` (and of :meth:`unwrap`) gathers
+        parameters, a collective all ranks must run together, and
+        :meth:`unwrap` is no usable model on its own: a rollout engine or a
+        frozen reference model needs a whole copy (:meth:`full_model_copy`).
+        False here; ZeRO-3 (and sharding engines generally) override it.
+        """
+        return False
+
+    def full_model_copy(self) -> nn.Module:
+        """A plain module (no engine, no sharding) with the weights as they are now. Collective.
+
+        For a rollout engine's own copy or a frozen reference model: it shares
+        no storage with the training weights, and is in the dtype the forward
+        passes use. The default deep-copies :meth:`unwrap`.
+        """
+        import copy
+
+        self._require_setup("full_model_copy()")
+        return copy.deepcopy(self.unwrap())
+
+    def release_model(self) -> nn.Module:
+        """End training with this strategy and hand back the model as a plain module. Collective.
+
+        What the next stage builds its own strategy on. Engines that change the
+        module in place (ZeRO-3 partitions it) return a new module with the
+        full weights, in its original dtype, and free their engine; the
+        strategy is unusable afterwards. The default returns :meth:`unwrap`.
+        """
+        self._require_setup("release_model()")
+        return self.unwrap()
+
     # ---------------------------------------------------------------- collectives
 
     @property

@@ -53,6 +53,18 @@ Face folder (``model/``, safetensors) that :func:`export_model_folder` copies an
 ``from_pretrained`` loads. The rollout engine gets full weights from
 :meth:`DeepSpeedStrategy.full_state_dict`, which gathers ZeRO-3 partitions.
 
+ZeRO-3 partitions the module it is given in place: outside a forward a rank
+holds only its shard of each parameter, so the module is no model on its own
+and a second ``deepspeed.initialize`` on it is not supported.
+:attr:`~DeepSpeedStrategy.shards_parameters` says so to recipes;
+:meth:`~DeepSpeedStrategy.full_model_copy` builds a plain module with the
+gathered weights (a rollout engine's own copy, a frozen reference model), and
+:meth:`~DeepSpeedStrategy.release_model` ends a stage: it hands back a plain
+module with the fp32 master weights, on which the next stage builds its own
+strategy, and frees the engine. Both rebuild the module from a weightless
+(``meta``) copy taken in :meth:`~DeepSpeedStrategy.setup` before DeepSpeed
+touched it, so they work for any ``nn.Module``, tied weights included.
+
 Resuming with another number of processes (or from ZeRO-1 to ZeRO-2 and
 back): DeepSpeed's shards are tied to the world size that wrote them, so
 :meth:`load` converts them once into DeepSpeed's *universal checkpoint*
@@ -441,6 +453,8 @@ class DeepSpeedStrategy(TrainingStrategy):
             _seed_everything(seed)
         self._engine = None
         self._closed = False
+        self._released = False
+        self._skeleton: nn.Module | None = None  # the model's structure, parameters on "meta": see setup
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
 
@@ -465,6 +479,9 @@ class DeepSpeedStrategy(TrainingStrategy):
 
         if "gradient_clipping" not in self.user_config:
             self.config["gradient_clipping"] = float(settings.grad_clip) if settings.grad_clip else 0.0
+        # Taken before DeepSpeed converts (ZeRO-3: partitions) the module, at no memory cost: the
+        # structure full_model_copy() and release_model() rebuild a plain module from.
+        self._skeleton = weightless_copy(model)
         optimizer = build_adamw(model, settings)
         scheduler = build_lr_scheduler(optimizer, settings)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -473,6 +490,12 @@ class DeepSpeedStrategy(TrainingStrategy):
         # DeepSpeed wraps `optimizer` in its ZeRO optimizer, which steps it on the flat fp32 partitions.
         self._optimizer = optimizer
         self._scheduler = scheduler
+
+    def _require_setup(self, what: str) -> None:
+        super()._require_setup(what)
+        if self._released:
+            raise RuntimeError(f"DeepSpeedStrategy.{what}: this strategy handed its model back with release_model() "
+                               "and freed its engine; build a new strategy on the released module.")
 
     # ---------------------------------------------------------------- properties
 
@@ -510,6 +533,11 @@ class DeepSpeedStrategy(TrainingStrategy):
     def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         self._require_setup("scheduler")
         return self._scheduler
+
+    @property
+    def shards_parameters(self) -> bool:
+        """True under ZeRO-3: parameters are partitioned across ranks outside the forward pass."""
+        return self.zero_stage == 3
 
     @property
     def skipped_steps(self) -> int:
@@ -584,6 +612,58 @@ class DeepSpeedStrategy(TrainingStrategy):
         """
         self._require_setup("full_state_dict()")
         return self._gather_state_dict(master_weights=False)
+
+    def full_model_copy(self) -> nn.Module:
+        """A plain module with the weights the forward pass uses now, on :attr:`device`. Collective.
+
+        Rebuilt from the weightless copy taken at :meth:`setup` and
+        :meth:`full_state_dict` (so in the training dtype: bf16 under
+        ``mixed_precision="bf16"``), with the live module's buffers; tied
+        weights stay tied. Under ZeRO-3 this is the only way to a usable model
+        outside the engine; every rank gets its own copy. Shares no storage
+        with the training weights.
+        """
+        self._require_setup("full_model_copy()")
+        return self._rebuild(self._gather_state_dict(master_weights=False), original_dtypes=False)
+
+    def release_model(self) -> nn.Module:
+        """Free the engine and hand back the model as a plain module with the fp32 master weights. Collective.
+
+        Call it when a stage ends: the next stage builds its own strategy on
+        the returned module (a ZeRO-3 engine leaves the module it trained
+        partitioned, which ``deepspeed.initialize`` cannot take again). The
+        module has the dtypes it had before :meth:`setup` (DeepSpeed casts it
+        under bf16/fp16; the master weights are exact) and lives on
+        :attr:`device`. The process group stays up for the next strategy; this
+        strategy is unusable afterwards (``close()`` still ends the group).
+        """
+        self._require_setup("release_model()")
+        module = self._rebuild(self._gather_state_dict(master_weights=True), original_dtypes=True)
+        self.barrier()  # every rank has its copy before any rank frees the partitions
+        self._engine.destroy()
+        self._engine = self._optimizer = self._scheduler = None
+        self._skeleton = None
+        self._released = True
+        return module
+
+    def _rebuild(self, state: dict[str, torch.Tensor], *, original_dtypes: bool) -> nn.Module:
+        """The skeleton with real parameters holding ``state`` and buffers copied from the live module."""
+        module = copy.deepcopy(self._skeleton)
+        live_buffers = dict(self.unwrap().named_buffers(remove_duplicate=False))
+        made: dict[int, nn.Parameter] = {}  # tied parameters appear under several names: make each once
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            if id(param) not in made:
+                dtype = param.dtype if original_dtypes else state[name].dtype
+                made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=self._device),
+                                               requires_grad=param.requires_grad)
+            _set_tensor(module, name, made[id(param)])
+        for name, buffer in list(module.named_buffers(remove_duplicate=False)):
+            if name in live_buffers and buffer is not None:
+                dtype = buffer.dtype if original_dtypes else live_buffers[name].dtype
+                _set_tensor(module, name, live_buffers[name].detach().to(self._device, dtype, copy=True))
+        with torch.no_grad():
+            module.load_state_dict(state, strict=True)
+        return module
 
     def full_master_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU copies of the fp32 master weights the optimizer updates, on every rank. Collective.
@@ -789,6 +869,30 @@ class DeepSpeedStrategy(TrainingStrategy):
             "mixed_precision": self.mixed_precision,
             "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
+
+
+def weightless_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters live on the ``meta`` device (no memory).
+
+    Buffers and every other attribute (config, generation config) are copied
+    for real; parameters shared between submodules stay shared. Take it before
+    an engine converts the module: its structure is what a plain copy is
+    rebuilt from (see :meth:`DeepSpeedStrategy.full_model_copy`).
+    """
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    return copy.deepcopy(module, memo)
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` in place of the parameter or buffer ``name`` (dotted) of ``module``."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if attr in owner._parameters:
+        owner._parameters[attr] = tensor
+    else:
+        owner._buffers[attr] = tensor
 
 
 # --------------------------------------------------------------------------

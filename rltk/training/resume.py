@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +51,16 @@ def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: str | Pat
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".tmp-{path.name}")
-    # safetensors refuses tensors sharing storage (tied embeddings): store copies.
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, str(temp))
-    os.replace(temp, path)
+    # A temporary name of this process's own: every rank of a run may write the same file at once
+    # (the same bytes), and a shared name let one rank's rename take the file from under another's.
+    temp = str(path.with_name(f".tmp-{uuid.uuid4().hex}-{path.name}"))
+    try:
+        # safetensors refuses tensors sharing storage (tied embeddings): store copies.
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, temp)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
 
 
 def load_weights(path: str | Path, model: torch.nn.Module) -> None:

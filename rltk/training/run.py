@@ -4,6 +4,15 @@ A recipe supplies the loop of its own RL stage; everything around it (run
 folder, model and data, the rollout workflow, checkpoints and where to resume,
 the supervised warm-up stage, final evaluation, plot and summary) is here so
 recipes never copy it.
+
+Weights across stages. ``run.policy`` is the policy between stages: a plain
+module. A stage builds its strategy on it with :func:`build_stage_strategy`,
+which also points the rollout engine at the weights the stage trains (the
+module itself, or a whole copy of the engine's own when the strategy shards
+parameters, as ZeRO-3 does). When the stage ends, :func:`run_stages` takes the
+trained model back from the strategy (``strategy.release_model()``, a new
+plain module under ZeRO-3, which partitioned the old one in place) so the next
+stage can build its own strategy, and the engine follows it.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class Stage:
     index: int
     first_step: int  # global step before this stage's first step
     resume: dict | None  # set when this stage continues from one of its own checkpoints
+    strategy: Any = None  # the policy's strategy, released by run_stages when the stage ends
 
 
 def open_run(cfg: DictConfig) -> Run:
@@ -99,11 +109,60 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
                 stage_resume = resume  # continue this stage mid-way
             else:
                 load_model_weights(resume["path"], run.policy)  # start from where the last stage ended
+                _engine_follows_policy(run)
             resume = None
-        runners[stage.type](Stage(run, scfg, i, first_step, stage_resume))
+        current = Stage(run, scfg, i, first_step, stage_resume)
+        runners[stage.type](current)
+        if current.strategy is not None:
+            # The next stage (and the final evaluation) starts from a plain module with the trained
+            # weights: a ZeRO-3 engine leaves the module it trained partitioned.
+            run.policy = current.strategy.release_model()
+            _engine_follows_policy(run)
         first_step += run.stage_steps[i]
     if resume is not None:  # the checkpoint was the run's last: nothing left to train
         load_model_weights(resume["path"], run.policy)
+        _engine_follows_policy(run)
+
+
+def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_steps: int, lr_schedule: str):
+    """The training strategy of ``stage`` on ``run.policy``, with the rollout engine following its weights.
+
+    Recorded as ``stage.strategy``, so :func:`run_stages` takes the trained
+    model back when the stage ends. Collective under a strategy that shards
+    parameters (see :func:`connect_rollout_engine`).
+    """
+    run = stage.run
+    strategy = build_strategy(stage.cfg, run.policy, lr=lr, total_steps=total_steps, warmup_steps=warmup_steps,
+                              lr_schedule=lr_schedule)
+    stage.strategy = strategy
+    connect_rollout_engine(run.workflow.engine, strategy)
+    return strategy
+
+
+def connect_rollout_engine(engine, strategy) -> None:
+    """Make ``engine`` sample from the weights ``strategy`` trains. Collective if it shards parameters.
+
+    An engine that can sample from a module (``hf``) shares the trainer's
+    module, so an optimizer step needs no copy. A strategy that shards
+    parameters (ZeRO-3) makes every forward of that module a collective: ranks
+    would have to generate in lockstep and an evaluation on one rank would
+    hang, so the engine gets a whole copy of its own instead, refreshed by
+    ``engine.update_weights(strategy.unwrap())`` after each optimizer step.
+    Engines with weights of their own (``vllm``) load the full weights.
+    """
+    if hasattr(engine, "use_model"):
+        engine.use_model(strategy.full_model_copy() if strategy.shards_parameters else strategy.unwrap())
+    else:
+        engine.update_weights(strategy.full_state_dict())
+
+
+def _engine_follows_policy(run: Run) -> None:
+    """Point the rollout engine at ``run.policy`` (a plain module between stages)."""
+    engine = run.workflow.engine
+    if hasattr(engine, "use_model"):
+        engine.use_model(run.policy)
+    else:
+        engine.update_weights(run.policy)
 
 
 def finish_run(run: Run) -> dict:
@@ -151,6 +210,9 @@ def run_sft_stage(stage: Stage) -> None:
     run, cfg, s = stage.run, stage.cfg, stage.cfg.sft
     strategy = build_strategy(cfg, run.policy, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps,
                               lr_schedule=s.lr_schedule)
+    # Released when the stage ends. Nothing samples during this stage, so the rollout engine is not
+    # pointed at the strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
+    stage.strategy = strategy
     sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key), s.batch_size,
                          seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     start = 0

@@ -212,3 +212,19 @@ def test_constructor_errors(model, tokenizer):
         HFRolloutEngine(model, tokenizer, batch_size=0)
     with pytest.raises(TypeError, match="generate"):
         HFRolloutEngine(nn.Linear(2, 2), tokenizer)
+
+
+def test_use_model_switches_the_module_the_engine_samples_from(model, tokenizer, encode):
+    prompts = [encode(p) for p in PROMPTS]
+    params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[])
+    other = build_model(len(tokenizer), seed=1)
+    engine = HFRolloutEngine(model, tokenizer)
+    engine.use_model(other)
+    assert engine.model is other
+    want = HFRolloutEngine(other, tokenizer).generate(prompts, params)
+    assert [g[0].token_ids for g in engine.generate(prompts, params)] == [g[0].token_ids for g in want]
+    engine.update_weights(other)  # the module it samples from now: nothing to copy
+    engine.update_weights(model)  # a whole module of the same shape: copied in, other's storage reused
+    assert engine.model is other and all(torch.equal(a, b) for a, b in zip(other.parameters(), model.parameters()))
+    with pytest.raises(TypeError, match="generate"):
+        engine.use_model(nn.Linear(2, 2))

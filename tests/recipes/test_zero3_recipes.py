@@ -1,0 +1,148 @@
+"""End-to-end recipe runs under DeepSpeed ZeRO-3 (slow; run in CI).
+
+ZeRO-3 partitions the policy in place, so these runs exercise what the other
+strategies never need: the SFT stage hands a plain module to the RL stage
+(``release_model``), the rollout engine and the frozen reference sample from
+whole copies (``full_model_copy``), the engine's copy follows every optimizer
+step and a resumed checkpoint, and the fused log-prob op gathers the
+partitioned LM head. Each run is checked against the default strategy on the
+same config: ZeRO-3 must change where weights live, not what is learned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rltk.cli import main
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=256",
+    "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20",
+    "sft.steps=10", "sft.batch_size=32", "sft.warmup_steps=2",
+    "trainer.prompts_per_step=16", "trainer.total_steps=4", "trainer.warmup_steps=2", "trainer.eval_every=2",
+    "checkpoint.every=2", "logging.logger=[jsonl]", "logging.plot=false",
+]
+GRPO = [*TINY, "algorithm.kl_coef=0.01", "trainer.lr=3e-3"]  # a reference model, and steps that move the weights
+PPO = [*TINY, "critic.warmup_steps=1"]
+# By default DeepSpeed leaves tensors under 1e5 elements whole, which is every tensor of this model.
+ZERO3 = ["strategy=deepspeed", "strategy_args.zero_stage=3",
+         "strategy_args.config={zero_optimization: {stage3_param_persistence_threshold: 0}}"]
+# Values that depend on every piece: the rollouts (the engine's weights), the policy's and the
+# reference's log-probs, the update, and the held-out evaluation.
+COMPARED = ("sft/sft_loss", "reward", "response_length", "pg_loss", "kl", "entropy", "grad_norm",
+            "critic/vf_loss", "critic/values_mean", "eval/accuracy", "eval/mean_response_length")
+
+CRASH_DRIVER = '''
+import sys, types
+import rltk
+from rltk.cli import main
+
+crash_step = int(sys.argv[1])
+crasher = types.ModuleType("crasher")
+
+@rltk.hookimpl
+def rltk_on_step_end(step):
+    if step == crash_step:
+        raise SystemExit(3)  # a crash after the metrics of this step, before its checkpoint
+
+crasher.rltk_on_step_end = rltk_on_step_end
+rltk.register_plugin(crasher, name="crasher")
+sys.exit(main(sys.argv[2:]))
+'''
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch(command: list[str], *, expect: int = 0) -> subprocess.CompletedProcess:
+    # Separate processes: DeepSpeed initialises torch.distributed, which must not leak into other tests.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rltk" / "torch_extensions"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == expect, out.stdout[-2000:] + out.stderr[-5000:]
+    return out
+
+
+def rltk_run(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    return launch([sys.executable, "-m", "rltk.cli", "run", *args], expect=expect)
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "rltk.cli", "run", *args])
+
+
+def assert_same_metrics(ours: list[dict], theirs: list[dict], *, rel: float) -> None:
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    compared = 0
+    for a, b in zip(ours, theirs):
+        for key in COMPARED:
+            if key in b:
+                # PPO's pg_loss while its advantages cancel is float noise around 0
+                floor = 1e-6 if key == "pg_loss" else 1e-7
+                assert a[key] == pytest.approx(b[key], rel=rel, abs=floor), (a["step"], key, a[key], b[key])
+                compared += 1
+    assert compared > 20
+
+
+def test_grpo_zero3_one_process_matches_the_default_strategy_and_resumes_after_a_crash(tmp_path):
+    straight = tmp_path / "zero3"
+    rltk_run("grpo", f"output_dir={straight}", *ZERO3, *GRPO)
+    metrics = read_metrics(straight)
+    assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
+    assert [m["step"] for m in metrics if "kl" in m] == [11, 12, 13, 14]
+    assert max(m["kl"] for m in metrics if "kl" in m) > 0  # the reference is a separate, frozen copy
+    assert sorted(p.name for p in (straight / "checkpoints").glob("step_*")) == ["step_000012", "step_000014"]
+    assert json.loads((straight / "summary.json").read_text())["final"]["eval/num_responses"] == 20
+
+    default = tmp_path / "default"
+    assert main(["run", "grpo", f"output_dir={default}", *GRPO]) == 0
+    assert_same_metrics(metrics, read_metrics(default), rel=1e-4)
+
+    # Killed after step 13, one step past the checkpoint at 12: the resumed run must restore the
+    # policy, the reference and the rollout engine's own copy, and repeat steps 13-14 exactly.
+    crashing = tmp_path / "crashing"
+    driver = tmp_path / "crash_driver.py"
+    driver.write_text(CRASH_DRIVER)
+    launch([sys.executable, str(driver), "13", "run", "grpo", f"output_dir={crashing}", *ZERO3, *GRPO], expect=3)
+    assert sorted(p.name for p in (crashing / "checkpoints").glob("step_*")) == ["step_000010", "step_000012"]
+    out = rltk_run("grpo", f"output_dir={crashing}", *ZERO3, *GRPO)
+    assert "resuming from" in out.stdout and "step_000012" in out.stdout
+    assert_same_metrics(read_metrics(crashing), metrics, rel=1e-6)
+
+
+@pytest.mark.distributed
+def test_grpo_zero3_under_torchrun_with_two_processes_matches_ddp(tmp_path):
+    zero3, ddp = tmp_path / "zero3", tmp_path / "ddp"
+    out = torchrun("grpo", f"output_dir={zero3}", *ZERO3, *GRPO)
+    torchrun("grpo", f"output_dir={ddp}", *GRPO)
+    metrics = read_metrics(zero3)
+    # Only the main rank logs, writes checkpoints and prints the summary.
+    assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
+    assert [m["step"] for m in metrics if "sft/sft_loss" in m] == list(range(1, 11))
+    assert out.stdout.count("rltk: final held-out") == 1
+    assert sorted(p.name for p in (zero3 / "checkpoints").glob("step_*")) == ["step_000012", "step_000014"]
+    meta = json.loads((zero3 / "checkpoints" / "step_000014" / "strategy.json").read_text())
+    assert meta["zero_stage"] == 3 and meta["world_size"] == 2
+    assert_same_metrics(metrics, read_metrics(ddp), rel=1e-4)
+
+
+def test_ppo_zero3_one_process_matches_the_default_strategy(tmp_path):
+    zero3, default = tmp_path / "zero3", tmp_path / "default"
+    rltk_run("ppo", f"output_dir={zero3}", *ZERO3, *PPO)
+    assert main(["run", "ppo", f"output_dir={default}", *PPO]) == 0
+    metrics = read_metrics(zero3)
+    assert [m["step"] for m in metrics if "critic/vf_loss" in m] == [11, 12, 13, 14]
+    assert (zero3 / "checkpoints" / "step_000014" / "critic" / "strategy.json").is_file()
+    assert_same_metrics(metrics, read_metrics(default), rel=1e-4)
