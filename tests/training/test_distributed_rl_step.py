@@ -3,8 +3,8 @@
 The split is uneven (three groups on rank 0, one on rank 1, with narrower
 responses and fewer micro-batches) and the estimators whiten over the batch,
 so advantages taken per rank, metrics that are one rank's share, or ranks
-running different numbers of forwards (a hang under sharded engines) all fail
-here. See rl_step_worker.py.
+running different numbers of forwards (a hang under ZeRO-3 and FSDP2) all fail
+here, for DDP, FSDP2 and ZeRO-3. See rl_step_worker.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 WORKER_PATH = Path(__file__).with_name("rl_step_worker.py")
-PHASES = ["ddp", "fsdp"]
+PHASES = ["ddp", "fsdp", "zero3"]
 
 
 def _load_worker():
