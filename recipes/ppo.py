@@ -49,8 +49,8 @@ from rltk.training.rl import (
     any_rank, global_masked_mean,
 )
 from rltk.training.run import (
-    Stage, build_stage_strategy, evaluate, finish_run, open_run, run_sft_stage, run_stages, save_checkpoint,
-    should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
+    save_checkpoint, should_checkpoint,
 )
 from rltk.training.setup import args_of, stage_config
 
@@ -64,6 +64,7 @@ def run_ppo_stage(stage: Stage) -> None:
     strategy = build_stage_strategy(stage, lr=t.lr, total_steps=policy_steps * per_step,
                                     warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
     policy, workflow = strategy.unwrap(), run.workflow
+    require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)
     # The critic starts from the policy as this stage begins (after any warm-up), copied from a
     # plain copy of it (ZeRO-3 has partitioned `policy`); a resumed run overwrites its weights
     # from the checkpoint below.

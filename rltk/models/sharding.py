@@ -16,7 +16,8 @@ extra memory is one full tensor, never the whole model.
 
 from __future__ import annotations
 
-from typing import Iterator
+import copy
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -64,3 +65,58 @@ def iter_full_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor.full_tensor().detach()
         else:
             yield name, tensor.detach()
+
+
+# --------------------------------------------------------------------------
+# Plain copies of a module an engine has converted in place
+# --------------------------------------------------------------------------
+
+
+def weightless_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters live on the ``meta`` device (no memory).
+
+    Buffers and every other attribute (config, generation config) are copied
+    for real; parameters shared between submodules stay shared. Take it before
+    an engine converts the module (ZeRO-3 partitions it, FSDP2 swaps its class
+    and parameters): it is the structure :func:`rebuild_module` fills.
+    """
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    return copy.deepcopy(module, memo)
+
+
+def rebuild_module(skeleton: nn.Module, state: dict[str, torch.Tensor], *, buffers_from: nn.Module,
+                   device: torch.device, original_dtypes: bool) -> nn.Module:
+    """A plain module: a copy of ``skeleton`` (see :func:`weightless_copy`) holding ``state``.
+
+    Parameters get fresh storage on ``device``, in the skeleton's dtypes when
+    ``original_dtypes`` else in ``state``'s; tied parameters stay tied. Buffers
+    are copied from the live module ``buffers_from`` (they are never sharded).
+    """
+    module = copy.deepcopy(skeleton)
+    live_buffers = dict(buffers_from.named_buffers(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}  # tied parameters appear under several names: make each once
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        if id(param) not in made:
+            dtype = param.dtype if original_dtypes else state[name].dtype
+            made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                           requires_grad=param.requires_grad)
+        _set_tensor(module, name, made[id(param)])
+    for name, buffer in list(module.named_buffers(remove_duplicate=False)):
+        if name in live_buffers and buffer is not None:
+            dtype = buffer.dtype if original_dtypes else live_buffers[name].dtype
+            _set_tensor(module, name, live_buffers[name].detach().to(device, dtype, copy=True))
+    with torch.no_grad():
+        module.load_state_dict(state, strict=True)
+    return module
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` in place of the parameter or buffer ``name`` (dotted) of ``module``."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if attr in owner._parameters:
+        owner._parameters[attr] = tensor
+    else:
+        owner._buffers[attr] = tensor

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
     GRAD_SCALER_FILE,
     MODEL_SUBDIR,
@@ -104,12 +105,17 @@ class AccelerateStrategy(TrainingStrategy):
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._sharded = False
+        self._skeleton: nn.Module | None = None  # FSDP2: the model's structure, parameters on "meta"
+        self._released = False
         self.skipped_steps = 0
 
     # ---------------------------------------------------------------- setup
 
     def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
         if self.fsdp and self.world_size > 1:
+            # fully_shard swaps the module's class and parameters in place: keep its structure
+            # (no memory) to build plain copies from (full_model_copy, release_model).
+            self._skeleton = weightless_copy(model)
             model = self._shard(model)
             self._sharded = True
         else:
@@ -170,6 +176,11 @@ class AccelerateStrategy(TrainingStrategy):
     @property
     def sharded(self) -> bool:
         """True when FSDP2 shards the model (``fsdp=True`` and more than one process)."""
+        return self._sharded
+
+    @property
+    def shards_parameters(self) -> bool:
+        """True under FSDP2 with several processes: every forward all-gathers parameters."""
         return self._sharded
 
     # ---------------------------------------------------------------- training
@@ -268,6 +279,39 @@ class AccelerateStrategy(TrainingStrategy):
         """Full CPU copies of all weights on every rank (FSDP2: all-gathers each shard)."""
         self._require_setup("full_state_dict()")
         return {name: full_cpu_copy(tensor) for name, tensor in self.unwrap().state_dict().items()}
+
+    def full_model_copy(self) -> nn.Module:
+        """A plain module with the current weights, on :attr:`device`. Collective under FSDP2.
+
+        FSDP2 has made the module's parameters shards, so the copy is rebuilt
+        from the structure taken at setup and :meth:`full_state_dict`; without
+        FSDP2 it is a deep copy of :meth:`unwrap`.
+        """
+        if not self._sharded:
+            return super().full_model_copy()
+        self._require_setup("full_model_copy()")
+        return rebuild_module(self._skeleton, self.full_state_dict(), buffers_from=self.unwrap(), device=self.device,
+                              original_dtypes=True)
+
+    def release_model(self) -> nn.Module:
+        """The model as a plain module, for the next stage's strategy. Collective under FSDP2.
+
+        Under FSDP2 a new module with the gathered weights (the sharded one
+        cannot be sharded again); otherwise :meth:`unwrap`. The weights are
+        fp32 either way (autocast keeps fp32 master weights).
+        """
+        if not self._sharded:
+            return super().release_model()
+        module = self.full_model_copy()
+        self._model = self._optimizer = self._scheduler = self._skeleton = None
+        self._released = True
+        return module
+
+    def _require_setup(self, what: str) -> None:
+        super()._require_setup(what)
+        if self._released:
+            raise RuntimeError(f"AccelerateStrategy.{what}: this strategy handed its model back with release_model(); "
+                               "build a new strategy on the released module.")
 
     # ---------------------------------------------------------------- checkpoints
 

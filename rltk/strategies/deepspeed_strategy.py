@@ -93,6 +93,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.registry import unknown_name_message
 from rltk.strategies.base import (
     MIXED_PRECISION_MODES,
@@ -647,23 +648,8 @@ class DeepSpeedStrategy(TrainingStrategy):
         return module
 
     def _rebuild(self, state: dict[str, torch.Tensor], *, original_dtypes: bool) -> nn.Module:
-        """The skeleton with real parameters holding ``state`` and buffers copied from the live module."""
-        module = copy.deepcopy(self._skeleton)
-        live_buffers = dict(self.unwrap().named_buffers(remove_duplicate=False))
-        made: dict[int, nn.Parameter] = {}  # tied parameters appear under several names: make each once
-        for name, param in list(module.named_parameters(remove_duplicate=False)):
-            if id(param) not in made:
-                dtype = param.dtype if original_dtypes else state[name].dtype
-                made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=self._device),
-                                               requires_grad=param.requires_grad)
-            _set_tensor(module, name, made[id(param)])
-        for name, buffer in list(module.named_buffers(remove_duplicate=False)):
-            if name in live_buffers and buffer is not None:
-                dtype = buffer.dtype if original_dtypes else live_buffers[name].dtype
-                _set_tensor(module, name, live_buffers[name].detach().to(self._device, dtype, copy=True))
-        with torch.no_grad():
-            module.load_state_dict(state, strict=True)
-        return module
+        return rebuild_module(self._skeleton, state, buffers_from=self.unwrap(), device=self._device,
+                              original_dtypes=original_dtypes)
 
     def full_master_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU copies of the fp32 master weights the optimizer updates, on every rank. Collective.
@@ -869,30 +855,6 @@ class DeepSpeedStrategy(TrainingStrategy):
             "mixed_precision": self.mixed_precision,
             "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
-
-
-def weightless_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose parameters live on the ``meta`` device (no memory).
-
-    Buffers and every other attribute (config, generation config) are copied
-    for real; parameters shared between submodules stay shared. Take it before
-    an engine converts the module: its structure is what a plain copy is
-    rebuilt from (see :meth:`DeepSpeedStrategy.full_model_copy`).
-    """
-    memo: dict[int, Any] = {}
-    for param in module.parameters():
-        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    return copy.deepcopy(module, memo)
-
-
-def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Put ``tensor`` in place of the parameter or buffer ``name`` (dotted) of ``module``."""
-    owner_name, _, attr = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    if attr in owner._parameters:
-        owner._parameters[attr] = tensor
-    else:
-        owner._buffers[attr] = tensor
 
 
 # --------------------------------------------------------------------------

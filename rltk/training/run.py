@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 import rltk
 from rltk.checkpoint import CheckpointManager
+from rltk.config.loader import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.plot import plot_metrics
 from rltk.training.resume import load_model_weights, resume_point
@@ -124,6 +125,13 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
         _engine_follows_policy(run)
 
 
+def require_rows_per_rank(strategy, key: str, rows: int) -> None:
+    """Refuse a per-step row count that leaves some process nothing: ranks split each step's rows."""
+    if rows < strategy.world_size:
+        raise ConfigError(f"{key}={rows} leaves some of the {strategy.world_size} processes without a row each step "
+                          f"(every process takes its share); set {key} to at least {strategy.world_size}")
+
+
 def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_steps: int, lr_schedule: str):
     """The training strategy of ``stage`` on ``run.policy``, with the rollout engine following its weights.
 
@@ -213,6 +221,7 @@ def run_sft_stage(stage: Stage) -> None:
     # Released when the stage ends. Nothing samples during this stage, so the rollout engine is not
     # pointed at the strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     stage.strategy = strategy
+    require_rows_per_rank(strategy, "sft.batch_size", s.batch_size)
     sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key), s.batch_size,
                          seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     start = 0
@@ -222,7 +231,8 @@ def run_sft_stage(stage: Stage) -> None:
         start = state["stage_step"]
 
     for step in range(start + 1, s.steps + 1):
-        batch = sft_batch(sampler.next_batch(), run.tokenizer.pad_token_id)
+        # every rank draws the same global batch and trains on its share of the rows
+        batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
         metrics = sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
                            impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
         run.metric_log.log({f"sft/{k}": v for k, v in metrics.items()}, stage.first_step + step)

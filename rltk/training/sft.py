@@ -6,6 +6,7 @@ import torch
 
 from rltk.batch import Experience, collate, slice_batch
 from rltk.models.logprobs import response_logprobs
+from rltk.training.rl import lockstep_count
 
 
 def sft_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -29,14 +30,20 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     ).item()
     total_nll = 0.0
     starts = list(range(0, batch["input_ids"].shape[0], micro_batch_size))
-    for i, start in enumerate(starts):
+    n_micro = lockstep_count(strategy, len(starts))
+    for i in range(n_micro):
+        # fewer micro-batches than another rank: repeat the first with zero weight (see policy_update)
+        padding = i >= len(starts)
+        start = 0 if padding else starts[i]
         mb = {k: v.to(strategy.device) for k, v in slice_batch(batch, slice(start, start + micro_batch_size)).items()}
-        with strategy.accumulate(i == len(starts) - 1):
+        with strategy.accumulate(i == n_micro - 1):
             with strategy.autocast():
                 logprobs, _ = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
                                                 impl=impl, chunk_size=chunk_size)
                 loss = -(logprobs * mb["response_mask"]).sum() / max(global_tokens, 1.0)
-            strategy.backward(loss)
-        total_nll += loss.item()
+            strategy.backward(loss * 0.0 if padding else loss)
+        if not padding:
+            total_nll += loss.item()
     info = strategy.step()
+    total_nll = strategy.all_reduce_sum(torch.tensor([total_nll], dtype=torch.float64)).item()  # ranks' shares
     return {"sft_loss": total_nll, **{k: float(v) for k, v in info.items()}}

@@ -101,6 +101,18 @@ def main(out_dir: Path) -> None:
         resumed_losses, resumed_grad_norms = train_steps(resumed, batches[CHECKPOINT_STEP:], micro_batches=2)
         torch.save({"weights": resumed.full_state_dict(), "losses": resumed_losses, "grad_norms": resumed_grad_norms},
                    out_dir / f"{phase}_resumed_rank{resumed.rank}.pt")
+
+        # Plain modules from the trained strategy: a copy (rollout engine, reference), then the
+        # release that ends a stage; the next stage's strategy must accept the released module.
+        copy = strategy.full_model_copy()
+        released = strategy.release_model()
+        released_class = type(released).__name__  # before the follower shards it in place
+        follower = AccelerateStrategy(cpu=True, fsdp=fsdp)
+        follower.setup(released, **SETUP)
+        torch.save({"copy": {k: v.detach().clone() for k, v in copy.state_dict().items()},
+                    "copy_class": type(copy).__name__, "released_class": released_class,
+                    "follower": follower.full_state_dict()},
+                   out_dir / f"{phase}_plain_rank{strategy.rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from rltk.strategies.deepspeed_strategy import weightless_copy
+from rltk.models.sharding import weightless_copy
 
 HERE = Path(__file__).resolve().parent
 

@@ -104,3 +104,18 @@ def test_fsdp_checkpoint_resumes_in_one_process(two_process_results):
     two_process = results["fsdp_rank0"]
     assert losses == pytest.approx(two_process["losses"][worker.CHECKPOINT_STEP:], abs=1e-6)
     assert _max_abs_diff(strategy.full_state_dict(), two_process["weights"]) < 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase", ["ddp", "fsdp"])
+def test_plain_copy_and_released_model_hold_the_trained_weights(two_process_results, phase):
+    # Under FSDP2 both are rebuilt from the structure taken before sharding: the original class,
+    # whole tensors, and a module the next stage's strategy can shard again.
+    _, results = two_process_results
+    trained = results[f"{phase}_rank0"]["weights"]
+    for rank in (0, 1):
+        plain = results[f"{phase}_plain_rank{rank}"]
+        assert plain["copy_class"] == plain["released_class"] == "Qwen2ForCausalLM"
+        for name, value in trained.items():
+            assert torch.equal(plain["copy"][name], value), name
+            assert torch.equal(plain["follower"][name], value), name
