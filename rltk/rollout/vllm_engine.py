@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
 from rltk.rollout.hf import unwrap_model
 
@@ -327,13 +328,19 @@ class VLLMRolloutEngine(RolloutEngine):
     def update_weights(self, state_dict_or_model: Any) -> None:
         """Copy the trainer's full weights (a module or an HF-named state dict) into vLLM.
 
-        Under ZeRO-3 / FSDP, pass the gathered full state dict from the
-        training strategy. A sleeping engine wakes its weights (not its KV
-        cache) first; the prefix cache is reset because cached keys and values
-        belong to the old weights.
+        A module whose parameters are sharded (ZeRO-3, FSDP2) is gathered one
+        tensor at a time (:func:`rltk.models.sharding.iter_full_state`): a
+        collective, so every rank must call this, and each full tensor is
+        copied out before the next is gathered. A sleeping engine wakes its
+        weights (not its KV cache) first; the prefix cache is reset because
+        cached keys and values belong to the old weights.
         """
         if isinstance(state_dict_or_model, nn.Module):
-            state = unwrap_model(state_dict_or_model).state_dict()
+            module = unwrap_model(state_dict_or_model)
+            if has_sharded_parameters(module):
+                state = {name: tensor.clone() for name, tensor in iter_full_state(module)}
+            else:
+                state = module.state_dict()
         elif isinstance(state_dict_or_model, Mapping):
             state = state_dict_or_model
         else:
