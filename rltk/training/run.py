@@ -189,12 +189,45 @@ def finish_run(run: Run) -> dict:
 
 def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     """Held-out metrics of the current policy: greedy (``eval/*``) and one sample per
-    prompt at the training temperature (``eval/sampled_accuracy``, what RL sharpens first)."""
+    prompt at the training temperature (``eval/sampled_accuracy``, what RL sharpens first).
+
+    With several processes each evaluates its share of the rows (``rows[rank::world]``)
+    and the results are combined, weighted by responses: every rank returns the numbers
+    of the whole held-out set, ``eval/num_responses`` included.
+    """
     rows = rows[: cfg.trainer.eval_size or len(rows)]
-    result = {f"eval/{k}": float(v) for k, v in workflow.evaluate(rows, sampling_params(cfg, greedy=True)).items()}
-    sampled = workflow.evaluate(rows, dataclasses.replace(sampling_params(cfg), n=1))
+    world, rank = _process_group()
+    share = rows[rank::world]
+    greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
+    sampled = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1)) if share else {}
+    greedy, sampled = _combine_over_ranks(greedy, world), _combine_over_ranks(sampled, world)
+    result = {f"eval/{k}": float(v) for k, v in greedy.items()}
     result["eval/sampled_accuracy"] = float(sampled["accuracy"])
     return result
+
+
+def _process_group() -> tuple[int, int]:
+    """(world size, rank) of the default process group, (1, 0) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
+    """Every rank's evaluation means as one: weighted by ``num_responses``, which is summed."""
+    if world == 1:
+        return metrics
+    import torch.distributed as dist
+
+    every_rank: list = [None] * world
+    dist.all_gather_object(every_rank, metrics)
+    every_rank = [m for m in every_rank if m]  # a rank with no held-out row contributes nothing
+    total = sum(m["num_responses"] for m in every_rank)
+    combined = {k: sum(m[k] * m["num_responses"] for m in every_rank) / total for k in every_rank[0]}
+    combined["num_responses"] = total
+    return combined
 
 
 def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:

@@ -131,15 +131,29 @@ def test_grpo_recipe_under_torchrun_with_two_processes(tmp_path):
     import sys
 
     run_dir = tmp_path / "ddp"
+    args = [*FAST, "sft.steps=10", "sft.warmup_steps=2", "trainer.total_steps=4", "trainer.warmup_steps=2",
+            "trainer.eval_every=2", "checkpoint.every=2", "logging.plot=false"]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", *FAST, "sft.steps=10", "sft.warmup_steps=2",
-         "trainer.total_steps=4", "trainer.warmup_steps=2", "trainer.eval_every=2", "checkpoint.every=2",
-         "logging.plot=false"],
+         "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", *args],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(run_dir)
+    # The SFT stage sees the same global batches as one process (each rank trains on half the
+    # rows), so its losses and the held-out evaluation it ends with (each rank evaluates half the
+    # rows) must be one process's. The RL steps then sample on two generators and differ.
+    single_dir = tmp_path / "single"
+    assert main(["run", "grpo", f"output_dir={single_dir}", *args]) == 0
+    ours = [m for m in metrics if m["step"] <= 10]
+    theirs = [m for m in read_metrics(single_dir) if m["step"] <= 10]
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.keys() == b.keys()
+        for key in ("sft/sft_loss", "eval/accuracy", "eval/num_responses", "eval/mean_response_length"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key)
+    assert [m["eval/num_responses"] for m in metrics if m["step"] == 10 and "eval/num_responses" in m] == [20.0]
     # Only the main rank logs: every step appears exactly once.
     assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
     assert [m["step"] for m in metrics if "sft/sft_loss" in m] == list(range(1, 11))
