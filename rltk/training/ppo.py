@@ -32,7 +32,7 @@ from rltk.algorithms.aggregation import loss_agg_normalisers
 from rltk.algorithms.value import clipped_value_loss
 from rltk.batch import slice_batch
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model, response_values
-from rltk.training.rl import check_mini_batches, lockstep_count
+from rltk.training.rl import check_mini_batches, lockstep_micro_batches
 
 __all__ = [
     "CRITIC_SUBDIR",
@@ -69,12 +69,9 @@ def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, m
     device = next(critic.parameters()).device
     chunks = []
     try:
-        starts = list(range(0, batch["input_ids"].shape[0], micro_batch_size))
-        for i in range(lockstep_count(strategy, len(starts))):
-            start = starts[i] if i < len(starts) else 0
-            mb = slice_batch(batch, slice(start, start + micro_batch_size))
+        for mb, _, padding in lockstep_micro_batches(strategy, batch, micro_batch_size):
             values = response_values(critic, mb["input_ids"].to(device), mb["attention_mask"].to(device), T)
-            if i < len(starts):
+            if not padding:
                 chunks.append(values.float().to(batch["input_ids"].device))
     finally:
         critic.train(was_training)
@@ -172,23 +169,17 @@ def critic_update(
         order = torch.randperm(B, generator=generator)
         for rows in order.tensor_split(mini_batches):  # sizes may differ by one row (see check_mini_batches)
             mini = slice_batch(batch, rows)
-            mini_size = len(rows)
             local = loss_agg_normalisers(mini["response_mask"])
             counts = torch.tensor([float(local["global_tokens"]), float(local["global_seqs"])], dtype=torch.float64)
             global_tokens, global_seqs = strategy.all_reduce_sum(counts).tolist()
             agg = functools.partial(loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **loss_agg_args)
             step = {"critic/vf_loss": 0.0, "critic/vf_clip_frac": 0.0, "critic/values_mean": 0.0}
-            starts = list(range(0, mini_size, micro_batch_size))
-            n_micro = lockstep_count(strategy, len(starts))
-            for i in range(n_micro):
-                # fewer micro-batches than another rank: repeat the first with zero weight (see policy_update)
-                padding = i >= len(starts)
-                start = 0 if padding else starts[i]
-                source = mini if mini_size else batch  # a rank with no rows in this mini-batch still runs
-                mb = {k: v.to(strategy.device) for k, v in slice_batch(source, slice(start, start + micro_batch_size)).items()}
+            # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
+            for mb, is_last, padding in lockstep_micro_batches(strategy, mini, micro_batch_size, fallback=batch):
+                mb = {k: v.to(strategy.device) for k, v in mb.items()}
                 # token-weighted so per-micro means add up to the mini-batch mean
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
-                with strategy.accumulate(i == n_micro - 1):
+                with strategy.accumulate(is_last):
                     with strategy.autocast():
                         values = response_values(strategy.model, mb["input_ids"], mb["attention_mask"], T)
                         loss, metrics = clipped_value_loss(

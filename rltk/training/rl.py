@@ -16,7 +16,6 @@ import torch
 from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
 from rltk.batch import slice_batch
 from rltk.models.logprobs import response_logprobs
-from rltk.registry import call_with_fields
 
 
 @dataclass
@@ -91,6 +90,26 @@ def lockstep_count(strategy, local_count: int) -> int:
     return int(strategy.all_reduce_max(torch.tensor([local_count], dtype=torch.int64)).item())
 
 
+def lockstep_micro_batches(strategy, rows: dict[str, torch.Tensor], micro_batch_size: int, *,
+                           fallback: dict[str, torch.Tensor] | None = None):
+    """Yield ``(micro_batch, is_last, padding)`` over ``rows``, the same number of times on every rank.
+
+    A rank with fewer micro-batches than the busiest one (see
+    :func:`lockstep_count`) then yields its first micro-batch again with
+    ``padding=True``: run it (forward, and backward with the loss times 0) and
+    discard the result. A rank with no rows repeats the first micro-batch of
+    ``fallback`` instead (the whole rollout batch around an empty mini-batch).
+    """
+    n_rows = rows["input_ids"].shape[0]
+    starts = list(range(0, n_rows, micro_batch_size))
+    total = lockstep_count(strategy, len(starts))
+    source = rows if n_rows or fallback is None else fallback
+    for i in range(total):
+        padding = i >= len(starts)
+        start = 0 if padding else starts[i]
+        yield slice_batch(source, slice(start, start + micro_batch_size)), i == total - 1, padding
+
+
 def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, strategy=None) -> float:
     """``sum(values * mask) / sum(mask)`` over every rank's tokens (0 when there are none)."""
     local = torch.stack([(values.detach().double() * mask).sum(), mask.double().sum()]).cpu()
@@ -129,17 +148,13 @@ def batched_logprobs(
     was_training = model.training
     model.eval()  # no dropout: old and reference log-probs must be deterministic
     T = batch["response_mask"].shape[1]
-    starts = list(range(0, batch["input_ids"].shape[0], micro_batch_size))
-    n_forwards = lockstep_count(strategy, len(starts))
     logprobs, entropies = [], []
-    for i in range(n_forwards):
-        start = starts[i] if i < len(starts) else 0
-        mb = slice_batch(batch, slice(start, start + micro_batch_size))
+    for mb, _, padding in lockstep_micro_batches(strategy, batch, micro_batch_size):
         lp, ent = response_logprobs(
             model, mb["input_ids"], mb["attention_mask"], T,
             temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
         )
-        if i >= len(starts):
+        if padding:
             continue
         logprobs.append(lp.float())
         if with_entropy:
@@ -269,7 +284,6 @@ def policy_update(
         order = torch.randperm(B, generator=generator)
         for rows in order.tensor_split(mini_batches):
             mini = slice_batch(batch, rows)
-            mini_size = len(rows)
             local = loss_agg_normalisers(mini["response_mask"])
             counts = torch.tensor([float(local["global_tokens"]), float(local["global_seqs"])], dtype=torch.float64)
             global_tokens, global_seqs = strategy.all_reduce_sum(counts).tolist()
@@ -277,18 +291,12 @@ def policy_update(
                 loss.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **loss.loss_agg_args
             )
             shares: dict[str, float] = {}
-            starts = list(range(0, mini_size, micro_batch_size))
-            n_micro = lockstep_count(strategy, len(starts))
-            for i in range(n_micro):
-                # A rank with fewer micro-batches than another repeats its first one with zero
-                # weight, so that every rank runs the same forwards and backwards (sharded
-                # engines gather parameters in each; DDP all-reduces in the last backward).
-                padding = i >= len(starts)
-                start = 0 if padding else starts[i]
-                source = mini if mini_size else batch  # a rank with no rows in this mini-batch still runs
-                mb = {k: v.to(strategy.device) for k, v in slice_batch(source, slice(start, start + micro_batch_size)).items()}
+            # Every rank runs as many micro-batches as the busiest (sharded engines gather parameters
+            # in each forward; DDP all-reduces in the last backward); padding ones have zero weight.
+            for mb, is_last, padding in lockstep_micro_batches(strategy, mini, micro_batch_size, fallback=batch):
+                mb = {k: v.to(strategy.device) for k, v in mb.items()}
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
-                with strategy.accumulate(i == n_micro - 1):
+                with strategy.accumulate(is_last):
                     with strategy.autocast():
                         logprobs, entropy = response_logprobs(
                             strategy.model, mb["input_ids"], mb["attention_mask"], T,

@@ -184,7 +184,18 @@ def finish_run(run: Run) -> dict:
             plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=("reward", "eval/accuracy", "eval/sampled_accuracy"))
         write_summary(run.run_dir, summary)
     rltk.get_plugin_manager().hook.rltk_on_train_end(run_dir=run.run_dir, metrics=summary)
+    _end_process_group()
     return summary
+
+
+def _end_process_group() -> None:
+    """Every rank waits for the others, then the process group ends: a rank that exits while a
+    peer still talks to it occasionally aborts (gloo's "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:

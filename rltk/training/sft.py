@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rltk.batch import Experience, collate, slice_batch
+from rltk.batch import Experience, collate
 from rltk.models.logprobs import response_logprobs
-from rltk.training.rl import lockstep_count
+from rltk.training.rl import lockstep_micro_batches
 
 
 def sft_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -29,14 +29,10 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
         torch.tensor([batch["response_mask"].sum().item()], dtype=torch.float64)
     ).item()
     total_nll = 0.0
-    starts = list(range(0, batch["input_ids"].shape[0], micro_batch_size))
-    n_micro = lockstep_count(strategy, len(starts))
-    for i in range(n_micro):
-        # fewer micro-batches than another rank: repeat the first with zero weight (see policy_update)
-        padding = i >= len(starts)
-        start = 0 if padding else starts[i]
-        mb = {k: v.to(strategy.device) for k, v in slice_batch(batch, slice(start, start + micro_batch_size)).items()}
-        with strategy.accumulate(i == n_micro - 1):
+    # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
+    for mb, is_last, padding in lockstep_micro_batches(strategy, batch, micro_batch_size):
+        mb = {k: v.to(strategy.device) for k, v in mb.items()}
+        with strategy.accumulate(is_last):
             with strategy.autocast():
                 logprobs, _ = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
                                                 impl=impl, chunk_size=chunk_size)

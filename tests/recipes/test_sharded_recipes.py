@@ -11,14 +11,13 @@ same config: ZeRO-3 must change where weights live, not what is learned.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from rltk.cli import main
+from tests.isolated import run_isolated
 
 pytestmark = pytest.mark.slow
 
@@ -62,22 +61,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def launch(command: list[str], *, expect: int = 0) -> subprocess.CompletedProcess:
+def launch(command: list[str], *, expect: int = 0):
     # Separate processes: DeepSpeed initialises torch.distributed, which must not leak into other tests.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rltk" / "torch_extensions"))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == expect, out.stdout[-2000:] + out.stderr[-5000:]
-    return out
+    return run_isolated(command, expect=expect)
 
 
-def rltk_run(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
+def rltk_run(*args: str, expect: int = 0):
     return launch([sys.executable, "-m", "rltk.cli", "run", *args], expect=expect)
 
 
-def torchrun(*args: str) -> subprocess.CompletedProcess:
+def torchrun(*args: str):
     return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    "-m", "rltk.cli", "run", *args])
 

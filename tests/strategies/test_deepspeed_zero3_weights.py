@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,18 +10,13 @@ import torch
 import transformers
 
 from rltk.models.sharding import weightless_copy
+from tests.isolated import run_isolated
 
 HERE = Path(__file__).resolve().parent
 
 
 def _launch(command: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rltk" / "torch_extensions"))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    return out.stdout
+    return run_isolated(command, extra_env={"RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}).stdout
 
 
 @pytest.mark.slow
