@@ -6,14 +6,21 @@ A logger is a class registered under kind ``logger`` (see
 ``log(metrics, step)`` after every step and ``close()`` once at the end. On
 resume it passes ``resume_step=<step of the checkpoint>`` so that no curve shows
 the steps after the checkpoint twice.
+
+A logger that wants the run's stages (a supervised warm-up, then RL, ...) as
+spans of global steps defines ``set_stages(stages: list[StageSpan])``; the
+recipe calls it once, right after construction and before the first ``log``.
+It is optional: :func:`announce_stages` skips loggers without it, so loggers
+written before stages existed keep working unchanged.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -25,6 +32,41 @@ class MetricLogger(Protocol):
 
     def close(self) -> None:
         """Flush and release files or connections; safe to call twice."""
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """One stage of a run as loggers see it: it owns global steps ``first_step + 1 .. last_step``.
+
+    ``name`` is the stage's name in the config (``stages[i].name``, e.g.
+    ``warmup``) and ``type`` its runner (``sft`` or ``rl``).
+    """
+
+    name: str
+    type: str
+    first_step: int
+    steps: int
+
+    @property
+    def last_step(self) -> int:
+        """The global step of this stage's last step."""
+        return self.first_step + self.steps
+
+
+def stage_spans(stages: Sequence[tuple[str, str, int]]) -> list[StageSpan]:
+    """``(name, type, steps)`` of consecutive stages as spans of global steps."""
+    spans, first = [], 0
+    for name, kind, steps in stages:
+        spans.append(StageSpan(str(name), str(kind), first, int(steps)))
+        first += int(steps)
+    return spans
+
+
+def announce_stages(logger: Any, stages: Sequence[StageSpan]) -> None:
+    """Tell ``logger`` the run's stages if it has ``set_stages``; a logger without it needs nothing."""
+    set_stages = getattr(logger, "set_stages", None)
+    if callable(set_stages):
+        set_stages(list(stages))
 
 
 def scalar(key: str, value: Any) -> float:

@@ -1,10 +1,19 @@
 """Logger ``console``: a progress line on stderr with the numbers a researcher watches.
 
-    step 40/200 (20%) | reward 0.4375 | acc 0.31 | kl 0.0012 | entropy 1.23 | tok/s 5.1k | 0.52s/step | ETA 1m23s
+    [warmup 40/1200] step 40/1400 (3%) | sft loss 0.5312 | 0.05s/step | warmup ETA 58s, then grpo ?
+    [grpo 25/200] step 1225/1400 (88%) | train reward 0.4 acc 0.31 | held-out greedy 0.52 sampled 0.31 | kl 0.0012 | ...
 
 On a terminal the line is redrawn in place as a bar; elsewhere (CI, a log file)
-one plain line is printed every ``every`` steps, plus the first and last step.
-Values stick: ``acc`` keeps showing the last evaluation until the next one.
+one plain line is printed every ``every`` steps, plus the first and last step
+of the run and of each stage. Values stick: the held-out numbers keep showing
+the last evaluation until the next one.
+
+Stages run at very different speeds (a supervised step is a forward and
+backward; an RL step also samples), so the step time and the ETA are the
+current stage's own: its seconds per step times its steps left. A later stage
+has not been timed yet, so it shows ``?`` instead of a number borrowed from
+another stage. Without stages (a logger built outside a recipe) the whole run
+is one span.
 """
 
 from __future__ import annotations
@@ -13,17 +22,29 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Mapping, Sequence
 
-from rltk.loggers.base import scalar_metrics
+from rltk.loggers.base import StageSpan, scalar_metrics
 
-# label shown -> metric keys looked up in order (the first one logged wins)
-DEFAULT_FIELDS: dict[str, tuple[str, ...]] = {
-    "reward": ("reward", "reward/mean"),
-    "acc": ("eval/accuracy", "accuracy"),
+# label shown -> metric keys looked up in order (the first one logged wins), or a group
+# {label: {sub-label: keys}} shown as "label sub a | ..." -> "train reward 0.4 acc 0.31".
+# Training numbers (on the prompts just sampled) and held-out numbers are grouped apart:
+# they answer different questions and differ by tens of points.
+DEFAULT_FIELDS: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
+    "sft": {"loss": ("sft/sft_loss",)},
+    "train": {"reward": ("reward", "reward/mean"), "acc": ("accuracy",)},
+    "held-out": {"greedy": ("eval/accuracy",), "sampled": ("eval/sampled_accuracy",)},
     "kl": ("kl", "actor/kl"),
     "entropy": ("entropy", "actor/entropy"),
 }
+
+# Metrics that describe the model rather than the stage's own steps: they stay shown across a
+# stage change (the evaluation before the first RL step is logged at the warm-up's last step).
+STAGE_INDEPENDENT_PREFIXES = ("eval/",)
+
+
+def _keys(keys: str | Sequence[str]) -> tuple[str, ...]:
+    return (keys,) if isinstance(keys, str) else tuple(keys)
 
 
 def format_duration(seconds: float) -> str:
@@ -47,16 +68,16 @@ def format_count(value: float) -> str:
 
 
 class ConsoleLogger:
-    """Progress on stderr: step/total, reward, accuracy, KL, entropy, tokens/s and ETA.
+    """Progress on stderr: stage, step/total, the watched metrics, tokens/s and the stage's ETA.
 
     Args:
         run_dir, config: accepted for the common logger signature; unused.
-        total_steps: the step count the bar and the ETA aim for.
+        total_steps: the step count the bar aims for.
         every: print every ``every`` steps when not on a terminal.
-        resume_step: the step a resumed run starts after; the ETA counts only
+        resume_step: the step a resumed run starts after; rates count only
             steps run by this process.
-        fields: ``{label: metric key or list of keys}`` replacing
-            :data:`DEFAULT_FIELDS`.
+        fields: ``{label: metric key or list of keys}`` (or a group
+            ``{label: {sub-label: keys}}``) replacing :data:`DEFAULT_FIELDS`.
         stream: where to write (default ``sys.stderr``).
         tty: force terminal (``True``) or line (``False``) mode; default asks the stream.
         bar_width: characters of the terminal bar.
@@ -64,8 +85,14 @@ class ConsoleLogger:
 
     Throughput: a ``tokens_per_s`` metric is shown as is; otherwise a ``tokens``
     metric (tokens processed in that step) is summed and divided by the wall
-    time between printed lines. The ETA is the mean wall time per step since
-    this logger was built times the steps left.
+    time between printed lines.
+
+    Time per step: wall time since the current stage's clock started, over the
+    stage's steps run since. The clock starts when the stage does (at the last
+    metric logged before its first step, so the warm-up's final evaluation and
+    the strategy set-up do not count as RL time) and restarts on any metric
+    logged at or before the stage's first step (an opening evaluation).
+    Stages come from :meth:`set_stages`, which recipes call.
     """
 
     def __init__(self, *, run_dir: str | Path | None = None, config: dict | None = None, total_steps: int,
@@ -80,38 +107,95 @@ class ConsoleLogger:
         self.every = every
         self.start_step = int(resume_step or 0)
         raw_fields = DEFAULT_FIELDS if fields is None else fields
-        self.fields = {label: (keys,) if isinstance(keys, str) else tuple(keys) for label, keys in raw_fields.items()}
+        self.fields = {
+            label: {sub: _keys(k) for sub, k in keys.items()} if isinstance(keys, Mapping) else _keys(keys)
+            for label, keys in raw_fields.items()
+        }
         self.stream = stream if stream is not None else sys.stderr
         self.tty = tty if tty is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self.bar_width = bar_width
+        self.stages: list[StageSpan] = []
         self.latest: dict[str, float] = {}
         self._clock = clock
         self._started = self._clock()
         self._last_print_time = self._started
+        self._last_log_time = self._started
         self._tokens_since_print = 0.0
         self._last_step: int | None = None
         self._line_open = False
+        self._stage: int | None = None  # index into self.stages of the stage being logged
+        self._clock_step = self.start_step  # the step the current stage's clock counts from
+        self._clock_time = self._started
+
+    def set_stages(self, stages: Sequence[StageSpan]) -> None:
+        """The run's stages as global step spans (see :class:`rltk.loggers.base.StageSpan`)."""
+        self.stages = list(stages)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Remember ``metrics`` and print or redraw the progress line when due."""
         values = scalar_metrics(metrics)
+        now = self._clock()
+        self._follow_stage(step)
+        if step <= self._clock_step:  # logged before the stage's first step: its steps start after this
+            self._clock_time = now
+        self._last_log_time = now
         self.latest.update(values)
         self._tokens_since_print += values.get("tokens", 0.0)
         is_new_step = step != self._last_step
         self._last_step = step
         if self.tty:
             self._draw(step)
-        elif is_new_step and (step % self.every == 0 or step >= self.total_steps or step == self.start_step + 1):
+        elif is_new_step and self._due(step):
             self._print(step)
+
+    def _due(self, step: int) -> bool:
+        if step % self.every == 0 or step >= self.total_steps or step == self.start_step + 1:
+            return True
+        return any(step in (s.first_step + 1, s.last_step) for s in self.stages if s.steps > 0)
+
+    def stage_index(self, step: int) -> int | None:
+        """The index of the stage that owns ``step`` (the first one for steps before any); None without stages."""
+        if not self.stages:
+            return None
+        for i, stage in enumerate(self.stages):
+            if stage.steps > 0 and step <= stage.last_step:
+                return i
+        return len(self.stages) - 1
+
+    def _follow_stage(self, step: int) -> None:
+        index = self.stage_index(step)
+        if index is None or index == self._stage:
+            return
+        stage = self.stages[index]
+        if self._stage is None:  # this process's first metric: a fresh run, or one resumed mid-way
+            self._clock_step = max(self.start_step, stage.first_step)
+        else:  # a new stage: its numbers and its speed are its own
+            self.latest = {k: v for k, v in self.latest.items() if k.startswith(STAGE_INDEPENDENT_PREFIXES)}
+            self._clock_step, self._clock_time = stage.first_step, self._last_log_time
+            self._tokens_since_print = 0.0
+        self._stage = index
 
     def line(self, step: int) -> str:
         """The progress text for ``step`` (without bar or newline); also updates throughput bookkeeping."""
         now = self._clock()
-        parts = [f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%)"]
+        index = self.stage_index(step)
+        stage = self.stages[index] if index is not None else None
+        head = f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%)"
+        if stage is not None:
+            counted = [s for s in self.stages if s.steps > 0]
+            where = stage.name if len(counted) <= 1 else f"{stage.name} {max(0, step - stage.first_step)}/{stage.steps}"
+            head = f"[{where}] {head}"
+        parts = [head]
         for label, keys in self.fields.items():
-            key = next((k for k in keys if k in self.latest), None)
-            if key is not None:
-                parts.append(f"{label} {self.latest[key]:.4g}")
+            if isinstance(keys, dict):
+                shown = [f"{sub} {self.latest[k]:.4g}" for sub, k in
+                         ((sub, self._first_logged(ks)) for sub, ks in keys.items()) if k is not None]
+                if shown:
+                    parts.append(f"{label} {' '.join(shown)}")
+            else:
+                key = self._first_logged(keys)
+                if key is not None:
+                    parts.append(f"{label} {self.latest[key]:.4g}")
         interval = now - self._last_print_time
         if "tokens_per_s" in self.latest:
             parts.append(f"tok/s {format_count(self.latest['tokens_per_s'])}")
@@ -119,12 +203,26 @@ class ConsoleLogger:
             parts.append(f"tok/s {format_count(self._tokens_since_print / interval)}")
         self._tokens_since_print = 0.0
         self._last_print_time = now
-        steps_done = step - self.start_step
+        steps_done = step - self._clock_step
         if steps_done > 0:
-            per_step = (now - self._started) / steps_done
+            per_step = (now - self._clock_time) / steps_done
             parts.append(f"{per_step:.2f}s/step")
-            parts.append(f"ETA {format_duration(per_step * max(0, self.total_steps - step))}")
+            parts.append(self._eta(step, per_step, index))
         return " | ".join(parts)
+
+    def _first_logged(self, keys: tuple[str, ...]) -> str | None:
+        return next((k for k in keys if k in self.latest), None)
+
+    def _eta(self, step: int, per_step: float, index: int | None) -> str:
+        if index is None:
+            return f"ETA {format_duration(per_step * max(0, self.total_steps - step))}"
+        stage = self.stages[index]
+        left = format_duration(per_step * max(0, stage.last_step - step))
+        later = [s.name for s in self.stages[index + 1:] if s.steps > 0]
+        if not later:  # the last stage: its time left is the run's
+            return f"ETA {left}"
+        # later stages run at their own, not yet measured, speed
+        return f"{stage.name} ETA {left}, then {', '.join(name + ' ?' for name in later)}"
 
     def _print(self, step: int) -> None:
         self.stream.write(self.line(step) + "\n")

@@ -28,6 +28,7 @@ import rltk
 from rltk.checkpoint import CheckpointManager
 from rltk.config.loader import ConfigError
 from rltk.data.sampler import RowSampler
+from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_metrics
 from rltk.training.resume import load_model_weights, resume_point
 from rltk.training.setup import (
@@ -89,7 +90,8 @@ def open_run(cfg: DictConfig) -> Run:
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     resume = resume_point(ckpt, cfg.checkpoint.resume)
     resume_step = resume["global_step"] if resume is not None else 0
-    metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step))
+    spans = stage_spans([(st.name, st.type, n) for st, n in zip(cfg.stages, stage_steps)])
+    metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step, stages=spans))
     if resume is not None:
         print(f"rltk: resuming from {resume['path']} (stage {resume['stage']}, step {resume['stage_step']})")
     return Run(cfg, run_dir, tokenizer, policy, train_rows, eval_rows, workflow, ckpt, metric_log, stages,

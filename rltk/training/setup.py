@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import rltk
 from rltk.config.loader import ConfigError, apply_overrides
+from rltk.loggers.base import StageSpan, announce_stages
 from rltk.rollout.base import SamplingParams
 
 log = logging.getLogger("rltk")
@@ -179,8 +180,13 @@ def build_strategy(cfg: DictConfig, model, *, lr: float, total_steps: int, warmu
     return strategy
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step: int | None = None) -> list:
-    """The configured loggers; ``resume_step`` makes file loggers drop what was logged after it."""
+def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step: int | None = None,
+                  stages: list[StageSpan] | None = None) -> list:
+    """The configured loggers; ``resume_step`` makes file loggers drop what was logged after it.
+
+    ``stages`` (the run's stages as spans of global steps) reach the loggers
+    that define ``set_stages``, e.g. the console, whose ETA is per stage.
+    """
     container = OmegaConf.to_container(cfg, resolve=True)
     loggers = []
     if process_rank() != 0:  # one set of curves per run, written by the main process
@@ -188,8 +194,10 @@ def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step:
     for name in cfg.logging.logger:
         cls = rltk.get_component("logger", name)
         args = dict(OmegaConf.to_container(cfg.logging.logger_args, resolve=True)).get(name, {})
-        loggers.append(cls(run_dir=run_dir, config=container, total_steps=total_steps,
-                           resume_step=resume_step, **args))
+        logger = cls(run_dir=run_dir, config=container, total_steps=total_steps, resume_step=resume_step, **args)
+        if stages:
+            announce_stages(logger, stages)
+        loggers.append(logger)
     return loggers
 
 

@@ -39,7 +39,8 @@ def test_line_shows_the_watched_metrics_rate_and_eta():
     clock.now = 2.0
     logger.log({"reward": 0.4375, "kl": 0.00123456, "entropy": 1.5, "loss": 9.0}, 1)
     # 2 s for 1 step -> 2 s/step, 4 steps left -> 8 s; unlisted metrics (loss) are not shown
-    assert stream.getvalue() == "step 1/5 (20%) | reward 0.4375 | kl 0.001235 | entropy 1.5 | 2.00s/step | ETA 8s\n"
+    assert stream.getvalue() == ("step 1/5 (20%) | train reward 0.4375 | kl 0.001235 | entropy 1.5 | 2.00s/step | "
+                                 "ETA 8s\n")
 
 
 def test_evaluation_accuracy_sticks_until_the_next_evaluation():
@@ -49,7 +50,7 @@ def test_evaluation_accuracy_sticks_until_the_next_evaluation():
     logger.log({"reward": 2.0}, 2)
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2
-    assert "acc" not in lines[0] and "reward 2 | acc 0.25" in lines[1]
+    assert "held-out" not in lines[0] and "train reward 2 | held-out greedy 0.25" in lines[1]
 
 
 def test_tokens_per_second_from_token_counts_over_wall_time():
@@ -85,7 +86,7 @@ def test_terminal_mode_redraws_one_line_and_close_ends_it():
     logger.close()
     out = stream.getvalue()
     assert out.count("\r") == 2 and out.endswith("\x1b[K\n")
-    assert "\r[####....] step 2/4 (50%) | reward 0.5 | 1.00s/step | ETA 2s\x1b[K" in out
+    assert "\r[####....] step 2/4 (50%) | train reward 0.5 | 1.00s/step | ETA 2s\x1b[K" in out
 
 
 def test_custom_fields():
@@ -107,7 +108,7 @@ def test_bad_values_and_arguments_are_named():
 def test_writes_to_stderr_by_default(capsys):
     ConsoleLogger(total_steps=1, tty=False).log({"reward": 1.0}, 1)
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.startswith("step 1/1 (100%) | reward 1")
+    assert captured.out == "" and captured.err.startswith("step 1/1 (100%) | train reward 1")
 
 
 @pytest.mark.parametrize("seconds, text", [(0, "0s"), (42.4, "42s"), (185, "3m05s"), (7620, "2h07m"),
@@ -119,3 +120,72 @@ def test_format_duration(seconds, text):
 @pytest.mark.parametrize("value, text", [(950, "950"), (5100, "5.1k"), (2.34e6, "2.3M"), (3e9, "3.0G")])
 def test_format_count(value, text):
     assert format_count(value) == text
+
+
+# ---------------------------------------------------------------- stages
+
+def staged(every=5):
+    from rltk.loggers.base import stage_spans
+
+    logger, stream, clock = make(total_steps=15, every=every)
+    logger.set_stages(stage_spans([("warmup", "sft", 10), ("grpo", "rl", 5)]))
+    return logger, stream, clock
+
+
+def run_warmup_then_rl(logger, clock):
+    for step in range(1, 11):  # supervised steps: 0.1 s each
+        clock.now = 0.1 * step
+        logger.log({"sft/sft_loss": 1.0 / step, "sft/lr": 1e-3}, step)
+    clock.now = 4.0  # 3 s of evaluation before the first RL step, logged at the warm-up's last step
+    logger.log({"eval/accuracy": 0.52, "eval/sampled_accuracy": 0.31}, 10)
+    for step in range(11, 16):  # RL steps: 2 s each
+        clock.now = 4.0 + 2.0 * (step - 10)
+        logger.log({"reward": 0.4, "accuracy": 0.3, "kl": 0.001}, step)
+
+
+def test_eta_is_the_current_stages_own_and_later_stages_are_unknown():
+    logger, stream, clock = staged()
+    run_warmup_then_rl(logger, clock)
+    lines = stream.getvalue().splitlines()
+    # first and last step of each stage, and every 5th
+    assert [line.split(" |")[0] for line in lines] == [
+        "[warmup 1/10] step 1/15 (7%)", "[warmup 5/10] step 5/15 (33%)", "[warmup 10/10] step 10/15 (67%)",
+        "[grpo 1/5] step 11/15 (73%)", "[grpo 5/5] step 15/15 (100%)"]
+    # 0.1 s per warm-up step, 5 steps left; the RL stage has not been timed, so no number is made up
+    assert lines[1] == "[warmup 5/10] step 5/15 (33%) | sft loss 0.2 | 0.10s/step | warmup ETA 0s, then grpo ?"
+    # RL: 2 s per step from its own steps (the warm-up's 0.1 s and the evaluation do not count),
+    # 4 steps left -> 8 s; the warm-up loss is gone, held-out stays apart from the training numbers
+    assert lines[3] == ("[grpo 1/5] step 11/15 (73%) | train reward 0.4 acc 0.3 | held-out greedy 0.52 sampled 0.31 "
+                        "| kl 0.001 | 2.00s/step | ETA 8s")
+
+
+def test_averaging_both_stages_would_have_been_far_off():
+    # The bug this guards against: one mean over 0.1 s and 2 s steps said 5 steps x ~0.45 s.
+    logger, stream, clock = staged(every=1)
+    run_warmup_then_rl(logger, clock)
+    first_rl = next(line for line in stream.getvalue().splitlines() if line.startswith("[grpo 1/5]"))
+    assert first_rl.endswith("| 2.00s/step | ETA 8s")
+
+
+def test_a_run_resumed_in_its_last_stage_times_only_its_own_steps():
+    from rltk.loggers.base import stage_spans
+
+    logger, stream, clock = make(total_steps=15, every=1, resume_step=12)
+    logger.set_stages(stage_spans([("warmup", "sft", 10), ("grpo", "rl", 5)]))
+    clock.now = 3.0
+    logger.log({"reward": 0.5}, 13)
+    assert stream.getvalue() == "[grpo 3/5] step 13/15 (87%) | train reward 0.5 | 3.00s/step | ETA 6s\n"
+
+
+def test_a_single_stage_is_named_without_a_second_counter():
+    from rltk.loggers.base import stage_spans
+
+    logger, stream, clock = make(total_steps=4, every=1)
+    logger.set_stages(stage_spans([("grpo", "rl", 4)]))
+    logger.log({"eval/accuracy": 0.5}, 0)  # the opening evaluation: its time is not a step's
+    clock.now = 10.0
+    logger.log({"eval/accuracy": 0.5}, 0)
+    clock.now = 11.0
+    logger.log({"reward": 1.0}, 1)
+    assert stream.getvalue().splitlines()[-1] == ("[grpo] step 1/4 (25%) | train reward 1 | held-out greedy 0.5 "
+                                                 "| 1.00s/step | ETA 3s")
