@@ -29,7 +29,7 @@ from rltk.checkpoint import CheckpointManager
 from rltk.config.loader import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
-from rltk.loggers.plot import plot_metrics
+from rltk.loggers.plot import plot_training_curves
 from rltk.training.resume import load_model_weights, resume_point
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
@@ -176,14 +176,14 @@ def _engine_follows_policy(run: Run) -> None:
 
 
 def finish_run(run: Run) -> dict:
-    """Final held-out evaluation, the plot of reward and accuracy, and summary.json."""
+    """Final held-out evaluation, the plot (warm-up loss, reward, held-out accuracy), and summary.json."""
     final = evaluate(run.workflow, run.eval_rows, run.stages[-1])
     run.metric_log.close()
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
         if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
-            plot_metrics(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png", keys=("reward", "eval/accuracy", "eval/sampled_accuracy"))
+            plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)
     rltk.get_plugin_manager().hook.rltk_on_train_end(run_dir=run.run_dir, metrics=summary)
     _end_process_group()
