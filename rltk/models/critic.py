@@ -160,6 +160,8 @@ class ValueModel(nn.Module):
         """
         from safetensors.torch import save_file
 
+        from rltk.checkpoint import give_default_mode
+
         if self.config is None or not hasattr(self.config, "to_json_string"):
             raise ValueError(
                 f"ValueModel.save_pretrained: the backbone {type(self.backbone).__name__} has no Hugging Face "
@@ -178,6 +180,7 @@ class ValueModel(nn.Module):
         # safetensors refuses tensors sharing storage; clone so tied weights save as copies.
         save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
                   str(directory / "model.safetensors"), metadata={"format": "pt"})
+        give_default_mode([directory / "model.safetensors"])
 
 
 def build_critic_from_policy(policy: nn.Module, *, head_init_std: float = 0.0) -> ValueModel:

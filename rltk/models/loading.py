@@ -18,10 +18,13 @@ on a probe text is reported with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -123,7 +126,74 @@ def load_model(
             f"{config_key}='{path}' is not a Hugging Face model folder: it has no config.json. "
             f"Files present: {present}"
         )
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype], local_files_only=True)
+    with quiet_model_io():
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype], local_files_only=True)
+
+
+@contextlib.contextmanager
+def quiet_model_io() -> Iterator[None]:
+    """Inside the block, transformers loads and saves models without progress bars or a DeepSpeed import.
+
+    * Progress bars: ``from_pretrained`` draws "Loading weights" and
+      ``save_pretrained`` "Writing model shards"; rltk loads and saves at every
+      checkpoint and stage hand-off, and a bar each time buries the training
+      progress line. Only transformers' own switch is turned off, and turned
+      back on when the block ends, so the user's bars elsewhere stay as they were.
+    * DeepSpeed: ``save_pretrained`` unwraps the model through accelerate,
+      which imports DeepSpeed whenever it is installed just to test for its
+      engine class; that import takes seconds and warns "Setting accelerator to
+      CPU" on a machine without a GPU, under any strategy. No DeepSpeed engine
+      can exist before DeepSpeed is imported, so until then the test is
+      answered "not installed" for the duration of the block.
+
+    Both are process-wide flags, flipped for the block only.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_no_transformers_progress_bars())
+        if "deepspeed" not in sys.modules:
+            stack.enter_context(_accelerate_sees_no_deepspeed())
+        yield
+
+
+@contextlib.contextmanager
+def _no_transformers_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    if hasattr(hf_logging, "_tqdm_active"):
+        # transformers' public disable_progress_bar() also switches off huggingface_hub's bars and
+        # forgets the user's per-group hub settings; rltk reads local folders, so its own flag suffices.
+        hf_logging._tqdm_active = False
+        try:
+            yield
+        finally:
+            hf_logging._tqdm_active = True
+    else:
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _accelerate_sees_no_deepspeed() -> Iterator[None]:
+    try:
+        from accelerate.utils import other as accelerate_other
+    except ImportError:
+        yield
+        return
+    original = getattr(accelerate_other, "is_deepspeed_available", None)
+    if original is None:
+        yield
+        return
+    accelerate_other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        accelerate_other.is_deepspeed_available = original
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

@@ -182,10 +182,15 @@ def save_pretrained_dir(
     :func:`rltk.models.loading.load_tokenizer` (or ``model.path=<folder>`` in a
     config). Returns the folder as a ``Path``.
     """
+    from rltk.checkpoint import give_default_mode
+    from rltk.models.loading import quiet_model_io
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    with quiet_model_io():
+        model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    give_default_mode(path.glob("*.safetensors"))
     return path
 
 

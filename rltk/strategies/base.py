@@ -221,14 +221,19 @@ def save_model_folder(module: nn.Module, state_dict: dict[str, torch.Tensor], di
     """
     from safetensors.torch import save_file
 
+    from rltk.checkpoint import give_default_mode
+    from rltk.models.loading import quiet_model_io
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if hasattr(module, "save_pretrained") and hasattr(module, "config"):
-        module.save_pretrained(directory, state_dict=state_dict)
+        with quiet_model_io():
+            module.save_pretrained(directory, state_dict=state_dict)
         _fix_sharded_class_name(module, directory)
     else:
         # safetensors refuses tensors sharing storage; clone so tied weights save as copies.
         save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, str(directory / "model.safetensors"))
+    give_default_mode(directory.glob("*.safetensors"))
 
 
 def _fix_sharded_class_name(module: nn.Module, directory: Path) -> None:

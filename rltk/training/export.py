@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rltk.checkpoint import STATE_FILE
+from rltk.checkpoint import STATE_FILE, give_default_mode
 from rltk.config.loader import ConfigError
 from rltk.strategies.base import MODEL_SUBDIR
 
@@ -33,12 +33,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if out_dir.exists() and any(p.name != ".consolidated" for p in out_dir.iterdir()):
         raise ConfigError(f"output folder '{out_dir}' is not empty; choose a new folder")
     out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
     for item in model_dir.iterdir():
         if item.is_file():
-            shutil.copy2(item, out_dir / item.name)
+            written.append(shutil.copy2(item, out_dir / item.name))
     shutil.rmtree(out_dir / ".consolidated", ignore_errors=True)
     tokenizer_dir = checkpoint.parent.parent / TOKENIZER_SUBDIR
     if tokenizer_dir.is_dir():
         for item in tokenizer_dir.iterdir():
-            shutil.copy2(item, out_dir / item.name)
+            written.append(shutil.copy2(item, out_dir / item.name))
+    # copy2 keeps the source's mode, and checkpoints written before rltk fixed it hold 0600 weights
+    give_default_mode(written)
     return out_dir

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rltk.checkpoint import STATE_FILE, CheckpointManager
+from rltk.checkpoint import STATE_FILE, CheckpointManager, give_default_mode
 from rltk.config.loader import ConfigError
 from rltk.strategies.base import MODEL_SUBDIR, load_full_state_into, load_model_folder
 
@@ -57,6 +57,7 @@ def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: str | Pat
     try:
         # safetensors refuses tensors sharing storage (tied embeddings): store copies.
         save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, temp)
+        give_default_mode([temp])
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
