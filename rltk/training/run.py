@@ -244,8 +244,15 @@ def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, floa
 
 
 def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
+    """Whether stage step ``step`` (of ``last``) is checkpointed: every ``checkpoint.every`` steps and a
+    stage's last step, or never when ``checkpoint.every`` is 0.
+
+    0 means no checkpoint at all, the final one included: nothing after a stage reads its checkpoint
+    (the next stage and the final evaluation take the trained module from the strategy), so a run
+    that will not be resumed need not write the weights and optimizer state.
+    """
     every = cfg.checkpoint.every
-    return step == last or (every > 0 and step % every == 0)
+    return every > 0 and (step == last or step % every == 0)
 
 
 def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
