@@ -44,6 +44,16 @@ from rltk.training.run import (
 from rltk.training.setup import args_of
 
 
+# What this loop serves its components. `rltk run` and `rltk validate` read it without running the
+# script, to refuse a component the loop cannot feed (e.g. an advantage that needs a critic's values).
+# baseline_scores are there when the workflow adds them (a ReMax-style greedy baseline).
+PROVIDES = {
+    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "token_rewards", "scores",
+                     "group_ids", "response_lengths", "baseline_scores", "old_logprobs", "ref_logprobs"],
+    "buffer_sources": ["policy"],
+}
+
+
 def run_rl_stage(stage: Stage) -> None:
     run, cfg = stage.run, stage.cfg
     a, t = cfg.algorithm, cfg.trainer

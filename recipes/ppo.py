@@ -55,6 +55,16 @@ from rltk.training.run import (
 from rltk.training.setup import args_of, stage_config
 
 
+# What this loop serves its components. `rltk run` and `rltk validate` read it without running the
+# script, to refuse a component the loop cannot feed (e.g. a sample strategy that waits for expert data).
+# baseline_scores are there when the workflow adds them (a ReMax-style greedy baseline).
+PROVIDES = {
+    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "token_rewards", "scores",
+                     "group_ids", "response_lengths", "baseline_scores", "old_logprobs", "ref_logprobs", "values"],
+    "buffer_sources": ["policy"],
+}
+
+
 def run_ppo_stage(stage: Stage) -> None:
     run, cfg = stage.run, stage.cfg
     a, t, c = cfg.algorithm, cfg.trainer, cfg.critic

@@ -110,7 +110,9 @@ def rltk_sample_strategies() -> dict:
     """Register sample strategies (kind ``sample_strategy``).
 
     Return ``{name: cls}``; ``cls(**args).sample(buffer, step)`` decides which
-    experiences the trainer reads next.
+    experiences the trainer reads next. An optional classmethod
+    ``cls.buffer_sources(**args) -> set[str]`` names the buffer sources it
+    reads, so validation can refuse it under a recipe that never fills them.
     """
 
 

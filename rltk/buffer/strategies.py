@@ -35,6 +35,16 @@ class SampleStrategy(abc.ABC):
         """``buffer/...`` numbers describing the last :meth:`sample` call."""
         return dict(self._metrics)
 
+    @classmethod
+    def buffer_sources(cls, **args: Any) -> set[str]:
+        """The buffer sources this strategy reads when built with ``args`` (its configured arguments).
+
+        Config validation compares them with the sources a recipe fills, so a
+        strategy that waits for data no recipe puts in fails before any model
+        loads. The default is the recipe's own rollouts, source ``"policy"``.
+        """
+        return {POLICY}
+
 
 def group_items(items: list[BufferItem]) -> list[list[BufferItem]]:
     """Items grouped by ``group_id``, groups in order of first appearance, members in order."""
@@ -265,6 +275,11 @@ class MixExpert(SampleStrategy):
         self.expert_source = expert_source
         self.recycle_expert = bool(recycle_expert)
         self._seen_expert = False
+
+    @classmethod
+    def buffer_sources(cls, expert_fraction: float = 0.25, expert_source: str = "expert", **args: Any) -> set[str]:
+        """``policy`` and, when ``expert_fraction`` > 0, ``expert_source``."""
+        return {POLICY, expert_source} if expert_fraction else {POLICY}
 
     def sample(self, buffer: ExperienceBuffer, step: int) -> list[Experience]:
         """The newest policy experiences followed by the expert share."""

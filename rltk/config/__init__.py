@@ -2,8 +2,10 @@
 
 from rltk.config.loader import (
     ConfigError,
+    RecipeSpec,
     apply_overrides,
     check_component_args,
+    check_critic_config,
     load_config,
     load_yaml,
     parse_overrides,
@@ -14,9 +16,11 @@ from rltk.config.schema import COMPONENT_KEYS, RunConfig
 __all__ = [
     "COMPONENT_KEYS",
     "ConfigError",
+    "RecipeSpec",
     "RunConfig",
     "apply_overrides",
     "check_component_args",
+    "check_critic_config",
     "load_config",
     "load_yaml",
     "parse_overrides",

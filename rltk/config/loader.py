@@ -3,13 +3,17 @@
 ``load_config`` merges schema < preset < YAML files < ``key=value`` overrides;
 ``validate_config`` checks every component name against the registry and every
 ``*_args`` entry against the component's signature before anything heavy is
-built. Every error is a :class:`ConfigError` naming the full key path, the bad
-value and what would be valid.
+built, and, given the recipe's :class:`RecipeSpec`, that the recipe can serve
+the chosen components. Every error is a :class:`ConfigError` naming the full
+key path, the bad value and what would be valid.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -22,6 +26,29 @@ from rltk.registry import KINDS, RegistryError, closest, get_registry, unknown_n
 
 class ConfigError(ValueError):
     """A config problem; the message names the key path, the value and what is valid."""
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """What a recipe serves its components, so validation can refuse one it cannot feed.
+
+    A recipe script declares it as a module-level ``PROVIDES`` literal (read
+    without running the script, see :func:`rltk.recipe_utils.recipe_spec`).
+    ``None`` means "not declared": nothing is checked against it.
+
+    Attributes:
+        name: the recipe's name (its script's stem), for messages.
+        batch_fields: the batch fields its advantage step hands the estimator
+            (an estimator that needs ``values`` needs a recipe with a critic).
+        buffer_sources: the buffer sources it puts experiences in (``policy``;
+            a sample strategy that reads ``expert`` needs a recipe that fills it).
+        others: the specs of sibling recipes, to suggest one that serves what is missing.
+    """
+
+    name: str
+    batch_fields: frozenset[str] | None = None
+    buffer_sources: frozenset[str] | None = None
+    others: tuple["RecipeSpec", ...] = ()
 
 
 # ---------------------------------------------------------------- resolvers
@@ -80,6 +107,43 @@ def all_keys() -> list[str]:
     if _ALL_KEYS is None:
         _ALL_KEYS = _schema_keys(OmegaConf.structured(RunConfig))
     return _ALL_KEYS
+
+
+def _str_list_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Dotted keys of the schema typed ``List[str]`` (optional or not)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is typing.Union and len(args) == 1:  # Optional[X]
+            hint = args[0]
+        if dataclasses.is_dataclass(hint):
+            keys.extend(_str_list_keys(hint, f"{prefix}{f.name}."))
+        elif typing.get_origin(hint) is list and typing.get_args(hint) == (str,):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+#: Keys that take a list of names; a single name given for one is read as a one-element list.
+STR_LIST_KEYS = tuple(_str_list_keys())
+
+
+def _one_name_as_list(node: DictConfig) -> DictConfig:
+    """``reward.reward_fn: exact_match`` as ``[exact_match]``, for every ``List[str]`` key of ``node``.
+
+    Done before merging, where OmegaConf would otherwise refuse a string for a
+    list with a message about its internal node types. An interpolation
+    (``${...}``) is left alone: it may resolve to a whole list.
+    """
+    for key in STR_LIST_KEYS:
+        try:
+            value = OmegaConf.select(node, key)
+        except OmegaConfBaseException:  # a parent that is not a mapping: the merge reports it
+            continue
+        if isinstance(value, str) and "${" not in value:
+            OmegaConf.update(node, key, [value], merge=False)
+    return node
 
 
 def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
@@ -147,27 +211,31 @@ def load_config(
     overrides: Iterable[str] = (),
     *,
     validate: bool = True,
+    recipe: RecipeSpec | None = None,
 ) -> DictConfig:
     """Build a run config: schema < preset < YAML ``files`` < ``overrides``.
 
     The preset is the one named by ``algorithm.name`` after the files and
     overrides are read, so ``algorithm.name=ppo`` on the command line switches
     every default the ``ppo`` preset sets, while anything the user set wins.
+
+    ``recipe``, when known (``rltk run RECIPE``, ``rltk validate RECIPE``), lets
+    validation refuse components that recipe cannot serve.
     """
     files = [Path(f) for f in files]
+    file_nodes = [(str(f), _one_name_as_list(load_yaml(f))) for f in files]
     user = OmegaConf.create({})
-    sources = []
-    for f in files:
-        user = OmegaConf.merge(user, load_yaml(f))
-        sources.append(str(f))
-    cli = parse_overrides(overrides)
-    source = " + ".join(sources + (["command line"] if list(overrides) else [])) or "defaults"
+    for _, node in file_nodes:
+        user = OmegaConf.merge(user, node)
+    overrides = list(overrides)
+    cli = _one_name_as_list(parse_overrides(overrides))
+    source = " + ".join([name for name, _ in file_nodes] + (["command line"] if overrides else [])) or "defaults"
 
     schema = OmegaConf.structured(RunConfig)
     # Validate the user's keys against the schema first so a typo is reported
     # against its own source, not against the merged result.
-    for f in files:
-        _merge(schema, load_yaml(f), str(f))
+    for name, node in file_nodes:
+        _merge(schema, node, name)
     _merge(schema, cli, "command line")
 
     preset_name = OmegaConf.select(cli, "algorithm.name") or OmegaConf.select(user, "algorithm.name") \
@@ -184,7 +252,7 @@ def load_config(
     cfg = _merge(cfg, user, source)
     cfg = _merge(cfg, cli, "command line")
     if validate:
-        validate_config(cfg)
+        validate_config(cfg, recipe=recipe)
     return cfg
 
 
@@ -198,6 +266,8 @@ def apply_overrides(cfg: DictConfig, overrides: dict[str, Any], source: str) -> 
             suggestions = closest(key, all_keys())
             hint = (" Did you mean: " + ", ".join(f"'{s}'" for s in suggestions) + "?") if suggestions else ""
             raise ConfigError(f"{source}: unknown config key '{key}'.{hint}")
+        if key in STR_LIST_KEYS and isinstance(value, str) and "${" not in value:
+            value = [value]  # one name for a list key, as in files and on the command line
         try:
             OmegaConf.update(merged, key, value, merge=True)
         except OmegaConfBaseException as exc:
@@ -254,8 +324,14 @@ def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) ->
         )
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Check names, arguments and choices of a merged config; raise ConfigError on the first problem."""
+def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
+    """Check names, arguments and choices of a merged config; raise ConfigError on the first problem.
+
+    Also checks what can be checked without loading anything: the seed's range,
+    that configured paths exist (model folders are folders), and, when the
+    ``recipe`` is known, that it serves the chosen components (an advantage
+    estimator's batch fields, a sample strategy's buffer sources).
+    """
     registry = get_registry()
     for key, (kind, is_list) in COMPONENT_KEYS.items():
         value = OmegaConf.select(cfg, key)
@@ -297,11 +373,14 @@ def validate_config(cfg: DictConfig) -> None:
             hint = (" Did you mean: " + ", ".join(f"'{c}'" for c in close) + "?") if close else ""
             raise ConfigError(f"bad value {value!r} for '{key}'.{hint} Valid: {', '.join(choices)}")
     _check_positive(cfg)
+    _check_seed(cfg)
+    _check_paths(cfg)
     _check_task(cfg)
-    advantage_fn = registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj
-    if "values" in inspect.signature(advantage_fn).parameters:  # a critic-based run: check its section too
-        from rltk.training.ppo import check_critic_config
-
+    needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
+    if recipe is not None:
+        _check_recipe_serves(cfg, recipe, needs)
+    has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
+    if "values" in needs or has_critic:  # a critic-based run: check its section too
         check_critic_config(cfg)
     for i, stage in enumerate(cfg.stages):
         if stage.type not in STAGE_TYPES:
@@ -312,7 +391,7 @@ def validate_config(cfg: DictConfig) -> None:
         if stage.overrides:
             staged = apply_overrides(cfg, dict(stage.overrides), f"stages[{i}].overrides (stage '{stage.name}')")
             staged.stages = []
-            validate_config(staged)
+            validate_config(staged, recipe)
     try:
         OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
     except OmegaConfBaseException as exc:
@@ -369,3 +448,145 @@ def _check_positive(cfg: DictConfig) -> None:
             f"trainer.mini_batches={cfg.trainer.mini_batches} must divide the rollout batch "
             f"trainer.prompts_per_step x rollout.n = {batch}"
         )
+
+
+#: The largest seed numpy and torch both accept.
+SEED_MAX = 2**32 - 1
+
+
+def _check_seed(cfg: DictConfig) -> None:
+    # numpy's global seed takes 0 .. 2**32 - 1 and refuses anything else at the start of a run.
+    if isinstance(cfg.seed, bool) or not 0 <= cfg.seed <= SEED_MAX:
+        raise ConfigError(f"bad value {cfg.seed!r} for 'seed': must be an integer in [0, 2**32 - 1 = {SEED_MAX}]")
+
+
+def _check_paths(cfg: DictConfig) -> None:
+    """Local paths the run reads exist, and model folders are folders with a config.json."""
+    path = cfg.model.path
+    if path:
+        folder = Path(path).expanduser()
+        if not folder.exists():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': the folder does not exist. rltk loads models from local "
+                f"folders only; download one first (e.g. `huggingface-cli download <repo> --local-dir <folder>`) "
+                f"and set model.path=<folder>, or leave model.path null for the embedded tiny model"
+            )
+        if not folder.is_dir():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': it is a file, not a model folder (expected a Hugging Face "
+                f"model folder with config.json, weights and tokenizer files)"
+            )
+        if not (folder / "config.json").is_file():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': not a Hugging Face model folder (no config.json in it)"
+            )
+    for key in ("data.path", "data.eval_path"):
+        value = OmegaConf.select(cfg, key)
+        if value and not Path(value).expanduser().exists():
+            raise ConfigError(
+                f"bad value '{value}' for '{key}': no such file or folder. rltk reads local datasets only "
+                f"(json, jsonl, parquet, csv, or a datasets folder)"
+            )
+
+
+def required_batch_fields(advantage_fn: Any) -> frozenset[str]:
+    """The batch fields an advantage estimator cannot run without: its required parameters that are batch fields.
+
+    An estimator declares what it needs by naming batch fields in its
+    signature; a field with a default is optional, so it is not required here.
+    """
+    params, _ = _signature_params(advantage_fn)
+    return frozenset(
+        n for n, p in params.items()
+        if p.default is inspect.Parameter.empty and n in KINDS["advantage_fn"].provided
+    )
+
+
+def _check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[str]) -> None:
+    """The recipe fills the batch fields the advantage estimator needs and the buffer sources the strategy reads."""
+    registry = get_registry()
+    if recipe.batch_fields is not None and not needs <= recipe.batch_fields:
+        missing = sorted(needs - recipe.batch_fields)
+        name = cfg.algorithm.advantage_fn
+        preset = registry.entries["algorithm"][cfg.algorithm.name].obj
+        via = (f" (the advantage_fn of algorithm.name='{cfg.algorithm.name}')"
+               if dict(preset).get("advantage_fn") == name else "")
+        servers = [r.name for r in recipe.others if r.batch_fields is not None and needs <= r.batch_fields]
+        fits = sorted(
+            n for n, e in registry.entries["advantage_fn"].items()
+            if required_batch_fields(e.obj) <= recipe.batch_fields
+        )
+        where = f"`rltk run {servers[0]}`" if servers else "a recipe that provides it"
+        raise ConfigError(
+            f"'algorithm.advantage_fn'='{name}'{via} needs batch field(s) {', '.join(map(repr, missing))}, which "
+            f"recipe '{recipe.name}' does not provide"
+            f"{' (it trains no critic)' if 'values' in missing else ''}. Use {where}, or an advantage_fn "
+            f"that recipe '{recipe.name}' can serve: {', '.join(fits)}"
+        )
+    if recipe.buffer_sources is None:
+        return
+    name = cfg.buffer.sample_strategy
+    cls = registry.entries["sample_strategy"][name].obj
+    reads = getattr(cls, "buffer_sources", None)
+    if not callable(reads):
+        return
+    args = dict(OmegaConf.to_container(cfg.buffer.sample_strategy_args, resolve=True) or {})
+    try:
+        sources = frozenset(reads(**args))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"'buffer.sample_strategy_args' of sample strategy '{name}': {exc}") from exc
+    missing = sorted(sources - recipe.buffer_sources)
+    if missing:
+        servers = [r.name for r in recipe.others if r.buffer_sources is not None and sources <= r.buffer_sources]
+        where = f"recipe '{servers[0]}'" if servers else "a recipe script that puts them in"
+        raise ConfigError(
+            f"'buffer.sample_strategy'='{name}'{f' with buffer.sample_strategy_args={args}' if args else ''} reads "
+            f"experiences of buffer source(s) {', '.join(map(repr, missing))}, which recipe '{recipe.name}' never "
+            f"fills (it fills "
+            f"{', '.join(map(repr, sorted(recipe.buffer_sources)))}). Use {where} "
+            f"(buffer.put(experiences, step, source='{missing[0]}')), or a sample strategy that reads only what "
+            f"the recipe fills, e.g. buffer.sample_strategy=on_policy"
+        )
+
+
+def check_critic_config(cfg: DictConfig) -> None:
+    """Check the ``critic`` section against the trainer's; raise ConfigError naming the key.
+
+    Checked here rather than in the schema because the rules relate keys of
+    two sections and only recipes with a critic read them (validation runs it
+    when the advantage estimator needs ``values`` or the recipe has a critic).
+    """
+    c, t = cfg.critic, cfg.trainer
+    if c.model_path:
+        folder = Path(c.model_path).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(
+                f"bad value '{c.model_path}' for 'critic.model_path': "
+                f"{'it is a file, not' if folder.exists() else 'no such folder; expected'} a critic folder or a "
+                f"Hugging Face causal-LM folder (null copies the policy's backbone)"
+            )
+    if not c.lr > 0:
+        raise ConfigError(f"bad value {c.lr!r} for 'critic.lr': must be > 0 (e.g. 1e-4)")
+    if c.value_clip is not None and not c.value_clip > 0:
+        raise ConfigError(
+            f"bad value {c.value_clip!r} for 'critic.value_clip': must be > 0 (in reward units, e.g. 0.2) or null "
+            "for an unclipped value loss"
+        )
+    if not 0 <= c.warmup_steps < t.total_steps:
+        raise ConfigError(
+            f"bad value {c.warmup_steps!r} for 'critic.warmup_steps': must be in [0, trainer.total_steps="
+            f"{t.total_steps}) so that the policy is updated at least once"
+        )
+    policy_steps = t.total_steps - c.warmup_steps
+    if t.warmup_steps > policy_steps:
+        raise ConfigError(
+            f"bad value {t.warmup_steps!r} for 'trainer.warmup_steps': the policy trains for trainer.total_steps - "
+            f"critic.warmup_steps = {policy_steps} steps, so its LR warm-up must be in [0, {policy_steps}]"
+        )
+    if not 0 <= c.lr_warmup_steps <= t.total_steps:
+        raise ConfigError(
+            f"bad value {c.lr_warmup_steps!r} for 'critic.lr_warmup_steps': must be in [0, trainer.total_steps="
+            f"{t.total_steps}]"
+        )
+    if not c.head_init_std >= 0:
+        raise ConfigError(f"bad value {c.head_init_std!r} for 'critic.head_init_std': must be >= 0 (0 = zero init)")

@@ -33,8 +33,9 @@ def process_rank() -> int:
 
 
 def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (``seed`` is ``cfg.seed``, validated to 0 .. 2**32 - 1, plus a rank)."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)  # numpy refuses 2**32 and above, which cfg.seed + rank may reach
     torch.manual_seed(seed)
 
 
@@ -59,8 +60,16 @@ def build_tokenizer_and_policy(cfg: DictConfig):
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model
 
     if cfg.model.path:
-        tokenizer = ensure_pad_token(load_tokenizer(cfg.model.path))
-        model = load_model(cfg.model.path, dtype=cfg.model.dtype)
+        try:
+            tokenizer = ensure_pad_token(load_tokenizer(cfg.model.path))
+            model = load_model(cfg.model.path, dtype=cfg.model.dtype)
+        except (OSError, ValueError) as exc:
+            # A folder validation let through (it checks only config.json) that transformers cannot
+            # read: missing weights or tokenizer, an unknown architecture. The user's to fix, not a crash.
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "model.path" not in text:
+                text = f"bad value '{cfg.model.path}' for 'model.path': cannot load it as a causal LM: {text}"
+            raise ConfigError(text) from exc
     else:
         tiny = cfg.model.tiny
         tokenizer = build_char_tokenizer()

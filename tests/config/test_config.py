@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rltk.config import ConfigError, apply_overrides, load_config, validate_config
+from rltk.config import ConfigError, RecipeSpec, apply_overrides, load_config, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,3 +147,92 @@ def test_critic_section_checked_when_the_advantage_needs_values():
     with pytest.raises(ConfigError, match="'critic.lr'"):
         load_config([], ["algorithm.name=ppo", "critic.lr=-1"])
     load_config([], ["critic.lr=-1"])  # grpo has no critic: the section is not read
+
+
+# ---------------------------------------------------------------- issue 10: first hour of a new user
+
+def test_one_name_for_a_list_key_is_a_one_element_list(tmp_path):
+    cfg = load_config([], ["reward.reward_fn=exact_match", "logging.logger=jsonl", "data.extras_keys=topic"])
+    assert list(cfg.reward.reward_fn) == ["exact_match"] and list(cfg.logging.logger) == ["jsonl"]
+    assert list(cfg.data.extras_keys) == ["topic"]
+    f = tmp_path / "one.yaml"
+    f.write_text("reward:\n  reward_fn: exact_match\n")
+    assert list(load_config([f]).reward.reward_fn) == ["exact_match"]
+    staged = apply_overrides(load_config(), {"logging.logger": "console"}, "stage")
+    assert list(staged.logging.logger) == ["console"]
+    # A wrong single name still gets the registry's message, not OmegaConf's.
+    with pytest.raises(ConfigError, match="'reward.reward_fn'.*'exact_match'"):
+        load_config([], ["reward.reward_fn=exact_mach"])
+
+
+GRPO_RECIPE = RecipeSpec("grpo", batch_fields=frozenset({"token_rewards", "response_mask", "group_ids", "scores"}),
+                         buffer_sources=frozenset({"policy"}),
+                         others=(RecipeSpec("ppo", frozenset({"token_rewards", "response_mask", "values"})),))
+
+
+def test_the_recipe_must_serve_the_advantage_estimators_fields():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["algorithm.name=ppo"], recipe=GRPO_RECIPE)
+    msg = str(info.value)
+    assert "'algorithm.advantage_fn'='gae'" in msg and "algorithm.name='ppo'" in msg and "'values'" in msg
+    assert "`rltk run ppo`" in msg and "grpo, " in msg
+    with pytest.raises(ConfigError, match="'algorithm.advantage_fn'='gae' needs"):  # chosen directly
+        load_config([], ["algorithm.advantage_fn=gae"], recipe=GRPO_RECIPE)
+    load_config([], ["algorithm.name=ppo"])  # no recipe known: not checked (a custom recipe may serve it)
+    load_config([], ["algorithm.name=rloo"], recipe=GRPO_RECIPE)
+
+
+def test_the_recipe_must_fill_the_buffer_sources_the_sample_strategy_reads():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["buffer.sample_strategy=mix_expert"], recipe=GRPO_RECIPE)
+    assert "'buffer.sample_strategy'='mix_expert'" in str(info.value) and "'expert'" in str(info.value)
+    # No expert share, nothing expert to read.
+    load_config([], ["buffer.sample_strategy=mix_expert", "buffer.sample_strategy_args.expert_fraction=0"],
+                recipe=GRPO_RECIPE)
+    with_expert = RecipeSpec("mine", buffer_sources=frozenset({"policy", "demos"}))
+    load_config([], ["buffer.sample_strategy=mix_expert", "buffer.sample_strategy_args.expert_source=demos"],
+                recipe=with_expert)
+
+
+def test_shipped_recipes_declare_what_they_serve():
+    from rltk.recipe_utils import recipe_spec
+
+    grpo, ppo = recipe_spec(REPO / "recipes" / "grpo.py"), recipe_spec(REPO / "recipes" / "ppo.py")
+    assert "values" not in grpo.batch_fields and "values" in ppo.batch_fields
+    assert grpo.buffer_sources == ppo.buffer_sources == {"policy"}
+    assert [r.name for r in grpo.others] == ["ppo"]
+    load_config([REPO / "recipes" / "configs" / "ppo.yaml"], recipe=ppo)
+
+
+def test_critic_checks_live_in_config_and_follow_the_recipe():
+    import subprocess
+    import sys
+
+    # Config is the lowest layer: validating never imports training code.
+    code = ("import sys; from rltk.config import load_config; load_config([], ['algorithm.name=ppo']); "
+            "print([m for m in sys.modules if m.startswith('rltk.training')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+    # A recipe with a critic reads the critic section whatever the estimator.
+    ppo = RecipeSpec("ppo", batch_fields=frozenset({"values", "token_rewards", "response_mask", "group_ids", "scores"}))
+    with pytest.raises(ConfigError, match="'critic.lr'"):
+        load_config([], ["critic.lr=-1", "algorithm.name=rloo"], recipe=ppo)
+
+
+def test_seed_range_and_paths(tmp_path):
+    load_config([], ["seed=4294967295"])
+    for bad in ("-1", "4294967296"):
+        with pytest.raises(ConfigError, match=rf"bad value {bad} for 'seed'.*\[0, 2\*\*32 - 1"):
+            load_config([], [f"seed={bad}"])
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(ConfigError, match="'model.path'.*no config.json"):
+        load_config([], [f"model.path={model}"])
+    (model / "config.json").write_text("{}")
+    load_config([], [f"model.path={model}"])
+    with pytest.raises(ConfigError, match="'model.path'.*is a file"):
+        load_config([], [f"model.path={model / 'config.json'}"])
+    with pytest.raises(ConfigError, match="'data.path'.*no such file"):
+        load_config([], [f"data.path={tmp_path / 'train.jsonl'}"])
+    with pytest.raises(ConfigError, match="'critic.model_path'"):
+        load_config([], ["algorithm.name=ppo", f"critic.model_path={tmp_path / 'critic'}"])
