@@ -236,3 +236,18 @@ def test_seed_range_and_paths(tmp_path):
         load_config([], [f"data.path={tmp_path / 'train.jsonl'}"])
     with pytest.raises(ConfigError, match="'critic.model_path'"):
         load_config([], ["algorithm.name=ppo", f"critic.model_path={tmp_path / 'critic'}"])
+
+
+def test_kl_settings_without_kl_coef_warn(capsys):
+    load_config([], ["algorithm.kl_penalty_fn=k2", "algorithm.kl_controller=adaptive"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "algorithm.kl_penalty_fn=k2 (command line)" in err[0]
+    assert "algorithm.kl_controller=adaptive" in err[0] and "algorithm.kl_coef is 0 (from the default)" in err[0]
+    load_config([], ["algorithm.name=rloo"])  # a preset that puts the KL in the reward
+    assert "KL in the reward of algorithm.name=rloo" in capsys.readouterr().err
+    load_config([], ["algorithm.name=rloo", "algorithm.kl_coef=0.02"])
+    load_config([], ["algorithm.kl_penalty_fn=k2", "algorithm.kl_penalty_fn=k2"], warn=False)
+    load_config([], ["algorithm.kl_penalty_fn=k2",  # an RL stage with its own coefficient uses it
+                     "stages=[{name: rl, type: rl, overrides: {algorithm.kl_coef: 0.1}}]"])
+    load_config([REPO / "recipes" / "configs" / "grpo.yaml"])  # the default run sets no KL key
+    assert capsys.readouterr().err == ""
