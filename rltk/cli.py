@@ -2,6 +2,10 @@
 
 Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors
 (message on stderr, no traceback).
+
+``validate`` and ``run`` take a config the same way: a recipe (shipped name
+or script path), ``--config FILE`` (repeatable; replaces the recipe's own
+config), and ``key=value`` overrides. ``validate`` also takes a bare YAML file.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import rltk
 from rltk.config.loader import ConfigError, load_config
+from rltk.recipe_utils import recipe_spec
 from rltk.registry import KINDS, RegistryError, get_registry, list_components, unknown_name_message
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -31,9 +37,21 @@ def shipped_recipes() -> dict[str, Path]:
     return {p.stem: p for p in sorted(_recipes_dir().glob("*.py")) if not p.name.startswith("_")}
 
 
+def _is_yaml(arg: str) -> bool:
+    return Path(arg).suffix in (".yaml", ".yml")
+
+
 def resolve_recipe(recipe: str) -> Path:
     """A shipped recipe name or a path to a recipe script."""
     path = Path(recipe)
+    if _is_yaml(recipe):
+        # A config file where the recipe belongs: the recipe cannot be guessed safely (a YAML
+        # names no recipe), so say how to pass it, naming the recipe its file name suggests.
+        guess = path.stem if path.stem in shipped_recipes() else "RECIPE"
+        raise UsageError(
+            f"'{recipe}' is a config file, not a recipe: pass it with --config, e.g. "
+            f"`rltk run {guess} --config {recipe}` (recipes: {', '.join(shipped_recipes())}, or a .py script)"
+        )
     if path.suffix == ".py" or path.exists():
         if not path.is_file():
             raise UsageError(f"recipe script '{recipe}' does not exist")
@@ -87,17 +105,48 @@ def _config_files(config: list[str] | None, recipe: str | None) -> list[Path]:
     return files
 
 
+def _validate_targets(targets: list[str], config: list[str] | None) -> tuple[str | None, list[Path], list[str]]:
+    """``rltk validate`` arguments as (recipe, config files, overrides), whatever their order.
+
+    A ``key=value`` is an override, a ``.yaml``/``.yml`` (or any existing file
+    other than a ``.py`` script) is a config file, anything else the recipe.
+    """
+    recipe, files, overrides = None, [Path(c) for c in (config or [])], []
+    for arg in targets:
+        path = Path(arg)
+        if "=" in arg and not path.exists():
+            overrides.append(arg)
+        elif _is_yaml(arg) or (path.is_file() and path.suffix != ".py"):
+            files.append(path)
+        elif recipe is None:
+            recipe = arg
+        else:
+            raise UsageError(f"two recipes given, '{recipe}' and '{arg}': validate checks one config at a time")
+    return recipe, files, overrides
+
+
 def cmd_validate(args) -> int:
-    target = args.config
-    path = Path(target)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        files = [path]
-    else:  # a shipped recipe name: validate its default config
-        files = _config_files(None, target)
-    cfg = load_config(files, args.overrides)
+    recipe, files, overrides = _validate_targets(args.targets, args.config)
+    if recipe is None and not files:
+        raise UsageError("validate needs a recipe or a config file, e.g. `rltk validate grpo` or "
+                         "`rltk validate --config my.yaml grpo`")
+    if recipe is None and len(files) == 1 and files[0].parent.name == "configs":
+        # A recipe's own config (recipes/configs/grpo.yaml beside recipes/grpo.py) names its recipe.
+        sibling = files[0].parent.parent / f"{files[0].stem}.py"
+        recipe = str(sibling) if sibling.is_file() else None
+    spec = None
+    if recipe is not None:
+        script = resolve_recipe(recipe)
+        spec = recipe_spec(script)
+        if not files:  # as `rltk run`: the recipe's own config unless --config replaces it
+            default = default_config_for(script)
+            files = [default] if default is not None else []
+    cfg = load_config(files, overrides, recipe=spec)
     print(f"ok: {', '.join(map(str, files)) or 'defaults'}"
-          f"{' with ' + ' '.join(args.overrides) if args.overrides else ''} "
-          f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))")
+          f"{' with ' + ' '.join(overrides) if overrides else ''}"
+          f"{' for recipe ' + spec.name if spec else ''} "
+          f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))"
+          f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}")
     return EXIT_OK
 
 
@@ -105,8 +154,12 @@ def cmd_run(args, extra: list[str]) -> int:
     recipe = resolve_recipe(args.recipe)
     files = _config_files(args.config, args.recipe)
     overrides = list(args.overrides) + extra
-    # Validate before handing over, so a typo never costs a model load.
-    load_config(files, overrides)
+    for arg in overrides:
+        if _is_yaml(arg) and "=" not in arg:
+            raise UsageError(f"'{arg}' looks like a config file: pass it as `rltk run {args.recipe} --config {arg}`")
+    # Validate before handing over, so a typo never costs a model load. The recipe validates
+    # again as it starts (it can also run without this command) and prints the warnings then.
+    load_config(files, overrides, recipe=recipe_spec(recipe), warn=False)
     argv = [str(recipe)]
     for f in files:
         argv += ["--config", str(f)]
@@ -132,13 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rltk", description="Composable RL components for LLM post-training."
     )
+    parser.add_argument("--version", action="version", version=f"rltk {rltk.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="registered components, with their plugin and summary")
     p.add_argument("kind", nargs="?", help=f"one of: {', '.join(KINDS)}")
     sub.add_parser("plugins", help="loaded plugins: distribution, version, module, what each registers")
-    p = sub.add_parser("validate", help="check a config (file or shipped recipe name) without running it")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p = sub.add_parser(
+        "validate", help="check a config without running it: RECIPE, --config FILE, or a bare FILE, plus overrides",
+        usage="rltk validate [RECIPE] [--config FILE ...] [FILE] [key=value ...]",
+    )
+    p.add_argument("targets", nargs="*", metavar="RECIPE|FILE|key=value",
+                   help="a recipe (shipped name or .py script; checks what it can serve), a YAML file, overrides")
+    p.add_argument("--config", action="append", help="YAML config (repeatable; default: the recipe's own)")
     p = sub.add_parser("run", help="run a shipped recipe by name, or a recipe script by path")
     p.add_argument("recipe")
     p.add_argument("--config", action="append", help="YAML config (repeatable; default: the recipe's own)")
@@ -156,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = strip_local_rank_argument(list(sys.argv[1:] if argv is None else argv))
     try:
         args, extra = parser.parse_known_args(argv)
+        if args.command == "validate":  # overrides after --config FILE land here
+            args.targets += [e for e in extra if not e.startswith("-")]
+            extra = [e for e in extra if e.startswith("-")]
         if args.command != "run" and extra:
             parser.error(f"unrecognised arguments: {' '.join(extra)}")
         if args.command == "list":

@@ -77,3 +77,90 @@ def test_shipped_recipes_come_from_the_package():
     assert "grpo" in recipes
     # The installed data package and the source folder are the same files.
     assert recipes["grpo"].read_text() == (REPO / "recipes" / "grpo.py").read_text()
+
+
+# ---------------------------------------------------------------- first hour of a new user (issue 10)
+
+def one_line_error(out) -> str:
+    """The stderr of a usage/config error: exit 2, one line, no traceback."""
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rltk: error: "), out.stderr
+    return lines[0]
+
+
+def test_version_prints_the_package_version():
+    import rltk
+
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"rltk {rltk.__version__}"
+
+
+def test_validate_takes_a_config_the_way_run_does(tmp_path):
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text("trainer:\n  lr: 3.0e-4\n")
+    for args in (["--config", str(cfg), "grpo"], ["grpo", "--config", str(cfg)], [str(cfg)],
+                 ["--config", str(cfg)], ["grpo", "--config", str(cfg), "trainer.total_steps=7"]):
+        out = run_cli("validate", *args)
+        assert out.returncode == 0, (args, out.stderr)
+        assert out.stdout.startswith(f"ok: {cfg}"), out.stdout
+        assert ("for recipe grpo" in out.stdout) == ("grpo" in args), out.stdout
+    # With the recipe named, what it cannot serve is caught whichever way the file came.
+    err = one_line_error(run_cli("validate", "--config", str(cfg), "grpo", "algorithm.name=ppo"))
+    assert "'algorithm.advantage_fn'='gae'" in err and "rltk run ppo" in err
+
+
+def test_run_with_a_yaml_in_place_of_the_recipe_says_how_to_pass_it(tmp_path):
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text("trainer:\n  lr: 3.0e-4\n")
+    err = one_line_error(run_cli("run", str(cfg)))
+    assert f"`rltk run grpo --config {cfg}`" in err
+    err = one_line_error(run_cli("run", "grpo", str(cfg)))
+    assert f"rltk run grpo --config {cfg}" in err
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.path={missing}", "bad value '{missing}' for 'model.path': the folder does not exist"),
+    ("model.path={file}", "bad value '{file}' for 'model.path': it is a file, not a model folder"),
+    ("buffer.sample_strategy=mix_expert", "'buffer.sample_strategy'='mix_expert' reads experiences of buffer "
+                                          "source(s) 'expert', which recipe 'grpo' never fills"),
+    ("algorithm.name=ppo", "'algorithm.advantage_fn'='gae' (the advantage_fn of algorithm.name='ppo') needs "
+                           "batch field(s) 'values', which recipe 'grpo' does not provide"),
+    ("seed=4294967296", "bad value 4294967296 for 'seed': must be an integer in [0, 2**32 - 1"),
+    ("seed=-1", "bad value -1 for 'seed'"),
+])
+def test_user_errors_found_before_loading_exit_2_with_one_line(tmp_path, capsys, override, expected):
+    missing, file = tmp_path / "no-such-model", tmp_path / "model.safetensors"
+    file.write_text("not a folder")
+    override = override.format(missing=missing, file=file)
+    expected = expected.format(missing=missing, file=file)
+    err = one_line_error(run_cli("run", "grpo", f"output_dir={tmp_path / 'run'}", override))
+    assert expected in err, err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    assert main(["validate", "grpo", override]) == 2  # validate catches it too
+    assert expected in capsys.readouterr().err
+
+
+def test_ppo_preset_under_grpo_names_both_keys_and_the_recipe_that_serves_it():
+    err = one_line_error(run_cli("validate", "grpo", "algorithm.name=ppo"))
+    assert "algorithm.advantage_fn" in err and "algorithm.name='ppo'" in err and "`rltk run ppo`" in err
+    assert "rloo" in err  # and the estimators the grpo recipe can serve
+    assert run_cli("validate", "ppo").returncode == 0
+
+
+def test_a_kl_setting_with_kl_coef_0_warns_once_naming_the_keys():
+    out = run_cli("validate", "grpo", "algorithm.kl_penalty_fn=k3", "algorithm.kl_in=reward")
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rltk: warning: "), out.stderr
+    assert "algorithm.kl_penalty_fn=k3 (command line)" in lines[0] and "algorithm.kl_in=reward" in lines[0]
+    assert "algorithm.kl_coef is 0" in lines[0] and "algorithm.kl_coef=0.01" in lines[0]
+    quiet = run_cli("validate", "grpo", "algorithm.kl_penalty_fn=k3", "algorithm.kl_coef=0.05")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert run_cli("validate", "grpo").stderr == ""  # the default run sets no KL key
+
+
+def test_one_name_for_a_list_key_on_the_command_line(capsys):
+    assert main(["validate", "grpo", "reward.reward_fn=exact_match", "logging.logger=jsonl"]) == 0
+    assert "ok:" in capsys.readouterr().out
