@@ -1,4 +1,15 @@
-"""Where a run resumes from, and the weights that outlive a stage."""
+"""Where a run resumes from, whether it may, and the weights that outlive a stage.
+
+A run is found by its folder (``output_dir``, by default ``runs/<name>``).
+With ``checkpoint.resume=auto`` a folder that already holds a run is resumed
+only when the new config is compatible with the one saved there
+(``config.yaml``): equal except for :data:`RESUME_SAFE_KEYS`. Otherwise the
+run stops before writing anything, naming the differing keys and the two ways
+out (``name=...`` for a new folder, ``checkpoint.resume=never`` to start over).
+``checkpoint.resume=never`` starts over in the same folder: the previous run's
+checkpoints, stage weights and outputs are deleted first (and the run says
+so), so no stale checkpoint can later be resumed and no curve mixes two runs.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from rltk.checkpoint import STATE_FILE, CheckpointManager, give_default_mode
 from rltk.config.loader import ConfigError
+from rltk.config.schema import RunConfig
 from rltk.strategies.base import MODEL_SUBDIR, load_full_state_into, load_model_folder
 
 
@@ -71,7 +84,166 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     load_full_state_into(model, load_file(str(path), device="cpu"), path)
 
 
-def remove_run_state(run_dir: str | Path) -> None:
-    """Delete checkpoints and stage weights of a previous run (``checkpoint.resume=never``)."""
-    for name in ("checkpoints", "stage_weights"):
-        shutil.rmtree(Path(run_dir) / name, ignore_errors=True)
+#: What a previous run leaves in its folder that a run starting over there must not inherit: checkpoints
+#: (a later auto-resume would pick a stale one), the frozen reference weights, and outputs that would
+#: otherwise mix two runs (metrics.jsonl is appended to) or describe the old one (summary, plot).
+RUN_STATE = ("checkpoints", "stage_weights", "metrics.jsonl", "summary.json", "curves.png")
+
+CONFIG_FILE = "config.yaml"
+
+#: Keys a resumed run may change without changing what its checkpoint means. Anything else (model,
+#: data, algorithm, seed, schedules, stages ...) makes it a different run: resuming would mix two
+#: experiments in one folder or crash on mismatched shapes. Entries ending in "." cover a section.
+RESUME_SAFE_KEYS = (
+    "name", "output_dir",  # where the run lives: the folder is how it was found
+    "device",  # where it runs; weights and optimizer state move with it
+    # Extend or shorten the run. Schedules follow the new length from the resumed step on; a run
+    # that already finished has nothing left to train.
+    "trainer.total_steps",
+    "trainer.eval_every", "trainer.eval_size", "rollout.eval_max_new_tokens",  # evaluation only
+    # How a step is computed, not what: micro-batches are normalised by global counts, the log-prob
+    # kernels compute the same numbers, gradient checkpointing trades memory for time.
+    "trainer.micro_batch_size", "model.logprob_impl", "model.logprob_chunk_size", "model.gradient_checkpointing",
+    "checkpoint.",  # how often to save and how many to keep; `resume` is how this run was chosen
+    "logging.",  # where metrics go
+)
+
+_UNSET = "(unset)"
+
+
+def _is_safe(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE_KEYS)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``{dotted.key: leaf}`` of a plain container; lists of mappings are indexed (``stages[1].type``)."""
+    if isinstance(node, dict):
+        if not node and prefix:
+            return {prefix: {}}
+        out = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(node, list) and node and all(isinstance(v, dict) for v in node):
+        out = {f"{prefix}.length": len(node)}
+        for i, v in enumerate(node):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: node}
+
+
+def config_differences(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, new value)`` for every key that differs and is not in :data:`RESUME_SAFE_KEYS`.
+
+    Both are resolved plain containers. A key one side lacks counts as its
+    schema default (a run saved by an older rltk lacks keys added since), or
+    as ``(unset)`` when the schema has none.
+    """
+    defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
+    old, cur = _flatten(saved), _flatten(new)
+    diffs = []
+    for key in sorted(set(old) | set(cur)):
+        if _is_safe(key):
+            continue
+        a, b = old.get(key, defaults.get(key, _UNSET)), cur.get(key, defaults.get(key, _UNSET))
+        if a != b:
+            diffs.append((key, a, b))
+    return diffs
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = value if value == _UNSET else repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _saved_config(path: Path) -> dict:
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except Exception as exc:  # a file edited by hand into something that is not YAML
+        raise ConfigError(
+            f"cannot read the config saved with the previous run, {path}: {exc}. Use name=<new name> for a new "
+            f"run folder, or checkpoint.resume=never to start over in this one"
+        ) from exc
+
+
+def check_compatible(cfg: DictConfig, saved_file: Path, what: str) -> None:
+    """Raise ConfigError when ``cfg`` differs from the config saved in ``saved_file`` beyond the safe keys.
+
+    ``what`` says what would be resumed (the run folder, a checkpoint), for
+    the message, which lists each differing key as ``old -> new`` and the two
+    ways out.
+    """
+    diffs = config_differences(_saved_config(saved_file), OmegaConf.to_container(cfg, resolve=True))
+    if not diffs:
+        return
+    shown = "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in diffs[:8])
+    more = f"; and {len(diffs) - 8} more" if len(diffs) > 8 else ""
+    raise ConfigError(
+        f"{what} holds a run with a different config ({saved_file}), so this run cannot resume it: {shown}{more}. "
+        f"Give this run its own folder with name=<new name> (or output_dir=<folder>), or start over there with "
+        f"checkpoint.resume=never (deletes that run's checkpoints and metrics)"
+    )
+
+
+def run_is_finished(resume: dict[str, Any] | None, cfg: DictConfig) -> bool:
+    """Whether the resume point is the end of the run's last stage: nothing is left to train."""
+    return resume is not None and resume["stage"] == len(cfg.stages) - 1 and bool(resume["stage_done"])
+
+
+def resume_or_start_over(cfg: DictConfig, ckpt: CheckpointManager, *, main_process: bool = True
+                         ) -> dict[str, Any] | None:
+    """The checkpoint this run continues from (see :func:`resume_point`), decided before anything is written.
+
+    ``checkpoint.resume=auto`` resumes the run in ``output_dir`` only if its
+    saved config is compatible (:func:`check_compatible`); when there is no
+    checkpoint to resume, what an earlier attempt left is cleared. ``never``
+    clears the folder's previous run and says so. An explicit checkpoint
+    folder is checked against the config of the run that wrote it. Only the
+    main process deletes files; every process gets the same answer.
+    """
+    run_dir = Path(cfg.output_dir)
+    mode = cfg.checkpoint.resume
+    saved = run_dir / CONFIG_FILE
+    if mode != "never":
+        if saved.is_file():
+            check_compatible(cfg, saved, f"the run folder {run_dir}")
+        if mode != "auto":
+            owner = Path(mode).parent.parent / CONFIG_FILE  # <run>/checkpoints/step_XXXXXX
+            if owner.is_file() and owner.resolve() != saved.resolve():
+                check_compatible(cfg, owner, f"checkpoint.resume='{mode}'")
+    resume = resume_point(ckpt, mode)
+    # Only a folder an rltk run wrote is cleared: output_dir may be a folder of the user's own.
+    holds_run = saved.is_file() or (run_dir / "checkpoints").is_dir()
+    if resume is None and mode == "auto" and holds_run and (run_dir / "summary.json").is_file():
+        # It finished without keeping a checkpoint (checkpoint.every=0): starting over would
+        # silently replace its results.
+        raise ConfigError(
+            f"the run folder {run_dir} holds a finished run that kept no checkpoint (checkpoint.every=0), so there "
+            f"is nothing to resume; its results are in {run_dir / 'summary.json'}. Give this run its own folder "
+            f"with name=<new name>, or run it again there with checkpoint.resume=never (replaces those results)"
+        )
+    if resume is None and main_process and holds_run:
+        removed = remove_run_state(run_dir)
+        if removed:
+            why = "checkpoint.resume=never" if mode == "never" else "no complete checkpoint to resume"
+            print(f"rltk: {why}: starting over in {run_dir} (removed the previous run's {', '.join(removed)})")
+    return resume
+
+
+def remove_run_state(run_dir: str | Path) -> list[str]:
+    """Delete what a previous run left in ``run_dir`` (:data:`RUN_STATE`); returns the names removed.
+
+    ``config.yaml`` and the tokenizer are rewritten by the new run, and files
+    rltk does not own are left alone.
+    """
+    removed = []
+    for name in RUN_STATE:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink(missing_ok=True)
+        else:
+            continue
+        removed.append(name)
+    return removed

@@ -30,7 +30,7 @@ from rltk.config.loader import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
-from rltk.training.resume import load_model_weights, resume_point
+from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
     prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config, write_summary,
@@ -54,6 +54,7 @@ class Run:
     stages: list[DictConfig]  # the config of each stage, its overrides applied
     stage_steps: list[int]
     resume: dict | None  # the checkpoint this run continues from
+    finished: bool = False  # the checkpoint ends the last stage: only the final evaluation is reported
 
 
 @dataclass
@@ -71,9 +72,15 @@ class Stage:
 def open_run(cfg: DictConfig) -> Run:
     """Run folder, tokenizer and policy, data, rollout workflow, loggers and the resume point."""
     seed_everything(cfg.seed)
-    run_dir = prepare_run_dir(cfg)
+    # Whether this continues the run in the folder is settled before anything is written there:
+    # an incompatible config stops here, with the folder untouched.
+    ckpt = CheckpointManager(Path(cfg.output_dir) / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    resume = resume_or_start_over(cfg, ckpt, main_process=process_rank() == 0)
+    finished = run_is_finished(resume, cfg)
+    # A finished run's config.yaml keeps describing how it was trained: nothing more is trained now.
+    run_dir = prepare_run_dir(cfg, write_config=not finished and process_rank() == 0)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
-    if process_rank() == 0:
+    if process_rank() == 0 and not finished:
         tokenizer.save_pretrained(run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
     seed_everything(cfg.seed + process_rank())  # same initial weights, different samples per rank
     train_rows, eval_rows = build_rows(cfg, tokenizer)
@@ -87,15 +94,16 @@ def open_run(cfg: DictConfig) -> Run:
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
         **args_of(cfg, "rollout.workflow"))
 
-    ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
-    resume = resume_point(ckpt, cfg.checkpoint.resume)
     resume_step = resume["global_step"] if resume is not None else 0
     spans = stage_spans([(st.name, st.type, n) for st, n in zip(cfg.stages, stage_steps)])
     metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step, stages=spans))
-    if resume is not None:
+    if finished and process_rank() == 0:
+        print(f"rltk: {run_dir} already finished (checkpoint {resume['path']}): nothing left to train, reporting "
+              f"its final evaluation. For a new run use name=<new name>; to redo this one, checkpoint.resume=never")
+    elif resume is not None:
         print(f"rltk: resuming from {resume['path']} (stage {resume['stage']}, step {resume['stage_step']})")
     return Run(cfg, run_dir, tokenizer, policy, train_rows, eval_rows, workflow, ckpt, metric_log, stages,
-               stage_steps, resume)
+               stage_steps, resume, finished)
 
 
 def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
@@ -182,6 +190,8 @@ def finish_run(run: Run) -> dict:
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
+    # A finished run's files stay those of its training, unless it stopped before writing them.
+    if process_rank() == 0 and (not run.finished or not (run.run_dir / "summary.json").exists()):
         if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
             plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)

@@ -236,10 +236,20 @@ class MetricLog:
             logger.close()
 
 
-def prepare_run_dir(cfg: DictConfig) -> Path:
+def prepare_run_dir(cfg: DictConfig, *, write_config: bool = True) -> Path:
+    """Create the run folder and save the resolved config in it as ``config.yaml``.
+
+    Call it only once the run is known to be new or a compatible continuation
+    (:func:`rltk.training.resume.resume_or_start_over`): a resumed run compares
+    its config with this file. ``write_config=False`` leaves an existing one as it is.
+    """
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if write_config:
+        # Through a rename: other ranks may be reading the file to compare their config with it.
+        temp = run_dir / ".config.yaml.tmp"
+        temp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        temp.replace(run_dir / "config.yaml")
     return run_dir
 
 
