@@ -134,11 +134,17 @@ class TrainerConfig:
 class SFTConfig:
     """The supervised warm-up stage (``type: sft`` in ``stages``)."""
 
-    steps: int = 300
+    steps: int = 300  # the most steps; fewer when stop_at_accuracy is reached first
     batch_size: int = 32
     lr: float = 1.0e-3
     warmup_steps: int = 20
     lr_schedule: str = "cosine"
+    # End the warm-up once greedy accuracy on `probe_size` training prompts reaches this, checked
+    # every `probe_every` steps (null: run all `steps`). RL then starts from the same skill level
+    # whatever the seed or CPU, instead of wherever a fixed step count happens to land.
+    stop_at_accuracy: Optional[float] = None
+    probe_every: int = 100
+    probe_size: int = 200
     completion_key: Optional[str] = None  # file datasets: column with the target; default the answer
 
 

@@ -229,6 +229,14 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     return result
 
 
+def greedy_accuracy(workflow, rows: list[dict], cfg: DictConfig) -> float:
+    """Greedy exact-answer accuracy on ``rows``, each process taking its share, combined over processes."""
+    world, rank = _process_group()
+    share = rows[rank::world]
+    greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
+    return float(_combine_over_ranks(greedy, world)["accuracy"])
+
+
 def _process_group() -> tuple[int, int]:
     """(world size, rank) of the default process group, (1, 0) without one."""
     import torch.distributed as dist
@@ -277,14 +285,25 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
 
 
 def run_sft_stage(stage: Stage) -> None:
-    """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy."""
+    """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy.
+
+    With ``sft.stop_at_accuracy`` the stage ends at the first probe (every
+    ``sft.probe_every`` steps) whose greedy accuracy on ``sft.probe_size``
+    training prompts reaches it; ``sft.steps`` is then a cap. Global step
+    numbers still reserve the whole cap for this stage, so the steps of later
+    stages do not depend on when the warm-up stopped.
+    """
     run, cfg, s = stage.run, stage.cfg, stage.cfg.sft
     strategy = build_strategy(cfg, run.policy, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps,
                               lr_schedule=s.lr_schedule)
-    # Released when the stage ends. Nothing samples during this stage, so the rollout engine is not
-    # pointed at the strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     stage.strategy = strategy
     require_rows_per_rank(strategy, "sft.batch_size", s.batch_size)
+    probing = s.stop_at_accuracy is not None
+    if probing:  # the probe samples from the weights being trained (a whole copy under ZeRO-3)
+        connect_rollout_engine(run.workflow.engine, strategy)
+    # Otherwise nothing samples during this stage, so the rollout engine is not pointed at the
+    # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
+    probe_rows = run.train_rows[: s.probe_size]
     sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key), s.batch_size,
                          seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     start = 0
@@ -296,8 +315,20 @@ def run_sft_stage(stage: Stage) -> None:
     for step in range(start + 1, s.steps + 1):
         # every rank draws the same global batch and trains on its share of the rows
         batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
-        metrics = sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
-                           impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
-        run.metric_log.log({f"sft/{k}": v for k, v in metrics.items()}, stage.first_step + step)
-        if should_checkpoint(cfg, step, s.steps):
-            save_checkpoint(stage, strategy, step, sampler, last_step=s.steps)
+        metrics = {f"sft/{k}": v for k, v in sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
+                                                      impl=cfg.model.logprob_impl,
+                                                      chunk_size=cfg.model.logprob_chunk_size).items()}
+        reached = False
+        if probing and step % s.probe_every == 0:
+            run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+            metrics["sft/train_accuracy"] = greedy_accuracy(run.workflow, probe_rows, cfg)
+            reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
+        run.metric_log.log(metrics, stage.first_step + step)
+        last = step if reached else s.steps
+        if should_checkpoint(cfg, step, last):
+            save_checkpoint(stage, strategy, step, sampler, last_step=last)
+        if reached:
+            if process_rank() == 0:
+                print(f"rltk: warm-up reached sft.stop_at_accuracy={s.stop_at_accuracy} "
+                      f"(train accuracy {metrics['sft/train_accuracy']:.3f}) at step {step} of {s.steps}")
+            break
