@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 FAST = [
     "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=256",
     "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20",
-    "sft.steps=150", "sft.batch_size=32", "sft.warmup_steps=10",
+    "sft.steps=150", "sft.stop_at_accuracy=null", "sft.batch_size=32", "sft.warmup_steps=10",
     "trainer.prompts_per_step=16", "trainer.eval_every=50", "logging.logger=[jsonl]",
 ]
 

@@ -49,7 +49,7 @@ class Crash(RuntimeError):
 
 
 def test_crash_mid_ppo_resumes_policy_and_critic_and_matches(tmp_path):
-    args = ["sft.steps=300", "sft.warmup_steps=2", "trainer.total_steps=8", "trainer.warmup_steps=2",
+    args = ["sft.steps=300", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "trainer.total_steps=8", "trainer.warmup_steps=2",
             "critic.warmup_steps=2", "checkpoint.every=4", "data.eval_size=20", "trainer.eval_every=4",
             "logging.logger=[jsonl]", "logging.plot=false"]
     straight = tmp_path / "straight"
