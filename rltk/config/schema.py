@@ -168,7 +168,7 @@ class CriticConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100  # steps; 0 disables
+    every: int = 100  # steps between checkpoints, plus each stage's last step; 0 writes none, not even the last
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a checkpoint folder
 

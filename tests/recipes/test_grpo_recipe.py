@@ -1,6 +1,7 @@
 """End-to-end runs of `rltk run grpo` on the embedded tiny default (slow; run in CI)."""
 
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 
 import rltk
 from rltk.cli import main
+from tests.isolated import run_isolated
 
 pytestmark = pytest.mark.slow
 
@@ -31,19 +33,31 @@ def rl_evals(metrics: list[dict]) -> list[float]:
     return [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
 
 
-def test_grpo_learns_on_the_embedded_default(tmp_path):
-    # The shipped default, shortened to 100 GRPO steps: held-out accuracy must rise clearly.
-    run_dir = tmp_path / "run"
-    assert main(["run", "grpo", f"output_dir={run_dir}", "trainer.total_steps=100", "trainer.eval_every=50",
-                 "logging.logger=[jsonl]"]) == 0
+# What benchmarks/learning.py measured for the shipped default over 5 seeds x the CPU kernel
+# levels (README, "Learning"): every run gained at least MIN_BENCHMARK_GAIN held-out greedy
+# accuracy. The tests ask for half of that: a real rise, with room for any seed or CPU.
+MIN_BENCHMARK_GAIN = 0.15
+REQUIRED_GAIN = MIN_BENCHMARK_GAIN / 2
+
+
+def assert_learned(run_dir: Path) -> list[float]:
+    """The shipped default's claims: training reward and held-out accuracy both rise."""
     metrics = read_metrics(run_dir)
     rewards = [m["reward"] for m in metrics if "reward" in m]
-    assert len(rewards) == 100
+    assert len(rewards) == 200
     first, last = sum(rewards[:25]) / 25, sum(rewards[-25:]) / 25
-    assert last > first + 0.03, f"training reward did not rise: {first:.3f} -> {last:.3f}"
+    assert last > first + 0.05, f"training reward did not rise: {first:.3f} -> {last:.3f}"
     evals = rl_evals(metrics)
-    assert len(evals) == 3  # start of the RL stage, steps 50 and 100
-    assert evals[-1] > evals[0] + 0.1, f"held-out accuracy did not rise: {evals}"
+    assert len(evals) == 9  # start of the RL stage, then every 25 steps
+    assert evals[-1] > evals[0] + REQUIRED_GAIN, f"held-out accuracy did not rise: {evals}"
+    return evals
+
+
+def test_grpo_learns_on_the_embedded_default(tmp_path):
+    # The shipped default, exactly as `rltk run grpo` runs it (only quieter).
+    run_dir = tmp_path / "run"
+    assert main(["run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]"]) == 0
+    evals = assert_learned(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"]["eval/accuracy"] == pytest.approx(evals[-1])
     assert (run_dir / "curves.png").stat().st_size > 1000
@@ -65,6 +79,15 @@ def test_grpo_learns_on_the_embedded_default(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(last / "model", local_files_only=True)
     assert (model(ids).logits - reference(ids).logits).abs().max() == 0
     assert main(["export", str(last), str(exported)]) == 2  # never overwrites
+
+
+def test_grpo_learns_with_the_baseline_cpu_kernels(tmp_path):
+    # Another rounding, another trajectory: the claim must hold with torch's portable kernels too,
+    # not only with whatever this CPU dispatches to. The level is fixed when torch loads: a new process.
+    run_dir = tmp_path / "run"
+    run_isolated([sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]",
+                  "logging.plot=false"], timeout=1200, extra_env={"ATEN_CPU_CAPABILITY": "default"})
+    assert_learned(run_dir)
 
 
 class Crash(RuntimeError):

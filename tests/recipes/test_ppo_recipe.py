@@ -16,19 +16,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# benchmarks/learning.py over 5 seeds x the CPU kernel levels: every run of the shipped PPO default
+# gained at least MIN_BENCHMARK_GAIN held-out greedy accuracy (README, "Learning"); the test asks for half.
+MIN_BENCHMARK_GAIN = 0.10
+REQUIRED_GAIN = MIN_BENCHMARK_GAIN / 2
+
+
 def test_ppo_raises_held_out_accuracy_on_the_embedded_default(tmp_path):
-    # The default's supervised warm-up (1200 steps) leaves the model at about half accuracy;
-    # 60 PPO steps (the first 10 train only the critic) add more than 10 points.
+    # The shipped default: a warm-up until 40% of a training probe is solved, then 200 PPO steps
+    # (the first 10 train only the critic).
     run_dir = tmp_path / "run"
-    args = ["trainer.total_steps=60", "trainer.eval_every=30", "data.eval_size=100", "checkpoint.every=0",
-            "logging.logger=[jsonl]", "logging.plot=false"]
-    assert main(["run", "ppo", f"output_dir={run_dir}", *args]) == 0
+    assert main(["run", "ppo", f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false"]) == 0
     metrics = read_metrics(run_dir)
-    ppo = [m for m in metrics if m["step"] > 1200]
-    assert len(ppo) == 60
+    ppo = [m for m in metrics if m["step"] > 6000]  # the warm-up keeps its 6000-step cap of step numbers
+    assert len(ppo) == 200
     evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
-    assert len(evals) == 3  # at the start of PPO, after 30 and after 60 steps
-    assert evals[-1] > evals[0] + 0.08, f"held-out accuracy did not rise: {evals}"
+    assert len(evals) == 9  # at the start of PPO, then every 25 steps
+    assert evals[-1] > evals[0] + REQUIRED_GAIN, f"held-out accuracy did not rise: {evals}"
     # The critic warms up alone, then both learn; what is logged says so.
     assert [m["policy_updated"] for m in ppo[:11]] == [0.0] * 10 + [1.0]
     assert "pg_loss" not in ppo[9] and "pg_loss" in ppo[10]
@@ -40,7 +44,7 @@ def test_ppo_raises_held_out_accuracy_on_the_embedded_default(tmp_path):
     assert summary["final"]["eval/accuracy"] == pytest.approx(evals[-1])
     # The last checkpoint holds the policy and the critic.
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    assert last.name == "step_001260"
+    assert last.name == "step_006200"
     assert (last / "model" / "config.json").is_file() and (last / "critic" / "model" / "value_model.json").is_file()
 
 
