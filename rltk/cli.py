@@ -17,7 +17,8 @@ from importlib import resources
 from pathlib import Path
 
 import rltk
-from rltk.config.loader import ConfigError, load_config
+from rltk.config.errors import ConfigError
+from rltk.config.loader import load_config
 from rltk.recipe_utils import recipe_spec
 from rltk.registry import KINDS, RegistryError, get_registry, list_components, unknown_name_message
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rltk.config.loader import ConfigError, RecipeSpec, load_config
+from rltk.config.errors import ConfigError
+from rltk.config.loader import load_config
+from rltk.config.recipe_capabilities import RecipeSpec
 from rltk.registry import RegistryError
 
 

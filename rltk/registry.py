@@ -136,13 +136,16 @@ def closest(name: str, valid: list[str], n: int = 3) -> list[str]:
     return close
 
 
+def did_you_mean(name: object, valid: list[str]) -> str:
+    """`` Did you mean: 'a', 'b'?`` naming the valid names closest to ``name``, or ``""`` when none is close."""
+    close = closest(str(name), valid)
+    return (" Did you mean: " + ", ".join(f"'{c}'" for c in close) + "?") if close else ""
+
+
 def unknown_name_message(what: str, name: str, valid: list[str], where: str | None = None) -> str:
     """One message shape for every unknown-name error in rltk."""
-    close = closest(str(name), valid)
     at = f" at '{where}'" if where else ""
-    msg = f"unknown {what} '{name}'{at}."
-    if close:
-        msg += " Did you mean: " + ", ".join(f"'{c}'" for c in close) + "?"
+    msg = f"unknown {what} '{name}'{at}." + did_you_mean(name, valid)
     msg += " Valid: " + (", ".join(sorted(valid)) if valid else "(none registered)")
     return msg
 

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from rltk.checkpoint import STATE_FILE, give_default_mode
-from rltk.config.loader import ConfigError
+from rltk.config.errors import ConfigError
 from rltk.strategies.base import MODEL_SUBDIR
 
 TOKENIZER_SUBDIR = "tokenizer"  # saved by recipes at <output_dir>/tokenizer

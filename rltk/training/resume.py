@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rltk.checkpoint import STATE_FILE, CheckpointManager, give_default_mode
-from rltk.config.loader import ConfigError
+from rltk.config.errors import ConfigError
 from rltk.config.schema import RunConfig
 from rltk.strategies.base import MODEL_SUBDIR, load_full_state_into, load_model_folder
 

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 import rltk
 from rltk.checkpoint import CheckpointManager
-from rltk.config.loader import ConfigError
+from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves

@@ -18,7 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rltk
-from rltk.config.loader import ConfigError, apply_overrides
+from rltk.config.errors import ConfigError
+from rltk.config.merge import apply_overrides
 from rltk.loggers.base import StageSpan, announce_stages
 from rltk.rollout.base import SamplingParams
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rltk.config.loader import ConfigError
+from rltk.config.errors import ConfigError
 from rltk.training.run import require_rows_per_rank
 
 

@@ -1,0 +1,103 @@
+"""What a recipe serves its components, and whether it serves the ones a config chooses.
+
+A recipe declares the batch fields and buffer sources it fills
+(:class:`RecipeSpec`); an advantage estimator needs the batch fields its
+signature requires (:func:`required_batch_fields`) and a sample strategy reads
+the buffer sources it names, so validation can refuse a component the recipe
+cannot feed (an estimator that needs ``values`` under a critic-free recipe).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rltk.config.components import signature_params
+from rltk.config.errors import ConfigError
+from rltk.registry import KINDS, get_registry
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """What a recipe serves its components, so validation can refuse one it cannot feed.
+
+    A recipe script declares it as a module-level ``PROVIDES`` literal (read
+    without running the script, see :func:`rltk.recipe_utils.recipe_spec`).
+    ``None`` means "not declared": nothing is checked against it.
+
+    Attributes:
+        name: the recipe's name (its script's stem), for messages.
+        batch_fields: the batch fields its advantage step hands the estimator
+            (an estimator that needs ``values`` needs a recipe with a critic).
+        buffer_sources: the buffer sources it puts experiences in (``policy``;
+            a sample strategy that reads ``expert`` needs a recipe that fills it).
+        others: the specs of sibling recipes, to suggest one that serves what is missing.
+    """
+
+    name: str
+    batch_fields: frozenset[str] | None = None
+    buffer_sources: frozenset[str] | None = None
+    others: tuple["RecipeSpec", ...] = ()
+
+
+def required_batch_fields(advantage_fn: Any) -> frozenset[str]:
+    """The batch fields an advantage estimator cannot run without: its required parameters that are batch fields.
+
+    An estimator declares what it needs by naming batch fields in its
+    signature; a field with a default is optional, so it is not required here.
+    """
+    params, _ = signature_params(advantage_fn)
+    return frozenset(
+        n for n, p in params.items()
+        if p.default is inspect.Parameter.empty and n in KINDS["advantage_fn"].provided
+    )
+
+
+def check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[str]) -> None:
+    """The recipe fills the batch fields the advantage estimator needs and the buffer sources the strategy reads."""
+    registry = get_registry()
+    if recipe.batch_fields is not None and not needs <= recipe.batch_fields:
+        missing = sorted(needs - recipe.batch_fields)
+        name = cfg.algorithm.advantage_fn
+        preset = registry.entries["algorithm"][cfg.algorithm.name].obj
+        via = (f" (the advantage_fn of algorithm.name='{cfg.algorithm.name}')"
+               if dict(preset).get("advantage_fn") == name else "")
+        servers = [r.name for r in recipe.others if r.batch_fields is not None and needs <= r.batch_fields]
+        fits = sorted(
+            n for n, e in registry.entries["advantage_fn"].items()
+            if required_batch_fields(e.obj) <= recipe.batch_fields
+        )
+        where = f"`rltk run {servers[0]}`" if servers else "a recipe that provides it"
+        raise ConfigError(
+            f"'algorithm.advantage_fn'='{name}'{via} needs batch field(s) {', '.join(map(repr, missing))}, which "
+            f"recipe '{recipe.name}' does not provide"
+            f"{' (it trains no critic)' if 'values' in missing else ''}. Use {where}, or an advantage_fn "
+            f"that recipe '{recipe.name}' can serve: {', '.join(fits)}"
+        )
+    if recipe.buffer_sources is None:
+        return
+    name = cfg.buffer.sample_strategy
+    cls = registry.entries["sample_strategy"][name].obj
+    reads = getattr(cls, "buffer_sources", None)
+    if not callable(reads):
+        return
+    args = dict(OmegaConf.to_container(cfg.buffer.sample_strategy_args, resolve=True) or {})
+    try:
+        sources = frozenset(reads(**args))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"'buffer.sample_strategy_args' of sample strategy '{name}': {exc}") from exc
+    missing = sorted(sources - recipe.buffer_sources)
+    if missing:
+        servers = [r.name for r in recipe.others if r.buffer_sources is not None and sources <= r.buffer_sources]
+        where = f"recipe '{servers[0]}'" if servers else "a recipe script that puts them in"
+        raise ConfigError(
+            f"'buffer.sample_strategy'='{name}'{f' with buffer.sample_strategy_args={args}' if args else ''} reads "
+            f"experiences of buffer source(s) {', '.join(map(repr, missing))}, which recipe '{recipe.name}' never "
+            f"fills (it fills "
+            f"{', '.join(map(repr, sorted(recipe.buffer_sources)))}). Use {where} "
+            f"(buffer.put(experiences, step, source='{missing[0]}')), or a sample strategy that reads only what "
+            f"the recipe fills, e.g. buffer.sample_strategy=on_policy"
+        )

@@ -1,0 +1,34 @@
+"""OmegaConf resolvers rltk adds for derived values, e.g. ``${sub:${max_len},${prompt_len}}``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+def _number(x: Any) -> float | int:
+    if isinstance(x, (int, float)):
+        return x
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return float(x)
+
+
+def register_resolvers() -> None:
+    """Arithmetic resolvers for derived values, e.g. ``${sub:${max_len},${prompt_len}}``."""
+    resolvers = {
+        "add": lambda *xs: sum(_number(x) for x in xs),
+        "sub": lambda a, b: _number(a) - _number(b),
+        "mul": lambda *xs: math.prod(_number(x) for x in xs),
+        "div": lambda a, b: _number(a) / _number(b),
+        "floordiv": lambda a, b: _number(a) // _number(b),
+        "max": lambda *xs: max(_number(x) for x in xs),
+        "min": lambda *xs: min(_number(x) for x in xs),
+    }
+    # omegaconf 2.4 renamed register_new_resolver and deprecated the old name.
+    register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+    for name, fn in resolvers.items():
+        register(name, fn, replace=True)

@@ -1,0 +1,49 @@
+"""Checks of what a run would refuse at its start: the seed's range and the local paths it reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from rltk.config.errors import ConfigError
+
+
+#: The largest seed numpy and torch both accept.
+SEED_MAX = 2**32 - 1
+
+
+def check_seed(cfg: DictConfig) -> None:
+    """The seed is one numpy's global seed takes: 0 .. 2**32 - 1 (it refuses anything else at the start of a run)."""
+    if isinstance(cfg.seed, bool) or not 0 <= cfg.seed <= SEED_MAX:
+        raise ConfigError(f"bad value {cfg.seed!r} for 'seed': must be an integer in [0, 2**32 - 1 = {SEED_MAX}]")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """Local paths the run reads exist, and model folders are folders with a config.json."""
+    path = cfg.model.path
+    if path:
+        folder = Path(path).expanduser()
+        if not folder.exists():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': the folder does not exist. rltk loads models from local "
+                f"folders only; download one first (e.g. `huggingface-cli download <repo> --local-dir <folder>`) "
+                f"and set model.path=<folder>, or leave model.path null for the embedded tiny model"
+            )
+        if not folder.is_dir():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': it is a file, not a model folder (expected a Hugging Face "
+                f"model folder with config.json, weights and tokenizer files)"
+            )
+        if not (folder / "config.json").is_file():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': not a Hugging Face model folder (no config.json in it)"
+            )
+    for key in ("data.path", "data.eval_path"):
+        value = OmegaConf.select(cfg, key)
+        if value and not Path(value).expanduser().exists():
+            raise ConfigError(
+                f"bad value '{value}' for '{key}': no such file or folder. rltk reads local datasets only "
+                f"(json, jsonl, parquet, csv, or a datasets folder)"
+            )
+
