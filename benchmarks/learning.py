@@ -83,7 +83,11 @@ def learning_curve(run_dir: Path) -> dict:
     evals = [m for m in metrics if "eval/accuracy" in m]
     probes = [m for m in metrics if "sft/train_accuracy" in m]
     start, end = evals[0], evals[-1]
+    rewards = [m["reward"] for m in metrics if "reward" in m]
+    window = max(1, min(25, len(rewards) // 4))
     return {
+        # the training reward (sampled accuracy on the prompts of each step), first vs last 25 RL steps
+        "reward_rise": sum(rewards[-window:]) / window - sum(rewards[:window]) / window if rewards else None,
         "warmup_steps": probes[-1]["step"] if probes else None,
         "greedy_start": start["eval/accuracy"], "greedy_end": end["eval/accuracy"],
         "sampled_start": start["eval/sampled_accuracy"], "sampled_end": end["eval/sampled_accuracy"],
@@ -107,26 +111,30 @@ def default_runs(args, workdir: Path) -> list[dict]:
         row = {"recipe": recipe, "seed": seed, "level": level, "wall_s": wall, **learning_curve(run_dir)}
         print(f"{recipe:<5} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
               f"greedy {row['greedy_start']:.3f} -> {row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  "
-              f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  {wall:.0f}s", flush=True)
+              f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
+              f"train reward {row['reward_rise']:+.3f}  {wall:.0f}s", flush=True)
         return row
 
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(one, jobs))
     print()
     print("| recipe | runs | greedy after warm-up | greedy at end | greedy gain min / median / max | "
-          "sampled gain min / median / max | wall s (median) |")
-    print("|---|---|---|---|---|---|---|")
+          "sampled gain min / median / max | train reward rise min / median / max | wall s (median) |")
+    print("|---|---|---|---|---|---|---|---|")
     summary = {}
     for recipe in args.recipes:
         mine = [r for r in rows if r["recipe"] == recipe]
         g, s = spread([r["greedy_gain"] for r in mine]), spread([r["sampled_gain"] for r in mine])
+        rise = spread([r["reward_rise"] for r in mine])
         starts, ends = spread([r["greedy_start"] for r in mine]), spread([r["greedy_end"] for r in mine])
         wall = statistics.median(r["wall_s"] for r in mine)
-        summary[recipe] = {"greedy_gain": g, "sampled_gain": s, "greedy_start": starts, "greedy_end": ends,
+        summary[recipe] = {"greedy_gain": g, "sampled_gain": s, "reward_rise": rise, "greedy_start": starts,
+                           "greedy_end": ends,
                            "median_wall_s": wall, "runs": len(mine)}
         print(f"| {recipe} | {len(mine)} | {starts['min']:.2f}-{starts['max']:.2f} | {ends['min']:.2f}-{ends['max']:.2f} | "
               f"{g['min']:+.3f} / {g['median']:+.3f} / {g['max']:+.3f} | "
-              f"{s['min']:+.3f} / {s['median']:+.3f} / {s['max']:+.3f} | {wall:.0f} |")
+              f"{s['min']:+.3f} / {s['median']:+.3f} / {s['max']:+.3f} | "
+              f"{rise['min']:+.3f} / {rise['median']:+.3f} / {rise['max']:+.3f} | {wall:.0f} |")
     return [{"runs": rows, "summary": summary}]
 
 

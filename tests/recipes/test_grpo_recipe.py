@@ -2,13 +2,12 @@
 
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
-import rltk
 from rltk.cli import main
+from tests.crash import crash_at_step
 from tests.isolated import run_isolated
 
 pytestmark = pytest.mark.slow
@@ -35,9 +34,11 @@ def rl_evals(metrics: list[dict]) -> list[float]:
 
 # What benchmarks/learning.py measured for the shipped default over 5 seeds x the CPU kernel
 # levels (README, "Learning"): every run gained at least MIN_BENCHMARK_GAIN held-out greedy
-# accuracy. The tests ask for half of that: a real rise, with room for any seed or CPU.
-MIN_BENCHMARK_GAIN = 0.15
-REQUIRED_GAIN = MIN_BENCHMARK_GAIN / 2
+# accuracy, and its training reward (last 25 RL steps vs first 25) rose by at least
+# MIN_BENCHMARK_REWARD_RISE. The tests ask for half of each: a real rise, with room for any
+# seed or CPU.
+MIN_BENCHMARK_GAIN = 0.14
+MIN_BENCHMARK_REWARD_RISE = 0.036
 
 
 def assert_learned(run_dir: Path) -> list[float]:
@@ -46,10 +47,10 @@ def assert_learned(run_dir: Path) -> list[float]:
     rewards = [m["reward"] for m in metrics if "reward" in m]
     assert len(rewards) == 200
     first, last = sum(rewards[:25]) / 25, sum(rewards[-25:]) / 25
-    assert last > first + 0.05, f"training reward did not rise: {first:.3f} -> {last:.3f}"
+    assert last > first + MIN_BENCHMARK_REWARD_RISE / 2, f"training reward did not rise: {first:.3f} -> {last:.3f}"
     evals = rl_evals(metrics)
     assert len(evals) == 9  # start of the RL stage, then every 25 steps
-    assert evals[-1] > evals[0] + REQUIRED_GAIN, f"held-out accuracy did not rise: {evals}"
+    assert evals[-1] > evals[0] + MIN_BENCHMARK_GAIN / 2, f"held-out accuracy did not rise: {evals}"
     return evals
 
 
@@ -90,10 +91,6 @@ def test_grpo_learns_with_the_baseline_cpu_kernels(tmp_path):
     assert_learned(run_dir)
 
 
-class Crash(RuntimeError):
-    pass
-
-
 def test_crash_mid_run_resumes_from_last_checkpoint_and_matches(tmp_path):
     args = [*FAST, "trainer.total_steps=8", "trainer.warmup_steps=2", "checkpoint.every=4", "sft.steps=20", "sft.warmup_steps=2",
             "trainer.eval_every=4", "logging.plot=false"]
@@ -101,20 +98,8 @@ def test_crash_mid_run_resumes_from_last_checkpoint_and_matches(tmp_path):
     assert main(["run", "grpo", f"output_dir={straight}", *args]) == 0
 
     crashing = tmp_path / "crashing"
-    crasher = types.ModuleType("crash_at_step_26")
-
-    @rltk.hookimpl
-    def rltk_on_step_end(step):
-        if step == 26:  # 20 SFT steps + 6 RL steps: after the RL checkpoint at step 24
-            raise Crash("simulated crash")
-
-    crasher.rltk_on_step_end = rltk_on_step_end
-    rltk.register_plugin(crasher, name="crasher")
-    try:
-        with pytest.raises(Crash):
-            main(["run", "grpo", f"output_dir={crashing}", *args])
-    finally:
-        rltk.unregister_plugin("crasher")
+    with crash_at_step(26):  # 20 SFT steps + 6 RL steps: after the RL checkpoint at step 24
+        main(["run", "grpo", f"output_dir={crashing}", *args])
     assert sorted(p.name for p in (crashing / "checkpoints").glob("step_*")) == ["step_000020", "step_000024"]
 
     assert main(["run", "grpo", f"output_dir={crashing}", *args]) == 0

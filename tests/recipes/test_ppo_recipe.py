@@ -1,13 +1,12 @@
 """End-to-end runs of `rltk run ppo` on the embedded tiny default (slow; run in CI)."""
 
 import json
-import types
 from pathlib import Path
 
 import pytest
 
-import rltk
 from rltk.cli import main
+from tests.crash import crash_at_step
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +18,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
 # benchmarks/learning.py over 5 seeds x the CPU kernel levels: every run of the shipped PPO default
 # gained at least MIN_BENCHMARK_GAIN held-out greedy accuracy (README, "Learning"); the test asks for half.
 MIN_BENCHMARK_GAIN = 0.10
-REQUIRED_GAIN = MIN_BENCHMARK_GAIN / 2
 
 
 def test_ppo_raises_held_out_accuracy_on_the_embedded_default(tmp_path):
@@ -32,7 +30,7 @@ def test_ppo_raises_held_out_accuracy_on_the_embedded_default(tmp_path):
     assert len(ppo) == 200
     evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
     assert len(evals) == 9  # at the start of PPO, then every 25 steps
-    assert evals[-1] > evals[0] + REQUIRED_GAIN, f"held-out accuracy did not rise: {evals}"
+    assert evals[-1] > evals[0] + MIN_BENCHMARK_GAIN / 2, f"held-out accuracy did not rise: {evals}"
     # The critic warms up alone, then both learn; what is logged says so.
     assert [m["policy_updated"] for m in ppo[:11]] == [0.0] * 10 + [1.0]
     assert "pg_loss" not in ppo[9] and "pg_loss" in ppo[10]
@@ -48,10 +46,6 @@ def test_ppo_raises_held_out_accuracy_on_the_embedded_default(tmp_path):
     assert (last / "model" / "config.json").is_file() and (last / "critic" / "model" / "value_model.json").is_file()
 
 
-class Crash(RuntimeError):
-    pass
-
-
 def test_crash_mid_ppo_resumes_policy_and_critic_and_matches(tmp_path):
     args = ["sft.steps=300", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "trainer.total_steps=8", "trainer.warmup_steps=2",
             "critic.warmup_steps=2", "checkpoint.every=4", "data.eval_size=20", "trainer.eval_every=4",
@@ -60,20 +54,8 @@ def test_crash_mid_ppo_resumes_policy_and_critic_and_matches(tmp_path):
     assert main(["run", "ppo", f"output_dir={straight}", *args]) == 0
 
     crashing = tmp_path / "crashing"
-    crasher = types.ModuleType("crash_at_step_306")
-
-    @rltk.hookimpl
-    def rltk_on_step_end(step):
-        if step == 306:  # 300 SFT steps + 6 PPO steps: after the PPO checkpoint at step 304
-            raise Crash("simulated crash")
-
-    crasher.rltk_on_step_end = rltk_on_step_end
-    rltk.register_plugin(crasher, name="crasher")
-    try:
-        with pytest.raises(Crash):
-            main(["run", "ppo", f"output_dir={crashing}", *args])
-    finally:
-        rltk.unregister_plugin("crasher")
+    with crash_at_step(306):  # 300 SFT steps + 6 PPO steps: after the PPO checkpoint at step 304
+        main(["run", "ppo", f"output_dir={crashing}", *args])
     assert sorted(p.name for p in (crashing / "checkpoints").glob("step_*")) == ["step_000300", "step_000304"]
     assert (crashing / "checkpoints" / "step_000304" / "critic" / "optimizer.pt").is_file()
 

@@ -4,13 +4,12 @@ run continues after it instead of training the warm-up again."""
 from __future__ import annotations
 
 import json
-import types
 from pathlib import Path
 
 import pytest
 
-import rltk
 from rltk.cli import main
+from tests.crash import crash_at_step
 
 # sft.stop_at_accuracy=0 is reached at the first probe whatever the model, so the stop step is known.
 RUN = ["sft.steps=40", "sft.stop_at_accuracy=0.0", "sft.probe_every=5", "sft.probe_size=8", "sft.warmup_steps=0",
@@ -38,27 +37,11 @@ def test_warmup_stops_at_the_first_probe_that_reaches_the_target(tmp_path):
     assert checkpoints == ["step_000042", "step_000043"]  # keep_last=2; the warm-up saved step_000005 on stopping
 
 
-class Crash(RuntimeError):
-    pass
-
-
 @pytest.mark.slow
 def test_a_run_resumed_after_an_early_stop_skips_the_warmup(tmp_path):
     run_dir = tmp_path / "run"
-    crasher = types.ModuleType("crash_in_rl")
-
-    @rltk.hookimpl
-    def rltk_on_step_end(step):
-        if step == 41:  # the first RL step, after the warm-up's stopping checkpoint at step 5
-            raise Crash("simulated crash")
-
-    crasher.rltk_on_step_end = rltk_on_step_end
-    rltk.register_plugin(crasher, name="crasher")
-    try:
-        with pytest.raises(Crash):
-            main(["run", "grpo", f"output_dir={run_dir}", *RUN])
-    finally:
-        rltk.unregister_plugin("crasher")
+    with crash_at_step(41):  # the first RL step, after the warm-up's stopping checkpoint at step 5
+        main(["run", "grpo", f"output_dir={run_dir}", *RUN])
     assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_000004", "step_000005"]
 
     assert main(["run", "grpo", f"output_dir={run_dir}", *RUN]) == 0
