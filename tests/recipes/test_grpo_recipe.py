@@ -38,7 +38,7 @@ def rl_evals(metrics: list[dict]) -> list[float]:
 # MIN_BENCHMARK_REWARD_RISE. The tests ask for half of each: a real rise, with room for any
 # seed or CPU.
 MIN_BENCHMARK_GAIN = 0.14
-MIN_BENCHMARK_REWARD_RISE = 0.036
+MIN_BENCHMARK_REWARD_RISE = 0.034
 
 
 def assert_learned(run_dir: Path) -> list[float]:
