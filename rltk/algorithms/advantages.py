@@ -33,8 +33,9 @@ Conventions of the outcome (critic-free) estimators ``grpo``, ``rloo``,
   train no critic; the field is there for logging and for a uniform contract).
 * A group of one response, and a group whose returns are all equal, says
   nothing about which response was better: its advantage is exactly 0 (not NaN,
-  not the raw score). Equality is tested exactly, so such groups never get
-  rounding noise blown up by a tiny standard deviation.
+  not the raw score). Equality is tested on the returns themselves, up to the
+  rounding of their float32 sums over tokens (``EQUAL_WITHIN_ULPS``), so such
+  groups never get rounding noise blown up by a tiny standard deviation.
 * Group statistics are float64 segment reductions over
   ``torch.unique(group_ids, return_inverse=True)``: no Python loop over groups.
 
@@ -361,15 +362,24 @@ def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.T
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
 
 
+# Returns are float32 sums over tokens, so equal rewards placed at different tokens can sum to
+# values one or a few ulps apart (how many depends on the CPU's vectorised reduction order).
+# std normalisation would blow that apart into advantages of +-0.7 for a group that is, in fact,
+# all equal; a group whose spread is within this many float32 ulps of its magnitude counts as equal.
+EQUAL_WITHIN_ULPS = 64
+
+
 def _group_all_equal(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """For every response: True if each member of its group has exactly its value."""
+    """For every response: True if each member of its group has its value, up to float32 rounding
+    (a spread of at most ``EQUAL_WITHIN_ULPS`` float32 ulps of the group's largest magnitude)."""
     lowest = torch.empty(n_groups, dtype=x.dtype, device=x.device).scatter_reduce_(
         0, inverse, x, reduce="amin", include_self=False
     )
     highest = torch.empty(n_groups, dtype=x.dtype, device=x.device).scatter_reduce_(
         0, inverse, x, reduce="amax", include_self=False
     )
-    return (lowest == highest)[inverse]
+    tolerance = EQUAL_WITHIN_ULPS * torch.finfo(torch.float32).eps * torch.maximum(lowest.abs(), highest.abs())
+    return (highest - lowest <= tolerance)[inverse]
 
 
 def _sequence_returns(token_rewards: torch.Tensor) -> torch.Tensor:
@@ -380,7 +390,7 @@ def _sequence_returns(token_rewards: torch.Tensor) -> torch.Tensor:
 def _group_centred(
     returns: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``R_i - mean_g(R)``, exactly 0 for groups of one and all-equal groups.
+    """``R_i - mean_g(R)``, exactly 0 for groups of one and all-equal groups (up to float32 rounding).
 
     Returns (centred [B], size of each response's group [B], dense group index
     [B], number of groups), all float64 / int64.
@@ -389,7 +399,7 @@ def _group_centred(
     n_groups = counts.numel()
     sizes = counts[inverse].to(torch.float64)
     mean = _group_sum(returns, inverse, n_groups)[inverse] / sizes
-    # A float mean of equal numbers need not equal them; test equality exactly.
+    # A float mean of equal numbers need not equal them: test equality on the values themselves.
     constant = _group_all_equal(returns, inverse, n_groups)
     return torch.where(constant, 0.0, returns - mean), sizes, inverse, n_groups
 

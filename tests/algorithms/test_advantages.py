@@ -479,3 +479,16 @@ def test_group_index_numbers_groups_like_torch_unique(ids, scale):
     _, expected_inverse, expected_counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     assert torch.equal(inverse, expected_inverse)
     assert torch.equal(counts, expected_counts)
+
+
+def test_a_group_equal_up_to_float_rounding_gets_zero_advantage():
+    # 1.0 + 0.1 + 0.2 and 1.3 are the same return, but their float32 sums differ by one ulp
+    # (1.3000001 vs 1.2999999). Dividing that by its own tiny std used to give +-0.7.
+    rewards = torch.tensor([[1.0, 0.1, 0.2], [1.3, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.ones_like(rewards)
+    group_ids = torch.tensor([7, 7, 9, 9])
+    assert rewards[0].sum() != rewards[1].sum()
+    for fn, kwargs in [(adv.grpo, {}), (adv.grpo, {"norm_by_std": False}), (adv.rloo, {})]:
+        advantages, _ = fn(token_rewards=rewards, response_mask=mask, group_ids=group_ids, **kwargs)
+        assert advantages[:2].abs().max().item() == 0.0, fn.__name__
+        assert advantages[2:].abs().min().item() > 0.4  # a real difference still counts
