@@ -150,7 +150,7 @@ def test_ppo_preset_under_grpo_names_both_keys_and_the_recipe_that_serves_it():
 
 
 def test_a_kl_setting_with_kl_coef_0_warns_once_naming_the_keys():
-    out = run_cli("validate", "grpo", "algorithm.kl_penalty_fn=k3", "algorithm.kl_in=reward")
+    out = run_cli("validate", "grpo", "algorithm.kl_coef=0", "algorithm.kl_penalty_fn=k3", "algorithm.kl_in=reward")
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("rltk: warning: "), out.stderr
@@ -158,7 +158,7 @@ def test_a_kl_setting_with_kl_coef_0_warns_once_naming_the_keys():
     assert "algorithm.kl_coef is 0" in lines[0] and "algorithm.kl_coef=0.01" in lines[0]
     quiet = run_cli("validate", "grpo", "algorithm.kl_penalty_fn=k3", "algorithm.kl_coef=0.05")
     assert quiet.returncode == 0 and quiet.stderr == ""
-    assert run_cli("validate", "grpo").stderr == ""  # the default run sets no KL key
+    assert run_cli("validate", "grpo").stderr == ""  # the default run's KL keys have a coefficient
 
 
 def test_one_name_for_a_list_key_on_the_command_line(capsys):

@@ -37,8 +37,8 @@ def rl_evals(metrics: list[dict]) -> list[float]:
 # accuracy, and its training reward (last 25 RL steps vs first 25) rose by at least
 # MIN_BENCHMARK_REWARD_RISE. The tests ask for half of each: a real rise, with room for any
 # seed or CPU.
-MIN_BENCHMARK_GAIN = 0.14
-MIN_BENCHMARK_REWARD_RISE = 0.034
+MIN_BENCHMARK_GAIN = 0.15
+MIN_BENCHMARK_REWARD_RISE = 0.021
 
 
 def assert_learned(run_dir: Path) -> list[float]:
