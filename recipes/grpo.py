@@ -14,7 +14,9 @@ The loop, as in the paper's algorithm box:
             old / ref log-probs of the sampled tokens
             advantages  <- advantage_fn(batch fields it names)
             update      <- ppo_epochs x mini-batches of policy_loss (+ KL, - entropy)
-            log, evaluate on held-out prompts, checkpoint
+            log, evaluate on held-out prompts
+            guard       <- stop if the run diverged (entropy collapse, nothing trained, nan weights)
+            checkpoint
 
 Every named piece comes from the registry, so any of them is one config entry away.
 This file is a script, not a module: copy it to change the loop itself.
@@ -139,6 +141,9 @@ def run_rl_stage(stage: Stage) -> None:
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
             metrics.update(evaluate(workflow, run.eval_rows, cfg))
         run.metric_log.log(metrics, stage.first_step + step)
+
+        # guard: stop with a clear message if the run has diverged (entropy collapse, nothing trained, nan weights)
+        stage.guard.observe(metrics, step, strategy)
 
         # checkpoint
         if should_checkpoint(cfg, step, t.total_steps):

@@ -20,7 +20,9 @@ arXiv:1707.06347):
             update      <- critic: ppo_epochs x mini-batches of the clipped value loss (every step)
                            policy: the same over the clipped policy loss (after critic.warmup_steps)
             kl_coef     <- fixed, or adapted towards algorithm.kl_target
-            log, evaluate on held-out prompts, checkpoint (policy and critic in one folder)
+            log, evaluate on held-out prompts
+            guard       <- stop if the run diverged (entropy collapse, nothing trained, nan weights)
+            checkpoint (policy and critic in one folder)
 
 Policy and critic have separate strategies and optimizers. Every named piece
 comes from the registry, so any of them is one config entry away. This file is
@@ -169,6 +171,9 @@ def run_ppo_stage(stage: Stage) -> None:
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
             metrics.update(evaluate(workflow, run.eval_rows, cfg))
         run.metric_log.log(metrics, stage.first_step + step)
+
+        # guard: stop with a clear message if the run has diverged (entropy collapse, nothing trained, nan weights)
+        stage.guard.observe(metrics, step, strategies)
 
         # checkpoint: policy, critic and the loop's position in one atomic folder
         if should_checkpoint(cfg, step, t.total_steps):

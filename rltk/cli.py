@@ -1,7 +1,9 @@
 """The ``rltk`` command line: list, plugins, validate, run, export.
 
-Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors
-(message on stderr, no traceback).
+Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors,
+3 a run stopped by the divergence guard (``guard.*``: entropy collapse,
+nothing trained, non-finite weights). 2 and 3 print a message on stderr, no
+traceback.
 
 ``validate`` and ``run`` take a config the same way: a recipe (shipped name
 or script path), ``--config FILE`` (repeatable; replaces the recipe's own
@@ -21,6 +23,7 @@ from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.recipe_utils import recipe_spec
 from rltk.registry import KINDS, RegistryError, get_registry, list_components, unknown_name_message
+from rltk.training.guard import EXIT_DIVERGED, TrainingDiverged
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -232,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TrainingDiverged as exc:
+        print(f"rltk: error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print("rltk: interrupted", file=sys.stderr)
         return 130

@@ -174,6 +174,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The divergence guard (rltk/training/guard.py): stops a run that has stopped learning, exit status 3.
+
+    Entropy bounds are fractions of log(V), V the LM head's size: 1.0 is the
+    uniform distribution, 0 a single token. The defaults sit far from a
+    healthy run: the tiny default's policy keeps 0.09-0.15 of log(V) in RL
+    (measured over its 200 GRPO and PPO steps). The guard reads metrics each
+    step computes anyway; only the weights check reads the parameters again.
+    """
+
+    enabled: bool = True
+    # Steps in a row that trained nothing (every optimizer step skipped for a non-finite gradient
+    # norm, or a non-finite loss) before the run stops; 0 = never. A stage that ends without a
+    # single update applied stops the run too, however short it is.
+    max_skipped_steps: int = 10
+    entropy_min: float = 1.0e-4  # mean token entropy below this x log(V): collapsed onto single tokens; 0 = off
+    # Above this x log(V): collapsed to uniform. Counts only once the stage's entropy has been below
+    # it (a randomly initialised model starts at uniform); 1 = off.
+    entropy_max: float = 0.999
+    entropy_patience: int = 5  # steps in a row outside [entropy_min, entropy_max] before the run stops
+    check_weights_every: int = 10  # steps between nan/inf checks of the weights (and before every checkpoint); 0 = only before checkpoints
+
+
+@dataclass
 class LoggingConfig:
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     logger_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
@@ -206,6 +230,7 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])
 
 

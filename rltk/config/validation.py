@@ -4,6 +4,7 @@
 :class:`~rltk.config.errors.ConfigError` on the first problem: component
 names and arguments (:mod:`rltk.config.components`), choices and value
 ranges (here), the seed and local paths (:mod:`rltk.config.run_checks`),
+the divergence guard's keys (:mod:`rltk.config.guard_checks`),
 what the recipe serves (:mod:`rltk.config.recipe_capabilities`), the critic
 section (:mod:`rltk.config.critic_checks`), each stage's overrides, and
 interpolations.
@@ -17,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rltk.config.components import check_components, check_task
 from rltk.config.critic_checks import check_critic_config
 from rltk.config.errors import ConfigError
+from rltk.config.guard_checks import check_guard
 from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import RecipeSpec, check_recipe_serves, required_batch_fields
 from rltk.config.run_checks import check_paths, check_seed
@@ -43,6 +45,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     _check_positive(cfg)
     check_seed(cfg)
     check_paths(cfg)
+    check_guard(cfg)
     check_task(cfg)
     needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
     if recipe is not None:

@@ -30,6 +30,7 @@ from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
+from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
 from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
@@ -67,6 +68,7 @@ class Stage:
     first_step: int  # global step before this stage's first step
     resume: dict | None  # set when this stage continues from one of its own checkpoints
     strategy: Any = None  # the policy's strategy, released by run_stages when the stage ends
+    guard: DivergenceGuard | None = None  # stops the run on divergence; the loop calls guard.observe each step
 
 
 def open_run(cfg: DictConfig) -> Run:
@@ -123,7 +125,19 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
                 _engine_follows_policy(run)
             resume = None
         current = Stage(run, scfg, i, first_step, stage_resume)
-        runners[stage.type](current)
+        current.guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,
+                                        vocab_size=vocab_size_of(run.policy), checkpoints=run.ckpt)
+        if stage_resume is not None:
+            current.guard.load_state_dict(stage_resume.get("guard", {}))  # count on from where it stopped
+        try:
+            runners[stage.type](current)
+            current.guard.end_stage(current.strategy)
+        except TrainingDiverged:
+            # What was logged up to the divergence is what the reader needs: flush it, and let every
+            # rank (all stop at the same step) leave the process group together.
+            run.metric_log.close()
+            _end_process_group()
+            raise
         if current.strategy is not None:
             # The next stage (and the final evaluation) starts from a plain module with the trained
             # weights: a ZeRO-3 engine leaves the module it trained partitioned.
@@ -275,9 +289,16 @@ def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
 
 def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
                     extra: dict | None = None) -> Path:
-    """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook."""
+    """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook.
+
+    The divergence guard first checks the weights are finite (no checkpoint ever holds nan) and
+    its counters go into the checkpoint, so a resumed run counts on.
+    """
     state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
              "sampler": sampler.state_dict(), **(extra or {})}
+    if stage.guard is not None:
+        stage.guard.check_weights(strategy, stage_step)
+        state["guard"] = stage.guard.state_dict()
     global_step = stage.first_step + stage_step
     path = stage.run.ckpt.save(global_step, strategy, state)
     rltk.get_plugin_manager().hook.rltk_on_checkpoint(step=global_step, path=path)
@@ -324,6 +345,7 @@ def run_sft_stage(stage: Stage) -> None:
             metrics["sft/train_accuracy"] = greedy_accuracy(run.workflow, probe_rows, cfg)
             reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
         run.metric_log.log(metrics, stage.first_step + step)
+        stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged
         last = step if reached else s.steps
         if should_checkpoint(cfg, step, last):
             save_checkpoint(stage, strategy, step, sampler, last_step=last)
