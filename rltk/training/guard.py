@@ -267,9 +267,11 @@ class DivergenceGuard:
             return None  # a non-finite forward: the loss is non-finite too and counts as nothing trained
         fraction = entropy / self.log_vocab
         s = self.settings
-        if fraction <= s.entropy_max:
+        # bounds compared in nats: the band [min, max] x log(V) is inclusive, exactly
+        floor, ceiling = s.entropy_min * self.log_vocab, s.entropy_max * self.log_vocab
+        if entropy <= ceiling:
             self.armed = True
-        side = "zero" if fraction < s.entropy_min else "uniform" if self.armed and fraction > s.entropy_max else ""
+        side = "zero" if entropy < floor else "uniform" if self.armed and entropy > ceiling else ""
         if not side:
             self.entropy_streak, self.entropy_side = 0, ""
             return None
@@ -304,8 +306,8 @@ class DivergenceGuard:
             where = (f"Last good checkpoint: {checkpoint} (`rltk export {checkpoint} DIR` makes it a model folder a "
                      f"new run can start from with model.path=DIR)")
         elif self.checkpoints is not None and self.checkpoints.checkpoints():
-            where = (f"No checkpoint from before step {good_before + 1} remains: checkpoint.keep_last pruned it, and "
-                     f"those left were written after the symptom began")
+            where = (f"No checkpoint from before step {good_before} is left (none was written, or checkpoint.keep_last "
+                     f"pruned it); those present were written after the symptom began")
         else:
             where = "No good checkpoint: none was written before the symptom began (checkpoint.every sets how often)"
         message = (f"training diverged at step {at} (step {at - self.first_step} of stage '{self.stage_name}'): "
