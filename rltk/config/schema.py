@@ -189,12 +189,16 @@ class GuardConfig:
     # norm, or a non-finite loss) before the run stops; 0 = never. A stage that ends without a
     # single update applied stops the run too, however short it is.
     max_skipped_steps: int = 10
-    entropy_min: float = 1.0e-4  # mean token entropy below this x log(V): collapsed onto single tokens; 0 = off
+    # Mean token entropy below this x log(V): collapsed onto single tokens; 0 = off. The entropy is the
+    # sampling distribution's, at rollout.temperature: lower this for temperatures well below 1.
+    entropy_min: float = 1.0e-4
     # Above this x log(V): collapsed to uniform. Counts only once the stage's entropy has been below
     # it (a randomly initialised model starts at uniform); 1 = off.
     entropy_max: float = 0.999
     entropy_patience: int = 5  # steps in a row outside [entropy_min, entropy_max] before the run stops
-    check_weights_every: int = 10  # steps between nan/inf checks of the weights (and before every checkpoint); 0 = only before checkpoints
+    # Steps between nan/inf checks of the weights; they are also checked before every checkpoint, so
+    # none holds such weights. 0 = only before checkpoints.
+    check_weights_every: int = 10
 
 
 @dataclass

@@ -286,9 +286,9 @@ class DivergenceGuard:
                  f"below guard.entropy_min={s.entropy_min}: the policy collapsed onto single tokens")
         # the entropy at step k is that of the weights step k-1 left
         return _Verdict(f"entropy_{side}", at, f"mean token entropy ({key}) has been {entropy:.4g} nats, "
-                        f"{fraction:.2%} of the uniform distribution's log(V={self.vocab_size}) = {self.log_vocab:.4g}, "
-                        f"for {self.entropy_streak} steps in a row (since step {since}), {where}", since - 1,
-                        "guard.entropy_patience")
+                        f"{fraction:.2%} of the uniform distribution's log(V={self.vocab_size}) = "
+                        f"{self.log_vocab:.4g}, for {self.entropy_streak} steps in a row (since step {since}), {where}",
+                        since - 1, "guard.entropy_patience")
 
     # ---------------------------------------------------------------- message
 

@@ -23,11 +23,6 @@ def run(recipe: str, tmp_path, *overrides: str) -> tuple[int, str]:
     return main(["run", recipe, f"output_dir={tmp_path / 'run'}", *TINY, *overrides]), str(tmp_path / "run")
 
 
-def logged_steps(run_dir: str) -> list[int]:
-    with open(f"{run_dir}/metrics.jsonl") as f:
-        return sorted({json.loads(line)["step"] for line in f})
-
-
 @pytest.mark.slow  # 4 warm-up and 4 RL steps of a tiny model (~8 s)
 @pytest.mark.parametrize("recipe", ["grpo", "ppo"])
 def test_rl_at_lr_1e3_stops_on_entropy_collapsed_to_uniform(recipe, tmp_path, capsys):
@@ -39,18 +34,19 @@ def test_rl_at_lr_1e3_stops_on_entropy_collapsed_to_uniform(recipe, tmp_path, ca
     err = capsys.readouterr().err
     assert rc == EXIT_DIVERGED == 3, err[-3000:]
     message = err[err.index("rltk: error: "):]
-    found = re.search(r"training diverged at step (\d+) \(step (\d+) of stage '(\w+)'\): mean token entropy \(entropy\) "
-                      r"has been 4\.644 nats, 100\.00% of the uniform distribution's log\(V=104\) = 4\.644, for 3 steps in "
-                      r"a row \(since step (\d+)\), above guard.entropy_max=0.999: the policy collapsed to uniform output",
-                      message)
+    found = re.search(r"training diverged at step (\d+) \(step (\d+) of stage '(\w+)'\): mean token entropy "
+                      r"\(entropy\) has been 4\.644 nats, 100\.00% of the uniform distribution's log\(V=104\) = "
+                      r"4\.644, for 3 steps in a row \(since step (\d+)\), above guard.entropy_max=0.999: the policy "
+                      r"collapsed to uniform output", message)
     assert found, message
     stop, stage_step, stage, since = int(found[1]), int(found[2]), found[3], int(found[4])
     assert (stage, stop - stage_step, stop - since) == (recipe, 4, 2)  # 4 warm-up steps; 3 bad steps in a row
     assert "trainer.lr=1000.0" in message and "Traceback" not in err
 
     # what was logged agrees: uniform from `since` on, not before; nothing after the stop
-    entropy = {m["step"]: m["entropy"] for m in map(json.loads, open(f"{run_dir}/metrics.jsonl")) if "entropy" in m}
-    assert max(entropy) == stop and min(entropy[s] for s in range(since, stop + 1)) > 0.999 * math.log(104)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    entropy = {m["step"]: m["entropy"] for m in logged if "entropy" in m}
+    assert max(m["step"] for m in logged) == max(entropy) == stop and min(entropy[s] for s in range(since, stop + 1)) > 0.999 * math.log(104)
     assert entropy[since - 1] < 0.999 * math.log(104)
     # The weights step since-1 left gave the uniform entropy at `since`: the last good checkpoint is the
     # newest older than since-1 (checkpoints every 2 steps)
