@@ -106,6 +106,7 @@ RESUME_SAFE_KEYS = (
     "trainer.micro_batch_size", "model.logprob_impl", "model.logprob_chunk_size", "model.gradient_checkpointing",
     "checkpoint.",  # how often to save and how many to keep; `resume` is how this run was chosen
     "logging.",  # where metrics go
+    "algorithm.rollout_correction.log_metrics",  # only logs the mismatch; the update is the same
 )
 
 _UNSET = "(unset)"

@@ -230,3 +230,16 @@ def test_a_tiny_grpo_run_with_the_correction_on_logs_finite_mismatch_metrics(tmp
         assert r["mismatch/rejected_frac"] == r["mismatch/dropped_frac"] == r["mismatch/truncated_frac"] == 0.0
         assert r["mismatch/weight_mean"] == pytest.approx(r["mismatch/ratio_mean"], rel=1e-5)
         assert math.isfinite(r["pg_loss"])  # (0 here: the barely warmed-up model scores 0 on every prompt)
+
+
+def test_turning_the_metrics_on_keeps_a_run_resumable_but_a_correction_mode_does_not():
+    from rltk.config import load_config
+    from rltk.training.resume import config_differences
+
+    def plain(*overrides):
+        return OmegaConf.to_container(load_config([], list(overrides), warn=False), resolve=True)
+
+    saved = plain()
+    assert config_differences(saved, plain("algorithm.rollout_correction.log_metrics=true")) == []
+    assert config_differences(saved, plain("algorithm.rollout_correction.tis=token")) == [
+        ("algorithm.rollout_correction.tis", None, "token")]
