@@ -243,3 +243,31 @@ def test_turning_the_metrics_on_keeps_a_run_resumable_but_a_correction_mode_does
     assert config_differences(saved, plain("algorithm.rollout_correction.log_metrics=true")) == []
     assert config_differences(saved, plain("algorithm.rollout_correction.tis=token")) == [
         ("algorithm.rollout_correction.tis", None, "token")]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two processes (torchrun, gloo) and a one-process reference (~20 s)
+def test_two_ranks_drop_normalise_and_measure_as_one_process_holding_every_rollout(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = Path(__file__).with_name("rollout_correction_worker.py")
+    spec = importlib.util.spec_from_file_location("rltk_tests_rollout_correction_worker", path)
+    correction_worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(correction_worker)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(path), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    reference = correction_worker.corrected_update(_strategy())
+    expected = reference["metrics"]
+    # the split must exercise what the reduction does: something dropped, rejected, kept on each side
+    assert 0 < expected["mismatch/rejected_frac"] < 1 and 0 < expected["mismatch/dropped_frac"] < 1
+    assert ranks[0]["metrics"] == ranks[1]["metrics"], "ranks must log the same (global) numbers"
+    assert ranks[0]["metrics"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert ranks[0]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][name], value, atol=1e-6, rtol=0, msg=name)
