@@ -23,6 +23,10 @@ update uses it, for every policy loss and every aggregation:
 * Responses without rollout log-probs (expert data mixed in by a sample
   strategy: ``has_rollout_logprobs`` is False) are neither weighted nor
   dropped nor measured: there is no behaviour probability to compare with.
+* The weights and drops are computed once per rollout batch: ``pi_old`` and
+  ``pi_rollout`` do not change over ``ppo_epochs`` and mini-batches. The
+  critic of the ``ppo`` recipe is trained on every response as before; the
+  correction concerns the policy gradient only.
 
 Metrics, prefixed ``mismatch/``, are over every rank's tokens (see
 :func:`rltk.algorithms.mismatch.mismatch_metrics`).
