@@ -217,7 +217,8 @@ def rollout_correction(
         cap = _log_bound(tis_cap, dtype)
         truncated = (level > cap) & on
         # exp of the clamped log: a response's log-ratio sum can be far beyond what exp() holds
-        weights = torch.where(truncated, torch.tensor(float(tis_cap), dtype=dtype), torch.exp(torch.minimum(level, cap)))
+        capped = torch.tensor(float(tis_cap), dtype=dtype)
+        weights = torch.where(truncated, capped, torch.exp(torch.minimum(level, cap)))
     if mis is not None:
         level = log_ratio if mis == "token" else seq_log_ratio.expand_as(log_ratio)
         weights = torch.exp(torch.minimum(level, _log_bound(mis_high, dtype)))  # exact inside the band

@@ -222,7 +222,8 @@ log_probs = st.lists(st.floats(-8.0, 0.0, allow_nan=False), min_size=12, max_siz
 @settings(max_examples=60, deadline=None)
 @given(old=log_probs, rollout=log_probs, mask=st.lists(st.booleans(), min_size=12, max_size=12),
        cap=st.floats(1.0, 5.0), low=st.floats(0.0, 1.0), high=st.floats(1.0, 5.0),
-       level=st.sampled_from(["token", "sequence"]), rejection=st.sampled_from([None, "geometric", "sequence", "token"]))
+       level=st.sampled_from(["token", "sequence"]),
+       rejection=st.sampled_from([None, "geometric", "sequence", "token"]))
 def test_invariants(old, rollout, mask, cap, low, high, level, rejection):
     old, rollout = torch.tensor(old).view(3, 4), torch.tensor(rollout).view(3, 4)
     mask = torch.tensor(mask, dtype=torch.float32).view(3, 4)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", Path(__file__).with_name("rl_step_worker.py"))
+_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker",
+                                               Path(__file__).with_name("rl_step_worker.py"))
 steps = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(steps)
 

@@ -25,7 +25,8 @@ from rltk.training.rollout_correction import (
     WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask, weighted_loss_agg,
 )
 
-_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", Path(__file__).with_name("rl_step_worker.py"))
+_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker",
+                                               Path(__file__).with_name("rl_step_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
