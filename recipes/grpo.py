@@ -50,8 +50,9 @@ from rltk.training.setup import args_of
 # script, to refuse a component the loop cannot feed (e.g. an advantage that needs a critic's values).
 # baseline_scores are there when the workflow adds them (a ReMax-style greedy baseline).
 PROVIDES = {
-    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "token_rewards", "scores",
-                     "group_ids", "response_lengths", "baseline_scores", "old_logprobs", "ref_logprobs"],
+    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
+                     "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
+                     "ref_logprobs"],
     "buffer_sources": ["policy"],
 }
 

@@ -61,8 +61,9 @@ from rltk.training.setup import args_of, stage_config
 # script, to refuse a component the loop cannot feed (e.g. a sample strategy that waits for expert data).
 # baseline_scores are there when the workflow adds them (a ReMax-style greedy baseline).
 PROVIDES = {
-    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "token_rewards", "scores",
-                     "group_ids", "response_lengths", "baseline_scores", "old_logprobs", "ref_logprobs", "values"],
+    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
+                     "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
+                     "ref_logprobs", "values"],
     "buffer_sources": ["policy"],
 }
 

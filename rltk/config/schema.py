@@ -64,6 +64,26 @@ class DataConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``: correct for rollout log-probs that differ from the trainer's.
+
+    Each mode is off with null; see :mod:`rltk.algorithms.mismatch` for the formulas and papers.
+    ``tis`` and ``mis`` both set the importance weight (at most one); ``rejection`` drops whole
+    responses and combines with either. Needs ``algorithm.use_rollout_logprobs=false``.
+    """
+
+    tis: Optional[str] = None  # token | sequence: weight min(rho, tis_cap), rho = pi_old / pi_rollout
+    tis_cap: float = 2.0
+    mis: Optional[str] = None  # token | sequence: weight rho inside [mis_low, mis_high], drop outside
+    mis_low: float = 0.5  # 0: no lower bound
+    mis_high: float = 2.0
+    rejection: Optional[str] = None  # geometric | sequence | token: drop responses whose ratio leaves the band
+    rejection_low: float = 0.5  # geometric means sit near 1: a band like [0.99, 1.01] is typical there
+    rejection_high: float = 2.0
+    log_metrics: bool = False  # log mismatch/* metrics even with every mode off
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # an algorithm preset; it fills the defaults of this section
     advantage_fn: str = "grpo"
@@ -81,6 +101,7 @@ class AlgorithmConfig:
     kl_horizon: int = 10000  # adaptive controller only
     entropy_coef: float = 0.0
     use_rollout_logprobs: bool = False  # old log-probs from the engine instead of a trainer recompute
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

@@ -6,7 +6,8 @@ names and arguments (:mod:`rltk.config.components`), choices and value
 ranges (here), the seed and local paths (:mod:`rltk.config.run_checks`),
 the divergence guard's keys (:mod:`rltk.config.guard_checks`),
 what the recipe serves (:mod:`rltk.config.recipe_capabilities`), the critic
-section (:mod:`rltk.config.critic_checks`), each stage's overrides, and
+section (:mod:`rltk.config.critic_checks`), the rollout correction
+(:mod:`rltk.config.rollout_correction_checks`), each stage's overrides, and
 interpolations.
 """
 
@@ -21,6 +22,7 @@ from rltk.config.errors import ConfigError
 from rltk.config.guard_checks import check_guard
 from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import RecipeSpec, check_recipe_serves, required_batch_fields
+from rltk.config.rollout_correction_checks import check_rollout_correction_config
 from rltk.config.run_checks import check_paths, check_seed
 from rltk.config.schema import CHOICES, STAGE_TYPES
 from rltk.registry import did_you_mean, get_registry
@@ -43,6 +45,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
                 f"bad value {value!r} for '{key}'.{did_you_mean(value, list(choices))} Valid: {', '.join(choices)}"
             )
     _check_positive(cfg)
+    check_rollout_correction_config(cfg)
     check_seed(cfg)
     check_paths(cfg)
     check_guard(cfg)
