@@ -468,8 +468,7 @@ def sapo(
     Metrics: no token is clipped, so ``clip_frac`` is 0; ``soft_gate_mean``
     is the mean gradient weight ``w`` (1 on-policy, lower as ratios drift).
 
-    Paper: Gao et al. 2025, "Soft Adaptive Policy Optimization",
-    arXiv:2511.20347.
+    Paper: "Soft Adaptive Policy Optimization" (SAPO), 2025, arXiv:2511.20347.
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
@@ -481,7 +480,8 @@ def sapo(
     )
     log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
-    tau = torch.where(advantages > 0, float(tau_pos), float(tau_neg))
+    # full_like keeps the advantages' dtype; where() on two Python floats would give float32
+    tau = torch.full_like(advantages, float(tau_neg)).masked_fill_(advantages > 0, float(tau_pos))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss_mat = -(4.0 / tau) * gate * advantages
 
