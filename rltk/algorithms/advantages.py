@@ -8,21 +8,29 @@ and returns ``(advantages, returns)``, both ``[B, T]`` float32 and zero outside
 
 Batch fields an estimator may declare (``T`` is the response width):
 
-==================  ========  ===================================================
-``token_rewards``   ``[B,T]`` per-token reward; an outcome reward sits on the last
-                              response token, a KL penalty folded into the reward
-                              (:func:`rltk.algorithms.kl.apply_kl_penalty`) on
-                              every policy token
-``response_mask``   ``[B,T]`` 1 on tokens the policy produced, 0 on padding and on
-                              environment/tool tokens inside a response
-``group_ids``       ``[B]``   int64; responses to one prompt share an id. Ids need
-                              not be contiguous, sorted or adjacent
-``values``          ``[B,T]`` critic value of the state before each token
-``baseline_scores`` ``[B]``   ReMax: the reward of the greedy response
-==================  ========  ===================================================
+=====================  ========  ===================================================
+``token_rewards``      ``[B,T]`` per-token reward; an outcome reward sits on the last
+                                 response token, a KL penalty folded into the reward
+                                 (:func:`rltk.algorithms.kl.apply_kl_penalty`) on
+                                 every policy token
+``response_mask``      ``[B,T]`` 1 on tokens the policy produced, 0 on padding and on
+                                 environment/tool tokens inside a response
+``group_ids``          ``[B]``   int64; responses to one prompt share an id. Ids need
+                                 not be contiguous, sorted or adjacent
+``values``             ``[B,T]`` critic value of the state before each token
+``baseline_scores``    ``[B]``   ReMax: the reward of the greedy response
+``old_logprobs``       ``[B,T]`` the behaviour policy's log-probs of the sampled tokens
+``reward_components``  ``[B,K]`` gdpo: the unweighted score of each of the K reward
+                                 functions (config order); filled only where a
+                                 recipe provides it
+``sum_pi_squared``     ``[B,T]`` optimal_token_baseline: ``sum_v pi(v)^2`` of each
+                                 token's distribution under the behaviour policy;
+                                 filled only where a recipe provides it
+=====================  ========  ===================================================
 
 Conventions of the outcome (critic-free) estimators ``grpo``, ``rloo``,
-``reinforce_plus_plus_baseline``, ``remax`` and ``opo``:
+``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``grpo_passk``, ``gdpo``
+and ``gpg`` (``optimal_token_baseline`` keeps the group conventions, per token):
 
 * A response's return is ``R_i = sum_t token_rewards[i, t]`` over the whole
   row, so a reward the workflow placed on an environment token still counts and

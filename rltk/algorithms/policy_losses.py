@@ -553,7 +553,7 @@ def clip_cov(
     seed: int | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clip-Cov: PPO clip, plus no gradient for a few random tokens of high advantage-logprob covariance.
+    """Clip-Cov: PPO clip, with l = 0 on a random clip_cov_ratio of the tokens whose cov(A, logp) is in (lb, ub).
 
     With ``rho``, ``eps`` as in ``ppo_clip`` and ``n`` the policy tokens of the call::
 
@@ -642,7 +642,7 @@ def kl_cov(
     ppo_kl_coef: float = 0.1,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """KL-Cov: the unclipped surrogate, plus a |log-ratio| penalty on the tokens of largest advantage-logprob covariance.
+    """KL-Cov: l = -A rho, plus ppo_kl_coef |log rho| on the kl_cov_ratio of tokens with the largest cov(A, logp).
 
     With ``n`` the policy tokens of the call::
 
@@ -701,7 +701,7 @@ def geo_mean(
     clip_eps_high: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GMPO: the geometric mean of token ratios, clipped token-wise in log space, times the mean advantage.
+    """GMPO: l_i = -mean_t(A) exp(mean_t clip(log rho)), a response's clipped geometric-mean ratio times its advantage.
 
     With ``d_it = logprobs_it - old_logprobs_it`` and ``sgn = sign(A_it)``::
 
@@ -833,7 +833,7 @@ def dppo_tv(
     max_importance_weight: float | None = 20.0,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPPO-Binary-TV: a trust region on the change of the token's probability, not on the ratio.
+    """DPPO-Binary-TV: l = -sg[min(rho, C)] A logp, 0 where p - p_old left (-delta, delta) in A's direction.
 
     With ``p = exp(logprobs)``, ``p_old = exp(old_logprobs)``, ``rho = p / p_old``::
 
@@ -880,7 +880,7 @@ def dppo_kl(
     max_importance_weight: float | None = 20.0,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPPO-Binary-KL: a trust region on the KL of the binary "this token or not" distribution.
+    """DPPO-Binary-KL: l = -sg[min(rho, C)] A logp, 0 where the binary KL(p_old || p) > delta in A's direction.
 
     ::
 
