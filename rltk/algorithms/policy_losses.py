@@ -427,6 +427,13 @@ def reinforce(
 # --------------------------------------------------------------------------
 
 
+def _check_fraction(where: str, name: str, value: float, example: str) -> None:
+    if value is None or not (math.isfinite(float(value)) and 0 < value <= 1):
+        raise ValueError(
+            f"policy_loss '{where}': {name} must be a fraction of the tokens in (0, 1] ({example}), got {value!r}"
+        )
+
+
 def _check_positive(where: str, name: str, value: float, example: str) -> None:
     if value is None or not (math.isfinite(float(value)) and value > 0):
         raise ValueError(f"policy_loss '{where}': {name} must be a number > 0 ({example}), got {value!r}")
@@ -589,7 +596,7 @@ def clip_cov(
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     _check_eps("clip_cov", "clip_eps_low", eps_low, below_one=True)
     _check_eps("clip_cov", "clip_eps_high", eps_high)
-    _check_positive("clip_cov", "clip_cov_ratio", clip_cov_ratio, "the paper uses 2e-4")
+    _check_fraction("clip_cov", "clip_cov_ratio", clip_cov_ratio, "the paper uses 2e-4")
     if not clip_cov_lb < clip_cov_ub:
         raise ValueError(
             f"policy_loss 'clip_cov': clip_cov_lb must be < clip_cov_ub (the covariance window tokens are "
@@ -666,7 +673,7 @@ def kl_cov(
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
     _check_inputs("kl_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg)
-    _check_positive("kl_cov", "kl_cov_ratio", kl_cov_ratio, "the paper uses 2e-4 to 2e-3")
+    _check_fraction("kl_cov", "kl_cov_ratio", kl_cov_ratio, "the paper uses 2e-4 to 2e-3")
     _check_eps("kl_cov", "ppo_kl_coef", ppo_kl_coef)
     on, logprobs, old_logprobs, advantages = _policy_tokens_only(
         response_mask, logprobs, old_logprobs.detach(), advantages.detach()

@@ -282,7 +282,8 @@ def test_dro_by_hand():
     [
         ("sapo", {"tau_neg": 0.0}, r"'sapo': tau_neg must be a number > 0 \(the paper uses 1.05\), got 0.0"),
         ("clip_cov", {"clip_cov_lb": 5.0}, r"clip_cov_lb must be < clip_cov_ub .*clip_cov_lb=5.0, clip_cov_ub=5.0"),
-        ("clip_cov", {"clip_cov_ratio": 0}, r"'clip_cov': clip_cov_ratio must be a number > 0"),
+        ("clip_cov", {"clip_cov_ratio": 0}, r"'clip_cov': clip_cov_ratio must be a fraction of the tokens in \(0, 1\] .*got 0"),
+        ("kl_cov", {"kl_cov_ratio": 1.5}, r"'kl_cov': kl_cov_ratio must be a fraction of the tokens in \(0, 1\] .*got 1.5"),
         ("kl_cov", {"ppo_kl_coef": -1.0}, r"'kl_cov': ppo_kl_coef must be >= 0, got -1.0"),
         ("geo_mean", {"clip_eps_low": -0.4}, r"'geo_mean': clip_eps_low must be >= 0, got -0.4"),
         ("dppo_tv", {"max_importance_weight": 0.0}, r"'dppo_tv': max_importance_weight must be a number > 0"),
