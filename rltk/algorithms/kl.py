@@ -138,23 +138,24 @@ def kl_k3_unbiased(
         kl_t = (pi_t / pi_old_t) * (exp(r_t) - r_t - 1),     r = log pi_ref - log pi
 
     with the gradient flowing through both factors. Tokens are sampled from
-    ``pi_old`` (the behaviour policy of the batch); the ratio makes the
-    estimate, *and its gradient*, unbiased for ``KL(pi || pi_ref)`` and its
-    gradient, where plain ``k3`` is neither once the policy has moved (later
-    PPO epochs and mini-batches), and whose gradient on-policy is that of the
-    forward KL. ``old_logprobs=None`` means the tokens were sampled from the
-    current policy: the ratio is ``exp(logp - sg[logp])``, value 1, and the
-    gradient is still the unbiased on-policy one, ``k3 * grad log pi +
-    grad k3``. The k3 factor is clamped as in :func:`kl_k3`
-    (``max_value``), the log-ratio to [-20, 20] before ``exp``.
+    ``pi_old`` (the behaviour policy of the batch). Since
+    ``E_{pi_old}[(pi / pi_old) k3] = E_pi[k3] = KL(pi || pi_ref)`` for every
+    ``pi``, the estimate is unbiased and so is its gradient, the gradient of
+    the reverse KL. Plain ``k3`` has neither property once the policy has
+    moved away from ``pi_old`` (later PPO epochs and mini-batches), and even
+    on-policy its gradient is the forward KL's. ``old_logprobs=None`` means
+    the tokens were sampled from the current policy: the ratio is
+    ``exp(logp - sg[logp])``, value 1, and the gradient is still the unbiased
+    on-policy one, ``k3 * grad log pi + grad k3``. The k3 factor is clamped as
+    in :func:`kl_k3` (``max_value``; a capped token has no gradient through
+    it), the log-ratio to [-20, 20] before ``exp``.
 
-    As a loss term it needs ``old_logprobs`` from the caller for every
-    update after the first on a batch; as a reward penalty (computed at
-    rollout, where current = old) ``None`` is exact.
+    As a loss term it needs the batch's ``old_logprobs`` for every update
+    after the first on a batch; as a reward penalty (computed at rollout,
+    where current = old) ``None`` is exact.
 
-    Paper: DeepSeek-AI 2025, "DeepSeek-V3.2", arXiv:2512.02556 (section on
-    the unbiased KL estimate); Schulman
-    2020, "Approximating KL Divergence" (k3).
+    Paper: DeepSeek-AI 2025, "DeepSeek-V3.2", arXiv:2512.02556 (its unbiased
+    KL estimate); Schulman 2020, "Approximating KL Divergence" (k3).
 
     Shape: (B, T), (B, T), optional (B, T) -> (B, T).
     """
