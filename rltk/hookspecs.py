@@ -31,8 +31,11 @@ def rltk_advantage_fns() -> dict:
     Called once when the registry loads. Return ``{name: fn}``; ``fn`` is
     called with keyword arguments only: the batch fields it names in its
     signature (``token_rewards``, ``response_mask``, ``group_ids``,
-    ``values``, ``scores`` ...) plus its configured arguments, and returns
-    ``(advantages, returns)``, both ``[B, T]`` and zero outside the mask.
+    ``values``, ``scores``, ``old_logprobs`` ...; ``reward_components`` and
+    ``sum_pi_squared`` where the recipe fills them) plus its configured
+    arguments, and returns ``(advantages, returns)``, both ``[B, T]`` and zero
+    outside the mask. A required field the recipe does not fill is a
+    validation error naming it.
     """
 
 
@@ -41,7 +44,9 @@ def rltk_kl_penalty_fns() -> dict:
     """Register KL penalty estimators (kind ``kl_penalty_fn``).
 
     Return ``{name: fn}`` with ``fn(logprobs, ref_logprobs, **args) -> [B, T]``
-    giving a per-token KL estimate.
+    giving a per-token KL estimate. An estimator that corrects for off-policy
+    samples may also take ``old_logprobs=`` (the behaviour policy's log-probs
+    of the same tokens, passed by the caller, never set in a config).
     """
 
 

@@ -44,6 +44,9 @@ BATCH_FIELDS = frozenset(
         "input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
         "logprobs", "values", "token_rewards", "scores", "group_ids", "advantages",
         "returns", "baseline_scores", "response_lengths",
+        # optional inputs of some estimators, filled by the recipe when one asks for them:
+        # reward_components [B, K] (gdpo), sum_pi_squared [B, T] (optimal_token_baseline)
+        "reward_components", "sum_pi_squared",
     }
 )
 
@@ -52,7 +55,7 @@ KINDS: dict[str, Kind] = {
     for k in [
         Kind("advantage_fn", "rltk_advantage_fns", "advantage estimators", BATCH_FIELDS),
         Kind("kl_penalty_fn", "rltk_kl_penalty_fns", "per-token KL estimators",
-             frozenset({"logprobs", "ref_logprobs"})),
+             frozenset({"logprobs", "ref_logprobs", "old_logprobs"})),
         Kind("loss_agg", "rltk_loss_aggs", "loss aggregations",
              frozenset({"loss_mat", "mask", "global_tokens", "global_seqs"})),
         Kind("policy_loss", "rltk_policy_losses", "policy losses",

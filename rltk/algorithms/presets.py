@@ -72,6 +72,32 @@ CISPO = {
     "policy_loss_args": {},
 }
 
+GPG = {
+    **GRPO,
+    "description": "GPG (Chu et al. 2025): group baseline rescaled by B/(B-M), plain policy gradient, no KL.",
+    "advantage_fn": "gpg",
+    "advantage_fn_args": {},
+    "policy_loss": "gpg",
+    "policy_loss_args": {},
+    "kl_coef": 0.0,
+}
+
+SAPO = {
+    **GRPO,
+    "description": "SAPO (2025): group-normalised advantages, soft sigmoid gate instead of a hard clip, sequence-mean loss.",
+    "policy_loss": "sapo",
+    "policy_loss_args": {},
+    "loss_agg": "seq-mean-token-mean",
+}
+
+GMPO = {
+    **GRPO,
+    "description": "GMPO (Zhao et al. 2025): geometric mean of token ratios, log-space clip (e^-0.4, e^0.4), sequence-mean loss.",
+    "policy_loss": "geo_mean",
+    "policy_loss_args": {},
+    "loss_agg": "seq-mean-token-mean",
+}
+
 
 PPO = {
     "description": "PPO with a critic (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, clip, k1 KL in the reward.",
@@ -100,5 +126,8 @@ def rltk_algorithms():
         "reinforce_plus_plus_baseline": REINFORCE_PP_BASELINE,
         "gspo": GSPO,
         "cispo": CISPO,
+        "gpg": GPG,
+        "sapo": SAPO,
+        "gmpo": GMPO,
         "ppo": PPO,
     }
