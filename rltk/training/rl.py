@@ -38,16 +38,30 @@ class LossComponents:
         from rltk.training.setup import args_of
 
         a = cfg.algorithm
+        loss_agg = get_component("loss_agg", a.loss_agg)
         return cls(
             policy_loss=get_component("policy_loss", a.policy_loss),
             policy_loss_args=args_of(cfg, "algorithm.policy_loss"),
-            loss_agg=get_component("loss_agg", a.loss_agg),
-            loss_agg_args=args_of(cfg, "algorithm.loss_agg"),
+            loss_agg=loss_agg,
+            loss_agg_args=loss_agg_args(loss_agg, args_of(cfg, "algorithm.loss_agg"), cfg.rollout.max_new_tokens),
             kl_penalty=get_component("kl_penalty_fn", a.kl_penalty_fn),
             kl_penalty_args=args_of(cfg, "algorithm.kl_penalty_fn"),
             kl_in=a.kl_in,
             entropy_coef=a.entropy_coef,
         )
+
+
+def loss_agg_args(loss_agg: Callable, args: dict, max_new_tokens: int) -> dict:
+    """The configured ``algorithm.loss_agg_args``, with ``norm_constant`` set to the generation budget
+    (``rollout.max_new_tokens``) for an aggregation that takes one and was given none.
+
+    Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) divides token sums by a constant, the maximum
+    response length: the budget is the same for every micro-batch and step, while the width of a
+    batch depends on the longest response sampled in it.
+    """
+    if "norm_constant" in inspect.signature(loss_agg).parameters and args.get("norm_constant") is None:
+        return {**args, "norm_constant": float(max_new_tokens)}
+    return args
 
 
 def build_kl_controller(cfg):
