@@ -99,16 +99,21 @@ def check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[st
         sources = frozenset(reads(**args))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"'buffer.sample_strategy_args' of sample strategy '{name}': {exc}") from exc
+    filled = recipe.buffer_sources | ({expert.source} if expert.path and recipe.expert_data else set())
+    missing = sorted(sources - filled)
+    if expert.path and expert.source not in sources and missing:
+        raise ConfigError(
+            f"'buffer.expert.source'='{expert.source}' (where the experiences of buffer.expert.path go) is not the "
+            f"source 'buffer.sample_strategy'='{name}' reads ({', '.join(map(repr, missing))}): set "
+            f"buffer.expert.source='{missing[0]}', or the strategy's source to '{expert.source}'"
+        )
     if expert.path and expert.source not in sources:
         raise ConfigError(
             f"'buffer.expert.path'='{expert.path}' puts expert experiences under buffer source '{expert.source}' "
             f"(buffer.expert.source), but 'buffer.sample_strategy'='{name}' never reads that source (it reads "
-            f"{', '.join(map(repr, sorted(sources)))}), so they would be loaded and ignored. Use "
-            f"buffer.sample_strategy=mix_expert (its expert_source must equal buffer.expert.source), or unset "
-            f"buffer.expert.path"
+            f"{', '.join(map(repr, sorted(sources)))}), so they would be loaded and ignored. Use a strategy that "
+            f"mixes them in (buffer.sample_strategy=mix_expert), or unset buffer.expert.path"
         )
-    filled = recipe.buffer_sources | ({expert.source} if expert.path and recipe.expert_data else set())
-    missing = sorted(sources - filled)
     if recipe.expert_data and missing:
         raise ConfigError(
             f"'buffer.sample_strategy'='{name}'{f' with buffer.sample_strategy_args={args}' if args else ''} reads "
