@@ -245,7 +245,7 @@ class MixExpert(SampleStrategy):
 
     An expert experience whose prompt tokens equal those of a policy group of
     the step is preferred, and is returned in that group (its ``group_id`` set
-    to the policy group's): group-relative advantages then rate the
+    to the policy group's, and its ``baseline_score`` too): group-relative advantages then rate the
     demonstration against the policy's own tries, as in LUFFY. Others stand in
     groups of their own, where a group-relative estimator gives them advantage
     0 (a group of one); estimators with another baseline (``remax``,
@@ -314,7 +314,7 @@ class MixExpert(SampleStrategy):
         # Demonstrations for this step's prompts come first and join that prompt's group, so a
         # group-relative estimator compares the expert with the policy's own tries (LUFFY's mixed
         # groups); the rest of the share is filled oldest first, each in a group of its own.
-        prompt_group = {tuple(item.experience.prompt_ids): item.experience.group_id for item in policy}
+        prompt_group = {tuple(item.experience.prompt_ids): item.experience for item in policy}
         expert_groups = group_items(available)
         matching = [g for g in expert_groups if tuple(g[0].experience.prompt_ids) in prompt_group]
         others = [g for g in expert_groups if tuple(g[0].experience.prompt_ids) not in prompt_group]
@@ -327,12 +327,13 @@ class MixExpert(SampleStrategy):
         joined = 0
         experiences = []
         for item in expert:
-            group_id = prompt_group.get(tuple(item.experience.prompt_ids))
-            if group_id is None:
+            member = prompt_group.get(tuple(item.experience.prompt_ids))
+            if member is None:
                 experiences.append(item.experience)
-            else:
+            else:  # it takes the group's id and its baseline (ReMax's greedy score of the same prompt)
                 joined += 1
-                experiences.append(dataclasses.replace(item.experience, group_id=group_id))
+                experiences.append(dataclasses.replace(item.experience, group_id=member.group_id,
+                                                       baseline_score=member.baseline_score))
 
         total = len(policy) + len(expert)
         self._metrics = {

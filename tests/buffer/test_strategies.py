@@ -146,10 +146,13 @@ def test_mix_expert_puts_a_demonstration_for_a_prompt_of_the_step_in_that_prompt
     # two demonstrations for other prompts queue before the one for prompt 20
     buffer.put([exp(100, -1, 1.0), exp(101, -2, 1.0), exp(20, -3, 1.0)], step=0, source="expert")
     policy = [exp(10, 0), exp(10, 0, 1.0), exp(20, 1), exp(20, 1)]
+    for e in policy:
+        e.baseline_score = float(e.group_id) / 2  # a ReMax baseline per prompt
     buffer.put(policy, step=1)
     # round(0.25 * 4 / 0.75) = 1 expert experience: the one whose prompt the step sampled, in group 1
     chosen = strategy.sample(buffer, 1)
     assert [(e.prompt_ids[0], e.group_id) for e in chosen] == [(10, 0), (10, 0), (20, 1), (20, 1), (20, 1)]
+    assert chosen[-1].baseline_score == 0.5 and chosen[-1].score == 1.0  # the group's baseline, its own score
     assert strategy.metrics()["buffer/expert_joined"] == 1.0
     # the stored demonstration keeps its own group id for later steps (recycled to the back)
     assert [(item.experience.prompt_ids[0], item.experience.group_id) for item in buffer.items("expert")] == [
