@@ -102,7 +102,9 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
     step stopped at ``max_rounds`` short of its target),
     ``dynamic_sampling/groups`` (informative groups trained on),
     ``dynamic_sampling/groups_target``, ``dynamic_sampling/groups_dropped``
-    (equal-score groups) and ``dynamic_sampling/groups_surplus``.
+    (equal-score groups), ``dynamic_sampling/groups_surplus`` and
+    ``dynamic_sampling/generated_tokens`` (response tokens of every round, the
+    cost of the refill). The workflow's own metrics describe its last round.
     """
     run_args = {"greedy_baseline": True} if plan.greedy_baseline else {}
     rows = _rank_rows(sampler, strategy)
@@ -110,11 +112,13 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
         return workflow.run(rows, **run_args), {}
     target = len(rows)
     kept: list[list[Experience]] = []
-    dropped = surplus = rounds = 0
+    dropped = surplus = rounds = generated = 0
     while True:
         rounds += 1
         if len(kept) < target:
-            for group in _groups(workflow.run(rows, **run_args)):
+            experiences = workflow.run(rows, **run_args)
+            generated += sum(len(e.response_ids) for e in experiences)
+            for group in _groups(experiences):
                 if not scores_differ(group):
                     dropped += 1
                 elif len(kept) < target:
@@ -124,10 +128,11 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
         if rounds >= plan.max_rounds or not _any_rank(strategy, len(kept) < target):
             break
         rows = _rank_rows(sampler, strategy)
-    counts = torch.tensor([len(kept), target, dropped, surplus, float(len(kept) < target)], dtype=torch.float64)
+    counts = torch.tensor([len(kept), target, dropped, surplus, float(len(kept) < target), generated],
+                          dtype=torch.float64)
     if strategy is not None and strategy.world_size > 1:
         counts = strategy.all_reduce_sum(counts)
-    groups, wanted, dropped_all, surplus_all, short = counts.tolist()
+    groups, wanted, dropped_all, surplus_all, short, tokens = counts.tolist()
     metrics = {
         "dynamic_sampling/rounds": float(rounds),
         "dynamic_sampling/cap_reached": float(short > 0),
@@ -135,6 +140,7 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
         "dynamic_sampling/groups_target": wanted,
         "dynamic_sampling/groups_dropped": dropped_all,
         "dynamic_sampling/groups_surplus": surplus_all,
+        "dynamic_sampling/generated_tokens": tokens,
     }
     return [e for group in kept for e in group], metrics
 

@@ -59,7 +59,8 @@ def test_dynamic_sampling_refills_until_the_batch_holds_as_many_informative_grou
     assert [e.info["row"] for e in experiences] == ["r1", "r1", "r4", "r4", "r6", "r6"]
     assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/cap_reached": 0.0,
                        "dynamic_sampling/groups": 3.0, "dynamic_sampling/groups_target": 3.0,
-                       "dynamic_sampling/groups_dropped": 5.0, "dynamic_sampling/groups_surplus": 1.0}
+                       "dynamic_sampling/groups_dropped": 5.0, "dynamic_sampling/groups_surplus": 1.0,
+                       "dynamic_sampling/generated_tokens": 18.0}  # 9 groups of 2 one-token responses
     assert [c[0] for c in workflow.calls] == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6", "r7", "r8"]]
     assert sampler.next_batch()[0]["id"] == "r9"  # the sampler moved on by exactly the rounds drawn
 
@@ -107,6 +108,7 @@ def test_a_full_rank_keeps_drawing_while_another_rank_needs_groups():
                                                FakeStrategy(0, [True, True, False]))
     assert [c[0] for c in workflow.calls] == [["r0", "r2"]]  # generated once, its share of the first batch
     assert metrics["dynamic_sampling/rounds"] == 3.0 and metrics["dynamic_sampling/groups"] == 4.0
+    assert metrics["dynamic_sampling/generated_tokens"] == 8.0  # one round of 2 groups, doubled for the other rank
     assert sampler.next_batch()[0]["id"] == "r0"  # drew three batches of 4 from 12 rows: a new epoch
 
 
