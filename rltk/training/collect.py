@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from rltk.batch import Experience
 from rltk.config.errors import ConfigError
 from rltk.config.recipe_capabilities import required_batch_fields
+from rltk.training.rl import any_rank
 
 #: Scores closer than this count as equal: a group of them carries no group-relative signal.
 EQUAL_SCORES_ATOL = 1e-6
@@ -66,12 +67,6 @@ def _groups(experiences: list[Experience]) -> list[list[Experience]]:
     for e in experiences:
         groups.setdefault(e.group_id, []).append(e)
     return list(groups.values())
-
-
-def _any_rank(strategy, flag: bool) -> bool:
-    if strategy is None or strategy.world_size == 1:
-        return flag
-    return bool(strategy.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
 
 
 def _rank_rows(sampler, strategy) -> list[dict]:
@@ -125,7 +120,7 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
                     kept.append(group)
                 else:
                     surplus += 1
-        if rounds >= plan.max_rounds or not _any_rank(strategy, len(kept) < target):
+        if rounds >= plan.max_rounds or not any_rank(strategy, len(kept) < target):
             break
         rows = _rank_rows(sampler, strategy)
     counts = torch.tensor([len(kept), target, dropped, surplus, float(len(kept) < target), generated],
@@ -169,7 +164,9 @@ def expert_experiences(cfg: DictConfig, tokenizer, reward) -> list[Experience]:
     try:
         rows = load_rows(e.path, split=e.split, prompt_key=e.prompt_key, answer_key=e.answer_key,
                          config_prefix="buffer.expert")
-        missing = next((r for r in rows if e.response_key not in r["extras"]), None)
+        # The answer column is the ground truth, not an extra: one column may serve as both.
+        same_column = e.response_key == e.answer_key
+        missing = None if same_column else next((r for r in rows if e.response_key not in r["extras"]), None)
         if missing is not None:
             raise ConfigError(
                 f"buffer.expert.response_key='{e.response_key}' is not a column of '{e.path}' (row "
@@ -184,7 +181,7 @@ def expert_experiences(cfg: DictConfig, tokenizer, reward) -> list[Experience]:
         raise ConfigError(f"buffer.expert: {exc}") from exc
     experiences = []
     for index, row in enumerate(rows):
-        response = str(row["extras"][e.response_key])
+        response = row["ground_truth"] if same_column else str(row["extras"][e.response_key])
         if e.score is not None:
             score, details = float(e.score), {}
         else:

@@ -192,6 +192,10 @@ def test_expert_rows_become_scored_experiences_with_the_training_prompt_format(t
                                           "buffer.expert.prompt_key=question", "buffer.expert.response_key=solution"),
                                CharTokenizer(), reward)
     assert [(e.score, e.response_ids) for e in fixed] == [(0.5, [ord("3"), 0])]
+    # one column as both the response and the answer it is scored against
+    path.write_text(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n")
+    same = expert_experiences(expert_cfg(path, "buffer.expert.response_key=answer"), CharTokenizer(), reward)
+    assert [(e.score, e.response_ids) for e in same] == [(1.0, [ord("3"), 0])]
     assert expert_experiences(load_config([], validate=False), CharTokenizer(), reward) == []
 
 
