@@ -101,7 +101,9 @@ def rltk_workflows() -> dict:
 
     Return ``{name: cls}``; the recipe constructs ``cls(engine=...,
     tokenizer=..., reward=..., sampling=..., **args)`` and calls
-    ``run(rows) -> list[rltk.batch.Experience]``.
+    ``run(rows) -> list[rltk.batch.Experience]``, or ``run(rows,
+    greedy_baseline=True)`` when the advantage estimator needs
+    ``baseline_scores`` (a workflow without that argument cannot serve it).
     """
 
 

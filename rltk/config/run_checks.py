@@ -39,7 +39,7 @@ def check_paths(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"bad value '{path}' for 'model.path': not a Hugging Face model folder (no config.json in it)"
             )
-    for key in ("data.path", "data.eval_path"):
+    for key in ("data.path", "data.eval_path", "buffer.expert.path"):
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).expanduser().exists():
             raise ConfigError(

@@ -102,6 +102,11 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     use_rollout_logprobs: bool = False  # old log-probs from the engine instead of a trainer recompute
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # DAPO's dynamic sampling: train only on groups whose scores differ, drawing more prompts until
+    # trainer.prompts_per_step such groups are in hand or dynamic_sampling_max_rounds rounds of
+    # generation have run (the step then trains on what it has; the metrics count it).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 8
 
 
 @dataclass
@@ -128,9 +133,24 @@ class RewardConfig:
 
 
 @dataclass
+class ExpertDataConfig:
+    """Expert responses (demonstrations, a stronger model's solutions) put in the buffer for a
+    strategy that mixes them in (``buffer.sample_strategy=mix_expert``)."""
+
+    path: Optional[str] = None  # json, jsonl, parquet, csv or a datasets folder; null: no expert data
+    split: Optional[str] = None
+    prompt_key: str = "prompt"  # formatted like the training prompts (data.prompt_template, chat template ...)
+    response_key: str = "response"
+    answer_key: Optional[str] = "answer"  # ground truth the reward scores the response against; null: none
+    score: Optional[float] = None  # a fixed score for every expert response instead of the reward's
+    source: str = "expert"  # the buffer source they are put under (mix_expert's expert_source)
+
+
+@dataclass
 class BufferConfig:
     sample_strategy: str = "on_policy"
     sample_strategy_args: Dict[str, Any] = field(default_factory=dict)
+    expert: ExpertDataConfig = field(default_factory=ExpertDataConfig)
 
 
 @dataclass

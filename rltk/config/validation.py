@@ -21,7 +21,9 @@ from rltk.config.critic_checks import check_critic_config
 from rltk.config.errors import ConfigError
 from rltk.config.guard_checks import check_guard
 from rltk.config.merge import apply_overrides
-from rltk.config.recipe_capabilities import RecipeSpec, check_recipe_serves, required_batch_fields
+from rltk.config.recipe_capabilities import (
+    RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
+)
 from rltk.config.rollout_correction_checks import check_rollout_correction_config
 from rltk.config.run_checks import check_paths, check_seed
 from rltk.config.schema import CHOICES, STAGE_TYPES
@@ -51,6 +53,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_guard(cfg)
     check_task(cfg)
     needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
+    check_workflow_serves(cfg, needs)
     if recipe is not None:
         check_recipe_serves(cfg, recipe, needs)
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
@@ -76,6 +79,7 @@ def _check_positive(cfg: DictConfig) -> None:
     rules = {
         "trainer.prompts_per_step": 1, "trainer.micro_batch_size": 1, "trainer.mini_batches": 1,
         "trainer.ppo_epochs": 1, "rollout.n": 1, "rollout.max_new_tokens": 1, "sft.batch_size": 1,
+        "algorithm.dynamic_sampling_max_rounds": 1,
     }
     for key, minimum in rules.items():
         value = OmegaConf.select(cfg, key)
@@ -96,6 +100,11 @@ def _check_positive(cfg: DictConfig) -> None:
         )
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"bad value {cfg.rollout.top_p!r} for 'rollout.top_p': must be in (0, 1]")
+    if cfg.buffer.expert.source == "policy":
+        raise ConfigError(
+            "bad value 'policy' for 'buffer.expert.source': that is the source of the policy's own rollouts; "
+            "name another one (default 'expert')"
+        )
     batch = cfg.trainer.prompts_per_step * cfg.rollout.n
     if batch % cfg.trainer.mini_batches:
         raise ConfigError(

@@ -46,11 +46,12 @@ class LossComponents:
 
         a = cfg.algorithm
         correction = OmegaConf.to_container(a.rollout_correction)
+        loss_agg = get_component("loss_agg", a.loss_agg)
         return cls(
             policy_loss=get_component("policy_loss", a.policy_loss),
             policy_loss_args=args_of(cfg, "algorithm.policy_loss"),
-            loss_agg=get_component("loss_agg", a.loss_agg),
-            loss_agg_args=args_of(cfg, "algorithm.loss_agg"),
+            loss_agg=loss_agg,
+            loss_agg_args=loss_agg_args(loss_agg, args_of(cfg, "algorithm.loss_agg"), cfg.rollout.max_new_tokens),
             kl_penalty=get_component("kl_penalty_fn", a.kl_penalty_fn),
             kl_penalty_args=args_of(cfg, "algorithm.kl_penalty_fn"),
             kl_in=a.kl_in,
@@ -58,6 +59,19 @@ class LossComponents:
             log_mismatch_metrics=bool(correction.pop("log_metrics")),
             rollout_correction=correction,
         )
+
+
+def loss_agg_args(loss_agg: Callable, args: dict, max_new_tokens: int) -> dict:
+    """The configured ``algorithm.loss_agg_args``, with ``norm_constant`` set to the generation budget
+    (``rollout.max_new_tokens``) for an aggregation that takes one and was given none.
+
+    Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) divides token sums by a constant, the maximum
+    response length: the budget is the same for every micro-batch and step, while the width of a
+    batch depends on the longest response sampled in it.
+    """
+    if "norm_constant" in inspect.signature(loss_agg).parameters and args.get("norm_constant") is None:
+        return {**args, "norm_constant": float(max_new_tokens)}
+    return args
 
 
 def build_kl_controller(cfg):

@@ -39,6 +39,11 @@ class Workflow(abc.ABC):
       any earlier call) uses.
     * Experiences carry the rollout log-probs and finish reason from the engine
       and the reward's named details, so the trainer and the logs can use them.
+    * A workflow that can give every experience a ``baseline_score`` (the
+      score of one greedy response to its prompt, ReMax's baseline) accepts
+      ``run(rows, greedy_baseline=True)``; config validation refuses an
+      estimator that needs ``baseline_scores`` with a workflow whose ``run``
+      takes no ``greedy_baseline``.
     * :meth:`evaluate` scores held-out rows without producing experiences.
     * :meth:`metrics` describes the last :meth:`run` for the logger.
     """

@@ -72,8 +72,16 @@ class SingleTurnWorkflow(Workflow):
 
     # ------------------------------------------------------------------ training rollouts
 
-    def run(self, rows: list[dict]) -> list[Experience]:
-        """``sampling.n`` experiences per row, in row order, one group per row."""
+    def run(self, rows: list[dict], *, greedy_baseline: bool = False) -> list[Experience]:
+        """``sampling.n`` experiences per row, in row order, one group per row.
+
+        With ``greedy_baseline=True`` every row also gets one greedy response
+        (same ``max_new_tokens``), scored by the same reward; its score is the
+        ``baseline_score`` of each of the row's experiences (ReMax's baseline,
+        Li et al. 2023, arXiv:2310.10505). The greedy response itself is not
+        trained on. The recipes ask for it when the advantage estimator names
+        ``baseline_scores`` in its signature.
+        """
         rows = check_rows(rows, "single_turn")
         if not rows:
             self._metrics = {}
@@ -82,12 +90,20 @@ class SingleTurnWorkflow(Workflow):
 
         tick = time.perf_counter()
         groups = self._generate(prompt_ids, self.sampling)
+        greedy = None
+        if greedy_baseline:
+            greedy = self._generate(prompt_ids, replace(self.sampling, n=1, greedy=True))
         generate_s = time.perf_counter() - tick
 
         tick = time.perf_counter()
         experiences = []
+        baselines = []
         for index, (row, ids, completions) in enumerate(zip(rows, prompt_ids, groups)):
             group_id = next(self._group_ids)
+            baseline = None
+            if greedy is not None:
+                baseline, _ = self._score(row, index, self._decode(greedy[index][0]))
+                baselines.append(baseline)
             for sample_index, completion in enumerate(completions):
                 response = self._decode(completion)
                 score, details = self._score(row, index, response)
@@ -107,17 +123,21 @@ class SingleTurnWorkflow(Workflow):
                             "row_id": row.get("id", str(index)),
                             "sample_index": sample_index,
                         },
+                        baseline_score=baseline,
                     )
                 )
         reward_s = time.perf_counter() - tick
         self._metrics = _rollout_metrics(experiences, generate_s, reward_s)
+        if baselines:
+            self._metrics["rollout/greedy_baseline_score"] = sum(baselines) / len(baselines)
         return experiences
 
     def metrics(self) -> dict[str, float]:
         """About the last :meth:`run`: ``time/generate_s``, ``time/reward_s``,
         ``rollout/response_length_mean|max``, ``rollout/truncated_fraction``,
-        ``rollout/generated_tokens`` and ``reward/<name>`` (mean of each reward
-        detail)."""
+        ``rollout/generated_tokens``, ``reward/<name>`` (mean of each reward
+        detail) and, with ``greedy_baseline``, ``rollout/greedy_baseline_score``
+        (mean score of the greedy responses)."""
         return dict(self._metrics)
 
     # ------------------------------------------------------------------ evaluation

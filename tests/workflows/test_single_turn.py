@@ -92,6 +92,31 @@ def test_run_builds_one_group_of_n_experiences_per_row(workflow, tokenizer, enco
     assert workflow.reward.calls[0] == ("1+2=", "3", "3", {"max_len": 1})
 
 
+def test_greedy_baseline_scores_one_greedy_response_per_row(tokenizer, encode):
+    # the scripted engine answers greedily with a row's first script entry
+    engine = ScriptedEngine(tokenizer, {"1+2=": ["12", "3"], "2+2=": ["4", "22"]})
+    reward = ExactMatch()
+    workflow = SingleTurnWorkflow(engine=engine, tokenizer=tokenizer, reward=reward,
+                                  sampling=SamplingParams(n=2, temperature=0.9, max_new_tokens=5))
+    experiences = workflow.run(ROWS, greedy_baseline=True)
+    sampled, greedy = engine.calls
+    assert sampled[1] is workflow.sampling
+    assert greedy[0] == [encode("1+2="), encode("2+2=")] and greedy[1].greedy and greedy[1].n == 1
+    assert greedy[1].max_new_tokens == 5
+    # "12" for 1+2= scores 0 (wrong, longer than max_len 1); "4" for 2+2= scores 1 + 0.5
+    assert [e.baseline_score for e in experiences] == [0.0, 0.0, 1.5, 1.5]
+    assert [e.info["response"] for e in experiences] == ["12", "3", "4", "22"]  # the greedy one is not trained on
+    assert workflow.metrics()["rollout/greedy_baseline_score"] == pytest.approx(0.75)
+    assert len(reward.calls) == 6  # four samples and two greedy responses
+    batch = collate(experiences, pad_token_id=0)
+    assert batch["baseline_scores"].tolist() == [0.0, 0.0, 1.5, 1.5]
+    # without it: one engine call, no baseline
+    plain = workflow.run(ROWS)
+    assert len(engine.calls) == 3 and all(e.baseline_score is None for e in plain)
+    assert "rollout/greedy_baseline_score" not in workflow.metrics()
+    assert "baseline_scores" not in collate(plain, pad_token_id=0)
+
+
 def test_group_ids_are_never_reused_across_calls(workflow):
     workflow.run(ROWS)
     second = workflow.run(ROWS[::-1])
