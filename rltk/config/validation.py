@@ -19,7 +19,7 @@ from rltk.config.critic_checks import check_critic_config
 from rltk.config.errors import ConfigError
 from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import RecipeSpec, check_recipe_serves, required_batch_fields
-from rltk.config.run_checks import check_paths, check_seed
+from rltk.config.run_checks import check_paths, check_prompt_template, check_seed
 from rltk.config.schema import CHOICES, STAGE_TYPES
 from rltk.registry import did_you_mean, get_registry
 
@@ -43,6 +43,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     _check_positive(cfg)
     check_seed(cfg)
     check_paths(cfg)
+    check_prompt_template(cfg)
     check_task(cfg)
     needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
     if recipe is not None:
