@@ -220,7 +220,7 @@ class MetricLog:
     history: list[dict] = field(default_factory=list)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        rltk.get_plugin_manager().hook.rltk_on_step_end(step=step, metrics=metrics)
+        rltk.call_lifecycle_hook("rltk_on_step_end", step=step, metrics=metrics)
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))}
         self.history.append({"step": step, **clean})
         for logger in self.loggers:
