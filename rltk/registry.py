@@ -76,6 +76,10 @@ KINDS: dict[str, Kind] = {
 }
 
 
+#: Hooks that register components: read by name (``Registry.collect``), marked or not.
+COMPONENT_HOOKS = frozenset(kind.hook for kind in KINDS.values())
+
+
 class RegistryError(LookupError):
     """A component, kind or plugin problem; the message says what is valid."""
 
@@ -266,7 +270,7 @@ def _spec_arguments() -> dict[str, list[str]]:
     }
 
 
-def check_hooks(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+def _check_hooks(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
     """Refuse what pluggy would take silently or report as a bare traceback.
 
     * a function named ``rltk_*`` that matches no hook spec (a misspelt
@@ -294,8 +298,7 @@ def check_hooks(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
                 f"{did_you_mean(attr, list(specs))} Hooks: {', '.join(sorted(specs))} (rltk/hookspecs.py; a hook "
                 f"of a newer rltk needs that version)"
             )
-        is_lifecycle = bool(specs[attr])  # component hooks take no arguments
-        if is_lifecycle and not marked:
+        if attr not in COMPONENT_HOOKS and not marked:
             raise PluginLoadError(
                 f"plugin '{name}' defines {attr}() without @rltk.hookimpl, so rltk would never call it; "
                 f"decorate it with @rltk.hookimpl"
@@ -319,10 +322,10 @@ def _register(registry: Registry, module: object, info: PluginInfo) -> None:
     """Check ``module``'s hooks, register it with pluggy and collect its components, or raise
     :class:`PluginLoadError` leaving the registry as it was."""
     pm = registry.pm
-    check_hooks(pm, module, info.name)
+    _check_hooks(pm, module, info.name)
     try:
         pm.register(module, name=info.name)
-    except pluggy.PluginValidationError as exc:  # what check_hooks does not foresee, still named
+    except pluggy.PluginValidationError as exc:  # what _check_hooks does not foresee, still named
         raise PluginLoadError(f"plugin '{info.name}' (distribution '{info.distribution}'): {exc}") from exc
     try:
         registry.collect(module, info)
