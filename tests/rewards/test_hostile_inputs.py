@@ -70,17 +70,18 @@ def test_numbers_beyond_the_digit_limit_score_zero_without_raising():
 
 # ------------------------------------------------------------ bounded work on any size
 
+# Built when used (10 MB each), so collecting the tests holds none of them.
 HOSTILE = {
-    "digits and spaces": "1 " * (TEN_MB // 2),
-    "one long number": "1" * TEN_MB,
-    "dotted digits": "1." * (TEN_MB // 2),
-    "newlines": "1\n" * (TEN_MB // 2),
-    "equals and operators": "=+" * (TEN_MB // 2),
-    "open braces after a box": "\\boxed{" + "{" * TEN_MB,
-    "long hash line": "#### " + "7" * TEN_MB,
-    "answer tags": "<answer>" + "1=+" * (TEN_MB // 3) + "</answer>",
-    "unclosed answer tags": "<answer>" * (TEN_MB // 8),
-    "whitespace": " " * TEN_MB,
+    "digits and spaces": lambda: "1 " * (TEN_MB // 2),
+    "one long number": lambda: "1" * TEN_MB,
+    "dotted digits": lambda: "1." * (TEN_MB // 2),
+    "newlines": lambda: "1\n" * (TEN_MB // 2),
+    "equals and operators": lambda: "=+" * (TEN_MB // 2),
+    "open braces after a box": lambda: "\\boxed{" + "{" * TEN_MB,
+    "long hash line": lambda: "#### " + "7" * TEN_MB,
+    "answer tags": lambda: "<answer>" + "1=+" * (TEN_MB // 3) + "</answer>",
+    "unclosed answer tags": lambda: "<answer>" * (TEN_MB // 8),
+    "whitespace": lambda: " " * TEN_MB,
 }
 
 REWARDS = {
@@ -96,7 +97,8 @@ REWARDS = {
 @pytest.mark.parametrize("reward", list(REWARDS))
 def test_a_10mb_response_scores_in_well_under_a_second(reward):
     fn = REWARDS[reward]
-    for shape, response in HOSTILE.items():
+    for shape, build in HOSTILE.items():
+        response = build()
         start = time.perf_counter()
         score = fn(response)
         elapsed = time.perf_counter() - start
