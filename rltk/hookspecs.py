@@ -9,7 +9,11 @@ spec offers, so specs can grow without breaking plugins.
 Component hooks take no arguments and return ``{name: component}``. The
 returned names are what configs refer to (``algorithm.advantage_fn=rloo``).
 Two plugins returning one name is an error naming both, unless the later one
-wraps its component in :func:`rltk.override`.
+wraps its component in :func:`rltk.override`. Registration also refuses, naming
+the plugin: a component that is not callable (a preset that is not a dict), a
+function named ``rltk_*`` that matches no spec below (a typo would register
+nothing), an implementation with a required argument its spec does not pass,
+and a lifecycle hook without ``@rltk.hookimpl`` (it would never be called).
 """
 
 from __future__ import annotations
@@ -153,7 +157,12 @@ def rltk_loggers() -> dict:
 
 
 # --------------------------------------------------------------------------
-# Lifecycle (called by recipes; every implementation runs)
+# Lifecycle (called by recipes through rltk.call_lifecycle_hook; every
+# implementation runs, the last registered first). A lifecycle hook may stop a
+# run: an exception it raises ends the run as rltk.LifecycleHookError naming
+# the plugin, the hook and the step (exit code 1 under `rltk run`), with the
+# checkpoints written so far kept for a resume. A hook that must never stop
+# training catches its own errors.
 # --------------------------------------------------------------------------
 
 

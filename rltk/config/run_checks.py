@@ -1,4 +1,5 @@
-"""Checks of what a run would refuse at its start: the seed's range and the local paths it reads."""
+"""Checks of what a run would refuse at its start: the seed's range, the local paths it reads, the
+prompt template's fields."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rltk.config.errors import ConfigError
+from rltk.data.templates import template_fields
 
 
 #: The largest seed numpy and torch both accept.
@@ -47,3 +49,10 @@ def check_paths(cfg: DictConfig) -> None:
                 f"(json, jsonl, parquet, csv, or a datasets folder)"
             )
 
+
+def check_prompt_template(cfg: DictConfig) -> None:
+    """``data.prompt_template`` names plain fields only (see :mod:`rltk.data.templates`)."""
+    try:
+        template_fields(cfg.data.prompt_template, "data.prompt_template")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

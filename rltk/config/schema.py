@@ -57,7 +57,7 @@ class DataConfig:
     extras_keys: Optional[List[str]] = None  # columns kept as row extras; null keeps all others
     system_prompt: Optional[str] = None
     use_chat_template: bool = False
-    prompt_template: str = "{prompt}"
+    prompt_template: str = "{prompt}"  # plain {prompt} / {<extras column>} fields only (rltk/data/templates.py)
     max_prompt_tokens: int = 64
     on_too_long: str = "filter"  # filter | error
     shuffle: bool = True

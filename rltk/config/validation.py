@@ -25,7 +25,7 @@ from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
 )
 from rltk.config.rollout_correction_checks import check_rollout_correction_config
-from rltk.config.run_checks import check_paths, check_seed
+from rltk.config.run_checks import check_paths, check_prompt_template, check_seed
 from rltk.config.schema import CHOICES, STAGE_TYPES
 from rltk.registry import did_you_mean, get_registry
 
@@ -51,6 +51,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_seed(cfg)
     check_paths(cfg)
     check_guard(cfg)
+    check_prompt_template(cfg)
     check_task(cfg)
     needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
     check_workflow_serves(cfg, needs)

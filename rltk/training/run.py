@@ -110,7 +110,7 @@ def open_run(cfg: DictConfig) -> Run:
 
 def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
     """Run each configured stage with the runner of its type, skipping what a checkpoint already holds."""
-    rltk.get_plugin_manager().hook.rltk_on_train_start(config=run.cfg, run_dir=run.run_dir)
+    rltk.call_lifecycle_hook("rltk_on_train_start", config=run.cfg, run_dir=run.run_dir)
     resume, first_step = run.resume, 0
     for i, (scfg, stage) in enumerate(zip(run.stages, run.cfg.stages)):
         stage_resume = None
@@ -209,7 +209,7 @@ def finish_run(run: Run) -> dict:
         if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
             plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)
-    rltk.get_plugin_manager().hook.rltk_on_train_end(run_dir=run.run_dir, metrics=summary)
+    rltk.call_lifecycle_hook("rltk_on_train_end", run_dir=run.run_dir, metrics=summary)
     _end_process_group()
     return summary
 
@@ -301,7 +301,7 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
         state["guard"] = stage.guard.state_dict()
     global_step = stage.first_step + stage_step
     path = stage.run.ckpt.save(global_step, strategy, state)
-    rltk.get_plugin_manager().hook.rltk_on_checkpoint(step=global_step, path=path)
+    rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
     return path
 
 
