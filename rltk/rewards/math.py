@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from rltk.rewards.marks import bounded
+
 # Longest digit string parse_number turns into a number (Python refuses int()
 # on more than 4300 digits by default, and no answer needs that many).
 MAX_NUMBER_CHARS = 400
@@ -166,6 +168,7 @@ def extract_final_answer(text: str, *, flexible: bool = False) -> str | None:
     return answer
 
 
+@bounded
 def math_answer(
     *,
     prompt: str,
@@ -201,6 +204,7 @@ def math_answer(
     return 1.0 if answers_match(predicted, truth, rel_tol=rel_tol) else float(format_score)
 
 
+@bounded
 def exact_match(
     *,
     prompt: str,

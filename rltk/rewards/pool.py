@@ -1,0 +1,449 @@
+"""Worker processes for reward functions, where a timeout really stops the call.
+
+A thread cannot be stopped from outside: a reward that spins in a timed-out
+thread keeps the CPU (and, in pure Python, the GIL) until it returns, and
+every later step pays for it. :class:`RewardWorkerPool` instead runs each call
+in one of ``size`` long-lived worker processes. All calls of a step are
+submitted at once and run in parallel on the workers; a call still running
+``timeout_s`` after its worker took it is abandoned, its worker is killed
+(with its whole process group, so a reward's own subprocesses go too) and a
+new one is started in the background. A worker that dies (a segfault in a C
+extension, ``os._exit``) fails the call it was running and is replaced the
+same way. So one hung sample costs one timeout in its step, and the next step
+runs at full speed on fresh workers.
+
+Why the timeout clock starts when a worker takes the call, not when the step
+starts: a single step-wide deadline would time out legitimate calls that
+merely queued behind others, so a batch twice as large would start failing a
+reward that never hung. With per-call clocks, ``k`` hung samples cost
+``ceil(k / size)`` timeouts, and fewer hung samples than workers cost one.
+
+Start method: ``forkserver`` where the platform has it (Linux, macOS), else
+``spawn``; never ``fork``, which copies a trainer's threads and locks (torch's
+OpenMP pool, NCCL, tokenizers) into a child that may then deadlock. The fork
+server is started once, with the main module and this module preloaded, so a
+replacement worker is one ``fork`` of a process that already imported them
+(~10 ms here) rather than a fresh interpreter. Workers get each reward
+function by reference (pickle): it must be importable in a new process, i.e.
+defined at the top level of a module. Workers start when the pool first runs
+and are reused by every later step; :meth:`RewardWorkerPool.close` (also run
+at interpreter exit, and when a wait is interrupted by Ctrl-C) kills them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import multiprocessing
+import multiprocessing.util  # noqa: F401 - imported before our atexit hook, so that hook runs first (LIFO)
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+# Longest a worker may take from process start to loading the reward functions (imports included).
+WORKER_START_TIMEOUT_S = 120.0
+
+
+class RewardWorkerError(RuntimeError):
+    """Reward functions cannot run in worker processes (they fail to load there, or workers do not start).
+
+    A configuration problem, not a bad sample: it stops training rather than
+    giving every sample the fallback score.
+    """
+
+
+@dataclass
+class CallOutcome:
+    """What became of one call: its return value, or why there is none."""
+
+    ok: bool
+    value: Any = None
+    error_type: str = ""  # the exception's class name, e.g. "ValueError", "RewardTimeout"
+    error: str = ""  # its message
+    where: str = ""  # the last frames of its traceback, for the first warning
+    timed_out: bool = False
+
+
+class RewardWorkerPool:
+    """``size`` worker processes that call the given functions, each call under ``timeout_s``.
+
+    Args:
+        functions: ``(name, fn)`` pairs; calls name a function by its index.
+            Each ``fn`` must pickle by reference (a top-level function) or by
+            value (a picklable object); check with :func:`picklable_error`.
+        size: number of worker processes (>= 1).
+        timeout_s: longest a call may run once a worker has taken it.
+    """
+
+    def __init__(self, functions: Sequence[tuple[str, Callable]], *, size: int, timeout_s: float):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"reward.workers must be an integer >= 1, got {size!r}")
+        self.names = [name for name, _ in functions]
+        self._blobs = [pickle.dumps(fn) for _, fn in functions]
+        self.size = size
+        self.timeout_s = timeout_s
+        self.restarts = 0  # workers killed after a timeout or found dead, and replaced
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._context = None
+        _LIVE_POOLS.add(self)
+        # Garbage-collected without close(): still no orphaned processes.
+        weakref.finalize(self, _stop_workers, self._workers)
+
+    # ------------------------------------------------------------------ public
+
+    def start(self) -> None:
+        """Start the workers (without waiting for them to load); a no-op when they are running."""
+        with self._lock:
+            self._fill()
+
+    def run(
+        self, calls: Sequence[tuple[int, dict]], while_waiting: Callable[[], None] | None = None
+    ) -> list[CallOutcome]:
+        """Run ``calls`` (``(function index, kwargs)``) on the workers; one outcome per call, in order.
+
+        ``while_waiting`` runs in this process once the first calls are on
+        their way, so in-process work overlaps the workers'. Raises
+        :class:`RewardWorkerError` when the functions cannot be loaded in a
+        worker; on any other exception (Ctrl-C included) the pool is closed
+        first, so no call outlives the caller's interest in it.
+        """
+        with self._lock:
+            try:
+                return self._run(calls, while_waiting)
+            except BaseException:
+                self._close_locked()
+                raise
+
+    def close(self) -> None:
+        """Stop every worker: idle ones are asked to exit, anything still running is killed."""
+        with self._lock:
+            self._close_locked()
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current workers (for tests and diagnostics)."""
+        return [w.process.pid for w in self._workers if w.process.pid is not None]
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self, calls: Sequence[tuple[int, dict]], while_waiting: Callable[[], None] | None) -> list[CallOutcome]:
+        outcomes: list[CallOutcome | None] = [None] * len(calls)
+        pending = collections.deque(range(len(calls)))
+        self._fill()
+        if not calls and while_waiting is not None:
+            while_waiting()
+            return []
+        first = True
+        while pending or any(w.task is not None for w in self._workers):
+            now = time.monotonic()
+            for worker in self._workers:
+                if not pending:
+                    break
+                if worker.state == "idle":
+                    index = pending.popleft()
+                    fn_index, kwargs = calls[index]
+                    try:
+                        worker.conn.send((index, fn_index, kwargs))
+                    except (BrokenPipeError, EOFError, OSError):
+                        pending.appendleft(index)  # never started: it goes to another worker
+                        self._replace(worker)
+                        continue
+                    worker.state, worker.task, worker.task_started, worker.fn_index = "busy", index, now, fn_index
+            if first and while_waiting is not None:
+                first = False
+                while_waiting()
+                continue
+            first = False
+            self._wait_and_collect(outcomes, pending)
+        return outcomes  # type: ignore[return-value]
+
+    def _wait_and_collect(self, outcomes: list, pending: collections.deque) -> None:
+        now = time.monotonic()
+        deadlines = [w.task_started + self.timeout_s for w in self._workers if w.task is not None]
+        deadlines += [w.started + WORKER_START_TIMEOUT_S for w in self._workers if w.state == "starting"]
+        timeout = max(0.0, min(deadlines) - now) if deadlines else None
+        waitables = {}
+        for worker in self._workers:
+            waitables[worker.conn] = worker
+            waitables[worker.process.sentinel] = worker
+        ready = wait(list(waitables), timeout)
+        # Messages first: a worker that answered and then exited has both its pipe and sentinel ready.
+        for worker in {waitables[r] for r in ready}:
+            alive = self._drain(worker, outcomes)
+            if not alive or (worker.process.sentinel in ready and not worker.process.is_alive()):
+                self._on_death(worker, outcomes, pending)
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.task is not None and now - worker.task_started >= self.timeout_s:
+                name = self.names[worker.fn_index]
+                outcomes[worker.task] = CallOutcome(
+                    ok=False, error_type="RewardTimeout", timed_out=True,
+                    error=f"reward '{name}' took longer than timeout_s={self.timeout_s}")
+                worker.task = None
+                self._replace(worker)
+            elif worker.state == "starting" and now - worker.started >= WORKER_START_TIMEOUT_S:
+                raise RewardWorkerError(
+                    f"a reward worker process did not load reward(s) {self.names} within "
+                    f"{WORKER_START_TIMEOUT_S:.0f} s; importing their module must not block (look for "
+                    f"network calls or locks at import time)")
+
+    def _drain(self, worker: _Worker, outcomes: list) -> bool:
+        """Read every message the worker has sent; ``False`` when its pipe is closed (it died)."""
+        try:
+            while worker.conn.poll():
+                message = worker.conn.recv()
+                kind = message[0]
+                if kind == "ready":
+                    worker.state, worker.owns_group = "idle", message[1]
+                elif kind == "load_error":
+                    _, name, error_type, error, where = message
+                    raise RewardWorkerError(
+                        f"reward '{name}' cannot be loaded in a reward worker process: {error_type}: {error}. "
+                        f"Workers import reward functions by reference, so the function must be defined at the "
+                        f"top level of an importable module (a plugin, or a script run as a file). Or mark it "
+                        f"@bounded (from rltk.rewards import bounded) if its work is bounded on any input (it then runs "
+                        f"in-process), or set reward.timeout_s=null to run every reward in-process without a "
+                        f"timeout.\n{where}")
+                else:  # ("done", task, ok, payload)
+                    _, task, ok, payload = message
+                    if task != worker.task:
+                        continue  # cannot happen with one call in flight per worker; ignore rather than misfile
+                    outcomes[task] = _outcome(ok, payload)
+                    worker.state, worker.task = "idle", None
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _on_death(self, worker: _Worker, outcomes: list, pending: collections.deque) -> None:
+        worker.process.join(1.0)
+        code = worker.process.exitcode
+        if worker.state == "starting":
+            self._kill(worker)
+            raise RewardWorkerError(
+                f"a reward worker process exited with code {_describe_exit(code)} before loading reward(s) "
+                f"{self.names}; its error is printed above (stderr)")
+        if worker.task is not None:
+            name = self.names[worker.fn_index]
+            outcomes[worker.task] = CallOutcome(
+                ok=False, error_type="RewardWorkerDied",
+                error=f"the worker process running reward '{name}' died with exit code {_describe_exit(code)} "
+                      f"(a crash in native code, os._exit, or the out-of-memory killer); it was replaced")
+            worker.task = None
+        self._replace(worker)
+
+    # ------------------------------------------------------------------ workers
+
+    @property
+    def _ctx(self):
+        if self._context is None:
+            self._context = _worker_context()
+        return self._context
+
+    def _fill(self) -> None:
+        while len(self._workers) < self.size:
+            self._workers.append(self._spawn())
+
+    def _spawn(self) -> _Worker:
+        ctx = self._ctx
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        process = ctx.Process(
+            target=_worker_main, name="rltk-reward-worker",
+            args=(child_conn, self.names, self._blobs, ctx.get_start_method() == "forkserver"))
+        process.start()
+        child_conn.close()  # the child holds its end; ours must close so its death reads as EOF
+        return _Worker(process, parent_conn, time.monotonic())
+
+    def _replace(self, worker: _Worker) -> None:
+        self._kill(worker)
+        self._workers.remove(worker)
+        self.restarts += 1
+        self._workers.append(self._spawn())
+
+    @staticmethod
+    def _kill(worker: _Worker) -> None:
+        _kill_worker(worker)
+
+    def _close_locked(self) -> None:
+        _stop_workers(self._workers)
+
+
+# ---------------------------------------------------------------------- process handling
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: Any
+    conn: Any
+    started: float
+    state: str = "starting"  # starting -> idle <-> busy
+    task: int | None = None
+    task_started: float = 0.0
+    fn_index: int = 0  # which function the task calls, for messages
+    owns_group: bool = False
+
+
+def _kill_worker(worker: _Worker) -> None:
+    pid = worker.process.pid
+    try:
+        if worker.owns_group and pid is not None:
+            os.killpg(pid, signal.SIGKILL)  # the reward's own subprocesses too
+        else:
+            worker.process.kill()
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    try:
+        worker.conn.close()
+    except OSError:
+        pass
+    worker.process.join(5.0)
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    """Ask idle workers to exit, kill the rest, and reap them all; empties ``workers``."""
+    for worker in workers:
+        if worker.state == "idle":
+            try:
+                worker.conn.send(None)
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + 1.0
+    for worker in workers:
+        if worker.state == "idle":
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+        if worker.process.is_alive() or worker.state != "idle":
+            _kill_worker(worker)
+        else:
+            try:
+                worker.conn.close()
+            except OSError:
+                pass
+    workers.clear()
+
+
+_LIVE_POOLS: weakref.WeakSet[RewardWorkerPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    # Runs before multiprocessing's own exit hook, which would otherwise join our idle
+    # (non-daemonic) workers forever. Workers are not daemonic so a reward may use
+    # multiprocessing itself.
+    for pool in list(_LIVE_POOLS):
+        _stop_workers(pool._workers)
+
+
+def _worker_context():
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        # Effective only if the fork server is not running yet; it then imports these once and
+        # every worker is forked from it with them loaded.
+        ctx.set_forkserver_preload(["__main__", __name__])
+    return ctx
+
+
+def picklable_error(fn: Any) -> str | None:
+    """Why ``fn`` cannot be sent to a worker process, or ``None`` when it can."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # PicklingError, AttributeError (local objects), TypeError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# ---------------------------------------------------------------------- in the worker
+
+
+def _worker_main(conn, names: list[str], blobs: list[bytes], die_with_parent: bool) -> None:
+    """A worker's life: load the functions, say ready, then answer ``(task, fn index, kwargs)`` calls."""
+    # Ctrl-C belongs to the trainer, which kills us; a KeyboardInterrupt here would only be
+    # reported as one sample's failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if die_with_parent:
+        _die_with_parent()
+    owns_group = _own_process_group()
+    fns = []
+    for name, blob in zip(names, blobs):
+        try:
+            fns.append(pickle.loads(blob))
+        except BaseException as exc:
+            conn.send(("load_error", name, *_describe(exc)))
+            return
+    conn.send(("ready", owns_group))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the trainer is gone
+        if message is None:
+            return
+        task, fn_index, kwargs = message
+        try:
+            # Pickled here, so a result that cannot travel fails this call, not the worker.
+            reply = ("done", task, True, pickle.dumps(fns[fn_index](**kwargs)))
+        except BaseException as exc:  # even sys.exit() in a reward only fails its sample
+            reply = ("done", task, False, _describe(exc))
+        conn.send(reply)
+
+
+def _describe(exc: BaseException) -> tuple[str, str, str]:
+    where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
+    return type(exc).__name__, str(exc), where
+
+
+def _outcome(ok: bool, payload: Any) -> CallOutcome:
+    if ok:
+        try:
+            return CallOutcome(ok=True, value=pickle.loads(payload))
+        except Exception as exc:  # e.g. a result of a class this process cannot import
+            return CallOutcome(ok=False, error_type=type(exc).__name__,
+                               error=f"its result could not be read in the trainer: {exc}")
+    error_type, error, where = payload
+    return CallOutcome(ok=False, error_type=error_type, error=error, where=where)
+
+
+def _own_process_group() -> bool:
+    try:
+        os.setpgid(0, 0)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _die_with_parent() -> None:
+    """Linux: be killed when our parent (the fork server, which exits with the trainer) dies.
+
+    Covers a trainer killed by SIGKILL, which runs no exit hooks: its fork server sees its
+    pipe close and exits, and this takes the workers, hung ones included, with it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return str(code)
+    return str(code)
