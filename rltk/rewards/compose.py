@@ -117,7 +117,10 @@ class RewardComposer:
         if timeout_s is not None and not (_is_finite_number(timeout_s) and timeout_s > 0):
             raise ValueError(f"reward timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise ValueError(f"reward workers must be an integer >= 1 (worker processes), got {workers!r}")
+            raise ValueError(
+                f"reward.workers must be an integer >= 1 (worker processes for rewards not marked bounded), "
+                f"got {workers!r}"
+            )
         self.fallback = float(fallback)
         self.timeout_s = timeout_s
         self.workers = workers

@@ -231,7 +231,9 @@ class RewardWorkerPool:
             self._kill(worker)
             raise RewardWorkerError(
                 f"a reward worker process exited with code {_describe_exit(code)} before loading reward(s) "
-                f"{self.names}; its error is printed above (stderr)")
+                f"{self.names}; its error is printed above (stderr). Workers import the main module first: a "
+                f"script that scores rewards at its top level needs an `if __name__ == \"__main__\":` guard, "
+                f"as any program using multiprocessing does")
         if worker.task is not None:
             name = self.names[worker.fn_index]
             outcomes[worker.task] = CallOutcome(

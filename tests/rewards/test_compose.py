@@ -149,7 +149,7 @@ def test_functions_may_omit_sample_fields_they_do_not_use(composers):
         ([("m", math_answer, 1.0, {}), ("m", math_answer, 1.0, {})], {}, r"reward 'm' appears twice"),
         ([("m", math_answer, float("nan"), {})], {}, r"reward 'm': weight must be a finite number"),
         ([("m", math_answer, 1.0, {})], {"timeout_s": 0}, r"timeout_s must be a positive number of seconds or None"),
-        ([("m", math_answer, 1.0, {})], {"workers": 0}, r"reward workers must be an integer >= 1 \(worker processes\), got 0"),
+        ([("m", math_answer, 1.0, {})], {"workers": 0}, r"reward.workers must be an integer >= 1 \(worker processes for rewards not marked bounded\), got 0"),
         ([("m", math_answer, 1.0, {})], {"fallback": "low"}, r"fallback must be a finite number, got 'low'"),
         ([], {}, r"needs at least one reward function"),
     ],
