@@ -431,9 +431,9 @@ def _check_picklable(spec: RewardSpec) -> None:
                 f"reward '{spec.name}' ({module}.{qualname}) must run in a worker process, where a timeout "
                 f"can stop it, but its {what} cannot be sent there ({problem}). Workers import reward "
                 f"functions by reference: define it at the top level of a module (not a lambda or a nested "
-                f"function), or mark it @bounded (from rltk.rewards import bounded) if its work is bounded on any input (it "
-                f"then runs in-process), or set reward.timeout_s=null to run every reward in-process without "
-                f"a timeout."
+                f"function), or mark it @bounded (from rltk.rewards import bounded) if its work is bounded on "
+                f"any input (it then runs in-process), or set reward.timeout_s=null to run every reward "
+                f"in-process without a timeout."
             )
 
 

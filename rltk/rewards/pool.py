@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import itertools
 import multiprocessing
 import multiprocessing.util  # noqa: F401 - imported before our atexit hook, so that hook runs first (LIFO)
 import os
@@ -96,9 +95,10 @@ class RewardWorkerPool:
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._context = None
+        self._owner = os.getpid()
         _LIVE_POOLS.add(self)
         # Garbage-collected without close(): still no orphaned processes.
-        weakref.finalize(self, _stop_workers, self._workers)
+        weakref.finalize(self, _stop_workers, self._workers, self._owner)
 
     # ------------------------------------------------------------------ public
 
@@ -211,9 +211,9 @@ class RewardWorkerPool:
                         f"reward '{name}' cannot be loaded in a reward worker process: {error_type}: {error}. "
                         f"Workers import reward functions by reference, so the function must be defined at the "
                         f"top level of an importable module (a plugin, or a script run as a file). Or mark it "
-                        f"@bounded (from rltk.rewards import bounded) if its work is bounded on any input (it then runs "
-                        f"in-process), or set reward.timeout_s=null to run every reward in-process without a "
-                        f"timeout.\n{where}")
+                        f"@bounded (from rltk.rewards import bounded) if its work is bounded on any input (it "
+                        f"then runs in-process), or set reward.timeout_s=null to run every reward in-process "
+                        f"without a timeout.\n{where}")
                 else:  # ("done", task, ok, payload)
                     _, task, ok, payload = message
                     if task != worker.task:
@@ -276,7 +276,7 @@ class RewardWorkerPool:
         _kill_worker(worker)
 
     def _close_locked(self) -> None:
-        _stop_workers(self._workers)
+        _stop_workers(self._workers, self._owner)
 
 
 # ---------------------------------------------------------------------- process handling
@@ -310,8 +310,14 @@ def _kill_worker(worker: _Worker) -> None:
     worker.process.join(5.0)
 
 
-def _stop_workers(workers: list[_Worker]) -> None:
-    """Ask idle workers to exit, kill the rest, and reap them all; empties ``workers``."""
+def _stop_workers(workers: list[_Worker], owner: int) -> None:
+    """Ask idle workers to exit, kill the rest, and reap them all; empties ``workers``.
+
+    Only in the process that started them (``owner``): a forked copy of the trainer exiting
+    must not stop the trainer's workers.
+    """
+    if os.getpid() != owner:
+        return
     for worker in workers:
         if worker.state == "idle":
             try:
@@ -341,7 +347,7 @@ def _close_live_pools() -> None:
     # (non-daemonic) workers forever. Workers are not daemonic so a reward may use
     # multiprocessing itself.
     for pool in list(_LIVE_POOLS):
-        _stop_workers(pool._workers)
+        _stop_workers(pool._workers, pool._owner)
 
 
 def _worker_context():

@@ -234,6 +234,23 @@ def test_close_stops_the_workers_and_a_later_call_restarts_them():
     composer.close()
 
 
+def test_a_forked_copy_of_the_trainer_leaves_its_workers_alone(composers):
+    """A fork of the trainer (e.g. a data loader worker) that exits must not stop the trainer's reward workers."""
+    from rltk.rewards import pool
+
+    composer = RewardComposer([("pid", rf.pid, 1.0, {})], workers=1)
+    composers.append(composer)
+    composer(**sample())
+    pids = composer._pool.worker_pids()
+    child = os.fork()
+    if child == 0:  # the forked copy runs the exit hook, as a normal exit would
+        pool._close_live_pools()
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert composer._pool.worker_pids() == pids and all(alive(p) for p in pids)
+    assert composer(**sample())[0] in pids
+
+
 _SCRIPT = textwrap.dedent("""
     import sys
     from rltk.rewards.compose import RewardComposer
