@@ -95,3 +95,15 @@ def child_then_hang(*, response, extras):
         f.write(str(child.pid))
     time.sleep(60)
     return 1.0
+
+
+class UserPlugin:
+    """An in-process plugin registering an unmarked reward, which a run then scores in worker processes."""
+
+    @staticmethod
+    def rltk_reward_fns():
+        return {"user_exact": correct_first_line}
+
+
+def correct_first_line(*, response, ground_truth):
+    return float(response.split("\n", 1)[0].strip() == ground_truth.strip())
