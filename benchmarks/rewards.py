@@ -9,7 +9,7 @@ on timeout, all samples of a step timed in parallel (``new``).
 
 Each row times scoring one step's samples (default 16 prompts x 8 samples,
 the shipped GRPO default), medians over ``--rounds`` alternated old/new
-rounds:
+rounds (the spin cases: ratios to the clean steps just before, within each round):
 
 * builtins: the default ``exact_match``, and ``math_answer`` + ``format_tags``.
 * a user reward (not marked bounded, so it runs in workers; defined in this
@@ -180,16 +180,24 @@ def main():
     new.score_batch(clean)  # workers started once, then reused by every step
     t_old, t_clean = median_alternated(old, new, clean, args.rounds)
     report("user reward, clean step", t_old, t_clean, "old / new", t_old / t_clean)
-    spin_results = []
-    t_spins, t_afters = [], []
-    for _ in range(max(1, args.rounds // 2)):
-        t_spins.append(timed(lambda: spin_results.append(new.score_batch(make_samples(args.samples, 5)))))
-        t_afters.append([timed(new.score_batch, clean) for _ in range(args.after)])
-    t_spin = statistics.median(t_spins)
-    assert spin_results[-1][5] == (0.0, {"user": 0.0}), "the spinning sample must get the fallback"
-    spin_ratio = t_spin / (args.timeout + t_clean)
-    after_first = statistics.median(a[0] for a in t_afters)
-    after_rest = statistics.median(x for a in t_afters for x in a[1:]) if args.after > 1 else after_first
+    # Per round: clean steps just before, the spinning step, clean steps after; ratios within the
+    # round, so load from other processes on a shared machine moves both sides alike.
+    spin_ratios, first_ratios, rest_ratios, t_spins, t_firsts, t_rests = [], [], [], [], [], []
+    for _ in range(args.rounds):
+        before = statistics.median(timed(new.score_batch, clean) for _ in range(3))
+        spun = []
+        t_spin = timed(lambda: spun.append(new.score_batch(make_samples(args.samples, 5))))
+        assert spun[0][5] == (0.0, {"user": 0.0}), "the spinning sample must get the fallback"
+        after = [timed(new.score_batch, clean) for _ in range(args.after)]
+        rest = statistics.median(after[1:] or after)
+        spin_ratios.append(t_spin / (args.timeout + before))
+        first_ratios.append(after[0] / before)
+        rest_ratios.append(rest / before)
+        t_spins.append(t_spin)
+        t_firsts.append(after[0])
+        t_rests.append(rest)
+    t_spin, after_first, after_rest = (statistics.median(x) for x in (t_spins, t_firsts, t_rests))
+    spin_ratio, first_ratio, rest_ratio = (statistics.median(x) for x in (spin_ratios, first_ratios, rest_ratios))
 
     # the old path with a spinning sample, last and in its own process: its thread never stops
     out = subprocess.run([sys.executable, __file__, "--old-spin-only", "--samples", str(args.samples),
@@ -201,9 +209,9 @@ def main():
     old_first = old_spin["after_s"][0]
     old_rest = statistics.median(old_spin["after_s"][1:] or old_spin["after_s"])
     report("user reward, first clean step after it", old_first, after_first, "new / clean",
-           after_first / t_clean, f"(old / old clean: {old_first / old_spin['clean_s']:.1f})")
+           first_ratio, f"(old / old clean: {old_first / old_spin['clean_s']:.1f})")
     report("user reward, later clean steps", old_rest, after_rest, "new / clean",
-           after_rest / t_clean, f"(old / old clean: {old_rest / old_spin['clean_s']:.1f})")
+           rest_ratio, f"(old / old clean: {old_rest / old_spin['clean_s']:.1f})")
     stats = new.stats()
     new.close()
     print(f"new: {stats['timeouts/user']:.0f} timeouts, {stats['worker_restarts']:.0f} workers replaced")

@@ -4,19 +4,24 @@ A thread cannot be stopped from outside: a reward that spins in a timed-out
 thread keeps the CPU (and, in pure Python, the GIL) until it returns, and
 every later step pays for it. :class:`RewardWorkerPool` instead runs each call
 in one of ``size`` long-lived worker processes. All calls of a step are
-submitted at once and run in parallel on the workers; a call still running
-``timeout_s`` after its worker took it is abandoned, its worker is killed
+submitted at once and run in parallel on the workers, handed out in chunks
+that shrink as the work runs out (a worker runs a chunk back to back and
+streams each result, so it never waits for the trainer to be scheduled
+between two calls); a call still running ``timeout_s`` after it started is
+abandoned, the rest of its chunk goes to other workers, its worker is killed
 (with its whole process group, so a reward's own subprocesses go too) and a
 new one is started in the background. A worker that dies (a segfault in a C
 extension, ``os._exit``) fails the call it was running and is replaced the
 same way. So one hung sample costs one timeout in its step, and the next step
 runs at full speed on fresh workers.
 
-Why the timeout clock starts when a worker takes the call, not when the step
-starts: a single step-wide deadline would time out legitimate calls that
-merely queued behind others, so a batch twice as large would start failing a
-reward that never hung. With per-call clocks, ``k`` hung samples cost
-``ceil(k / size)`` timeouts, and fewer hung samples than workers cost one.
+Why the timeout clock starts when the call starts, not when the step starts:
+a single step-wide deadline would time out legitimate calls that merely
+queued behind others, so a batch twice as large would start failing a reward
+that never hung. With per-call clocks one hung sample costs one timeout, and
+``k`` hung samples about ``ceil(k / size)`` (one more when two of them were
+handed to the same worker in one chunk: the second starts once the first is
+killed).
 
 Start method: ``forkserver`` where the platform has it (Linux, macOS), else
 ``spawn``; never ``fork``, which copies a trainer's threads and locks (torch's
@@ -45,7 +50,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -140,36 +145,43 @@ class RewardWorkerPool:
         outcomes: list[CallOutcome | None] = [None] * len(calls)
         pending = collections.deque(range(len(calls)))
         self._fill()
-        if not calls and while_waiting is not None:
-            while_waiting()
-            return []
         first = True
-        while pending or any(w.task is not None for w in self._workers):
-            now = time.monotonic()
-            for worker in self._workers:
-                if not pending:
-                    break
-                if worker.state == "idle":
-                    index = pending.popleft()
-                    fn_index, kwargs = calls[index]
-                    try:
-                        worker.conn.send((index, fn_index, kwargs))
-                    except (BrokenPipeError, EOFError, OSError):
-                        pending.appendleft(index)  # never started: it goes to another worker
-                        self._replace(worker)
-                        continue
-                    worker.state, worker.task, worker.task_started, worker.fn_index = "busy", index, now, fn_index
+        while pending or any(w.queue for w in self._workers):
+            self._dispatch(calls, pending)
             if first and while_waiting is not None:
-                first = False
-                while_waiting()
-                continue
+                while_waiting()  # in-process work, while the workers run theirs
             first = False
             self._wait_and_collect(outcomes, pending)
+        if first and while_waiting is not None:
+            while_waiting()
         return outcomes  # type: ignore[return-value]
+
+    def _dispatch(self, calls: Sequence[tuple[int, dict]], pending: collections.deque) -> None:
+        """Hand each idle worker a chunk of pending calls.
+
+        Chunks shrink as the work runs out (a share of what is left per worker, halved), so
+        a worker runs several calls per message without waiting for this process to be
+        scheduled between them, and the last calls still spread over every worker.
+        """
+        for worker in self._workers:
+            if not pending:
+                return
+            if worker.state != "idle":
+                continue
+            size = max(1, len(pending) // (2 * self.size))
+            chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+            try:
+                worker.conn.send([(index, *calls[index]) for index in chunk])
+            except (BrokenPipeError, EOFError, OSError):
+                pending.extendleft(reversed(chunk))  # never started: they go to another worker
+                self._replace(worker)
+                continue
+            worker.state, worker.queue, worker.task_started = "busy", collections.deque(chunk), time.monotonic()
+            worker.fn_index = calls[chunk[0]][0]
 
     def _wait_and_collect(self, outcomes: list, pending: collections.deque) -> None:
         now = time.monotonic()
-        deadlines = [w.task_started + self.timeout_s for w in self._workers if w.task is not None]
+        deadlines = [w.task_started + self.timeout_s for w in self._workers if w.queue]
         deadlines += [w.started + WORKER_START_TIMEOUT_S for w in self._workers if w.state == "starting"]
         timeout = max(0.0, min(deadlines) - now) if deadlines else None
         waitables = {}
@@ -184,12 +196,13 @@ class RewardWorkerPool:
                 self._on_death(worker, outcomes, pending)
         now = time.monotonic()
         for worker in list(self._workers):
-            if worker.task is not None and now - worker.task_started >= self.timeout_s:
+            if worker.queue and now - worker.task_started >= self.timeout_s:
                 name = self.names[worker.fn_index]
-                outcomes[worker.task] = CallOutcome(
+                outcomes[worker.queue.popleft()] = CallOutcome(
                     ok=False, error_type="RewardTimeout", timed_out=True,
                     error=f"reward '{name}' took longer than timeout_s={self.timeout_s}")
-                worker.task = None
+                pending.extendleft(reversed(worker.queue))  # the rest of its chunk never started
+                worker.queue.clear()
                 self._replace(worker)
             elif worker.state == "starting" and now - worker.started >= WORKER_START_TIMEOUT_S:
                 raise RewardWorkerError(
@@ -214,12 +227,18 @@ class RewardWorkerPool:
                         f"@bounded (from rltk.rewards import bounded) if its work is bounded on any input (it "
                         f"then runs in-process), or set reward.timeout_s=null to run every reward in-process "
                         f"without a timeout.\n{where}")
-                else:  # ("done", task, ok, payload)
-                    _, task, ok, payload = message
-                    if task != worker.task:
-                        continue  # cannot happen with one call in flight per worker; ignore rather than misfile
+                else:  # ("done", task, ok, payload, fn index of the next call in the chunk or None)
+                    _, task, ok, payload, next_fn = message
+                    if not worker.queue or task != worker.queue[0]:
+                        continue  # calls finish in the order they were sent; never misfile a result
+                    worker.queue.popleft()
                     outcomes[task] = _outcome(ok, payload)
-                    worker.state, worker.task = "idle", None
+                    # The worker started its next call as it sent this result: that call's clock starts now.
+                    worker.task_started = time.monotonic()
+                    if next_fn is not None:
+                        worker.fn_index = next_fn
+                    if not worker.queue:
+                        worker.state = "idle"
         except (EOFError, OSError):
             return False
         return True
@@ -234,13 +253,14 @@ class RewardWorkerPool:
                 f"{self.names}; its error is printed above (stderr). Workers import the main module first: a "
                 f"script that scores rewards at its top level needs an `if __name__ == \"__main__\":` guard, "
                 f"as any program using multiprocessing does")
-        if worker.task is not None:
+        if worker.queue:
             name = self.names[worker.fn_index]
-            outcomes[worker.task] = CallOutcome(
+            outcomes[worker.queue.popleft()] = CallOutcome(
                 ok=False, error_type="RewardWorkerDied",
                 error=f"the worker process running reward '{name}' died with exit code {_describe_exit(code)} "
                       f"(a crash in native code, os._exit, or the out-of-memory killer); it was replaced")
-            worker.task = None
+            pending.extendleft(reversed(worker.queue))  # the rest of its chunk never started
+            worker.queue.clear()
         self._replace(worker)
 
     # ------------------------------------------------------------------ workers
@@ -288,9 +308,9 @@ class _Worker:
     conn: Any
     started: float
     state: str = "starting"  # starting -> idle <-> busy
-    task: int | None = None
-    task_started: float = 0.0
-    fn_index: int = 0  # which function the task calls, for messages
+    queue: collections.deque = field(default_factory=collections.deque)  # calls sent, not yet answered
+    task_started: float = 0.0  # when the call at the head of the queue started
+    fn_index: int = 0  # which function that call runs, for messages
     owns_group: bool = False
 
 
@@ -373,7 +393,10 @@ def picklable_error(fn: Any) -> str | None:
 
 
 def _worker_main(conn, names: list[str], blobs: list[bytes], die_with_parent: bool) -> None:
-    """A worker's life: load the functions, say ready, then answer ``(task, fn index, kwargs)`` calls."""
+    """A worker's life: load the functions, say ready, then run chunks of ``(task, fn index, kwargs)``.
+
+    Each result is sent as soon as its call returns, so the trainer can time the next call.
+    """
     # Ctrl-C belongs to the trainer, which kills us; a KeyboardInterrupt here would only be
     # reported as one sample's failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -395,13 +418,14 @@ def _worker_main(conn, names: list[str], blobs: list[bytes], die_with_parent: bo
             return  # the trainer is gone
         if message is None:
             return
-        task, fn_index, kwargs = message
-        try:
-            # Pickled here, so a result that cannot travel fails this call, not the worker.
-            reply = ("done", task, True, pickle.dumps(fns[fn_index](**kwargs)))
-        except BaseException as exc:  # even sys.exit() in a reward only fails its sample
-            reply = ("done", task, False, _describe(exc))
-        conn.send(reply)
+        for position, (task, fn_index, kwargs) in enumerate(message):
+            try:
+                # Pickled here, so a result that cannot travel fails this call, not the worker.
+                ok, payload = True, pickle.dumps(fns[fn_index](**kwargs))
+            except BaseException as exc:  # even sys.exit() in a reward only fails its sample
+                ok, payload = False, _describe(exc)
+            upcoming = message[position + 1][1] if position + 1 < len(message) else None
+            conn.send(("done", task, ok, payload, upcoming))
 
 
 def _describe(exc: BaseException) -> tuple[str, str, str]:
