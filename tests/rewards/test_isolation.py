@@ -144,6 +144,25 @@ def test_a_worker_that_dies_fails_its_sample_and_is_replaced(fn, word, code, com
     assert composer.score_batch([sample()] * 4) == [(1.0, {"crash": 1.0})] * 4
 
 
+@pytest.mark.parametrize("word", ["HANG", "EXIT"])
+def test_the_rest_of_a_lost_workers_chunk_is_scored_elsewhere(word, composers):
+    """Calls go out in chunks (40 samples on 2 workers: 10, 10, ...); when a call at the head of a chunk
+    hangs or kills its worker, the 9 calls behind it never ran, and other workers score them."""
+    composer = RewardComposer([("r", rf.sleep_if if word == "HANG" else rf.exit_if, 1.0, {"word": word})],
+                              timeout_s=0.5, workers=2, fallback=-1.0)
+    composers.append(composer)
+    composer.start()
+    composer(**sample())
+    batch = [sample(f"x{i}") for i in range(40)]
+    batch[0]["response"] = word
+    start = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="RewardTimeout" if word == "HANG" else "RewardWorkerDied"):
+        results = composer.score_batch(batch)
+    assert time.perf_counter() - start < 1.0
+    assert [s for s, _ in results] == [-1.0] + [1.0] * 39
+    assert composer.stats()["failures/r"] == 1.0
+
+
 # ----------------------------------------------------------------- what runs where
 
 
