@@ -296,7 +296,9 @@ class RewardComposer:
 
     def _worker_pool(self) -> RewardWorkerPool:
         if self._pool is None:
-            functions = [(spec.name, spec.fn) for spec in self.specs]
+            # Only isolated functions travel (an in-process one may be a lambda); indices stay aligned.
+            functions = [(spec.name, spec.fn if isolated else None)
+                         for spec, isolated in zip(self.specs, self._isolated)]
             self._pool = RewardWorkerPool(functions, size=self.workers, timeout_s=self.timeout_s)
         return self._pool
 

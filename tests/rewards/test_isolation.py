@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rltk.rewards import bounded
 from rltk.rewards.compose import RewardComposer
 from rltk.rewards.math import math_answer
 from rltk.rewards.pool import RewardWorkerError
@@ -179,6 +180,14 @@ def test_bounded_rewards_run_in_process_and_others_in_workers(composers):
     assert inline._pool is None
 
 
+def test_in_process_components_need_not_pickle_beside_worker_ones(composers):
+    quick = bounded(lambda **_: 0.25)
+    composer = RewardComposer([("quick", quick, 1.0, {}), ("pid", rf.pid, 0.0, {})], workers=1)
+    composers.append(composer)
+    assert composer.in_process == ["quick"]
+    assert composer(**sample())[0] == 0.25
+
+
 def test_a_lambda_that_needs_a_worker_is_refused_naming_the_reward():
     with pytest.raises(ValueError, match=r"reward 'quick' \(.*<lambda>\) must run in a worker process, where a "
                                          r"timeout can stop it, but its function cannot be sent there .*define it "
@@ -272,7 +281,8 @@ def test_a_forked_copy_of_the_trainer_leaves_its_workers_alone(composers):
 
 _SCRIPT = textwrap.dedent("""
     import sys
-    from rltk.rewards.compose import RewardComposer
+    from rltk.rewards import bounded
+from rltk.rewards.compose import RewardComposer
     from tests.rewards import reward_fns as rf
 
     if __name__ == "__main__":  # worker processes import the main module, as with any multiprocessing
