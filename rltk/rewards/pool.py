@@ -32,7 +32,9 @@ replacement worker is one ``fork`` of a process that already imported them
 function by reference (pickle): it must be importable in a new process, i.e.
 defined at the top level of a module. Workers start when the pool first runs
 and are reused by every later step; :meth:`RewardWorkerPool.close` (also run
-at interpreter exit, and when a wait is interrupted by Ctrl-C) kills them.
+at interpreter exit, and when a wait is interrupted by Ctrl-C) kills them, and
+on Linux the kernel kills them when the trainer is killed outright (SIGKILL,
+the out-of-memory killer), hung ones included.
 """
 
 from __future__ import annotations
@@ -453,19 +455,34 @@ def _own_process_group() -> bool:
 
 
 def _die_with_parent() -> None:
-    """Linux: be killed when our parent (the fork server, which exits with the trainer) dies.
+    """Linux, forkserver: be killed by the kernel when the trainer dies, even by SIGKILL.
 
-    Covers a trainer killed by SIGKILL, which runs no exit hooks: its fork server sees its
-    pipe close and exits, and this takes the workers, hung ones included, with it.
+    Our parent is the fork server, which exits once every holder of its "alive" pipe has
+    closed it: the trainer, and (by multiprocessing's design) each process it forked. Closing
+    our copy lets the server exit with the trainer, and PR_SET_PDEATHSIG then has the kernel
+    kill us, however hung; no exit hook or GIL is needed. A reward that uses the fork server
+    itself gets a new one of its own.
     """
     if not sys.platform.startswith("linux"):
         return
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
     try:
         import ctypes
 
+        parent = os.getppid()
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # the server died before the line above
+            os._exit(1)
     except (OSError, AttributeError):
         pass
 

@@ -281,8 +281,7 @@ def test_a_forked_copy_of_the_trainer_leaves_its_workers_alone(composers):
 
 _SCRIPT = textwrap.dedent("""
     import sys
-    from rltk.rewards import bounded
-from rltk.rewards.compose import RewardComposer
+    from rltk.rewards.compose import RewardComposer
     from tests.rewards import reward_fns as rf
 
     if __name__ == "__main__":  # worker processes import the main module, as with any multiprocessing
@@ -296,20 +295,22 @@ from rltk.rewards.compose import RewardComposer
 """)
 
 
-@pytest.mark.parametrize("how", ["ctrl-c while scoring", "exit without close"])
+@pytest.mark.parametrize("how", ["ctrl-c while scoring", "exit without close", "sigkill while scoring"])
 def test_workers_end_with_the_trainer(how, tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), "hang" if how.startswith("ctrl") else "exit"],
+    proc = subprocess.Popen([sys.executable, str(script), "exit" if how.startswith("exit") else "hang"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2, proc.stderr.read()
-        if how.startswith("ctrl"):
+        if not how.startswith("exit"):
             assert proc.stdout.readline().strip() == "scoring"
             time.sleep(0.3)
-            proc.send_signal(signal.SIGINT)
+            # SIGKILL runs no exit hook: the fork server sees its pipe close and exits, and the
+            # workers, which die with their parent (Linux), follow it.
+            proc.send_signal(signal.SIGINT if how.startswith("ctrl") else signal.SIGKILL)
         code = proc.wait(timeout=20)
         stderr = proc.stderr.read()
     finally:
@@ -318,6 +319,8 @@ def test_workers_end_with_the_trainer(how, tmp_path):
         proc.stderr.close()
     if how.startswith("ctrl"):
         assert code != 0 and "KeyboardInterrupt" in stderr
+    elif how.startswith("sigkill"):
+        assert code == -signal.SIGKILL
     else:
         assert code == 0, stderr
     assert wait_dead(pids), f"reward workers outlived the trainer ({how})"
