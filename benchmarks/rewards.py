@@ -182,7 +182,7 @@ def main():
     report("user reward, clean step", t_old, t_clean, "old / new", t_old / t_clean)
     # Per round: clean steps just before, the spinning step, clean steps after; ratios within the
     # round, so load from other processes on a shared machine moves both sides alike.
-    spin_ratios, first_ratios, rest_ratios, t_spins, t_firsts, t_rests = [], [], [], [], [], []
+    spin_ratios, first_ratios, rest_ratios, t_spins, t_firsts, t_rests, over_clean = [], [], [], [], [], [], []
     for _ in range(args.rounds):
         before = statistics.median(timed(new.score_batch, clean) for _ in range(3))
         spun = []
@@ -191,6 +191,7 @@ def main():
         after = [timed(new.score_batch, clean) for _ in range(args.after)]
         rest = statistics.median(after[1:] or after)
         spin_ratios.append(t_spin / (args.timeout + before))
+        over_clean.append(t_spin / before)
         first_ratios.append(after[0] / before)
         rest_ratios.append(rest / before)
         t_spins.append(t_spin)
@@ -214,13 +215,15 @@ def main():
            rest_ratio, f"(old / old clean: {old_rest / old_spin['clean_s']:.1f})")
     stats = new.stats()
     new.close()
-    print(f"new: {stats['timeouts/user']:.0f} timeouts, {stats['worker_restarts']:.0f} workers replaced")
+    print(f"new: {stats['timeouts/user']:.0f} timeouts, {stats['worker_restarts']:.0f} workers replaced; the spinning "
+          f"step took {statistics.median(over_clean):.0f}x a clean step, i.e. one timeout")
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"samples": args.samples, "timeout_s": args.timeout, "workers": args.workers,
                    "rounds": args.rounds, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
-                   "spin_ratio_target": 1.2, "old_spin_case": old_spin, "results": rows}, f, indent=2)
+                   "spin_ratio_target": 1.2, "spin_step_over_clean_step": statistics.median(over_clean),
+                   "old_spin_case": old_spin, "results": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 

@@ -58,6 +58,8 @@ from typing import Any
 
 # Longest a worker may take from process start to loading the reward functions (imports included).
 WORKER_START_TIMEOUT_S = 120.0
+# Longest a step that replaced a worker waits, at its end, for the replacement to load.
+REPLACEMENT_WAIT_S = 1.0
 
 
 class RewardWorkerError(RuntimeError):
@@ -156,7 +158,23 @@ class RewardWorkerPool:
             self._wait_and_collect(outcomes, pending)
         if first and while_waiting is not None:
             while_waiting()
+        self._await_starting(outcomes)
         return outcomes  # type: ignore[return-value]
+
+    def _await_starting(self, outcomes: list) -> None:
+        """Give workers started during this call (replacements) up to ``REPLACEMENT_WAIT_S`` to load.
+
+        A step that lost a worker has already paid a timeout; letting its replacement load
+        now, rather than during the next step, keeps that next step at full speed.
+        """
+        deadline = time.monotonic() + REPLACEMENT_WAIT_S
+        while any(w.state == "starting" for w in self._workers) and time.monotonic() < deadline:
+            starting = {w.conn: w for w in self._workers if w.state == "starting"}
+            starting.update({w.process.sentinel: w for w in starting.values()})
+            ready = wait(list(starting), max(0.0, deadline - time.monotonic()))
+            for worker in {starting[r] for r in ready}:
+                if not self._drain(worker, outcomes) or not worker.process.is_alive():
+                    self._on_death(worker, outcomes, collections.deque())
 
     def _dispatch(self, calls: Sequence[tuple[int, dict]], pending: collections.deque) -> None:
         """Hand each idle worker a chunk of pending calls.

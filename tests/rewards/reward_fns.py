@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import rltk
 from rltk.rewards import bounded
 
 
@@ -101,6 +102,7 @@ class UserPlugin:
     """An in-process plugin registering an unmarked reward, which a run then scores in worker processes."""
 
     @staticmethod
+    @rltk.hookimpl
     def rltk_reward_fns():
         return {"user_exact": correct_first_line}
 

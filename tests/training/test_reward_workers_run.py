@@ -18,9 +18,7 @@ TINY_RUN = ["sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=3", "train
 
 @pytest.mark.slow  # trains a tiny model for 5 steps (~10 s on a quiet machine)
 def test_a_run_scores_an_unmarked_reward_in_workers_and_stops_them(tmp_path, fresh_registry):
-    plugin = rf.UserPlugin()
-    rltk.hookimpl(plugin.rltk_reward_fns)
-    rltk.register_plugin(plugin, name="user-rewards")
+    rltk.register_plugin(rf.UserPlugin(), name="user-rewards")
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", *TINY_RUN, "reward.reward_fn=[exact_match,user_exact]",
                  "reward.workers=2"]) == 0
