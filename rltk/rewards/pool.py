@@ -88,7 +88,8 @@ class RewardWorkerPool:
     Args:
         functions: ``(name, fn)`` pairs; calls name a function by its index.
             Each ``fn`` must pickle by reference (a top-level function) or by
-            value (a picklable object); check with :func:`picklable_error`.
+            value (a picklable object), checked with :func:`picklable_error`;
+            ``None`` holds the place of one that never runs here.
         size: number of worker processes (>= 1).
         timeout_s: longest a call may run once a worker has taken it.
     """
@@ -124,8 +125,8 @@ class RewardWorkerPool:
         ``while_waiting`` runs in this process once the first calls are on
         their way, so in-process work overlaps the workers'. Raises
         :class:`RewardWorkerError` when the functions cannot be loaded in a
-        worker; on any other exception (Ctrl-C included) the pool is closed
-        first, so no call outlives the caller's interest in it.
+        worker. On any exception (Ctrl-C included) the pool is closed before
+        it propagates, so no call outlives the caller's interest in it.
         """
         with self._lock:
             try:
