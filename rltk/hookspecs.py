@@ -96,6 +96,11 @@ def rltk_reward_fns() -> dict:
     Return ``{name: fn}`` with ``fn(*, prompt, response, ground_truth,
     extras, **args) -> float | dict[str, float]``. A dict names several
     scores; its ``"score"`` entry (or the sum) is the reward.
+
+    Unless marked :func:`rltk.rewards.bounded` (work capped on any input,
+    run in-process), ``fn`` runs in worker processes under
+    ``reward.timeout_s``, so it must be importable: a top-level function of
+    the plugin's module, not a lambda or closure.
     """
 
 

@@ -129,7 +129,10 @@ class RewardConfig:
     reward_fn_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
     weights: Dict[str, float] = field(default_factory=dict)  # {name: weight}, default 1.0
     fallback: float = 0.0  # reward given when a reward function raises or times out
-    timeout_s: float = 5.0
+    # Longest one call of a reward function not marked bounded may run, in a worker process that is
+    # killed on timeout; null runs every reward in-process with no timeout (for rewards you trust).
+    timeout_s: Optional[float] = 5.0
+    workers: int = 4  # worker processes for reward functions not marked bounded (builtins run in-process)
 
 
 @dataclass

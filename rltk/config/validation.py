@@ -81,6 +81,7 @@ def _check_positive(cfg: DictConfig) -> None:
         "trainer.prompts_per_step": 1, "trainer.micro_batch_size": 1, "trainer.mini_batches": 1,
         "trainer.ppo_epochs": 1, "rollout.n": 1, "rollout.max_new_tokens": 1, "sft.batch_size": 1,
         "algorithm.dynamic_sampling_max_rounds": 1,
+        "reward.workers": 1,
     }
     for key, minimum in rules.items():
         value = OmegaConf.select(cfg, key)
@@ -92,6 +93,11 @@ def _check_positive(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"bad value {warmup!r} for '{section}.warmup_steps': must be in [0, {section}.{total}={steps}]"
             )
+    if cfg.reward.timeout_s is not None and cfg.reward.timeout_s <= 0:
+        raise ConfigError(
+            f"bad value {cfg.reward.timeout_s!r} for 'reward.timeout_s': must be > 0 seconds, or null to run every "
+            f"reward function in-process without a timeout"
+        )
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"bad value {cfg.trainer.lr!r} for 'trainer.lr': must be > 0")
     if cfg.rollout.temperature <= 0:

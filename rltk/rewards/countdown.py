@@ -26,6 +26,8 @@ import re
 from collections import Counter
 from fractions import Fraction
 
+from rltk.rewards.marks import bounded
+
 RULES = ("exactly_once", "at_most_once")
 # A Countdown expression over a handful of numbers is a few dozen characters;
 # a cap keeps ast.parse away from megabyte-long or deeply nested hostile input.
@@ -179,6 +181,7 @@ def check_countdown(
     return (True, "ok") if result == target else (False, "wrong_value")
 
 
+@bounded
 def countdown(
     *,
     prompt: str,

@@ -25,6 +25,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from rltk.rewards.marks import bounded
+
 # Longest answer (extracted \boxed{} content, "####" line, exact_match's
 # first line) the rewards parse; anything longer scores 0. It bounds the work
 # per response: a 10 MB response costs a few C-speed scans and no more.
@@ -219,6 +221,7 @@ def extract_final_answer(text: str, *, flexible: bool = False) -> str | None:
     return answer
 
 
+@bounded
 def math_answer(
     *,
     prompt: str,
@@ -255,6 +258,7 @@ def math_answer(
     return 1.0 if answers_match(predicted, truth, rel_tol=rel_tol) else float(format_score)
 
 
+@bounded
 def exact_match(
     *,
     prompt: str,

@@ -200,6 +200,11 @@ def _engine_follows_policy(run: Run) -> None:
 def finish_run(run: Run) -> dict:
     """Final held-out evaluation, the plot (warm-up loss, reward, held-out accuracy), and summary.json."""
     final = evaluate(run.workflow, run.eval_rows, run.stages[-1])
+    # The reward's worker processes, if it started any. A run stopped early (an error, Ctrl-C) has
+    # them stopped at interpreter exit instead, or at once when Ctrl-C lands while they score.
+    close_reward = getattr(run.workflow.reward, "close", None)
+    if callable(close_reward):
+        close_reward()
     run.metric_log.close()
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:

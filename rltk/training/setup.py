@@ -159,7 +159,11 @@ def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None) ->
 # ---------------------------------------------------------------- components
 
 def build_reward(cfg: DictConfig):
-    """The weighted combination of ``reward.reward_fn`` with fallback and timeout."""
+    """The weighted combination of ``reward.reward_fn`` with fallback, timeout and worker processes.
+
+    The reward's worker processes (if any of its functions needs them) start on its first call;
+    :func:`rltk.training.run.finish_run` stops them.
+    """
     from rltk.rewards.compose import build_reward_composer
 
     r = cfg.reward
@@ -169,6 +173,7 @@ def build_reward(cfg: DictConfig):
         args=dict(OmegaConf.to_container(r.reward_fn_args, resolve=True)),
         fallback=r.fallback,
         timeout_s=r.timeout_s,
+        workers=r.workers,
     )
 
 
