@@ -21,6 +21,7 @@ from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.recipe_utils import recipe_spec
 from rltk.registry import KINDS, RegistryError, get_registry, list_components, unknown_name_message
+from rltk.serialization import CheckpointFileError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except CheckpointFileError as exc:  # a refused or damaged checkpoint file: the message names it
+        print(f"rltk: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("rltk: interrupted", file=sys.stderr)
         return 130
