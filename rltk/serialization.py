@@ -30,6 +30,7 @@ import json
 import os
 import pickle
 import re
+import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,8 @@ import torch
 #: including calls that pass ``weights_only=False`` explicitly.
 FORCE_WEIGHTS_ONLY_VARIABLE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+)")
-# What the restricted unpickler says when a file asks for something it does not build; other
-# unpickling errors (a pickle cut short inside an intact zip) are damage, not a payload.
-_REFUSAL_WORDS = ("GLOBAL", "Unsupported", "blocked", "unrecognized", "Can only", "not an allowed")
+_IMPORTING_OPCODES = ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "NEWOBJ", "NEWOBJ_EX")
+_SCANNED_BYTES = 64 << 20  # a foreign pickle's imports sit in its first bytes; never read a huge file whole
 
 
 class CheckpointFileError(Exception):
@@ -71,18 +71,48 @@ class DamagedCheckpointError(CheckpointFileError):
     """A checkpoint file that is truncated, unparseable, missing, or not the size it was saved with."""
 
 
-def _describe_refusal(error: BaseException) -> str:
+def _pickle_imports(path: Path) -> list[str]:
+    """What a bare pickle file asks to import or call, found by parsing its opcodes (nothing is executed).
+
+    torch's restricted unpickler names a refused global in its zip format; for a
+    file that is not a zip it may stop earlier at an opcode it does not know (a
+    protocol-4 frame), so this tells a foreign pickle from garbage.
+    """
+    import pickletools
+
+    with open(path, "rb") as f:
+        data = f.read(_SCANNED_BYTES)
+    found, strings = [], []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str):
+                strings.append(arg)
+            if opcode.name in ("GLOBAL", "INST"):
+                found.append(str(arg).replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL":
+                found.append(".".join(strings[-2:]) if len(strings) >= 2 else "(a global)")
+            elif opcode.name in _IMPORTING_OPCODES:
+                found.append(f"({opcode.name} opcode)")
+    except Exception:  # garbage after a while, or a pickle cut short: what was read so far counts
+        pass
+    named = [f for f in found if not f.startswith("(")]  # a call needs something named; name that
+    return list(dict.fromkeys(named or found))
+
+
+def _refusal(path: Path, error: pickle.UnpicklingError) -> CheckpointFileError:
+    """Unsafe if the file asks for any import or call, damaged otherwise (e.g. text in a .pt file)."""
     match = _REFUSED_GLOBAL.search(str(error))
     if match:
-        return f"it asks the unpickler for {match.group(1)}, which is not a tensor, a plain container or an " \
-               "allow-listed class"
-    detail = next((line.strip() for line in str(error).splitlines() if any(w in line for w in _REFUSAL_WORDS)),
-                  str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
-    return f"its pickle holds something other than tensors and plain data ({detail})"
-
-
-def _is_refusal(error: BaseException) -> bool:
-    return isinstance(error, pickle.UnpicklingError) and any(word in str(error) for word in _REFUSAL_WORDS)
+        return UnsafeCheckpointError(path, f"it asks the unpickler for {match.group(1)}, which is not a tensor, a "
+                                           "plain container or an allow-listed class")
+    imports = [] if zipfile.is_zipfile(path) else _pickle_imports(path)
+    if imports:
+        return UnsafeCheckpointError(path, f"it is a pickle that asks for {', '.join(imports[:4])}, not tensors "
+                                           "and plain data")
+    # torch's first line is a generic "Weights only load failed."; the unpickler's own words come later.
+    detail = next((line.strip() for line in str(error).splitlines() if line.startswith(("Unsupported", "Weights"))
+                   and "load failed" not in line), "an unknown pickle opcode")
+    return DamagedCheckpointError(path, f"it is not a readable torch file ({detail})")
 
 
 def torch_load(path: str | Path, *, allowed_globals: Iterable[Any] = (), mmap: bool = False) -> Any:
@@ -113,9 +143,7 @@ def torch_load(path: str | Path, *, allowed_globals: Iterable[Any] = (), mmap: b
                 # still through the restricted unpickler, to tell a payload from garbage.
                 return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        if _is_refusal(error):
-            raise UnsafeCheckpointError(path, _describe_refusal(error)) from None
-        raise DamagedCheckpointError(path, f"its pickle cannot be read ({_first_line(error)})") from None
+        raise _refusal(path, error) from None
     except (RuntimeError, EOFError, KeyError, ValueError, OSError, IndexError, AttributeError, TypeError) as error:
         # Truncated zips fail in torch's reader ("failed finding central directory"), short or foreign
         # files in the legacy reader with whatever the first bytes happen to trip.
