@@ -347,12 +347,9 @@ class CheckpointManager:
             else:
                 os.replace(temp, final)
             _fsync_dir(self.root)
-            self._prune()
+            self.prune()
         self._barrier(strategy)
         return final
-
-    def _prune(self) -> None:
-        self.prune()
 
     def prune(self, keep: str | Path | None = None) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoints and any interrupted save; returns what was deleted.
