@@ -324,7 +324,8 @@ def test_prune_keeps_the_newest_keep_last_and_the_resume_point_and_touches_nothi
         (root / ".tmp-step_000050").mkdir()
         (root / ".old-step_000001").mkdir()
         ordered = sorted(steps)
-        keep = root / f"step_{ordered[keep_index]:06d}" if keep_index is not None and keep_index < len(ordered) else None
+        chosen = keep_index is not None and keep_index < len(ordered)
+        keep = root / f"step_{ordered[keep_index]:06d}" if chosen else None
         CheckpointManager(root, keep_last=keep_last).prune(keep=keep)
         expected = {f"step_{s:06d}" for s in ordered[-keep_last:]} | ({keep.name} if keep else set())
         remaining = {p.name for p in root.iterdir()}
