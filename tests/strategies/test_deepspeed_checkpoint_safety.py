@@ -76,3 +76,21 @@ def test_deepspeed_readers_asking_for_full_unpickling_are_refused_past_rltks_che
         for entry in CHECKED_ENTRY_POINTS:  # rltk's entry points name the file first
             error, message = readers[entry]
             assert error == "UnsafeCheckpointError" and f"deepspeed/state/{shard}'" in message, (shard, entry, error)
+
+
+def test_only_deepspeeds_plain_records_are_allow_listed_and_rltks_own_formats_need_none():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from rltk.checkpoint import strategy_checkpoint_globals
+    from rltk.strategies.accelerate_strategy import AccelerateStrategy
+    from rltk.strategies.deepspeed_strategy import DeepSpeedStrategy
+    from rltk.training.ppo import PolicyAndCritic
+
+    assert DeepSpeedStrategy.checkpoint_globals() == [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    assert AccelerateStrategy.checkpoint_globals() == []
+    assert strategy_checkpoint_globals(None) == [] and strategy_checkpoint_globals(object()) == []
+    # One checkpoint for policy and critic allows what either strategy's files hold.
+    both = PolicyAndCritic(AccelerateStrategy, DeepSpeedStrategy)
+    assert strategy_checkpoint_globals(both) == DeepSpeedStrategy.checkpoint_globals()
