@@ -192,9 +192,18 @@ def _first_unserializable(obj: Any, path: str = "state") -> str | None:
 def _write_manifest(folder: Path) -> None:
     """Record every file under ``folder`` with its size, so a truncated or missing file is found cheaply."""
     files = {path.relative_to(folder).as_posix(): path.stat().st_size
-             for path in sorted(folder.rglob("*")) if path.is_file() and path.name != MANIFEST_FILE}
+             for path in _files_under(folder) if path != folder / MANIFEST_FILE}
     payload = {"format_version": FORMAT_VERSION, "files": files}
     (folder / MANIFEST_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def _files_under(folder: Path) -> list[Path]:
+    """Every regular file under ``folder``, sorted. os.walk skips a folder that vanishes while it is listed
+    (another rank renaming a finished universal conversion into place), where rglob would raise."""
+    found = []
+    for dirpath, _, filenames in os.walk(folder):
+        found += [Path(dirpath) / name for name in filenames if (Path(dirpath) / name).is_file()]
+    return sorted(found)
 
 
 def _read_manifest(path: Path) -> dict[str, int]:
@@ -204,6 +213,9 @@ def _read_manifest(path: Path) -> dict[str, int]:
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
                                               for k, v in files.items()):
         raise DamagedCheckpointError(path, 'it does not hold {"files": {relative path: size in bytes}}')
+    outside = [k for k in files if Path(k).is_absolute() or ".." in Path(k).parts]
+    if outside:
+        raise DamagedCheckpointError(path, f"it lists {outside[0]!r}, a path outside the checkpoint")
     return files
 
 
@@ -406,7 +418,10 @@ class CheckpointManager:
             read_state_file(path)
         except DamagedCheckpointError as error:
             damage[error.path] = error
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        # The files found, and those listed: a symlinked folder is not walked into, but what a strategy
+        # will read through it is listed.
+        found = set(_files_under(path)) | {path / r for r in listed or {} if (path / r).is_file()}
+        for file in sorted(found):
             relative = file.relative_to(path).as_posix()
             if relative in (MANIFEST_FILE, STATE_FILE):
                 continue

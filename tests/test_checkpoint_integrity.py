@@ -330,3 +330,29 @@ def test_prune_keeps_the_newest_keep_last_and_the_resume_point_and_touches_nothi
         expected = {f"step_{s:06d}" for s in ordered[-keep_last:]} | ({keep.name} if keep else set())
         remaining = {p.name for p in root.iterdir()}
         assert remaining == expected | {"damaged-step_000003", "step_000099", "notes"}
+
+
+def test_a_manifest_pointing_outside_the_checkpoint_is_damage(template, tmp_path):
+    root = copy_of(template, tmp_path, steps=(2,))
+    manifest = root / "step_000002" / "manifest.json"
+    payload = json.loads(manifest.read_text())
+    payload["files"]["../../secret.pt"] = 10
+    manifest.write_text(json.dumps(payload))
+    damage = CheckpointManager(root).verify(root / "step_000002")
+    assert [(d.path.name, d.reason) for d in damage] == [
+        ("manifest.json", "it lists '../../secret.pt', a path outside the checkpoint")]
+
+
+def test_files_behind_a_symlinked_folder_are_checked_through_the_manifest(template, tmp_path):
+    """os.walk does not enter a symlinked folder; the manifest still names what a strategy would read there."""
+    root = copy_of(template, tmp_path, steps=(2,))
+    checkpoint = root / "step_000002"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(checkpoint / "rng", elsewhere)
+    (checkpoint / "rng").symlink_to(elsewhere, target_is_directory=True)
+    assert CheckpointManager(root).verify(checkpoint) == []
+    marker = tmp_path / "MARKER"
+    plant(elsewhere / "rank_00000.pt", marker)
+    with pytest.raises(UnsafeCheckpointError, match=r"rng/rank_00000.pt"):
+        CheckpointManager(root).verify(checkpoint)
+    assert not marker.exists()
