@@ -10,7 +10,7 @@ no per-reward scores.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rltk.config.errors import ConfigError
 
@@ -23,7 +23,8 @@ def check_reward_components(cfg: DictConfig, needs: frozenset[str]) -> None:
     estimator = cfg.algorithm.advantage_fn
     weights = OmegaConf.select(cfg, "algorithm.advantage_fn_args.reward_weights")
     if weights is not None:
-        weights = OmegaConf.to_container(weights, resolve=True) if not isinstance(weights, (int, float)) else weights
+        if isinstance(weights, ListConfig):
+            weights = OmegaConf.to_container(weights, resolve=True)
         if not isinstance(weights, list) or len(weights) != len(names):
             raise ConfigError(
                 f"bad value {weights!r} for 'algorithm.advantage_fn_args.reward_weights': "
