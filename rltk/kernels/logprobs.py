@@ -132,11 +132,11 @@ def token_logprobs_and_entropy(
         from rltk.kernels import triton_logprobs
 
         tiling = triton_logprobs.config_for(hidden, weight, chunk_size)
-    return apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore_index, with_sum_pi_squared)
+    return _apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore_index, with_sum_pi_squared)
 
 
-def apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore_index,
-             with_sum_pi_squared) -> tuple[torch.Tensor, ...]:
+def _apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore_index,
+              with_sum_pi_squared) -> tuple[torch.Tensor, ...]:
     """Run the autograd op of the torch or triton ``backend``: 2 outputs, or 3 with ``with_sum_pi_squared``."""
     logprobs, entropy, sum_pi_squared = _TokenLogprobsEntropy.apply(
         hidden, weight, bias, labels, float(temperature), backend, tiling, int(ignore_index),

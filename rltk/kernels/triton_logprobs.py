@@ -106,7 +106,7 @@ def triton_token_logprobs_and_entropy(
     _logprobs.resolve_impl("triton", hidden)
     _logprobs._check_label_range(labels, weight.shape[0], ignore_index)
     config = config or config_for(hidden, weight, None)
-    return _logprobs.apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index,
+    return _logprobs._apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index,
                               with_sum_pi_squared)
 
 
