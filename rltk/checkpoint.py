@@ -194,7 +194,9 @@ def _write_manifest(folder: Path) -> None:
     files = {path.relative_to(folder).as_posix(): path.stat().st_size
              for path in _files_under(folder) if path != folder / MANIFEST_FILE}
     payload = {"format_version": FORMAT_VERSION, "files": files}
-    (folder / MANIFEST_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    # No trailing newline: the text then ends with the object's closing brace, so every truncation of the
+    # manifest (which lists every file but itself) fails to parse and is found.
+    (folder / MANIFEST_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True))
 
 
 def _files_under(folder: Path) -> list[Path]:

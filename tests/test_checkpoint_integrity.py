@@ -174,6 +174,16 @@ def test_cutting_any_file_of_a_checkpoint_anywhere_is_found_and_named(template, 
         assert checkpoint / relative in [d.path for d in damage]
 
 
+@pytest.mark.parametrize("relative", [f for f in ACCELERATE_FILES if f.endswith(".json")])
+def test_cutting_only_the_last_byte_of_a_json_file_is_found(template, tmp_path, relative):
+    """A JSON text cut after its last brace could still parse; the manifest's sizes (or, for the manifest
+    itself, ending on its closing brace) make the cut visible anyway."""
+    root = copy_of(template, tmp_path, steps=(2,))
+    path = root / "step_000002" / relative
+    path.write_bytes(path.read_bytes()[:-1])
+    assert path in [d.path for d in CheckpointManager(root).verify(root / "step_000002")]
+
+
 @pytest.mark.parametrize("relative", ["model/model.safetensors", "state.json", "optimizer.pt", "rng/rank_00000.pt",
                                       "strategy.json"])
 def test_auto_resume_falls_back_to_the_newest_intact_checkpoint_naming_the_damage(template, tmp_path, relative):
