@@ -80,12 +80,12 @@ def run_rl_stage(stage: Stage) -> None:
     reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
     start = 0
     if stage.resume is not None:
-        state = run.ckpt.load(stage.resume["path"], strategy)
+        # the shuffling generator continues where it stopped: seeding it again would replay its draws
+        state = run.ckpt.load(stage.resume["path"], strategy, generators={"minibatch_order": generator})
         workflow.engine.update_weights(policy)  # an engine with a copy of its own takes the restored weights
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]
-        generator.manual_seed(cfg.seed + start)
         if reference is not None:
             load_weights(reference_file, reference)
     elif reference is not None:
@@ -142,7 +142,8 @@ def run_rl_stage(stage: Stage) -> None:
 
         # checkpoint
         if should_checkpoint(cfg, step, t.total_steps):
-            save_checkpoint(stage, strategy, step, sampler, last_step=t.total_steps, extra={"kl_coef": kl_ctl.value})
+            save_checkpoint(stage, strategy, step, sampler, last_step=t.total_steps, extra={"kl_coef": kl_ctl.value},
+                            generators={"minibatch_order": generator})
 
 
 def main():

@@ -167,6 +167,45 @@ class RewardComposer:
             self.failures = {name: 0 for name in self.names}
             self.timeouts = {name: 0 for name in self.names}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The cumulative counters, JSON-able, for a checkpoint: ``{"calls", "failures", "timeouts"}``.
+
+        ``failures`` and ``timeouts`` map each component name to its count. A
+        resumed run that loads this with :meth:`load_state_dict` keeps counting
+        from where the interrupted one stopped, so the logged ``reward_fn/*``
+        numbers equal those of a run that was never interrupted. Abandoned
+        threads are not state: they do not outlive the process.
+        """
+        with self._lock:
+            return {"calls": int(self.calls), "failures": dict(self.failures), "timeouts": dict(self.timeouts)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue counting from ``state``, a :meth:`state_dict` of a composer with the same components.
+
+        Raises ``ValueError`` naming the offending entry when ``state`` lacks a
+        counter, holds a count that is not an integer >= 0, or names other
+        components than this composer's (counts of another reward setup would
+        be logged under the wrong names).
+        """
+        if not isinstance(state, Mapping) or set(state) != {"calls", "failures", "timeouts"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"RewardComposer.load_state_dict: expected the keys ['calls', 'failures', 'timeouts'] "
+                             f"of RewardComposer.state_dict(), got {got}")
+        _check_count("calls", state["calls"])
+        for kind in ("failures", "timeouts"):
+            counts = state[kind]
+            if not isinstance(counts, Mapping) or set(counts) != set(self.names):
+                got = sorted(counts) if isinstance(counts, Mapping) else repr(counts)
+                raise ValueError(f"RewardComposer.load_state_dict: state['{kind}'] counts the reward(s) {got}, "
+                                 f"but this composer's are {self.names}; the counts of another reward setup "
+                                 f"cannot continue here")
+            for name, count in counts.items():
+                _check_count(f"{kind}['{name}']", count)
+        with self._lock:
+            self.calls = int(state["calls"])
+            self.failures = {name: int(state["failures"][name]) for name in self.names}
+            self.timeouts = {name: int(state["timeouts"][name]) for name in self.names}
+
     def _score_one(self, spec: RewardSpec, sample: dict) -> tuple[float, dict[str, float]]:
         try:
             result = self._call(spec, sample)
@@ -338,6 +377,11 @@ def _accepted_sample_fields(fn: Callable) -> frozenset[str]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return frozenset(PROVIDED_ARGS)
     return frozenset(a for a in PROVIDED_ARGS if a in params)
+
+
+def _check_count(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"RewardComposer.load_state_dict: state['{key}'] = {value!r} must be an integer >= 0")
 
 
 def _is_finite_number(value: Any) -> bool:

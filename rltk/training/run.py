@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig
 
 import rltk
@@ -36,6 +38,8 @@ from rltk.training.setup import (
     prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config, write_summary,
 )
 from rltk.training.sft import sft_batch, sft_step
+
+REWARD_STATE_KEY = "reward_counters"  # checkpoint state: every rank's RewardComposer.state_dict()
 
 
 @dataclass
@@ -93,6 +97,8 @@ def open_run(cfg: DictConfig) -> Run:
     workflow = rltk.get_component("workflow", cfg.rollout.workflow)(
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
         **args_of(cfg, "rollout.workflow"))
+    if resume is not None:
+        restore_reward_counters(workflow.reward, resume)
 
     resume_step = resume["global_step"] if resume is not None else 0
     spans = stage_spans([(st.name, st.type, n) for st, n in zip(cfg.stages, stage_steps)])
@@ -274,14 +280,50 @@ def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
 
 
 def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
-                    extra: dict | None = None) -> Path:
-    """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook."""
+                    extra: dict | None = None, generators: Mapping[str, torch.Generator] | None = None) -> Path:
+    """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook.
+
+    Besides ``extra`` (the recipe's own JSON-able state) the checkpoint holds
+    every rank's cumulative reward counters (see :func:`restore_reward_counters`)
+    and each rank's private ``generators`` by name; a recipe hands the same
+    names to ``run.ckpt.load(..., generators=...)`` when it resumes.
+    """
     state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
              "sampler": sampler.state_dict(), **(extra or {})}
+    reward = stage.run.workflow.reward
+    if hasattr(reward, "state_dict"):
+        state[REWARD_STATE_KEY] = _every_rank(reward.state_dict())
     global_step = stage.first_step + stage_step
-    path = stage.run.ckpt.save(global_step, strategy, state)
+    path = stage.run.ckpt.save(global_step, strategy, state, generators=generators)
     rltk.get_plugin_manager().hook.rltk_on_checkpoint(step=global_step, path=path)
     return path
+
+
+def restore_reward_counters(reward, resume: dict) -> None:
+    """Let ``reward`` (the workflow's, e.g. a RewardComposer) count on from a checkpoint's state.
+
+    The logged ``reward_fn/calls``, ``failures/*`` and ``timeouts/*`` are
+    cumulative over the run, evaluations included; restored, a resumed run
+    logs the numbers the uninterrupted one would. Each rank takes its own
+    entry. A checkpoint without counters (older rltk, or a reward without
+    ``state_dict``) leaves them counting from zero.
+    """
+    saved = resume.get(REWARD_STATE_KEY)
+    rank = process_rank()
+    if saved is None or not hasattr(reward, "load_state_dict") or rank >= len(saved):
+        return
+    reward.load_state_dict(saved[rank])
+
+
+def _every_rank(obj: Any) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank (``[obj]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def run_sft_stage(stage: Stage) -> None:
