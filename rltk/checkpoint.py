@@ -240,7 +240,7 @@ class CheckpointManager:
         ``state`` is the recipe's JSON-able dict (step, data position, metric
         history, ...); :meth:`load` returns it unchanged. ``strategy`` may be
         ``None`` to save only state and RNG. ``generators`` are this rank's
-        private ``torch.Generator``\ s by name (e.g. mini-batch shuffling),
+        private ``torch.Generator`` objects by name (e.g. mini-batch shuffling),
         saved beside its global RNG state; pass the same names to :meth:`load`.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

@@ -40,6 +40,7 @@ from rltk.training.setup import (
 from rltk.training.sft import sft_batch, sft_step
 
 REWARD_STATE_KEY = "reward_counters"  # checkpoint state: every rank's RewardComposer.state_dict()
+LOG_ROWS_KEY = "log_rows_at_step"  # checkpoint state: metric rows logged at its step before it was saved
 
 
 @dataclass
@@ -103,6 +104,12 @@ def open_run(cfg: DictConfig) -> Run:
     resume_step = resume["global_step"] if resume is not None else 0
     spans = stage_spans([(st.name, st.type, n) for st, n in zip(cfg.stages, stage_steps)])
     metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step, stages=spans))
+    if resume is not None and LOG_ROWS_KEY in resume:
+        # Rows logged at the checkpoint's own step after it was saved (the next stage's opening
+        # evaluation) are logged again by this run: keep only those written before the save.
+        for logger in metric_log.loggers:
+            if hasattr(logger, "truncate_after"):
+                logger.truncate_after(resume_step, keep_at_step=resume[LOG_ROWS_KEY])
     if finished and process_rank() == 0:
         print(f"rltk: {run_dir} already finished (checkpoint {resume['path']}): nothing left to train, reporting "
               f"its final evaluation. For a new run use name=<new name>; to redo this one, checkpoint.resume=never")
@@ -286,7 +293,9 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
     Besides ``extra`` (the recipe's own JSON-able state) the checkpoint holds
     every rank's cumulative reward counters (see :func:`restore_reward_counters`)
     and each rank's private ``generators`` by name; a recipe hands the same
-    names to ``run.ckpt.load(..., generators=...)`` when it resumes.
+    names to ``run.ckpt.load(..., generators=...)`` when it resumes. It also
+    counts the metric rows already logged at its step, so a run resumed from
+    it drops the rows logged there after the save (see :func:`open_run`).
     """
     state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
              "sampler": sampler.state_dict(), **(extra or {})}
@@ -294,6 +303,7 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
     if hasattr(reward, "state_dict"):
         state[REWARD_STATE_KEY] = _every_rank(reward.state_dict())
     global_step = stage.first_step + stage_step
+    state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
     path = stage.run.ckpt.save(global_step, strategy, state, generators=generators)
     rltk.get_plugin_manager().hook.rltk_on_checkpoint(step=global_step, path=path)
     return path
