@@ -38,8 +38,8 @@ from rltk.training.rl import (
     any_rank, global_masked_mean,
 )
 from rltk.training.run import (
-    Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
-    save_checkpoint, should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
+    run_stages, save_checkpoint, should_checkpoint,
 )
 from rltk.training.setup import args_of
 
@@ -86,6 +86,8 @@ def run_rl_stage(stage: Stage) -> None:
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]
+        if "buffer" in rank_state(state):  # experiences a sample strategy left for later steps
+            buffer.load_state_dict(rank_state(state)["buffer"])
         if reference is not None:
             load_weights(reference_file, reference)
     elif reference is not None:
@@ -143,7 +145,7 @@ def run_rl_stage(stage: Stage) -> None:
         # checkpoint
         if should_checkpoint(cfg, step, t.total_steps):
             save_checkpoint(stage, strategy, step, sampler, last_step=t.total_steps, extra={"kl_coef": kl_ctl.value},
-                            generators={"minibatch_order": generator})
+                            rank_extra={"buffer": buffer.state_dict()}, generators={"minibatch_order": generator})
 
 
 def main():

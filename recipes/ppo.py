@@ -49,8 +49,8 @@ from rltk.training.rl import (
     any_rank, global_masked_mean,
 )
 from rltk.training.run import (
-    Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
-    save_checkpoint, should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
+    run_stages, save_checkpoint, should_checkpoint,
 )
 from rltk.training.setup import args_of, stage_config
 
@@ -103,6 +103,8 @@ def run_ppo_stage(stage: Stage) -> None:
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]
+        if "buffer" in rank_state(state):  # experiences a sample strategy left for later steps
+            buffer.load_state_dict(rank_state(state)["buffer"])
         if reference is not None:
             load_weights(reference_file, reference)
     elif reference is not None:
@@ -173,7 +175,7 @@ def run_ppo_stage(stage: Stage) -> None:
         # checkpoint: policy, critic and the loop's position in one atomic folder
         if should_checkpoint(cfg, step, t.total_steps):
             save_checkpoint(stage, strategies, step, sampler, last_step=t.total_steps,
-                            extra={"kl_coef": kl_ctl.value})
+                            extra={"kl_coef": kl_ctl.value}, rank_extra={"buffer": buffer.state_dict()})
 
 
 def main():

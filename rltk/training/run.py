@@ -39,7 +39,8 @@ from rltk.training.setup import (
 )
 from rltk.training.sft import sft_batch, sft_step
 
-REWARD_STATE_KEY = "reward_counters"  # checkpoint state: every rank's RewardComposer.state_dict()
+PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
+REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
 LOG_ROWS_KEY = "log_rows_at_step"  # checkpoint state: metric rows logged at its step before it was saved
 
 
@@ -287,26 +288,44 @@ def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
 
 
 def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
-                    extra: dict | None = None, generators: Mapping[str, torch.Generator] | None = None) -> Path:
+                    extra: dict | None = None, rank_extra: dict | None = None,
+                    generators: Mapping[str, torch.Generator] | None = None) -> Path:
     """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook.
 
-    Besides ``extra`` (the recipe's own JSON-able state) the checkpoint holds
-    every rank's cumulative reward counters (see :func:`restore_reward_counters`)
-    and each rank's private ``generators`` by name; a recipe hands the same
-    names to ``run.ckpt.load(..., generators=...)`` when it resumes. It also
+    ``extra`` is the recipe's JSON-able state, the same on every rank (the
+    main rank's is saved). ``rank_extra`` is state that differs per rank (e.g.
+    its experience buffer): every rank's is saved, beside its cumulative reward
+    counters (see :func:`restore_reward_counters`), and :func:`rank_state` of
+    the loaded state gives a rank its own back. ``generators`` are the rank's
+    private generators by name; a recipe hands the same names to
+    ``run.ckpt.load(..., generators=...)`` when it resumes. The checkpoint also
     counts the metric rows already logged at its step, so a run resumed from
     it drops the rows logged there after the save (see :func:`open_run`).
+    Collective: every rank calls it.
     """
     state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
              "sampler": sampler.state_dict(), **(extra or {})}
+    mine = dict(rank_extra or {})
     reward = stage.run.workflow.reward
     if hasattr(reward, "state_dict"):
-        state[REWARD_STATE_KEY] = _every_rank(reward.state_dict())
+        mine[REWARD_STATE_KEY] = reward.state_dict()
+    state[PER_RANK_KEY] = _every_rank(mine)
     global_step = stage.first_step + stage_step
     state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
     path = stage.run.ckpt.save(global_step, strategy, state, generators=generators)
     rltk.get_plugin_manager().hook.rltk_on_checkpoint(step=global_step, path=path)
     return path
+
+
+def rank_state(state: dict) -> dict:
+    """This rank's ``rank_extra`` (and reward counters) from a checkpoint's state, see :func:`save_checkpoint`.
+
+    Empty when the checkpoint holds none for this rank: written by an older
+    rltk, or by fewer processes than run now.
+    """
+    every_rank = state.get(PER_RANK_KEY) or []
+    rank = process_rank()
+    return every_rank[rank] if rank < len(every_rank) else {}
 
 
 def restore_reward_counters(reward, resume: dict) -> None:
@@ -318,11 +337,9 @@ def restore_reward_counters(reward, resume: dict) -> None:
     entry. A checkpoint without counters (older rltk, or a reward without
     ``state_dict``) leaves them counting from zero.
     """
-    saved = resume.get(REWARD_STATE_KEY)
-    rank = process_rank()
-    if saved is None or not hasattr(reward, "load_state_dict") or rank >= len(saved):
-        return
-    reward.load_state_dict(saved[rank])
+    saved = rank_state(resume).get(REWARD_STATE_KEY)
+    if saved is not None and hasattr(reward, "load_state_dict"):
+        reward.load_state_dict(saved)
 
 
 def _every_rank(obj: Any) -> list:

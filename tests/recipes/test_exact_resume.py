@@ -31,11 +31,16 @@ TINY = [f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps
         "logging.logger=[jsonl]", "logging.plot=false",
         # a second reward that fails on some samples, so the failure counters have something to carry over
         "reward.reward_fn=[exact_match,odd_length_fails]", "reward.weights={odd_length_fails: 0.0}"]
-ARGS = {
+GRPO = [*TINY, "trainer.mini_batches=2", "trainer.ppo_epochs=2", "trainer.micro_batch_size=4"]
+VARIANTS = {  # name: (recipe, overrides)
     # two mini-batches of shuffled rows and several micro-batches per step: the shuffling generator
     # and the summation order both matter
-    "grpo": [*TINY, "trainer.mini_batches=2", "trainer.ppo_epochs=2", "trainer.micro_batch_size=4"],
-    "ppo": [*TINY, "critic.warmup_steps=1"],
+    "grpo": ("grpo", GRPO),
+    # trains on 8 of each step's 16 experiences and keeps the rest for the next step: the buffer
+    # holds experiences across steps, and so across a checkpoint
+    "grpo-staleness": ("grpo", [*GRPO, "buffer.sample_strategy=staleness",
+                                "buffer.sample_strategy_args={max_staleness: 2, batch_size: 8}"]),
+    "ppo": ("ppo", [*TINY, "critic.warmup_steps=1"]),
 }
 
 
@@ -68,37 +73,39 @@ def final_weights_hash(run_dir: Path) -> str:
 
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory):
-    """The uninterrupted run of each recipe, trained once for every crash point."""
+    """The uninterrupted run of each variant, trained once for every crash point."""
     done = {}
 
-    def get(recipe: str) -> Path:
-        if recipe not in done:
-            run_dir = tmp_path_factory.mktemp(f"straight_{recipe}")
-            assert main(["run", recipe, f"output_dir={run_dir}", *ARGS[recipe]]) == 0
-            done[recipe] = run_dir
-        return done[recipe]
+    def get(variant: str) -> Path:
+        if variant not in done:
+            recipe, args = VARIANTS[variant]
+            run_dir = tmp_path_factory.mktemp(f"straight_{variant}")
+            assert main(["run", recipe, f"output_dir={run_dir}", *args]) == 0
+            done[variant] = run_dir
+        return done[variant]
 
     return get
 
 
 CRASH_STEPS = {  # RL step at which the run dies
-    "random": lambda recipe: random.Random(f"exact-resume-{recipe}").randint(1, RL_STEPS),
-    "first": lambda recipe: 1,  # right after the warm-up's last checkpoint: the stage boundary
+    "random": lambda variant: random.Random(f"exact-resume-{variant}").randint(1, RL_STEPS),
+    "first": lambda variant: 1,  # right after the warm-up's last checkpoint: the stage boundary
 }
 
 
-@pytest.mark.parametrize("recipe, when", [("grpo", "random"), ("grpo", "first"), ("ppo", "random")])
-def test_a_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_runs, recipe, when):
-    flaky_reward  # noqa: B018 - the fixture registers the reward both runs use
-    straight = straight_runs(recipe)
-    rl_step = CRASH_STEPS[when](recipe)
+@pytest.mark.parametrize("variant, when", [("grpo", "random"), ("grpo", "first"), ("grpo-staleness", "random"),
+                                           ("ppo", "random")])
+def test_a_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_runs, variant, when):
+    recipe, args = VARIANTS[variant]
+    straight = straight_runs(variant)
+    rl_step = CRASH_STEPS[when](variant)
     crashing = tmp_path / "crashing"
     with crash_at_step(SFT_STEPS + rl_step):
-        main(["run", recipe, f"output_dir={crashing}", *ARGS[recipe]])
+        main(["run", recipe, f"output_dir={crashing}", *args])
     checkpoints = [int(p.name[5:]) for p in (crashing / "checkpoints").glob("step_*")]
     resume_from = max(checkpoints)
     assert SFT_STEPS <= resume_from < SFT_STEPS + rl_step  # it died in the RL stage, past a checkpoint
-    assert main(["run", recipe, f"output_dir={crashing}", *ARGS[recipe]]) == 0
+    assert main(["run", recipe, f"output_dir={crashing}", *args]) == 0
 
     expected, resumed = numbers(straight), numbers(crashing)
     assert [r["step"] for r in resumed] == [r["step"] for r in expected], f"crash at RL step {rl_step}"
@@ -114,3 +121,5 @@ def test_a_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_run
     assert after and any(r.get("pg_loss", 0.0) != 0.0 for r in after)
     assert after[-1]["reward_fn/failures/odd_length_fails"] > after[0]["reward_fn/failures/odd_length_fails"] > 0
     assert after[0]["reward_fn/calls"] > 16  # counts from the start of the run, evaluations included
+    if variant == "grpo-staleness":  # experiences older than the step trained on after the resume point
+        assert any(r["buffer/staleness_max"] > 0 for r in after)
