@@ -41,6 +41,7 @@ from rltk.training.sft import sft_batch, sft_step
 
 PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
 REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
+WORKFLOW_STATE_KEY = "workflow"  # in each rank's dict: its workflow's state_dict()
 LOG_ROWS_KEY = "log_rows_at_step"  # checkpoint state: metric rows logged at its step before it was saved
 
 
@@ -100,7 +101,7 @@ def open_run(cfg: DictConfig) -> Run:
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
         **args_of(cfg, "rollout.workflow"))
     if resume is not None:
-        restore_reward_counters(workflow.reward, resume)
+        restore_rollout_state(workflow, resume)
 
     resume_step = resume["global_step"] if resume is not None else 0
     spans = stage_spans([(st.name, st.type, n) for st, n in zip(cfg.stages, stage_steps)])
@@ -294,9 +295,9 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
 
     ``extra`` is the recipe's JSON-able state, the same on every rank (the
     main rank's is saved). ``rank_extra`` is state that differs per rank (e.g.
-    its experience buffer): every rank's is saved, beside its cumulative reward
-    counters (see :func:`restore_reward_counters`), and :func:`rank_state` of
-    the loaded state gives a rank its own back. ``generators`` are the rank's
+    its experience buffer): every rank's is saved, beside its workflow's state
+    and cumulative reward counters (see :func:`restore_rollout_state`), and
+    :func:`rank_state` of the loaded state gives a rank its own back. ``generators`` are the rank's
     private generators by name; a recipe hands the same names to
     ``run.ckpt.load(..., generators=...)`` when it resumes. The checkpoint also
     counts the metric rows already logged at its step, so a run resumed from
@@ -306,9 +307,11 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
     state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
              "sampler": sampler.state_dict(), **(extra or {})}
     mine = dict(rank_extra or {})
-    reward = stage.run.workflow.reward
-    if hasattr(reward, "state_dict"):
-        mine[REWARD_STATE_KEY] = reward.state_dict()
+    workflow = stage.run.workflow
+    if hasattr(workflow, "state_dict"):
+        mine[WORKFLOW_STATE_KEY] = workflow.state_dict()
+    if hasattr(workflow.reward, "state_dict"):
+        mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
     state[PER_RANK_KEY] = _every_rank(mine)
     global_step = stage.first_step + stage_step
     state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
@@ -328,18 +331,21 @@ def rank_state(state: dict) -> dict:
     return every_rank[rank] if rank < len(every_rank) else {}
 
 
-def restore_reward_counters(reward, resume: dict) -> None:
-    """Let ``reward`` (the workflow's, e.g. a RewardComposer) count on from a checkpoint's state.
+def restore_rollout_state(workflow, resume: dict) -> None:
+    """Let ``workflow`` and its reward continue from a checkpoint's state, each rank from its own entry.
 
-    The logged ``reward_fn/calls``, ``failures/*`` and ``timeouts/*`` are
-    cumulative over the run, evaluations included; restored, a resumed run
-    logs the numbers the uninterrupted one would. Each rank takes its own
-    entry. A checkpoint without counters (older rltk, or a reward without
-    ``state_dict``) leaves them counting from zero.
+    The workflow's state keeps group ids unique across the resume (a sample
+    strategy may train on experiences from before it). The reward's
+    counters, logged as ``reward_fn/calls``, ``failures/*`` and
+    ``timeouts/*``, are cumulative over the run, evaluations included;
+    restored, a resumed run logs the numbers the uninterrupted one would. A
+    checkpoint without them (older rltk, or components without
+    ``state_dict``) leaves them where they start.
     """
-    saved = rank_state(resume).get(REWARD_STATE_KEY)
-    if saved is not None and hasattr(reward, "load_state_dict"):
-        reward.load_state_dict(saved)
+    saved = rank_state(resume)
+    for component, key in ((workflow, WORKFLOW_STATE_KEY), (workflow.reward, REWARD_STATE_KEY)):
+        if key in saved and hasattr(component, "load_state_dict"):
+            component.load_state_dict(saved[key])
 
 
 def _every_rank(obj: Any) -> list:

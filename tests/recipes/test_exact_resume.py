@@ -24,11 +24,14 @@ from tests.crash import crash_at_step
 
 pytestmark = pytest.mark.slow
 
-SFT_STEPS, RL_STEPS = 100, 6
+SFT_STEPS, RL_STEPS = 60, 6
 TINY = [f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "data.task_args.max_digits=1",
         "data.train_size=70", "data.eval_size=20", f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2",
-        "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=3", "checkpoint.every=2",
-        "logging.logger=[jsonl]", "logging.plot=false",
+        "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=3", "logging.logger=[jsonl]",
+        "logging.plot=false",
+        # a checkpoint every second RL step, and only two in the warm-up (its last one is the stage boundary)
+        "checkpoint.every=2", f"stages=[{{name: warmup, type: sft, overrides: {{checkpoint.every: {SFT_STEPS // 2}}}}}, "
+        "{name: rl, type: rl}]",
         # a second reward that fails on some samples, so the failure counters have something to carry over
         "reward.reward_fn=[exact_match,odd_length_fails]", "reward.weights={odd_length_fails: 0.0}"]
 GRPO = [*TINY, "trainer.mini_batches=2", "trainer.ppo_epochs=2", "trainer.micro_batch_size=4"]
@@ -88,8 +91,10 @@ def straight_runs(tmp_path_factory):
 
 
 CRASH_STEPS = {  # RL step at which the run dies
-    "random": lambda variant: random.Random(f"exact-resume-{variant}").randint(1, RL_STEPS),
-    "first": lambda variant: 1,  # right after the warm-up's last checkpoint: the stage boundary
+    # from step 3 on it resumes from a checkpoint inside the RL stage (the first is at RL step 2)
+    "random": lambda variant: random.Random(f"exact-resume-{variant}").randint(3, RL_STEPS),
+    # right after the warm-up's last checkpoint: the RL stage starts over from the stage boundary
+    "first": lambda variant: 1,
 }
 
 
@@ -104,7 +109,8 @@ def test_a_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_run
         main(["run", recipe, f"output_dir={crashing}", *args])
     checkpoints = [int(p.name[5:]) for p in (crashing / "checkpoints").glob("step_*")]
     resume_from = max(checkpoints)
-    assert SFT_STEPS <= resume_from < SFT_STEPS + rl_step  # it died in the RL stage, past a checkpoint
+    # it died in the RL stage, past the checkpoint it resumes from
+    assert resume_from == (SFT_STEPS if when == "first" else SFT_STEPS + (rl_step - 1) // 2 * 2)
     assert main(["run", recipe, f"output_dir={crashing}", *args]) == 0
 
     expected, resumed = numbers(straight), numbers(crashing)
