@@ -1,4 +1,4 @@
-"""GRPO and its relatives (Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO, CISPO) on one loop.
+"""GRPO and its relatives (Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO, CISPO, ReMax) on one loop.
 
     rltk run grpo                                  # embedded tiny default: SFT warm-up, then GRPO
     rltk run grpo algorithm.name=rloo              # another preset
@@ -10,11 +10,15 @@ The loop, as in the paper's algorithm box:
         for step in 1..N:
             rows        <- next prompts from the dataset
             experiences <- workflow(rows): n samples per prompt, each scored by the reward fns
-            batch       <- sample strategy picks what to train on; padded to tensors
+                           (+ a greedy one per prompt if the estimator needs baseline_scores;
+                           dynamic sampling: keep groups whose scores differ, refill from more rows)
+            batch       <- sample strategy picks what to train on (+ expert data); padded to tensors
             old / ref log-probs of the sampled tokens
             advantages  <- advantage_fn(batch fields it names)
             update      <- ppo_epochs x mini-batches of policy_loss (+ KL, - entropy)
-            log, evaluate on held-out prompts, checkpoint
+            log, evaluate on held-out prompts
+            guard       <- stop if the run diverged (entropy collapse, nothing trained, nan weights)
+            checkpoint
 
 Every named piece comes from the registry, so any of them is one config entry away.
 This file is a script, not a module: copy it to change the loop itself.
@@ -32,6 +36,7 @@ from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
 from rltk.recipe_utils import parse_recipe_args
+from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
 from rltk.training.resume import load_weights, save_weights_atomically
 from rltk.training.rl import (
     LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update, rollout_metrics,
@@ -46,11 +51,14 @@ from rltk.training.setup import args_of
 
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the
 # script, to refuse a component the loop cannot feed (e.g. an advantage that needs a critic's values).
-# baseline_scores are there when the workflow adds them (a ReMax-style greedy baseline).
+# baseline_scores come from one greedy response per prompt when the estimator names them (ReMax);
+# expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
 PROVIDES = {
-    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "token_rewards", "scores",
-                     "group_ids", "response_lengths", "baseline_scores", "old_logprobs", "ref_logprobs"],
+    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
+                     "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
+                     "ref_logprobs"],
     "buffer_sources": ["policy"],
+    "expert_data": True,
 }
 
 
@@ -71,6 +79,10 @@ def run_rl_stage(stage: Stage) -> None:
     loss = LossComponents.from_config(cfg)  # policy loss, aggregation, KL estimator, entropy bonus
     kl_ctl = build_kl_controller(cfg)
     buffer = ExperienceBuffer()
+    # expert responses (buffer.expert.path), for a sample strategy that mixes them in
+    buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
+    # a greedy response per prompt if the estimator needs baseline_scores; DAPO's dynamic sampling
+    plan = RolloutPlan.from_config(cfg, advantage_fn)
     sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     generator = torch.Generator().manual_seed(cfg.seed)
 
@@ -98,13 +110,15 @@ def run_rl_stage(stage: Stage) -> None:
     for step in range(start + 1, t.total_steps + 1):
         tick = time.perf_counter()
         # rollout: every rank draws the same global batch of prompts and samples its share of it
-        experiences = workflow.run(sampler.next_batch()[strategy.rank :: strategy.world_size])
+        # (under dynamic sampling more batches, until enough groups have differing scores)
+        experiences, collect_metrics = collect_experiences(workflow, sampler, plan, strategy)
         buffer.put(experiences, step)
-        experiences = sample_strategy.sample(buffer, step)
+        experiences = sample_strategy.sample(buffer, step) if experiences else []
         # e.g. every group filtered out as all-equal: nothing to learn from. Ranks stay in lockstep,
         # so when any rank has nothing, every rank skips the step.
         if any_rank(strategy, not experiences):
-            run.metric_log.log({"skipped_empty_batch": 1.0, **sample_strategy.metrics()}, stage.first_step + step)
+            run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **sample_strategy.metrics()},
+                               stage.first_step + step)
             continue
         batch = collate(experiences, run.tokenizer.pad_token_id)
 
@@ -136,11 +150,15 @@ def run_rl_stage(stage: Stage) -> None:
 
         # log
         elapsed = time.perf_counter() - tick
-        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed, strategy), "kl_coef": kl_ctl.value,
+        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed, strategy), **collect_metrics,
+                   "kl_coef": kl_ctl.value,
                    **kl_metrics, **update_metrics}
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
             metrics.update(evaluate(workflow, run.eval_rows, cfg))
         run.metric_log.log(metrics, stage.first_step + step)
+
+        # guard: stop with a clear message if the run has diverged (entropy collapse, nothing trained, nan weights)
+        stage.guard.observe(metrics, step, strategy)
 
         # checkpoint
         if should_checkpoint(cfg, step, t.total_steps):

@@ -20,7 +20,9 @@ arXiv:1707.06347):
             update      <- critic: ppo_epochs x mini-batches of the clipped value loss (every step)
                            policy: the same over the clipped policy loss (after critic.warmup_steps)
             kl_coef     <- fixed, or adapted towards algorithm.kl_target
-            log, evaluate on held-out prompts, checkpoint (policy and critic in one folder)
+            log, evaluate on held-out prompts
+            guard       <- stop if the run diverged (entropy collapse, nothing trained, nan weights)
+            checkpoint (policy and critic in one folder)
 
 Policy and critic have separate strategies and optimizers. Every named piece
 comes from the registry, so any of them is one config entry away. This file is
@@ -43,6 +45,7 @@ from rltk.training.ppo import (
     PolicyAndCritic, batched_values, build_critic, build_critic_strategy, check_critic_config, critic_update,
     updates_per_step,
 )
+from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
 from rltk.training.resume import load_weights, save_weights_atomically
 from rltk.training.rl import (
     LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update, rollout_metrics,
@@ -57,11 +60,14 @@ from rltk.training.setup import args_of, stage_config
 
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the
 # script, to refuse a component the loop cannot feed (e.g. a sample strategy that waits for expert data).
-# baseline_scores are there when the workflow adds them (a ReMax-style greedy baseline).
+# baseline_scores come from one greedy response per prompt when the estimator names them (ReMax);
+# expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
 PROVIDES = {
-    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "token_rewards", "scores",
-                     "group_ids", "response_lengths", "baseline_scores", "old_logprobs", "ref_logprobs", "values"],
+    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
+                     "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
+                     "ref_logprobs", "values"],
     "buffer_sources": ["policy"],
+    "expert_data": True,
 }
 
 
@@ -89,6 +95,10 @@ def run_ppo_stage(stage: Stage) -> None:
     loss = LossComponents.from_config(cfg)  # policy loss, aggregation, KL estimator, entropy bonus
     kl_ctl = build_kl_controller(cfg)
     buffer = ExperienceBuffer()
+    # expert responses (buffer.expert.path), for a sample strategy that mixes them in
+    buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
+    # a greedy response per prompt if the estimator needs baseline_scores; DAPO's dynamic sampling
+    plan = RolloutPlan.from_config(cfg, advantage_fn)
     sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     generator = torch.Generator()  # mini-batch shuffling; reseeded every step, so a resumed run draws the same
 
@@ -118,13 +128,15 @@ def run_ppo_stage(stage: Stage) -> None:
         tick = time.perf_counter()
         generator.manual_seed(cfg.seed * 1_000_003 + step)
         # rollout: every rank draws the same global batch of prompts and samples its share of it
-        experiences = workflow.run(sampler.next_batch()[strategy.rank :: strategy.world_size])
+        # (under dynamic sampling more batches, until enough groups have differing scores)
+        experiences, collect_metrics = collect_experiences(workflow, sampler, plan, strategy)
         buffer.put(experiences, step)
-        experiences = sample_strategy.sample(buffer, step)
+        experiences = sample_strategy.sample(buffer, step) if experiences else []
         # e.g. every group filtered out: nothing to learn from. Ranks stay in lockstep, so when
         # any rank has nothing, every rank skips the step.
         if any_rank(strategy, not experiences):
-            run.metric_log.log({"skipped_empty_batch": 1.0, **sample_strategy.metrics()}, stage.first_step + step)
+            run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **sample_strategy.metrics()},
+                               stage.first_step + step)
             continue
         batch = collate(experiences, run.tokenizer.pad_token_id)
 
@@ -164,13 +176,17 @@ def run_ppo_stage(stage: Stage) -> None:
 
         # log
         elapsed = time.perf_counter() - tick
-        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed, strategy), "kl_coef": kl_ctl.value,
+        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed, strategy), **collect_metrics,
+                   "kl_coef": kl_ctl.value,
                    "policy_updated": float(policy_updated),
                    "returns_mean": global_masked_mean(batch["returns"], mask, strategy),
                    **kl_metrics, **update_metrics}
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
             metrics.update(evaluate(workflow, run.eval_rows, cfg))
         run.metric_log.log(metrics, stage.first_step + step)
+
+        # guard: stop with a clear message if the run has diverged (entropy collapse, nothing trained, nan weights)
+        stage.guard.observe(metrics, step, strategies)
 
         # checkpoint: policy, critic and the loop's position in one atomic folder
         if should_checkpoint(cfg, step, t.total_steps):

@@ -1,8 +1,10 @@
 """rltk: composable reinforcement-learning components for LLM post-training."""
 
 from rltk.registry import (
+    LifecycleHookError,
     RegistryError,
     PluginLoadError,
+    call_lifecycle_hook,
     get_component,
     get_plugin_manager,
     hookimpl,
@@ -15,8 +17,10 @@ from rltk.registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "LifecycleHookError",
     "RegistryError",
     "PluginLoadError",
+    "call_lifecycle_hook",
     "get_component",
     "get_plugin_manager",
     "hookimpl",

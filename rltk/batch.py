@@ -9,6 +9,8 @@ reads::
     response_mask   [B, T]      1 on tokens the policy produced (0 on padding and
                                 on environment/tool tokens inside a response)
     rollout_logprobs[B, T]      log-probs the rollout engine sampled with (0 if absent)
+    has_rollout_logprobs[B]     bool; False for experiences without them (e.g. expert data),
+                                whose zeros above are no log-probs
     token_rewards   [B, T]      the scalar reward on the last response token
     scores          [B]         the scalar reward
     group_ids       [B]         int64; responses of one prompt share an id
@@ -88,6 +90,7 @@ def collate(experiences: list[Experience], pad_token_id: int) -> dict[str, torch
         "attention_mask": attention_mask,
         "response_mask": response_mask,
         "rollout_logprobs": rollout_logprobs,
+        "has_rollout_logprobs": torch.tensor([e.rollout_logprobs is not None for e in experiences], dtype=torch.bool),
         "token_rewards": token_rewards,
         "scores": torch.tensor([e.score for e in experiences], dtype=torch.float32),
         "group_ids": torch.tensor([e.group_id for e in experiences], dtype=torch.long),

@@ -1,7 +1,10 @@
 """The ``rltk`` command line: list, plugins, validate, run, export.
 
-Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors
-(message on stderr, no traceback).
+Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors,
+3 a run stopped by the divergence guard (``guard.*``: entropy collapse,
+nothing trained, non-finite weights). 2 and 3 print a message on stderr, no
+traceback. A plugin's lifecycle hook that raises stops a run with exit code
+1: the plugin's traceback, then one line naming the plugin and the hook.
 
 ``validate`` and ``run`` take a config the same way: a recipe (shipped name
 or script path), ``--config FILE`` (repeatable; replaces the recipe's own
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import runpy
 import sys
+import traceback
 from importlib import resources
 from pathlib import Path
 
@@ -20,7 +24,10 @@ import rltk
 from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.recipe_utils import recipe_spec
-from rltk.registry import KINDS, RegistryError, get_registry, list_components, unknown_name_message
+from rltk.registry import (
+    KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
+)
+from rltk.training.guard import EXIT_DIVERGED, TrainingDiverged
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -232,6 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TrainingDiverged as exc:
+        print(f"rltk: error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except LifecycleHookError as exc:
+        # The plugin's own frames are what its author needs; rltk's training loop above them is not.
+        cause = exc.__cause__
+        if cause is not None:
+            print("".join(traceback.format_exception(cause)).rstrip(), file=sys.stderr)
+        print(f"rltk: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("rltk: interrupted", file=sys.stderr)
         return 130

@@ -9,7 +9,11 @@ spec offers, so specs can grow without breaking plugins.
 Component hooks take no arguments and return ``{name: component}``. The
 returned names are what configs refer to (``algorithm.advantage_fn=rloo``).
 Two plugins returning one name is an error naming both, unless the later one
-wraps its component in :func:`rltk.override`.
+wraps its component in :func:`rltk.override`. Registration also refuses, naming
+the plugin: a component that is not callable (a preset that is not a dict), a
+function named ``rltk_*`` that matches no spec below (a typo would register
+nothing), an implementation with a required argument its spec does not pass,
+and a lifecycle hook without ``@rltk.hookimpl`` (it would never be called).
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ def rltk_advantage_fns() -> dict:
     Called once when the registry loads. Return ``{name: fn}``; ``fn`` is
     called with keyword arguments only: the batch fields it names in its
     signature (``token_rewards``, ``response_mask``, ``group_ids``,
-    ``values``, ``scores`` ...) plus its configured arguments, and returns
-    ``(advantages, returns)``, both ``[B, T]`` and zero outside the mask.
+    ``values``, ``scores``, ``old_logprobs`` ...; ``reward_components`` and
+    ``sum_pi_squared`` where the recipe fills them) plus its configured
+    arguments, and returns ``(advantages, returns)``, both ``[B, T]`` and zero
+    outside the mask. A required field the recipe does not fill is a
+    validation error naming it.
     """
 
 
@@ -41,7 +48,9 @@ def rltk_kl_penalty_fns() -> dict:
     """Register KL penalty estimators (kind ``kl_penalty_fn``).
 
     Return ``{name: fn}`` with ``fn(logprobs, ref_logprobs, **args) -> [B, T]``
-    giving a per-token KL estimate.
+    giving a per-token KL estimate. An estimator that corrects for off-policy
+    samples may also take ``old_logprobs=`` (the behaviour policy's log-probs
+    of the same tokens, passed by the caller, never set in a config).
     """
 
 
@@ -87,6 +96,11 @@ def rltk_reward_fns() -> dict:
     Return ``{name: fn}`` with ``fn(*, prompt, response, ground_truth,
     extras, **args) -> float | dict[str, float]``. A dict names several
     scores; its ``"score"`` entry (or the sum) is the reward.
+
+    Unless marked :func:`rltk.rewards.bounded` (work capped on any input,
+    run in-process), ``fn`` runs in worker processes under
+    ``reward.timeout_s``, so it must be importable: a top-level function of
+    the plugin's module, not a lambda or closure.
     """
 
 
@@ -96,7 +110,9 @@ def rltk_workflows() -> dict:
 
     Return ``{name: cls}``; the recipe constructs ``cls(engine=...,
     tokenizer=..., reward=..., sampling=..., **args)`` and calls
-    ``run(rows) -> list[rltk.batch.Experience]``.
+    ``run(rows) -> list[rltk.batch.Experience]``, or ``run(rows,
+    greedy_baseline=True)`` when the advantage estimator needs
+    ``baseline_scores`` (a workflow without that argument cannot serve it).
     """
 
 
@@ -146,7 +162,12 @@ def rltk_loggers() -> dict:
 
 
 # --------------------------------------------------------------------------
-# Lifecycle (called by recipes; every implementation runs)
+# Lifecycle (called by recipes through rltk.call_lifecycle_hook; every
+# implementation runs, the last registered first). A lifecycle hook may stop a
+# run: an exception it raises ends the run as rltk.LifecycleHookError naming
+# the plugin, the hook and the step (exit code 1 under `rltk run`), with the
+# checkpoints written so far kept for a resume. A hook that must never stop
+# training catches its own errors.
 # --------------------------------------------------------------------------
 
 

@@ -67,7 +67,8 @@ def _spec_of(script: Path) -> RecipeSpec:
     def field(key: str) -> frozenset[str] | None:
         return frozenset(provides[key]) if key in provides else None
 
-    return RecipeSpec(script.stem, batch_fields=field("batch_fields"), buffer_sources=field("buffer_sources"))
+    return RecipeSpec(script.stem, batch_fields=field("batch_fields"), buffer_sources=field("buffer_sources"),
+                      expert_data=bool(provides.get("expert_data", False)))
 
 
 def recipe_spec(script: str | Path) -> RecipeSpec:
@@ -76,9 +77,11 @@ def recipe_spec(script: str | Path) -> RecipeSpec:
     A recipe declares it as a top-level literal, read here with ``ast`` so that
     validating never runs the script::
 
-        PROVIDES = {"batch_fields": ["input_ids", ..., "values"], "buffer_sources": ["policy"]}
+        PROVIDES = {"batch_fields": ["input_ids", ..., "values"], "buffer_sources": ["policy"],
+                    "expert_data": True}
 
-    A key it leaves out is not checked. The recipes beside it (``*.py`` in its
+    ``expert_data`` says it puts ``buffer.expert.path``'s experiences in the
+    buffer. A key it leaves out is not checked (``expert_data``: false). The recipes beside it (``*.py`` in its
     folder) come along as ``others``, so an error can name one that serves
     what is missing.
     """
@@ -88,4 +91,4 @@ def recipe_spec(script: str | Path) -> RecipeSpec:
         if p.resolve() != script.resolve() and not p.name.startswith("_")
     ) if script.parent.is_dir() else ()
     spec = _spec_of(script)
-    return RecipeSpec(spec.name, spec.batch_fields, spec.buffer_sources, others)
+    return RecipeSpec(spec.name, spec.batch_fields, spec.buffer_sources, others, spec.expert_data)

@@ -12,6 +12,8 @@ import importlib.metadata as importlib_metadata
 import inspect
 import os
 import threading
+import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +46,9 @@ BATCH_FIELDS = frozenset(
         "input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
         "logprobs", "values", "token_rewards", "scores", "group_ids", "advantages",
         "returns", "baseline_scores", "response_lengths",
+        # optional inputs of some estimators, filled by the recipe when one asks for them:
+        # reward_components [B, K] (gdpo), sum_pi_squared [B, T] (optimal_token_baseline)
+        "reward_components", "sum_pi_squared",
     }
 )
 
@@ -52,7 +57,7 @@ KINDS: dict[str, Kind] = {
     for k in [
         Kind("advantage_fn", "rltk_advantage_fns", "advantage estimators", BATCH_FIELDS),
         Kind("kl_penalty_fn", "rltk_kl_penalty_fns", "per-token KL estimators",
-             frozenset({"logprobs", "ref_logprobs"})),
+             frozenset({"logprobs", "ref_logprobs", "old_logprobs"})),
         Kind("loss_agg", "rltk_loss_aggs", "loss aggregations",
              frozenset({"loss_mat", "mask", "global_tokens", "global_seqs"})),
         Kind("policy_loss", "rltk_policy_losses", "policy losses",
@@ -74,12 +79,29 @@ KINDS: dict[str, Kind] = {
 }
 
 
+#: Hooks that register components: read by name (``Registry.collect``), marked or not.
+COMPONENT_HOOKS = frozenset(kind.hook for kind in KINDS.values())
+
+
 class RegistryError(LookupError):
     """A component, kind or plugin problem; the message says what is valid."""
 
 
 class PluginLoadError(RegistryError):
     """A plugin's entry point failed to import or to register."""
+
+
+class LifecycleHookError(RuntimeError):
+    """A plugin's lifecycle hook (``rltk_on_*``) raised: the run stops here.
+
+    The message names the plugin and the hook; the plugin's own exception is
+    chained as ``__cause__`` (``plugin`` and ``hook`` are attributes too).
+    """
+
+    def __init__(self, message: str, plugin: str | None, hook: str):
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
 
 
 class Override:
@@ -159,8 +181,12 @@ class Registry:
         self.plugins: dict[str, PluginInfo] = {}
 
     def collect(self, plugin: object, info: PluginInfo) -> None:
-        """Record what ``plugin`` registers; a name clash names both plugins."""
-        self.plugins[info.name] = info
+        """Record what ``plugin`` registers; a name clash names both plugins.
+
+        All or nothing: a plugin that fails any check registers none of its
+        components, so a caller that catches the error keeps a consistent registry.
+        """
+        added: list[Entry] = []
         for kind in KINDS.values():
             impl = getattr(plugin, kind.hook, None)
             if impl is None:
@@ -181,6 +207,11 @@ class Registry:
                 )
             for name, obj in provided.items():
                 replaced = None
+                if not isinstance(name, str) or not name:
+                    raise PluginLoadError(
+                        f"plugin '{info.name}': {kind.hook}() returned the name {name!r}; names are the non-empty "
+                        f"strings configs use (e.g. {{'my_{kind.name}': ...}})"
+                    )
                 if isinstance(obj, Override):
                     obj = obj.component
                     replaced = self.entries[kind.name].get(name)
@@ -196,10 +227,12 @@ class Registry:
                         f"'{info.name}'. Rename one, or return rltk.override(component) from "
                         f"'{info.name}' if it is meant to replace the other."
                     )
-                self.entries[kind.name][name] = Entry(
-                    kind.name, name, obj, info.name, replaced.plugin if replaced else None
-                )
-                info.components.setdefault(kind.name, []).append(name)
+                _check_component(kind, name, obj, info.name)
+                added.append(Entry(kind.name, name, obj, info.name, replaced.plugin if replaced else None))
+        self.plugins[info.name] = info
+        for entry in added:
+            self.entries[entry.kind][entry.name] = entry
+            info.components.setdefault(entry.kind, []).append(entry.name)
 
     def kind(self, kind: str) -> Kind:
         if kind not in KINDS:
@@ -212,6 +245,96 @@ class Registry:
         if name not in table:
             raise RegistryError(unknown_name_message(kind, name, list(table), where))
         return table[name]
+
+
+def _check_component(kind: Kind, name: str, obj: Any, plugin: str) -> None:
+    """Refuse at registration what could only fail later, on every call: a preset that is not a
+    mapping, any other component that is not callable."""
+    if kind.name == "algorithm":
+        if not isinstance(obj, Mapping):
+            raise PluginLoadError(
+                f"plugin '{plugin}': {kind.hook}() registers algorithm preset '{name}' as "
+                f"{type(obj).__name__} {obj!r:.60}; a preset is a dict of algorithm.* defaults"
+            )
+    elif not callable(obj):
+        raise PluginLoadError(
+            f"plugin '{plugin}': {kind.hook}() registers {kind.name} '{name}' as {type(obj).__name__} "
+            f"{obj!r:.60}, which cannot be called; return the function or class itself, "
+            f"{{'{name}': my_{kind.name}}}"
+        )
+
+
+def _spec_arguments() -> dict[str, list[str]]:
+    """Every hook spec's name and argument names."""
+    return {
+        name: list(inspect.signature(fn).parameters)
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if name.startswith("rltk_")
+    }
+
+
+def _check_hooks(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Refuse what pluggy would take silently or report as a bare traceback.
+
+    * a function named ``rltk_*`` that matches no hook spec (a misspelt
+      ``rltk_reward_fnz`` would register nothing);
+    * an implementation with a required argument its spec does not offer;
+    * a lifecycle hook without ``@rltk.hookimpl`` (pluggy would never call it;
+      component hooks are read by name and work either way).
+
+    Raises :class:`PluginLoadError` naming the plugin, the hook and what is valid.
+    """
+    specs = _spec_arguments()
+    for attr in dir(plugin):
+        if not attr.startswith("rltk_"):
+            continue
+        try:
+            fn = getattr(plugin, attr)
+        except Exception:  # a lazy attribute that fails to load is not a hook
+            continue
+        marked = pm.parse_hookimpl_opts(plugin, attr) is not None
+        if not (marked or inspect.isroutine(fn)):
+            continue
+        if attr not in specs:
+            raise PluginLoadError(
+                f"plugin '{name}' defines {attr}(), which is not an rltk hook, so it would never be called."
+                f"{did_you_mean(attr, list(specs))} Hooks: {', '.join(sorted(specs))} (rltk/hookspecs.py; a hook "
+                f"of a newer rltk needs that version)"
+            )
+        if attr not in COMPONENT_HOOKS and not marked:
+            raise PluginLoadError(
+                f"plugin '{name}' defines {attr}() without @rltk.hookimpl, so rltk would never call it; "
+                f"decorate it with @rltk.hookimpl"
+            )
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        required = [p.name for p in params if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        unknown = [a for a in required if a not in specs[attr]]
+        if unknown:
+            offered = f"({', '.join(specs[attr])})" if specs[attr] else "no arguments"
+            raise PluginLoadError(
+                f"plugin '{name}': {attr}() takes {', '.join(repr(a) for a in unknown)}, which the hook does not "
+                f"pass; {attr} offers {offered}. An implementation may take any subset of them"
+            )
+
+
+def _register(registry: Registry, module: object, info: PluginInfo) -> None:
+    """Check ``module``'s hooks, register it with pluggy and collect its components, or raise
+    :class:`PluginLoadError` leaving the registry as it was."""
+    pm = registry.pm
+    _check_hooks(pm, module, info.name)
+    try:
+        pm.register(module, name=info.name)
+    except pluggy.PluginValidationError as exc:  # what _check_hooks does not foresee, still named
+        raise PluginLoadError(f"plugin '{info.name}' (distribution '{info.distribution}'): {exc}") from exc
+    try:
+        registry.collect(module, info)
+    except BaseException:
+        pm.unregister(name=info.name)
+        raise
 
 
 def _load_entry_points(pm: pluggy.PluginManager, registry: Registry, builtins_only: bool) -> None:
@@ -240,9 +363,8 @@ def _load_entry_points(pm: pluggy.PluginManager, registry: Registry, builtins_on
                 f"or set RLTK_DISABLE_PLUGIN_AUTOLOAD=1 to load builtins only."
             ) from exc
         plugin_name = f"{dist}:{ep.name}"
-        pm.register(module, name=plugin_name)
         version = ep.dist.version if ep.dist else "?"
-        registry.collect(module, PluginInfo(plugin_name, dist, version, ep.value))
+        _register(registry, module, PluginInfo(plugin_name, dist, version, ep.value))
 
 
 _lock = threading.Lock()
@@ -272,8 +394,7 @@ def register_plugin(module: object, name: str | None = None) -> None:
     """Register an in-process plugin (tests, notebooks) as if it came from an entry point."""
     registry = get_registry()
     name = name or getattr(module, "__name__", repr(module))
-    registry.pm.register(module, name=name)
-    registry.collect(module, PluginInfo(name, "<in-process>", "", getattr(module, "__name__", "")))
+    _register(registry, module, PluginInfo(name, "<in-process>", "", getattr(module, "__name__", "")))
 
 
 def unregister_plugin(name: str) -> None:
@@ -287,6 +408,53 @@ def unregister_plugin(name: str) -> None:
                 e = registry.entries[kind].get(n)
                 if e is not None and e.plugin == name:
                     del registry.entries[kind][n]
+
+
+def call_lifecycle_hook(hook: str, **kwargs: Any) -> list:
+    """Call every plugin's implementation of lifecycle hook ``hook`` (``rltk_on_step_end`` ...).
+
+    Policy: a lifecycle hook may stop a run. Whatever an implementation raises
+    (other than ``KeyboardInterrupt``/``SystemExit``, which pass through) ends
+    the run as a :class:`LifecycleHookError` that names the plugin, the hook
+    and the step, with the plugin's exception chained; implementations after
+    it are not called. Checkpoints written before it stay, so the run can be
+    resumed. A hook that must never stop training catches its own errors.
+    """
+    caller = getattr(get_plugin_manager().hook, hook)
+    try:
+        return caller(**kwargs)
+    except Exception as exc:
+        impls = caller.get_hookimpls()
+        culprit = _raising_hookimpl(exc, impls)
+        at = f" at step {kwargs['step']}" if "step" in kwargs else ""
+        if culprit is not None:
+            who, plugin = f"plugin '{culprit.plugin_name}'", culprit.plugin_name
+        else:  # raised outside any implementation's own code (e.g. pluggy calling it)
+            plugin = None
+            who = "one of the plugins " + ", ".join(f"'{i.plugin_name}'" for i in impls)
+        raise LifecycleHookError(
+            f"{who} raised in its {hook} hook{at}: {type(exc).__name__}: {exc}. A lifecycle hook that raises "
+            f"stops the run (checkpoints written so far are kept; fix the plugin and resume, or uninstall it)",
+            plugin, hook,
+        ) from exc
+
+
+def _raising_hookimpl(exc: BaseException, impls: list) -> Any:
+    """The implementation whose own code is on ``exc``'s traceback (the outermost one), if any.
+
+    Code shared by several implementations (one factory's closures, a decorator
+    without ``functools.wraps``) identifies none of them, so it is skipped.
+    """
+    by_code: dict[Any, list] = {}
+    for impl in impls:
+        code = getattr(inspect.unwrap(impl.function), "__code__", None)
+        if code is not None:
+            by_code.setdefault(code, []).append(impl)
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        owners = by_code.get(frame.f_code, [])
+        if len(owners) == 1:
+            return owners[0]
+    return None
 
 
 def get_component(kind: str, name: str) -> Any:

@@ -124,7 +124,8 @@ def test_run_with_a_yaml_in_place_of_the_recipe_says_how_to_pass_it(tmp_path):
     ("model.path={missing}", "bad value '{missing}' for 'model.path': the folder does not exist"),
     ("model.path={file}", "bad value '{file}' for 'model.path': it is a file, not a model folder"),
     ("buffer.sample_strategy=mix_expert", "'buffer.sample_strategy'='mix_expert' reads experiences of buffer "
-                                          "source(s) 'expert', which recipe 'grpo' never fills"),
+                                          "source(s) 'expert', which recipe 'grpo' fills only from a dataset of "
+                                          "expert responses: set buffer.expert.path="),
     ("algorithm.name=ppo", "'algorithm.advantage_fn'='gae' (the advantage_fn of algorithm.name='ppo') needs "
                            "batch field(s) 'values', which recipe 'grpo' does not provide"),
     ("seed=4294967296", "bad value 4294967296 for 'seed': must be an integer in [0, 2**32 - 1"),

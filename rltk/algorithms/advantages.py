@@ -8,21 +8,29 @@ and returns ``(advantages, returns)``, both ``[B, T]`` float32 and zero outside
 
 Batch fields an estimator may declare (``T`` is the response width):
 
-==================  ========  ===================================================
-``token_rewards``   ``[B,T]`` per-token reward; an outcome reward sits on the last
-                              response token, a KL penalty folded into the reward
-                              (:func:`rltk.algorithms.kl.apply_kl_penalty`) on
-                              every policy token
-``response_mask``   ``[B,T]`` 1 on tokens the policy produced, 0 on padding and on
-                              environment/tool tokens inside a response
-``group_ids``       ``[B]``   int64; responses to one prompt share an id. Ids need
-                              not be contiguous, sorted or adjacent
-``values``          ``[B,T]`` critic value of the state before each token
-``baseline_scores`` ``[B]``   ReMax: the reward of the greedy response
-==================  ========  ===================================================
+=====================  ========  ===================================================
+``token_rewards``      ``[B,T]`` per-token reward; an outcome reward sits on the last
+                                 response token, a KL penalty folded into the reward
+                                 (:func:`rltk.algorithms.kl.apply_kl_penalty`) on
+                                 every policy token
+``response_mask``      ``[B,T]`` 1 on tokens the policy produced, 0 on padding and on
+                                 environment/tool tokens inside a response
+``group_ids``          ``[B]``   int64; responses to one prompt share an id. Ids need
+                                 not be contiguous, sorted or adjacent
+``values``             ``[B,T]`` critic value of the state before each token
+``baseline_scores``    ``[B]``   ReMax: the reward of the greedy response
+``old_logprobs``       ``[B,T]`` the behaviour policy's log-probs of the sampled tokens
+``reward_components``  ``[B,K]`` gdpo: the unweighted score of each of the K reward
+                                 functions (config order); filled only where a
+                                 recipe provides it
+``sum_pi_squared``     ``[B,T]`` optimal_token_baseline: ``sum_v pi(v)^2`` of each
+                                 token's distribution under the behaviour policy;
+                                 filled only where a recipe provides it
+=====================  ========  ===================================================
 
 Conventions of the outcome (critic-free) estimators ``grpo``, ``rloo``,
-``reinforce_plus_plus_baseline``, ``remax`` and ``opo``:
+``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``grpo_passk``, ``gdpo``
+and ``gpg`` (``optimal_token_baseline`` keeps the group conventions, per token):
 
 * A response's return is ``R_i = sum_t token_rewards[i, t]`` over the whole
   row, so a reward the workflow placed on an environment token still counts and
@@ -61,6 +69,10 @@ __all__ = [
     "reinforce_plus_plus_baseline",
     "remax",
     "opo",
+    "grpo_passk",
+    "gdpo",
+    "gpg",
+    "optimal_token_baseline",
     "masked_whiten",
     "discounted_returns",
 ]
@@ -699,6 +711,303 @@ def opo(
     return _sequence_level(advantage, returns, weights)
 
 
+def _group_std(centred: torch.Tensor, sizes: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Unbiased (``1/(n-1)``) group std of each response's group from its centred returns; 0 for groups of one."""
+    squared = _group_sum(centred**2, inverse, n_groups)[inverse]
+    return (squared / (sizes - 1).clamp(min=1)).sqrt()
+
+
+def grpo_passk(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k advantage: only a group's strict best response is credited, A = (R_max - R_second) / (std + eps).
+
+    For group ``g`` with returns sorted ``R_(1) >= R_(2) >= ...``::
+
+        A_i = (R_(1) - R_(2)) / (std_g(R) + eps)   if i is the unique best of g   (norm_by_std=True)
+        A_i =  R_(1) - R_(2)                       ditto                          (norm_by_std=False)
+        A_i = 0                                    for every other response
+
+    on every policy token of ``i``. This is the gradient of the group's
+    maximum reward, the objective of pass@k-style inference (sample k, keep
+    the best): only the best response's contribution to the maximum changes
+    when its probability changes. ``std_g`` is the unbiased group std, as in
+    ``grpo``. A tie at the top (two best responses within float32 rounding,
+    ``EQUAL_WITHIN_ULPS``), an all-equal group and a group of one give 0
+    everywhere. Deliberate difference from verl: verl raises for a group of
+    one; here it is 0, like every group estimator in rltk.
+
+    Paper: Tang et al. 2025, "Optimizing Language Models for Inference Time
+    Objectives using Reinforcement Learning", arXiv:2503.19595.
+
+    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "grpo_passk", {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"group_ids": group_ids},
+    )
+    returns = _sequence_returns(token_rewards)
+    inverse, counts = _group_index(group_ids)
+    n_groups = counts.numel()
+    sizes = counts[inverse].to(torch.float64)
+    best = torch.empty(n_groups, dtype=returns.dtype, device=returns.device).scatter_reduce_(
+        0, inverse, returns, reduce="amax", include_self=False
+    )[inverse]
+    tolerance = EQUAL_WITHIN_ULPS * torch.finfo(torch.float32).eps * best.abs()
+    at_top = returns >= best - tolerance
+    n_at_top = _group_sum(at_top.to(torch.float64), inverse, n_groups)[inverse]
+    # The best of the rest: the largest return below the top (-inf when there is none).
+    below = torch.where(at_top, -torch.inf, returns)
+    second = torch.full((n_groups,), -torch.inf, dtype=returns.dtype, device=returns.device).scatter_reduce_(
+        0, inverse, below, reduce="amax", include_self=True
+    )[inverse]
+    credited = at_top & (n_at_top == 1) & (sizes > 1)
+    advantage = torch.where(credited, best - second, 0.0)
+    if norm_by_std:
+        centred = returns - _group_sum(returns, inverse, n_groups)[inverse] / sizes
+        advantage = advantage / (_group_std(centred, sizes, inverse, n_groups) + eps)
+    return _sequence_level(advantage, returns, response_mask)
+
+
+def gdpo(
+    *,
+    reward_components: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    reward_weights: list[float] | None = None,
+    norm_by_std: bool = True,
+    whiten: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: normalise each reward within its group first, then sum: A = whiten(sum_k w_k grpo(r_k)).
+
+    With ``r_ik`` the k-th named reward of response ``i`` (``reward_components``)::
+
+        a_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)       per reward k   (norm_by_std=False: no division)
+        a_i  = sum_k w_k a_ik                                   w = reward_weights (default all 1)
+        A_i  = (a_i - mean_batch(a)) / (std_batch(a) + 1e-8)   over every policy token   (whiten=True)
+
+    on every policy token of ``i``. Summing rewards before normalising (GRPO)
+    lets the reward with the largest spread drown the others and collapses
+    distinct reward combinations onto one advantage; normalising each one
+    within its group keeps every signal at unit scale. Per reward, groups of
+    one and groups where that reward is all equal give ``a_ik = 0`` (as in
+    ``grpo``); batch whitening then maps ``a_i = 0`` to the common shift
+    ``-mean/std``, and ``whiten=False`` keeps it exactly 0. ``returns`` are
+    ``sum_k w_k r_ik``.
+
+    **Input.** ``reward_components`` ``[B, K]`` float: column ``k`` is the
+    unweighted score of the k-th reward function of ``reward.reward_fn``, in
+    config order (each experience's ``reward_details[name]``). The batch must
+    carry it; ``reward_weights`` (length ``K``) weighs the normalised
+    advantages, not the raw rewards.
+
+    Deliberate differences from verl: a group of one gives 0 (verl's grpo
+    step passes the raw score through), and the batch std is the population
+    std over policy tokens (verl's ``masked_whiten`` uses Bessel's correction
+    over tokens; the two differ by a factor ``sqrt(n / (n - 1))`` for ``n``
+    tokens).
+
+    Paper: "GDPO: Group reward-Decoupled Normalization Policy Optimization",
+    arXiv:2601.05242.
+
+    Shape: (B, K), (B, T), (B,) -> (B, T), (B, T).
+    """
+    if reward_components.dim() != 2 or reward_components.shape[1] == 0:
+        raise ValueError(
+            f"gdpo: reward_components must be a [B, K] tensor with K >= 1 named rewards per response "
+            f"(column k = the k-th reward of reward.reward_fn), got shape {tuple(reward_components.shape)}"
+        )
+    B, K = reward_components.shape
+    _check_inputs("gdpo", {"response_mask": response_mask}, {"group_ids": group_ids})
+    if response_mask.shape[0] != B:
+        raise ValueError(
+            f"gdpo: reward_components has {B} rows but response_mask {tuple(response_mask.shape)} has "
+            f"{response_mask.shape[0]}; both need one row per response"
+        )
+    if reward_weights is None:
+        weights = torch.ones(K, dtype=torch.float64, device=reward_components.device)
+    else:
+        weights = torch.as_tensor(list(reward_weights), dtype=torch.float64, device=reward_components.device)
+        if weights.dim() != 1 or weights.numel() != K or not torch.isfinite(weights).all():
+            raise ValueError(
+                f"gdpo: reward_weights must be {K} finite numbers, one per column of reward_components, "
+                f"got {list(reward_weights)!r}"
+            )
+    rewards = reward_components.detach().to(torch.float64)  # [B, K]
+    inverse, counts = _group_index(group_ids)
+    n_groups = counts.numel()
+    sizes = counts[inverse].to(torch.float64)[:, None]  # [B, 1]
+    index = inverse[:, None].expand(B, K)
+    sums = torch.zeros(n_groups, K, dtype=torch.float64, device=rewards.device).index_add_(0, inverse, rewards)
+    centred = rewards - sums[inverse] / sizes
+    lowest = torch.empty(n_groups, K, dtype=torch.float64, device=rewards.device).scatter_reduce_(
+        0, index, rewards, reduce="amin", include_self=False
+    )
+    highest = torch.empty(n_groups, K, dtype=torch.float64, device=rewards.device).scatter_reduce_(
+        0, index, rewards, reduce="amax", include_self=False
+    )
+    tolerance = EQUAL_WITHIN_ULPS * torch.finfo(torch.float32).eps * torch.maximum(lowest.abs(), highest.abs())
+    constant = (highest - lowest <= tolerance)[inverse]  # [B, K]; also true for groups of one
+    centred = torch.where(constant, 0.0, centred)
+    if norm_by_std:
+        squared = torch.zeros(n_groups, K, dtype=torch.float64, device=rewards.device).index_add_(
+            0, inverse, centred**2
+        )[inverse]
+        centred = centred / ((squared / (sizes - 1).clamp(min=1)).sqrt() + eps)
+    combined = centred @ weights  # [B]
+    if whiten:
+        combined = _whiten_sequences(combined, _policy_weights(response_mask).sum(-1).to(torch.float64), 1e-8)
+    return _sequence_level(combined, rewards @ weights, response_mask)
+
+
+def gpg(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    f_norm: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG advantage: group-mean baseline rescaled by B / (B - M), A = B/(B - M) * (R - mean_g(R)) / F_norm.
+
+    ::
+
+        A_i = alpha * (R_i - mean_g(R)) / f_norm,      alpha = B / (B - M)
+
+    on every policy token of ``i``, with ``B`` the responses of the batch and
+    ``M`` those in groups without signal (a group of one, or all returns
+    equal), whose advantage is exactly 0. Those responses still count in the
+    mean a token-mean loss takes, which shrinks the gradient by ``(B - M) /
+    B``; ``alpha`` undoes that, so the gradient keeps the scale of the
+    informative responses (the paper's accurate gradient estimation). No std
+    normalisation unless ``f_norm`` is set to a constant. ``alpha`` is a
+    batch statistic: under data parallelism the estimator sees the gathered
+    batch, so ``B`` and ``M`` are global. A batch with no signal at all gives
+    0 everywhere.
+
+    Deliberate difference from verl: verl counts ``B - M`` as the number of
+    responses with a non-zero raw score (for 0/1 rewards, the correct ones),
+    not those in groups with signal; this follows the paper.
+
+    Paper: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
+    Baseline for Model Reasoning", arXiv:2504.02546.
+
+    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "gpg", {"token_rewards": token_rewards, "response_mask": response_mask}, {"group_ids": group_ids},
+    )
+    if not (isinstance(f_norm, (int, float)) and f_norm > 0 and f_norm != float("inf")):
+        raise ValueError(f"gpg: f_norm must be a number > 0 (the paper uses 1), got {f_norm!r}")
+    returns = _sequence_returns(token_rewards)
+    centred, sizes, inverse, n_groups = _group_centred(returns, group_ids)
+    constant = _group_all_equal(returns, inverse, n_groups)
+    informative = (~constant & (sizes > 1)).sum().to(torch.float64)
+    alpha = returns.numel() / informative.clamp(min=1)
+    return _sequence_level(alpha * centred / f_norm, returns, response_mask)
+
+
+def optimal_token_baseline(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    handle_zero_tail: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline: a per-position baseline weighted by accumulated gradient energy, A_t = G_t - B*_t.
+
+    For response ``i`` and policy token ``t`` (the column ``t`` of the row)::
+
+        w_it  = 1 - 2 pi_it + sum_v pi_it(v)^2       = ||e_token - pi_it||^2, the squared logit-gradient
+        W_it  = sum_{j <= t} w_ij                    over policy tokens: energy realised up to t
+        G_it  = sum_{j >= t} r'_ij                   reward-to-go (undiscounted, see the module doc)
+        B*_gt = sum_{i in g} G_it W_it / sum_{i in g} W_it      over the members with a policy token at t
+        A_it  = G_it - B*_gt,    returns = G
+
+    ``pi_it = exp(old_logprobs)`` is the sampled token's probability and
+    ``sum_pi_squared`` its distribution's ``sum_v pi(v)^2`` under the same
+    policy. ``B*`` is the baseline that minimises the variance of the
+    policy-gradient estimate when the squared gradient norm of a prefix is
+    approximated by ``W`` (the logit-gradient proxy): responses that have
+    accumulated more uncertainty count more. Where every member's ``W`` is 0
+    (deterministic prefixes) the plain mean of ``G`` is used; where the
+    present members' ``G`` are all equal, ``B* = G`` exactly (advantage 0).
+
+    ``handle_zero_tail``: at a position where only one member of the group
+    still has a policy token (the tail of the longest response), ``B*``
+    would be that response's own ``G`` and cancel its signal; there the
+    baseline is 0 instead, as in verl. A group of one gives ``A = 0``
+    everywhere (its only baseline is itself), like every group estimator in
+    rltk; verl instead passes its raw return through. A group whose returns
+    ``R_i = G_i0`` are all equal gets no zero tail (verl gives one): with
+    outcome rewards its advantages are then exactly 0, where verl would
+    credit the longest response's tail with its raw return, a reward for
+    length alone.
+
+    **Inputs.** ``old_logprobs`` ``[B, T]`` (the behaviour policy's token
+    log-probs) and ``sum_pi_squared`` ``[B, T]``, ``sum_v pi(v)^2`` per token
+    under that policy, which the log-prob pass must compute from the logits:
+    ``exp(logsumexp(2 z / temp) - 2 logsumexp(z / temp))``. Deliberate
+    difference from verl: a reward placed on a masked token is credited to
+    the policy token before it (verl drops it).
+
+    Paper: "Optimal Token Baseline" (OTB), arXiv:2602.07078 (the paper verl's
+    ``optimal_token_baseline`` cites).
+
+    Shape: (B, T) x4, (B,) -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "optimal_token_baseline",
+        {"token_rewards": token_rewards, "response_mask": response_mask, "old_logprobs": old_logprobs,
+         "sum_pi_squared": sum_pi_squared},
+        {"group_ids": group_ids},
+    )
+    B, T = response_mask.shape
+    policy = response_mask > 0
+    on = policy.to(torch.float64)
+    returns = discounted_returns(token_rewards, response_mask, 1.0).to(torch.float64)  # [B, T], 0 off the mask
+    pi = torch.exp(old_logprobs.detach().to(torch.float64))
+    energy = torch.where(policy, (1.0 - 2.0 * pi + sum_pi_squared.detach().to(torch.float64)).clamp(min=0.0), 0.0)
+    realised = energy.cumsum(-1) * on  # [B, T]: W, 0 off the mask
+
+    inverse, counts = _group_index(group_ids)
+    n_groups = counts.numel()
+    cell = (inverse[:, None] * T + torch.arange(T, device=inverse.device)).reshape(-1)  # (group, column)
+
+    def per_cell(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_groups * T, dtype=torch.float64, device=x.device).index_add_(0, cell, x.reshape(-1))[cell]
+
+    present = per_cell(on)  # members with a policy token at (group, t)
+    weight_sum = per_cell(realised)
+    weighted = per_cell(returns * realised)
+    plain = per_cell(returns) / present.clamp(min=1)
+    baseline = torch.where(weight_sum > 0, weighted / weight_sum.clamp(min=torch.finfo(torch.float64).tiny), plain)
+    # Equal returns at a position give exactly that return as the baseline, not a rounded weighted mean.
+    lowest = torch.full((n_groups * T,), torch.inf, dtype=torch.float64, device=on.device).scatter_reduce_(
+        0, cell, torch.where(policy, returns, torch.inf).reshape(-1), reduce="amin")[cell]
+    highest = torch.full((n_groups * T,), -torch.inf, dtype=torch.float64, device=on.device).scatter_reduce_(
+        0, cell, torch.where(policy, returns, -torch.inf).reshape(-1), reduce="amax")[cell]
+    values = returns.reshape(-1)
+    tolerance = EQUAL_WITHIN_ULPS * torch.finfo(torch.float32).eps * torch.maximum(lowest.abs(), highest.abs())
+    baseline = torch.where(highest - lowest <= tolerance, values, baseline)
+    alone = counts[inverse] == 1
+    if handle_zero_tail:
+        # Not in a group whose returns are all equal: its only signal would be the tail's raw return,
+        # a reward for being longest.
+        equal = _group_all_equal(_sequence_returns(token_rewards), inverse, n_groups)
+        tail = (present == 1) & (~alone & ~equal)[:, None].expand(B, T).reshape(-1)
+        baseline = torch.where(tail, 0.0, baseline)
+    advantages = torch.where(alone[:, None], 0.0, (values - baseline).reshape(B, T)) * on
+    return advantages.to(torch.float32), returns.to(torch.float32)
+
+
 @rltk.hookimpl
 def rltk_advantage_fns():
     """Register the builtin advantage estimators."""
@@ -710,4 +1019,8 @@ def rltk_advantage_fns():
         "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
         "remax": remax,
         "opo": opo,
+        "grpo_passk": grpo_passk,
+        "gdpo": gdpo,
+        "gpg": gpg,
+        "optimal_token_baseline": optimal_token_baseline,
     }

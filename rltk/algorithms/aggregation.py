@@ -165,10 +165,12 @@ def seq_mean_token_sum_norm(
     ``sum_{i,t} m_it l_it / (N_seq * C)``: no division by a response's own
     length, so the length bias of ``seq-mean-token-mean`` disappears, while
     the constant ``C`` keeps the loss scale independent of the batch. ``C`` is
-    ``norm_constant``, by default ``T``, the width of ``mask``. Micro-batches
-    padded to different widths then get different ``C``: for exact gradient
-    accumulation set ``norm_constant`` (Dr. GRPO uses the generation budget,
-    the maximum response length). ``global_tokens`` is ignored.
+    ``norm_constant``: Dr. GRPO uses the generation budget, the maximum
+    response length, and the recipes pass ``rollout.max_new_tokens`` unless
+    ``algorithm.loss_agg_args.norm_constant`` is set. Called without it, ``C``
+    is ``T``, the width of ``mask``; micro-batches padded to different widths
+    then get different ``C``, so gradient accumulation is no longer exact.
+    ``global_tokens`` is ignored.
 
     Paper: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
     Perspective", arXiv:2503.20783.

@@ -10,6 +10,9 @@ to the tokens sampled from ``pi``. With ``r = ref_logprobs - logprobs``
     k3  = exp(r) - r - 1                      unbiased, low variance, >= 0   ("low_var_kl")
     abs = |r|
 
+``k3_unbiased`` (DeepSeek-V3.2) weights k3 by ``pi / pi_old`` so that value
+and gradient stay unbiased for tokens sampled by an older policy.
+
 The ``+`` variants (``k1+``, ``k3+``, ``low_var_kl+``, ``abs+``) are
 straight-through: their value is the named estimator, their gradient is
 ``k2``'s, ``d/d logprobs = logprobs - ref_logprobs``. As a loss term, ``k2``'s
@@ -49,6 +52,7 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_k3_unbiased",
     "kl_abs",
     "kl_k1_straight_through",
     "kl_k3_straight_through",
@@ -118,6 +122,52 @@ def kl_k3(
     log_ratio = (ref_logprobs.detach() - logprobs).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
     kl = torch.expm1(log_ratio) - log_ratio
     return kl.clamp(min=0.0, max=max_value)
+
+
+def kl_k3_unbiased(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    max_value: float | None = 10.0,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's unbiased KL: k3 weighted by the current/old ratio, (pi / pi_old) * k3.
+
+    ::
+
+        kl_t = (pi_t / pi_old_t) * (exp(r_t) - r_t - 1),     r = log pi_ref - log pi
+
+    with the gradient flowing through both factors. Tokens are sampled from
+    ``pi_old`` (the behaviour policy of the batch). Since
+    ``E_{pi_old}[(pi / pi_old) k3] = E_pi[k3] = KL(pi || pi_ref)`` for every
+    ``pi``, the estimate is unbiased and so is its gradient, the gradient of
+    the reverse KL. Plain ``k3`` has neither property once the policy has
+    moved away from ``pi_old`` (later PPO epochs and mini-batches), and even
+    on-policy its gradient is the forward KL's. ``old_logprobs=None`` means
+    the tokens were sampled from the current policy: the ratio is
+    ``exp(logp - sg[logp])``, value 1, and the gradient is still the unbiased
+    on-policy one, ``k3 * grad log pi + grad k3``. The k3 factor is clamped as
+    in :func:`kl_k3` (``max_value``; a capped token has no gradient through
+    it), the log-ratio to [-20, 20] before ``exp``.
+
+    As a loss term it needs the batch's ``old_logprobs`` for every update
+    after the first on a batch; as a reward penalty (computed at rollout,
+    where current = old) ``None`` is exact.
+
+    Paper: DeepSeek-AI 2025, "DeepSeek-V3.2", arXiv:2512.02556 (its unbiased
+    KL estimate); Schulman 2020, "Approximating KL Divergence" (k3).
+
+    Shape: (B, T), (B, T), optional (B, T) -> (B, T).
+    """
+    _check_pair("kl k3_unbiased", logprobs, ref_logprobs)
+    behaviour = logprobs.detach() if old_logprobs is None else old_logprobs.detach()
+    if behaviour.shape != logprobs.shape:
+        raise ValueError(
+            f"kl k3_unbiased: old_logprobs has shape {tuple(behaviour.shape)} but logprobs has "
+            f"{tuple(logprobs.shape)}; both must be [B, T] log-probs of the same tokens"
+        )
+    ratio = torch.exp((logprobs - behaviour).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+    return ratio * kl_k3(logprobs, ref_logprobs, max_value=max_value)
 
 
 def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -282,6 +332,7 @@ def rltk_kl_penalty_fns():
         "k2": kl_k2,
         "k3": kl_k3,
         "low_var_kl": kl_k3,
+        "k3_unbiased": kl_k3_unbiased,
         "abs": kl_abs,
         "k1+": kl_k1_straight_through,
         "k3+": kl_k3_straight_through,

@@ -23,11 +23,16 @@ means over the policy tokens of the call:
                     ``KL(pi_old || pi)``
 ``ratio_mean``      mean importance ratio (1 when on-policy)
 ``clip_frac``       fraction of tokens whose ratio was clipped (no gradient in
-                    ppo_clip / gspo; a capped weight in cispo / reinforce)
-``clip_frac_low``   ... at the lower bound (ppo_clip, gspo: only ``A < 0`` counts; cispo)
-``clip_frac_high``  ... at the upper bound (ppo_clip, gspo: only ``A > 0`` counts; cispo)
-``dual_clip_frac``  ppo_clip only: fraction bounded by the dual clip
-``seq_ratio_mean``  gspo only: mean sequence ratio over non-empty responses
+                    ppo_clip / gspo / geo_mean / dppo_*, plus the covariance-chosen
+                    tokens of clip_cov; a capped weight in cispo / reinforce; the
+                    penalised tokens of kl_cov; 0 for sapo, gpg, dro)
+``clip_frac_low``   ... at the lower bound (only ``A < 0`` counts, except in cispo)
+``clip_frac_high``  ... at the upper bound (only ``A > 0`` counts, except in cispo)
+``dual_clip_frac``  ppo_clip only: fraction bounded by the dual clip (or by ``clip_delta``)
+``seq_ratio_mean``  gspo, geo_mean: mean sequence ratio over non-empty responses
+``soft_gate_mean``  sapo: mean gradient weight of the soft gate (1 on-policy)
+``cov_clip_frac``   clip_cov: fraction chosen by the covariance rule
+``truncated_frac``  dppo_*: kept tokens whose importance weight was truncated
 ==================  =============================================================
 
 The log-ratio is clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` (20 by
@@ -45,7 +50,10 @@ import torch
 import rltk
 from rltk.algorithms.aggregation import masked_mean
 
-__all__ = ["ppo_clip", "gspo", "cispo", "reinforce"]
+__all__ = [
+    "ppo_clip", "gspo", "cispo", "reinforce",
+    "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro",
+]
 
 LossAgg = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -145,15 +153,25 @@ def ppo_clip(
     clip_eps_low: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
+    clip_delta: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate, with asymmetric (clip-higher) and dual clipping.
+    """PPO's clipped surrogate, with asymmetric (clip-higher), dual and two-sided clipping.
 
     With ``rho = exp(logprobs - old_logprobs)`` per token::
 
         l   = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
         l   = min(l, -c A)          where A < 0, when dual_clip_c = c is given
         loss = loss_agg(l, response_mask)
+
+    Two-sided clipping (``clip_delta = delta``) replaces ``rho`` by
+    ``min(rho, delta)`` in the unclipped term, ``l = max(-A min(rho, delta),
+    -A clip(rho, ...))``, so a negative-advantage token's ratio is bounded on
+    both sides: its loss stops growing, and its gradient is 0, beyond
+    ``rho > delta``. ``delta`` must exceed ``1 + eps_high`` (positive-advantage
+    tokens are then unaffected; INTELLECT-2 and TRL's ``delta`` recommend it);
+    with that, it gives the same loss and gradient as ``dual_clip_c = delta``,
+    and only one of the two may be set.
 
     A token whose ratio left the trust region in the direction its advantage
     pushes (``rho > 1 + eps_high`` with ``A > 0``, ``rho < 1 - eps_low`` with
@@ -167,7 +185,9 @@ def ppo_clip(
     Papers: Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
     arXiv:1707.06347; Ye et al. 2020, "Mastering Complex Control in MOBA Games
     with Deep Reinforcement Learning", arXiv:1912.09729 (dual clip); Yu et al.
-    2025, "DAPO", arXiv:2503.14476 (clip-higher).
+    2025, "DAPO", arXiv:2503.14476 (clip-higher); Prime Intellect 2025,
+    "INTELLECT-2: A Reasoning Model Trained Through Globally Decentralized
+    Reinforcement Learning", arXiv:2505.07291 (two-sided clipping).
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
@@ -182,12 +202,26 @@ def ppo_clip(
             f"token's loss at c*|A|, above the clipped surrogate; Ye et al. 2020 use 3), got "
             f"{dual_clip_c!r}. Use None to turn dual clipping off."
         )
+    if clip_delta is not None:
+        if dual_clip_c is not None:
+            raise ValueError(
+                f"policy_loss 'ppo_clip': set clip_delta (two-sided clipping) or dual_clip_c, not "
+                f"both; with clip_delta > 1 + clip_eps_high they bound negative-advantage tokens "
+                f"identically (got clip_delta={clip_delta!r}, dual_clip_c={dual_clip_c!r})"
+            )
+        if not (math.isfinite(float(clip_delta)) and clip_delta > 1.0 + eps_high):
+            raise ValueError(
+                f"policy_loss 'ppo_clip': clip_delta must be > 1 + clip_eps_high = {1.0 + eps_high!r} "
+                f"(a smaller bound would also cap positive-advantage tokens inside the trust region; "
+                f"INTELLECT-2 uses 4), got {clip_delta!r}. Use None to turn two-sided clipping off."
+            )
     on, logprobs, old_logprobs, advantages = _policy_tokens_only(
         response_mask, logprobs, old_logprobs.detach(), advantages.detach()
     )
     log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
+    bounded = ratio if clip_delta is None else ratio.clamp(max=clip_delta)
+    unclipped = -advantages * bounded
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss_mat = torch.maximum(unclipped, clipped)
     negative = advantages < 0
@@ -203,6 +237,8 @@ def ppo_clip(
         metrics["clip_frac_high"] = _fraction(high, on)
         if dual_clip_c is not None:
             metrics["dual_clip_frac"] = _fraction(negative & (ratio > dual_clip_c), on)
+        if clip_delta is not None:
+            metrics["dual_clip_frac"] = _fraction(negative & (ratio > clip_delta), on)
     return loss_agg(loss_mat, response_mask), metrics
 
 
@@ -386,6 +422,545 @@ def reinforce(
     return loss_agg(loss_mat, response_mask), metrics
 
 
+# --------------------------------------------------------------------------
+# Losses peers ship (verl's names)
+# --------------------------------------------------------------------------
+
+
+def _check_fraction(where: str, name: str, value: float, example: str) -> None:
+    if value is None or not (math.isfinite(float(value)) and 0 < value <= 1):
+        raise ValueError(
+            f"policy_loss '{where}': {name} must be a fraction of the tokens in (0, 1] ({example}), got {value!r}"
+        )
+
+
+def _check_positive(where: str, name: str, value: float, example: str) -> None:
+    if value is None or not (math.isfinite(float(value)) and value > 0):
+        raise ValueError(f"policy_loss '{where}': {name} must be a number > 0 ({example}), got {value!r}")
+
+
+def sapo(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip, l = -(4/tau) sigmoid(tau (rho - 1)) A.
+
+    ::
+
+        f(rho; tau) = (4 / tau) * sigmoid(tau * (rho - 1))        rho = exp(logprobs - old_logprobs)
+        l_it        = -f(rho_it; tau_it) * A_it                   tau_it = tau_pos if A_it > 0 else tau_neg
+        loss        = loss_agg(l, response_mask)
+
+    The gradient is ``-A * w * rho * grad logprobs`` with the soft weight
+    ``w = f'(rho) = 4 sigmoid (1 - sigmoid)``: exactly the policy gradient at
+    ``rho = 1`` (``w = 1``), decaying smoothly, never to a hard zero, as the
+    ratio leaves the trust region; a larger ``tau`` decays faster. The
+    negative side uses the larger temperature by default (the paper's 1.05
+    vs 1.0), damping updates on negative-advantage tokens, which the paper
+    finds less stable. A token with ``A = 0`` uses ``tau_neg`` (and has no
+    loss).
+
+    Deliberate difference from verl: verl's ``sapo`` always aggregates with
+    seq-mean-token-mean, ignoring the configured mode; here the bound
+    ``loss_agg`` is used like for every loss (the ``sapo`` preset chooses
+    ``seq-mean-token-mean``, the paper's sequence-level average).
+
+    Metrics: no token is clipped, so ``clip_frac`` is 0; ``soft_gate_mean``
+    is the mean gradient weight ``w`` (1 on-policy, lower as ratios drift).
+
+    Paper: "Soft Adaptive Policy Optimization" (SAPO), 2025, arXiv:2511.20347.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    _check_inputs("sapo", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    _check_positive("sapo", "tau_pos", tau_pos, "the paper uses 1.0")
+    _check_positive("sapo", "tau_neg", tau_neg, "the paper uses 1.05")
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    # full_like keeps the advantages' dtype; where() on two Python floats would give float32
+    tau = torch.full_like(advantages, float(tau_neg)).masked_fill_(advantages > 0, float(tau_pos))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss_mat = -(4.0 / tau) * gate * advantages
+
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, on)
+        metrics["clip_frac"] = torch.zeros((), device=ratio.device)
+        metrics["soft_gate_mean"] = masked_mean(4.0 * gate * (1.0 - gate), on).detach()
+    return loss_agg(loss_mat, response_mask), metrics
+
+
+def gpg(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GPG's loss: the plain policy gradient l = -A logprobs, no ratio, no clip, no KL.
+
+    ::
+
+        l_it = -A_it * logprobs_it
+        loss = loss_agg(l, response_mask)
+
+    GPG optimises the original objective directly; its corrections live in
+    the advantage (the ``gpg`` advantage_fn: group baseline and the
+    ``B / (B - M)`` rescaling for groups without signal). The loss equals
+    ``reinforce`` without importance weighting; the name is verl's. Being
+    on-policy by construction, it ignores ``old_logprobs`` except for the
+    metrics (``clip_frac`` is 0).
+
+    Paper: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
+    Baseline for Model Reasoning", arXiv:2504.02546.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    _check_inputs("gpg", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    loss_mat = -advantages * logprobs
+    with torch.no_grad():
+        metrics = _ratio_metrics(_clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp), on)
+        metrics["clip_frac"] = torch.zeros((), device=logprobs.device)
+    return loss_agg(loss_mat, response_mask), metrics
+
+
+def _centred_covariance(advantages: torch.Tensor, logprobs: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """Per-token ``(A - mean A) (logp - mean logp)``, means over the policy tokens of the call; detached."""
+    a = advantages.detach()
+    lp = logprobs.detach()
+    return (a - masked_mean(a, on)) * (lp - masked_mean(lp, on))
+
+
+def clip_cov(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    seed: int | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov: PPO clip, with l = 0 on a random clip_cov_ratio of the tokens whose cov(A, logp) is in (lb, ub).
+
+    With ``rho``, ``eps`` as in ``ppo_clip`` and ``n`` the policy tokens of the call::
+
+        c_it = (A_it - mean(A)) * (logprobs_it - mean(logprobs))          (means over the n tokens)
+        C    = tokens with clip_cov_lb < c < clip_cov_ub that PPO's clip left alone
+        I    = max(1, floor(clip_cov_ratio * n)) tokens drawn uniformly from C (all of C if smaller)
+        l_it = 0 for t in I, else max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
+        loss = loss_agg(l, response_mask)
+
+    Tokens whose log-prob moves with their advantage (large positive
+    covariance) drive the collapse of policy entropy; detaching a small random
+    fraction of them (0.02% by default) keeps entropy from collapsing while
+    the rest of the batch trains as PPO.
+
+    The draw uses torch's global random generator (which the recipe seeds), or
+    a private one seeded with ``seed`` for a reproducible choice; it is the
+    only random component in rltk's losses. As in verl, the means and the
+    count ``n`` are those of the call's tokens (a micro-batch), so the choice
+    depends on the micro-batch split. Like verl, a chosen token contributes 0
+    to the loss value as well as to the gradient.
+
+    Metrics: ``clip_frac_low`` / ``clip_frac_high`` as ``ppo_clip``;
+    ``cov_clip_frac`` the fraction chosen by the covariance rule (verl's
+    ``pg_clipfrac``); ``clip_frac`` tokens without gradient for either reason.
+
+    Paper: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning
+    for Reasoning Language Models", arXiv:2505.22617, section 4.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    _check_inputs("clip_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    eps_low = clip_eps_low
+    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    _check_eps("clip_cov", "clip_eps_low", eps_low, below_one=True)
+    _check_eps("clip_cov", "clip_eps_high", eps_high)
+    _check_fraction("clip_cov", "clip_cov_ratio", clip_cov_ratio, "the paper uses 2e-4")
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(
+            f"policy_loss 'clip_cov': clip_cov_lb must be < clip_cov_ub (the covariance window tokens are "
+            f"drawn from; the paper uses 1 and 5), got clip_cov_lb={clip_cov_lb!r}, clip_cov_ub={clip_cov_ub!r}"
+        )
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+
+    with torch.no_grad():
+        ppo_clipped = on & (clipped > unclipped)
+        covariance = _centred_covariance(advantages, logprobs, on)
+        candidates = on & ~ppo_clipped & (covariance > clip_cov_lb) & (covariance < clip_cov_ub)
+        n_pick = max(int(clip_cov_ratio * int(on.sum())), 1)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=logprobs.device).manual_seed(int(seed))
+        # A uniform random subset of the candidates: the n_pick smallest of i.i.d. uniform keys.
+        keys = torch.rand(candidates.shape, generator=generator, device=logprobs.device)
+        keys = torch.where(candidates, keys, 2.0).reshape(-1)
+        n_pick = min(n_pick, int(candidates.sum()))
+        chosen = torch.zeros_like(keys, dtype=torch.bool)
+        chosen[torch.topk(keys, n_pick, largest=False).indices] = True
+        chosen = chosen.reshape(candidates.shape)
+    loss_mat = torch.where(chosen, 0.0, torch.maximum(unclipped, clipped))
+
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, on)
+        low = (advantages < 0) & (ratio < 1.0 - eps_low)
+        high = (advantages > 0) & (ratio > 1.0 + eps_high)
+        metrics["clip_frac"] = _fraction(low | high | chosen, on)
+        metrics["clip_frac_low"] = _fraction(low, on)
+        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics["cov_clip_frac"] = _fraction(chosen, on)
+    return loss_agg(loss_mat, response_mask), metrics
+
+
+def kl_cov(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 0.1,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov: l = -A rho, plus ppo_kl_coef |log rho| on the kl_cov_ratio of tokens with the largest cov(A, logp).
+
+    With ``n`` the policy tokens of the call::
+
+        c_it = (A_it - mean(A)) * (logprobs_it - mean(logprobs))      (means over the n tokens)
+        I    = the k = max(1, floor(kl_cov_ratio * n)) tokens of largest c
+        l_it = -A_it rho_it + ppo_kl_coef * |log rho_it|    for t in I
+        l_it = -A_it rho_it                                 otherwise
+        loss = loss_agg(l, response_mask)
+
+    No ratio clipping at all: the penalty on the few tokens that drive
+    entropy collapse is the only trust region. Ties in ``c`` are broken
+    arbitrarily (as ``torch.topk`` does). As in verl, the means and ``n`` are
+    the call's own (a micro-batch), and the defaults are verl's
+    (``kl_cov_ratio`` 2e-4, ``ppo_kl_coef`` 0.1).
+
+    Metrics: ``clip_frac`` is the fraction of tokens penalised.
+
+    Paper: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning
+    for Reasoning Language Models", arXiv:2505.22617, section 4.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    _check_inputs("kl_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    _check_fraction("kl_cov", "kl_cov_ratio", kl_cov_ratio, "the paper uses 2e-4 to 2e-3")
+    _check_eps("kl_cov", "ppo_kl_coef", ppo_kl_coef)
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+
+    with torch.no_grad():
+        n_tokens = int(on.sum())
+        chosen = torch.zeros(on.numel(), dtype=torch.bool, device=on.device)
+        if n_tokens:
+            k = max(int(kl_cov_ratio * n_tokens), 1)
+            covariance = torch.where(on, _centred_covariance(advantages, logprobs, on), -math.inf)
+            chosen[torch.topk(covariance.reshape(-1), k).indices] = True
+        chosen = chosen.reshape(on.shape)
+    loss_mat = -advantages * ratio + torch.where(chosen, ppo_kl_coef * log_ratio.abs(), 0.0)
+
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, on)
+        metrics["clip_frac"] = _fraction(chosen, on)
+    return loss_agg(loss_mat, response_mask), metrics
+
+
+def geo_mean(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    clip_eps_low: float = 0.4,
+    clip_eps_high: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO: l_i = -mean_t(A) exp(mean_t clip(log rho)), a response's clipped geometric-mean ratio times its advantage.
+
+    With ``d_it = logprobs_it - old_logprobs_it`` and ``sgn = sign(A_it)``::
+
+        d'_it = sgn * min(sgn * d_it, sgn * clip(d_it, -eps_low, eps_high))     (pessimistic, per token)
+        s_i   = exp( (1/|y_i|) sum_t d'_it )                                    (geometric mean ratio)
+        A_i   = (1/|y_i|) sum_t A_it
+        l_i   = -A_i * s_i            on every policy token of response i
+        loss  = loss_agg(l, response_mask)
+
+    A geometric mean is far less sensitive to one outlier token ratio than
+    GRPO's arithmetic mean, so the clip range can be wider: the defaults are
+    the paper's ``(e^-0.4, e^0.4)`` (``eps`` are bounds on the log-ratio, not
+    on the ratio). The gradient of response ``i`` is
+    ``-A_i s_i / |y_i| * grad logprobs_it`` on each token whose log-ratio was
+    not clipped. A token with ``A = 0`` contributes ``d' = 0``.
+
+    The paper averages over responses: bind ``loss_agg`` to
+    ``seq-mean-token-mean`` (the ``gmpo`` preset does) and the loss is exactly
+    ``(1/G) sum_i l_i``. Deliberate differences from verl's ``geo_mean``:
+    verl ignores the aggregation and takes ``mean_i l_i`` over the rows of the
+    micro-batch, empty rows included, which under gradient accumulation
+    weighs micro-batches unequally; and verl counts a token as clipped when
+    its log-ratio lies outside the range even when the pessimistic ``min``
+    kept the unclipped value, while ``clip_frac_low`` / ``clip_frac_high``
+    here count only tokens whose gradient the clip removed (``A < 0`` below,
+    ``A > 0`` above), like ``ppo_clip``.
+
+    Paper: Zhao et al. 2025, "Geometric-Mean Policy Optimization",
+    arXiv:2507.20673.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    _check_inputs("geo_mean", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    eps_low = clip_eps_low
+    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    _check_eps("geo_mean", "clip_eps_low", eps_low)
+    _check_eps("geo_mean", "clip_eps_high", eps_high)
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    log_ratio = logprobs - old_logprobs
+    bounded = log_ratio.clamp(-eps_low, eps_high)
+    positive, negative = advantages > 0, advantages < 0
+    pessimistic = torch.where(
+        positive, torch.minimum(log_ratio, bounded), torch.where(negative, torch.maximum(log_ratio, bounded), 0.0)
+    )
+    lengths = on.sum(-1).clamp(min=1)
+    sequence_log_ratio = (pessimistic.sum(-1) / lengths).clamp(-log_ratio_clamp, log_ratio_clamp)  # [B]
+    sequence_advantage = advantages.sum(-1) / lengths  # [B]
+    per_sequence = -sequence_advantage * torch.exp(sequence_log_ratio)
+    loss_mat = torch.where(on, per_sequence[:, None], 0.0)  # [B, T]
+
+    with torch.no_grad():
+        metrics = _ratio_metrics(_clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp), on)
+        metrics["seq_ratio_mean"] = masked_mean(torch.exp(sequence_log_ratio), on.any(-1)).detach()
+        low = negative & (log_ratio < -eps_low)
+        high = positive & (log_ratio > eps_high)
+        metrics["clip_frac"] = _fraction(low | high, on)
+        metrics["clip_frac_low"] = _fraction(low, on)
+        metrics["clip_frac_high"] = _fraction(high, on)
+    return loss_agg(loss_mat, response_mask), metrics
+
+
+def _dppo(
+    where: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    clip_eps_low: float,
+    clip_eps_high: float | None,
+    max_importance_weight: float | None,
+    log_ratio_clamp: float,
+    binary_kl: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The shared body of dppo_tv and dppo_kl: only the divergence test differs."""
+    _check_inputs(where, logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    delta_low = clip_eps_low
+    delta_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    _check_eps(where, "clip_eps_low", delta_low)
+    _check_eps(where, "clip_eps_high", delta_high)
+    if max_importance_weight is not None:
+        _check_positive(where, "max_importance_weight", max_importance_weight, "the paper uses a large one, e.g. 20")
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
+    positive = advantages > 0
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio)
+        weight = ratio if max_importance_weight is None else ratio.clamp(max=max_importance_weight)
+        p, p_old = torch.exp(logprobs), torch.exp(old_logprobs)
+        if binary_kl:
+            # KL(Bernoulli(p_old) || Bernoulli(p)) of "this token or not"; expm1 keeps 1 - p exact
+            # near p = 1, and a zero (1 - p_old) term is 0, not 0 * inf.
+            q, q_old = -torch.expm1(logprobs), -torch.expm1(old_logprobs)
+            rest = torch.where(q_old > 0, q_old * (torch.log(q_old) - torch.log(q)), 0.0)
+            divergence = p_old * (old_logprobs - logprobs) + rest
+            keep_up = (divergence <= delta_high) | (p <= p_old)
+            keep_down = (divergence <= delta_low) | (p >= p_old)
+        else:
+            keep_up = p - p_old <= delta_high
+            keep_down = p - p_old >= -delta_low
+        keep = torch.where(positive, keep_up, keep_down)
+    loss_mat = torch.where(keep, -advantages * weight * logprobs, 0.0)
+
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, on)
+        high = positive & ~keep
+        low = (advantages < 0) & ~keep
+        metrics["clip_frac"] = _fraction(low | high, on)
+        metrics["clip_frac_low"] = _fraction(low, on)
+        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics["truncated_frac"] = _fraction(keep & (ratio > max_importance_weight), on) if (
+            max_importance_weight is not None) else torch.zeros((), device=ratio.device)
+    return loss_agg(loss_mat, response_mask), metrics
+
+
+def dppo_tv(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    clip_eps_low: float = 0.15,
+    clip_eps_high: float | None = None,
+    max_importance_weight: float | None = 20.0,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-TV: l = -sg[min(rho, C)] A logp, 0 where p - p_old left (-delta, delta) in A's direction.
+
+    With ``p = exp(logprobs)``, ``p_old = exp(old_logprobs)``, ``rho = p / p_old``::
+
+        keep_it = (p - p_old <= delta_high)   if A_it > 0
+                  (p - p_old >= -delta_low)   otherwise
+        w_it    = sg[ min(rho_it, max_importance_weight) ]
+        l_it    = -keep_it * w_it * A_it * logprobs_it
+        loss    = loss_agg(l, response_mask)
+
+    ``delta`` are ``clip_eps_low`` / ``clip_eps_high`` (``None``: the same
+    as low), bounds on ``|p - p_old|``, the total-variation distance of the
+    binary "this token or not" distribution. A ratio bound over-restricts
+    rare tokens (a 1e-4 probability doubling is a tiny move) and
+    under-restricts likely ones; a probability bound does neither. Tokens
+    that left the region in the direction of their advantage get no
+    gradient; the others get the truncated-importance-weighted policy
+    gradient (``max_importance_weight=None``: no truncation). Defaults are the
+    paper's (delta 0.15; truncation 20). verl reads the truncation from
+    ``clip_ratio_c``, whose config default 3.0 overrides the 20 in its code.
+
+    Metrics: ``clip_frac_low`` / ``clip_frac_high`` the tokens masked with
+    ``A < 0`` / ``A > 0`` (tokens with ``A = 0`` have no gradient either way
+    and are not counted, unlike verl's ``pg_clipfrac``); ``truncated_frac``
+    kept tokens whose weight was truncated.
+
+    Paper: Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement
+    Learning", arXiv:2602.04879.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    return _dppo("dppo_tv", logprobs, old_logprobs, advantages, response_mask, loss_agg,
+                 clip_eps_low, clip_eps_high, max_importance_weight, log_ratio_clamp, binary_kl=False)
+
+
+def dppo_kl(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    clip_eps_low: float = 0.05,
+    clip_eps_high: float | None = None,
+    max_importance_weight: float | None = 20.0,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO-Binary-KL: l = -sg[min(rho, C)] A logp, 0 where the binary KL(p_old || p) > delta in A's direction.
+
+    ::
+
+        D_it    = p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p))
+        keep_it = (D_it <= delta_high) or (p <= p_old)    if A_it > 0
+                  (D_it <= delta_low)  or (p >= p_old)    otherwise
+        l_it    = -keep_it * sg[min(rho_it, max_importance_weight)] * A_it * logprobs_it
+        loss    = loss_agg(l, response_mask)
+
+    As ``dppo_tv`` with the binary KL as the divergence: a token is masked
+    only when it moved in its advantage's direction by more than ``delta``
+    (``clip_eps_low`` / ``clip_eps_high``; default 0.05 as in the paper's
+    runs). ``1 - p`` is computed as ``-expm1(logprobs)``, exact near
+    ``p = 1``; verl adds 1e-8 inside the logarithm instead, which differs
+    only for probabilities within ~1e-8 of 1.
+
+    Metrics as ``dppo_tv``.
+
+    Paper: Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement
+    Learning", arXiv:2602.04879.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    return _dppo("dppo_kl", logprobs, old_logprobs, advantages, response_mask, loss_agg,
+                 clip_eps_low, clip_eps_high, max_importance_weight, log_ratio_clamp, binary_kl=True)
+
+
+def dro(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    beta: float,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO: the policy gradient with a quadratic log-ratio penalty, l = -(A logp - beta/2 (logp - logp_old)^2).
+
+    ::
+
+        l_it = -( A_it * logprobs_it - (beta / 2) * (logprobs_it - old_logprobs_it)^2 )
+        loss = loss_agg(l, response_mask)
+
+    This is the policy part of Direct Reward Optimisation's squared loss
+    ``1/2 (r - V - beta log(pi / pi_anchor))^2``: its gradient divided by
+    ``beta`` is ``-(r - V) grad log pi + beta log(pi / pi_anchor) grad log pi``,
+    with ``A = r - V`` from the advantage estimator and the behaviour policy
+    as the anchor. The penalty pulls the policy back towards the data's
+    policy, softly instead of by clipping, so DRO tolerates off-policy data.
+    ``beta`` has no default (as in verl): its scale is tied to the
+    advantages', e.g. 0.05 with group-normalised ones.
+
+    Metrics: ``clip_frac`` is 0 (nothing is clipped).
+
+    Paper: Richemond et al. 2024, "Offline Regularised Reinforcement Learning
+    for Large Language Models Alignment", arXiv:2405.19107.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    _check_inputs("dro", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    _check_positive("dro", "beta", beta, "e.g. 0.05 with group-normalised advantages")
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
+    loss_mat = -(advantages * logprobs - 0.5 * beta * log_ratio.square())
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, on)
+        metrics["clip_frac"] = torch.zeros((), device=logprobs.device)
+    return loss_agg(loss_mat, response_mask), metrics
+
+
 @rltk.hookimpl
 def rltk_policy_losses():
     """Register the builtin policy losses."""
@@ -394,4 +969,12 @@ def rltk_policy_losses():
         "gspo": gspo,
         "cispo": cispo,
         "reinforce": reinforce,
+        "sapo": sapo,
+        "gpg": gpg,
+        "clip_cov": clip_cov,
+        "kl_cov": kl_cov,
+        "geo_mean": geo_mean,
+        "dppo_tv": dppo_tv,
+        "dppo_kl": dppo_kl,
+        "dro": dro,
     }

@@ -28,9 +28,12 @@ DR_GRPO = {
 
 DAPO = {
     **GRPO,
-    "description": "DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28), token-level loss, no KL.",
+    "description": "DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28), token-level loss, no KL, dynamic sampling.",
     "policy_loss_args": {"clip_eps_low": 0.2, "clip_eps_high": 0.28},
     "kl_coef": 0.0,
+    # Only groups whose scores differ are trained on; more prompts are sampled until the batch holds
+    # trainer.prompts_per_step of them (Sec. 3.2 of the paper).
+    "dynamic_sampling": True,
 }
 
 RLOO = {
@@ -72,6 +75,43 @@ CISPO = {
     "policy_loss_args": {},
 }
 
+GPG = {
+    **GRPO,
+    "description": "GPG (Chu et al. 2025): group baseline rescaled by B/(B-M), plain policy gradient, no KL.",
+    "advantage_fn": "gpg",
+    "advantage_fn_args": {},
+    "policy_loss": "gpg",
+    "policy_loss_args": {},
+    "kl_coef": 0.0,
+}
+
+SAPO = {
+    **GRPO,
+    "description": "SAPO (2025): group-normalised advantages, soft sigmoid gate instead of a hard clip, sequence-mean loss.",
+    "policy_loss": "sapo",
+    "policy_loss_args": {},
+    "loss_agg": "seq-mean-token-mean",
+}
+
+GMPO = {
+    **GRPO,
+    "description": "GMPO (Zhao et al. 2025): geometric mean of token ratios, log-space clip (e^-0.4, e^0.4), sequence-mean loss.",
+    "policy_loss": "geo_mean",
+    "policy_loss_args": {},
+    "loss_agg": "seq-mean-token-mean",
+}
+
+REMAX = {
+    **GRPO,
+    "description": "ReMax (Li et al. 2023): the greedy response's reward as baseline, k1 KL in the reward.",
+    "advantage_fn": "remax",
+    "advantage_fn_args": {},
+    # The recipes generate one greedy response per prompt for the baseline because remax names
+    # baseline_scores in its signature.
+    "kl_penalty_fn": "k1",
+    "kl_in": "reward",
+}
+
 
 PPO = {
     "description": "PPO with a critic (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, clip, k1 KL in the reward.",
@@ -100,5 +140,9 @@ def rltk_algorithms():
         "reinforce_plus_plus_baseline": REINFORCE_PP_BASELINE,
         "gspo": GSPO,
         "cispo": CISPO,
+        "gpg": GPG,
+        "sapo": SAPO,
+        "gmpo": GMPO,
+        "remax": REMAX,
         "ppo": PPO,
     }

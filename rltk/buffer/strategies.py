@@ -14,6 +14,7 @@ advantages need all of its members in one batch.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 import rltk
@@ -240,7 +241,15 @@ class MixExpert(SampleStrategy):
     experiences. This is the off-policy guidance of LUFFY (Yan et al. 2025,
     "Learning to Reason under Off-Policy Guidance", arXiv:2504.14945). Expert
     experiences usually carry no ``rollout_logprobs``; give them group ids no
-    policy group uses unless they are meant to join that prompt's group.
+    policy group uses (the recipes load ``buffer.expert.path`` with negative ids).
+
+    An expert experience whose prompt tokens equal those of a policy group of
+    the step is preferred, and is returned in that group (its ``group_id`` set
+    to the policy group's, and its ``baseline_score`` too): group-relative advantages then rate the
+    demonstration against the policy's own tries, as in LUFFY. Others stand in
+    groups of their own, where a group-relative estimator gives them advantage
+    0 (a group of one); estimators with another baseline (``remax``,
+    ``reinforce_plus_plus``) still learn from them.
 
     Args:
         expert_fraction: target share of expert experiences, in ``[0, 1)``.
@@ -251,7 +260,9 @@ class MixExpert(SampleStrategy):
 
     Metrics: ``buffer/sampled``, ``buffer/policy``, ``buffer/expert``,
     ``buffer/expert_fraction``, ``buffer/expert_shortfall`` (expert
-    experiences wanted but not available) and ``buffer/dropped_stale``.
+    experiences wanted but not available), ``buffer/expert_joined`` (expert
+    experiences put in a policy group of the same prompt) and
+    ``buffer/dropped_stale``.
     """
 
     name = "mix_expert"
@@ -300,12 +311,29 @@ class MixExpert(SampleStrategy):
         policy = buffer.take(lambda item: item.source == POLICY and item.step == latest)
         stale = buffer.drop(lambda item: item.source == POLICY)
         wanted = round(self.expert_fraction * len(policy) / (1.0 - self.expert_fraction))
-        groups = _fill_with_groups(group_items(available), wanted) if wanted > 0 else []
+        # Demonstrations for this step's prompts come first and join that prompt's group, so a
+        # group-relative estimator compares the expert with the policy's own tries (LUFFY's mixed
+        # groups); the rest of the share is filled oldest first, each in a group of its own.
+        prompt_group = {tuple(item.experience.prompt_ids): item.experience for item in policy}
+        expert_groups = group_items(available)
+        matching = [g for g in expert_groups if tuple(g[0].experience.prompt_ids) in prompt_group]
+        others = [g for g in expert_groups if tuple(g[0].experience.prompt_ids) not in prompt_group]
+        groups = _fill_with_groups(matching + others, wanted) if wanted > 0 else []
         chosen_ids = {id(item) for group in groups for item in group}
         expert = buffer.take(lambda item: id(item) in chosen_ids)
         if self.recycle_expert:
             for item in expert:
                 buffer.put([item.experience], item.step, source=item.source)
+        joined = 0
+        experiences = []
+        for item in expert:
+            member = prompt_group.get(tuple(item.experience.prompt_ids))
+            if member is None:
+                experiences.append(item.experience)
+            else:  # it takes the group's id and its baseline (ReMax's greedy score of the same prompt)
+                joined += 1
+                experiences.append(dataclasses.replace(item.experience, group_id=member.group_id,
+                                                       baseline_score=member.baseline_score))
 
         total = len(policy) + len(expert)
         self._metrics = {
@@ -314,9 +342,10 @@ class MixExpert(SampleStrategy):
             "buffer/expert": float(len(expert)),
             "buffer/expert_fraction": len(expert) / total if total else 0.0,
             "buffer/expert_shortfall": float(max(wanted - len(expert), 0)),
+            "buffer/expert_joined": float(joined),
             "buffer/dropped_stale": float(stale),
         }
-        return [item.experience for item in policy] + [item.experience for item in expert]
+        return [item.experience for item in policy] + experiences
 
 
 @rltk.hookimpl

@@ -6,7 +6,8 @@ schema with errors that name the key; stage overrides), ``resolvers``
 (``${add:...}`` and friends), ``validation`` (the checks run on a merged
 config), ``components`` (component names and arguments), ``run_checks`` (seed
 and local paths), ``recipe_capabilities`` (what a recipe serves),
-``critic_checks`` (the critic section), ``kl_warnings`` (KL settings without
+``critic_checks`` (the critic section), ``rollout_correction_checks`` (the
+rollout/trainer mismatch correction), ``kl_warnings`` (KL settings without
 effect) and ``errors`` (:class:`ConfigError`).
 """
 

@@ -34,6 +34,8 @@ class RecipeSpec:
             (an estimator that needs ``values`` needs a recipe with a critic).
         buffer_sources: the buffer sources it puts experiences in (``policy``;
             a sample strategy that reads ``expert`` needs a recipe that fills it).
+        expert_data: it puts the experiences of ``buffer.expert.path`` in the
+            buffer under ``buffer.expert.source`` (when a path is set).
         others: the specs of sibling recipes, to suggest one that serves what is missing.
     """
 
@@ -41,6 +43,7 @@ class RecipeSpec:
     batch_fields: frozenset[str] | None = None
     buffer_sources: frozenset[str] | None = None
     others: tuple["RecipeSpec", ...] = ()
+    expert_data: bool = False
 
 
 def required_batch_fields(advantage_fn: Any) -> frozenset[str]:
@@ -77,6 +80,13 @@ def check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[st
             f"{' (it trains no critic)' if 'values' in missing else ''}. Use {where}, or an advantage_fn "
             f"that recipe '{recipe.name}' can serve: {', '.join(fits)}"
         )
+    expert = cfg.buffer.expert
+    if expert.path and not recipe.expert_data:
+        servers = ", ".join(r.name for r in recipe.others if r.expert_data)
+        raise ConfigError(
+            f"'buffer.expert.path'='{expert.path}' is set, but recipe '{recipe.name}' does not load expert data "
+            f"into its buffer{f' (recipes that do: {servers})' if servers else ''}; unset it"
+        )
     if recipe.buffer_sources is None:
         return
     name = cfg.buffer.sample_strategy
@@ -89,7 +99,28 @@ def check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[st
         sources = frozenset(reads(**args))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"'buffer.sample_strategy_args' of sample strategy '{name}': {exc}") from exc
-    missing = sorted(sources - recipe.buffer_sources)
+    filled = recipe.buffer_sources | ({expert.source} if expert.path and recipe.expert_data else set())
+    missing = sorted(sources - filled)
+    if expert.path and expert.source not in sources and missing:
+        raise ConfigError(
+            f"'buffer.expert.source'='{expert.source}' (where the experiences of buffer.expert.path go) is not the "
+            f"source 'buffer.sample_strategy'='{name}' reads ({', '.join(map(repr, missing))}): set "
+            f"buffer.expert.source='{missing[0]}', or the strategy's source to '{expert.source}'"
+        )
+    if expert.path and expert.source not in sources:
+        raise ConfigError(
+            f"'buffer.expert.path'='{expert.path}' puts expert experiences under buffer source '{expert.source}' "
+            f"(buffer.expert.source), but 'buffer.sample_strategy'='{name}' never reads that source (it reads "
+            f"{', '.join(map(repr, sorted(sources)))}), so they would be loaded and ignored. Use a strategy that "
+            f"mixes them in (buffer.sample_strategy=mix_expert), or unset buffer.expert.path"
+        )
+    if recipe.expert_data and missing:
+        raise ConfigError(
+            f"'buffer.sample_strategy'='{name}'{f' with buffer.sample_strategy_args={args}' if args else ''} reads "
+            f"experiences of buffer source(s) {', '.join(map(repr, missing))}, which recipe '{recipe.name}' fills "
+            f"only from a dataset of expert responses: set buffer.expert.path=<a json/jsonl/parquet/csv file or "
+            f"datasets folder with prompt and response columns> and buffer.expert.source='{missing[0]}'"
+        )
     if missing:
         servers = [r.name for r in recipe.others if r.buffer_sources is not None and sources <= r.buffer_sources]
         where = f"recipe '{servers[0]}'" if servers else "a recipe script that puts them in"
@@ -100,4 +131,28 @@ def check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[st
             f"{', '.join(map(repr, sorted(recipe.buffer_sources)))}). Use {where} "
             f"(buffer.put(experiences, step, source='{missing[0]}')), or a sample strategy that reads only what "
             f"the recipe fills, e.g. buffer.sample_strategy=on_policy"
+        )
+
+
+def check_workflow_serves(cfg: DictConfig, needs: frozenset[str]) -> None:
+    """The workflow can produce ``baseline_scores`` when the advantage estimator needs them.
+
+    The recipes ask the workflow for one greedy response per prompt with
+    ``run(rows, greedy_baseline=True)``; a workflow whose ``run`` takes no
+    ``greedy_baseline`` cannot serve such an estimator (ReMax).
+    """
+    if "baseline_scores" not in needs:
+        return
+    name = cfg.rollout.workflow
+    cls = get_registry().entries["workflow"][name].obj
+    try:
+        params = inspect.signature(cls.run).parameters
+    except (AttributeError, TypeError, ValueError):
+        return
+    if "greedy_baseline" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(
+            f"'algorithm.advantage_fn'='{cfg.algorithm.advantage_fn}' needs batch field 'baseline_scores' (the "
+            f"score of a greedy response to each prompt), which 'rollout.workflow'='{name}' cannot produce: its "
+            f"run() takes no greedy_baseline argument. Use rollout.workflow=single_turn, or an advantage_fn "
+            f"with a baseline of its own (e.g. grpo, rloo)"
         )

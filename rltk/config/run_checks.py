@@ -1,4 +1,5 @@
-"""Checks of what a run would refuse at its start: the seed's range and the local paths it reads."""
+"""Checks of what a run would refuse at its start: the seed's range, the local paths it reads, the
+prompt template's fields."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rltk.config.errors import ConfigError
+from rltk.data.templates import template_fields
 
 
 #: The largest seed numpy and torch both accept.
@@ -39,7 +41,7 @@ def check_paths(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"bad value '{path}' for 'model.path': not a Hugging Face model folder (no config.json in it)"
             )
-    for key in ("data.path", "data.eval_path"):
+    for key in ("data.path", "data.eval_path", "buffer.expert.path"):
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).expanduser().exists():
             raise ConfigError(
@@ -47,3 +49,10 @@ def check_paths(cfg: DictConfig) -> None:
                 f"(json, jsonl, parquet, csv, or a datasets folder)"
             )
 
+
+def check_prompt_template(cfg: DictConfig) -> None:
+    """``data.prompt_template`` names plain fields only (see :mod:`rltk.data.templates`)."""
+    try:
+        template_fields(cfg.data.prompt_template, "data.prompt_template")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

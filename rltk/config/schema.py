@@ -57,10 +57,30 @@ class DataConfig:
     extras_keys: Optional[List[str]] = None  # columns kept as row extras; null keeps all others
     system_prompt: Optional[str] = None
     use_chat_template: bool = False
-    prompt_template: str = "{prompt}"
+    prompt_template: str = "{prompt}"  # plain {prompt} / {<extras column>} fields only (rltk/data/templates.py)
     max_prompt_tokens: int = 64
     on_too_long: str = "filter"  # filter | error
     shuffle: bool = True
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``: correct for rollout log-probs that differ from the trainer's.
+
+    Each mode is off with null; see :mod:`rltk.algorithms.mismatch` for the formulas and papers.
+    ``tis`` and ``mis`` both set the importance weight (at most one); ``rejection`` drops whole
+    responses and combines with either. Needs ``algorithm.use_rollout_logprobs=false``.
+    """
+
+    tis: Optional[str] = None  # token | sequence: weight min(rho, tis_cap), rho = pi_old / pi_rollout
+    tis_cap: float = 2.0
+    mis: Optional[str] = None  # token | sequence: weight rho inside [mis_low, mis_high], drop outside
+    mis_low: float = 0.5  # 0: no lower bound
+    mis_high: float = 2.0
+    rejection: Optional[str] = None  # geometric | sequence | token: drop responses whose ratio leaves the band
+    rejection_low: float = 0.5  # geometric means sit near 1: a band like [0.99, 1.01] is typical there
+    rejection_high: float = 2.0
+    log_metrics: bool = False  # log mismatch/* metrics even with every mode off
 
 
 @dataclass
@@ -81,6 +101,12 @@ class AlgorithmConfig:
     kl_horizon: int = 10000  # adaptive controller only
     entropy_coef: float = 0.0
     use_rollout_logprobs: bool = False  # old log-probs from the engine instead of a trainer recompute
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # DAPO's dynamic sampling: train only on groups whose scores differ, drawing more prompts until
+    # trainer.prompts_per_step such groups are in hand or dynamic_sampling_max_rounds rounds of
+    # generation have run (the step then trains on what it has; the metrics count it).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 8
 
 
 @dataclass
@@ -103,13 +129,31 @@ class RewardConfig:
     reward_fn_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
     weights: Dict[str, float] = field(default_factory=dict)  # {name: weight}, default 1.0
     fallback: float = 0.0  # reward given when a reward function raises or times out
-    timeout_s: float = 5.0
+    # Longest one call of a reward function not marked bounded may run, in a worker process that is
+    # killed on timeout; null runs every reward in-process with no timeout (for rewards you trust).
+    timeout_s: Optional[float] = 5.0
+    workers: int = 4  # worker processes for reward functions not marked bounded (builtins run in-process)
+
+
+@dataclass
+class ExpertDataConfig:
+    """Expert responses (demonstrations, a stronger model's solutions) put in the buffer for a
+    strategy that mixes them in (``buffer.sample_strategy=mix_expert``)."""
+
+    path: Optional[str] = None  # json, jsonl, parquet, csv or a datasets folder; null: no expert data
+    split: Optional[str] = None
+    prompt_key: str = "prompt"  # formatted like the training prompts (data.prompt_template, chat template ...)
+    response_key: str = "response"
+    answer_key: Optional[str] = "answer"  # ground truth the reward scores the response against; null: none
+    score: Optional[float] = None  # a fixed score for every expert response instead of the reward's
+    source: str = "expert"  # the buffer source they are put under (mix_expert's expert_source)
 
 
 @dataclass
 class BufferConfig:
     sample_strategy: str = "on_policy"
     sample_strategy_args: Dict[str, Any] = field(default_factory=dict)
+    expert: ExpertDataConfig = field(default_factory=ExpertDataConfig)
 
 
 @dataclass
@@ -174,6 +218,34 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The divergence guard (rltk/training/guard.py): stops a run that has stopped learning, exit status 3.
+
+    Entropy bounds are fractions of log(V), V the LM head's size: 1.0 is the
+    uniform distribution, 0 a single token. The defaults sit far from a
+    healthy run: the tiny default's policy keeps 0.09-0.15 of log(V) in RL
+    (measured over its 200 GRPO and PPO steps). The guard reads metrics each
+    step computes anyway; only the weights check reads the parameters again.
+    """
+
+    enabled: bool = True
+    # Steps in a row that trained nothing (every optimizer step skipped for a non-finite gradient
+    # norm, or a non-finite loss) before the run stops; 0 = never. A stage that ends without a
+    # single update applied stops the run too, however short it is.
+    max_skipped_steps: int = 10
+    # Mean token entropy below this x log(V): collapsed onto single tokens; 0 = off. The entropy is the
+    # sampling distribution's, at rollout.temperature: lower this for temperatures well below 1.
+    entropy_min: float = 1.0e-4
+    # Above this x log(V): collapsed to uniform. Counts only once the stage's entropy has been below
+    # it (a randomly initialised model starts at uniform); 1 = off.
+    entropy_max: float = 0.999
+    entropy_patience: int = 5  # steps in a row outside [entropy_min, entropy_max] before the run stops
+    # Steps between nan/inf checks of the weights; they are also checked before every checkpoint, so
+    # none holds such weights. 0 = only before checkpoints.
+    check_weights_every: int = 10
+
+
+@dataclass
 class LoggingConfig:
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     logger_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
@@ -206,6 +278,7 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])
 
 

@@ -4,8 +4,10 @@
 :class:`~rltk.config.errors.ConfigError` on the first problem: component
 names and arguments (:mod:`rltk.config.components`), choices and value
 ranges (here), the seed and local paths (:mod:`rltk.config.run_checks`),
+the divergence guard's keys (:mod:`rltk.config.guard_checks`),
 what the recipe serves (:mod:`rltk.config.recipe_capabilities`), the critic
-section (:mod:`rltk.config.critic_checks`), each stage's overrides, and
+section (:mod:`rltk.config.critic_checks`), the rollout correction
+(:mod:`rltk.config.rollout_correction_checks`), each stage's overrides, and
 interpolations.
 """
 
@@ -17,9 +19,13 @@ from omegaconf.errors import OmegaConfBaseException
 from rltk.config.components import check_components, check_task
 from rltk.config.critic_checks import check_critic_config
 from rltk.config.errors import ConfigError
+from rltk.config.guard_checks import check_guard
 from rltk.config.merge import apply_overrides
-from rltk.config.recipe_capabilities import RecipeSpec, check_recipe_serves, required_batch_fields
-from rltk.config.run_checks import check_paths, check_seed
+from rltk.config.recipe_capabilities import (
+    RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
+)
+from rltk.config.rollout_correction_checks import check_rollout_correction_config
+from rltk.config.run_checks import check_paths, check_prompt_template, check_seed
 from rltk.config.schema import CHOICES, STAGE_TYPES
 from rltk.registry import did_you_mean, get_registry
 
@@ -41,10 +47,14 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
                 f"bad value {value!r} for '{key}'.{did_you_mean(value, list(choices))} Valid: {', '.join(choices)}"
             )
     _check_positive(cfg)
+    check_rollout_correction_config(cfg)
     check_seed(cfg)
     check_paths(cfg)
+    check_guard(cfg)
+    check_prompt_template(cfg)
     check_task(cfg)
     needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
+    check_workflow_serves(cfg, needs)
     if recipe is not None:
         check_recipe_serves(cfg, recipe, needs)
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
@@ -70,6 +80,8 @@ def _check_positive(cfg: DictConfig) -> None:
     rules = {
         "trainer.prompts_per_step": 1, "trainer.micro_batch_size": 1, "trainer.mini_batches": 1,
         "trainer.ppo_epochs": 1, "rollout.n": 1, "rollout.max_new_tokens": 1, "sft.batch_size": 1,
+        "algorithm.dynamic_sampling_max_rounds": 1,
+        "reward.workers": 1,
     }
     for key, minimum in rules.items():
         value = OmegaConf.select(cfg, key)
@@ -81,6 +93,11 @@ def _check_positive(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"bad value {warmup!r} for '{section}.warmup_steps': must be in [0, {section}.{total}={steps}]"
             )
+    if cfg.reward.timeout_s is not None and cfg.reward.timeout_s <= 0:
+        raise ConfigError(
+            f"bad value {cfg.reward.timeout_s!r} for 'reward.timeout_s': must be > 0 seconds, or null to run every "
+            f"reward function in-process without a timeout"
+        )
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"bad value {cfg.trainer.lr!r} for 'trainer.lr': must be > 0")
     if cfg.rollout.temperature <= 0:
@@ -90,6 +107,11 @@ def _check_positive(cfg: DictConfig) -> None:
         )
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"bad value {cfg.rollout.top_p!r} for 'rollout.top_p': must be in (0, 1]")
+    if cfg.buffer.expert.source == "policy":
+        raise ConfigError(
+            "bad value 'policy' for 'buffer.expert.source': that is the source of the policy's own rollouts; "
+            "name another one (default 'expert')"
+        )
     batch = cfg.trainer.prompts_per_step * cfg.rollout.n
     if batch % cfg.trainer.mini_batches:
         raise ConfigError(

@@ -14,6 +14,7 @@ Synthetic tasks (:mod:`rltk.data.synthetic`) produce the same rows.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import logging
@@ -21,6 +22,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from rltk.data.templates import fill_template, template_fields
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,10 @@ def load_rows(
     (kept as is; :func:`format_prompts` renders it with the chat template).
     The answer becomes the string ``ground_truth`` (numbers as written, lists
     and objects as JSON); ``answer_key=None`` means the rows have no answer.
+    A missing answer (``null`` / ``None``, an empty parquet cell) is an error
+    naming the file and row, not an empty string every reward would silently
+    score 0: drop such rows, or set ``answer_key`` to null for a dataset
+    without answers. An empty string (an empty CSV cell) is kept as it is.
 
     Args:
         path_or_name: a local file or folder; nothing is downloaded.
@@ -99,6 +106,12 @@ def load_rows(
             if key not in record:
                 raise DataError(f"{where} has no '{key}' (columns of that row: {sorted(record)})")
         prompt = _check_prompt(record[prompt_key], where, f"{config_prefix}.prompt_key={prompt_key!r}")
+        if answer_key is not None and record[answer_key] is None:
+            raise DataError(
+                f"{where}: the answer (column '{answer_key}', {config_prefix}.answer_key) is null. A reward would "
+                f"compare responses with an empty answer and score them 0; drop rows without an answer, or set "
+                f"{config_prefix}.answer_key=null if the dataset has no answers"
+            )
         row_id = str(record[id_key]) if record.get(id_key) is not None else f"{stem}-{index}"
         if row_id in seen_ids:
             raise DataError(f"{where}: id '{row_id}' (column '{id_key}') appears more than once; ids must be unique")
@@ -143,6 +156,42 @@ def _read_records(path: Path, split: str | None, config_prefix: str) -> tuple[li
 
 
 def _read_file(path: Path) -> list:
+    try:
+        return _read_file_as_utf8(path)
+    except UnicodeDecodeError:
+        offset, byte, line = _first_invalid_utf8(path)
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {byte!r} at offset {offset}, line {line}). rltk reads json, jsonl and "
+            f"csv files as UTF-8: convert it, e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`"
+        ) from None
+
+
+def _first_invalid_utf8(path: Path, chunk_size: int = 1 << 20) -> tuple[int, bytes, int]:
+    """(file offset, byte, 1-based line) of the first byte of ``path`` that is not valid UTF-8.
+
+    Decoded in chunks: the offset a text stream's error reports is relative to
+    its read buffer, not to the file, and a large file need not fit in memory.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    consumed, lines = 0, 0
+    with path.open("rb") as handle:
+        while True:
+            chunk = handle.read(chunk_size)
+            # An incomplete multi-byte sequence carried over from the last chunk (never a newline).
+            pending = decoder.getstate()[0]
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                data = pending + chunk
+                return (consumed - len(pending) + exc.start, data[exc.start : exc.start + 1],
+                        lines + data[: exc.start].count(b"\n") + 1)
+            if not chunk:
+                return consumed, b"", lines + 1  # valid after all (changed since it was read)
+            consumed += len(chunk)
+            lines += chunk.count(b"\n")
+
+
+def _read_file_as_utf8(path: Path) -> list:
     suffix = path.suffix.lower()
     if suffix == ".json":
         try:
@@ -210,8 +259,6 @@ def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict]:
 def _as_text(value: Any) -> str:
     if isinstance(value, str):
         return value
-    if value is None:
-        return ""
     if isinstance(value, (list, dict)):
         return json.dumps(value, ensure_ascii=False)
     return str(value)
@@ -231,7 +278,8 @@ def format_prompts(
     """Rows whose ``prompt`` is the final text to tokenize with ``add_special_tokens=False``.
 
     1. ``prompt_template`` is filled with ``{prompt}`` and the row's extras
-       (``"Question: {prompt}\\nAnswer:"``).
+       (``"Question: {prompt}\\nAnswer:"``); plain field names only, no
+       attribute access or indexing (see :mod:`rltk.data.templates`).
     2. With ``use_chat_template``, the messages ``[system?, user]`` are
        rendered by ``tokenizer.apply_chat_template(..., tokenize=False,
        add_generation_prompt=True)``; a row whose prompt is already a list of
@@ -255,6 +303,7 @@ def format_prompts(
             f"{config_prefix}.use_chat_template=true but tokenizer {type(tokenizer).__name__} has no chat "
             f"template; set it to false, or use a model folder whose tokenizer_config.json has one"
         )
+    template_fields(prompt_template, f"{config_prefix}.prompt_template")  # refused before any row is read
     bos_prefix = "" if use_chat_template else _default_bos(tokenizer)
     texts = []
     for row in rows:
@@ -314,18 +363,7 @@ def _fill(template: str, prompt: str, row: dict, config_prefix: str) -> str:
     if template == "{prompt}":
         return prompt
     fields = {**row.get("extras", {}), "prompt": prompt}
-    try:
-        return template.format(**fields)
-    except KeyError as exc:
-        raise ValueError(
-            f"{config_prefix}.prompt_template={template!r} uses field {exc} that row '{row['id']}' does not "
-            f"have. Available: {', '.join(sorted(fields))}"
-        ) from None
-    except (IndexError, ValueError) as exc:
-        raise ValueError(
-            f"{config_prefix}.prompt_template={template!r} is not a valid format string ({exc}); "
-            f"write literal braces as {{{{ and }}}}"
-        ) from None
+    return fill_template(template, fields, f"{config_prefix}.prompt_template", f"row '{row['id']}'")
 
 
 def _default_bos(tokenizer) -> str:

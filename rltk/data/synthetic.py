@@ -21,6 +21,8 @@ import inspect
 import random
 from collections.abc import Callable
 
+from rltk.data.templates import fill_template, template_fields
+
 SPLITS = ("train", "test")
 #: Other names accepted for the held-out split.
 HELD_OUT_ALIASES = ("heldout", "held_out", "eval", "validation", "val")
@@ -32,6 +34,8 @@ COUNTDOWN_RULES = ("exactly_once", "at_most_once")
 _ENUMERATION_LIMIT = 200_000
 
 #: Default Countdown prompt: short, because the tiny default model has 256 positions.
+#: The fields a Countdown prompt template may use.
+COUNTDOWN_TEMPLATE_FIELDS = ("numbers", "numbers_list", "target", "rule_text")
 COUNTDOWN_COMPACT_TEMPLATE = "Make {target} from {numbers}.\n"
 #: A spelled-out Countdown prompt for pretrained instruction-following models.
 COUNTDOWN_INSTRUCT_TEMPLATE = (
@@ -201,13 +205,14 @@ def countdown(
         raise ValueError(f"countdown: max_number must be an integer >= 2, got {max_number!r}")
     if not (isinstance(min_target, int) and isinstance(max_target, int) and min_target <= max_target):
         raise ValueError(f"countdown: need min_target <= max_target, got {min_target}, {max_target}")
-    try:
-        prompt_template.format(numbers="1 2", numbers_list="[1, 2]", target=3, rule_text="")
-    except (KeyError, IndexError, ValueError) as exc:
+    template_key = "data.task_args.prompt_template"
+    unknown = set(template_fields(prompt_template, template_key)) - set(COUNTDOWN_TEMPLATE_FIELDS)
+    if unknown:
         raise ValueError(
-            f"countdown: prompt_template={prompt_template!r} is not a valid template ({exc!r}); "
-            f"fields: {{numbers}}, {{numbers_list}}, {{target}}, {{rule_text}}"
-        ) from None
+            f"countdown: {template_key}={prompt_template!r} is not a valid template: it uses "
+            f"{', '.join(sorted(unknown))}, which a Countdown prompt does not have; fields: "
+            + ", ".join("{" + f + "}" for f in COUNTDOWN_TEMPLATE_FIELDS)
+        )
 
     rng = random.Random(f"countdown|{split}|{seed}")
     want_test = split == "test"
@@ -222,12 +227,12 @@ def countdown(
             continue
         seen.add(key)
         rows.append({
-            "prompt": prompt_template.format(
-                numbers=" ".join(map(str, numbers)),
-                numbers_list="[" + ", ".join(map(str, numbers)) + "]",
-                target=target,
-                rule_text=_RULE_TEXT[rule],
-            ),
+            "prompt": fill_template(prompt_template, {
+                "numbers": " ".join(map(str, numbers)),
+                "numbers_list": "[" + ", ".join(map(str, numbers)) + "]",
+                "target": target,
+                "rule_text": _RULE_TEXT[rule],
+            }, template_key),
             "ground_truth": str(target),
             "extras": {
                 "task": "countdown", "numbers": numbers, "target": target, "rule": rule,

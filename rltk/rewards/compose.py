@@ -7,24 +7,27 @@ finite number, or runs longer than ``timeout_s`` gives that sample the
 ``fallback`` score for that component; the failure is counted, warned about
 once per component, and training goes on.
 
-Timeouts and their trade-off: Python cannot kill a thread, and a process per
-call would cost milliseconds and require picklable reward functions. So each
-call with a timeout runs in a fresh *daemon* thread that the caller waits for
-at most ``timeout_s``: a hung reward function no longer blocks training (nor
-interpreter exit, which a ``ThreadPoolExecutor`` worker would), but it keeps
-running in the background, holding its CPU and memory until it returns. The
-number of such abandoned threads is reported by :meth:`RewardComposer.stats`
-(``abandoned_threads``) so a leak shows up in the logs. The thread costs about
-0.1 ms per component and sample (a 4 x 8 GRPO step with two rewards: ~6 ms);
-``timeout_s=None`` calls inline with no protection against hangs, for reward
-functions you trust.
+How components run (the speed and the safety of a step):
 
-The limit of threads: a timeout interrupts waiting (network, sleep) and
-pure-Python loops, but not one long C call that holds the GIL, such as a
-catastrophically backtracking regex or ``9**9**9`` on big integers; that
-freezes every thread until it returns. The builtin rewards therefore bound
-their inputs before any such work (see :mod:`rltk.rewards.countdown`); a
-reward that must run untrusted heavy code belongs in a subprocess of its own.
+* A builtin, or any function marked :func:`rltk.rewards.bounded`
+  (its work is capped on any input), runs in this process: one plain call per
+  sample in a single pass over the step's samples, no timeout, no thread.
+* Any other function runs in a pool of ``workers`` worker processes
+  (:class:`rltk.rewards.pool.RewardWorkerPool`) under ``timeout_s`` per call:
+  all samples of a step are submitted at once and timed in parallel, and a
+  call that overruns has its process killed and replaced, so it stops using
+  CPU at once and one hung sample costs at most one timeout per step. A
+  worker that crashes fails the sample it was scoring. The pool starts on the
+  first call and is reused by every later one; :meth:`RewardComposer.close`
+  (or interpreter exit, or Ctrl-C during scoring) stops it.
+* ``timeout_s=None`` runs every function in-process with no timeout, for
+  rewards you trust.
+
+Worker processes get each function by reference (pickle), so an unmarked
+function must be defined at the top level of an importable module; a lambda
+or a closure is refused when the composer is built, naming the reward (mark
+it bounded, move it to module level, or set ``timeout_s=None``). Its
+configured arguments must pickle too.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from rltk.rewards.marks import is_bounded
+from rltk.rewards.pool import CallOutcome, RewardWorkerPool, picklable_error
 
 PROVIDED_ARGS = ("prompt", "response", "ground_truth", "extras")
 
@@ -52,7 +58,11 @@ class RewardSpec:
 
 
 class RewardTimeout(TimeoutError):
-    """A reward function ran longer than the composer's ``timeout_s``."""
+    """A reward function ran longer than the composer's ``timeout_s``.
+
+    Its name is what the failure warning reports for such a call; the call's
+    worker process has been killed by then, so nothing of it keeps running.
+    """
 
 
 class RewardComposer:
@@ -68,13 +78,18 @@ class RewardComposer:
         specs: the components, as :class:`RewardSpec` or ``(name, fn, weight,
             args)`` tuples. Names must be unique (they key the details).
         fallback: the score a component gives a sample on which it failed.
-        timeout_s: longest a component may run on one sample (seconds);
-            ``None`` runs components inline with no timeout.
+        timeout_s: longest a component not marked bounded may run on one
+            sample (seconds), counted from when a worker process takes the
+            call; ``None`` runs every component in-process with no timeout.
+        workers: worker processes for the components not marked bounded
+            (started on first use, only if there are such components).
 
     Raises ``ValueError`` at construction for duplicate names, non-finite
     weights, arguments the function does not accept, arguments the caller
     provides (``prompt``, ``response``, ``ground_truth``, ``extras``) and
-    missing required arguments, each naming the reward and its valid args.
+    missing required arguments, each naming the reward and its valid args,
+    and for a component that must run in a worker process but cannot be
+    pickled (a lambda, a closure), naming the reward and the ways out.
 
     Example::
 
@@ -82,6 +97,8 @@ class RewardComposer:
                                    ("format", format_tags, 0.1, {"tags": ["answer"]})])
         score, details = composer(prompt, response, ground_truth, extras)
         # details == {"math": 1.0, "format": 0.0}; score == 1.0
+        results = composer.score_batch([{"prompt": ..., "response": ..., ...}, ...])
+        composer.close()  # stop worker processes, if any were started
     """
 
     def __init__(
@@ -90,6 +107,7 @@ class RewardComposer:
         *,
         fallback: float = 0.0,
         timeout_s: float | None = 5.0,
+        workers: int = 4,
     ):
         self.specs = [spec if isinstance(spec, RewardSpec) else RewardSpec(*spec) for spec in specs]
         if not self.specs:
@@ -98,8 +116,14 @@ class RewardComposer:
             raise ValueError(f"reward fallback must be a finite number, got {fallback!r}")
         if timeout_s is not None and not (_is_finite_number(timeout_s) and timeout_s > 0):
             raise ValueError(f"reward timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(
+                f"reward.workers must be an integer >= 1 (worker processes for rewards not marked bounded), "
+                f"got {workers!r}"
+            )
         self.fallback = float(fallback)
         self.timeout_s = timeout_s
+        self.workers = workers
         seen: set[str] = set()
         for spec in self.specs:
             if spec.name in seen:
@@ -115,9 +139,15 @@ class RewardComposer:
             validate_reward_args(spec.name, spec.fn, spec.args)
         # Functions may leave out sample fields they do not use (e.g. prompt).
         self._sample_fields = {spec.name: _accepted_sample_fields(spec.fn) for spec in self.specs}
+        # Which components need a worker process: unbounded ones, when there is a timeout to enforce.
+        self._isolated = [timeout_s is not None and not is_bounded(spec.fn, spec.args) for spec in self.specs]
+        for spec, isolated in zip(self.specs, self._isolated):
+            if isolated:
+                _check_picklable(spec)
+        self._pool: RewardWorkerPool | None = None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
-        self._abandoned: list[threading.Thread] = []
+        self.worker_restarts = 0
         self.failures: dict[str, int] = {}
         self.timeouts: dict[str, int] = {}
         self.calls = 0
@@ -128,56 +158,128 @@ class RewardComposer:
         """Component names, in order."""
         return [spec.name for spec in self.specs]
 
+    @property
+    def in_process(self) -> list[str]:
+        """Names of the components called in this process (bounded ones, or all when ``timeout_s`` is None)."""
+        return [spec.name for spec, isolated in zip(self.specs, self._isolated) if not isolated]
+
     def __call__(
         self, prompt: str, response: str, ground_truth: str, extras: dict | None = None
     ) -> tuple[float, dict[str, float]]:
-        """Score one sample: ``(weighted sum, {component name: its score, ...})``."""
-        sample = {"prompt": prompt, "response": response, "ground_truth": ground_truth, "extras": extras or {}}
-        total = 0.0
-        details: dict[str, float] = {}
-        for spec in self.specs:
-            score, extra_details = self._score_one(spec, sample)
-            details[spec.name] = score
-            details.update(extra_details)
-            total += spec.weight * score
+        """Score one sample: ``(weighted sum, {component name: its score, ...})``.
+
+        Scoring a step's samples one by one gives up the parallel timeouts; a
+        workflow should call :meth:`score_batch` once per step instead.
+        """
+        return self.score_batch([{"prompt": prompt, "response": response, "ground_truth": ground_truth,
+                                  "extras": extras}])[0]
+
+    def score_batch(self, samples: Sequence[Mapping[str, Any]]) -> list[tuple[float, dict[str, float]]]:
+        """Score many samples at once: ``[(weighted sum, details), ...]``, in order.
+
+        Each sample is a mapping with ``prompt``, ``response``,
+        ``ground_truth`` and optionally ``extras``. Components in worker
+        processes get every sample submitted together, and in-process
+        components are computed while those run, so a step pays one round of
+        worker latency and at most one ``timeout_s`` for its hung calls.
+
+        Raises :class:`rltk.rewards.pool.RewardWorkerError` if an isolated
+        component cannot be loaded in a worker process (a configuration
+        error, not a bad sample).
+        """
+        rows = [
+            {"prompt": s["prompt"], "response": s["response"], "ground_truth": s["ground_truth"],
+             "extras": s.get("extras") or {}}
+            for s in samples
+        ]
+        # results[i][j]: component j on sample i, as (score, details)
+        results: list[list[tuple[float, dict[str, float]] | None]] = [[None] * len(self.specs) for _ in rows]
+
+        def in_process() -> None:
+            for j, (spec, isolated) in enumerate(zip(self.specs, self._isolated)):
+                if isolated:
+                    continue
+                for i, sample in enumerate(rows):
+                    results[i][j] = self._score_in_process(spec, sample)
+
+        calls = [(j, i) for j, isolated in enumerate(self._isolated) if isolated for i in range(len(rows))]
+        if calls:
+            outcomes = self._worker_pool().run(
+                [(j, self._kwargs(self.specs[j], rows[i])) for j, i in calls], while_waiting=in_process)
+            for (j, i), outcome in zip(calls, outcomes):
+                results[i][j] = self._from_outcome(self.specs[j], outcome)
+            self._sync_restarts()
+        else:
+            in_process()
+
+        out = []
+        for per_spec in results:
+            total = 0.0
+            details: dict[str, float] = {}
+            for spec, (score, extra_details) in zip(self.specs, per_spec):  # type: ignore[misc]
+                details[spec.name] = score
+                details.update(extra_details)
+                total += spec.weight * score
+            out.append((total, details))
         with self._lock:
-            self.calls += 1
-        return total, details
+            self.calls += len(rows)
+        return out
+
+    def start(self) -> None:
+        """Start the worker processes now rather than on the first call (no-op without isolated components)."""
+        if any(self._isolated):
+            self._worker_pool().start()
+
+    def close(self) -> None:
+        """Stop the worker processes (they restart if the composer is called again). Idempotent."""
+        if self._pool is not None:
+            self._sync_restarts()
+            self._pool.close()
+
+    def __enter__(self) -> "RewardComposer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def stats(self) -> dict[str, float]:
         """Counts since the last :meth:`reset_stats`, flat for a metrics logger.
 
-        ``calls``, ``failures/<name>``, ``timeouts/<name>`` (timeouts are also
-        counted as failures) and ``abandoned_threads`` (timed-out calls still
-        running now).
+        ``calls`` (samples scored), ``failures/<name>``, ``timeouts/<name>``
+        (timeouts are also counted as failures) and ``worker_restarts``
+        (worker processes killed after a timeout or found dead, and replaced).
         """
+        self._sync_restarts()
         with self._lock:
-            self._abandoned = [t for t in self._abandoned if t.is_alive()]
             out: dict[str, float] = {"calls": float(self.calls)}
             for name in self.names:
                 out[f"failures/{name}"] = float(self.failures[name])
                 out[f"timeouts/{name}"] = float(self.timeouts[name])
-            out["abandoned_threads"] = float(len(self._abandoned))
+            out["worker_restarts"] = float(self.worker_restarts)
             return out
 
     def reset_stats(self) -> None:
-        """Zero the call, failure and timeout counts (e.g. after logging them)."""
+        """Zero the call, failure, timeout and restart counts (e.g. after logging them)."""
+        self._sync_restarts()
         with self._lock:
+            self.worker_restarts = 0
             self.calls = 0
             self.failures = {name: 0 for name in self.names}
             self.timeouts = {name: 0 for name in self.names}
 
     def state_dict(self) -> dict[str, Any]:
-        """The cumulative counters, JSON-able, for a checkpoint: ``{"calls", "failures", "timeouts"}``.
+        """The cumulative counters, JSON-able, for a checkpoint.
 
-        ``failures`` and ``timeouts`` map each component name to its count. A
-        resumed run that loads this with :meth:`load_state_dict` keeps counting
-        from where the interrupted one stopped, so the logged ``reward_fn/*``
-        numbers equal those of a run that was never interrupted. Abandoned
-        threads are not state: they do not outlive the process.
+        ``{"calls": int, "failures": {name: int}, "timeouts": {name: int},
+        "worker_restarts": int}``. A resumed run that loads this with
+        :meth:`load_state_dict` counts on from where the interrupted one
+        stopped, so the logged ``reward_fn/*`` numbers equal those of a run
+        that was never interrupted.
         """
+        self._sync_restarts()
         with self._lock:
-            return {"calls": int(self.calls), "failures": dict(self.failures), "timeouts": dict(self.timeouts)}
+            return {"calls": int(self.calls), "failures": dict(self.failures), "timeouts": dict(self.timeouts),
+                    "worker_restarts": int(self.worker_restarts)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue counting from ``state``, a :meth:`state_dict` of a composer with the same components.
@@ -187,11 +289,13 @@ class RewardComposer:
         components than this composer's (counts of another reward setup would
         be logged under the wrong names).
         """
-        if not isinstance(state, Mapping) or set(state) != {"calls", "failures", "timeouts"}:
+        keys = {"calls", "failures", "timeouts", "worker_restarts"}
+        if not isinstance(state, Mapping) or set(state) != keys:
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"RewardComposer.load_state_dict: expected the keys ['calls', 'failures', 'timeouts'] "
-                             f"of RewardComposer.state_dict(), got {got}")
+            raise ValueError(f"RewardComposer.load_state_dict: expected the keys {sorted(keys)} of "
+                             f"RewardComposer.state_dict(), got {got}")
         _check_count("calls", state["calls"])
+        _check_count("worker_restarts", state["worker_restarts"])
         for kind in ("failures", "timeouts"):
             counts = state[kind]
             if not isinstance(counts, Mapping) or set(counts) != set(self.names):
@@ -201,57 +305,67 @@ class RewardComposer:
                                  f"cannot continue here")
             for name, count in counts.items():
                 _check_count(f"{kind}['{name}']", count)
+        self._sync_restarts()  # restarts the pool counted before the load belong to no run: dropped below
         with self._lock:
             self.calls = int(state["calls"])
             self.failures = {name: int(state["failures"][name]) for name in self.names}
             self.timeouts = {name: int(state["timeouts"][name]) for name in self.names}
+            self.worker_restarts = int(state["worker_restarts"])
 
-    def _score_one(self, spec: RewardSpec, sample: dict) -> tuple[float, dict[str, float]]:
-        try:
-            result = self._call(spec, sample)
-            return _as_score(spec.name, result)
-        except Exception as exc:
-            self._record_failure(spec.name, exc)
-            return self.fallback, {}
-
-    def _call(self, spec: RewardSpec, sample: dict) -> Any:
+    def _kwargs(self, spec: RewardSpec, sample: dict) -> dict[str, Any]:
         kwargs = {k: v for k, v in sample.items() if k in self._sample_fields[spec.name]}
         kwargs.update(spec.args)
-        if self.timeout_s is None:
-            return spec.fn(**kwargs)
-        outcome: dict[str, Any] = {}
+        return kwargs
 
-        def run() -> None:
+    def _score_in_process(self, spec: RewardSpec, sample: dict) -> tuple[float, dict[str, float]]:
+        try:
+            return _as_score(spec.name, spec.fn(**self._kwargs(spec, sample)))
+        except BaseException as exc:  # even sys.exit() in a reward must not end training
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            self._record_failure(spec.name, type(exc).__name__, str(exc), _traceback_tail(exc))
+            return self.fallback, {}
+
+    def _from_outcome(self, spec: RewardSpec, outcome: CallOutcome) -> tuple[float, dict[str, float]]:
+        if outcome.ok:
             try:
-                outcome["value"] = spec.fn(**kwargs)
-            except BaseException as exc:  # even sys.exit() in a reward must not end training
-                outcome["error"] = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
-
-        worker = threading.Thread(target=run, name=f"rltk-reward-{spec.name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        if worker.is_alive():
+                return _as_score(spec.name, outcome.value)
+            except Exception as exc:
+                self._record_failure(spec.name, type(exc).__name__, str(exc), "")
+                return self.fallback, {}
+        if outcome.timed_out:
             with self._lock:
-                self._abandoned.append(worker)
                 self.timeouts[spec.name] += 1
-            raise RewardTimeout(f"reward '{spec.name}' took longer than timeout_s={self.timeout_s}")
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
+        self._record_failure(spec.name, outcome.error_type, outcome.error, outcome.where)
+        return self.fallback, {}
 
-    def _record_failure(self, name: str, exc: BaseException) -> None:
+    def _worker_pool(self) -> RewardWorkerPool:
+        if self._pool is None:
+            # Only isolated functions travel (an in-process one may be a lambda); indices stay aligned.
+            functions = [(spec.name, spec.fn if isolated else None)
+                         for spec, isolated in zip(self.specs, self._isolated)]
+            self._pool = RewardWorkerPool(functions, size=self.workers, timeout_s=self.timeout_s)
+        return self._pool
+
+    def _sync_restarts(self) -> None:
+        # The pool counts since it was created; the composer since its last reset.
+        if self._pool is not None:
+            with self._lock:
+                self.worker_restarts += self._pool.restarts
+                self._pool.restarts = 0
+
+    def _record_failure(self, name: str, error_type: str, error: str, where: str) -> None:
         with self._lock:
             self.failures[name] += 1
             first = name not in self._warned
             self._warned.add(name)
         if first:
-            where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
             warnings.warn(
-                f"reward '{name}' failed on a sample ({type(exc).__name__}: {exc}); that sample gets "
+                f"reward '{name}' failed on a sample ({error_type}: {error}); that sample gets "
                 f"fallback={self.fallback} for '{name}' and training continues. Further failures are "
                 f"counted in stats()['failures/{name}'] without a warning.\n{where}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
 
 
@@ -289,6 +403,7 @@ def build_reward_composer(
     args: Mapping[str, Mapping[str, Any]] | None = None,
     fallback: float = 0.0,
     timeout_s: float | None = 5.0,
+    workers: int = 4,
 ) -> RewardComposer:
     """A :class:`RewardComposer` over registered reward functions (kind ``reward_fn``).
 
@@ -298,7 +413,8 @@ def build_reward_composer(
     (``name`` defaults to ``fn``; use it to register one function twice with
     different args). ``weights`` is a list in component order or a mapping
     by name (missing names weigh 1.0); ``args`` maps a component name to its
-    arguments. OmegaConf containers are accepted as they are.
+    arguments. ``fallback``, ``timeout_s`` and ``workers`` are passed to
+    :class:`RewardComposer`. OmegaConf containers are accepted as they are.
     """
     import rltk  # deferred: rltk.registry imports the builtin plugins, which import this module
 
@@ -348,7 +464,28 @@ def build_reward_composer(
         fn = rltk.get_component("reward_fn", entry["fn"])
         merged = {**(entry.get("args") or {}), **(args.get(entry["name"]) or {})}
         specs.append(RewardSpec(entry["name"], fn, entry.get("weight", 1.0), merged))
-    return RewardComposer(specs, fallback=fallback, timeout_s=timeout_s)
+    return RewardComposer(specs, fallback=fallback, timeout_s=timeout_s, workers=workers)
+
+
+def _check_picklable(spec: RewardSpec) -> None:
+    """Refuse, at build time, a component that cannot be sent to a worker process."""
+    for what, value in (("function", spec.fn), ("args", spec.args)):
+        problem = picklable_error(value)
+        if problem is not None:
+            qualname = getattr(spec.fn, "__qualname__", type(spec.fn).__name__)
+            module = getattr(spec.fn, "__module__", "?")
+            raise ValueError(
+                f"reward '{spec.name}' ({module}.{qualname}) must run in a worker process, where a timeout "
+                f"can stop it, but its {what} cannot be sent there ({problem}). Workers import reward "
+                f"functions by reference: define it at the top level of a module (not a lambda or a nested "
+                f"function), or mark it @bounded (from rltk.rewards import bounded) if its work is bounded on "
+                f"any input (it then runs in-process), or set reward.timeout_s=null to run every reward "
+                f"in-process without a timeout."
+            )
+
+
+def _traceback_tail(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
 
 
 def _as_score(name: str, result: Any) -> tuple[float, dict[str, float]]:

@@ -12,6 +12,11 @@ parsed with :mod:`ast` and only integer literals, ``+ - * /``, unary minus and
 parentheses are accepted (``9**9**9`` and ``__import__('os')`` are rejected
 before anything is computed). Arithmetic is exact (:class:`fractions.Fraction`),
 so ``(1/3)*3`` hits 1 and rounding never turns a miss into a hit.
+
+The work per call is bounded whatever the response's length: the answer is
+located with C-speed ``rfind``/``rstrip`` and only its last
+:data:`MAX_ANSWER_CHARS` characters are split and parsed; a longer answer
+scores 0. Numbers are ASCII digits only (see :mod:`rltk.rewards.math`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ import re
 from collections import Counter
 from fractions import Fraction
 
+from rltk.rewards.marks import bounded
+
 RULES = ("exactly_once", "at_most_once")
 # A Countdown expression over a handful of numbers is a few dozen characters;
 # a cap keeps ast.parse away from megabyte-long or deeply nested hostile input.
 MAX_EXPRESSION_CHARS = 256
+# Longest answer (``<answer>`` content or last line) looked at: an expression
+# plus a written-out result and some slack. Longer answers score 0.
+MAX_ANSWER_CHARS = 4 * MAX_EXPRESSION_CHARS
 # Literals are checked against the given numbers before anything is
 # evaluated, so this only bounds what a misconfigured task could ask for.
 MAX_LITERAL_DIGITS = 18
@@ -109,19 +119,26 @@ def extract_expression(response: str) -> str | None:
 
     The content of the last ``<answer>...</answer>`` if there is one, else
     the last non-empty line. A written-out result is dropped: ``(3+5)*2 = 16``
-    and ``16 = (3+5)*2`` both give ``(3+5)*2``.
+    and ``16 = (3+5)*2`` both give ``(3+5)*2``. An answer or line longer
+    than :data:`MAX_ANSWER_CHARS` gives ``None``.
     """
     # rfind rather than a regex: a response of many unclosed "<answer>" tags
     # would make a lazy regex scan to the end once per tag (quadratic).
     close = response.rfind("</answer>")
     open_ = response.rfind("<answer>", 0, close) if close >= 0 else -1
     if open_ >= 0:
+        if close - open_ - len("<answer>") > MAX_ANSWER_CHARS:
+            return None
         text = response[open_ + len("<answer>") : close]
     else:
-        lines = [line for line in response.splitlines() if line.strip()]
-        if not lines:
+        # The last non-empty line is the last line once trailing whitespace is gone (every line
+        # break is whitespace); one character more than an answer may have tells a line too long.
+        stripped = response.rstrip()
+        if not stripped:
             return None
-        text = lines[-1]
+        text = stripped[-(MAX_ANSWER_CHARS + 1) :].splitlines()[-1]
+        if len(text) > MAX_ANSWER_CHARS:
+            return None
     sides = [side.strip() for side in text.split("=")]
     if len(sides) > 1:
         operators = [side for side in sides if any(op in side for op in "+-*/")]
@@ -164,6 +181,7 @@ def check_countdown(
     return (True, "ok") if result == target else (False, "wrong_value")
 
 
+@bounded
 def countdown(
     *,
     prompt: str,
@@ -197,9 +215,9 @@ def countdown(
             f"extras keys are {sorted(extras)}. Keep the numbers column with data.extras_keys."
         )
     if isinstance(numbers, str):
-        numbers = [int(n) for n in re.findall(r"-?\d+", numbers)]
+        numbers = [int(n) for n in re.findall(r"-?\d+", numbers, flags=re.ASCII)]
     target_text = ground_truth.strip() or str(extras.get("target", "")).strip()
-    if not re.fullmatch(r"-?\d{1,18}", target_text):
+    if not re.fullmatch(r"-?\d{1,18}", target_text, flags=re.ASCII):
         raise ValueError(
             f"countdown reward: the target must be an integer, got ground_truth={ground_truth!r} "
             f"(extras['target']={extras.get('target')!r})"

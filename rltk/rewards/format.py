@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from rltk.rewards.marks import bounded
+
 _TAG_NAME = re.compile(r"[A-Za-z_][\w\-]*")
 
 
@@ -32,6 +34,7 @@ def layout_pattern(tags: tuple[str, ...]) -> str:
     return rf"\s*{blocks}\s*"
 
 
+@bounded(unless_args=("pattern",))  # a user regex may backtrack without end: run it under the timeout
 def format_tags(
     *,
     prompt: str,

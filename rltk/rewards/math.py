@@ -3,9 +3,21 @@
 Both compare a model's final answer with the ground truth twice: as numbers
 (exactly, with :class:`fractions.Fraction`, after removing thousands
 separators, ``$``, ``%``, a trailing ``.0`` ...) and as normalised strings.
-Model output is hostile input: every parser here is linear in the length of
-the text and refuses numbers too large to build (``parse_number("9" * 10**6)``
-is ``None``, not an hour of big-integer work).
+Model output is hostile input, so the work per call is bounded whatever the
+response's length: markers are found with C-speed ``rfind``, and Python-level
+parsing only ever looks at :data:`MAX_ANSWER_CHARS` characters; an answer
+longer than that scores 0. Numbers longer than :data:`MAX_NUMBER_CHARS` are
+refused (``parse_number("9" * 10**6)`` is ``None``, not an hour of big-integer
+work), and numbers are compared exactly, so a 309-digit answer (beyond a
+float) scores 0 or 1 instead of raising ``OverflowError``.
+
+Digits are ASCII ``0-9`` only. Python's ``\\d``, ``int`` and ``Fraction``
+accept every Unicode decimal digit (``"٤٢"``, fullwidth ``"４２"``, even a
+mix such as ``"4٢"``), which would make a reward credit digits the task never
+asked for and accept mixed-script look-alikes. Here such a text is not a
+number: it is compared as a normalised string, so it matches a ground truth
+written in the same characters and nothing else. A task whose answers use
+other digits should convert them in its data or in a reward of its own.
 """
 
 from __future__ import annotations
@@ -13,18 +25,27 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from rltk.rewards.marks import bounded
+
+# Longest answer (extracted \boxed{} content, "####" line, exact_match's
+# first line) the rewards parse; anything longer scores 0. It bounds the work
+# per response: a 10 MB response costs a few C-speed scans and no more.
+MAX_ANSWER_CHARS = 10_000
 # Longest digit string parse_number turns into a number (Python refuses int()
 # on more than 4300 digits by default, and no answer needs that many).
 MAX_NUMBER_CHARS = 400
 # 10**MAX_EXPONENT is the largest power a scientific-notation answer may ask for.
 MAX_EXPONENT = 100
 
-_DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?")
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
+_DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?", re.ASCII)
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?", re.ASCII)
 _LATEX_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
-_LATEX_FRAC_SHORT = re.compile(r"\\[dt]?frac(\d)(\d)")
+_LATEX_FRAC_SHORT = re.compile(r"\\[dt]?frac(\d)(\d)", re.ASCII)
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?", re.ASCII)
+# The start of the run of number characters that ends a text (see extract_last_number).
+_NUMBER_RUN_START = re.compile(r"[^0-9.,\-][0-9.,\-]*\Z")
+_BOXED_TOKEN = re.compile(r"[^\s$]+")
 _VARIABLE_PREFIX = re.compile(r"^[a-zA-Z]\s*=\s*")
 _WHITESPACE = re.compile(r"\s+")
 
@@ -92,14 +113,24 @@ def normalise_answer(text: str) -> str:
 
 
 def answers_match(predicted: str, truth: str, *, rel_tol: float = 1e-9) -> bool:
-    """Whether two answers agree, as numbers if both parse, else as normalised strings."""
+    """Whether two answers agree, as numbers if both parse, else as normalised strings.
+
+    Numbers agree when ``|p - t| <= rel_tol * max(|p|, |t|)``, computed in
+    exact rational arithmetic: a float would overflow beyond ``1.8e308``.
+    """
     pred_norm, truth_norm = normalise_answer(predicted), normalise_answer(truth)
     pred_num, truth_num = parse_number(pred_norm), parse_number(truth_norm)
     if pred_num is not None and truth_num is not None:
         if pred_num == truth_num:
             return True
-        return abs(pred_num - truth_num) <= rel_tol * max(abs(pred_num), abs(truth_num))
+        return abs(pred_num - truth_num) <= _tolerance(rel_tol) * max(abs(pred_num), abs(truth_num))
     return pred_norm == truth_norm and pred_norm != ""
+
+
+def _tolerance(rel_tol: float) -> Fraction:
+    if isinstance(rel_tol, bool) or not isinstance(rel_tol, (int, float)) or not 0 <= rel_tol < float("inf"):
+        raise ValueError(f"math_answer: rel_tol must be a finite number >= 0, got {rel_tol!r}")
+    return Fraction(rel_tol)
 
 
 def extract_boxed(text: str) -> str | None:
@@ -107,7 +138,8 @@ def extract_boxed(text: str) -> str | None:
 
     Braces are matched by counting, so ``\\boxed{\\frac{1}{2}}`` gives
     ``\\frac{1}{2}``; an unclosed last box gives ``None``. ``\\boxed 5`` (no
-    braces) gives ``5``.
+    braces) gives ``5``. Content longer than :data:`MAX_ANSWER_CHARS` gives
+    ``None`` too, so the brace count never walks a whole hostile response.
     """
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
@@ -118,10 +150,10 @@ def extract_boxed(text: str) -> str | None:
     if i >= len(text):
         return None
     if text[i] != "{":
-        token = re.match(r"[^\s$]+", text[i:])
-        return token.group(0) if token else None
+        token = _BOXED_TOKEN.match(text, i, i + MAX_ANSWER_CHARS + 1)
+        return token.group(0) if token and len(token.group(0)) <= MAX_ANSWER_CHARS else None
     depth = 0
-    for j in range(i, len(text)):
+    for j in range(i, min(len(text), i + MAX_ANSWER_CHARS + 2)):
         if text[j] == "{":
             depth += 1
         elif text[j] == "}":
@@ -135,18 +167,41 @@ def extract_hash_answer(text: str) -> str | None:
     """What follows the last ``####`` on its line (GSM8K style), or ``None``.
 
     A closing tag ends the answer too: ``<answer>#### 7</answer>`` gives ``7``.
+    An answer longer than :data:`MAX_ANSWER_CHARS` gives ``None``.
     """
     start = text.rfind("####")
     if start < 0:
         return None
-    answer = text[start + 4 :].split("\n", 1)[0].split("</", 1)[0].strip()
-    return answer or None
+    # Room for an answer, one more character and a "</" starting right after the answer: if the
+    # line is not cut within it, the answer is too long.
+    window = text[start + 4 : start + 4 + MAX_ANSWER_CHARS + 2]
+    answer = window.split("\n", 1)[0].split("</", 1)[0]
+    if len(answer) > MAX_ANSWER_CHARS:
+        return None
+    return answer.strip() or None
 
 
 def extract_last_number(text: str) -> str | None:
-    """The last number written in ``text`` (``-12``, ``1,234.5``), or ``None``."""
+    """The last number written in ``text`` (``-12``, ``1,234.5``), or ``None``.
+
+    Only the run of number characters (``0-9 . , -``) around the last digit
+    is scanned, so the cost does not grow with ``text``; a run longer than
+    :data:`MAX_ANSWER_CHARS` gives ``None``.
+    """
+    end = max(text.rfind(digit) for digit in "0123456789")
+    if end < 0:
+        return None
+    window_start = max(0, end - MAX_ANSWER_CHARS)
+    window = text[window_start : end + 1]
+    # The run starts right after a character no number contains, so scanning it splits the
+    # numbers exactly as a scan of the whole text would.
+    boundary = _NUMBER_RUN_START.search(window)
+    if boundary is not None:
+        window = window[boundary.start() + 1 :]
+    elif window_start > 0:
+        return None
     last = None
-    for last in _LAST_NUMBER.finditer(text):
+    for last in _LAST_NUMBER.finditer(window):
         pass
     return last.group(0).rstrip(",") if last else None
 
@@ -166,6 +221,7 @@ def extract_final_answer(text: str, *, flexible: bool = False) -> str | None:
     return answer
 
 
+@bounded
 def math_answer(
     *,
     prompt: str,
@@ -186,7 +242,8 @@ def math_answer(
     or ``\\boxed{72}``. Answers are compared as exact numbers (``1,000`` =
     ``1000.0``, ``\\frac{1}{2}`` = ``0.5``, ``50%`` = ``50``) within relative
     tolerance ``rel_tol``, else as normalised strings (see
-    :func:`normalise_answer`).
+    :func:`normalise_answer`). Digits are ASCII only and answers longer than
+    :data:`MAX_ANSWER_CHARS` score 0 (see the module docstring).
 
     Args:
         flexible: fall back to the last number when no marked answer exists.
@@ -201,6 +258,7 @@ def math_answer(
     return 1.0 if answers_match(predicted, truth, rel_tol=rel_tol) else float(format_score)
 
 
+@bounded
 def exact_match(
     *,
     prompt: str,
@@ -218,12 +276,18 @@ def exact_match(
     special tokens), stripped, with runs of whitespace collapsed; compared
     case-insensitively unless ``case_sensitive``. With ``numeric`` two
     strings that both parse as numbers are equal when the numbers are
-    (``"42.0"`` = ``"42"``, ``"1,000"`` = ``"1000"``, see :func:`parse_number`).
+    (``"42.0"`` = ``"42"``, ``"1,000"`` = ``"1000"``, see :func:`parse_number`;
+    ASCII digits only). A first line longer than :data:`MAX_ANSWER_CHARS`
+    scores 0.0.
     """
-    text = response.lstrip()
+    # One character more than an answer may have, plus room for a stop string that starts within
+    # it: if no stop string cuts the text, the first line is too long.
+    text = response.lstrip()[: MAX_ANSWER_CHARS + 1 + max((len(stop) for stop in stop_strings), default=0)]
     for stop in stop_strings:
         if stop:
             text = text.split(stop, 1)[0]
+    if len(text) > MAX_ANSWER_CHARS:
+        return 0.0
     predicted = _WHITESPACE.sub(" ", text).strip()
     truth = _WHITESPACE.sub(" ", ground_truth).strip()
     if not predicted:

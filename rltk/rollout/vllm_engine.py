@@ -21,11 +21,15 @@ Colocation choices, and why:
   and completions are decoded with rltk's tokenizer, so ids cannot drift
   between the trainer and the engine.
 
-Log-probs follow the ``hf`` engine: with ``logprobs_mode="processed_logprobs"``
-(vLLM >= 0.10.2) they are those of the distribution sampled from (after
-temperature, top-k, top-p); older vLLM returns temperature-1 log-probs of the
-raw logits and the engine warns once. Greedy decoding gives temperature-1
-log-probs in both cases.
+Log-probs follow the ``hf`` engine: every request asks for the sampled
+token's log-prob (``logprobs=0``) and each :class:`~rltk.rollout.base.Completion`
+carries one per token, which the workflows keep as the batch's
+``rollout_logprobs`` (what ``algorithm.use_rollout_logprobs`` and
+``algorithm.rollout_correction`` read). With
+``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) they are those of the
+distribution sampled from (after temperature, top-k, top-p); older vLLM
+returns temperature-1 log-probs of the raw logits and the engine warns once.
+Greedy decoding gives temperature-1 log-probs in both cases.
 """
 
 from __future__ import annotations
@@ -273,7 +277,9 @@ class VLLMRolloutEngine(RolloutEngine):
             warnings.warn(
                 f"vllm {vllm.__version__} has no logprobs_mode: rollout log-probs are temperature-1 log-probs "
                 f"of the raw logits, not of the sampling distribution. Recompute old log-probs in the trainer "
-                f"(algorithm.use_rollout_logprobs=false) or upgrade to vllm >= 0.10.2.",
+                f"(algorithm.use_rollout_logprobs=false), leave algorithm.rollout_correction off (its ratios "
+                f"would compare against the wrong distribution unless rollout.temperature=1 with no top-k/top-p), "
+                f"or upgrade to vllm >= 0.10.2.",
                 stacklevel=2,
             )
         kwargs.update(engine_kwargs or {})

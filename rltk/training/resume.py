@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rltk.checkpoint import STATE_FILE, CheckpointManager, give_default_mode
 from rltk.config.errors import ConfigError
+from rltk.config.saved import config_to_record
 from rltk.config.schema import RunConfig
 from rltk.strategies.base import MODEL_SUBDIR, load_full_state_into, load_model_folder
 
@@ -106,6 +107,8 @@ RESUME_SAFE_KEYS = (
     "trainer.micro_batch_size", "model.logprob_impl", "model.logprob_chunk_size", "model.gradient_checkpointing",
     "checkpoint.",  # how often to save and how many to keep; `resume` is how this run was chosen
     "logging.",  # where metrics go
+    "guard.",  # when a diverged run stops: loosen it and resume, and the run trains as it would have
+    "algorithm.rollout_correction.log_metrics",  # only logs the mismatch; the update is the same
 )
 
 _UNSET = "(unset)"
@@ -135,9 +138,12 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 def config_differences(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, new value)`` for every key that differs and is not in :data:`RESUME_SAFE_KEYS`.
 
-    Both are resolved plain containers. A key one side lacks counts as its
-    schema default (a run saved by an older rltk lacks keys added since), or
-    as ``(unset)`` when the schema has none.
+    Both are plain containers, resolved except that values read from the
+    environment may be kept as their interpolation (see
+    :mod:`rltk.config.saved`) and then compare as that: a changed environment
+    variable is not a difference. A key one side lacks counts as its schema
+    default (a run saved by an older rltk lacks keys added since), or as
+    ``(unset)`` when the schema has none.
     """
     defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=True))
     old, cur = _flatten(saved), _flatten(new)
@@ -173,7 +179,13 @@ def check_compatible(cfg: DictConfig, saved_file: Path, what: str) -> None:
     the message, which lists each differing key as ``old -> new`` and the two
     ways out.
     """
-    diffs = config_differences(_saved_config(saved_file), OmegaConf.to_container(cfg, resolve=True))
+    saved = _saved_config(saved_file)
+    # config.yaml keeps values read from the environment as their ${oc.env:...} interpolation; a file
+    # written before rltk did so holds the resolved value, which must not count as a change either.
+    diffs = config_differences(saved, config_to_record(cfg))
+    if diffs:
+        changed = {key for key, _, _ in config_differences(saved, OmegaConf.to_container(cfg, resolve=True))}
+        diffs = [d for d in diffs if d[0] in changed]
     if not diffs:
         return
     shown = "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in diffs[:8])

@@ -16,6 +16,7 @@ import torch
 from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
 from rltk.batch import slice_batch
 from rltk.models.logprobs import response_logprobs
+from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction, weighted_loss_agg
 
 
 @dataclass
@@ -30,24 +31,47 @@ class LossComponents:
     kl_penalty_args: dict = field(default_factory=dict)
     kl_in: str = "loss"
     entropy_coef: float = 0.0
+    # algorithm.rollout_correction: modes and thresholds (rltk.algorithms.mismatch), and whether to
+    # log the mismatch metrics with every mode off
+    rollout_correction: dict = field(default_factory=dict)
+    log_mismatch_metrics: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> "LossComponents":
         """The ``algorithm.*`` choices of a config, looked up in the registry."""
+        from omegaconf import OmegaConf
+
         from rltk import get_component
         from rltk.training.setup import args_of
 
         a = cfg.algorithm
+        correction = OmegaConf.to_container(a.rollout_correction)
+        loss_agg = get_component("loss_agg", a.loss_agg)
         return cls(
             policy_loss=get_component("policy_loss", a.policy_loss),
             policy_loss_args=args_of(cfg, "algorithm.policy_loss"),
-            loss_agg=get_component("loss_agg", a.loss_agg),
-            loss_agg_args=args_of(cfg, "algorithm.loss_agg"),
+            loss_agg=loss_agg,
+            loss_agg_args=loss_agg_args(loss_agg, args_of(cfg, "algorithm.loss_agg"), cfg.rollout.max_new_tokens),
             kl_penalty=get_component("kl_penalty_fn", a.kl_penalty_fn),
             kl_penalty_args=args_of(cfg, "algorithm.kl_penalty_fn"),
             kl_in=a.kl_in,
             entropy_coef=a.entropy_coef,
+            log_mismatch_metrics=bool(correction.pop("log_metrics")),
+            rollout_correction=correction,
         )
+
+
+def loss_agg_args(loss_agg: Callable, args: dict, max_new_tokens: int) -> dict:
+    """The configured ``algorithm.loss_agg_args``, with ``norm_constant`` set to the generation budget
+    (``rollout.max_new_tokens``) for an aggregation that takes one and was given none.
+
+    Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) divides token sums by a constant, the maximum
+    response length: the budget is the same for every micro-batch and step, while the width of a
+    batch depends on the longest response sampled in it.
+    """
+    if "norm_constant" in inspect.signature(loss_agg).parameters and args.get("norm_constant") is None:
+        return {**args, "norm_constant": float(max_new_tokens)}
+    return args
 
 
 def build_kl_controller(cfg):
@@ -274,7 +298,15 @@ def policy_update(
 
         L = policy_loss + kl_coef * agg(KL(pi || pi_ref))   (when kl_in == "loss")
             - entropy_coef * agg(H(pi))
+
+    With ``loss.rollout_correction`` on, each token's policy-loss term is
+    weighted by its importance weight between the trainer's old policy and the
+    rollout engine's, and dropped tokens leave the response mask (and every
+    normaliser) first: see :mod:`rltk.training.rollout_correction`.
     """
+    # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs
+    batch, correction_metrics = apply_rollout_correction(
+        batch, loss.rollout_correction, log_metrics=loss.log_mismatch_metrics, strategy=strategy)
     B = batch["input_ids"].shape[0]
     T = batch["response_mask"].shape[1]
     check_mini_batches(strategy, B, mini_batches)
@@ -302,9 +334,10 @@ def policy_update(
                             strategy.model, mb["input_ids"], mb["attention_mask"], T,
                             temperature=temperature, impl=impl, with_entropy=True, chunk_size=chunk_size,
                         )
+                        pg_agg = agg if WEIGHTS_KEY not in mb else weighted_loss_agg(agg, mb[WEIGHTS_KEY])
                         pg_loss, pg_metrics = loss.policy_loss(
                             logprobs=logprobs, old_logprobs=mb["old_logprobs"], advantages=mb["advantages"],
-                            response_mask=mb["response_mask"], loss_agg=agg, **loss.policy_loss_args,
+                            response_mask=mb["response_mask"], loss_agg=pg_agg, **loss.policy_loss_args,
                         )
                         total = pg_loss
                         entropy_term = agg(entropy, mb["response_mask"])
@@ -336,4 +369,4 @@ def policy_update(
                 shares = dict(zip(names, summed.tolist()))
             _mean_metrics(metrics, {**shares, **step_info}, 1.0)
             n_updates += 1
-    return {k: v / n_updates for k, v in metrics.items()}
+    return {**{k: v / n_updates for k, v in metrics.items()}, **correction_metrics}

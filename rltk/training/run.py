@@ -32,6 +32,7 @@ from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
+from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
 from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
@@ -74,6 +75,7 @@ class Stage:
     first_step: int  # global step before this stage's first step
     resume: dict | None  # set when this stage continues from one of its own checkpoints
     strategy: Any = None  # the policy's strategy, released by run_stages when the stage ends
+    guard: DivergenceGuard | None = None  # stops the run on divergence; the loop calls guard.observe each step
 
 
 def open_run(cfg: DictConfig) -> Run:
@@ -123,7 +125,7 @@ def open_run(cfg: DictConfig) -> Run:
 
 def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
     """Run each configured stage with the runner of its type, skipping what a checkpoint already holds."""
-    rltk.get_plugin_manager().hook.rltk_on_train_start(config=run.cfg, run_dir=run.run_dir)
+    rltk.call_lifecycle_hook("rltk_on_train_start", config=run.cfg, run_dir=run.run_dir)
     resume, first_step = run.resume, 0
     for i, (scfg, stage) in enumerate(zip(run.stages, run.cfg.stages)):
         stage_resume = None
@@ -138,7 +140,19 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
                 _engine_follows_policy(run)
             resume = None
         current = Stage(run, scfg, i, first_step, stage_resume)
-        runners[stage.type](current)
+        current.guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,
+                                        vocab_size=vocab_size_of(run.policy), checkpoints=run.ckpt)
+        if stage_resume is not None:
+            current.guard.load_state_dict(stage_resume.get("guard", {}))  # count on from where it stopped
+        try:
+            runners[stage.type](current)
+            current.guard.end_stage(current.strategy)
+        except TrainingDiverged:
+            # What was logged up to the divergence is what the reader needs: flush it, and let every
+            # rank (all stop at the same step) leave the process group together.
+            run.metric_log.close()
+            _end_process_group()
+            raise
         if current.strategy is not None:
             # The next stage (and the final evaluation) starts from a plain module with the trained
             # weights: a ZeRO-3 engine leaves the module it trained partitioned.
@@ -201,6 +215,11 @@ def _engine_follows_policy(run: Run) -> None:
 def finish_run(run: Run) -> dict:
     """Final held-out evaluation, the plot (warm-up loss, reward, held-out accuracy), and summary.json."""
     final = evaluate(run.workflow, run.eval_rows, run.stages[-1])
+    # The reward's worker processes, if it started any. A run stopped early (an error, Ctrl-C) has
+    # them stopped at interpreter exit instead, or at once when Ctrl-C lands while they score.
+    close_reward = getattr(run.workflow.reward, "close", None)
+    if callable(close_reward):
+        close_reward()
     run.metric_log.close()
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:
@@ -210,7 +229,7 @@ def finish_run(run: Run) -> dict:
         if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
             plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)
-    rltk.get_plugin_manager().hook.rltk_on_train_end(run_dir=run.run_dir, metrics=summary)
+    rltk.call_lifecycle_hook("rltk_on_train_end", run_dir=run.run_dir, metrics=summary)
     _end_process_group()
     return summary
 
@@ -293,19 +312,25 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
                     generators: Mapping[str, torch.Generator] | None = None) -> Path:
     """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook.
 
+    The divergence guard first checks the weights are finite (no checkpoint ever holds nan) and
+    its counters go into the checkpoint, so a resumed run counts on.
+
     ``extra`` is the recipe's JSON-able state, the same on every rank (the
     main rank's is saved). ``rank_extra`` is state that differs per rank (e.g.
     its experience buffer): every rank's is saved, beside its workflow's state
     and cumulative reward counters (see :func:`restore_rollout_state`), and
-    :func:`rank_state` of the loaded state gives a rank its own back. ``generators`` are the rank's
-    private generators by name; a recipe hands the same names to
-    ``run.ckpt.load(..., generators=...)`` when it resumes. The checkpoint also
-    counts the metric rows already logged at its step, so a run resumed from
-    it drops the rows logged there after the save (see :func:`open_run`).
-    Collective: every rank calls it.
+    :func:`rank_state` of the loaded state gives a rank its own back.
+    ``generators`` are the rank's private generators by name; a recipe hands
+    the same names to ``run.ckpt.load(..., generators=...)`` when it resumes.
+    The checkpoint also counts the metric rows already logged at its step, so
+    a run resumed from it drops the rows logged there after the save (see
+    :func:`open_run`). Collective: every rank calls it.
     """
     state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
              "sampler": sampler.state_dict(), **(extra or {})}
+    if stage.guard is not None:
+        stage.guard.check_weights(strategy, stage_step)
+        state["guard"] = stage.guard.state_dict()
     mine = dict(rank_extra or {})
     workflow = stage.run.workflow
     if hasattr(workflow, "state_dict"):
@@ -316,7 +341,7 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
     global_step = stage.first_step + stage_step
     state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
     path = stage.run.ckpt.save(global_step, strategy, state, generators=generators)
-    rltk.get_plugin_manager().hook.rltk_on_checkpoint(step=global_step, path=path)
+    rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
     return path
 
 
@@ -399,6 +424,7 @@ def run_sft_stage(stage: Stage) -> None:
             metrics["sft/train_accuracy"] = greedy_accuracy(run.workflow, probe_rows, cfg)
             reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
         run.metric_log.log(metrics, stage.first_step + step)
+        stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged
         last = step if reached else s.steps
         if should_checkpoint(cfg, step, last):
             save_checkpoint(stage, strategy, step, sampler, last_step=last)

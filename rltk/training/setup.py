@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 import rltk
 from rltk.config.errors import ConfigError
 from rltk.config.merge import apply_overrides
+from rltk.config.saved import config_to_record, config_yaml_to_record
 from rltk.loggers.base import StageSpan, announce_stages
 from rltk.rollout.base import SamplingParams
 
@@ -158,7 +159,11 @@ def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None) ->
 # ---------------------------------------------------------------- components
 
 def build_reward(cfg: DictConfig):
-    """The weighted combination of ``reward.reward_fn`` with fallback and timeout."""
+    """The weighted combination of ``reward.reward_fn`` with fallback, timeout and worker processes.
+
+    The reward's worker processes (if any of its functions needs them) start on its first call;
+    :func:`rltk.training.run.finish_run` stops them.
+    """
     from rltk.rewards.compose import build_reward_composer
 
     r = cfg.reward
@@ -168,6 +173,7 @@ def build_reward(cfg: DictConfig):
         args=dict(OmegaConf.to_container(r.reward_fn_args, resolve=True)),
         fallback=r.fallback,
         timeout_s=r.timeout_s,
+        workers=r.workers,
     )
 
 
@@ -197,7 +203,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step:
     ``stages`` (the run's stages as spans of global steps) reach the loggers
     that define ``set_stages``, e.g. the console, whose ETA is per stage.
     """
-    container = OmegaConf.to_container(cfg, resolve=True)
+    container = config_to_record(cfg)  # loggers may upload it (W&B): no secret read from the environment
     loggers = []
     if process_rank() != 0:  # one set of curves per run, written by the main process
         return loggers
@@ -219,7 +225,7 @@ class MetricLog:
     history: list[dict] = field(default_factory=list)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        rltk.get_plugin_manager().hook.rltk_on_step_end(step=step, metrics=metrics)
+        rltk.call_lifecycle_hook("rltk_on_step_end", step=step, metrics=metrics)
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))}
         self.history.append({"step": step, **clean})
         for logger in self.loggers:
@@ -240,6 +246,9 @@ class MetricLog:
 def prepare_run_dir(cfg: DictConfig, *, write_config: bool = True) -> Path:
     """Create the run folder and save the resolved config in it as ``config.yaml``.
 
+    Values read from the environment (``${oc.env:...}``, often secrets) are
+    saved as their interpolation, not their value (:mod:`rltk.config.saved`).
+
     Call it only once the run is known to be new or a compatible continuation
     (:func:`rltk.training.resume.resume_or_start_over`): a resumed run compares
     its config with this file. ``write_config=False`` leaves an existing one as it is.
@@ -249,7 +258,7 @@ def prepare_run_dir(cfg: DictConfig, *, write_config: bool = True) -> Path:
     if write_config:
         # Through a rename: other ranks may be reading the file to compare their config with it.
         temp = run_dir / ".config.yaml.tmp"
-        temp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        temp.write_text(config_yaml_to_record(cfg))
         temp.replace(run_dir / "config.yaml")
     return run_dir
 

@@ -22,24 +22,32 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
         L = - sum_{i,t} m_{i,t} log pi(y_{i,t} | x_i, y_{i,<t}) / sum_{i,t} m_{i,t}
 
     normalised by the global token count so micro-batching and data parallelism
-    give the gradient of one large batch.
+    give the gradient of one large batch. Returns ``sft_loss`` (that L),
+    ``entropy`` (the mean entropy of the next-token distributions over the same
+    tokens, before the update) and the strategy's step info (``grad_norm``,
+    ``lr``, ``skipped``).
     """
     T = batch["response_mask"].shape[1]
     global_tokens = strategy.all_reduce_sum(
         torch.tensor([batch["response_mask"].sum().item()], dtype=torch.float64)
     ).item()
-    total_nll = 0.0
+    total_nll = total_entropy = 0.0
     # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
     for mb, is_last, padding in lockstep_micro_batches(strategy, batch, micro_batch_size):
         mb = {k: v.to(strategy.device) for k, v in mb.items()}
         with strategy.accumulate(is_last):
             with strategy.autocast():
-                logprobs, _ = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
-                                                impl=impl, chunk_size=chunk_size)
+                # the fused kernel computes the entropy beside the log-probs anyway; the divergence
+                # guard reads it (a collapse to uniform or to one token)
+                logprobs, entropy = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
+                                                      impl=impl, chunk_size=chunk_size, with_entropy=True)
                 loss = -(logprobs * mb["response_mask"]).sum() / max(global_tokens, 1.0)
             strategy.backward(loss * 0.0 if padding else loss)
         if not padding:
             total_nll += loss.item()
+            total_entropy += (entropy.detach() * mb["response_mask"]).sum().item() / max(global_tokens, 1.0)
     info = strategy.step()
-    total_nll = strategy.all_reduce_sum(torch.tensor([total_nll], dtype=torch.float64)).item()  # ranks' shares
-    return {"sft_loss": total_nll, **{k: float(v) for k, v in info.items()}}
+    # ranks' shares of the global means
+    total_nll, total_entropy = strategy.all_reduce_sum(
+        torch.tensor([total_nll, total_entropy], dtype=torch.float64)).tolist()
+    return {"sft_loss": total_nll, "entropy": total_entropy, **{k: float(v) for k, v in info.items()}}

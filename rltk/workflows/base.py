@@ -16,7 +16,10 @@ Rows are plain dicts::
 The reward is a callable ``reward(prompt=..., response=..., ground_truth=...,
 extras=...)`` returning ``(score, details)`` (what
 :class:`rltk.rewards.compose.RewardComposer` returns), a float, or a dict of
-named scores (its ``"score"`` entry, else the sum, is the score).
+named scores (its ``"score"`` entry, else the sum, is the score). A reward
+that also has ``score_batch(samples)`` (the composer does) is called once per
+step with all samples through :func:`score_samples`, which is how it runs its
+in-process rewards in one pass and times out its worker calls in parallel.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ class Workflow(abc.ABC):
       any earlier call) uses.
     * Experiences carry the rollout log-probs and finish reason from the engine
       and the reward's named details, so the trainer and the logs can use them.
+    * A workflow that can give every experience a ``baseline_score`` (the
+      score of one greedy response to its prompt, ReMax's baseline) accepts
+      ``run(rows, greedy_baseline=True)``; config validation refuses an
+      estimator that needs ``baseline_scores`` with a workflow whose ``run``
+      takes no ``greedy_baseline``.
     * :meth:`evaluate` scores held-out rows without producing experiences.
     * :meth:`metrics` describes the last :meth:`run` for the logger.
     """
@@ -68,6 +76,38 @@ class Workflow(abc.ABC):
         if state:
             raise ValueError(f"{type(self).__name__}.load_state_dict: this workflow keeps no state, got keys "
                              f"{sorted(state)}; a workflow that saves state must override load_state_dict")
+
+
+def score_samples(reward: Any, samples: list[dict], wheres: list[str], workflow: str) -> list[tuple[float, dict]]:
+    """``(score, details)`` for every sample, scoring them all in one call when the reward can.
+
+    Each sample is ``{"prompt", "response", "ground_truth", "extras"}``;
+    ``wheres[i]`` names sample ``i`` in errors (e.g. ``"row 3 (id 'q7')"``).
+    A reward with a ``score_batch(samples)`` method gets one call for the
+    whole list (one call per step: a workflow should collect its step's
+    samples first); any other callable is called once per sample. An
+    exception from a per-sample call is re-raised naming the sample and
+    ``workflow``; results go through :func:`normalize_reward_output`.
+    """
+    batch = getattr(reward, "score_batch", None)
+    if callable(batch):
+        results = batch(samples)
+        if len(results) != len(samples):
+            raise RuntimeError(
+                f"{workflow}: the reward's score_batch returned {len(results)} results for {len(samples)} samples"
+            )
+        return [normalize_reward_output(result, where) for result, where in zip(results, wheres)]
+    out = []
+    for sample, where in zip(samples, wheres):
+        try:
+            result = reward(**sample)
+        except Exception as exc:
+            raise RuntimeError(
+                f"{workflow}: the reward raised on {where}: {type(exc).__name__}: {exc}. "
+                f"Use a reward composer with a fallback to keep training through such failures."
+            ) from exc
+        out.append(normalize_reward_output(result, where))
+    return out
 
 
 def normalize_reward_output(result: Any, where: str) -> tuple[float, dict[str, float]]:

@@ -18,7 +18,7 @@ from typing import Any
 import rltk
 from rltk.batch import Experience
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
-from rltk.workflows.base import Workflow, check_rows, normalize_reward_output
+from rltk.workflows.base import Workflow, check_rows, score_samples
 
 
 class SingleTurnWorkflow(Workflow):
@@ -72,8 +72,16 @@ class SingleTurnWorkflow(Workflow):
 
     # ------------------------------------------------------------------ training rollouts
 
-    def run(self, rows: list[dict]) -> list[Experience]:
-        """``sampling.n`` experiences per row, in row order, one group per row."""
+    def run(self, rows: list[dict], *, greedy_baseline: bool = False) -> list[Experience]:
+        """``sampling.n`` experiences per row, in row order, one group per row.
+
+        With ``greedy_baseline=True`` every row also gets one greedy response
+        (same ``max_new_tokens``), scored by the same reward; its score is the
+        ``baseline_score`` of each of the row's experiences (ReMax's baseline,
+        Li et al. 2023, arXiv:2310.10505). The greedy response itself is not
+        trained on. The recipes ask for it when the advantage estimator names
+        ``baseline_scores`` in its signature.
+        """
         rows = check_rows(rows, "single_turn")
         if not rows:
             self._metrics = {}
@@ -82,16 +90,30 @@ class SingleTurnWorkflow(Workflow):
 
         tick = time.perf_counter()
         groups = self._generate(prompt_ids, self.sampling)
+        greedy = None
+        if greedy_baseline:
+            greedy = self._generate(prompt_ids, replace(self.sampling, n=1, greedy=True))
         generate_s = time.perf_counter() - tick
 
         tick = time.perf_counter()
+        responses = [[self._decode(completion) for completion in completions] for completions in groups]
+        to_score = responses
+        if greedy is not None:  # each row's greedy response is scored last in its row, in the same call
+            to_score = [row_responses + [self._decode(greedy[index][0])] for index, row_responses in enumerate(responses)]
+        scored = iter(self._score_all(rows, to_score))  # one reward call for the whole step
         experiences = []
+        baselines = []
         for index, (row, ids, completions) in enumerate(zip(rows, prompt_ids, groups)):
             group_id = self._next_group_id
             self._next_group_id += 1
-            for sample_index, completion in enumerate(completions):
-                response = self._decode(completion)
-                score, details = self._score(row, index, response)
+            row_scored = [next(scored) for _ in completions]
+            baseline = None
+            if greedy is not None:
+                baseline, _ = next(scored)
+                baselines.append(baseline)
+            for sample_index, (completion, response, (score, details)) in enumerate(
+                zip(completions, responses[index], row_scored)
+            ):
                 experiences.append(
                     Experience(
                         prompt_ids=list(ids),
@@ -108,10 +130,13 @@ class SingleTurnWorkflow(Workflow):
                             "row_id": row.get("id", str(index)),
                             "sample_index": sample_index,
                         },
+                        baseline_score=baseline,
                     )
                 )
         reward_s = time.perf_counter() - tick
         self._metrics = _rollout_metrics(experiences, generate_s, reward_s)
+        if baselines:
+            self._metrics["rollout/greedy_baseline_score"] = sum(baselines) / len(baselines)
         return experiences
 
     def state_dict(self) -> dict[str, Any]:
@@ -138,8 +163,9 @@ class SingleTurnWorkflow(Workflow):
     def metrics(self) -> dict[str, float]:
         """About the last :meth:`run`: ``time/generate_s``, ``time/reward_s``,
         ``rollout/response_length_mean|max``, ``rollout/truncated_fraction``,
-        ``rollout/generated_tokens`` and ``reward/<name>`` (mean of each reward
-        detail)."""
+        ``rollout/generated_tokens``, ``reward/<name>`` (mean of each reward
+        detail) and, with ``greedy_baseline``, ``rollout/greedy_baseline_score``
+        (mean score of the greedy responses)."""
         return dict(self._metrics)
 
     # ------------------------------------------------------------------ evaluation
@@ -166,11 +192,11 @@ class SingleTurnWorkflow(Workflow):
         if params is None:
             params = replace(self.sampling, n=1, greedy=True)
         groups = self._generate(self._tokenize(rows), params)
-        scores, lengths, truncated = [], [], 0
-        for index, (row, completions) in enumerate(zip(rows, groups)):
+        responses = [[self._decode(completion) for completion in completions] for completions in groups]
+        scores = [score for score, _ in self._score_all(rows, responses)]
+        lengths, truncated = [], 0
+        for completions in groups:
             for completion in completions:
-                score, _ = self._score(row, index, self._decode(completion))
-                scores.append(score)
                 lengths.append(len(completion.token_ids))
                 truncated += completion.finish_reason == "length"
         count = len(scores)
@@ -212,21 +238,18 @@ class SingleTurnWorkflow(Workflow):
     def _decode(self, completion: Completion) -> str:
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
-    def _score(self, row: dict, index: int, response: str) -> tuple[float, dict[str, float]]:
-        where = f"row {index} (id {row.get('id', str(index))!r})"
-        try:
-            result = self.reward(
-                prompt=row["prompt"],
-                response=response,
-                ground_truth=row.get("ground_truth", ""),
-                extras=dict(row.get("extras") or {}),
-            )
-        except Exception as exc:
-            raise RuntimeError(
-                f"single_turn: the reward raised on {where}: {type(exc).__name__}: {exc}. "
-                f"Use a reward composer with a fallback to keep training through such failures."
-            ) from exc
-        return normalize_reward_output(result, where)
+    def _score_all(self, rows: list[dict], responses: list[list[str]]) -> list[tuple[float, dict[str, float]]]:
+        """Scores of ``responses[i][j]`` (the j-th response to row i), flattened row by row, in one reward call."""
+        samples, wheres = [], []
+        for index, (row, texts) in enumerate(zip(rows, responses)):
+            where = f"row {index} (id {row.get('id', str(index))!r})"
+            for text in texts:
+                # extras copied per sample: a reward that edits them must not change its siblings' input
+                samples.append({"prompt": row["prompt"], "response": text, "ground_truth": row.get("ground_truth", ""),
+                                "extras": dict(row.get("extras") or {})})
+                wheres.append(where)
+        return score_samples(self.reward, samples, wheres, "single_turn")
+
 
 
 def _rollout_metrics(experiences: list[Experience], generate_s: float, reward_s: float) -> dict[str, float]:

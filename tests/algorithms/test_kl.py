@@ -229,3 +229,82 @@ def test_apply_kl_penalty_by_hand():
 def test_apply_kl_penalty_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match=r"apply_kl_penalty: token_rewards \(1, 4\), kl \(1, 3\)"):
         kl.apply_kl_penalty(torch.zeros(1, 4), torch.zeros(1, 3), 0.1, torch.ones(1, 4))
+
+
+# --------------------------------------------------------------------------
+# k3_unbiased (DeepSeek-V3.2)
+# --------------------------------------------------------------------------
+
+
+def test_k3_unbiased_is_registered_and_its_old_logprobs_are_a_batch_field():
+    from rltk.registry import KINDS
+
+    entry = {e.name: e for e in rltk.list_components("kl_penalty_fn")}["k3_unbiased"]
+    assert entry.obj is kl.kl_k3_unbiased and "DeepSeek-V3.2" in entry.summary
+    # a config may not set it: the caller passes the batch's old log-probs
+    assert "old_logprobs" in KINDS["kl_penalty_fn"].provided
+
+
+def test_k3_unbiased_by_hand():
+    x = LOGPROBS.double().clone().requires_grad_(True)
+    ref = REF.double()
+    k3 = [math.exp(-0.5) + 0.5 - 1, 0.0, math.exp(-3.5) + 3.5 - 1]
+    # on-policy (old = None): the value is k3, the gradient k3 * 1 + dk3/dlogp = k3 + 1 - exp(r)
+    value = kl.kl_k3_unbiased(x, ref)
+    assert value[0].tolist() == pytest.approx(k3)
+    (gradient,) = torch.autograd.grad(value.sum(), x)
+    r = [-0.5, 0.0, -3.5]
+    assert gradient[0].tolist() == pytest.approx([k + 1 - math.exp(ri) for k, ri in zip(k3, r)])
+    # sampled by an older policy with log-ratios 0.2, 0, -0.3: each k3 weighted by exp(log-ratio)
+    old = x.detach() - torch.tensor([[0.2, 0.0, -0.3]], dtype=torch.float64)
+    value = kl.kl_k3_unbiased(x, ref, old_logprobs=old)
+    assert value[0].tolist() == pytest.approx([math.exp(0.2) * k3[0], 0.0, math.exp(-0.3) * k3[2]])
+    (gradient,) = torch.autograd.grad(value.sum(), x)
+    weights = [math.exp(0.2), 1.0, math.exp(-0.3)]
+    assert gradient[0].tolist() == pytest.approx(
+        [w * (k + 1 - math.exp(ri)) for w, k, ri in zip(weights, k3, r)]
+    )
+
+
+def test_k3_unbiased_rejects_old_logprobs_of_another_shape():
+    with pytest.raises(ValueError, match=r"k3_unbiased: old_logprobs has shape \(1, 2\) but logprobs has \(1, 3\)"):
+        kl.kl_k3_unbiased(LOGPROBS, REF, old_logprobs=LOGPROBS[:, :2])
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**30), V=st.integers(2, 6), spread=st.floats(0.1, 2.0))
+def test_k3_unbiased_value_and_gradient_are_exactly_unbiased_off_policy(seed, V, spread):
+    """Over a categorical distribution the expectation is a finite sum: with tokens drawn from pi_old,
+    E[(pi / pi_old) k3] is KL(pi || pi_ref) and its gradient in pi's logits is KL's gradient; plain k3
+    is neither."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(V, generator=g, dtype=torch.float64) * spread).requires_grad_(True)
+    old = torch.log_softmax(torch.randn(V, generator=g, dtype=torch.float64) * spread, -1)
+    ref = torch.log_softmax(torch.randn(V, generator=g, dtype=torch.float64) * spread, -1)
+    logp = torch.log_softmax(logits, -1)
+    true_kl = (logp.exp() * (logp - ref)).sum()
+    (true_gradient,) = torch.autograd.grad(true_kl, logits, retain_graph=True)
+
+    def expectation(fn, **kwargs):
+        # every token of the vocabulary as a [1, V] batch, weighted by the probability pi_old gives it
+        return (old.exp() * fn(logp[None], ref[None], max_value=None, **kwargs)[0]).sum()
+
+    estimate = expectation(kl.kl_k3_unbiased, old_logprobs=old[None])
+    assert estimate.item() == pytest.approx(true_kl.item(), rel=1e-9, abs=1e-12)
+    (gradient,) = torch.autograd.grad(estimate, logits, retain_graph=True)
+    torch.testing.assert_close(gradient, true_gradient, atol=1e-10, rtol=1e-8)
+
+
+def test_plain_k3_is_biased_off_policy_where_k3_unbiased_is_not():
+    # pi = (0.7, 0.3), pi_old = (0.3, 0.7), pi_ref = (0.5, 0.5): KL(pi || pi_ref) = 0.0822829
+    logp = torch.log(torch.tensor([[0.7, 0.3]], dtype=torch.float64))
+    old = torch.log(torch.tensor([[0.3, 0.7]], dtype=torch.float64))
+    ref = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    weights = old.exp()[0]
+    true_kl = 0.7 * math.log(1.4) + 0.3 * math.log(0.6)
+    assert true_kl == pytest.approx(0.0822829, abs=1e-7)
+    assert (weights * kl.kl_k3_unbiased(logp, ref, old_logprobs=old)[0]).sum().item() == pytest.approx(true_kl)
+    # k3 alone, averaged over pi_old's samples: 0.3 (5/7 + ln 1.4 - 1) + 0.7 (5/3 + ln 0.6 - 1) = 0.1243
+    plain = (weights * kl.kl_k3(logp, ref)[0]).sum().item()
+    assert plain == pytest.approx(0.3 * (5 / 7 + math.log(1.4) - 1) + 0.7 * (5 / 3 + math.log(0.6) - 1))
+    assert plain > 1.4 * true_kl

@@ -121,7 +121,7 @@ def test_mix_expert_adds_the_configured_share_and_recycles():
     assert tags(strategy.sample(buffer, 1)) == [10, 11, 12, 20, 21, 22, 100, 101]
     assert strategy.metrics() == {"buffer/sampled": 8.0, "buffer/policy": 6.0, "buffer/expert": 2.0,
                                   "buffer/expert_fraction": 0.25, "buffer/expert_shortfall": 0.0,
-                                  "buffer/dropped_stale": 0.0}
+                                  "buffer/expert_joined": 0.0, "buffer/dropped_stale": 0.0}
     # used demonstrations go to the back of the queue
     assert tags(buffer.items("expert")) == [102, 100, 101]
     buffer.put(group(30, 2, [0, 1, 0]) + group(40, 3, [1, 1, 0]), step=2)
@@ -139,6 +139,28 @@ def test_mix_expert_without_recycling_runs_dry():
     buffer.put(group(30, 2, [0, 1]), step=3)
     assert tags(strategy.sample(buffer, 3)) == [30, 31]  # dry now: on-policy only, and said so
     assert strategy.metrics()["buffer/expert_shortfall"] == 2.0
+
+
+def test_mix_expert_puts_a_demonstration_for_a_prompt_of_the_step_in_that_prompts_group():
+    buffer, strategy = ExperienceBuffer(), MixExpert(expert_fraction=0.25)
+    # two demonstrations for other prompts queue before the one for prompt 20
+    buffer.put([exp(100, -1, 1.0), exp(101, -2, 1.0), exp(20, -3, 1.0)], step=0, source="expert")
+    policy = [exp(10, 0), exp(10, 0, 1.0), exp(20, 1), exp(20, 1)]
+    for e in policy:
+        e.baseline_score = float(e.group_id) / 2  # a ReMax baseline per prompt
+    buffer.put(policy, step=1)
+    # round(0.25 * 4 / 0.75) = 1 expert experience: the one whose prompt the step sampled, in group 1
+    chosen = strategy.sample(buffer, 1)
+    assert [(e.prompt_ids[0], e.group_id) for e in chosen] == [(10, 0), (10, 0), (20, 1), (20, 1), (20, 1)]
+    assert chosen[-1].baseline_score == 0.5 and chosen[-1].score == 1.0  # the group's baseline, its own score
+    assert strategy.metrics()["buffer/expert_joined"] == 1.0
+    # the stored demonstration keeps its own group id for later steps (recycled to the back)
+    assert [(item.experience.prompt_ids[0], item.experience.group_id) for item in buffer.items("expert")] == [
+        (100, -1), (101, -2), (20, -3)]
+    # with no matching prompt the queue order decides and the group stays its own
+    buffer.put([exp(30, 2), exp(30, 2, 1.0), exp(40, 3), exp(40, 3)], step=2)
+    assert [(e.prompt_ids[0], e.group_id) for e in strategy.sample(buffer, 2)][-1] == (100, -1)
+    assert strategy.metrics()["buffer/expert_joined"] == 0.0
 
 
 def test_mix_expert_errors():

@@ -84,6 +84,16 @@ def test_choices_and_ranges():
         load_config([], ["trainer.mini_batches=3", "trainer.prompts_per_step=4", "rollout.n=4"])
 
 
+def test_reward_timeout_and_workers():
+    cfg = load_config([], [])
+    assert cfg.reward.timeout_s == 5.0 and cfg.reward.workers == 4
+    assert load_config([], ["reward.timeout_s=null", "reward.workers=1"]).reward.timeout_s is None
+    with pytest.raises(ConfigError, match=r"bad value 0.0 for 'reward.timeout_s': must be > 0 seconds, or null"):
+        load_config([], ["reward.timeout_s=0"])
+    with pytest.raises(ConfigError, match=r"bad value 0 for 'reward.workers': must be >= 1"):
+        load_config([], ["reward.workers=0"])
+
+
 def test_type_errors_name_the_key():
     with pytest.raises(ConfigError, match="'abc'.*'trainer.lr'"):
         load_config([], ["trainer.lr=abc"])

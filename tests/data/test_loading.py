@@ -278,3 +278,46 @@ def test_bos_is_written_for_tokenizers_that_add_it():
     out = format_prompts([{"prompt": "hi", "ground_truth": "", "extras": {}, "id": "x"}], tokenizer)
     assert out[0]["prompt"] == "<s>hi"
     assert tokenizer(out[0]["prompt"], add_special_tokens=False)["input_ids"] == [0, 2]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv"])
+def test_non_utf8_file_error_names_the_file_byte_and_line(tmp_path, suffix):
+    path = tmp_path / f"latin1{suffix}"
+    body = {".json": '[{"prompt": "caf\xe9", "answer": "1"}]',
+            ".jsonl": '{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n',
+            ".csv": 'prompt,answer\na,1\ncaf\xe9,2\n'}[suffix]
+    data = body.encode("latin-1")
+    path.write_bytes(data)
+    offset, line = data.index(b"\xe9"), data[: data.index(b"\xe9")].count(b"\n") + 1
+    with pytest.raises(DataError) as info:
+        load_rows(path)
+    assert str(info.value).startswith(f"{path}: not UTF-8 text (byte b'\\xe9' at offset {offset}, line {line})")
+    assert "iconv" in str(info.value)
+
+
+def test_non_utf8_offset_is_of_the_file_across_read_chunks(tmp_path):
+    # Past the first megabyte a text stream reports offsets within its buffer; the error must not.
+    path = tmp_path / "big.jsonl"
+    good = ('{"prompt": "\u00e9t\u00e9", "answer": "1"}\n' * 40_000).encode("utf-8")
+    bad_line = b'{"prompt": "\xff", "answer": "2"}\n'
+    path.write_bytes(good + bad_line)
+    offset = len(good) + bad_line.index(b"\xff")
+    with pytest.raises(DataError, match=rf"offset {offset}, line 40001\)"):
+        load_rows(path)
+
+
+def test_null_answer_is_refused_naming_file_row_and_key(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"prompt": "p", "answer": "1"}\n{"prompt": "q", "answer": null}\n')
+    with pytest.raises(DataError, match=rf"{path}: row 1: the answer \(column 'answer', data.answer_key\) is null\."
+                                        r".*set data.answer_key=null if the dataset has no answers"):
+        load_rows(path)
+    table = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"prompt": ["p", "q"], "answer": [None, "2"]}), table)
+    with pytest.raises(DataError, match=r"row 0: the answer .* is null"):
+        load_rows(table)
+    # Without an answer column nothing is refused, and an empty string stays what it is.
+    assert [r["ground_truth"] for r in load_rows(path, answer_key=None)] == ["", ""]
+    empty = tmp_path / "e.csv"
+    empty.write_text("prompt,answer\np,\n")
+    assert load_rows(empty)[0]["ground_truth"] == ""

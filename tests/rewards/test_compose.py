@@ -1,6 +1,7 @@
 import threading
 import time
 import warnings
+from functools import partial
 
 import pytest
 from omegaconf import OmegaConf
@@ -10,22 +11,32 @@ from rltk.rewards.compose import RewardComposer, RewardSpec, build_reward_compos
 from rltk.rewards.format import format_tags
 from rltk.rewards.math import math_answer
 
+from tests.rewards import reward_fns as rf  # absolute: worker processes import these by this name
+
 SAMPLE = dict(prompt="p", response="<answer>#### 7</answer>", ground_truth="7", extras={})
 
 
 def constant(value):
-    def fn(*, prompt, response, ground_truth, extras):
-        return value
-    return fn
+    """A picklable reward returning ``value`` (it runs in a worker process)."""
+    return partial(rf.constant, value=value)
 
 
-def boom(*, prompt, response, ground_truth, extras):
-    raise RuntimeError("reward server unreachable")
+boom = rf.boom
 
 
-def test_weighted_sum_and_details_by_hand():
+@pytest.fixture
+def composers():
+    """Collects composers built by a test and stops their worker processes afterwards."""
+    made = []
+    yield made
+    for composer in made:
+        composer.close()
+
+
+def test_weighted_sum_and_details_by_hand(composers):
     composer = RewardComposer([("a", constant(1.0), 1.0, {}), ("b", constant(0.5), -2.0, {}),
-                               ("c", constant(0.25), 4.0, None)])
+                               ("c", partial(rf.bounded_constant, value=0.25), 4.0, None)])
+    composers.append(composer)
     score, details = composer(**SAMPLE)
     assert score == 1.0 * 1.0 + (-2.0) * 0.5 + 4.0 * 0.25 == 1.0
     assert details == {"a": 1.0, "b": 0.5, "c": 0.25}
@@ -42,16 +53,21 @@ def test_real_rewards_with_arguments():
     assert score == pytest.approx(1.1)
 
 
-def test_dict_results_use_score_or_the_sum():
-    with_score = lambda **_: {"score": 0.75, "length": 3.0}  # noqa: E731
-    without = lambda **_: {"x": 0.5, "y": 0.25}  # noqa: E731
-    score, details = RewardComposer([("s", with_score, 2.0, {}), ("t", without, 1.0, {})])(**SAMPLE)
+def test_dict_results_use_score_or_the_sum(composers):
+    with_score = constant({"score": 0.75, "length": 3.0})
+    without = constant({"x": 0.5, "y": 0.25})
+    composers.append(RewardComposer([("s", with_score, 2.0, {}), ("t", without, 1.0, {})]))
+    score, details = composers[-1](**SAMPLE)
     assert score == 2.0 * 0.75 + 0.75
     assert details == {"s": 0.75, "s/length": 3.0, "t": 0.75, "t/x": 0.5, "t/y": 0.25}
 
 
-def test_raising_component_gets_the_fallback_is_counted_and_warns_once():
-    composer = RewardComposer([("ok", constant(1.0), 1.0, {}), ("boom", boom, 0.5, {})], fallback=-1.0)
+@pytest.mark.parametrize("where", ["worker", "in-process"])
+def test_raising_component_gets_the_fallback_is_counted_and_warns_once(where, composers):
+    timeout_s = 5.0 if where == "worker" else None
+    composer = RewardComposer([("ok", constant(1.0), 1.0, {}), ("boom", boom, 0.5, {})], fallback=-1.0,
+                              timeout_s=timeout_s)
+    composers.append(composer)
     with pytest.warns(RuntimeWarning, match=r"reward 'boom' failed on a sample \(RuntimeError: reward server unreachable\).*fallback=-1.0"):
         score, details = composer(**SAMPLE)
     assert details == {"ok": 1.0, "boom": -1.0}
@@ -62,52 +78,48 @@ def test_raising_component_gets_the_fallback_is_counted_and_warns_once():
         composer(**SAMPLE)
     assert composer.failures == {"ok": 0, "boom": 3}
     assert composer.stats() == {"calls": 3.0, "failures/ok": 0.0, "timeouts/ok": 0.0,
-                                "failures/boom": 3.0, "timeouts/boom": 0.0, "abandoned_threads": 0.0}
+                                "failures/boom": 3.0, "timeouts/boom": 0.0, "worker_restarts": 0.0}
     composer.reset_stats()
     assert composer.failures == {"ok": 0, "boom": 0} and composer.stats()["calls"] == 0.0
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1.0", None, {"score": float("nan")}])
-def test_non_numeric_results_are_failures(bad):
+def test_non_numeric_results_are_failures(bad, composers):
     composer = RewardComposer([("bad", constant(bad), 1.0, {})], fallback=0.25)
+    composers.append(composer)
     with pytest.warns(RuntimeWarning, match="reward 'bad' failed"):
         assert composer(**SAMPLE) == (0.25, {"bad": 0.25})
     assert composer.failures["bad"] == 1
 
 
-def test_hanging_component_times_out_without_blocking():
-    release = threading.Event()
-
-    def hang(*, prompt, response, ground_truth, extras):
-        release.wait(30)
-        return 1.0
-
-    composer = RewardComposer([("hang", hang, 1.0, {}), ("ok", constant(0.5), 1.0, {})], timeout_s=0.2)
-    try:
-        start = time.perf_counter()
-        with pytest.warns(RuntimeWarning, match=r"RewardTimeout: reward 'hang' took longer than timeout_s=0.2"):
-            score, details = composer(**SAMPLE)
-        elapsed = time.perf_counter() - start
-        assert 0.2 <= elapsed < 2.0
-        assert details == {"hang": 0.0, "ok": 0.5} and score == 0.5
-        stats = composer.stats()
-        assert stats["timeouts/hang"] == stats["failures/hang"] == 1.0
-        assert stats["abandoned_threads"] == 1.0
-    finally:
-        release.set()
-    deadline = time.monotonic() + 5
-    while composer.stats()["abandoned_threads"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert composer.stats()["abandoned_threads"] == 0.0
+def test_hanging_component_times_out_and_its_worker_is_killed(composers):
+    composer = RewardComposer([("hang", rf.sleep_if, 1.0, {}), ("ok", constant(0.5), 1.0, {})],
+                              timeout_s=0.2, workers=2)
+    composers.append(composer)
+    composer(**SAMPLE)  # workers started and warm
+    before = set(composer._pool.worker_pids())
+    start = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match=r"RewardTimeout: reward 'hang' took longer than timeout_s=0.2"):
+        score, details = composer(**{**SAMPLE, "response": "HANG"})
+    elapsed = time.perf_counter() - start
+    assert 0.2 <= elapsed < 2.0
+    assert details == {"hang": 0.0, "ok": 0.5} and score == 0.5
+    stats = composer.stats()
+    assert stats["timeouts/hang"] == stats["failures/hang"] == 1.0
+    assert stats["timeouts/ok"] == stats["failures/ok"] == 0.0
+    assert stats["worker_restarts"] == 1.0
+    gone = before - set(composer._pool.worker_pids())
+    assert len(gone) == 1 and not any(_alive(pid) for pid in gone)
+    assert composer(**SAMPLE) == (1.5, {"hang": 1.0, "ok": 0.5})  # the replacement works
 
 
-def test_sys_exit_in_a_reward_does_not_end_training():
-    def leaves(**_):
-        raise SystemExit(3)
-
-    composer = RewardComposer([("exit", leaves, 1.0, {})])
-    with pytest.warns(RuntimeWarning, match="reward 'exit' failed"):
+def test_sys_exit_in_a_reward_does_not_end_training(composers):
+    composer = RewardComposer([("exit", rf.leaves, 1.0, {})])
+    composers.append(composer)
+    with pytest.warns(RuntimeWarning, match=r"reward 'exit' failed on a sample \(SystemExit: 3\)"):
         assert composer(**SAMPLE) == (0.0, {"exit": 0.0})
+    with pytest.warns(RuntimeWarning, match="reward 'in' failed"):
+        assert RewardComposer([("in", rf.leaves, 1.0, {})], timeout_s=None)(**SAMPLE) == (0.0, {"in": 0.0})
 
 
 def test_inline_mode_without_timeout():
@@ -122,11 +134,9 @@ def test_inline_mode_without_timeout():
     assert seen == [caller]
 
 
-def test_functions_may_omit_sample_fields_they_do_not_use():
-    def only_response(*, response, bonus=0.0):
-        return len(response) + bonus
-
-    composer = RewardComposer([("len", only_response, 1.0, {"bonus": 1.0})])
+def test_functions_may_omit_sample_fields_they_do_not_use(composers):
+    composer = RewardComposer([("len", rf.only_response, 1.0, {"bonus": 1.0})])
+    composers.append(composer)
     assert composer(**SAMPLE)[0] == len(SAMPLE["response"]) + 1.0
 
 
@@ -139,6 +149,7 @@ def test_functions_may_omit_sample_fields_they_do_not_use():
         ([("m", math_answer, 1.0, {}), ("m", math_answer, 1.0, {})], {}, r"reward 'm' appears twice"),
         ([("m", math_answer, float("nan"), {})], {}, r"reward 'm': weight must be a finite number"),
         ([("m", math_answer, 1.0, {})], {"timeout_s": 0}, r"timeout_s must be a positive number of seconds or None"),
+        ([("m", math_answer, 1.0, {})], {"workers": 0}, r"reward.workers must be an integer >= 1 \(worker processes for rewards not marked bounded\), got 0"),
         ([("m", math_answer, 1.0, {})], {"fallback": "low"}, r"fallback must be a finite number, got 'low'"),
         ([], {}, r"needs at least one reward function"),
     ],
@@ -148,8 +159,9 @@ def test_construction_errors_name_the_reward(specs, kwargs, message):
         RewardComposer(specs, **kwargs)
 
 
-def test_kwargs_functions_accept_any_argument():
-    composer = RewardComposer([("k", lambda **kw: float(kw["scale"]), 1.0, {"scale": 3})])
+def test_kwargs_functions_accept_any_argument(composers):
+    composer = RewardComposer([("k", rf.scaled, 1.0, {"scale": 3})])
+    composers.append(composer)
     assert composer(**SAMPLE)[0] == 3.0
 
 
@@ -159,10 +171,11 @@ def test_kwargs_functions_accept_any_argument():
 def test_build_from_registered_names_with_weights_and_args():
     composer = build_reward_composer(
         ["math_answer", "format_tags"], weights=[1.0, 0.1], args={"format_tags": {"tags": ["answer"]}},
-        fallback=-0.5, timeout_s=1.0,
+        fallback=-0.5, timeout_s=1.0, workers=3,
     )
     assert [s.fn for s in composer.specs] == [rltk.get_component("reward_fn", "math_answer"), format_tags]
-    assert composer.fallback == -0.5 and composer.timeout_s == 1.0
+    assert composer.fallback == -0.5 and composer.timeout_s == 1.0 and composer.workers == 3
+    assert composer.in_process == ["math_answer", "format_tags"]  # builtins: no worker process
     assert composer(**SAMPLE) == (pytest.approx(1.1), {"math_answer": 1.0, "format_tags": 1.0})
 
 
@@ -201,3 +214,12 @@ def test_build_accepts_omegaconf_containers():
 def test_build_errors(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -40,7 +40,8 @@ def test_counts_continue_after_a_json_round_trip_as_if_never_interrupted():
     score(straight, ["ab", "abcde", "abcdef", "x"])
     score(first, ["ab", "abcde"])
     state = json.loads(json.dumps(first.state_dict()))  # as the checkpoint's state.json stores it
-    assert state == {"calls": 2, "failures": {"one": 0, "picky": 1}, "timeouts": {"one": 0, "picky": 0}}
+    assert state == {"calls": 2, "failures": {"one": 0, "picky": 1}, "timeouts": {"one": 0, "picky": 0},
+                     "worker_restarts": 0}
 
     resumed = composer()
     resumed.load_state_dict(state)
@@ -48,7 +49,7 @@ def test_counts_continue_after_a_json_round_trip_as_if_never_interrupted():
     # 4 samples, of which "abcde" and "abcdef" failed the picky reward
     assert resumed.stats() == straight.stats() == {
         "calls": 4.0, "failures/one": 0.0, "timeouts/one": 0.0, "failures/picky": 2.0, "timeouts/picky": 0.0,
-        "abandoned_threads": 0.0}
+        "worker_restarts": 0.0}
 
 
 def test_state_dict_is_a_copy():
@@ -59,36 +60,40 @@ def test_state_dict_is_a_copy():
 
 
 @settings(max_examples=50, deadline=None)
-@given(calls=st.integers(0, 10**12), counts=st.lists(st.integers(0, 10**9), min_size=4, max_size=4))
+@given(calls=st.integers(0, 10**12), counts=st.lists(st.integers(0, 10**9), min_size=5, max_size=5))
 def test_load_then_save_gives_back_the_same_state(calls, counts):
     state = {"calls": calls, "failures": {"one": counts[0], "picky": counts[1]},
-             "timeouts": {"one": counts[2], "picky": counts[3]}}
+             "timeouts": {"one": counts[2], "picky": counts[3]}, "worker_restarts": counts[4]}
     c = composer()
     c.load_state_dict(state)
     assert c.state_dict() == state
-    assert c.stats()["failures/picky"] == counts[1] and c.stats()["calls"] == calls
+    stats = c.stats()
+    assert (stats["calls"], stats["failures/picky"], stats["worker_restarts"]) == (calls, counts[1], counts[4])
 
 
 def test_reset_after_load_zeroes_everything():
     c = composer()
-    c.load_state_dict({"calls": 5, "failures": {"one": 1, "picky": 2}, "timeouts": {"one": 0, "picky": 1}})
+    c.load_state_dict({"calls": 5, "failures": {"one": 1, "picky": 2}, "timeouts": {"one": 0, "picky": 1},
+                       "worker_restarts": 3})
     c.reset_stats()
-    assert c.state_dict() == {"calls": 0, "failures": {"one": 0, "picky": 0}, "timeouts": {"one": 0, "picky": 0}}
+    assert c.state_dict() == {"calls": 0, "failures": {"one": 0, "picky": 0}, "timeouts": {"one": 0, "picky": 0},
+                              "worker_restarts": 0}
+
+
+OK = {"calls": 1, "failures": {"one": 0, "picky": 0}, "timeouts": {"one": 0, "picky": 0}, "worker_restarts": 0}
 
 
 @pytest.mark.parametrize("state, message", [
-    ({"calls": 1, "failures": {"one": 0, "picky": 0}}, r"expected the keys \['calls', 'failures', 'timeouts'\]"),
+    ({k: v for k, v in OK.items() if k != "timeouts"},
+     r"expected the keys \['calls', 'failures', 'timeouts', 'worker_restarts'\]"),
     ([1, 2, 3], r"got list"),
-    ({"calls": -1, "failures": {"one": 0, "picky": 0}, "timeouts": {"one": 0, "picky": 0}},
-     r"state\['calls'\] = -1 must be an integer >= 0"),
-    ({"calls": 1.5, "failures": {"one": 0, "picky": 0}, "timeouts": {"one": 0, "picky": 0}},
-     r"state\['calls'\] = 1.5"),
-    ({"calls": 1, "failures": {"one": True, "picky": 0}, "timeouts": {"one": 0, "picky": 0}},
-     r"state\['failures\['one'\]'\] = True"),
-    ({"calls": 1, "failures": {"one": 0, "other": 0}, "timeouts": {"one": 0, "picky": 0}},
+    ({**OK, "calls": -1}, r"state\['calls'\] = -1 must be an integer >= 0"),
+    ({**OK, "calls": 1.5}, r"state\['calls'\] = 1.5"),
+    ({**OK, "worker_restarts": None}, r"state\['worker_restarts'\] = None"),
+    ({**OK, "failures": {"one": True, "picky": 0}}, r"state\['failures\['one'\]'\] = True"),
+    ({**OK, "failures": {"one": 0, "other": 0}},
      r"state\['failures'\] counts the reward\(s\) \['one', 'other'\], but this composer's are \['one', 'picky'\]"),
-    ({"calls": 1, "failures": {"one": 0, "picky": 0}, "timeouts": {"one": 0}},
-     r"state\['timeouts'\] counts the reward\(s\) \['one'\]"),
+    ({**OK, "timeouts": {"one": 0}}, r"state\['timeouts'\] counts the reward\(s\) \['one'\]"),
 ])
 def test_bad_state_is_refused_naming_the_entry_and_leaves_counts_alone(state, message):
     c = composer()

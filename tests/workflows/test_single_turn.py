@@ -1,4 +1,5 @@
 import math
+import time
 
 import pytest
 import torch
@@ -92,6 +93,31 @@ def test_run_builds_one_group_of_n_experiences_per_row(workflow, tokenizer, enco
     assert workflow.reward.calls[0] == ("1+2=", "3", "3", {"max_len": 1})
 
 
+def test_greedy_baseline_scores_one_greedy_response_per_row(tokenizer, encode):
+    # the scripted engine answers greedily with a row's first script entry
+    engine = ScriptedEngine(tokenizer, {"1+2=": ["12", "3"], "2+2=": ["4", "22"]})
+    reward = ExactMatch()
+    workflow = SingleTurnWorkflow(engine=engine, tokenizer=tokenizer, reward=reward,
+                                  sampling=SamplingParams(n=2, temperature=0.9, max_new_tokens=5))
+    experiences = workflow.run(ROWS, greedy_baseline=True)
+    sampled, greedy = engine.calls
+    assert sampled[1] is workflow.sampling
+    assert greedy[0] == [encode("1+2="), encode("2+2=")] and greedy[1].greedy and greedy[1].n == 1
+    assert greedy[1].max_new_tokens == 5
+    # "12" for 1+2= scores 0 (wrong, longer than max_len 1); "4" for 2+2= scores 1 + 0.5
+    assert [e.baseline_score for e in experiences] == [0.0, 0.0, 1.5, 1.5]
+    assert [e.info["response"] for e in experiences] == ["12", "3", "4", "22"]  # the greedy one is not trained on
+    assert workflow.metrics()["rollout/greedy_baseline_score"] == pytest.approx(0.75)
+    assert len(reward.calls) == 6  # four samples and two greedy responses
+    batch = collate(experiences, pad_token_id=0)
+    assert batch["baseline_scores"].tolist() == [0.0, 0.0, 1.5, 1.5]
+    # without it: one engine call, no baseline
+    plain = workflow.run(ROWS)
+    assert len(engine.calls) == 3 and all(e.baseline_score is None for e in plain)
+    assert "rollout/greedy_baseline_score" not in workflow.metrics()
+    assert "baseline_scores" not in collate(plain, pad_token_id=0)
+
+
 def test_group_ids_are_never_reused_across_calls(workflow):
     workflow.run(ROWS)
     second = workflow.run(ROWS[::-1])
@@ -170,6 +196,54 @@ def test_bad_rows_and_arguments(workflow, tokenizer):
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         SingleTurnWorkflow(engine=workflow.engine, tokenizer=tokenizer, reward=ExactMatch(),
                            sampling=SamplingParams(), max_prompt_tokens=0)
+
+
+class BatchRecorder(ExactMatch):
+    """A reward with ``score_batch``: records how many calls a step makes, and their sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def score_batch(self, samples):
+        self.batches.append(len(samples))
+        return [self(**sample) for sample in samples]
+
+
+def test_a_step_scores_all_its_samples_in_one_reward_call(tokenizer):
+    reward = BatchRecorder()
+    workflow = SingleTurnWorkflow(engine=ScriptedEngine(tokenizer, SCRIPT), tokenizer=tokenizer, reward=reward,
+                                  sampling=SamplingParams(n=3))
+    experiences = workflow.run(ROWS)
+    assert reward.batches == [6]
+    assert [e.score for e in experiences] == [1.5, 0.0, 1.0, 1.5, 1.5, 0.5]  # each score on its own sample
+    assert [c[1] for c in reward.calls] == ["3", "12", "3 ", "4", "4", "22"]
+    workflow.evaluate(ROWS)
+    assert reward.batches == [6, 2]
+
+
+def test_hung_samples_of_a_step_cost_one_timeout(tokenizer):
+    """Issue #12: hung reward calls were waited for one after another (2 hung samples: 2 timeouts)."""
+    from rltk.rewards.compose import RewardComposer
+    from tests.rewards import reward_fns as rf
+
+    timeout = 1.0
+    script = {"1+2=": ["3", "99", "3"], "2+2=": ["99", "4", "4"]}  # "99" hangs (the tokenizer knows digits)
+    composer = RewardComposer([("hang", rf.sleep_if, 1.0, {"word": "99"}), ("exact", rf.correct, 1.0, {})],
+                              timeout_s=timeout, workers=4)
+    workflow = SingleTurnWorkflow(engine=ScriptedEngine(tokenizer, script), tokenizer=tokenizer, reward=composer,
+                                  sampling=SamplingParams(n=3))
+    try:
+        composer(prompt="p", response="3", ground_truth="3")  # workers started and loaded
+        start = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match="RewardTimeout"):
+            experiences = workflow.run(ROWS)
+        elapsed = time.perf_counter() - start
+    finally:
+        composer.close()
+    assert timeout <= elapsed < 1.7 * timeout  # one after another they took 2 timeouts
+    assert [e.score for e in experiences] == [2.0, 0.0, 2.0, 0.0, 2.0, 2.0]
+    assert composer.stats()["timeouts/hang"] == 2.0
 
 
 def test_engine_breaking_its_contract_is_reported(tokenizer):
