@@ -79,8 +79,6 @@ def run_rl_stage(stage: Stage) -> None:
     loss = LossComponents.from_config(cfg)  # policy loss, aggregation, KL estimator, entropy bonus
     kl_ctl = build_kl_controller(cfg)
     buffer = ExperienceBuffer()
-    # expert responses (buffer.expert.path), for a sample strategy that mixes them in
-    buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
     # a greedy response per prompt if the estimator needs baseline_scores; DAPO's dynamic sampling
     plan = RolloutPlan.from_config(cfg, advantage_fn)
     sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
@@ -98,12 +96,16 @@ def run_rl_stage(stage: Stage) -> None:
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]
-        if "buffer" in rank_state(state):  # experiences a sample strategy left for later steps
+        if "buffer" in rank_state(state):  # what the buffer held then: expert data, experiences kept for later
             buffer.load_state_dict(rank_state(state)["buffer"])
         if reference is not None:
             load_weights(reference_file, reference)
     elif reference is not None:
         save_weights_atomically(reference.state_dict(), reference_file)
+    if stage.resume is None or "buffer" not in rank_state(state):
+        # expert responses (buffer.expert.path), for a sample strategy that mixes them in; a resumed
+        # buffer has them already (scoring them again would count the reward calls twice)
+        buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
     if start == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 

@@ -20,6 +20,7 @@ import pytest
 
 import rltk
 from rltk.cli import main
+from rltk.data.synthetic import make_task
 from tests.crash import crash_at_step
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,8 @@ TINY = [f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps
         "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=3", "logging.logger=[jsonl]",
         "logging.plot=false",
         # a checkpoint every second RL step, and only two in the warm-up (its last one is the stage boundary)
-        "checkpoint.every=2", f"stages=[{{name: warmup, type: sft, overrides: {{checkpoint.every: {SFT_STEPS // 2}}}}}, "
+        "checkpoint.every=2",
+        f"stages=[{{name: warmup, type: sft, overrides: {{checkpoint.every: {SFT_STEPS // 2}}}}}, "
         "{name: rl, type: rl}]",
         # a second reward that fails on some samples, so the failure counters have something to carry over
         "reward.reward_fn=[exact_match,odd_length_fails]", "reward.weights={odd_length_fails: 0.0}"]
@@ -43,6 +45,10 @@ VARIANTS = {  # name: (recipe, overrides)
     # holds experiences across steps, and so across a checkpoint
     "grpo-staleness": ("grpo", [*GRPO, "buffer.sample_strategy=staleness",
                                 "buffer.sample_strategy_args={max_staleness: 2, batch_size: 8}"]),
+    # demonstrations mixed into every batch and recycled: the buffer's order of them is state, and
+    # they are scored once when the stage starts (a resumed run must not count those calls again)
+    "grpo-expert": ("grpo", [*GRPO, "buffer.sample_strategy=mix_expert",
+                             "buffer.sample_strategy_args.expert_fraction=0.2"]),
     "ppo": ("ppo", [*TINY, "critic.warmup_steps=1"]),
 }
 
@@ -75,13 +81,28 @@ def final_weights_hash(run_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
+def expert_file(tmp_path_factory) -> Path:
+    """A demonstration (the correct sum) for every training prompt of the runs."""
+    path = tmp_path_factory.mktemp("expert") / "expert.jsonl"
+    rows = make_task("arithmetic", "train", 70, 0, min_digits=1, max_digits=1, operators="+")
+    path.write_text("".join(json.dumps({"prompt": r["prompt"], "response": r["ground_truth"],
+                                        "answer": r["ground_truth"]}) + "\n" for r in rows))
+    return path
+
+
+def arguments(variant: str, expert_file: Path) -> tuple[str, list[str]]:
+    recipe, args = VARIANTS[variant]
+    return recipe, [*args, f"buffer.expert.path={expert_file}"] if variant == "grpo-expert" else args
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory, expert_file):
     """The uninterrupted run of each variant, trained once for every crash point."""
     done = {}
 
     def get(variant: str) -> Path:
         if variant not in done:
-            recipe, args = VARIANTS[variant]
+            recipe, args = arguments(variant, expert_file)
             run_dir = tmp_path_factory.mktemp(f"straight_{variant}")
             assert main(["run", recipe, f"output_dir={run_dir}", *args]) == 0
             done[variant] = run_dir
@@ -99,9 +120,9 @@ CRASH_STEPS = {  # RL step at which the run dies
 
 
 @pytest.mark.parametrize("variant, when", [("grpo", "random"), ("grpo", "first"), ("grpo-staleness", "random"),
-                                           ("ppo", "random")])
-def test_a_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_runs, variant, when):
-    recipe, args = VARIANTS[variant]
+                                           ("grpo-expert", "random"), ("ppo", "random")])
+def test_a_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_runs, expert_file, variant, when):
+    recipe, args = arguments(variant, expert_file)
     straight = straight_runs(variant)
     rl_step = CRASH_STEPS[when](variant)
     crashing = tmp_path / "crashing"
@@ -129,3 +150,5 @@ def test_a_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_run
     assert after[0]["reward_fn/calls"] > 16  # counts from the start of the run, evaluations included
     if variant == "grpo-staleness":  # experiences older than the step trained on after the resume point
         assert any(r["buffer/staleness_max"] > 0 for r in after)
+    if variant == "grpo-expert":
+        assert all(r["buffer/expert"] > 0 for r in after)
