@@ -39,8 +39,8 @@ from rltk.recipe_utils import parse_recipe_args
 from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
 from rltk.training.resume import load_weights, save_weights_atomically
 from rltk.training.rl import (
-    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update, rollout_metrics,
-    any_rank, global_masked_mean,
+    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, fill_old_logprobs, policy_update,
+    rollout_metrics, any_rank, global_masked_mean,
 )
 from rltk.training.run import (
     Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
@@ -52,11 +52,12 @@ from rltk.training.setup import args_of
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the
 # script, to refuse a component the loop cannot feed (e.g. an advantage that needs a critic's values).
 # baseline_scores come from one greedy response per prompt when the estimator names them (ReMax);
+# reward_components (gdpo) and sum_pi_squared (optimal_token_baseline) only when the estimator names them;
 # expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
 PROVIDES = {
     "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
                      "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
-                     "ref_logprobs"],
+                     "ref_logprobs", "reward_components", "sum_pi_squared"],
     "buffer_sources": ["policy"],
     "expert_data": True,
 }
@@ -122,15 +123,15 @@ def run_rl_stage(stage: Stage) -> None:
             run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **sample_strategy.metrics()},
                                stage.first_step + step)
             continue
-        batch = collate(experiences, run.tokenizer.pad_token_id)
+        # gdpo: each reward function's own score, columns in reward.reward_fn order
+        batch = collate(experiences, run.tokenizer.pad_token_id,
+                        reward_names=workflow.reward.names if plan.reward_components else None)
 
-        # old and reference log-probs of the sampled tokens
+        # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it)
         common = dict(micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
                       impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
-        if a.use_rollout_logprobs:
-            batch["old_logprobs"] = batch["rollout_logprobs"]
-        else:
-            batch["old_logprobs"], _ = batched_logprobs(policy, batch, **common, strategy=strategy)
+        fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
+                          strategy=strategy)
         kl_metrics = {}
         if reference is not None:
             batch["ref_logprobs"], _ = batched_logprobs(reference, batch, **common)

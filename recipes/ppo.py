@@ -48,8 +48,8 @@ from rltk.training.ppo import (
 from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
 from rltk.training.resume import load_weights, save_weights_atomically
 from rltk.training.rl import (
-    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, policy_update, rollout_metrics,
-    any_rank, global_masked_mean,
+    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, fill_old_logprobs, policy_update,
+    rollout_metrics, any_rank, global_masked_mean,
 )
 from rltk.training.run import (
     Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
@@ -61,11 +61,12 @@ from rltk.training.setup import args_of, stage_config
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the
 # script, to refuse a component the loop cannot feed (e.g. a sample strategy that waits for expert data).
 # baseline_scores come from one greedy response per prompt when the estimator names them (ReMax);
+# reward_components (gdpo) and sum_pi_squared (optimal_token_baseline) only when the estimator names them;
 # expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
 PROVIDES = {
     "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
                      "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
-                     "ref_logprobs", "values"],
+                     "ref_logprobs", "values", "reward_components", "sum_pi_squared"],
     "buffer_sources": ["policy"],
     "expert_data": True,
 }
@@ -140,13 +141,14 @@ def run_ppo_stage(stage: Stage) -> None:
             run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **sample_strategy.metrics()},
                                stage.first_step + step)
             continue
-        batch = collate(experiences, run.tokenizer.pad_token_id)
+        # gdpo: each reward function's own score, columns in reward.reward_fn order
+        batch = collate(experiences, run.tokenizer.pad_token_id,
+                        reward_names=workflow.reward.names if plan.reward_components else None)
 
-        # old and reference log-probs of the sampled tokens, and the critic's values
-        if a.use_rollout_logprobs:
-            batch["old_logprobs"] = batch["rollout_logprobs"]
-        else:
-            batch["old_logprobs"], _ = batched_logprobs(policy, batch, **common, strategy=strategy)
+        # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it),
+        # and the critic's values
+        fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
+                          strategy=strategy)
         batch["values"] = batched_values(critic_strategy.unwrap(), batch, micro_batch_size=t.micro_batch_size,
                                          strategy=critic_strategy)
         mask = batch["response_mask"]

@@ -15,15 +15,21 @@ reads::
     scores          [B]         the scalar reward
     group_ids       [B]         int64; responses of one prompt share an id
     response_lengths[B]         number of response positions (incl. env tokens)
+    baseline_scores [B]         the greedy response's score (only when an experience has one: ReMax)
+    reward_components[B, K]     float32; column k is reward function k's own, unweighted score
+                                (``reward_details[reward_names[k]]``); only when ``reward_names``
+                                is given (the recipes give the composer's names for gdpo)
 
 Later stages add ``old_logprobs``, ``ref_logprobs``, ``values``,
-``advantages`` and ``returns`` (all ``[B, T]``) to the same dict.
+``advantages`` and ``returns`` (all ``[B, T]``) to the same dict, and
+``sum_pi_squared`` ``[B, T]`` (``sum_v pi_old(v)^2`` of each token's
+distribution) where the estimator names it (optimal_token_baseline).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -39,6 +45,7 @@ class Experience:
     response_mask: list[int] | None = None  # None means every response token is the policy's
     rollout_logprobs: list[float] | None = None
     finish_reason: str = "stop"  # "stop" (eos / stop token) or "length"
+    # every reward function's own score under its name (plus "<name>/<key>" extras of dict rewards)
     reward_details: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)  # prompt text, ground truth, response text ...
     baseline_score: float | None = None  # e.g. ReMax's greedy-response score
@@ -58,11 +65,19 @@ class Experience:
             )
 
 
-def collate(experiences: list[Experience], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate(experiences: list[Experience], pad_token_id: int, *,
+            reward_names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """Pad a list of experiences into the batch tensors described in this module.
 
     Prompts are left-padded and responses right-padded so that every response
     starts at column ``P`` and ``logits[:, P - 1 : P - 1 + T]`` predict it.
+
+    ``reward_names`` (the reward composer's ``names``: ``reward.reward_fn`` in
+    config order) adds ``reward_components`` ``[B, K]``, column ``k`` from each
+    experience's ``reward_details[reward_names[k]]``. Only those keys are read:
+    a reward returning a dict also leaves ``"<name>/<key>"`` entries there,
+    which are not components. An experience without one of the names (e.g.
+    expert data given a fixed ``buffer.expert.score``) is a ValueError.
     """
     if not experiences:
         raise ValueError("collate() needs at least one experience")
@@ -96,12 +111,35 @@ def collate(experiences: list[Experience], pad_token_id: int) -> dict[str, torch
         "group_ids": torch.tensor([e.group_id for e in experiences], dtype=torch.long),
         "response_lengths": torch.tensor([len(e.response_ids) for e in experiences], dtype=torch.long),
     }
+    if reward_names is not None:
+        batch["reward_components"] = reward_components(experiences, reward_names)
     if any(e.baseline_score is not None for e in experiences):
         batch["baseline_scores"] = torch.tensor(
             [e.baseline_score if e.baseline_score is not None else 0.0 for e in experiences],
             dtype=torch.float32,
         )
     return batch
+
+
+def reward_components(experiences: list[Experience], reward_names: Sequence[str]) -> torch.Tensor:
+    """``[B, K]`` float32: ``reward_details[reward_names[k]]`` of each experience (see :func:`collate`)."""
+    names = list(reward_names)
+    if not names:
+        raise ValueError("reward_components needs at least one reward name (reward.reward_fn is empty)")
+    rows = []
+    for i, e in enumerate(experiences):
+        missing = [n for n in names if n not in e.reward_details]
+        if missing:
+            where = f"experience {i}" + (f" (row '{e.info['row_id']}')" if "row_id" in e.info else "")
+            expert = (" It is expert data with no per-reward scores: unset buffer.expert.score so that every "
+                      "reward function scores the expert responses." if e.info.get("expert") else "")
+            raise ValueError(
+                f"{where} has no reward_details entry for reward(s) {missing} (it has "
+                f"{sorted(e.reward_details)}); reward_components needs the score of every reward function "
+                f"of reward.reward_fn {names}.{expert}"
+            )
+        rows.append([float(e.reward_details[n]) for n in names])
+    return torch.tensor(rows, dtype=torch.float32)  # [B, K]
 
 
 def response_width(batch: dict[str, torch.Tensor]) -> int:

@@ -3,6 +3,7 @@
 A checkpoint is one folder ``<root>/step_000123/``::
 
     state.json           the recipe's JSON-able state (step, data position, ...)
+    manifest.json        every other file of the checkpoint with its size in bytes
     rng/rank_00000.pt    RNG states of python, numpy, torch CPU and CUDA, and of the torch
                          generators the recipe hands over by name; one file per rank
     model/ optimizer.pt scheduler.pt strategy.json ...   written by the training strategy
@@ -12,8 +13,20 @@ It is written into a hidden sibling ``.tmp-step_000123``, flushed to disk
 is always complete, and a run killed mid-save leaves only a temporary folder
 that :meth:`CheckpointManager.latest` ignores and the next save removes.
 
-Nothing is unpickled on load: RNG states are stored as tensors and plain
-numbers and read with ``torch.load(weights_only=True)``.
+Nothing is unpickled freely on load (a run folder is data anyone may have
+written): RNG states are tensors and plain numbers read by torch's restricted
+unpickler, and :meth:`CheckpointManager.verify` checks every file before a
+strategy reads it (:mod:`rltk.serialization`): a file that asks the unpickler
+for anything but tensors, plain containers and the strategy's allow-listed
+classes stops the run naming the file.
+
+A checkpoint is *intact* when ``state.json`` and ``manifest.json`` parse, every
+file the manifest lists is present with its recorded size, every ``.pt`` file's
+pickle and zip directory read (memory-mapped: no tensor data is read), every
+``.safetensors`` header covers its file exactly and every ``.json`` file
+parses. :meth:`CheckpointManager.latest_intact` resumes from the newest intact
+checkpoint, moving damaged newer ones aside with a warning that names the
+damaged files.
 """
 
 from __future__ import annotations
@@ -31,14 +44,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rltk.serialization import (
+    CheckpointFileError,
+    DamagedCheckpointError,
+    check_file,
+    check_json,
+    torch_load,
+)
+
 if TYPE_CHECKING:
     from rltk.strategies.base import TrainingStrategy
 
 STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
 RNG_DIR = "rng"
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d+)$")
 TEMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".old-"
+DAMAGED_PREFIX = "damaged-"  # a damaged checkpoint moved aside: kept for a look, never resumed or pruned
 FORMAT_VERSION = 1
 
 
@@ -179,6 +202,73 @@ def _first_unserializable(obj: Any, path: str = "state") -> str | None:
 
 
 # --------------------------------------------------------------------------
+# Integrity: what a checkpoint holds, and whether it still does
+# --------------------------------------------------------------------------
+
+
+def _write_manifest(folder: Path) -> None:
+    """Record every file under ``folder`` with its size, so a truncated or missing file is found cheaply."""
+    files = {path.relative_to(folder).as_posix(): path.stat().st_size
+             for path in _files_under(folder) if path != folder / MANIFEST_FILE}
+    payload = {"format_version": FORMAT_VERSION, "files": files}
+    (folder / MANIFEST_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def _files_under(folder: Path) -> list[Path]:
+    """Every regular file under ``folder``, sorted. os.walk skips a folder that vanishes while it is listed
+    (another rank renaming a finished universal conversion into place), where rglob would raise."""
+    found = []
+    for dirpath, _, filenames in os.walk(folder):
+        found += [Path(dirpath) / name for name in filenames if (Path(dirpath) / name).is_file()]
+    return sorted(found)
+
+
+def _read_manifest(path: Path) -> dict[str, int]:
+    """``{relative path: size}`` from a manifest; :class:`DamagedCheckpointError` if it is not one."""
+    payload = check_json(path)
+    files = payload.get("files") if isinstance(payload, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                              for k, v in files.items()):
+        raise DamagedCheckpointError(path, 'it does not hold {"files": {relative path: size in bytes}}')
+    outside = [k for k in files if Path(k).is_absolute() or ".." in Path(k).parts]
+    if outside:
+        raise DamagedCheckpointError(path, f"it lists {outside[0]!r}, a path outside the checkpoint")
+    return files
+
+
+def read_state_file(checkpoint: str | Path) -> dict[str, Any]:
+    """The payload of ``<checkpoint>/state.json`` (``format_version``, ``step``, ``world_size``, ``state``).
+
+    Raises :class:`DamagedCheckpointError` naming the file if it is missing, not
+    JSON, or lacks an integer ``step`` and a ``state`` object.
+    """
+    path = Path(checkpoint) / STATE_FILE
+    payload = check_json(path)
+    if not (isinstance(payload, dict) and isinstance(payload.get("step"), int) and not isinstance(payload["step"], bool)
+            and isinstance(payload.get("state"), dict)):
+        raise DamagedCheckpointError(path, 'it does not hold {"step": <int>, "state": {...}} as rltk writes it')
+    return payload
+
+
+def strategy_checkpoint_globals(strategy: Any) -> list[Any]:
+    """The classes ``strategy``'s checkpoint files may pickle besides tensors and plain data (its
+    ``checkpoint_globals()``, e.g. DeepSpeed's loss scaler); none for ``None`` or a strategy without one."""
+    declared = getattr(strategy, "checkpoint_globals", None)
+    return list(declared()) if callable(declared) else []
+
+
+def damage_summary(damage: list[CheckpointFileError], root: Path) -> str:
+    """``file (reason); file (reason)`` with paths relative to ``root``, for messages."""
+    def name(path: Path) -> str:
+        try:
+            return path.relative_to(root).as_posix()
+        except ValueError:
+            return str(path)
+
+    return "; ".join(f"{name(e.path)} ({e.reason})" for e in damage)
+
+
+# --------------------------------------------------------------------------
 # The manager
 # --------------------------------------------------------------------------
 
@@ -277,6 +367,7 @@ class CheckpointManager:
         self._barrier(strategy)  # every rank's RNG file is on disk
 
         if is_main:
+            _write_manifest(temp)  # after the barrier: it lists every rank's files
             _fsync_tree(temp)
             if final.exists():  # saving a step again (e.g. after resuming from an earlier one)
                 trash = self.root / f"{TRASH_PREFIX}{final.name}"
@@ -288,18 +379,137 @@ class CheckpointManager:
             else:
                 os.replace(temp, final)
             _fsync_dir(self.root)
-            self._prune()
+            self.prune()
         self._barrier(strategy)
         return final
 
-    def _prune(self) -> None:
+    def prune(self, keep: str | Path | None = None) -> list[Path]:
+        """Delete all but the newest ``keep_last`` checkpoints and any interrupted save; returns what was deleted.
+
+        Runs after every save and, from the main process, when a run starts: a
+        run killed between a save and its prune leaves one checkpoint too many.
+        Only rltk's own ``step_*`` folders and its temporary ``.tmp-*``/``.old-*``
+        folders are touched; ``keep`` (the checkpoint a run resumes from) is
+        never deleted. Do not call it while a save is in progress.
+        """
+        if not self.root.is_dir():
+            return []
+        removed = []
         for entry in self.root.iterdir():
             if entry.is_dir() and entry.name.startswith((TEMP_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
         if self.keep_last is None:
-            return
+            return removed
+        keep = Path(keep).resolve() if keep is not None else None
         for _, path in self.checkpoints()[: -self.keep_last]:
-            shutil.rmtree(path)
+            if keep is None or path.resolve() != keep:
+                shutil.rmtree(path)
+                removed.append(path)
+        return removed
+
+    # ---------------------------------------------------------------- integrity
+
+    def verify(self, path: str | Path, *, allowed_globals=()) -> list[DamagedCheckpointError]:
+        """The damage found in checkpoint ``path``: an empty list means intact (see the module docstring).
+
+        Every file is checked by its kind (:func:`rltk.serialization.check_file`)
+        and, when the checkpoint has a manifest, against the size it was saved
+        with. Files the save did not write (a universal checkpoint DeepSpeed
+        converted on an earlier resume, or half of one a kill interrupted) are a
+        cache, not the checkpoint: only their safety counts. ``allowed_globals``
+        are the classes the strategy's files may pickle
+        (:func:`strategy_checkpoint_globals`).
+
+        Raises:
+            UnsafeCheckpointError: a file asks the unpickler for anything else;
+                that is tampering, not damage, and no fallback hides it.
+        """
+        path = Path(path)
+        allowed = list(allowed_globals)
+        damage: dict[Path, DamagedCheckpointError] = {}
+        listed: dict[str, int] | None = None
+        if (path / MANIFEST_FILE).is_file():
+            try:
+                listed = _read_manifest(path / MANIFEST_FILE)
+            except DamagedCheckpointError as error:
+                damage[error.path] = error
+        try:
+            read_state_file(path)
+        except DamagedCheckpointError as error:
+            damage[error.path] = error
+        # The files found, and those listed: a symlinked folder is not walked into, but what a strategy
+        # will read through it is listed.
+        found = set(_files_under(path)) | {path / r for r in listed or {} if (path / r).is_file()}
+        for file in sorted(found):
+            relative = file.relative_to(path).as_posix()
+            if relative in (MANIFEST_FILE, STATE_FILE):
+                continue
+            try:
+                check_file(file, allowed_globals=allowed)  # UnsafeCheckpointError propagates
+            except DamagedCheckpointError as error:
+                if listed is None or relative in listed:
+                    damage[file] = error
+        for relative, size in (listed or {}).items():
+            file = path / relative
+            if file in damage:
+                continue
+            if not file.is_file():
+                damage[file] = DamagedCheckpointError(file, "the file is missing; the checkpoint was saved with it")
+            elif file.stat().st_size != size:
+                damage[file] = DamagedCheckpointError(
+                    file, f"it is {file.stat().st_size} bytes but was saved with {size} (truncated or replaced)")
+        return sorted(damage.values(), key=lambda e: str(e.path))
+
+    def latest_intact(self, *, allowed_globals=(), main_process: bool = True) -> Path | None:
+        """The newest checkpoint :meth:`verify` finds intact, or ``None`` when there is no checkpoint.
+
+        Damaged checkpoints newer than it are moved aside to
+        ``damaged-step_XXXXXX`` by the main process, with a warning naming the
+        damaged files: left in place they would count towards ``keep_last``
+        and get the run's new checkpoints pruned instead. Other processes only
+        read. If every checkpoint is damaged nothing is moved and
+        :class:`DamagedCheckpointError` lists the damage: starting over would
+        silently discard the run.
+
+        Raises:
+            UnsafeCheckpointError: from :meth:`verify`, for the newest checkpoint that holds one.
+        """
+        damaged: list[tuple[Path, list[DamagedCheckpointError]]] = []
+        chosen = None
+        for _, path in reversed(self.checkpoints()):
+            damage = self.verify(path, allowed_globals=allowed_globals)
+            if not damage:
+                chosen = path
+                break
+            damaged.append((path, damage))
+        if damaged and chosen is None:
+            every = "; ".join(f"{path.name}: {damage_summary(damage, path)}" for path, damage in damaged)
+            first = damaged[0][1][0]
+            raise DamagedCheckpointError(first.path, first.reason, (
+                f"every checkpoint under '{self.root}' is damaged, so there is nothing to resume: {every}. If the run "
+                "folder was copied, copy it again; otherwise start over with checkpoint.resume=never (deletes them)."
+            ))
+        if main_process:
+            for path, damage in damaged:
+                aside = self._move_aside(path)
+                warnings.warn(
+                    f"checkpoint '{path}' is damaged: {damage_summary(damage, path)}. Resuming from the newest intact "
+                    f"checkpoint, '{chosen}', instead; the damaged one was moved to '{aside}' (delete it once you "
+                    "have looked at it).",
+                    stacklevel=2,
+                )
+        return chosen
+
+    def _move_aside(self, path: Path) -> Path:
+        target = self.root / f"{DAMAGED_PREFIX}{path.name}"
+        n = 1
+        while target.exists():
+            target = self.root / f"{DAMAGED_PREFIX}{path.name}.{n}"
+            n += 1
+        os.replace(path, target)
+        _fsync_dir(self.root)
+        return target
 
     # ---------------------------------------------------------------- loading
 
@@ -311,6 +521,11 @@ class CheckpointManager:
         Call after ``strategy.setup(...)``. If the checkpoint was written with
         fewer ranks than run now, ranks without an RNG file keep their current
         RNG and a warning says so.
+
+        Raises:
+            UnsafeCheckpointError: a file holds pickled objects beyond tensors,
+                plain data and the strategy's ``checkpoint_globals()``; nothing is loaded.
+            DamagedCheckpointError: the checkpoint is not intact (:meth:`verify`).
         """
         path = Path(path)
         state_file = path / STATE_FILE
@@ -319,13 +534,21 @@ class CheckpointManager:
                 f"'{path}' is not a complete rltk checkpoint (no {STATE_FILE}). Complete checkpoints are the "
                 f"step_XXXXXX folders under the checkpoint root; CheckpointManager.latest() finds the newest."
             )
-        payload = json.loads(state_file.read_text())
+        # Every file is checked before the strategy reads any: a refused or damaged file is named here
+        # rather than deep inside a library's loader.
+        damage = self.verify(path, allowed_globals=strategy_checkpoint_globals(strategy))
+        if damage:
+            raise DamagedCheckpointError(damage[0].path, damage[0].reason, (
+                f"checkpoint '{path}' is damaged: {damage_summary(damage, path)}. Resume from another checkpoint "
+                "(CheckpointManager.latest_intact() finds the newest intact one)."
+            ))
+        payload = read_state_file(path)
         if strategy is not None:
             strategy.load(path)
         rank = strategy.rank if strategy is not None else 0
         rng_file = path / RNG_DIR / f"rank_{rank:05d}.pt"
         if rng_file.is_file():
-            rng_state = torch.load(rng_file, map_location="cpu", weights_only=True)
+            rng_state = torch_load(rng_file)
             generators = dict(generators or {})
             absent = sorted(set(generators) - set(rng_state.get("generators") or {}))
             if absent:  # written before the recipe handed these over (an older rltk)

@@ -36,9 +36,9 @@ def rltk_advantage_fns() -> dict:
     called with keyword arguments only: the batch fields it names in its
     signature (``token_rewards``, ``response_mask``, ``group_ids``,
     ``values``, ``scores``, ``old_logprobs`` ...; ``reward_components`` and
-    ``sum_pi_squared`` where the recipe fills them) plus its configured
-    arguments, and returns ``(advantages, returns)``, both ``[B, T]`` and zero
-    outside the mask. A required field the recipe does not fill is a
+    ``sum_pi_squared``, which the recipes fill only for an estimator that
+    names them) plus its configured arguments, and returns ``(advantages,
+    returns)``, both ``[B, T]`` and zero outside the mask. A required field the recipe does not fill is a
     validation error naming it.
     """
 

@@ -73,8 +73,13 @@ def test_save_writes_a_complete_step_folder_and_returns_it(tmp_path):
     path = manager.save(12, strategy, {"step": 12, "data": {"epoch": 1, "offset": 40}})
     assert path == tmp_path / "ckpt" / "step_000012"
     assert sorted(p.name for p in path.iterdir()) == [
-        "model", "optimizer.pt", "rng", "scheduler.pt", "state.json", "strategy.json"]
+        "manifest.json", "model", "optimizer.pt", "rng", "scheduler.pt", "state.json", "strategy.json"]
     assert [p.name for p in (path / "rng").iterdir()] == ["rank_00000.pt"]
+    # The manifest lists every other file with its size on disk.
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    on_disk = {p.relative_to(path).as_posix(): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+    assert files == {k: v for k, v in on_disk.items() if k != "manifest.json"}
+    assert {"state.json", "optimizer.pt", "rng/rank_00000.pt", "model/model.safetensors"} <= set(files)
     payload = json.loads((path / "state.json").read_text())
     assert payload["state"] == {"step": 12, "data": {"epoch": 1, "offset": 40}} and payload["world_size"] == 1
     assert manager.latest() == path
@@ -186,6 +191,10 @@ def test_missing_rng_file_for_this_rank_warns(tmp_path):
     manager = CheckpointManager(tmp_path)
     path = manager.save(1, None, {})
     (path / "rng" / "rank_00000.pt").unlink()
+    # As if saved by processes that did not include this rank: the manifest does not list its file.
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"]["rng/rank_00000.pt"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(UserWarning, match="no RNG state for rank 0.*not bitwise reproducible"):
         manager.load(path, None)
 

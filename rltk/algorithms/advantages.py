@@ -21,11 +21,12 @@ Batch fields an estimator may declare (``T`` is the response width):
 ``baseline_scores``    ``[B]``   ReMax: the reward of the greedy response
 ``old_logprobs``       ``[B,T]`` the behaviour policy's log-probs of the sampled tokens
 ``reward_components``  ``[B,K]`` gdpo: the unweighted score of each of the K reward
-                                 functions (config order); filled only where a
-                                 recipe provides it
+                                 functions (config order); the recipes fill it
+                                 only for an estimator that names it
 ``sum_pi_squared``     ``[B,T]`` optimal_token_baseline: ``sum_v pi(v)^2`` of each
                                  token's distribution under the behaviour policy;
-                                 filled only where a recipe provides it
+                                 the recipes fill it only for an estimator that
+                                 names it
 =====================  ========  ===================================================
 
 Conventions of the outcome (critic-free) estimators ``grpo``, ``rloo``,

@@ -2,7 +2,8 @@
 
 :func:`load_config` builds a run config and, by default, validates it
 (:mod:`rltk.config.validation`) and warns about KL settings without effect
-(:mod:`rltk.config.kl_warnings`). Every error is a
+(:mod:`rltk.config.kl_warnings`) and about YAML settings that override a preset
+switched on the command line (:mod:`rltk.config.preset_warnings`). Every error is a
 :class:`~rltk.config.errors.ConfigError` naming the full key path, the bad
 value and what would be valid.
 """
@@ -19,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rltk.config.errors import ConfigError
 from rltk.config.kl_warnings import kl_warnings
 from rltk.config.merge import checked_merge, one_name_as_list
+from rltk.config.preset_warnings import preset_override_warnings
 from rltk.config.recipe_capabilities import RecipeSpec
 from rltk.config.resolvers import register_resolvers
 from rltk.config.schema import RunConfig
@@ -81,8 +83,9 @@ def load_config(
 
     ``recipe``, when known (``rltk run RECIPE``, ``rltk validate RECIPE``), lets
     validation refuse components that recipe cannot serve. ``warn`` prints
-    settings that take no effect (e.g. a KL estimator with ``kl_coef`` 0) to
-    stderr, one line each.
+    settings that take no effect (e.g. a KL estimator with ``kl_coef`` 0) and
+    YAML settings that override a preset chosen on the command line (e.g.
+    grpo.yaml's ``kl_coef`` under ``algorithm.name=dapo``) to stderr, one line each.
     """
     files = [Path(f) for f in files]
     file_nodes = [(str(f), one_name_as_list(load_yaml(f))) for f in files]
@@ -116,6 +119,8 @@ def load_config(
     if validate:
         validate_config(cfg, recipe=recipe)
     if warn:
-        for message in kl_warnings(cfg, [("command line", cli), *reversed(file_nodes)], preset_name, preset):
+        messages = preset_override_warnings(cli, file_nodes, preset_name, preset, schema.algorithm.name)
+        messages += kl_warnings(cfg, [("command line", cli), *reversed(file_nodes)], preset_name, preset)
+        for message in messages:
             print(f"rltk: warning: {message}", file=sys.stderr)
     return cfg

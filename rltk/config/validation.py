@@ -7,8 +7,9 @@ ranges (here), the seed and local paths (:mod:`rltk.config.run_checks`),
 the divergence guard's keys (:mod:`rltk.config.guard_checks`),
 what the recipe serves (:mod:`rltk.config.recipe_capabilities`), the critic
 section (:mod:`rltk.config.critic_checks`), the rollout correction
-(:mod:`rltk.config.rollout_correction_checks`), each stage's overrides, and
-interpolations.
+(:mod:`rltk.config.rollout_correction_checks`), each reward's own score where
+the estimator reads it (:mod:`rltk.config.reward_component_checks`), each
+stage's overrides, and interpolations.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
 )
+from rltk.config.reward_component_checks import check_reward_components
 from rltk.config.rollout_correction_checks import check_rollout_correction_config
 from rltk.config.run_checks import check_paths, check_prompt_template, check_seed
 from rltk.config.schema import CHOICES, STAGE_TYPES
@@ -55,6 +57,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_task(cfg)
     needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
     check_workflow_serves(cfg, needs)
+    check_reward_components(cfg, needs)
     if recipe is not None:
         check_recipe_serves(cfg, recipe, needs)
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields

@@ -14,6 +14,12 @@ Math (one token; ``z = (h W^T + b) / t`` are its logits at temperature ``t``)::
     logprob  = z_label - lse                       w = sum exp(z - m) (z - m))
     entropy  = lse - E_p[z] = log s - w / s
 
+On request (``with_sum_pi_squared``) the same pass also sums ``q = sum exp(2 (z - m))``,
+one more running accumulator, and returns ``sum_v p_v^2 = q / s^2`` (the collision
+probability, which the optimal-token-baseline estimator weights tokens by); in log
+space that is ``exp(logsumexp(2 z) - 2 lse)``, and with every ``exp(z - m) <= 1`` and
+``s >= 1`` no term can overflow. It is a detached statistic: no gradient flows through it.
+
 and the gradients, with ``g_lp`` and ``g_ent`` the upstream gradients::
 
     dL/dz_v  = g_lp (1[v = label] - p_v) + g_ent p_v (E_p[z] - z_v)
@@ -70,7 +76,8 @@ def token_logprobs_and_entropy(
     impl: str = "auto",
     chunk_size: int | Sequence[int] | None = None,
     ignore_index: int = IGNORE_INDEX,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Log-probability of ``labels`` and entropy of the softmax of ``(hidden @ weight.T + bias) / temperature``.
 
     Never holds the ``[N, V]`` logits (except with ``impl="naive"``): the
@@ -96,11 +103,16 @@ def token_logprobs_and_entropy(
             memory does not grow with V. For Triton both numbers must be powers
             of two (block sizes); the default is tuned for GPUs. Ignored by naive.
         ignore_index: label value that marks positions without a target.
+        with_sum_pi_squared: also return ``sum_v p_v^2`` of each token's
+            softmax, computed in the same pass (one more running sum; nothing is
+            computed when False).
 
     Returns:
         ``(logprobs, entropy)``, both fp32. Shape: (N,) each. Differentiable
         with respect to ``hidden``, ``weight`` and ``bias`` (gradients come back
         in their dtypes); the upstream gradients of both outputs are used.
+        With ``with_sum_pi_squared`` a third fp32 tensor ``sum_pi_squared``
+        (N,) follows, in (0, 1], without gradient (also at ignored labels).
 
     Raises:
         ValueError: bad shapes, dtypes, devices, temperature, labels, impl or
@@ -111,7 +123,8 @@ def token_logprobs_and_entropy(
     _check_label_range(labels, weight.shape[0], ignore_index)
     if backend == "naive":
         return naive_token_logprobs_and_entropy(
-            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index
+            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            with_sum_pi_squared=with_sum_pi_squared,
         )
     if backend == "torch":
         tiling = torch_tiling(hidden.shape[0], weight.shape[0], chunk_size)
@@ -119,9 +132,17 @@ def token_logprobs_and_entropy(
         from rltk.kernels import triton_logprobs
 
         tiling = triton_logprobs.config_for(hidden, weight, chunk_size)
-    return _TokenLogprobsEntropy.apply(
-        hidden, weight, bias, labels, float(temperature), backend, tiling, int(ignore_index)
+    return _apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore_index, with_sum_pi_squared)
+
+
+def _apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore_index,
+              with_sum_pi_squared) -> tuple[torch.Tensor, ...]:
+    """Run the autograd op of the torch or triton ``backend``: 2 outputs, or 3 with ``with_sum_pi_squared``."""
+    logprobs, entropy, sum_pi_squared = _TokenLogprobsEntropy.apply(
+        hidden, weight, bias, labels, float(temperature), backend, tiling, int(ignore_index),
+        bool(with_sum_pi_squared),
     )
+    return (logprobs, entropy, sum_pi_squared) if with_sum_pi_squared else (logprobs, entropy)
 
 
 # --------------------------------------------------------------------------
@@ -264,12 +285,14 @@ def naive_token_logprobs_and_entropy(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Reference implementation through the full fp32 logits (plain autograd).
 
     Same contract as :func:`token_logprobs_and_entropy`; costs several ``[N, V]``
     fp32 tensors. Inputs are upcast to fp32 before the matmul, as in the fused
     backends, so all backends compute the same function of the given values.
+    ``sum_pi_squared`` is ``exp(logsumexp(2 z) - 2 logsumexp(z))`` (z shifted by its max), detached.
     """
     with _fp32_math(hidden):
         logits = hidden.float() @ weight.float().T  # [N, V]
@@ -281,6 +304,12 @@ def naive_token_logprobs_and_entropy(
         safe_labels = labels.masked_fill(ignored, 0).long()
         token_logprobs = log_probs.gather(1, safe_labels[:, None]).squeeze(1).masked_fill(ignored, 0.0)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
+        if with_sum_pi_squared:
+            # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z), with z shifted by its max first: the
+            # difference of two numbers near 2 max(z) would lose the digits that matter in fp32
+            shifted = logits.detach() - logits.detach().amax(dim=-1, keepdim=True)
+            sum_pi_squared = torch.exp(torch.logsumexp(2.0 * shifted, dim=-1) - 2.0 * torch.logsumexp(shifted, dim=-1))
+            return token_logprobs, entropy, sum_pi_squared
     return token_logprobs, entropy
 
 
@@ -295,29 +324,33 @@ def _fp32_math(tensor: torch.Tensor):
 
 
 class _TokenLogprobsEntropy(torch.autograd.Function):
-    """(logprobs, entropy) with a backward that recomputes logits from per-token (lse, E_p[z])."""
+    """(logprobs, entropy, sum_pi_squared or None) with a backward that recomputes logits from per-token
+    (lse, E_p[z]); sum_pi_squared is non-differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, backend, tiling, ignore_index):
+    def forward(ctx, hidden, weight, bias, labels, temperature, backend, tiling, ignore_index, with_sum_pi_squared):
         forward_fn, _ = _backend_fns(backend)
         with _fp32_math(hidden):
-            logprobs, entropy, lse, expected_logit = forward_fn(
-                hidden, weight, bias, labels, 1.0 / temperature, tiling, ignore_index
+            logprobs, entropy, lse, expected_logit, sum_pi_squared = forward_fn(
+                hidden, weight, bias, labels, 1.0 / temperature, tiling, ignore_index,
+                with_sum_pi_squared=with_sum_pi_squared,
             )
+        if sum_pi_squared is not None:
+            ctx.mark_non_differentiable(sum_pi_squared)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, expected_logit)
         ctx.inv_temperature = 1.0 / temperature
         ctx.backend, ctx.tiling, ctx.ignore_index = backend, tiling, ignore_index
         # None for an output nobody differentiates, so backward skips its terms.
         ctx.set_materialize_grads(False)
-        return logprobs, entropy
+        return logprobs, entropy, sum_pi_squared
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_sum_pi_squared):
         hidden, weight, bias, labels, lse, expected_logit = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         inv_t = ctx.inv_temperature
         # Fold 1/t and the ignore mask into per-token scales once, so the tiles
         # produce the gradient with respect to the raw logits h W^T + b.
@@ -336,7 +369,7 @@ class _TokenLogprobsEntropy(torch.autograd.Function):
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -414,8 +447,10 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore_index):
-    """Chunked forward: per-token log-prob, entropy, lse and E_p[z], all fp32. Shape: (N,) each."""
+def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore_index, *,
+                   with_sum_pi_squared=False):
+    """Chunked forward: per-token log-prob, entropy, lse, E_p[z] and sum_v p_v^2 (None unless
+    ``with_sum_pi_squared``), all fp32. Shape: (N,) each."""
     num_tokens = hidden.shape[0]
     token_chunk, vocab_chunk = tiling
     device = hidden.device
@@ -423,6 +458,7 @@ def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore
     entropy = torch.empty_like(logprobs)
     lse = torch.empty_like(logprobs)
     expected_logit = torch.empty_like(logprobs)
+    sum_pi_squared = torch.empty_like(logprobs) if with_sum_pi_squared else None
     tiles = _Tiles(weight, bias, token_chunk, vocab_chunk, inv_temperature, n_buffers=2)
     labels = labels.long()
     for row in range(0, num_tokens, token_chunk):
@@ -430,7 +466,8 @@ def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore
         _, scaled_h = _hidden_chunk(hidden, row, rows, inv_temperature)
         chunk_labels = labels[row : row + rows]
         label_logit = torch.zeros(rows, dtype=torch.float32, device=device)
-        run_max = run_sum = run_wsum = None  # online stats: m, s = sum e^(z-m), w = sum e^(z-m)(z-m)
+        # online stats: m, s = sum e^(z-m), w = sum e^(z-m)(z-m), q = sum e^(2(z-m)) (on request)
+        run_max = run_sum = run_wsum = run_sq = None
         for start, width in tiles.ranges():
             z = tiles.logits(scaled_h, tiles.weight_tile(start, width), start, width,
                              out=tiles.buffer(0, rows, width))  # [n, v]
@@ -442,14 +479,17 @@ def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore
             z.sub_(new_max[:, None])  # z - m: every exp below is <= 1
             e = torch.exp(z, out=tiles.buffer(1, rows, width))
             tile_sum, tile_wsum = e.sum(dim=1), _row_dot(e, z)
+            tile_sq = _row_dot(e, e) if with_sum_pi_squared else None
             if run_max is None:
-                run_max, run_sum, run_wsum = new_max, tile_sum, tile_wsum
+                run_max, run_sum, run_wsum, run_sq = new_max, tile_sum, tile_wsum, tile_sq
             else:
-                # Move the old stats to the new max: w' = (w + (m - m') s) e^(m - m').
+                # Move the old stats to the new max: w' = (w + (m - m') s) e^(m - m'), q' = q e^(2(m - m')).
                 shift = run_max - new_max
                 scale = shift.exp()
                 run_wsum = (run_wsum + shift * run_sum) * scale + tile_wsum
                 run_sum = run_sum * scale + tile_sum
+                if with_sum_pi_squared:
+                    run_sq = run_sq * scale.square() + tile_sq
                 run_max = new_max
         log_sum = run_sum.log()
         mean_shifted = run_wsum / run_sum  # E_p[z] - m
@@ -457,8 +497,10 @@ def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore
         expected_logit[row : row + rows] = run_max + mean_shifted
         entropy[row : row + rows] = log_sum - mean_shifted  # lse - E_p[z], both relative to m
         logprobs[row : row + rows] = label_logit - lse[row : row + rows]
+        if with_sum_pi_squared:
+            sum_pi_squared[row : row + rows] = run_sq / run_sum.square()  # sum e^(2(z-m)) / (sum e^(z-m))^2
     logprobs.masked_fill_(labels == ignore_index, 0.0)
-    return logprobs, entropy, lse, expected_logit
+    return logprobs, entropy, lse, expected_logit, sum_pi_squared
 
 
 def _torch_backward(hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_temperature,

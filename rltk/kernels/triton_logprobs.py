@@ -5,9 +5,10 @@ logits (the math is in :mod:`rltk.kernels.logprobs`):
 
 * ``_forward_kernel``: grid ``(token blocks, vocab splits)``. Each program runs
   an online softmax over the vocabulary tiles of its split and writes partial
-  statistics (max ``m``, ``s = sum e^(z-m)``, ``w = sum e^(z-m) (z-m)`` and the
-  label's logit); :func:`_merge_partials` combines the splits, so short
-  batches still fill the GPU.
+  statistics (max ``m``, ``s = sum e^(z-m)``, ``w = sum e^(z-m) (z-m)``, the
+  label's logit and, only when asked for, ``q = sum e^(2(z-m))`` for
+  ``sum_v p_v^2``); :func:`_merge_partials` and :func:`_merge_sum_pi_squared`
+  combine the splits, so short batches still fill the GPU.
 * ``_grad_hidden_kernel``: grid ``(token blocks, vocab splits)``; recomputes the
   logits of its tiles, turns them into ``d_logits`` and accumulates
   ``d_logits @ W`` for its token rows (one fp32 partial per split, summed after).
@@ -92,20 +93,21 @@ def triton_token_logprobs_and_entropy(
     temperature: float = 1.0,
     config: TritonConfig | None = None,
     ignore_index: int = _logprobs.IGNORE_INDEX,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """:func:`rltk.kernels.token_logprobs_and_entropy` on the Triton backend with an explicit ``config``.
 
     For tuning and tests (every block size and split count); the public op is
     the normal entry point. Shapes as there: hidden (N, D), weight (V, D),
-    labels (N,) -> logprobs (N,), entropy (N,).
+    labels (N,) -> logprobs (N,), entropy (N,) (and sum_pi_squared (N,) with
+    ``with_sum_pi_squared``).
     """
     _logprobs._check_inputs(hidden, weight, labels, bias, temperature)
     _logprobs.resolve_impl("triton", hidden)
     _logprobs._check_label_range(labels, weight.shape[0], ignore_index)
     config = config or config_for(hidden, weight, None)
-    return _logprobs._TokenLogprobsEntropy.apply(
-        hidden, weight, bias, labels, float(temperature), "triton", config, int(ignore_index)
-    )
+    return _logprobs._apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index,
+                              with_sum_pi_squared)
 
 
 # --------------------------------------------------------------------------
@@ -146,13 +148,14 @@ def _logits_tile(
 @triton.jit
 def _forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr,
-    part_max_ptr, part_sum_ptr, part_wsum_ptr, part_label_ptr,  # [num_splits, N] fp32 each
+    part_max_ptr, part_sum_ptr, part_wsum_ptr, part_label_ptr, part_sq_ptr,  # [num_splits, N] fp32 each
     num_tokens, vocab_size, hidden_size, tiles_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WITH_SQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax of one token block over one vocab split; writes the split's partial stats."""
+    """Online softmax of one token block over one vocab split; writes the split's partial stats
+    (and ``q = sum e^(2(z-m))`` when ``WITH_SQ``; ``part_sq_ptr`` is unread otherwise)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,6 +164,7 @@ def _forward_kernel(
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     run_wsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    run_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     label_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_size)
@@ -185,12 +189,17 @@ def _forward_kernel(
         scale = tl.exp(shift)
         run_wsum = (run_wsum + tl.where(run_sum > 0.0, shift, 0.0) * run_sum) * scale + tile_wsum
         run_sum = run_sum * scale + tile_sum
+        if WITH_SQ:
+            # Padding columns have e == 0; on the first tile scale == 0 and run_sq is still 0.
+            run_sq = run_sq * (scale * scale) + tl.sum(e * e, axis=1)
         run_max = new_max
     offsets = split * num_tokens + rows
     tl.store(part_max_ptr + offsets, run_max, mask=row_mask)
     tl.store(part_sum_ptr + offsets, run_sum, mask=row_mask)
     tl.store(part_wsum_ptr + offsets, run_wsum, mask=row_mask)
     tl.store(part_label_ptr + offsets, label_logit, mask=row_mask)
+    if WITH_SQ:
+        tl.store(part_sq_ptr + offsets, run_sq, mask=row_mask)
 
 
 @triton.jit
@@ -347,35 +356,50 @@ def _merge_partials(part_max, part_sum, part_wsum, part_label):
     return top + log_sum, top + mean_shifted, log_sum - mean_shifted, part_label.sum(dim=0)
 
 
+def _merge_sum_pi_squared(part_max, part_sum, part_sq):
+    """``sum_v p_v^2`` per token from per-split ``[S, N]`` stats: ``q / s^2`` at the common max.
+
+    With ``M = max_k m_k`` and ``c_k = e^(m_k - M)``: ``s = sum_k s_k c_k`` and
+    ``q = sum_k q_k c_k^2`` (each ``q_k`` sums ``e^(2(z - m_k))``).
+    """
+    scale = (part_max - part_max.amax(dim=0)).exp()  # [S, N], <= 1
+    return (part_sq * scale.square()).sum(dim=0) / (part_sum * scale).sum(dim=0).square()
+
+
 def _device_guard(tensor: torch.Tensor):
     # Launch on the tensors' GPU, not the current one.
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
-def triton_forward(hidden, weight, bias, labels, inv_temperature, config: TritonConfig, ignore_index):
-    """Forward launch: ``(logprobs, entropy, lse, E_p[z])``, fp32. Shape: (N,) each."""
+def triton_forward(hidden, weight, bias, labels, inv_temperature, config: TritonConfig, ignore_index, *,
+                   with_sum_pi_squared=False):
+    """Forward launch: ``(logprobs, entropy, lse, E_p[z], sum_v p_v^2)``, fp32. Shape: (N,) each; the last is
+    None unless ``with_sum_pi_squared``."""
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
     if num_tokens == 0:
         empty = torch.empty(0, dtype=torch.float32, device=device)
-        return empty, empty.clone(), empty.clone(), empty.clone()
+        return empty, empty.clone(), empty.clone(), empty.clone(), (empty.clone() if with_sum_pi_squared else None)
     num_splits, tiles_per_split = _splits(config, num_tokens, vocab_size, device)
-    partials = torch.empty(4, num_splits, num_tokens, dtype=torch.float32, device=device)
+    partials = torch.empty(5 if with_sum_pi_squared else 4, num_splits, num_tokens, dtype=torch.float32,
+                           device=device)
     labels = labels.contiguous()
     grid = (triton.cdiv(num_tokens, config.block_n), num_splits)
     with _device_guard(hidden):
         _forward_kernel[grid](
             hidden, weight, bias if bias is not None else weight, labels,
-            partials[0], partials[1], partials[2], partials[3],
+            partials[0], partials[1], partials[2], partials[3], partials[-1],
             num_tokens, vocab_size, hidden_size, tiles_per_split,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), inv_temperature,
-            HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
-            DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+            HAS_BIAS=bias is not None, WITH_SQ=with_sum_pi_squared, BLOCK_N=config.block_n,
+            BLOCK_V=config.block_v, BLOCK_D=config.block_d, DOT_PRECISION=_dot_precision(hidden.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    lse, expected_logit, entropy, label_logit = _merge_partials(*partials)
+    lse, expected_logit, entropy, label_logit = _merge_partials(*partials[:4])
     logprobs = (label_logit - lse).masked_fill_(labels == ignore_index, 0.0)
-    return logprobs, entropy, lse, expected_logit
+    sum_pi_squared = _merge_sum_pi_squared(partials[0], partials[1], partials[4]) if with_sum_pi_squared else None
+    return logprobs, entropy, lse, expected_logit, sum_pi_squared
 
 
 def triton_backward(hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_temperature,

@@ -62,7 +62,8 @@ def response_logprobs(
     impl: str = "auto",
     with_entropy: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under ``model``, without full logits.
 
     Args:
@@ -76,17 +77,23 @@ def response_logprobs(
         impl: kernel backend, see :func:`rltk.kernels.token_logprobs_and_entropy`.
         with_entropy: also return the entropy of each next-token distribution.
         chunk_size: kernel tile size, see the op.
+        with_sum_pi_squared: also return ``sum_v pi(v)^2`` of each next-token
+            distribution (at ``temperature``), from the same pass over the
+            vocabulary; detached (the optimal-token-baseline statistic).
 
     Returns:
         ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
-        unless ``with_entropy``. Both are 0 on response padding
-        (``attention_mask == 0``); mask environment tokens yourself with
-        ``response_mask``. Differentiable with respect to the model's parameters.
+        unless ``with_entropy``. With ``with_sum_pi_squared`` a third (B, T)
+        tensor ``sum_pi_squared`` follows, without gradient. All are 0 on
+        response padding (``attention_mask == 0``); mask environment tokens
+        yourself with ``response_mask``. Log-probs and entropy are
+        differentiable with respect to the model's parameters.
     """
     batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
     if width == 0:
         empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
-        return empty, (empty.clone() if with_entropy else None)
+        return _outputs(empty, empty.clone() if with_entropy else None,
+                        empty.clone() if with_sum_pi_squared else None, with_sum_pi_squared)
     hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])  # [B, S-1, D]
     hidden = hidden[:, prompt_len - 1 :]  # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]
     head = output_head_module(model)
@@ -101,26 +108,33 @@ def response_logprobs(
                 "of its own."
             )
         return _response_logprobs_through_forward(model, input_ids, attention_mask, width,
-                                                  temperature=temperature, with_entropy=with_entropy)
+                                                  temperature=temperature, with_entropy=with_entropy,
+                                                  with_sum_pi_squared=with_sum_pi_squared)
     response_valid = attention_mask[:, prompt_len:].bool()  # [B, T]
     labels = input_ids[:, prompt_len:].masked_fill(~response_valid, IGNORE_INDEX).reshape(-1)
     temperature = temperature * logit_temperature_factor(model)
 
-    def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weight, bias = output_head(model)
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
         return token_logprobs_and_entropy(
             hidden.to(dtype), weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
-            temperature=temperature, impl=impl, chunk_size=chunk_size,
+            temperature=temperature, impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
         )
 
     hidden = hidden.reshape(batch_size * width, -1)
-    logprobs, entropy = run_as_forward(head, fused, hidden) if gather_in_forward else fused(hidden)
-    logprobs = logprobs.view(batch_size, width)
-    if not with_entropy:
-        return logprobs, None
-    entropy = torch.where(response_valid, entropy.view(batch_size, width), 0.0)
-    return logprobs, entropy
+    outputs = run_as_forward(head, fused, hidden) if gather_in_forward else fused(hidden)
+    logprobs = outputs[0].view(batch_size, width)
+    entropy = torch.where(response_valid, outputs[1].view(batch_size, width), 0.0) if with_entropy else None
+    sum_pi_squared = None
+    if with_sum_pi_squared:
+        sum_pi_squared = torch.where(response_valid, outputs[2].view(batch_size, width), 0.0)
+    return _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared)
+
+
+def _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared: bool) -> tuple[torch.Tensor, ...]:
+    """``(logprobs, entropy)``, with ``sum_pi_squared`` third only when it was asked for."""
+    return (logprobs, entropy, sum_pi_squared) if with_sum_pi_squared else (logprobs, entropy)
 
 
 def response_logprobs_naive(
@@ -131,7 +145,8 @@ def response_logprobs_naive(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The reference for :func:`response_logprobs`: full ``model(...).logits`` and ``log_softmax``.
 
     Same arguments, returns and padding rules; costs ``[B, S, V]`` logits (and
@@ -139,23 +154,26 @@ def response_logprobs_naive(
     logits, including soft-capped ones and DeepSpeed ZeRO-3.
     """
     return _logprobs_from_logits(model, input_ids, attention_mask, response_width, temperature=temperature,
-                                 with_entropy=with_entropy, keep_response_only=False)
+                                 with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
+                                 keep_response_only=False)
 
 
 def _response_logprobs_through_forward(model, input_ids, attention_mask, response_width, *, temperature,
-                                       with_entropy):
+                                       with_entropy, with_sum_pi_squared):
     """:func:`response_logprobs_naive` restricted to the ``T + 1`` last positions where the model takes
     ``logits_to_keep``: ``[B, T + 1, V]`` logits instead of ``[B, S, V]``."""
     return _logprobs_from_logits(model, input_ids, attention_mask, response_width, temperature=temperature,
-                                 with_entropy=with_entropy, keep_response_only=True)
+                                 with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
+                                 keep_response_only=True)
 
 
 def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, temperature, with_entropy,
-                          keep_response_only):
+                          with_sum_pi_squared, keep_response_only):
     batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
     if width == 0:
         empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
-        return empty, (empty.clone() if with_entropy else None)
+        return _outputs(empty, empty.clone() if with_entropy else None,
+                        empty.clone() if with_sum_pi_squared else None, with_sum_pi_squared)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                   position_ids=positions_from_mask(attention_mask), use_cache=False)
     keep = _logits_to_keep_argument(unwrap_model(model)) if keep_response_only else None
@@ -166,10 +184,13 @@ def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, t
     response_valid = attention_mask[:, prompt_len:].bool()
     labels = input_ids[:, prompt_len:].masked_fill(~response_valid, 0)
     logprobs = torch.where(response_valid, log_probs.gather(-1, labels[..., None]).squeeze(-1), 0.0)
-    if not with_entropy:
-        return logprobs, None
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logprobs, torch.where(response_valid, entropy, 0.0)
+    entropy = sum_pi_squared = None
+    if with_entropy:
+        entropy = torch.where(response_valid, -(log_probs.exp() * log_probs).sum(-1), 0.0)
+    if with_sum_pi_squared:
+        # sum_v pi(v)^2 = exp(logsumexp(2 log pi)), detached: a statistic, not a loss input
+        sum_pi_squared = torch.where(response_valid, torch.logsumexp(2.0 * log_probs.detach(), dim=-1).exp(), 0.0)
+    return _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared)
 
 
 # --------------------------------------------------------------------------

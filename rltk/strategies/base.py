@@ -413,11 +413,18 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Mo
 
 
 def load_weights_only(path: Path) -> Any:
-    """``torch.load`` restricted to tensors and plain containers: never unpickles arbitrary objects."""
+    """``torch.load`` restricted to tensors and plain containers: never unpickles arbitrary objects.
+
+    A refused file raises :class:`rltk.serialization.UnsafeCheckpointError`, a
+    truncated or unreadable one :class:`rltk.serialization.DamagedCheckpointError`,
+    both naming the file.
+    """
+    from rltk.serialization import torch_load
+
     if not path.exists():
         raise FileNotFoundError(f"checkpoint file '{path}' is missing; the checkpoint is incomplete or not "
                                 f"written by this strategy.")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return torch_load(path)
 
 
 def check_mixed_precision(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -719,6 +726,17 @@ class TrainingStrategy(abc.ABC):
     @abc.abstractmethod
     def load(self, directory: str | Path) -> None:
         """Restore what :meth:`save` wrote (``weights_only`` loading). Collective; call after :meth:`setup`."""
+
+    @classmethod
+    def checkpoint_globals(cls) -> list[Any]:
+        """Classes this strategy's checkpoint files pickle besides tensors, plain containers and numbers.
+
+        Loading allows exactly these (and :class:`rltk.checkpoint.CheckpointManager`
+        refuses any file that asks for more), so each must be harmless to
+        construct from whatever arguments a file supplies: plain records, enums.
+        None by default: rltk's own formats are safetensors, JSON and tensors.
+        """
+        return []
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary of the engine and settings (written beside checkpoints)."""

@@ -72,6 +72,14 @@ back): DeepSpeed's shards are tied to the world size that wrote them, so
 loads that; weights, Adam moments and the schedule all carry over. Between
 ZeRO-1/2 and ZeRO-3 DeepSpeed 0.19 cannot convert; start from ``model/``
 then (see :func:`check_resumable`).
+
+Loading never unpickles freely. DeepSpeed's readers call ``torch.load(...,
+weights_only=False)``, so every read of its files (resume, universal
+conversion, export) runs inside
+:func:`rltk.serialization.weights_only_everywhere` with
+:func:`deepspeed_checkpoint_globals` as the only classes allowed beyond
+tensors and plain data, after :func:`rltk.serialization.check_torch_files`
+has checked each file (memory-mapped) so that a refused one is named.
 """
 
 from __future__ import annotations
@@ -95,6 +103,7 @@ from torch import nn
 import rltk
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.registry import unknown_name_message
+from rltk.serialization import check_torch_files, weights_only_everywhere
 from rltk.strategies.base import (
     MIXED_PRECISION_MODES,
     MODEL_SUBDIR,
@@ -745,13 +754,17 @@ class DeepSpeedStrategy(TrainingStrategy):
         rank then loads: any process count works, and ZeRO-1 and ZeRO-2
         checkpoints load into each other; between ZeRO-1/2 and ZeRO-3 DeepSpeed
         0.19 cannot convert (see :func:`check_resumable`). DeepSpeed's loader
-        unpickles its own files (``weights_only=False``): load only checkpoints
-        you trust.
+        asks for full unpickling (``weights_only=False``); here it gets
+        weights-only loads that allow :func:`deepspeed_checkpoint_globals` and
+        nothing else, and each file is checked first, so a planted pickle
+        raises :class:`rltk.serialization.UnsafeCheckpointError` naming it.
         """
         self._require_setup("load()")
         directory = Path(directory)
         meta = read_checkpoint_meta(directory)
         check_resumable(meta, self.zero_stage, directory)
+        allowed = deepspeed_checkpoint_globals()
+        check_torch_files(directory / DEEPSPEED_SUBDIR, allowed_globals=allowed)
         same_layout = meta.get("world_size") == self.world_size and meta.get("zero_stage") == self.zero_stage
         if same_layout:
             load_dir, universal = directory / DEEPSPEED_SUBDIR, False
@@ -765,12 +778,15 @@ class DeepSpeedStrategy(TrainingStrategy):
         # DeepSpeed reads this switch from its config at load time; it is set only for this call.
         checkpoint_config.load_universal_checkpoint = universal
         try:
-            path, _ = self._engine.load_checkpoint(str(load_dir), tag=meta.get("tag", CHECKPOINT_TAG),
-                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
+            if universal:  # converted by an earlier run maybe, and not part of the checkpoint's manifest
+                check_torch_files(load_dir, allowed_globals=allowed)
+            with weights_only_everywhere(allowed):
+                path, _ = self._engine.load_checkpoint(str(load_dir), tag=meta["tag"],
+                                                       load_optimizer_states=True, load_lr_scheduler_states=True)
         finally:
             checkpoint_config.load_universal_checkpoint = previous
         if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint with tag '{meta.get('tag', CHECKPOINT_TAG)}' "
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint with tag '{meta['tag']}' "
                                     f"under '{load_dir}'; the checkpoint is incomplete.")
         if universal:
             self._repair_universal_load(meta.get("param_groups"), directory)
@@ -812,7 +828,7 @@ class DeepSpeedStrategy(TrainingStrategy):
         error = None
         if self.is_main and not (universal / "latest_universal").is_file():
             try:
-                convert_to_universal(directory / DEEPSPEED_SUBDIR, universal, tag=meta.get("tag", CHECKPOINT_TAG))
+                convert_to_universal(directory / DEEPSPEED_SUBDIR, universal, tag=meta["tag"])
             except Exception as exc:  # reported on every rank below, so no rank waits forever
                 error = f"{type(exc).__name__}: {exc}"
         error = self.broadcast_object(error)
@@ -845,6 +861,11 @@ class DeepSpeedStrategy(TrainingStrategy):
             torch.distributed.barrier()
             deepspeed.comm.destroy_process_group()
 
+    @classmethod
+    def checkpoint_globals(cls) -> list[Any]:
+        """DeepSpeed's classes in its checkpoint files (:func:`deepspeed_checkpoint_globals`)."""
+        return deepspeed_checkpoint_globals()
+
     def describe(self) -> dict[str, Any]:
         """The base summary plus ZeRO stage, offload, precision and optimizer steps (in ``strategy.json``)."""
         return {
@@ -876,7 +897,29 @@ def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
             f"DeepSpeedStrategy reads {CHECKPOINT_FORMAT!r}. Resume with the strategy that wrote it, or start "
             f"from its exported model folder '{directory / MODEL_SUBDIR}'."
         )
+    tag = meta.setdefault("tag", CHECKPOINT_TAG)
+    # DeepSpeed joins the tag to the checkpoint folder: a path in it would read files from elsewhere.
+    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or "\\" in tag:
+        raise ValueError(f"checkpoint '{directory}' names DeepSpeed tag {tag!r} in {STRATEGY_META_FILE}; a tag is "
+                         f"a plain folder name under '{DEEPSPEED_SUBDIR}/' (rltk writes {CHECKPOINT_TAG!r}).")
     return meta
+
+
+def deepspeed_checkpoint_globals() -> list[Any]:
+    """The classes DeepSpeed 0.19 pickles into its checkpoint files besides tensors and plain data.
+
+    Measured on ZeRO-1/2/3 checkpoints (fp32, bf16, CPU offload) and their
+    universal conversions: the loss scaler (static, or dynamic under fp16), the
+    ZeRO stage enum, and ZeRO-1/2's fragment addresses. Each only stores the
+    values it is built with, so constructing one from a file runs no code of
+    the file's choosing. A newer DeepSpeed that pickles another class fails to
+    resume with an error naming that class, never by loading it unchecked.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def save_model_config(module: nn.Module, directory: Path) -> None:
@@ -930,6 +973,8 @@ def convert_to_universal(deepspeed_dir: str | Path, output_dir: str | Path, *, t
     deepspeed_dir, output_dir = Path(deepspeed_dir), Path(output_dir)
     if not (deepspeed_dir / tag).is_dir():
         raise FileNotFoundError(f"no DeepSpeed checkpoint '{deepspeed_dir / tag}' to convert.")
+    allowed = deepspeed_checkpoint_globals()
+    check_torch_files(deepspeed_dir / tag, allowed_globals=allowed)
     # Convert beside the target and rename at the end: a conversion killed half-way is never mistaken
     # for a finished one.
     staging = output_dir.with_name(output_dir.name + ".tmp")
@@ -938,7 +983,8 @@ def convert_to_universal(deepspeed_dir: str | Path, output_dir: str | Path, *, t
         input_folder=str(deepspeed_dir / tag), output_folder=str(staging / tag), num_extract_workers=1,
         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False,
     )
-    ds_to_universal.main(args)
+    with weights_only_everywhere(allowed):  # ds_to_universal reads the shards with weights_only=False
+        ds_to_universal.main(args)
     (staging / "latest_universal").write_text(tag)
     shutil.rmtree(output_dir, ignore_errors=True)
     os.replace(staging, output_dir)
@@ -965,8 +1011,10 @@ def export_model_folder(checkpoint: str | Path, output_dir: str | Path) -> Path:
         return output_dir
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / DEEPSPEED_SUBDIR),
-                                                     tag=meta.get("tag", CHECKPOINT_TAG))
+    allowed = deepspeed_checkpoint_globals()
+    check_torch_files(checkpoint / DEEPSPEED_SUBDIR / meta["tag"], allowed_globals=allowed)
+    with weights_only_everywhere(allowed):  # zero_to_fp32 reads the shards with weights_only=False
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / DEEPSPEED_SUBDIR), tag=meta["tag"])
     output_dir.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors sharing storage (tied weights): store each key's own copy.
     save_file({name: tensor.contiguous().clone() for name, tensor in state.items()},

@@ -37,18 +37,24 @@ class RolloutPlan:
             becomes every response's ``baseline_score`` (the estimator needs ``baseline_scores``).
         dynamic_sampling: keep only groups whose scores differ, refilling with new prompts.
         max_rounds: the most rounds of generation one step may run under dynamic sampling.
+        reward_components: the estimator needs ``reward_components`` (gdpo): the recipe hands
+            :func:`rltk.batch.collate` the reward composer's names, so the batch carries each
+            reward function's own score.
     """
 
     greedy_baseline: bool = False
     dynamic_sampling: bool = False
     max_rounds: int = 1
+    reward_components: bool = False
 
     @classmethod
     def from_config(cls, cfg: DictConfig, advantage_fn) -> "RolloutPlan":
         """The plan of a (stage) config whose ``algorithm.advantage_fn`` is ``advantage_fn``."""
         a = cfg.algorithm
+        needs = required_batch_fields(advantage_fn)
         return cls(
-            greedy_baseline="baseline_scores" in required_batch_fields(advantage_fn),
+            greedy_baseline="baseline_scores" in needs,
+            reward_components="reward_components" in needs,
             dynamic_sampling=bool(a.dynamic_sampling),
             max_rounds=int(a.dynamic_sampling_max_rounds) if a.dynamic_sampling else 1,
         )

@@ -5,11 +5,33 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rltk.checkpoint import STATE_FILE, give_default_mode
+from rltk.checkpoint import (
+    STATE_FILE,
+    CheckpointManager,
+    damage_summary,
+    give_default_mode,
+    strategy_checkpoint_globals,
+)
 from rltk.config.errors import ConfigError
-from rltk.strategies.base import MODEL_SUBDIR
+from rltk.serialization import DamagedCheckpointError, check_json
+from rltk.strategies.base import MODEL_SUBDIR, STRATEGY_META_FILE
 
 TOKENIZER_SUBDIR = "tokenizer"  # saved by recipes at <output_dir>/tokenizer
+
+
+def _checkpoint_globals(checkpoint: Path) -> list:
+    """The allow-list of the registered strategy that wrote ``checkpoint`` (named in its strategy.json)."""
+    from rltk.registry import list_components
+
+    meta_file = checkpoint / STRATEGY_META_FILE
+    if not meta_file.is_file():
+        return []
+    meta = check_json(meta_file)
+    written_by = meta.get("strategy") if isinstance(meta, dict) else None
+    for entry in list_components("training_strategy"):
+        if getattr(entry.obj, "__name__", None) == written_by:
+            return strategy_checkpoint_globals(entry.obj)
+    return []
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -25,6 +47,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
             f"'{checkpoint}' is not a complete rltk checkpoint (no {STATE_FILE}); pass a step_XXXXXX folder "
             f"under <output_dir>/checkpoints"
         )
+    # The checkpoint's files are read (and DeepSpeed's shards unpickled) below: refuse a damaged one, or one
+    # holding anything but tensors and plain data, naming the file.
+    damage = CheckpointManager(checkpoint.parent).verify(checkpoint, allowed_globals=_checkpoint_globals(checkpoint))
+    if damage:
+        raise DamagedCheckpointError(damage[0].path, damage[0].reason, (
+            f"checkpoint '{checkpoint}' is damaged: {damage_summary(damage, checkpoint)}. Export another checkpoint "
+            "of the run (an earlier step_XXXXXX folder)."
+        ))
     model_dir = checkpoint / MODEL_SUBDIR
     if not (model_dir / "config.json").is_file():
         from rltk.strategies.deepspeed_strategy import export_model_folder

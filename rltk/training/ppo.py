@@ -246,6 +246,12 @@ class PolicyAndCritic:
     def barrier(self) -> None:
         self.policy.barrier()
 
+    def checkpoint_globals(self) -> list:
+        """What either strategy's checkpoint files may pickle besides tensors and plain data."""
+        from rltk.checkpoint import strategy_checkpoint_globals
+
+        return strategy_checkpoint_globals(self.policy) + strategy_checkpoint_globals(self.critic)
+
     def save(self, directory: str | Path) -> None:
         """Write both strategies' full state (collective)."""
         directory = Path(directory)

@@ -9,11 +9,18 @@ out (``name=...`` for a new folder, ``checkpoint.resume=never`` to start over).
 ``checkpoint.resume=never`` starts over in the same folder: the previous run's
 checkpoints, stage weights and outputs are deleted first (and the run says
 so), so no stale checkpoint can later be resumed and no curve mixes two runs.
+
+``auto`` resumes from the newest *intact* checkpoint
+(:meth:`rltk.checkpoint.CheckpointManager.latest_intact`): a damaged newer one
+(a truncated ``model.safetensors``, a cut-off ``state.json``) is moved aside
+with a warning naming the damaged files. A file that asks the unpickler for
+code stops the run instead (:class:`rltk.serialization.UnsafeCheckpointError`).
+A resumed run first prunes checkpoints beyond ``checkpoint.keep_last`` that a
+run killed between a save and its prune left behind.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -23,23 +30,41 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rltk.checkpoint import STATE_FILE, CheckpointManager, give_default_mode
+import rltk
+from rltk.checkpoint import (
+    STATE_FILE,
+    CheckpointManager,
+    damage_summary,
+    give_default_mode,
+    read_state_file,
+    strategy_checkpoint_globals,
+)
 from rltk.config.errors import ConfigError
 from rltk.config.saved import config_to_record
 from rltk.config.schema import RunConfig
+from rltk.serialization import check_safetensors
 from rltk.strategies.base import MODEL_SUBDIR, load_full_state_into, load_model_folder
 
 
-def resume_point(ckpt: CheckpointManager, mode: str) -> dict[str, Any] | None:
+def resume_point(ckpt: CheckpointManager, mode: str, *, allowed_globals=(), main_process: bool = True
+                 ) -> dict[str, Any] | None:
     """The checkpoint a run continues from: ``{"path", "global_step", **saved state}`` or None.
 
-    ``mode`` is ``checkpoint.resume``: ``auto`` (the latest complete checkpoint,
-    if any), ``never`` (start over), or a checkpoint folder.
+    ``mode`` is ``checkpoint.resume``: ``auto`` (the newest intact checkpoint,
+    if any; damaged newer ones are moved aside with a warning, by the main
+    process only), ``never`` (start over), or a checkpoint folder, which must
+    be intact. ``allowed_globals`` are the classes the run's strategy pickles
+    into its checkpoints (:meth:`TrainingStrategy.checkpoint_globals`).
+
+    Raises:
+        UnsafeCheckpointError: the checkpoint holds a file that asks for code.
+        DamagedCheckpointError: ``auto`` and every checkpoint is damaged.
+        ConfigError: an explicit folder is no checkpoint or a damaged one.
     """
     if mode == "never":
         return None
     if mode == "auto":
-        path = ckpt.latest()
+        path = ckpt.latest_intact(allowed_globals=allowed_globals, main_process=main_process)
         if path is None:
             return None
     else:
@@ -49,8 +74,19 @@ def resume_point(ckpt: CheckpointManager, mode: str) -> dict[str, Any] | None:
                 f"checkpoint.resume='{mode}' is not a complete rltk checkpoint (no {STATE_FILE} in it). "
                 f"Valid: auto, never, or a step_XXXXXX folder under <output_dir>/checkpoints"
             )
-    payload = json.loads((path / STATE_FILE).read_text())
+        damage = ckpt.verify(path, allowed_globals=allowed_globals)
+        if damage:
+            raise ConfigError(
+                f"checkpoint.resume='{mode}' is a damaged checkpoint: {damage_summary(damage, path)}. Choose another "
+                "step_XXXXXX folder, or checkpoint.resume=auto (the newest intact one)"
+            )
+    payload = read_state_file(path)
     return {"path": path, "global_step": payload["step"], **payload["state"]}
+
+
+def checkpoint_globals_of(name: str) -> list[Any]:
+    """The classes training strategy ``name`` pickles into its checkpoints (its ``checkpoint_globals()``)."""
+    return strategy_checkpoint_globals(rltk.get_component("training_strategy", name))
 
 
 def load_model_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
@@ -79,9 +115,14 @@ def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: str | Pat
 
 
 def load_weights(path: str | Path, model: torch.nn.Module) -> None:
-    """Load a file written by :func:`save_weights_atomically` into ``model``."""
+    """Load a file written by :func:`save_weights_atomically` into ``model``.
+
+    A missing, truncated or foreign file raises
+    :class:`rltk.serialization.DamagedCheckpointError` naming it.
+    """
     from safetensors.torch import load_file
 
+    check_safetensors(path)
     load_full_state_into(model, load_file(str(path), device="cpu"), path)
 
 
@@ -223,7 +264,14 @@ def resume_or_start_over(cfg: DictConfig, ckpt: CheckpointManager, *, main_proce
             owner = Path(mode).parent.parent / CONFIG_FILE  # <run>/checkpoints/step_XXXXXX
             if owner.is_file() and owner.resolve() != saved.resolve():
                 check_compatible(cfg, owner, f"checkpoint.resume='{mode}'")
-    resume = resume_point(ckpt, mode)
+    resume = resume_point(ckpt, mode, allowed_globals=checkpoint_globals_of(cfg.strategy),
+                          main_process=main_process)
+    if resume is not None and main_process:
+        # A run killed between a save and its prune left more than keep_last checkpoints.
+        pruned = [p.name for p in ckpt.prune(keep=resume["path"]) if p.name.startswith("step_")]
+        if pruned:
+            print(f"rltk: removed {', '.join(pruned)} from {ckpt.root}: more than checkpoint.keep_last="
+                  f"{ckpt.keep_last} checkpoints were left by an interrupted run")
     # Only a folder an rltk run wrote is cleared: output_dir may be a folder of the user's own.
     holds_run = saved.is_file() or (run_dir / "checkpoints").is_dir()
     if resume is None and mode == "auto" and holds_run and (run_dir / "summary.json").is_file():

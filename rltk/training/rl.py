@@ -158,8 +158,9 @@ def batched_logprobs(
     impl: str = "auto",
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
     strategy=None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, ...]:
     """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
 
     Pass the ``strategy`` that shards ``model`` (ZeRO-3, FSDP): every forward
@@ -167,24 +168,64 @@ def batched_logprobs(
     as the rank with the most micro-batches, repeating its first micro-batch
     and discarding the result.
 
-    Shape: returns ``[B, T]`` tensors on the batch's device.
+    Shape: returns ``(logprobs, entropy or None)``, ``[B, T]`` tensors on the
+    batch's device, and ``sum_pi_squared`` ``[B, T]`` third when
+    ``with_sum_pi_squared`` (see :func:`rltk.models.logprobs.response_logprobs`).
     """
     was_training = model.training
     model.eval()  # no dropout: old and reference log-probs must be deterministic
     T = batch["response_mask"].shape[1]
-    logprobs, entropies = [], []
+    outputs: list[list[torch.Tensor]] = [[], [], []]  # logprobs, entropy, sum_pi_squared
     for mb, _, padding in lockstep_micro_batches(strategy, batch, micro_batch_size):
-        lp, ent = response_logprobs(
+        parts = response_logprobs(
             model, mb["input_ids"], mb["attention_mask"], T,
             temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
+            with_sum_pi_squared=with_sum_pi_squared,
         )
         if padding:
             continue
-        logprobs.append(lp.float())
-        if with_entropy:
-            entropies.append(ent.float())
+        for out, part in zip(outputs, parts):
+            if part is not None:
+                out.append(part.float())
     model.train(was_training)
-    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
+    logprobs = torch.cat(outputs[0])
+    entropy = torch.cat(outputs[1]) if with_entropy else None
+    if with_sum_pi_squared:
+        return logprobs, entropy, torch.cat(outputs[2])
+    return logprobs, entropy
+
+
+def needs_sum_pi_squared(advantage_fn: Callable) -> bool:
+    """Whether the estimator names ``sum_pi_squared`` (the optimal token baseline): only then does the
+    old-log-prob pass compute it."""
+    try:
+        return "sum_pi_squared" in inspect.signature(advantage_fn).parameters
+    except (TypeError, ValueError):  # no signature to read: it cannot name the field
+        return False
+
+
+def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], advantage_fn: Callable, *,
+                      use_rollout_logprobs: bool, micro_batch_size: int, temperature: float, impl: str = "auto",
+                      chunk_size: int | None = None, strategy=None) -> None:
+    """Fill ``batch["old_logprobs"]`` (the behaviour policy's log-probs of the sampled tokens) and, when
+    ``advantage_fn`` names it, ``batch["sum_pi_squared"]`` (``sum_v pi_old(v)^2`` per token, ``[B, T]``).
+
+    ``use_rollout_logprobs`` (``algorithm.use_rollout_logprobs``) takes the rollout engine's
+    log-probs instead of a forward pass of ``policy``. The engine reports no distribution, so
+    ``sum_pi_squared`` then still comes from one pass of ``policy``: the trainer's copy of the
+    weights that sampled the batch.
+    """
+    with_sq = needs_sum_pi_squared(advantage_fn)
+    if use_rollout_logprobs:
+        batch["old_logprobs"] = batch["rollout_logprobs"]
+        if not with_sq:
+            return
+    outputs = batched_logprobs(policy, batch, micro_batch_size=micro_batch_size, temperature=temperature,
+                               impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sq, strategy=strategy)
+    if not use_rollout_logprobs:
+        batch["old_logprobs"] = outputs[0]
+    if with_sq:
+        batch["sum_pi_squared"] = outputs[2]
 
 
 def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: dict, strategy=None) -> None:
@@ -312,6 +353,9 @@ def policy_update(
     check_mini_batches(strategy, B, mini_batches)
     metrics: dict[str, float] = {}
     n_updates = 0
+    # k3_unbiased weights each token by pi / pi_old; without old_logprobs it assumes the batch was
+    # sampled by the current policy, wrong after the first mini-batch step.
+    kl_takes_old = loss.kl_penalty is not None and "old_logprobs" in inspect.signature(loss.kl_penalty).parameters
     for _ in range(ppo_epochs):
         order = torch.randperm(B, generator=generator)
         for rows in order.tensor_split(mini_batches):
@@ -347,7 +391,8 @@ def policy_update(
                         mean_entropy = masked_mean(entropy.detach(), mask)
                         parts = {"pg_loss": pg_loss.detach(), "entropy": mean_entropy}
                         if kl_coef > 0 and loss.kl_in == "loss":
-                            kl = loss.kl_penalty(logprobs, mb["ref_logprobs"], **loss.kl_penalty_args)
+                            kl_old = {"old_logprobs": mb["old_logprobs"]} if kl_takes_old else {}
+                            kl = loss.kl_penalty(logprobs, mb["ref_logprobs"], **kl_old, **loss.kl_penalty_args)
                             kl_term = agg(kl, mb["response_mask"])
                             total = total + kl_coef * kl_term
                             parts["kl_loss"] = kl_term.detach()

@@ -102,3 +102,20 @@ def test_dynamic_sampling_keys():
         is False
     with pytest.raises(ConfigError, match=r"bad value 0 for 'algorithm.dynamic_sampling_max_rounds': must be >= 1"):
         load_config([], ["algorithm.name=dapo", "algorithm.dynamic_sampling_max_rounds=0"])
+
+
+def test_gdpo_weights_one_per_reward_function_and_no_fixed_expert_score(tmp_path):
+    two = ["algorithm.advantage_fn=gdpo", "reward.reward_fn=[exact_match,format_tags]"]
+    cfg = load_config([], [*two, "algorithm.advantage_fn_args.reward_weights=[1.0,0.5]"])
+    assert list(cfg.algorithm.advantage_fn_args.reward_weights) == [1.0, 0.5]
+    with pytest.raises(ConfigError, match=r"'algorithm.advantage_fn_args.reward_weights'.*reward.reward_fn "
+                                          r"\['exact_match', 'format_tags'\].*list of 2 numbers"):
+        load_config([], [*two, "algorithm.advantage_fn_args.reward_weights=[1.0]"])
+    expert = tmp_path / "expert.jsonl"
+    expert.write_text('{"prompt": "1+1=", "response": "2", "answer": "2"}\n')
+    with_expert = [*two, f"buffer.expert.path={expert}", "buffer.sample_strategy=mix_expert"]
+    load_config([], with_expert)  # scored by the reward functions: one column each
+    with pytest.raises(ConfigError, match=r"'buffer.expert.score'=1.0 .*unset buffer.expert.score"):
+        load_config([], [*with_expert, "buffer.expert.score=1.0"])
+    load_config([], ["buffer.expert.score=1.0", f"buffer.expert.path={expert}",  # other estimators: fine
+                     "buffer.sample_strategy=mix_expert"])

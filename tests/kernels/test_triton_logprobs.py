@@ -24,7 +24,7 @@ from rltk.kernels import triton_logprobs as tl_mod  # noqa: E402
 
 CASES = Path(__file__).with_name("triton_interpreter_cases.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EXPECTED_CASES = 16
+EXPECTED_CASES = 19
 
 
 def test_kernels_under_the_triton_interpreter(tmp_path):
@@ -62,6 +62,10 @@ def test_merge_of_split_statistics_equals_one_pass():
     torch.testing.assert_close(expected, (p * logits).sum(-1))
     torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
     torch.testing.assert_close(label_logit, logits.gather(1, labels[:, None]).squeeze(1))
+    # q = sum e^(2(z-m)) per part, as the kernel sums it when asked for sum_v p_v^2
+    squares = torch.stack([(2 * (logits[:, c] - logits[:, c].amax(1, keepdim=True))).exp().sum(1)
+                           for c in (slice(0, 10), slice(10, 25), slice(25, 30))])
+    torch.testing.assert_close(tl_mod._merge_sum_pi_squared(stacked[0], stacked[1], squares), p.square().sum(-1))
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ hidden chunks, with vocab sizes and hidden sizes that are no multiple of them.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -154,7 +155,8 @@ def test_split_merge_gives_the_same_statistics_as_one_split():
     args = (hidden.detach(), weight.detach(), bias.detach(), labels, 1.0)
     one = triton_forward(*args, TritonConfig(**SMALL, num_splits=1), IGNORE)
     five = triton_forward(*args, TritonConfig(**SMALL, num_splits=5), IGNORE)
-    for a, b in zip(one, five):  # logprobs, entropy, lse, E_p[z]
+    assert one[4] is None and five[4] is None  # sum_pi_squared only when asked for
+    for a, b in zip(one[:4], five[:4]):  # logprobs, entropy, lse, E_p[z]
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-6)
     ref = reference64(hidden, weight, labels, bias)
     scale = (hidden.double() @ weight.double().T).abs().max().item()  # logits in the hundreds
@@ -180,3 +182,43 @@ def test_non_contiguous_hidden_uses_its_strides():
     ours = triton_token_logprobs_and_entropy(hidden, weight, labels, config=TritonConfig(**SMALL))
     for a, b in zip(ours, reference64(hidden, weight, labels)):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=0)
+
+
+def tiled_hand_inputs():
+    """Three rows over V = 48 (three vocab tiles of 16) whose sum_v p_v^2 is known by hand:
+
+    * logits 0, ln 2, ln 3 on tiles 1, 2, 3: p = (1, 2, 3) / 96 per column, 16 (1 + 4 + 9) / 96^2 = 14 / 576;
+      the running max moves up at every tile;
+    * 1000 everywhere: 1 / 48, where exp(2 z) alone would overflow;
+    * 1000 and 999 alternating: p = (e, 1) / (24 (e + 1)), (e^2 + 1) / (24 (e + 1)^2).
+    """
+    rising = torch.cat([torch.full((16,), math.log(k)) for k in (1, 2, 3)])
+    alternating = torch.tensor([1000.0, 999.0] * 24)
+    hidden = torch.stack([rising, torch.full((48,), 1000.0), alternating])
+    expected = torch.tensor([14 / 576, 1 / 48, (math.e**2 + 1) / (24 * (math.e + 1) ** 2)], dtype=torch.float64)
+    return hidden, torch.eye(48), torch.tensor([0, 17, IGNORE]), expected
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sum_pi_squared_by_hand_over_tiles_and_splits(splits):
+    hidden, weight, labels, expected = tiled_hand_inputs()
+    out = triton_token_logprobs_and_entropy(hidden, weight, labels, config=TritonConfig(**SMALL, num_splits=splits),
+                                            with_sum_pi_squared=True)
+    assert len(out) == 3 and out[2].dtype == torch.float32
+    torch.testing.assert_close(out[2].double(), expected, atol=0, rtol=2e-6)
+
+
+def test_sum_pi_squared_matches_naive_and_leaves_the_rest_unchanged():
+    hidden, weight, bias, labels = make_inputs(21, 24, 61, seed=9, with_bias=True)
+    config = TritonConfig(**SMALL, num_splits=3)
+    plain = triton_token_logprobs_and_entropy(hidden, weight, labels, bias=bias, temperature=0.7, config=config)
+    extra = triton_token_logprobs_and_entropy(hidden, weight, labels, bias=bias, temperature=0.7, config=config,
+                                              with_sum_pi_squared=True)
+    *_, naive = naive_token_logprobs_and_entropy(hidden, weight, labels, bias=bias, temperature=0.7,
+                                                 with_sum_pi_squared=True)
+    logits = (hidden.double() @ weight.double().T + bias.double()) / 0.7
+    torch.testing.assert_close(extra[2].double(), logits.softmax(-1).square().sum(-1), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(extra[2], naive, atol=1e-6, rtol=1e-5)
+    assert not extra[2].requires_grad
+    for a, b in zip(plain, extra[:2]):
+        assert torch.equal(a, b)

@@ -379,3 +379,27 @@ def test_fsdp2_two_processes_shard_the_head_and_average_its_gradient(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("RESULT") == 2, result.stdout
+
+
+@pytest.mark.parametrize("impl", ["torch", "naive"])
+def test_sum_pi_squared_of_each_response_position_matches_the_model_logits(impl):
+    # optimal_token_baseline's statistic: sum_v pi(v)^2 of the distribution that predicted each response token
+    model = qwen2(tie=False)
+    input_ids, attention_mask, T = left_right_padded_batch()
+    logprobs, entropy, sq = response_logprobs(model, input_ids, attention_mask, T, temperature=0.7, impl=impl,
+                                              with_sum_pi_squared=True)
+    ref_lp, ref_ent, ref_sq = response_logprobs_naive(model, input_ids, attention_mask, T, temperature=0.7,
+                                                      with_entropy=True, with_sum_pi_squared=True)
+    assert entropy is None and not sq.requires_grad and logprobs.requires_grad
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=positions_from_mask(attention_mask)).logits[:, -(T + 1) : -1].double()
+    by_hand = (logits / 0.7).softmax(-1).square().sum(-1)  # [B, T]
+    valid = attention_mask[:, -T:].bool()
+    torch.testing.assert_close(sq.double(), torch.where(valid, by_hand, 0.0), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ref_sq, sq, atol=1e-6, rtol=1e-5)
+    assert (sq[~valid] == 0).all() and (sq[valid] > 0).all()
+    torch.testing.assert_close(ref_lp, logprobs, atol=1e-5, rtol=0)
+    assert len(response_logprobs(model, input_ids, attention_mask, T)) == 2  # no third output unless asked
+    empty = response_logprobs(model, input_ids[:, :6], attention_mask[:, :6], 0, with_sum_pi_squared=True)
+    assert len(empty) == 3 and empty[2].shape == (3, 0)

@@ -25,11 +25,14 @@ import distributed_worker as shared  # noqa: E402  (the tiny Qwen2 every strateg
 
 GROUPS, PER_GROUP, PROMPT_LEN = 4, 3, 4
 RANK_GROUPS = {0: [0, 1, 2], 1: [3]}
-STEPS = 3
+# one estimator per step: group baseline + token-weighted whitening, discounted returns + whitening, GRPO,
+# the optimal token baseline (sum_pi_squared from the old-log-prob pass, gathered over ranks) and gdpo
+# (reward_components, a column per named reward, whitened over the batch)
+ESTIMATORS = ["reinforce_plus_plus_baseline", "reinforce_plus_plus", "grpo", "optimal_token_baseline", "gdpo"]
+REWARD_NAMES = ["value", "short"]  # the reward_details every experience carries, for gdpo
+STEPS = len(ESTIMATORS)
 PPO_EPOCHS = 2
 MICRO_BATCH = 2
-# one estimator per step: group baseline + token-weighted whitening, discounted returns + whitening, GRPO
-ESTIMATORS = ["reinforce_plus_plus_baseline", "reinforce_plus_plus", "grpo"]
 # eps=1e-6, not AdamW's 1e-8: the test compares weights to atol 1e-6, and one process and two sum the
 # same gradients in another order (differences ~1e-11). Adam's first update is lr*g/(|g|+eps), so for an
 # element whose gradient is at or below eps (here q_proj.weight[11, 13] of layer 0 at step 0: 2e-9,
@@ -57,7 +60,9 @@ def rollouts(step: int):
             if length >= 4:
                 mask[1] = 0  # a tool token inside the response: not the policy's
             score = float(torch.rand((), generator=generator))
-            out.append((group, Experience(prompt, response, score, group_id=group, response_mask=mask)))
+            details = {"value": score, "short": float(length <= 3), "value/extra": 2.0}  # no column for extras
+            out.append((group, Experience(prompt, response, score, group_id=group, response_mask=mask,
+                                          reward_details=details)))
     return out
 
 
@@ -76,17 +81,19 @@ def run_steps(strategy) -> dict:
     """The RL steps; returns the advantages of this rank's rows, the update metrics and the final weights."""
     import rltk
     from rltk.batch import collate
-    from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
+    from rltk.training.rl import LossComponents, compute_advantages, fill_old_logprobs, policy_update
 
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"), entropy_coef=0.01)
     generator = torch.Generator().manual_seed(0)
     advantages, metrics = [], []
     for step, name in enumerate(ESTIMATORS):
-        batch = collate(local_experiences(step, strategy.rank, strategy.world_size), pad_token_id=0)
+        adv_fn = rltk.get_component("advantage_fn", name)
+        batch = collate(local_experiences(step, strategy.rank, strategy.world_size), pad_token_id=0,
+                        reward_names=REWARD_NAMES if name == "gdpo" else None)
         common = dict(micro_batch_size=MICRO_BATCH, temperature=1.0)
-        batch["old_logprobs"], _ = batched_logprobs(strategy.unwrap(), batch, **common, strategy=strategy)
-        compute_advantages(rltk.get_component("advantage_fn", name), batch, {}, strategy)
+        fill_old_logprobs(strategy.unwrap(), batch, adv_fn, use_rollout_logprobs=False, **common, strategy=strategy)
+        compute_advantages(adv_fn, batch, {}, strategy)
         advantages.append(batch["advantages"])
         metrics.append(policy_update(strategy, batch, loss, kl_coef=0.0, mini_batches=1, ppo_epochs=PPO_EPOCHS,
                                      generator=generator, **common))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,28 @@ def test_fewer_rows_than_mini_batches_names_the_config_keys():
     with pytest.raises(ValueError, match=r"has 3 sequences, fewer than trainer.mini_batches=4"):
         policy_update(strategy, batch, LOSS, kl_coef=0.0, mini_batches=4, ppo_epochs=1, micro_batch_size=2,
                       temperature=1.0)
+
+
+def test_the_k3_unbiased_loss_term_is_weighted_by_the_ratio_to_the_old_policy():
+    # Tokens sampled by an older policy: old = current - 0.5, so pi / pi_old = e^0.5 on every token,
+    # and ref = current - 0.3, so k3 = e^-0.3 + 0.3 - 1 on every token. The logged term is the token
+    # mean of their product; a call without old_logprobs would take the ratio as 1.
+    strategy = _strategy()
+    batch = _batch(strategy, rows=4)
+    current, _ = batched_logprobs(strategy.unwrap(), batch, micro_batch_size=2, temperature=1.0)
+    batch["old_logprobs"] = current - 0.5
+    batch["ref_logprobs"] = current - 0.3
+    loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
+                          loss_agg=rltk.get_component("loss_agg", "token-mean"),
+                          kl_penalty=rltk.get_component("kl_penalty_fn", "k3_unbiased"), kl_in="loss")
+    metrics = policy_update(strategy, batch, loss, kl_coef=0.1, mini_batches=1, ppo_epochs=1, micro_batch_size=2,
+                            temperature=1.0)
+    k3 = math.exp(-0.3) + 0.3 - 1
+    assert metrics["kl_loss"] == pytest.approx(math.exp(0.5) * k3, rel=1e-4)
+
+    # an estimator without the argument is called as before
+    loss.kl_penalty = rltk.get_component("kl_penalty_fn", "k3")
+    batch["old_logprobs"] = current  # the policy moved one step; ref stays 0.3 below the old log-probs
+    metrics = policy_update(strategy, batch, loss, kl_coef=0.1, mini_batches=1, ppo_epochs=1, micro_batch_size=2,
+                            temperature=1.0)
+    assert 0 < metrics["kl_loss"] < 1.0

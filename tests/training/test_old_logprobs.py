@@ -1,0 +1,84 @@
+"""fill_old_logprobs: the behaviour policy's log-probs, and sum_v pi(v)^2 only for an estimator that names it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import rltk
+from rltk.batch import collate
+from rltk.models.logprobs import positions_from_mask
+from rltk.training.rl import batched_logprobs, compute_advantages, fill_old_logprobs, needs_sum_pi_squared
+
+_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", Path(__file__).with_name("rl_step_worker.py"))
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+COMMON = dict(micro_batch_size=3, temperature=0.8)
+
+
+def _batch():
+    batch = collate(worker.local_experiences(0, 0, 1)[:5], pad_token_id=0)
+    batch["rollout_logprobs"] = torch.full_like(batch["rollout_logprobs"], -1.5) * batch["response_mask"]
+    return batch
+
+
+class _NoForward(torch.nn.Module):
+    def forward(self, *args, logits_to_keep=None, **kwargs):
+        raise AssertionError("no forward pass was needed")
+
+
+def test_only_an_estimator_that_names_the_field_asks_for_it():
+    assert needs_sum_pi_squared(rltk.get_component("advantage_fn", "optimal_token_baseline"))
+    assert not needs_sum_pi_squared(rltk.get_component("advantage_fn", "grpo"))
+    assert not needs_sum_pi_squared(rltk.get_component("advantage_fn", "gdpo"))
+
+
+def test_sum_pi_squared_is_that_of_the_logits_at_the_sampling_temperature():
+    policy = worker.shared.tiny_qwen2(seed=0)
+    batch = _batch()
+    fill_old_logprobs(policy, batch, rltk.get_component("advantage_fn", "optimal_token_baseline"),
+                      use_rollout_logprobs=False, **COMMON)
+    T = batch["response_mask"].shape[1]
+    with torch.no_grad():
+        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        position_ids=positions_from_mask(batch["attention_mask"])).logits[:, -(T + 1) : -1]
+    by_hand = (logits.double() / 0.8).softmax(-1).square().sum(-1)
+    valid = batch["attention_mask"][:, -T:].bool()
+    assert batch["sum_pi_squared"].shape == batch["response_mask"].shape
+    torch.testing.assert_close(batch["sum_pi_squared"].double(), torch.where(valid, by_hand, 0.0), atol=1e-6,
+                               rtol=1e-5)
+    expected_old, _ = batched_logprobs(policy, batch, **COMMON)
+    torch.testing.assert_close(batch["old_logprobs"], expected_old, atol=0, rtol=0)
+    # the estimator runs on what the pass filled
+    compute_advantages(rltk.get_component("advantage_fn", "optimal_token_baseline"), batch, {})
+    assert torch.isfinite(batch["advantages"]).all()
+
+
+def test_other_estimators_get_no_extra_field():
+    batch = _batch()
+    fill_old_logprobs(worker.shared.tiny_qwen2(seed=0), batch, rltk.get_component("advantage_fn", "grpo"),
+                      use_rollout_logprobs=False, **COMMON)
+    assert "sum_pi_squared" not in batch and batch["old_logprobs"].shape == batch["response_mask"].shape
+
+
+def test_rollout_logprobs_as_old_with_and_without_the_statistic():
+    batch = _batch()
+    fill_old_logprobs(_NoForward(), batch, rltk.get_component("advantage_fn", "grpo"), use_rollout_logprobs=True,
+                      **COMMON)
+    assert batch["old_logprobs"] is batch["rollout_logprobs"] and "sum_pi_squared" not in batch
+    # The engine reports no distribution: the policy still gives sum_pi_squared, the old log-probs
+    # stay the engine's.
+    batch = _batch()
+    policy = worker.shared.tiny_qwen2(seed=0)
+    fill_old_logprobs(policy, batch, rltk.get_component("advantage_fn", "optimal_token_baseline"),
+                      use_rollout_logprobs=True, **COMMON)
+    assert batch["old_logprobs"] is batch["rollout_logprobs"]
+    *_, expected = batched_logprobs(policy, batch, with_sum_pi_squared=True, **COMMON)
+    torch.testing.assert_close(batch["sum_pi_squared"], expected, atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="no forward"):
+        fill_old_logprobs(_NoForward(), _batch(), rltk.get_component("advantage_fn", "optimal_token_baseline"),
+                          use_rollout_logprobs=True, **COMMON)
