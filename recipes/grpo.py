@@ -43,8 +43,8 @@ from rltk.training.rl import (
     rollout_metrics, any_rank, global_masked_mean,
 )
 from rltk.training.run import (
-    Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
-    save_checkpoint, should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
+    run_stages, save_checkpoint, should_checkpoint,
 )
 from rltk.training.setup import args_of
 
@@ -80,8 +80,6 @@ def run_rl_stage(stage: Stage) -> None:
     loss = LossComponents.from_config(cfg)  # policy loss, aggregation, KL estimator, entropy bonus
     kl_ctl = build_kl_controller(cfg)
     buffer = ExperienceBuffer()
-    # expert responses (buffer.expert.path), for a sample strategy that mixes them in
-    buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
     # a greedy response per prompt if the estimator needs baseline_scores; DAPO's dynamic sampling
     plan = RolloutPlan.from_config(cfg, advantage_fn)
     sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
@@ -93,16 +91,22 @@ def run_rl_stage(stage: Stage) -> None:
     reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
     start = 0
     if stage.resume is not None:
-        state = run.ckpt.load(stage.resume["path"], strategy)
+        # the shuffling generator continues where it stopped: seeding it again would replay its draws
+        state = run.ckpt.load(stage.resume["path"], strategy, generators={"minibatch_order": generator})
         workflow.engine.update_weights(policy)  # an engine with a copy of its own takes the restored weights
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]
-        generator.manual_seed(cfg.seed + start)
+        if "buffer" in rank_state(state):  # what the buffer held then: expert data, experiences kept for later
+            buffer.load_state_dict(rank_state(state)["buffer"])
         if reference is not None:
             load_weights(reference_file, reference)
     elif reference is not None:
         save_weights_atomically(reference.state_dict(), reference_file)
+    if stage.resume is None or "buffer" not in rank_state(state):
+        # expert responses (buffer.expert.path), for a sample strategy that mixes them in; a resumed
+        # buffer has them already (scoring them again would count the reward calls twice)
+        buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
     if start == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 
@@ -161,7 +165,8 @@ def run_rl_stage(stage: Stage) -> None:
 
         # checkpoint
         if should_checkpoint(cfg, step, t.total_steps):
-            save_checkpoint(stage, strategy, step, sampler, last_step=t.total_steps, extra={"kl_coef": kl_ctl.value})
+            save_checkpoint(stage, strategy, step, sampler, last_step=t.total_steps, extra={"kl_coef": kl_ctl.value},
+                            rank_extra={"buffer": buffer.state_dict()}, generators={"minibatch_order": generator})
 
 
 def main():

@@ -52,8 +52,8 @@ from rltk.training.rl import (
     rollout_metrics, any_rank, global_masked_mean,
 )
 from rltk.training.run import (
-    Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
-    save_checkpoint, should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
+    run_stages, save_checkpoint, should_checkpoint,
 )
 from rltk.training.setup import args_of, stage_config
 
@@ -96,8 +96,6 @@ def run_ppo_stage(stage: Stage) -> None:
     loss = LossComponents.from_config(cfg)  # policy loss, aggregation, KL estimator, entropy bonus
     kl_ctl = build_kl_controller(cfg)
     buffer = ExperienceBuffer()
-    # expert responses (buffer.expert.path), for a sample strategy that mixes them in
-    buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
     # a greedy response per prompt if the estimator needs baseline_scores; DAPO's dynamic sampling
     plan = RolloutPlan.from_config(cfg, advantage_fn)
     sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
@@ -114,10 +112,16 @@ def run_ppo_stage(stage: Stage) -> None:
         sampler.load_state_dict(state["sampler"])
         start = state["stage_step"]
         kl_ctl.value = state["kl_coef"]
+        if "buffer" in rank_state(state):  # what the buffer held then: expert data, experiences kept for later
+            buffer.load_state_dict(rank_state(state)["buffer"])
         if reference is not None:
             load_weights(reference_file, reference)
     elif reference is not None:
         save_weights_atomically(reference.state_dict(), reference_file)
+    if stage.resume is None or "buffer" not in rank_state(state):
+        # expert responses (buffer.expert.path), for a sample strategy that mixes them in; a resumed
+        # buffer has them already (scoring them again would count the reward calls twice)
+        buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
     if start == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 
@@ -191,7 +195,7 @@ def run_ppo_stage(stage: Stage) -> None:
         # checkpoint: policy, critic and the loop's position in one atomic folder
         if should_checkpoint(cfg, step, t.total_steps):
             save_checkpoint(stage, strategies, step, sampler, last_step=t.total_steps,
-                            extra={"kl_coef": kl_ctl.value})
+                            extra={"kl_coef": kl_ctl.value}, rank_extra={"buffer": buffer.state_dict()})
 
 
 def main():

@@ -4,7 +4,8 @@ A checkpoint is one folder ``<root>/step_000123/``::
 
     state.json           the recipe's JSON-able state (step, data position, ...)
     manifest.json        every other file of the checkpoint with its size in bytes
-    rng/rank_00000.pt    RNG states of python, numpy, torch CPU and CUDA, one file per rank
+    rng/rank_00000.pt    RNG states of python, numpy, torch CPU and CUDA, and of the torch
+                         generators the recipe hands over by name; one file per rank
     model/ optimizer.pt scheduler.pt strategy.json ...   written by the training strategy
 
 It is written into a hidden sibling ``.tmp-step_000123``, flushed to disk
@@ -36,6 +37,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,13 +70,16 @@ FORMAT_VERSION = 1
 # --------------------------------------------------------------------------
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG states of python ``random``, numpy's global generator, torch CPU and CUDA.
+def capture_rng_state(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """This process's RNG states of python ``random``, numpy's global generator, torch CPU and CUDA,
+    and of each ``torch.Generator`` in ``generators`` (under ``"generators"``, by name).
 
     Every value is a tensor, an int, a float, a string or ``None``, so the dict
     round-trips through ``torch.save`` / ``torch.load(weights_only=True)``.
-    Generators owned by user code (``torch.Generator``, ``np.random.Generator``)
-    are not global and must be saved by whoever owns them.
+    Other generators owned by user code (``np.random.Generator``) are not
+    global and must be saved by whoever owns them. A private generator must be
+    restored, not seeded again on resume: re-seeding replays draws the
+    uninterrupted run had already consumed.
     """
     py_version, py_state, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
@@ -89,11 +94,21 @@ def capture_rng_state() -> dict[str, Any]:
         "numpy_gauss": float(np_gauss),
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generators": {name: generator.get_state() for name, generator in (generators or {}).items()},
     }
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`: the next random draws equal those after the capture."""
+def restore_rng_state(state: dict[str, Any], generators: Mapping[str, torch.Generator] | None = None) -> None:
+    """Inverse of :func:`capture_rng_state`: the next random draws equal those after the capture.
+
+    Each generator in ``generators`` takes the state captured under its name;
+    a name the capture does not hold is a ``KeyError`` naming the ones it does.
+    """
+    saved = state.get("generators") or {}
+    missing = sorted(set(generators or {}) - set(saved))
+    if missing:
+        raise KeyError(f"the saved RNG state holds no generator(s) {missing} (it holds {sorted(saved)}); it was "
+                       "captured without them, so their draws cannot continue where they stopped")
     random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()),
                      state["python_gauss"]))
     np.random.set_state((state["numpy_kind"], state["numpy_keys"].numpy().astype(np.uint32),
@@ -104,6 +119,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         devices = min(len(cuda_states), torch.cuda.device_count())
         for device in range(devices):
             torch.cuda.set_rng_state(cuda_states[device], device)
+    for name, generator in (generators or {}).items():
+        generator.set_state(saved[name])
 
 
 # --------------------------------------------------------------------------
@@ -308,12 +325,15 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- saving
 
-    def save(self, step: int, strategy: TrainingStrategy | None, state: dict[str, Any]) -> Path:
+    def save(self, step: int, strategy: TrainingStrategy | None, state: dict[str, Any], *,
+             generators: Mapping[str, torch.Generator] | None = None) -> Path:
         """Write the checkpoint for ``step`` atomically and prune old ones; returns its path.
 
         ``state`` is the recipe's JSON-able dict (step, data position, metric
         history, ...); :meth:`load` returns it unchanged. ``strategy`` may be
-        ``None`` to save only state and RNG.
+        ``None`` to save only state and RNG. ``generators`` are this rank's
+        private ``torch.Generator`` objects by name (e.g. mini-batch shuffling),
+        saved beside its global RNG state; pass the same names to :meth:`load`.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save(): step={step!r} must be an integer >= 0.")
@@ -341,7 +361,7 @@ class CheckpointManager:
             strategy.save(temp)
         rng_file = temp / RNG_DIR / f"rank_{rank:05d}.pt"
         rng_file.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(capture_rng_state(), rng_file)
+        torch.save(capture_rng_state(generators), rng_file)
         _fsync_file(rng_file)
         if is_main:
             payload = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "state": state}
@@ -495,8 +515,10 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- loading
 
-    def load(self, path: str | Path, strategy: TrainingStrategy | None) -> dict[str, Any]:
-        """Restore ``strategy`` and this rank's RNG from ``path``; return the saved ``state``.
+    def load(self, path: str | Path, strategy: TrainingStrategy | None, *,
+             generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+        """Restore ``strategy``, this rank's RNG and its ``generators`` (by the names they were saved
+        under) from ``path``; return the saved ``state``.
 
         Call after ``strategy.setup(...)``. If the checkpoint was written with
         fewer ranks than run now, ranks without an RNG file keep their current
@@ -528,7 +550,17 @@ class CheckpointManager:
         rank = strategy.rank if strategy is not None else 0
         rng_file = path / RNG_DIR / f"rank_{rank:05d}.pt"
         if rng_file.is_file():
-            restore_rng_state(torch_load(rng_file))
+            rng_state = torch_load(rng_file)
+            generators = dict(generators or {})
+            absent = sorted(set(generators) - set(rng_state.get("generators") or {}))
+            if absent:  # written before the recipe handed these over (an older rltk)
+                warnings.warn(
+                    f"checkpoint '{path}' holds no state for the generator(s) {absent} of rank {rank}; they keep "
+                    "their current state, so the resumed run is not bitwise the uninterrupted one.",
+                    stacklevel=2,
+                )
+                generators = {name: g for name, g in generators.items() if name not in absent}
+            restore_rng_state(rng_state, generators)
         else:
             warnings.warn(
                 f"checkpoint '{path}' has no RNG state for rank {rank} (it was saved by "

@@ -8,8 +8,9 @@ and removes, oldest first.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from rltk.batch import Experience
 
@@ -112,3 +113,46 @@ class ExperienceBuffer:
         count = len(self._items)
         self._items = []
         return count
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stored items and the eviction count, JSON-able, for a checkpoint.
+
+        ``{"evicted": int, "items": [{"step", "source", "experience": {field: value}}, ...]}``,
+        oldest first. A sample strategy that leaves experiences for later steps
+        (``staleness`` with a ``batch_size``) trains a resumed run on exactly
+        what the uninterrupted run would have; on-policy strategies empty the
+        buffer every step, so their state is an empty list. Floats survive JSON
+        exactly; an experience's ``info`` must hold JSON-able values.
+        """
+        return {
+            "evicted": self.evicted,
+            "items": [{"step": item.step, "source": item.source, "experience": dataclasses.asdict(item.experience)}
+                      for item in self._items],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with those of a :meth:`state_dict` (e.g. read back from a checkpoint).
+
+        Raises ``ValueError`` naming the offending item when an entry is not a
+        stored experience, and when the items exceed this buffer's ``capacity``.
+        """
+        if not isinstance(state, dict) or set(state) != {"evicted", "items"} or not isinstance(state["items"], list):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"ExperienceBuffer.load_state_dict: expected {{'evicted': int, 'items': list}} as "
+                             f"ExperienceBuffer.state_dict() returns, got {got}")
+        evicted = state["evicted"]
+        if isinstance(evicted, bool) or not isinstance(evicted, int) or evicted < 0:
+            raise ValueError(
+                f"ExperienceBuffer.load_state_dict: state['evicted'] = {evicted!r} must be an integer >= 0")
+        if self.capacity is not None and len(state["items"]) > self.capacity:
+            raise ValueError(f"ExperienceBuffer.load_state_dict: {len(state['items'])} items do not fit this "
+                             f"buffer's capacity={self.capacity}")
+        items = []
+        for index, entry in enumerate(state["items"]):
+            try:
+                items.append(BufferItem(Experience(**entry["experience"]), entry["step"], entry["source"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"ExperienceBuffer.load_state_dict: state['items'][{index}] is not a stored "
+                                 f"experience ({type(exc).__name__}: {exc})") from exc
+        self._items = items
+        self.evicted = evicted

@@ -63,9 +63,13 @@ class JsonlLogger:
         self._file.write(json.dumps({"step": int(step), **values}, allow_nan=False) + "\n")
         self._file.flush()
 
-    def truncate_after(self, step: int) -> int:
+    def truncate_after(self, step: int, *, keep_at_step: int | None = None) -> int:
         """Drop lines whose step is greater than ``step`` (and malformed lines); returns how many were dropped.
 
+        ``keep_at_step`` also drops the lines *at* ``step`` after the first
+        ``keep_at_step`` of them: at a stage boundary the next stage logs its
+        opening evaluation at the step of the previous stage's last checkpoint,
+        after that checkpoint, and a run resumed from it logs that row again.
         The file is rewritten beside itself and renamed over the original, so a
         crash here cannot lose the lines that are kept.
         """
@@ -73,23 +77,28 @@ class JsonlLogger:
         if reopen:  # the rename below replaces the file our handle points to
             self._file.close()
         try:
-            return self._drop_lines_after(step)
+            return self._drop_lines_after(step, keep_at_step)
         finally:
             if reopen:
                 self._file = open(self.path, "a", encoding="utf-8")
 
-    def _drop_lines_after(self, step: int) -> int:
+    def _drop_lines_after(self, step: int, keep_at_step: int | None = None) -> int:
         if not self.path.exists():
             return 0
         lines = self.path.read_text(encoding="utf-8").splitlines()
-        kept = []
+        kept, at_step = [], 0
         for line in lines:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)) and record["step"] > step:
+            line_step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(line_step, (int, float)) and line_step > step:
                 continue
+            if line_step == step:
+                at_step += 1
+                if keep_at_step is not None and at_step > keep_at_step:
+                    continue
             kept.append(line)
         temp = self.path.with_name(self.path.name + ".tmp")
         temp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")

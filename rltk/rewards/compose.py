@@ -267,6 +267,51 @@ class RewardComposer:
             self.failures = {name: 0 for name in self.names}
             self.timeouts = {name: 0 for name in self.names}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The cumulative counters, JSON-able, for a checkpoint.
+
+        ``{"calls": int, "failures": {name: int}, "timeouts": {name: int},
+        "worker_restarts": int}``. A resumed run that loads this with
+        :meth:`load_state_dict` counts on from where the interrupted one
+        stopped, so the logged ``reward_fn/*`` numbers equal those of a run
+        that was never interrupted.
+        """
+        self._sync_restarts()
+        with self._lock:
+            return {"calls": int(self.calls), "failures": dict(self.failures), "timeouts": dict(self.timeouts),
+                    "worker_restarts": int(self.worker_restarts)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue counting from ``state``, a :meth:`state_dict` of a composer with the same components.
+
+        Raises ``ValueError`` naming the offending entry when ``state`` lacks a
+        counter, holds a count that is not an integer >= 0, or names other
+        components than this composer's (counts of another reward setup would
+        be logged under the wrong names).
+        """
+        keys = {"calls", "failures", "timeouts", "worker_restarts"}
+        if not isinstance(state, Mapping) or set(state) != keys:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"RewardComposer.load_state_dict: expected the keys {sorted(keys)} of "
+                             f"RewardComposer.state_dict(), got {got}")
+        _check_count("calls", state["calls"])
+        _check_count("worker_restarts", state["worker_restarts"])
+        for kind in ("failures", "timeouts"):
+            counts = state[kind]
+            if not isinstance(counts, Mapping) or set(counts) != set(self.names):
+                got = sorted(counts) if isinstance(counts, Mapping) else repr(counts)
+                raise ValueError(f"RewardComposer.load_state_dict: state['{kind}'] counts the reward(s) {got}, "
+                                 f"but this composer's are {self.names}; the counts of another reward setup "
+                                 f"cannot continue here")
+            for name, count in counts.items():
+                _check_count(f"{kind}['{name}']", count)
+        self._sync_restarts()  # restarts the pool counted before the load belong to no run: dropped below
+        with self._lock:
+            self.calls = int(state["calls"])
+            self.failures = {name: int(state["failures"][name]) for name in self.names}
+            self.timeouts = {name: int(state["timeouts"][name]) for name in self.names}
+            self.worker_restarts = int(state["worker_restarts"])
+
     def _kwargs(self, spec: RewardSpec, sample: dict) -> dict[str, Any]:
         kwargs = {k: v for k, v in sample.items() if k in self._sample_fields[spec.name]}
         kwargs.update(spec.args)
@@ -469,6 +514,11 @@ def _accepted_sample_fields(fn: Callable) -> frozenset[str]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return frozenset(PROVIDED_ARGS)
     return frozenset(a for a in PROVIDED_ARGS if a in params)
+
+
+def _check_count(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"RewardComposer.load_state_dict: state['{key}'] = {value!r} must be an integer >= 0")
 
 
 def _is_finite_number(value: Any) -> bool:

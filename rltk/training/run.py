@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig
 
 import rltk
@@ -37,6 +39,11 @@ from rltk.training.setup import (
     prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config, write_summary,
 )
 from rltk.training.sft import sft_batch, sft_step
+
+PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
+REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
+WORKFLOW_STATE_KEY = "workflow"  # in each rank's dict: its workflow's state_dict()
+LOG_ROWS_KEY = "log_rows_at_step"  # checkpoint state: metric rows logged at its step before it was saved
 
 
 @dataclass
@@ -95,10 +102,18 @@ def open_run(cfg: DictConfig) -> Run:
     workflow = rltk.get_component("workflow", cfg.rollout.workflow)(
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
         **args_of(cfg, "rollout.workflow"))
+    if resume is not None:
+        restore_rollout_state(workflow, resume)
 
     resume_step = resume["global_step"] if resume is not None else 0
     spans = stage_spans([(st.name, st.type, n) for st, n in zip(cfg.stages, stage_steps)])
     metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step, stages=spans))
+    if resume is not None and LOG_ROWS_KEY in resume:
+        # Rows logged at the checkpoint's own step after it was saved (the next stage's opening
+        # evaluation) are logged again by this run: keep only those written before the save.
+        for logger in metric_log.loggers:
+            if hasattr(logger, "truncate_after"):
+                logger.truncate_after(resume_step, keep_at_step=resume[LOG_ROWS_KEY])
     if finished and process_rank() == 0:
         print(f"rltk: {run_dir} already finished (checkpoint {resume['path']}): nothing left to train, reporting "
               f"its final evaluation. For a new run use name=<new name>; to redo this one, checkpoint.resume=never")
@@ -293,21 +308,80 @@ def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
 
 
 def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, rank_extra: dict | None = None,
+                    generators: Mapping[str, torch.Generator] | None = None) -> Path:
     """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook.
 
     The divergence guard first checks the weights are finite (no checkpoint ever holds nan) and
     its counters go into the checkpoint, so a resumed run counts on.
+
+    ``extra`` is the recipe's JSON-able state, the same on every rank (the
+    main rank's is saved). ``rank_extra`` is state that differs per rank (e.g.
+    its experience buffer): every rank's is saved, beside its workflow's state
+    and cumulative reward counters (see :func:`restore_rollout_state`), and
+    :func:`rank_state` of the loaded state gives a rank its own back.
+    ``generators`` are the rank's private generators by name; a recipe hands
+    the same names to ``run.ckpt.load(..., generators=...)`` when it resumes.
+    The checkpoint also counts the metric rows already logged at its step, so
+    a run resumed from it drops the rows logged there after the save (see
+    :func:`open_run`). Collective: every rank calls it.
     """
     state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
              "sampler": sampler.state_dict(), **(extra or {})}
     if stage.guard is not None:
         stage.guard.check_weights(strategy, stage_step)
         state["guard"] = stage.guard.state_dict()
+    mine = dict(rank_extra or {})
+    workflow = stage.run.workflow
+    if hasattr(workflow, "state_dict"):
+        mine[WORKFLOW_STATE_KEY] = workflow.state_dict()
+    if hasattr(workflow.reward, "state_dict"):
+        mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
+    state[PER_RANK_KEY] = _every_rank(mine)
     global_step = stage.first_step + stage_step
-    path = stage.run.ckpt.save(global_step, strategy, state)
+    state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
+    path = stage.run.ckpt.save(global_step, strategy, state, generators=generators)
     rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
     return path
+
+
+def rank_state(state: dict) -> dict:
+    """This rank's ``rank_extra`` (and reward counters) from a checkpoint's state, see :func:`save_checkpoint`.
+
+    Empty when the checkpoint holds none for this rank: written by an older
+    rltk, or by fewer processes than run now.
+    """
+    every_rank = state.get(PER_RANK_KEY) or []
+    rank = process_rank()
+    return every_rank[rank] if rank < len(every_rank) else {}
+
+
+def restore_rollout_state(workflow, resume: dict) -> None:
+    """Let ``workflow`` and its reward continue from a checkpoint's state, each rank from its own entry.
+
+    The workflow's state keeps group ids unique across the resume (a sample
+    strategy may train on experiences from before it). The reward's
+    counters, logged as ``reward_fn/calls``, ``failures/*`` and
+    ``timeouts/*``, are cumulative over the run, evaluations included;
+    restored, a resumed run logs the numbers the uninterrupted one would. A
+    checkpoint without them (older rltk, or components without
+    ``state_dict``) leaves them where they start.
+    """
+    saved = rank_state(resume)
+    for component, key in ((workflow, WORKFLOW_STATE_KEY), (workflow.reward, REWARD_STATE_KEY)):
+        if key in saved and hasattr(component, "load_state_dict"):
+            component.load_state_dict(saved[key])
+
+
+def _every_rank(obj: Any) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank (``[obj]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def run_sft_stage(stage: Stage) -> None:

@@ -63,6 +63,20 @@ class Workflow(abc.ABC):
         """Numbers about the last :meth:`run` (timings, lengths, reward parts)."""
         return {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """What must outlive a checkpoint for a resumed run to continue as if never interrupted (JSON-able).
+
+        Counters that span calls belong here, e.g. the next group id that keeps
+        ids unique across calls. The default has none.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`. The default accepts only the empty state it saves."""
+        if state:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: this workflow keeps no state, got keys "
+                             f"{sorted(state)}; a workflow that saves state must override load_state_dict")
+
 
 def score_samples(reward: Any, samples: list[dict], wheres: list[str], workflow: str) -> list[tuple[float, dict]]:
     """``(score, details)`` for every sample, scoring them all in one call when the reward can.

@@ -10,8 +10,8 @@ arXiv:2402.14740).
 
 from __future__ import annotations
 
-import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -67,7 +67,7 @@ class SingleTurnWorkflow(Workflow):
         self.reward = reward
         self.sampling = sampling
         self.max_prompt_tokens = max_prompt_tokens
-        self._group_ids = itertools.count()
+        self._next_group_id = 0  # group ids stay unique across calls (the Workflow contract)
         self._metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ training rollouts
@@ -104,7 +104,8 @@ class SingleTurnWorkflow(Workflow):
         experiences = []
         baselines = []
         for index, (row, ids, completions) in enumerate(zip(rows, prompt_ids, groups)):
-            group_id = next(self._group_ids)
+            group_id = self._next_group_id
+            self._next_group_id += 1
             row_scored = [next(scored) for _ in completions]
             baseline = None
             if greedy is not None:
@@ -137,6 +138,27 @@ class SingleTurnWorkflow(Workflow):
         if baselines:
             self._metrics["rollout/greedy_baseline_score"] = sum(baselines) / len(baselines)
         return experiences
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"next_group_id": int}``: the group id the next row gets, so a resumed run numbers on.
+
+        Experiences a sample strategy keeps across steps (``staleness``) are
+        grouped by id; a counter restarted at 0 gave new groups the ids of
+        kept ones, and the two were trained as one group.
+        """
+        return {"next_group_id": self._next_group_id}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue numbering groups from a :meth:`state_dict`; a bad entry is a ``ValueError`` naming it."""
+        if not isinstance(state, Mapping) or set(state) != {"next_group_id"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"single_turn.load_state_dict: expected {{'next_group_id': int}} as state_dict() "
+                             f"returns, got {got}")
+        value = state["next_group_id"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"single_turn.load_state_dict: state['next_group_id'] = {value!r} must be an "
+                             "integer >= 0")
+        self._next_group_id = value
 
     def metrics(self) -> dict[str, float]:
         """About the last :meth:`run`: ``time/generate_s``, ``time/reward_s``,

@@ -70,3 +70,17 @@ def test_without_resume_an_existing_file_is_appended_to(tmp_path):
 def test_needs_a_run_dir():
     with pytest.raises(ValueError, match="'jsonl' logger writes files and needs run_dir"):
         JsonlLogger(run_dir=None, config={}, total_steps=1)
+
+
+def test_resume_at_a_stage_boundary_keeps_only_the_rows_logged_before_the_checkpoint(tmp_path):
+    # The warm-up's last step (4) is checkpointed, then the next stage logs its opening evaluation at
+    # the same step and the run dies; resumed, it logs that evaluation again, and must not show it twice.
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 3, "sft/loss": 0.3}, {"step": 4, "sft/loss": 0.2}, {"step": 4, "eval/accuracy": 0.5},
+            {"step": 5, "reward": 0.1}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logger = JsonlLogger(run_dir=tmp_path, config={}, total_steps=10, resume_step=4)
+    assert logger.truncate_after(4, keep_at_step=1) == 1
+    logger.log({"eval/accuracy": 0.5}, 4)
+    logger.close()
+    assert lines(path) == rows[:3]
