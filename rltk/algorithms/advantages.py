@@ -393,8 +393,21 @@ def _policy_weights(response_mask: torch.Tensor) -> torch.Tensor:
     return (response_mask > 0).to(torch.float32)
 
 
+def _output(response_mask: torch.Tensor) -> torch.Tensor:
+    """The uninitialised ``[B, T]`` float32 advantages of an outcome estimator, allocated first.
+
+    On CPU, writing into memory the process already holds costs half as much
+    as writing into fresh pages. glibc serves a ``[B, T]`` request from the
+    ``[B, T]`` block the previous step freed only if no small allocation has
+    split that block first, and the group statistics make a few dozen small
+    ones: allocated after them, the output lands on new pages (~4000 page
+    faults at ``B = 8192, T = 512``) about half the time.
+    """
+    return torch.empty(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+
+
 def _sequence_level(
-    advantage: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+    advantage: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor, out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Put per-response ``A_i`` on every policy token and ``R_i`` on every token of row ``i``.
 
@@ -406,11 +419,14 @@ def _sequence_level(
     ``[B, T]`` tensor would double the estimator's cost for a field that only
     a critic reads, and a critic masks its targets anyway.
 
-    Shape: (B,), (B,), (B, T) -> (B, T) contiguous, (B, T) view with strides (1, 0); float32.
+    ``out`` is :func:`_output`; ``returns`` must be a tensor the estimator
+    allocated (the view must not alias an input).
+
+    Shape: (B,), (B,), (B, T), (B, T) -> (B, T) contiguous, (B, T) view with strides (1, 0); float32.
     """
     B, T = response_mask.shape
-    advantages = torch.mul(_policy_weights(response_mask), advantage.to(torch.float32)[:, None])
-    return advantages, returns.to(torch.float32)[:, None].expand(B, T)
+    torch.mul(_policy_weights(response_mask), advantage.to(torch.float32)[:, None], out=out)
+    return out, returns.to(torch.float32)[:, None].expand(B, T)
 
 
 # --------------------------------------------------------------------------
@@ -499,12 +515,13 @@ def grpo(
         "grpo", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
     groups = Groups.of(group_ids)
     advantage = groups.centred(returns.to(torch.float64))
     if norm_by_std:
         advantage = advantage / (groups.expand(groups.std(advantage)) + eps)
-    return _sequence_level(advantage, returns, response_mask)
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def rloo(
@@ -533,12 +550,13 @@ def rloo(
         "rloo", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
     groups = Groups.of(group_ids)
     sizes = groups.expand(groups.sizes())
     # Groups of one already have centred == 0; the clamp only avoids 0 / 0.
     advantage = groups.centred(returns.to(torch.float64)) * sizes / (sizes - 1).clamp(min=1)
-    return _sequence_level(advantage, returns, response_mask)
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def reinforce_plus_plus(
@@ -603,11 +621,12 @@ def reinforce_plus_plus_baseline(
         {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
     centred = Groups.of(group_ids).centred(returns.to(torch.float64))
     if whiten:
         centred = _whiten_sequences(centred, _policy_weights(response_mask).sum(-1).to(torch.float64), eps)
-    return _sequence_level(centred, returns, response_mask)
+    return _sequence_level(centred, returns, response_mask, out)
 
 
 def remax(
@@ -637,9 +656,10 @@ def remax(
         "remax", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"baseline_scores": baseline_scores},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
     advantage = returns.to(torch.float64) - baseline_scores.detach().to(torch.float64)
-    return _sequence_level(advantage, returns, response_mask)
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def opo(
@@ -668,6 +688,7 @@ def opo(
         "opo", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
     R = returns.to(torch.float64)
     weights = _policy_weights(response_mask)
@@ -675,7 +696,7 @@ def opo(
     groups = Groups.of(group_ids)
     baseline = groups.expand(groups.sum(lengths * R) / groups.sum(lengths).clamp(min=1))
     advantage = (R - baseline).masked_fill_(groups.expand(groups.all_equal(R)), 0.0)
-    return _sequence_level(advantage, returns, weights)
+    return _sequence_level(advantage, returns, weights, out)
 
 
 def grpo_passk(
@@ -712,6 +733,7 @@ def grpo_passk(
         "grpo_passk", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
     R = returns.to(torch.float64)
     groups = Groups.of(group_ids)
@@ -726,7 +748,7 @@ def grpo_passk(
     if norm_by_std:
         centred = R - groups.expand(groups.mean(R))
         advantage = advantage / (groups.expand(groups.std(centred)) + eps)
-    return _sequence_level(advantage, returns, response_mask)
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def gdpo(
@@ -794,6 +816,7 @@ def gdpo(
                 f"gdpo: reward_weights must be {K} finite numbers, one per column of reward_components, "
                 f"got {list(reward_weights)!r}"
             )
+    out = _output(response_mask)  # first: see _output
     rewards = reward_components.detach().to(torch.float64)  # [B, K]
     groups = Groups.of(group_ids)
     centred = groups.centred(rewards)  # [B, K]; 0 where reward k is constant in the group
@@ -802,7 +825,7 @@ def gdpo(
     combined = centred @ weights  # [B]
     if whiten:
         combined = _whiten_sequences(combined, _policy_weights(response_mask).sum(-1).to(torch.float64), 1e-8)
-    return _sequence_level(combined, rewards @ weights, response_mask)
+    return _sequence_level(combined, rewards @ weights, response_mask, out)
 
 
 def gpg(
@@ -843,6 +866,7 @@ def gpg(
     )
     if not (isinstance(f_norm, (int, float)) and f_norm > 0 and f_norm != float("inf")):
         raise ValueError(f"gpg: f_norm must be a number > 0 (the paper uses 1), got {f_norm!r}")
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
     R = returns.to(torch.float64)
     groups = Groups.of(group_ids)
@@ -851,7 +875,7 @@ def gpg(
     # responses in groups with signal: more than one member and not all equal
     informative = groups.counts[~constant & (groups.counts > 1)].sum().to(torch.float64)
     alpha = returns.numel() / informative.clamp(min=1)
-    return _sequence_level(alpha * centred / f_norm, returns, response_mask)
+    return _sequence_level(alpha * centred / f_norm, returns, response_mask, out)
 
 
 def optimal_token_baseline(
