@@ -69,11 +69,13 @@ What consumers may rely on
   themselves, for a field nothing reads off the mask.
 * So a consumer masks ``returns`` before reducing over them (every rltk
   consumer does: the clipped value loss, explained variance and the logged
-  means select policy tokens), never writes into them (torch refuses an
-  in-place write into an expanded tensor, so such a bug fails loudly), and
-  calls ``.contiguous()`` (or multiplies by the mask) when it needs a dense
-  tensor, e.g. to ``.view`` it. Indexing, slicing, ``.to(device)``,
-  ``.clone()`` and arithmetic all work on the view as on a dense tensor.
+  means select policy tokens), never writes into them, and calls
+  ``.contiguous()`` (or multiplies by the mask) when it needs a dense tensor,
+  e.g. to ``.view`` it. An element-wise in-place op on the view raises, but
+  an indexed write (``returns[m] = x``, ``masked_fill_``) only warns that it
+  is deprecated and changes every token of the row. Indexing, slicing,
+  ``.to(device)``, ``.clone()`` and arithmetic work on the view as on a dense
+  tensor (the results are dense).
 
 The time-dependent estimators (``gae``, ``reinforce_plus_plus``) treat the
 policy tokens of a row as its time steps. Masked tokens inside a response (tool

@@ -12,8 +12,9 @@ Statistics come back per group (``[G]``) and are brought to the responses with
 :meth:`Groups.expand` once, at the end: at ``B = 8192`` every ``[B]`` kernel
 costs 5-40 microseconds of fixed overhead on CPU, so the number of kernels, not
 the arithmetic, sets the cost, and ``index_select`` is 3x cheaper than
-``tensor[index]``. A batch's statistics take about 0.1-0.2 ms, a small
-fraction of writing one ``[B, T]`` output. Values may be ``[B]`` or ``[B, K]``
+``tensor[index]``. GRPO's statistics of 8192 responses take 0.25-0.55 ms of
+CPU (warm / cold caches), against ~2 ms for writing one ``[B, T] = [8192,
+512]`` output. Values may be ``[B]`` or ``[B, K]``
 (``K`` statistics side by side, as ``gdpo``'s per-reward normalisation needs).
 
 The equality rule of rltk's group estimators lives here too: a group whose
