@@ -48,7 +48,7 @@ and ``gpg`` (``optimal_token_baseline`` keeps the group conventions, per token):
   not the raw score). Equality is tested on the returns themselves, up to the
   rounding of their float32 sums over tokens (``EQUAL_WITHIN_ULPS``), so such
   groups never get rounding noise blown up by a tiny standard deviation.
-* Group statistics are float64 segment reductions over a dense group index
+* Group statistics are float64 segment reductions over a group index
   (:class:`rltk.algorithms.groups.Groups`): no Python loop over groups, and a
   handful of ``[B]`` kernels, so an outcome estimator costs one row sum of
   ``token_rewards`` plus writing its advantages (``benchmarks/advantages.py``).
@@ -414,7 +414,7 @@ def _sequence_level(
     """Put per-response ``A_i`` on every policy token and ``R_i`` on every token of row ``i``.
 
     The advantages are the one ``[B, T]`` tensor an outcome estimator writes:
-    a broadcast multiply by the 0/1 mask into fresh memory (a ``where`` on a
+    a broadcast multiply by the 0/1 mask into ``out`` (a ``where`` on a
     bool mask costs a comparison pass plus a slower select, about 3x the time
     on CPU). The returns are a stride-0 broadcast view of the ``[B]`` returns
     (see "What consumers may rely on" in the module doc): writing a second
