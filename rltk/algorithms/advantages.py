@@ -522,7 +522,7 @@ def grpo(
     groups = Groups.of(group_ids)
     advantage = groups.centred(returns.to(torch.float64))
     if norm_by_std:
-        advantage = advantage / (groups.expand(groups.std(advantage)) + eps)
+        advantage = advantage / (groups.expand(groups.std(advantage) + eps))
     return _sequence_level(advantage, returns, response_mask, out)
 
 
@@ -749,7 +749,7 @@ def grpo_passk(
     advantage = torch.where(credited, best - second, 0.0)
     if norm_by_std:
         centred = R - groups.expand(groups.mean(R))
-        advantage = advantage / (groups.expand(groups.std(centred)) + eps)
+        advantage = advantage / (groups.expand(groups.std(centred) + eps))
     return _sequence_level(advantage, returns, response_mask, out)
 
 
@@ -823,7 +823,7 @@ def gdpo(
     groups = Groups.of(group_ids)
     centred = groups.centred(rewards)  # [B, K]; 0 where reward k is constant in the group
     if norm_by_std:
-        centred = centred / (groups.expand(groups.std(centred)) + eps)
+        centred = centred / (groups.expand(groups.std(centred) + eps))
     combined = centred @ weights  # [B]
     if whiten:
         combined = _whiten_sequences(combined, _policy_weights(response_mask).sum(-1).to(torch.float64), 1e-8)
