@@ -174,8 +174,7 @@ def plan_micro_batches(prompts: list[int], responses: list[int], max_tokens: int
     if count is not None and count > len(runs):
         # the smallest bound that still gives at most `count` runs: the most even spread (runs only
         # shrink as the bound grows, so bisect on it)
-        low = max(_padded_cost([prompts[i]], [responses[i]]) for i in range(n))
-        high = max(max_tokens, low)
+        low, high = 1, max_tokens  # the budget itself gives the fewest runs, at most `count`
         while low < high:
             mid = (low + high) // 2
             if len(_greedy_runs(order, prompts, responses, mid)) <= count:
