@@ -85,7 +85,8 @@ def response_logprobs(
         pack: run the model on the real tokens only, packed into one row with
             position ids restarting per sequence (:mod:`rltk.models.packing`),
             and the head op on the real response tokens only. Same numbers as
-            the padded forward up to float rounding.
+            the padded forward up to float rounding. Under FSDP2 with the head
+            in the root module the padded forward runs instead (see below).
 
     Returns:
         ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
@@ -100,16 +101,20 @@ def response_logprobs(
         empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
         return _outputs(empty, empty.clone() if with_entropy else None,
                         empty.clone() if with_sum_pi_squared else None, with_sum_pi_squared)
-    head = output_head_module(model)
-    gather_in_forward = _whole_only_in_forward(head)
-    if pack and (gather_in_forward or not _is_dtensor(head.weight)):
-        return _packed_response_logprobs(model, input_ids, attention_mask, width, temperature=temperature,
-                                         impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
-                                         with_sum_pi_squared=with_sum_pi_squared)
-    # (a head left sharded after the forward takes the padded path below: its logits come from a second
-    # forward of the model, which cannot be restricted to packed positions)
+    if pack:
+        head = output_head_module(model)
+        # A head sharded outside its own forward (the root module of an FSDP2 model: a DTensor here)
+        # takes the padded path below, whose logits come from a second forward of the model when the
+        # head stays sharded; packing then only saves nothing. A head in an FSDP2 unit of its own, or
+        # under ZeRO-3, is gathered for the op and packs.
+        if _whole_only_in_forward(head) or not _is_dtensor(head.weight):
+            return _packed_response_logprobs(model, input_ids, attention_mask, width, temperature=temperature,
+                                             impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
+                                             with_sum_pi_squared=with_sum_pi_squared)
     hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])  # [B, S-1, D]
     hidden = hidden[:, prompt_len - 1 :]  # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]
+    head = output_head_module(model)
+    gather_in_forward = _whole_only_in_forward(head)
     if not gather_in_forward and _is_dtensor(head.weight):
         if impl != "auto":
             raise NotImplementedError(
