@@ -105,7 +105,7 @@ def response_logprobs(
         head = output_head_module(model)
         # A head sharded outside its own forward (the root module of an FSDP2 model: a DTensor here)
         # takes the padded path below, whose logits come from a second forward of the model when the
-        # head stays sharded; packing then only saves nothing. A head in an FSDP2 unit of its own, or
+        # head stays sharded (no packing there). A head in an FSDP2 unit of its own, or
         # under ZeRO-3, is gathered for the op and packs.
         if _whole_only_in_forward(head) or not _is_dtensor(head.weight):
             return _packed_response_logprobs(model, input_ids, attention_mask, width, temperature=temperature,
