@@ -143,14 +143,18 @@ class ValueModel(nn.Module):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             return self.value_head(hidden.float()).squeeze(-1)  # [B, S]
 
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
-        """Recompute the backbone's activations in the backward pass (HF backbones only)."""
-        if not hasattr(self.backbone, "gradient_checkpointing_enable"):
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute the backbone's activations in the backward pass (HF backbones only; non-reentrant,
+        see :mod:`rltk.models.activation_checkpointing`)."""
+        from rltk.models.activation_checkpointing import enable_activation_checkpointing
+
+        try:
+            enable_activation_checkpointing(self.backbone)
+        except ValueError as exc:
             raise NotImplementedError(
-                f"the critic's backbone {type(self.backbone).__name__} has no gradient_checkpointing_enable(); "
+                f"the critic's backbone {type(self.backbone).__name__} supports no activation checkpointing; "
                 "set model.gradient_checkpointing=false"
-            )
-        self.backbone.gradient_checkpointing_enable(**kwargs)
+            ) from exc
 
     # ---------------------------------------------------------------- folders
 

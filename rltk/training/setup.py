@@ -58,6 +58,7 @@ def stage_config(cfg: DictConfig, index: int) -> DictConfig:
 
 def build_tokenizer_and_policy(cfg: DictConfig):
     """The tokenizer and policy model: a local HF folder (``model.path``) or the embedded tiny model."""
+    from rltk.models.activation_checkpointing import enable_activation_checkpointing
     from rltk.models.loading import ensure_pad_token, load_model, load_tokenizer
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model
 
@@ -84,7 +85,12 @@ def build_tokenizer_and_policy(cfg: DictConfig):
         )
         model = model.to(getattr(torch, cfg.model.dtype))
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
+    # from_pretrained hands back a model in eval mode, the tiny builder one in train mode; train both in
+    # train mode. Transformers checkpoints activations only in train mode, so an eval-mode policy would
+    # keep every activation with model.gradient_checkpointing=true. The no-grad passes (old and reference
+    # log-probs, generation) switch to eval mode themselves and back.
+    model.train()
     return tokenizer, model
 
 
