@@ -46,9 +46,9 @@ from rltk.training.ppo import (
     updates_per_step,
 )
 from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
-from rltk.training.resume import load_weights, save_weights_atomically
+from rltk.training.reference import FrozenReference
 from rltk.training.rl import (
-    LossComponents, batched_logprobs, build_kl_controller, compute_advantages, fill_old_logprobs, policy_update,
+    LossComponents, build_kl_controller, compute_advantages, fill_old_logprobs, policy_update,
     rollout_metrics, any_rank, global_masked_mean,
 )
 from rltk.training.run import (
@@ -103,7 +103,8 @@ def run_ppo_stage(stage: Stage) -> None:
 
     # The reference policy is the policy as this stage starts, frozen; its weights are kept
     # beside the checkpoints so a resumed run compares against the same one.
-    reference = strategy.full_model_copy().eval().requires_grad_(False) if a.kl_coef > 0 else None
+    # With LoRA it is the same module with its adapters switched off (the base model): no copy at all.
+    reference = FrozenReference.for_stage(strategy, a.kl_coef)
     reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
     start = 0
     if stage.resume is not None:
@@ -115,9 +116,9 @@ def run_ppo_stage(stage: Stage) -> None:
         if "buffer" in rank_state(state):  # what the buffer held then: expert data, experiences kept for later
             buffer.load_state_dict(rank_state(state)["buffer"])
         if reference is not None:
-            load_weights(reference_file, reference)
+            reference.load(reference_file)
     elif reference is not None:
-        save_weights_atomically(reference.state_dict(), reference_file)
+        reference.save(reference_file)
     if stage.resume is None or "buffer" not in rank_state(state):
         # expert responses (buffer.expert.path), for a sample strategy that mixes them in; a resumed
         # buffer has them already (scoring them again would count the reward calls twice)
@@ -156,7 +157,7 @@ def run_ppo_stage(stage: Stage) -> None:
         mask = batch["response_mask"]
         kl_metrics = {}
         if reference is not None:
-            batch["ref_logprobs"], _ = batched_logprobs(reference, batch, **common)
+            batch["ref_logprobs"] = reference.logprobs(batch, **common)
             kl = loss.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], **loss.kl_penalty_args)
             kl_metrics["kl"] = global_masked_mean(kl, mask, strategy)
             if a.kl_in == "reward":  # PPO's form: a per-token penalty, before advantages

@@ -33,6 +33,22 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``model.lora``: train low-rank adapters (LoRA, through peft) instead of every weight.
+
+    Off while ``r`` is 0/null and ``path`` is null. With LoRA on, the optimizer holds only the
+    adapters, checkpoints hold only the adapters and their optimizer state, and the KL reference
+    is the same module with its adapters switched off (the base model, no second copy).
+    """
+
+    r: Optional[int] = None  # adapter rank; 0 or null: no LoRA (unless `path` is set)
+    alpha: float = 16.0  # scaling alpha / r of the adapter's output
+    dropout: float = 0.0  # dropout on the adapter's input, in [0, 1)
+    target_modules: Any = "all-linear"  # module names (last name part, e.g. [q_proj, v_proj]) or all-linear
+    path: Optional[str] = None  # an adapter folder (adapter_config.json) to start from; its r/alpha/targets apply
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None  # a local HF causal-LM folder; null builds the tiny model
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -40,6 +56,7 @@ class ModelConfig:
     logprob_impl: str = "auto"  # auto | triton | torch | naive (rltk/kernels)
     logprob_chunk_size: Optional[int] = None
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

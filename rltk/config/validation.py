@@ -21,6 +21,7 @@ from rltk.config.components import check_components, check_task
 from rltk.config.critic_checks import check_critic_config
 from rltk.config.errors import ConfigError
 from rltk.config.guard_checks import check_guard
+from rltk.config.lora_checks import check_lora_fits_model, check_lora_values
 from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
@@ -52,6 +53,8 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_rollout_correction_config(cfg)
     check_seed(cfg)
     check_paths(cfg)
+    check_lora_values(cfg)
+    check_lora_fits_model(cfg)
     check_guard(cfg)
     check_prompt_template(cfg)
     check_task(cfg)

@@ -198,6 +198,12 @@ def build_critic_from_policy(policy: nn.Module, *, head_init_std: float = 0.0) -
     DeepSpeed engine), but not sharded: build the critic before wrapping.
     The copy is put in train mode: ``policy`` may be a frozen reference in eval mode.
     """
+    from rltk.models.lora import is_lora_model, merged_copy
+
+    if is_lora_model(policy):
+        # A LoRA policy's adapters are part of "the policy as the stage begins": the critic (trained
+        # whole, by its own optimizer) starts from the merged weights, with no adapter layers.
+        policy = merged_copy(policy)
     inner = unwrap_model(policy)
     decoder = base_model(inner)
     if decoder is None:

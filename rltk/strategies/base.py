@@ -211,7 +211,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimizerSett
 
 
 def save_model_folder(module: nn.Module, state_dict: dict[str, torch.Tensor], directory: str | Path) -> None:
-    """Write full model weights to ``directory``.
+    """Write full model weights to ``directory`` (a LoRA model: its adapter folder only).
 
     A Hugging Face ``PreTrainedModel`` is written with ``save_pretrained`` (config,
     generation config, ``*.safetensors``), so the folder loads with
@@ -223,10 +223,15 @@ def save_model_folder(module: nn.Module, state_dict: dict[str, torch.Tensor], di
 
     from rltk.checkpoint import give_default_mode
     from rltk.models.loading import quiet_model_io
+    from rltk.models.lora import is_lora_model, save_adapter_folder
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    if hasattr(module, "save_pretrained") and hasattr(module, "config"):
+    if is_lora_model(module):
+        # Only the adapter: the frozen base weights are rebuilt from the run's config (model.path or
+        # the seeded tiny model), so a checkpoint of a 70B LoRA run stays megabytes.
+        save_adapter_folder(module, state_dict, directory)
+    elif hasattr(module, "save_pretrained") and hasattr(module, "config"):
         with quiet_model_io():
             module.save_pretrained(directory, state_dict=state_dict)
         _fix_sharded_class_name(module, directory)
@@ -270,15 +275,26 @@ def load_model_folder(directory: str | Path) -> dict[str, torch.Tensor]:
 def load_full_state_into(module: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
     """Copy a full state dict into ``module`` (plain, DDP-unwrapped or FSDP2-sharded), strictly.
 
+    For a LoRA model ``state`` may instead be an adapter file's tensors (peft's
+    names, see :func:`rltk.models.lora.adapter_names`): exactly the adapter's
+    entries are then required and loaded.
+
     A key absent from ``state`` is accepted only when the live module ties it to
     a key that is present (e.g. ``lm_head.weight`` tied to the embedding), since
     a checkpoint may store a tied tensor once. Sharded parameters receive their
     local shard of the full tensor.
     """
+    from rltk.models.lora import adapter_names, adapter_state_to_live, is_lora_model
+
     live = module.state_dict(keep_vars=True)
+    adapter_only = is_lora_model(module) and bool(state) and set(state) <= set(adapter_names(module))
+    if adapter_only:
+        # An adapter folder (LoRA checkpoints hold nothing else): its tensors replace the adapter's,
+        # the frozen base weights stay as the run built them.
+        state = adapter_state_to_live(module, state, source)
     unexpected = sorted(set(state) - set(live))
     loaded_ids = {id(live[k]) for k in live if k in state}
-    missing = [k for k in live if k not in state and id(live[k]) not in loaded_ids]
+    missing = [] if adapter_only else [k for k in live if k not in state and id(live[k]) not in loaded_ids]
     mismatched = [f"{k}: model {tuple(live[k].shape)} vs checkpoint {tuple(state[k].shape)}"
                   for k in live if k in state and tuple(live[k].shape) != tuple(state[k].shape)]
     if missing or unexpected or mismatched:

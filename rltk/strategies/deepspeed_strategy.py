@@ -101,6 +101,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.models.lora import is_lora_model
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.registry import unknown_name_message
 from rltk.serialization import check_torch_files, weights_only_everywhere
@@ -730,9 +731,12 @@ class DeepSpeedStrategy(TrainingStrategy):
         # ds_to_universal refuses ZeRO-1/2 shards without this entry; empty tensor-parallel patterns
         # describe a purely data-parallel model, which is what rltk trains.
         universal_info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        # LoRA: the frozen base weights are rebuilt from the run's config, so the engine's files hold the
+        # adapter (and its optimizer state) only.
         self._engine.save_checkpoint(str(directory / DEEPSPEED_SUBDIR), tag=CHECKPOINT_TAG,
                                      client_state={"rltk_format": CHECKPOINT_FORMAT,
-                                                   UNIVERSAL_CHECKPOINT_INFO: universal_info})
+                                                   UNIVERSAL_CHECKPOINT_INFO: universal_info},
+                                     exclude_frozen_parameters=is_lora_model(self.unwrap()))
         # Every rank takes part in the gathers; only the main rank, which writes, keeps the copy.
         weights = self._gather_state_dict(master_weights=True, keep=self.is_main) if self.save_full_weights else None
         if self.is_main:
@@ -782,7 +786,8 @@ class DeepSpeedStrategy(TrainingStrategy):
                 check_torch_files(load_dir, allowed_globals=allowed)
             with weights_only_everywhere(allowed):
                 path, _ = self._engine.load_checkpoint(str(load_dir), tag=meta["tag"],
-                                                       load_optimizer_states=True, load_lr_scheduler_states=True)
+                                                       load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                       load_module_strict=not is_lora_model(self.unwrap()))
         finally:
             checkpoint_config.load_universal_checkpoint = previous
         if path is None:

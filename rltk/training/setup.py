@@ -91,6 +91,13 @@ def build_tokenizer_and_policy(cfg: DictConfig):
     # keep every activation with model.gradient_checkpointing=true. The no-grad passes (old and reference
     # log-probs, generation) switch to eval mode themselves and back.
     model.train()
+    # LoRA (model.lora): the run trains adapters on this model, in every stage; checkpoints hold only
+    # them, so the base weights must come out of this function the same way each time (they do:
+    # model.path's folder, or the tiny model built from cfg.seed).
+    from rltk.config.lora_checks import model_description
+    from rltk.models.lora import apply_lora
+
+    model = apply_lora(model, cfg.model.lora, model_desc=model_description(cfg))
     return tokenizer, model
 
 
