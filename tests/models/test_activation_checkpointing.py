@@ -39,14 +39,17 @@ def qwen2(seed: int = 0) -> transformers.Qwen2ForCausalLM:
 
 
 def with_lora(model: nn.Module, seed: int = 1) -> nn.Module:
-    """The model with a LoRA adapter on every linear layer but the head, B not zero (so every adapter
-    weight gets a gradient) and dropout on (so the recompute must replay its masks)."""
-    from peft import LoraConfig, get_peft_model
+    """The model with rltk's LoRA (r=4 on every linear layer but the head) and adapter dropout on, so
+    the recompute must replay its masks. B starts random, not zero, so that every adapter weight gets
+    a gradient and the adapted model differs from its base (the KL reference)."""
+    from rltk.models.lora import apply_lora
 
+    model = apply_lora(model, {"r": 4, "alpha": 8.0, "dropout": 0.25, "target_modules": "all-linear"})
     torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25, target_modules="all-linear",
-                        init_lora_weights=False)
-    return get_peft_model(model, config).train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.2)
+    return model.train()
 
 
 def build(lora: bool, checkpointing: bool) -> nn.Module:
@@ -166,6 +169,7 @@ def grpo_update(lora: bool, checkpointing: bool):
     """One GRPO update (PPO-clip, k3 KL in the loss, entropy bonus, 3 micro-batches) as the recipe
     runs it: old and reference log-probs without gradients, then one optimizer step."""
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
+    from rltk.training.reference import FrozenReference
     from rltk.training.rl import LossComponents, batched_logprobs, policy_update
 
     class Recording(AccelerateStrategy):
@@ -179,17 +183,15 @@ def grpo_update(lora: bool, checkpointing: bool):
 
     model = build(lora, checkpointing)
     counter = RecomputeCounter(model)
-    reference = None if lora else copy.deepcopy(model).eval().requires_grad_(False)
     strategy = Recording(cpu=True)
     strategy.setup(model, lr=1e-2, total_steps=1, weight_decay=0.01, grad_clip=1.0)
+    # the recipes' reference: a frozen copy, or under LoRA the policy with its adapters off
+    reference = FrozenReference.for_stage(strategy, kl_coef=0.1)
+    assert reference.shares_policy == lora
     batch = grouped_batch()
     common = dict(micro_batch_size=2, temperature=1.0, impl="torch", chunk_size=(4, 16))
     batch["old_logprobs"], _ = batched_logprobs(model, batch, **common)
-    if lora:  # the reference is the base model: the same module with its adapters off
-        with model.disable_adapter():
-            batch["ref_logprobs"], _ = batched_logprobs(model, batch, **common)
-    else:
-        batch["ref_logprobs"], _ = batched_logprobs(reference, batch, **common)
+    batch["ref_logprobs"] = reference.logprobs(batch, **common)
     batch["advantages"] = (torch.linspace(-1.0, 1.0, 6)[:, None] * batch["response_mask"]).float()
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"),
