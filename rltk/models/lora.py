@@ -191,6 +191,14 @@ def adapter_names(model: nn.Module) -> dict[str, str]:
     return {name: live[int(index[0])] for name, index in saved.items()}
 
 
+def adapter_live_names(model: nn.Module) -> set[str] | None:
+    """The ``model.state_dict()`` names of the adapter's tensors, or None when ``model`` has no adapters.
+
+    What a checkpoint of a LoRA model needs: gather and write these, not the frozen base.
+    """
+    return set(adapter_names(model).values()) if is_lora_model(model) else None
+
+
 def save_adapter_folder(model: nn.Module, state: Mapping[str, torch.Tensor], directory: str | Path) -> None:
     """Write ``model``'s adapter as a peft folder: ``adapter_config.json`` and ``adapter_model.safetensors``.
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.models.lora import adapter_live_names
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
     GRAD_SCALER_FILE,
@@ -318,6 +319,9 @@ class AccelerateStrategy(TrainingStrategy):
     def save(self, directory: str | Path) -> None:
         """Write ``model/`` (safetensors), ``optimizer.pt``, ``scheduler.pt`` and ``strategy.json``.
 
+        With LoRA ``model/`` is a peft adapter folder and the optimizer state
+        covers the adapter only (nothing else trains).
+
         Weights and optimizer state are full (unsharded) and keyed by parameter
         name, so a checkpoint resumes under any process count, with or without
         FSDP. The main rank writes; every rank must call (gathers are collective)
@@ -325,7 +329,11 @@ class AccelerateStrategy(TrainingStrategy):
         """
         self._require_setup("save()")
         directory = Path(directory)
-        weights = self.full_state_dict()
+        # LoRA: the adapter alone (the frozen base is rebuilt from the run's config); the same names on
+        # every rank, so FSDP2's gathers stay collective.
+        keep = adapter_live_names(self.unwrap())
+        weights = {name: full_cpu_copy(tensor) for name, tensor in self.unwrap().state_dict().items()
+                   if keep is None or name in keep}
         optimizer_state = optimizer_state_by_name(self._optimizer, self.unwrap())
         if self.is_main:
             directory.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,7 @@ import torch
 from torch import nn
 
 import rltk
-from rltk.models.lora import is_lora_model
+from rltk.models.lora import adapter_live_names, is_lora_model
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.registry import unknown_name_message
 from rltk.serialization import check_torch_files, weights_only_everywhere
@@ -671,9 +671,10 @@ class DeepSpeedStrategy(TrainingStrategy):
         self._require_setup("full_master_state_dict()")
         return self._gather_state_dict(master_weights=True)
 
-    def _gather_state_dict(self, *, master_weights: bool, keep: bool = True) -> dict[str, torch.Tensor]:
-        """Full CPU copies of every state-dict entry; with ``keep=False`` this rank only takes part in
-        the gathers and returns ``{}`` (no full copy in its memory)."""
+    def _gather_state_dict(self, *, master_weights: bool, keep: bool = True,
+                           only: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """Full CPU copies of every state-dict entry (or of the names in ``only``); with ``keep=False``
+        this rank only takes part in the gathers and returns ``{}`` (no full copy in its memory)."""
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -684,6 +685,8 @@ class DeepSpeedStrategy(TrainingStrategy):
         # Every rank walks the same keys in the same order and skips the same tied duplicates: the
         # gathers below are collectives.
         for name, tensor in live.items():
+            if only is not None and name not in only:
+                continue
             if id(tensor) in gathered:
                 if keep:
                     result[name] = gathered[id(tensor)].clone()
@@ -738,9 +741,14 @@ class DeepSpeedStrategy(TrainingStrategy):
                                                    UNIVERSAL_CHECKPOINT_INFO: universal_info},
                                      exclude_frozen_parameters=is_lora_model(self.unwrap()))
         # Every rank takes part in the gathers; only the main rank, which writes, keeps the copy.
-        weights = self._gather_state_dict(master_weights=True, keep=self.is_main) if self.save_full_weights else None
+        # LoRA: the adapter is small and is all a resume or an export needs beside the run's config, so
+        # it is always written (save_full_weights or not), and nothing of the frozen base is gathered.
+        adapter = adapter_live_names(self.unwrap())
+        write_weights = self.save_full_weights or adapter is not None
+        weights = (self._gather_state_dict(master_weights=True, keep=self.is_main, only=adapter)
+                   if write_weights else None)
         if self.is_main:
-            if self.save_full_weights:
+            if write_weights:
                 save_model_folder(self.unwrap(), weights, directory / MODEL_SUBDIR)
             else:
                 save_model_config(self.unwrap(), directory / MODEL_CONFIG_SUBDIR)
