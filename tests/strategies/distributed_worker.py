@@ -1,11 +1,12 @@
 """Two-process worker for test_distributed.py, and the training loop it shares with the single-process reference.
 
 Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2
-distributed_worker.py OUT_DIR``. For DDP and for FSDP2 it trains a tiny Qwen2
-for a few steps on fixed global batches (each rank takes its half, two
-micro-batches each, losses normalised by the global token count), saves a
-checkpoint part-way, resumes it into fresh objects, and writes per-rank results
-to ``OUT_DIR/<phase>_rank<r>.pt`` for the test to compare.
+distributed_worker.py OUT_DIR [PHASE...]``. For each phase (default: ``ddp`` and
+``fsdp``; also ``ddp_lora``, DDP training a LoRA adapter on the same tiny model)
+it trains a tiny Qwen2 for a few steps on fixed global batches (each rank takes
+its half, two micro-batches each, losses normalised by the global token count),
+saves a checkpoint part-way, resumes it into fresh objects, and writes per-rank
+results to ``OUT_DIR/<phase>_rank<r>.pt`` for the test to compare.
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ def tiny_qwen2(seed: int) -> torch.nn.Module:
     config = transformers.Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB)
     return transformers.Qwen2ForCausalLM(config)
+
+
+# model.lora of the LoRA phases: rank 4 on every linear layer but the head, no dropout
+LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def tiny_lora_qwen2(seed: int, adapter_seed: int | None = None) -> torch.nn.Module:
+    """:func:`tiny_qwen2` (weights from ``seed``) with a fresh LoRA adapter (``LORA``) drawn from
+    ``adapter_seed`` (default ``seed``): B starts at zero, as peft initialises it."""
+    from rltk.models.lora import apply_lora
+
+    model = tiny_qwen2(seed)
+    torch.manual_seed(seed if adapter_seed is None else adapter_seed)
+    return apply_lora(model, LORA)
 
 
 def global_batches() -> list[dict[str, torch.Tensor]]:
@@ -77,15 +92,23 @@ def train_steps(strategy, batches, *, micro_batches: int) -> tuple[list[float], 
     return losses, grad_norms
 
 
-def main(out_dir: Path) -> None:
+PHASES = {"ddp": dict(fsdp=False, lora=False), "fsdp": dict(fsdp=True, lora=False),
+          "ddp_lora": dict(fsdp=False, lora=True)}
+
+
+def main(out_dir: Path, phases: list[str]) -> None:
     from rltk.checkpoint import CheckpointManager
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
 
+    unknown = [phase for phase in phases if phase not in PHASES]
+    if unknown:
+        raise SystemExit(f"distributed_worker.py: unknown phase(s) {unknown}; valid: {', '.join(PHASES)}")
     batches = global_batches()
-    for phase, fsdp in (("ddp", False), ("fsdp", True)):
+    for phase in phases:
+        fsdp, lora = PHASES[phase]["fsdp"], PHASES[phase]["lora"]
         strategy = AccelerateStrategy(cpu=True, fsdp=fsdp)
         assert strategy.world_size == 2, f"expected 2 processes, got {strategy.world_size}"
-        strategy.setup(tiny_qwen2(seed=0), **SETUP)
+        strategy.setup(tiny_lora_qwen2(seed=0) if lora else tiny_qwen2(seed=0), **SETUP)
         assert strategy.sharded == fsdp
         losses, grad_norms = train_steps(strategy, batches[:CHECKPOINT_STEP], micro_batches=2)
         manager = CheckpointManager(out_dir / f"ckpt_{phase}", keep_last=1)
@@ -95,12 +118,16 @@ def main(out_dir: Path) -> None:
                     "grad_norms": grad_norms + more_grad_norms}, out_dir / f"{phase}_rank{strategy.rank}.pt")
 
         resumed = AccelerateStrategy(cpu=True, fsdp=fsdp)
-        resumed.setup(tiny_qwen2(seed=1), **SETUP)  # other initial weights: load must replace them all
+        # other initial weights: load must replace them all (under LoRA the checkpoint holds the adapter
+        # only, and the frozen base is rebuilt as the run built it: the same seed, another adapter)
+        resumed.setup(tiny_lora_qwen2(seed=0, adapter_seed=1) if lora else tiny_qwen2(seed=1), **SETUP)
         state = manager.load(manager.latest(), resumed)
         assert state == {"step": CHECKPOINT_STEP}, state
         resumed_losses, resumed_grad_norms = train_steps(resumed, batches[CHECKPOINT_STEP:], micro_batches=2)
         torch.save({"weights": resumed.full_state_dict(), "losses": resumed_losses, "grad_norms": resumed_grad_norms},
                    out_dir / f"{phase}_resumed_rank{resumed.rank}.pt")
+        if lora:
+            continue
 
         # Plain modules from the trained strategy: a copy (rollout engine, reference), then the
         # release that ends a stage; the next stage's strategy must accept the released module.
@@ -118,4 +145,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:] or ["ddp", "fsdp"])

@@ -22,6 +22,9 @@ micro-batches, losses normalised by the global token count). Phases:
 * ``zero2_resume`` / ``zero3_resume``: a model with other weights loads the
   latest checkpoint of ``zero2`` / ``zero3_crash`` (written by any number of
   processes) and trains the remaining steps.
+* ``zero2_lora`` / ``zero3_lora``: train a LoRA adapter (``model.lora``) on the
+  same tiny model (distributed_worker's ``tiny_lora_qwen2``) for
+  ``TOTAL_STEPS`` steps; write weights, losses and gradient norms.
 
 ZeRO-3 runs with ``stage3_param_persistence_threshold=0``: by default DeepSpeed
 leaves tensors under 1e5 elements unpartitioned, which is every tensor of
@@ -52,6 +55,8 @@ PHASES = {
     "zero3_crash": dict(zero_stage=3, config=ZERO3_CONFIG),
     "zero2_resume": dict(zero_stage=2, save_full_weights=False),
     "zero3_resume": dict(zero_stage=3, config=ZERO3_CONFIG),
+    "zero2_lora": dict(zero_stage=2),
+    "zero3_lora": dict(zero_stage=3, config=ZERO3_CONFIG),
 }
 CHECKPOINT_DIRS = {"zero2": "ckpt_zero2", "zero2_resume": "ckpt_zero2",
                    "zero3_crash": "ckpt_zero3", "zero3_resume": "ckpt_zero3"}
@@ -122,7 +127,8 @@ def run_phase(phase: str, out_dir: Path):
         torch.save({"weights": strategy.full_state_dict()}, result_file)
         return strategy
 
-    strategy.setup(shared.tiny_qwen2(seed=0), **shared.SETUP)
+    strategy.setup(shared.tiny_lora_qwen2(seed=0) if phase.endswith("_lora") else shared.tiny_qwen2(seed=0),
+                   **shared.SETUP)
     if phase == "zero2_nonfinite":
         torch.save(train_with_nan_step(strategy, batches), result_file)
         return strategy
