@@ -149,6 +149,27 @@ def test_grpo_fsdp2_under_torchrun_with_two_processes_matches_ddp(tmp_path, ddp_
     assert_same_metrics(metrics, ddp_two_process_metrics, rel=1e-4)
 
 
+LORA = ["model.lora.r=8", "model.lora.alpha=16"]  # adapters on every linear layer but the head
+
+
+@pytest.mark.distributed
+def test_grpo_lora_zero3_under_torchrun_with_two_processes_matches_ddp(tmp_path):
+    """LoRA through the whole recipe: the SFT warm-up and GRPO train the adapter, the reference is the
+    base model (adapters off, no copy), checkpoints hold the adapter; ZeRO-3 partitions the frozen
+    base and the adapter across two processes and must learn what DDP learns."""
+    ddp, zero3 = tmp_path / "ddp_lora", tmp_path / "zero3_lora"
+    torchrun("grpo", f"output_dir={ddp}", *GRPO, *LORA)
+    torchrun("grpo", f"output_dir={zero3}", *ZERO3, *GRPO, *LORA)
+    metrics = read_metrics(zero3)
+    assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
+    assert max(m["kl"] for m in metrics if "kl" in m) > 0  # the adapted policy moved away from its base
+    for run_dir in (ddp, zero3):  # adapter-only checkpoints, whatever the strategy
+        model_dir = run_dir / "checkpoints" / "step_000014" / "model"
+        assert (model_dir / "adapter_config.json").is_file() and (model_dir / "adapter_model.safetensors").is_file()
+        assert not list(model_dir.glob("model*.safetensors"))
+    assert_same_metrics(metrics, read_metrics(ddp), rel=1e-4)
+
+
 def test_ppo_zero3_one_process_matches_the_default_strategy(tmp_path):
     zero3, default = tmp_path / "zero3", tmp_path / "default"
     rltk_run("ppo", f"output_dir={zero3}", *ZERO3, *PPO)
