@@ -8,6 +8,7 @@ import rltk
 from rltk.tools.base import tool
 
 _OPERATORS = "+-*/"
+_DIGITS = "0123456789"  # str.isdigit() also accepts superscripts and other scripts' digits
 
 
 class CalculatorError(ValueError):
@@ -51,9 +52,9 @@ def _tokens(text: str, max_abs: int) -> list:
         char = text[i]
         if char.isspace():
             i += 1
-        elif char.isdigit():
+        elif char in _DIGITS:
             j = i
-            while j < len(text) and text[j].isdigit():
+            while j < len(text) and text[j] in _DIGITS:
                 j += 1
             if j - i > len(str(max_abs)):  # checked before int(): no giant conversions
                 raise CalculatorError(f"number {text[i:j][:20]}... is above the limit {max_abs}")
