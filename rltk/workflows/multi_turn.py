@@ -301,6 +301,9 @@ class MultiTurnWorkflow(Workflow):
     def _advance(self, episode: _Episode, completion, limit: int, stats: dict) -> None:
         """Append one generated turn to ``episode`` and answer it (tools, environment, or the end)."""
         ids, logprobs, finish = list(completion.token_ids), list(completion.logprobs), completion.finish_reason
+        if not ids:  # every turn needs a token to carry its reward and to keep the response ending on the policy's
+            raise RuntimeError(f"multi_turn: rollout engine {type(self.engine).__name__} returned an empty completion "
+                               f"(max_new_tokens={limit} >= 1); an engine must generate at least one token")
         if len(ids) > limit:  # one engine call serves every episode: cut this one to its own budget
             ids, logprobs, finish = ids[:limit], logprobs[:limit], "length"
         episode.response_ids += ids
@@ -313,9 +316,7 @@ class MultiTurnWorkflow(Workflow):
         _, calls, parse_error = self.parser.parse(text)
         turn = AssistantTurn(text=text, tool_calls=calls, parse_error=parse_error, token_ids=ids,
                              finish_reason=finish, index=episode.turns - 1)
-        if not ids:  # an engine that returned nothing: nothing to continue from
-            episode.stop_reason = "answered"
-        elif self.tools and (calls or parse_error):
+        if self.tools and (calls or parse_error):
             observation = self._call_tools(episode, turn)
         elif episode.env is not None:
             try:

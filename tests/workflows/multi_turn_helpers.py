@@ -15,7 +15,7 @@ from rltk.rollout.hf import HFRolloutEngine
 # prefixed "tool:", the tools as one system line. (The shipped tiny template gains its own tool role
 # in the mt-data branch; these tests do not depend on it.)
 TOOL_TEMPLATE = (
-    "{%- if tools -%}<|system|>tools:{%- for t in tools -%} {{ t['function']['name'] }}{%- endfor -%}<|eos|>"
+    "{%- if tools -%}<|system|>tools:{%- for t in tools -%}{{ ' ' + t['function']['name'] }}{%- endfor -%}<|eos|>"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'tool' -%}<|user|>tool:{{ message['content'] }}<|eos|>"
@@ -74,6 +74,8 @@ class ScriptedEngine(RolloutEngine):
             if self.stop:
                 ids = ids + [self.tokenizer.eos_token_id]
             reason = "stop" if self.stop else "length"
+            if not ids:  # engines generate at least one token
+                ids, reason = [self.tokenizer.eos_token_id], "stop"
             if len(ids) > params.max_new_tokens:
                 ids, reason = ids[: params.max_new_tokens], "length"
             groups.append([Completion(index, ids, [-0.5] * len(ids), reason) for _ in range(params.n)])
@@ -91,6 +93,7 @@ class CountingEnv(Environment):
         self.closed = 0
 
     def reset(self, row):
+        self.turns = row.get("extras", {}).get("turns", self.turns)
         return [{"role": "user", "content": row["prompt"]}]
 
     def step(self, turn: AssistantTurn) -> StepResult:
@@ -130,6 +133,18 @@ class BadReturnEnv(CountingEnv):
 
     def step(self, turn):
         return {"observation": []}
+
+
+class MatchReward:
+    """1.0 when the response equals the ground truth, else 0.0; carries a composer-like ``fallback``."""
+
+    def __init__(self, fallback: float = -1.0):
+        self.fallback = fallback
+        self.seen: list[dict] = []
+
+    def __call__(self, prompt, response, ground_truth, extras):
+        self.seen.append({"prompt": prompt, "response": response})
+        return 1.0 if response.strip() == ground_truth else 0.0
 
 
 def constant_reward(value: float = 1.0):
