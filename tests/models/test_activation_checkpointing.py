@@ -106,10 +106,13 @@ def trainable_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def assert_same_tensors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str) -> None:
+    """Each tensor within 1e-5 of its own largest entry: fp32 rounding of sums taken in another order
+    (the plain pass may run a group's shared prompt once, the checkpointed one the whole batch);
+    on CPU the two usually agree bit for bit. What checkpointing could break is far larger."""
     assert ours.keys() == ref.keys()
     for name, expected in ref.items():
-        # fp32 rounding of a reordered sum at most; anything checkpointing could break is far larger
-        torch.testing.assert_close(ours[name], expected, rtol=1e-6, atol=1e-9, msg=lambda m: f"{what} {name}: {m}")
+        err = (ours[name] - expected).abs().max().item()
+        assert err <= 1e-5 * max(expected.abs().max().item(), 1e-12), f"{what} {name}: max abs error {err:.3e}"
 
 
 # --------------------------------------------------------------------------
@@ -148,7 +151,7 @@ def test_gradients_equal_the_plain_backward(lora, path):
 
     assert plain_recomputes == 0
     assert ckpt_recomputes == LAYERS  # one forward, every layer recomputed once in its backward
-    torch.testing.assert_close(ckpt_logprobs, plain_logprobs, rtol=0, atol=0)
+    assert_same_tensors({"logprobs": ckpt_logprobs}, {"logprobs": plain_logprobs}, path)
     assert_same_tensors(ckpt, plain, f"{path} gradient")
     if lora:
         # only the adapters train, and each of them gets a gradient through the frozen layers
