@@ -17,9 +17,16 @@ from tests.crash import crash_at_step
 pytestmark = pytest.mark.slow
 
 SFT_STEPS, RL_STEPS = 20, 6
+DATA = ["data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20"]
+# The embedded default's tiny model after a full-weight warm-up on one-digit sums (greedy accuracy on its
+# training prompts ends near 0.8): LoRA's usual setting, adapters on a model that already knows something.
+# From a random base LoRA cannot learn this task (embeddings and head frozen at random values).
+WARMUP_STEPS = 150
+WARMUP = [*DATA, f"sft.steps={WARMUP_STEPS}", "sft.stop_at_accuracy=null", "sft.batch_size=32", "sft.warmup_steps=10",
+          "logging.logger=[jsonl]", "logging.plot=false", f"checkpoint.every={WARMUP_STEPS}",
+          "stages=[{name: warmup, type: sft}]"]
 LORA = ["model.lora.r=8", "model.lora.alpha=16"]
-TINY = [*LORA, f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "sft.lr=5e-3",
-        "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20",
+TINY = [*LORA, f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "sft.lr=1e-3", *DATA,
         f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2", "trainer.lr=1e-3",
         "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=3", "trainer.weight_decay=0.01",
         "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=2",
@@ -48,14 +55,23 @@ def adapter_hash(run_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
+def warm_base(tmp_path_factory) -> Path:
+    """The warmed-up tiny model, exported as a plain HF folder: the base the LoRA runs put adapters on."""
+    root = tmp_path_factory.mktemp("warm_base")
+    assert main(["run", "grpo", f"output_dir={root / 'run'}", *WARMUP]) == 0
+    assert main(["export", str(root / "run" / "checkpoints" / f"step_{WARMUP_STEPS:06d}"), str(root / "base")]) == 0
+    return root / "base"
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory, warm_base):
     done = {}
 
     def get(variant: str) -> Path:
         if variant not in done:
             recipe, args = VARIANTS[variant]
             run_dir = tmp_path_factory.mktemp(f"straight_{variant}")
-            assert main(["run", recipe, f"output_dir={run_dir}", *args]) == 0
+            assert main(["run", recipe, f"output_dir={run_dir}", f"model.path={warm_base}", *args]) == 0
             done[variant] = run_dir
         return done[variant]
 
@@ -82,8 +98,9 @@ def test_checkpoints_hold_the_adapter_and_its_optimizer_state_only(straight_runs
 
 
 @pytest.mark.parametrize("variant, when", [("grpo", "first"), ("grpo", "random"), ("ppo", "random")])
-def test_a_lora_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_runs, variant, when):
+def test_a_lora_run_killed_in_the_rl_stage_resumes_bit_for_bit(tmp_path, straight_runs, warm_base, variant, when):
     recipe, args = VARIANTS[variant]
+    args = [f"model.path={warm_base}", *args]
     straight = straight_runs(variant)
     # "first": right after the warm-up's last checkpoint, so the RL stage starts from the adapter the warm-up
     # handed over through that checkpoint; "random": mid-stage, from an RL checkpoint (adapter + its Adam state)
@@ -111,18 +128,16 @@ def test_the_warmup_hands_its_adapter_to_the_rl_stage(straight_runs):
     rows = numbers(straight_runs("grpo"))
     # the warm-up trained the adapter (B starts at 0 in peft)
     sft_losses = [r["sft/sft_loss"] for r in rows if "sft/sft_loss" in r]
-    assert sft_losses[-1] < sft_losses[0] - 0.5
-    # the RL stage started from it: its first KL is that of the sampled tokens under the SFT'd adapter vs the
-    # base model, far from 0 (an RL stage with a fresh adapter would start at exactly 0)
+    assert sft_losses[-1] < sft_losses[0]
+    # the RL stage started from it: its first KL is that of the sampled tokens under the warm-up's adapter vs
+    # the base model, above 0 (an RL stage with a fresh adapter would start at exactly 0)
     first_rl = next(r for r in rows if r["step"] == SFT_STEPS + 1)
-    assert first_rl["kl"] > 1e-3
+    assert first_rl["kl"] > 0
 
 
-def test_export_writes_the_adapter_or_a_merged_plain_model(tmp_path, straight_runs):
+def test_export_writes_the_adapter_or_a_merged_plain_model(tmp_path, straight_runs, warm_base):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
 
     last = last_checkpoint(straight_runs("grpo"))
     adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
@@ -137,14 +152,12 @@ def test_export_writes_the_adapter_or_a_merged_plain_model(tmp_path, straight_ru
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True)
     assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())  # plain transformers, no peft
 
-    # the same function as the base the run built (tiny, seed 0) with the exported adapter on top
-    base = build_tiny_model(build_char_tokenizer(), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate_size=256, max_position_embeddings=64, seed=0)
+    # the same function as the run's base with the exported adapter on top (peft, the usual way to load it)
+    base = AutoModelForCausalLM.from_pretrained(warm_base, local_files_only=True)
     adapted = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     ids = torch.tensor([[5, 17, 9, 30, 12, 8, 40]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=0, atol=1e-5)
-        plain = build_tiny_model(build_char_tokenizer(), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                 intermediate_size=256, max_position_embeddings=64, seed=0)
-        assert (plain(ids).logits - merged(ids).logits).abs().max() > 1e-2  # the adapter is in there
+        plain = AutoModelForCausalLM.from_pretrained(warm_base, local_files_only=True)
+        assert (plain(ids).logits - merged(ids).logits).abs().max() > 1e-3  # the adapter is in there
     assert main(["export", str(last), str(merged_dir), "--merge"]) == 2  # never overwrites
