@@ -39,6 +39,16 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # On a machine shared with other busy processes two torch threads per run spin against each other;
+    # one thread ran these tiny models ~40x faster there (and every run of a comparison uses the same).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def numbers(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_per_s"))} for row in rows]
