@@ -185,8 +185,14 @@ def cmd_run(args, extra: list[str]) -> int:
 def cmd_export(args) -> int:
     from rltk.training.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out_dir)
-    print(f"exported {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)")
+    from rltk.models.lora import is_adapter_folder
+
+    out = export_checkpoint(args.checkpoint, args.out_dir, merge=args.merge)
+    if is_adapter_folder(out):
+        print(f"exported the LoRA adapter of {args.checkpoint} -> {out} (load with PeftModel.from_pretrained on the "
+              f"base model, or as model.lora.path; `rltk export --merge` writes a plain model folder instead)")
+    else:
+        print(f"exported {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)")
     return EXIT_OK
 
 
@@ -213,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a plain Hugging Face model folder from a checkpoint")
     p.add_argument("checkpoint", help="a step_XXXXXX folder under <output_dir>/checkpoints")
     p.add_argument("out_dir")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA checkpoints: fold the adapter into the base model and write a plain model folder "
+                        "(default: the adapter folder)")
     return parser
 
 

@@ -112,6 +112,26 @@ def adapter_config(path: str | Path) -> dict:
     return config
 
 
+def check_no_stage_lora(index: int, name: str, overrides: Any) -> None:
+    """Refuse ``model.lora`` in a stage's overrides: the model and its adapter are built once per run.
+
+    Every stage trains the same adapter (a warm-up hands its adapter to the RL
+    stage), and resuming rebuilds the base from the run's config; a stage with
+    LoRA of its own would need its starting weights kept beside the checkpoints.
+    """
+    keys = OmegaConf.to_container(overrides, resolve=False) if isinstance(overrides, DictConfig) else dict(overrides)
+    for key, value in keys.items():
+        touches = key == "model.lora" or key.startswith("model.lora.") or (
+            key == "model" and isinstance(value, dict) and "lora" in value)
+        if touches:
+            raise ConfigError(
+                f"stages[{index}].overrides (stage '{name}') sets '{key}': model.lora applies to the whole run (every "
+                f"stage trains the same adapter). Set model.lora.* at the top level; to warm up with full weights and "
+                f"then train an adapter, run the warm-up alone, `rltk export` it, and start the LoRA run from it with "
+                f"model.path=<exported folder>"
+            )
+
+
 # ---------------------------------------------------------------- matching against a model
 
 

@@ -23,7 +23,7 @@ from rltk.config.critic_checks import check_critic_config
 from rltk.config.env_checks import check_env
 from rltk.config.errors import ConfigError
 from rltk.config.guard_checks import check_guard
-from rltk.config.lora_checks import check_lora_fits_model, check_lora_values
+from rltk.config.lora_checks import check_lora_fits_model, check_lora_values, check_no_stage_lora
 from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
@@ -76,6 +76,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
                 f"Valid: {', '.join(STAGE_TYPES)}"
             )
         if stage.overrides:
+            check_no_stage_lora(i, stage.name, stage.overrides)
             staged = apply_overrides(cfg, dict(stage.overrides), f"stages[{i}].overrides (stage '{stage.name}')")
             staged.stages = []
             validate_config(staged, recipe)

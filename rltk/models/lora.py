@@ -303,7 +303,8 @@ def merge_lora_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], scalin
             yield strip_peft_prefix(name.replace(".base_layer.", ".")), tensor
             continue
         entry = pending.setdefault(layer, {})
-        entry[part] = tensor.detach().clone() if part == "W" else tensor.detach()
+        # copies: a streamed (gathered) tensor may be released once the next one is requested
+        entry[part] = tensor.detach().clone()
         if len(entry) == 3:
             base = pending.pop(layer)
             delta = (base["B"].float() @ base["A"].float()) * scalings[layer]

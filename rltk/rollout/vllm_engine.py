@@ -166,6 +166,50 @@ def _load_weights_on_worker(worker, weights):
     return len(loaded) if loaded is not None else len(weights)
 
 
+def engine_weights(state_dict_or_model: Any, trainer_model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The plain Hugging Face weights vLLM loads, from a module or a state dict of the trainer's model.
+
+    A module whose parameters are sharded (ZeRO-3, FSDP2) is gathered one
+    tensor at a time (a collective). A LoRA model (peft) has its adapters merged
+    into the base weights, ``W = W0 + (alpha / r) B A``
+    (:func:`rltk.models.lora.merge_lora_weights`), under the base model's own
+    names (no ``base_model.model.`` prefix, no ``.base_layer``, no ``lora_*``
+    entries), since vLLM builds the plain architecture. A state dict with
+    peft's names takes its scalings from ``trainer_model``, the module it was
+    read from.
+    """
+    from rltk.models.lora import lora_scalings, merge_lora_weights
+
+    if isinstance(state_dict_or_model, nn.Module):
+        module = unwrap_model(state_dict_or_model)  # sees through peft: the base model, adapter layers inside
+        sharded = has_sharded_parameters(module)
+        source = iter_full_state(module) if sharded else module.state_dict().items()
+        scalings = lora_scalings(module)
+    elif isinstance(state_dict_or_model, Mapping):
+        sharded, source = False, state_dict_or_model.items()
+        lora = any(".lora_A." in name for name in state_dict_or_model)
+        if lora and trainer_model is None:
+            raise ValueError("engine_weights: a state dict with LoRA adapters needs the trainer's model for their "
+                             "scalings (alpha / r)")
+        scalings = lora_scalings(_peft_or_self(trainer_model)) if lora else {}
+    else:
+        raise TypeError(
+            f"VLLMRolloutEngine.update_weights takes an nn.Module or a state dict, "
+            f"got {type(state_dict_or_model).__name__}"
+        )
+    if scalings:
+        source = merge_lora_weights(source, scalings)
+    # a gathered ZeRO-3 tensor is partitioned again when the next one is gathered: keep copies
+    return {name: tensor.clone() if sharded else tensor for name, tensor in source}
+
+
+def _peft_or_self(model: nn.Module) -> nn.Module:
+    """The PeftModel inside ``model``'s wrappers (its state-dict names are peft's), else ``model``."""
+    from rltk.models.lora import is_lora_model, peft_model_of
+
+    return peft_model_of(model) if is_lora_model(model) else model
+
+
 def _write_model_skeleton(model: nn.Module, tokenizer: Any, path: str) -> None:
     """Config, generation config and tokenizer of ``model``: what vLLM needs to build it with dummy weights."""
     model.config.save_pretrained(path)
@@ -339,21 +383,10 @@ class VLLMRolloutEngine(RolloutEngine):
         collective, so every rank must call this, and each full tensor is
         copied out before the next is gathered. A sleeping engine wakes its
         weights (not its KV cache) first; the prefix cache is reset because
-        cached keys and values belong to the old weights.
+        cached keys and values belong to the old weights. A LoRA policy's
+        adapters are merged into the weights on the way (:func:`engine_weights`).
         """
-        if isinstance(state_dict_or_model, nn.Module):
-            module = unwrap_model(state_dict_or_model)
-            if has_sharded_parameters(module):
-                state = {name: tensor.clone() for name, tensor in iter_full_state(module)}
-            else:
-                state = module.state_dict()
-        elif isinstance(state_dict_or_model, Mapping):
-            state = state_dict_or_model
-        else:
-            raise TypeError(
-                f"VLLMRolloutEngine.update_weights takes an nn.Module or a state dict, "
-                f"got {type(state_dict_or_model).__name__}"
-            )
+        state = engine_weights(state_dict_or_model, self.model)
         if self._asleep:
             self._wake(["weights"])
         weights = [(name, tensor.detach()) for name, tensor in state.items()]

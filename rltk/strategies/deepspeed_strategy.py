@@ -713,7 +713,9 @@ class DeepSpeedStrategy(TrainingStrategy):
 
             deepspeed/state/     engine.save_checkpoint: model states, one ZeRO optimizer shard per
                                  rank, the LR schedule (DeepSpeed's files; zero_to_fp32.py beside them)
-            model/               full fp32 weights, a Hugging Face folder (safetensors), if save_full_weights
+            model/               full fp32 weights, a Hugging Face folder (safetensors), if save_full_weights;
+                                 with LoRA always, and only the peft adapter folder (the engine's files then
+                                 hold no frozen base weights either)
             model_config/        otherwise the model's config files, for export_model_folder
             strategy.json        format, ZeRO stage, world size, precision, optimizer settings
 

@@ -339,6 +339,8 @@ def test_a_folder_that_is_no_adapter_names_the_key(tmp_path):
     (["model.lora.r=true"], "'model.lora.r'"),
     (["model.lora.r=8", "model.lora.target_modules=[qkv]"], "'model.lora.target_modules'"),
     (["model.lora.path=/nonexistent/adapter"], "'model.lora.path'"),
+    (["stages=[{name: a, type: sft}, {name: b, type: rl, overrides: {model.lora.r: 8}}]"],
+     "stages[1].overrides (stage 'b') sets 'model.lora.r'"),
 ])
 def test_validate_and_run_exit_2_naming_the_key(overrides, expected, capsys, tmp_path):
     from rltk.cli import main
