@@ -25,6 +25,9 @@ micro-batches, losses normalised by the global token count). Phases:
 * ``zero2_lora`` / ``zero3_lora``: train a LoRA adapter (``model.lora``) on the
   same tiny model (distributed_worker's ``tiny_lora_qwen2``) for
   ``TOTAL_STEPS`` steps; write weights, losses and gradient norms.
+  ``zero3_lora_ckpt``: the same under ZeRO-3 with gradient checkpointing
+  (``model.gradient_checkpointing``: the recompute must gather the partitioned
+  layers again).
 
 ZeRO-3 runs with ``stage3_param_persistence_threshold=0``: by default DeepSpeed
 leaves tensors under 1e5 elements unpartitioned, which is every tensor of
@@ -57,6 +60,7 @@ PHASES = {
     "zero3_resume": dict(zero_stage=3, config=ZERO3_CONFIG),
     "zero2_lora": dict(zero_stage=2),
     "zero3_lora": dict(zero_stage=3, config=ZERO3_CONFIG),
+    "zero3_lora_ckpt": dict(zero_stage=3, config=ZERO3_CONFIG),
 }
 CHECKPOINT_DIRS = {"zero2": "ckpt_zero2", "zero2_resume": "ckpt_zero2",
                    "zero3_crash": "ckpt_zero3", "zero3_resume": "ckpt_zero3"}
@@ -127,8 +131,12 @@ def run_phase(phase: str, out_dir: Path):
         torch.save({"weights": strategy.full_state_dict()}, result_file)
         return strategy
 
-    strategy.setup(shared.tiny_lora_qwen2(seed=0) if phase.endswith("_lora") else shared.tiny_qwen2(seed=0),
-                   **shared.SETUP)
+    model = shared.tiny_lora_qwen2(seed=0) if "_lora" in phase else shared.tiny_qwen2(seed=0)
+    if phase.endswith("_ckpt"):
+        from rltk.models.activation_checkpointing import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
+    strategy.setup(model, **shared.SETUP)
     if phase == "zero2_nonfinite":
         torch.save(train_with_nan_step(strategy, batches), result_file)
         return strategy
@@ -150,6 +158,11 @@ def run_phase(phase: str, out_dir: Path):
               "skipped_steps": strategy.skipped_steps, "optimizer_steps": strategy.optimizer_steps}
     if strategy.mixed_precision != "no":
         result["master_weights"] = strategy.full_master_state_dict()
+    if phase.endswith("_ckpt"):  # decoder layers transformers checkpoints: flagged and in train mode
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        result["checkpointed_layers"] = sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+                                            and m.training for m in strategy.unwrap().modules())
     torch.save(result, result_file)
     return strategy
 
