@@ -173,11 +173,12 @@ def test_export_writes_the_adapter_or_a_merged_plain_model(tmp_path, straight_ru
     assert main(["export", str(last), str(merged_dir), "--merge"]) == 2  # never overwrites
 
 
-# `rltk run grpo model.lora.r=16` on the warmed-up embedded default: measured over RL seeds and CPU kernel
-# levels (see the report of the LoRA branch / README), the mean training reward of the last 25 of 100 steps
-# rose above the first 25 by at least MIN_MEASURED_RISE; the test asks for half of that.
+# `rltk run grpo model.lora.r=16` on the warmed-up embedded default (this test's settings, one torch thread):
+# the mean training reward of the last 25 of 100 steps rose above the first 25 by 0.058 (seed 0), 0.034
+# (seed 1), 0.032 (seed 2); under ATEN_CPU_CAPABILITY=avx2 by 0.058 (seed 0) and 0.026 (seed 2), under
+# =default by 0.048 (seed 0) (measured 2026-11-23 on an AVX2 machine). The test asks for half the smallest.
 LEARN_STEPS = 100
-MIN_MEASURED_RISE = 0.02
+MIN_MEASURED_RISE = 0.026
 
 
 def test_grpo_with_lora_raises_the_reward(tmp_path, warm_base):
