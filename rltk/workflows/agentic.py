@@ -42,6 +42,7 @@ and may not exceed ``max_tokens_per_request``.
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import time
 import traceback
@@ -55,6 +56,8 @@ import rltk
 from rltk.batch import Experience
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.workflows.base import Workflow, score_samples
+
+logger = logging.getLogger(__name__)
 
 
 def _positive_int(value: Any, key: str, allow_none: bool = False) -> None:
@@ -303,6 +306,9 @@ class AgenticWorkflow(Workflow):
                    else "no agent sent a single request to the endpoint")
             raise RuntimeError(f"agentic: all {len(episodes)} episodes of agent {self.agent!r} failed or made no "
                                f"request, so there is nothing to train on; {why}")
+        if errors:  # counted in the metrics; the first message says why, once per step
+            logger.warning("agentic: %d of %d episodes dropped because agent %r failed; the first: %s",
+                           len(errors), len(episodes), self.agent, errors[0]["error"])
         reward_s = time.perf_counter() - tick
         self._metrics = _metrics(experiences, episodes, errors, empty, segments, requests, generate_s, reward_s,
                                  calls_before, calls_after)
