@@ -113,8 +113,9 @@ def create_app(
     max_model_len: int | None = None,
     tool_parser: str = "hermes",
     store: SessionStore | None = None,
-    window_s: float = 0.01,
+    window_s: float = 0.05,
     max_batch: int = 64,
+    max_wait_s: float | None = None,
 ):
     """The FastAPI app serving ``engine`` under the model id ``model_name``.
 
@@ -130,7 +131,8 @@ def create_app(
             ``max_position_embeddings``); ``None`` skips the context check.
         tool_parser: the tool-call parser for requests with ``tools``.
         store: where records go; a new unbounded store when ``None``.
-        window_s, max_batch: the :class:`Batcher`'s collection window and batch cap.
+        window_s, max_batch, max_wait_s: the :class:`Batcher`'s gap between arrivals it waits
+            for, its cap on sequences per engine call, and the longest it collects one round.
 
     The batcher thread is closed on the app's shutdown (``app.state.rltk.batcher.close()``).
     """
@@ -140,7 +142,7 @@ def create_app(
         raise ValueError(f"create_app: max_tokens_limit must be an integer >= 1, got {limit!r}")
     get_tool_parser(tool_parser)  # an unknown parser fails here, not on the first request with tools
     state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser,
-                       Batcher(engine, window_s=window_s, max_batch=max_batch), store or SessionStore())
+                       Batcher(engine, window_s=window_s, max_batch=max_batch, max_wait_s=max_wait_s), store or SessionStore())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
