@@ -100,7 +100,7 @@ class AgenticWorkflow(Workflow):
         agent_args: Mapping[str, Any] | None = None,
         concurrency: int = 32,
         max_tokens_per_request: int | None = None,
-        batch_window_s: float = 0.01,
+        batch_window_s: float = 0.05,
         max_batch: int = 64,
         request_timeout_s: float = 600.0,
         force_sampling: bool = True,
