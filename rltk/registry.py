@@ -65,7 +65,7 @@ KINDS: dict[str, Kind] = {
         Kind("reward_fn", "rltk_reward_fns", "reward functions",
              frozenset({"prompt", "response", "ground_truth", "extras"})),
         Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",
-             frozenset({"engine", "tokenizer", "reward", "sampling"})),
+             frozenset({"engine", "tokenizer", "reward", "sampling", "env"})),
         Kind("sample_strategy", "rltk_sample_strategies", "buffer sample strategies",
              frozenset({"buffer"})),
         Kind("training_strategy", "rltk_training_strategies", "training strategies",
@@ -77,6 +77,9 @@ KINDS: dict[str, Kind] = {
         Kind("agent", "rltk_agents", "agents driving the policy through the OpenAI endpoint (agentic workflow)",
              frozenset({"row", "client", "model"})),
         Kind("algorithm", "rltk_algorithms", "algorithm presets", frozenset()),
+        Kind("environment", "rltk_environments", "environments of multi-turn episodes", frozenset()),
+        Kind("tool", "rltk_tools", "tools the policy can call", frozenset()),
+        Kind("tool_parser", "rltk_tool_parsers", "tool-call parsers", frozenset()),
     ]
 }
 
