@@ -99,6 +99,8 @@ class ServeState:
     batcher: Batcher
     store: SessionStore
     sampling_override: dict | None = None
+    parse_tool_calls: Any = None
+    max_requests_per_session: int | None = None
     counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -112,7 +114,9 @@ def create_app(
     max_tokens_limit: int | None = None,
     max_model_len: int | None = None,
     tool_parser: str = "hermes",
+    tool_parser_args: dict | None = None,
     store: SessionStore | None = None,
+    max_requests_per_session: int | None = None,
     window_s: float = 0.05,
     max_batch: int = 64,
     max_wait_s: float | None = None,
@@ -129,8 +133,11 @@ def create_app(
             training budget per turn); ``None`` means ``defaults.max_new_tokens``.
         max_model_len: prompt + completion tokens the model handles (its
             ``max_position_embeddings``); ``None`` skips the context check.
-        tool_parser: the tool-call parser for requests with ``tools``.
+        tool_parser, tool_parser_args: the registered tool-call parser (kind ``tool_parser``)
+            for requests with ``tools``, and its arguments.
         store: where records go; a new unbounded store when ``None``.
+        max_requests_per_session: refuse a session's next request (400, code
+            ``max_turns_exceeded``) once it made this many; ``None``: no cap.
         window_s, max_batch, max_wait_s: the :class:`Batcher`'s gap between arrivals it waits
             for, its cap on sequences per engine call, and the longest it collects one round.
 
@@ -140,9 +147,11 @@ def create_app(
     limit = max_tokens_limit if max_tokens_limit is not None else defaults.max_new_tokens
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"create_app: max_tokens_limit must be an integer >= 1, got {limit!r}")
-    get_tool_parser(tool_parser)  # an unknown parser fails here, not on the first request with tools
-    state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser,
-                       Batcher(engine, window_s=window_s, max_batch=max_batch, max_wait_s=max_wait_s), store or SessionStore())
+    parse_tool_calls = get_tool_parser(tool_parser, tool_parser_args)  # an unknown name fails here, not mid-run
+    batcher = Batcher(engine, window_s=window_s, max_batch=max_batch, max_wait_s=max_wait_s)
+    state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser, batcher,
+                       store or SessionStore(), parse_tool_calls=parse_tool_calls,
+                       max_requests_per_session=max_requests_per_session)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -428,6 +437,13 @@ def _render_chat(state: ServeState, messages: list[dict], tools: list[dict] | No
 # ---------------------------------------------------------------------- generation and responses
 
 
+def _check_turns(state: ServeState, session_id: str) -> None:
+    cap = state.max_requests_per_session
+    if cap is not None and state.store.requests(session_id) >= cap:
+        raise APIError(400, f"session {session_id!r} already made {cap} requests, the most one episode may make "
+                            "(env.max_turns)", param=None, code="max_turns_exceeded")
+
+
 async def _generate(state: ServeState, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
     future = state.batcher.submit(prompts, params)
     return await asyncio.wrap_future(future)
@@ -477,10 +493,11 @@ async def _chat(state: ServeState, body: dict, session_id: str) -> dict:
                        param="top_logprobs")
     prompt_ids = _render_chat(state, messages, tools)
     params, stops = _sampling(state, body, [len(prompt_ids)])
+    _check_turns(state, session_id)
     completions = (await _generate(state, [prompt_ids], params))[0]
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    parse = get_tool_parser(state.tool_parser) if tools and tool_choice != "none" else None
+    parse = state.parse_tool_calls if tools and tool_choice != "none" else None
     choices, completion_tokens = [], 0
     for index, completion in enumerate(completions):
         ids, lps, text, finish = _cut_at_stop_strings(state.tokenizer, completion, stops)
@@ -555,6 +572,7 @@ async def _complete(state: ServeState, body: dict, session_id: str) -> dict:
         raise APIError(400, f"'logprobs' must be an integer in [0, 5] or null, got {logprobs!r}", param="logprobs")
     prompts = _prompts(state, body)
     params, stops = _sampling(state, body, [len(p) for p in prompts])
+    _check_turns(state, session_id)
     groups = await _generate(state, prompts, params)
 
     request_id = f"cmpl-{uuid.uuid4().hex}"

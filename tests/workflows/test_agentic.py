@@ -212,3 +212,35 @@ def test_failures_that_leave_nothing_to_train_on_are_errors_naming_the_cause(set
 def test_an_unknown_agent_lists_the_registered_ones(setup):
     with pytest.raises(RegistryError, match="arithmetic_chat"):
         make(setup, "arithmetic_chatt")
+
+
+def test_validate_names_an_unknown_agent_and_a_mistyped_agent_argument(capsys):
+    from rltk.cli import main
+
+    base = ["validate", "grpo", "rollout.workflow=agentic"]
+    assert main(base + ["rollout.workflow_args.agent=arithmetic_chatt"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.workflow_args.agent" in err and "arithmetic_chat" in err
+    assert main(base + ["rollout.workflow_args.agent=arithmetic_chat",
+                        "rollout.workflow_args.agent_args.chekcs=1"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.workflow_args.agent_args.chekcs" in err and "checks" in err
+    assert main(base + ["rollout.workflow_args.agent=arithmetic_chat",
+                        "rollout.workflow_args.agent_args.checks=1"]) == 0
+    assert main(base) == 2  # the workflow needs its agent
+    assert "agent" in capsys.readouterr().err
+
+
+def test_env_caps_requests_per_episode_and_tokens_per_request(setup):
+    tokenizer, engine = setup
+    capped = make(setup, "arithmetic_chat", n=1, agent_args={"checks": 1},
+                  env={"max_turns": 1, "max_new_tokens_per_turn": 2, "tool_parser": "hermes"})
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)BadRequestError: Error code: 400 - session .* already made 1 requests.*env.max_turns"):
+            capped.run(ROWS[:1])  # the re-check is the episode's second request
+        assert capped.app_state.max_tokens_limit == 2
+        assert all(params.max_new_tokens == 2 for _, params in engine.calls)
+    finally:
+        capped.close()
+    with pytest.raises(ValueError, match="env.max_turns must be an integer >= 1"):
+        make(setup, "arithmetic_chat", env={"max_turns": 0})
