@@ -424,11 +424,12 @@ def _render_chat(state: ServeState, messages: list[dict], tools: list[dict] | No
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the served model's tokenizer has no chat template; use /v1/completions with a "
                             "prompt instead", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja raises TemplateError (or the template's own raise_exception)
-        raise APIError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    from rltk.workflows.chat import render_ids
+
+    try:  # the rendering multi_turn opens its episodes with, so both give one prompt the same ids
+        ids = render_ids(tokenizer, messages, tools=tools)
+    except ValueError as exc:  # the template refused them (jinja's TemplateError or its own raise_exception)
+        raise APIError(400, str(exc), param="messages") from None
     if not ids:
         raise APIError(400, "the messages render to no tokens", param="messages")
     return list(ids)

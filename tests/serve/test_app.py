@@ -243,3 +243,12 @@ def test_a_stop_string_cuts_text_and_recorded_ids_at_its_first_occurrence(script
     assert tokenizer.decode(list(record.completion_ids)) == "one."
     assert record.logprobs == (-0.1, -0.2, -0.3, -0.4)
     assert choice.logprobs.token_logprobs == [-0.1, -0.2, -0.3, -0.4]
+
+
+def test_a_role_the_chat_template_cannot_render_is_a_400_naming_the_roles(live):
+    server, _, tokenizer = live
+    if "tool" in (tokenizer.chat_template or ""):
+        pytest.skip("this tiny chat template renders the tool role")
+    response = chat(server, messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}])
+    assert response.status_code == 400
+    assert "cannot render messages with roles ['user', 'tool']" in response.json()["error"]["message"]
