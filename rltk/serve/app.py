@@ -128,7 +128,8 @@ def create_app(
         tokenizer: renders chat messages (its chat template) and decodes completions.
         model_name: the id clients pass as ``model``; any other id is a 404.
         defaults: sampling for fields a request leaves out (``max_tokens`` defaults
-            to ``defaults.max_new_tokens``); ``None`` means ``SamplingParams()``.
+            to ``defaults.max_new_tokens``, or what the context leaves when that is
+            less); ``None`` means ``SamplingParams()``.
         max_tokens_limit: the most ``max_tokens`` a request may ask for (the
             training budget per turn); ``None`` means ``defaults.max_new_tokens``.
         max_model_len: prompt + completion tokens the model handles (its

@@ -244,3 +244,54 @@ def test_env_caps_requests_per_episode_and_tokens_per_request(setup):
         capped.close()
     with pytest.raises(ValueError, match="env.max_turns must be an integer >= 1"):
         make(setup, "arithmetic_chat", env={"max_turns": 0})
+
+
+TOOL_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}<|user|>result: {{ m['content'] }}<|eos|>"
+    "{%- elif m['role'] == 'assistant' -%}<|assistant|>{{ m['content'] }}"
+    "{%- for call in m.get('tool_calls') or [] -%}"
+    "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>{%- endfor -%}<|eos|>"
+    "{%- else -%}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def test_the_tool_agent_runs_the_calculator_the_policy_calls_and_stays_one_trajectory():
+    tokenizer, _ = tiny_chat_model()
+    tokenizer.chat_template = TOOL_TEMPLATE
+
+    def script(prompt_text):
+        if prompt_text.endswith("<|eos|><|assistant|>") and "result: " in prompt_text.rsplit("<|user|>", 1)[-1]:
+            return prompt_text.rsplit("result: ", 1)[-1].split("<|eos|>")[0]  # answer with the tool's output
+        question = re.findall(r"<\|user\|>(\d+\+\d+)=<\|eos\|>", prompt_text)[-1]
+        return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % question
+
+    engine = ScriptedEngine(tokenizer, script)
+    workflow = AgenticWorkflow(engine=engine, tokenizer=tokenizer, reward=exact,
+                               sampling=SamplingParams(n=2, max_new_tokens=100), agent="arithmetic_tools")
+    try:
+        experiences = workflow.run(ROWS[:2])
+        assert [e.score for e in experiences] == [1.0] * 4  # 5 and 8, from the calculator
+        assert all(e.info["requests"] == 2 and e.info["segments"] == 1 for e in experiences)
+        inserted = tokenizer("<|user|>result: 5<|eos|><|assistant|>", add_special_tokens=False)["input_ids"]
+        mask = experiences[0].response_mask
+        zeros = [i for i, m in enumerate(mask) if m == 0]
+        assert len(zeros) == len(inserted)  # only the tool result and the next generation prompt
+        assert [experiences[0].response_ids[i] for i in zeros] == inserted
+    finally:
+        workflow.close()
+
+
+def test_the_chat_agent_opens_with_a_rows_messages_when_it_has_them(setup):
+    tokenizer, engine = setup
+    workflow = make(setup, "arithmetic_chat", n=1, agent_args={"system_prompt": "Add."})
+    try:
+        rows = [{"messages": [{"role": "user", "content": "3+4="}], "ground_truth": "7", "id": "m"}]
+        [experience] = workflow.run(rows)
+        assert tokenizer.decode(experience.prompt_ids) == "<|system|>Add.<|eos|><|user|>3+4=<|eos|><|assistant|>"
+        assert experience.score == 1.0 and experience.info["prompt"] == "3+4="
+    finally:
+        workflow.close()
