@@ -17,6 +17,12 @@ Routes (JSON in, JSON out, as the official ``openai`` client speaks them):
 * ``GET /rltk/sessions/{session_id}``: every record of a session (exact token
   ids and log-probs), ``GET /health``.
 
+``stream: true`` is answered as server-sent events once the completion is
+done (the engine generates whole completions): one chunk per choice with the
+whole text (and tool calls), one with its finish reason, a usage chunk when
+``stream_options.include_usage`` asks for it, then ``[DONE]``; so clients and
+agent frameworks that stream work unchanged.
+
 Log-probs are those of the sampled tokens under the distribution they were
 drawn from (see the engine). The engine reports no alternatives, so a
 ``top_logprobs`` list holds only the sampled token (empty when 0 are asked for).
@@ -31,7 +37,7 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
 a malformed body, empty ``messages``, an unknown role, ``n < 1``,
 ``temperature < 0``, ``top_p`` outside (0, 1], ``max_tokens`` above the budget
 (code ``max_tokens_exceeded``), a prompt that leaves no room in the model's
-context (code ``context_length_exceeded``), ``stream: true`` (not supported);
+context (code ``context_length_exceeded``);
 404/405 for unknown routes; 500 ``server_error`` when the engine fails.
 
 Requests are coalesced into batched engine calls by :class:`~rltk.serve.batcher.Batcher`.
@@ -207,13 +213,13 @@ def create_app(
     async def chat_completions(request: Request):
         body = await _json_body(request)
         state.counters["requests"] += 1
-        return await _chat(state, body, _session_id(request, body))
+        return _respond(await _chat(state, body, _session_id(request, body)), body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _json_body(request)
         state.counters["requests"] += 1
-        return await _complete(state, body, _session_id(request, body))
+        return _respond(await _complete(state, body, _session_id(request, body)), body)
 
     return app
 
@@ -265,9 +271,9 @@ def _is_number(value: Any) -> bool:
 
 def _sampling(state: ServeState, body: dict, prompt_lengths: list[int]) -> tuple[SamplingParams, list[str]]:
     """The request's :class:`SamplingParams` and stop strings, or a 400 naming the field."""
-    if body.get("stream"):
-        raise APIError(400, "stream=true is not supported by this endpoint; send the request without stream",
-                       param="stream")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not _is_int(n) or n < 1 or n > MAX_N:
@@ -604,6 +610,49 @@ async def _complete(state: ServeState, body: dict, session_id: str) -> dict:
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+
+
+def _respond(result: dict, body: dict):
+    """``result`` as JSON, or as server-sent events when the request asked to stream."""
+    if not body.get("stream"):
+        return result
+    from fastapi.responses import StreamingResponse
+
+    options = body.get("stream_options") or {}
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    return StreamingResponse(_events(result, include_usage), media_type="text/event-stream")
+
+
+def _events(result: dict, include_usage: bool):
+    """The chunks of a finished ``result``: its content per choice, then each finish reason, usage, ``[DONE]``."""
+    chat = result["object"] == "chat.completion"
+    head = {"id": result["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": result["created"], "model": result["model"]}
+
+    def event(choices: list, **extra) -> str:
+        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+
+    for choice in result["choices"]:
+        if chat:
+            message = choice["message"]
+            delta = {"role": "assistant", "content": message["content"]}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            yield event([{"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"],
+                          "finish_reason": None}])
+        else:
+            yield event([{"index": choice["index"], "text": choice["text"], "logprobs": choice["logprobs"],
+                          "finish_reason": None}])
+    for choice in result["choices"]:
+        if chat:
+            yield event([{"index": choice["index"], "delta": {}, "logprobs": None,
+                          "finish_reason": choice["finish_reason"]}])
+        else:
+            yield event([{"index": choice["index"], "text": "", "logprobs": None,
+                          "finish_reason": choice["finish_reason"]}])
+    if include_usage:
+        yield event([], usage=result["usage"])
+    yield "data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------------- uvicorn in a thread
