@@ -96,6 +96,10 @@ class AgenticWorkflow(Workflow):
     at :meth:`close` (or at interpreter exit).
     """
 
+    #: ``rollout.workflow_args.agent`` names a component of kind ``agent`` (its arguments in ``agent_args``),
+    #: checked by ``rltk validate`` before anything is built.
+    component_args = {"agent": "agent"}
+
     def __init__(
         self,
         *,
