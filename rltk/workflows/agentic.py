@@ -312,7 +312,9 @@ class AgenticWorkflow(Workflow):
                           "ground_truth": row.get("ground_truth", ""), "row_id": row.get("id", str(row_index)),
                           "sample_index": episode["sample_index"], "session_id": episode["session_id"],
                           "segment": segment, "segments": len(trajectories),
-                          "requests": len(trajectory.records)},
+                          "requests": len(trajectory.records),
+                          # the names multi_turn uses: assistant turns in this trajectory, cut at a limit
+                          "turns": len(trajectory.records), "truncated": trajectory.finish_reason == "length"},
                 ))
         if not experiences:
             first = (errors or empty or [None])[0]
@@ -334,7 +336,7 @@ class AgenticWorkflow(Workflow):
         ``agentic/segments_per_episode``, ``agentic/requests_per_episode``, ``agentic/engine_calls``,
         ``agentic/requests_per_engine_call``, ``time/generate_s``, ``time/reward_s``,
         ``rollout/response_length_mean|max``, ``rollout/policy_tokens``, ``rollout/truncated_fraction``,
-        ``reward/<name>``."""
+        ``rollout/turns_mean`` (requests stitched into each experience), ``reward/<name>``."""
         return dict(self._metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -441,6 +443,7 @@ def _metrics(experiences, episodes, errors, empty, segments, requests, generate_
         "rollout/response_length_max": float(max(lengths)),
         "rollout/policy_tokens": float(policy_tokens),
         "rollout/truncated_fraction": sum(e.finish_reason == "length" for e in experiences) / len(experiences),
+        "rollout/turns_mean": sum(e.info["turns"] for e in experiences) / len(experiences),
     }
     names = sorted({name for e in experiences for name in e.reward_details})
     for name in names:

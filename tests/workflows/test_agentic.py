@@ -112,7 +112,7 @@ def test_a_two_turn_chat_agent_gives_one_experience_per_episode_with_masks_and_l
         metrics = workflow.metrics()
         assert metrics["agentic/episodes"] == 4 and metrics["agentic/agent_errors"] == 0
         assert metrics["agentic/segments_per_episode"] == 1 and metrics["agentic/requests_per_episode"] == 2
-        assert metrics["rollout/policy_tokens"] == 16
+        assert metrics["rollout/policy_tokens"] == 16 and metrics["rollout/turns_mean"] == 2
         assert workflow.app_state.store.session_ids() == []  # every session was consumed
         assert workflow.run(ROWS[2:])[0].group_id == 2  # ids go on across calls
     finally:
