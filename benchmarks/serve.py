@@ -17,7 +17,8 @@ the tiny char vocabulary, fp32, CPU):
 
 Every completion is exactly ``--tokens`` long (no stop token), so both sides
 generate the same number of tokens; tokens/s is completion tokens per wall
-second. The two run alternated, round after round (the order flips each round),
+second, and per second of this process's CPU time (all threads: the HTTP and
+client work included), which other jobs on shared cores disturb less. The two run alternated, round after round (the order flips each round),
 and the ratio endpoint/direct is taken within each round; the median is
 reported with the engine calls the endpoint made. Prints a table and writes JSON
 under ``benchmarks/results/``.
@@ -65,11 +66,12 @@ def run_direct(engine, tokenizer, conversations, tokens: int) -> dict:
 
     ids = [tokenizer(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False)["input_ids"] for c in conversations]
-    tick = time.perf_counter()
+    tick, cpu = time.perf_counter(), time.process_time()
     out = engine.generate(ids, SamplingParams(max_new_tokens=tokens, stop_token_ids=[]))
-    wall = time.perf_counter() - tick
+    wall, cpu = time.perf_counter() - tick, time.process_time() - cpu
     generated = sum(len(c.token_ids) for group in out for c in group)
-    return {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall, "engine_calls": 1}
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": generated, "tokens_per_s": generated / wall,
+            "tokens_per_cpu_s": generated / cpu, "engine_calls": 1}
 
 
 def run_endpoint(server, conversations, tokens: int, round_number: int) -> dict:
@@ -92,15 +94,15 @@ def run_endpoint(server, conversations, tokens: int, round_number: int) -> dict:
     for t in threads:
         t.start()
     go.wait()
-    tick = time.perf_counter()
+    tick, cpu = time.perf_counter(), time.process_time()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - tick
+    wall, cpu = time.perf_counter() - tick, time.process_time() - cpu
     for client in clients:
         client.close()
     generated = sum(results)
-    return {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall,
-            "engine_calls": state.batcher.stats()["engine_calls"] - before}
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": generated, "tokens_per_s": generated / wall,
+            "tokens_per_cpu_s": generated / cpu, "engine_calls": state.batcher.stats()["engine_calls"] - before}
 
 
 def main() -> int:
@@ -135,24 +137,30 @@ def main() -> int:
                 result[case] = (run_direct(engine, tokenizer, conversations, args.tokens) if case == "direct"
                                 else run_endpoint(server, conversations, args.tokens, round_number))
             result["ratio"] = result["endpoint"]["tokens_per_s"] / result["direct"]["tokens_per_s"]
+            result["cpu_ratio"] = result["endpoint"]["tokens_per_cpu_s"] / result["direct"]["tokens_per_cpu_s"]
             rows.append(result)
             print(f"round {round_number}: direct {result['direct']['tokens_per_s']:8.1f} tok/s | endpoint "
                   f"{result['endpoint']['tokens_per_s']:8.1f} tok/s in {result['endpoint']['engine_calls']} engine "
-                  f"call(s) | ratio {result['ratio']:.3f}", flush=True)
+                  f"call(s) | ratio {result['ratio']:.3f} (cpu time {result['cpu_ratio']:.3f})", flush=True)
     ratios = [r["ratio"] for r in rows]
+    cpu_ratios = [r["cpu_ratio"] for r in rows]
     summary = {
         "agents": args.agents, "tokens": args.tokens, "rounds": args.rounds, "window_s": args.window,
         "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+        "median_cpu_ratio": statistics.median(cpu_ratios), "min_cpu_ratio": min(cpu_ratios),
+        "max_cpu_ratio": max(cpu_ratios),
         "median_engine_calls": statistics.median(r["endpoint"]["engine_calls"] for r in rows),
         "target": 0.7, "rows": rows, "python": sys.version.split()[0], "machine": platform.machine(),
         "torch_threads": torch.get_num_threads(), "when": datetime.now(timezone.utc).isoformat(),
     }
-    print(f"\n{'case':<10} {'median tok/s':>13}")
+    print(f"\n{'case':<10} {'median tok/s':>13} {'tok/cpu-s':>10}")
     for case in ("direct", "endpoint"):
-        print(f"{case:<10} {statistics.median(r[case]['tokens_per_s'] for r in rows):13.1f}")
+        print(f"{case:<10} {statistics.median(r[case]['tokens_per_s'] for r in rows):13.1f} "
+              f"{statistics.median(r[case]['tokens_per_cpu_s'] for r in rows):10.1f}")
     print(f"endpoint/direct: median {summary['median_ratio']:.3f} (min {summary['min_ratio']:.3f}, max "
-          f"{summary['max_ratio']:.3f}; target >= 0.7), engine calls per round (median) "
-          f"{summary['median_engine_calls']}")
+          f"{summary['max_ratio']:.3f}; target >= 0.7); by process cpu time median {summary['median_cpu_ratio']:.3f} "
+          f"(min {summary['min_cpu_ratio']:.3f}, max {summary['max_cpu_ratio']:.3f}); engine calls per round "
+          f"(median) {summary['median_engine_calls']}")
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / f"serve-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.json"
     out.write_text(json.dumps(summary, indent=2))
