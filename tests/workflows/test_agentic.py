@@ -199,8 +199,10 @@ def test_failures_that_leave_nothing_to_train_on_are_errors_naming_the_cause(set
     try:
         with pytest.raises(RuntimeError, match=r"(?s)all 3 episodes .*ValueError: agent gave up on r"):
             workflow.run(ROWS)
+        silent = make(setup, "silent", n=1)
         with pytest.raises(RuntimeError, match="no agent sent a single request"):
-            make(setup, "silent", n=1).run(ROWS[:1])
+            silent.run(ROWS[:1])
+        silent.close()
         bad = make(setup, "bad_return", n=1)
         with pytest.raises(RuntimeError, match="returned 'yes'; an agent returns the episode's reward"):
             bad.run(ROWS[:1])
