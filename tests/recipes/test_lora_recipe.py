@@ -174,11 +174,12 @@ def test_export_writes_the_adapter_or_a_merged_plain_model(tmp_path, straight_ru
 
 
 # `rltk run grpo model.lora.r=16` on the warmed-up embedded default (this test's settings, one torch thread):
-# the mean training reward of the last 25 of 100 steps rose above the first 25 by 0.058 (seed 0), 0.034
-# (seed 1), 0.032 (seed 2); under ATEN_CPU_CAPABILITY=avx2 by 0.058 (seed 0) and 0.026 (seed 2), under
-# =default by 0.048 (seed 0) (measured 2026-11-23 on an AVX2 machine). The test asks for half the smallest.
+# the mean training reward of the last 25 of 100 steps rose above the first 25 by, for RL seeds 0 / 1 / 2,
+# 0.058 / 0.031 / 0.026 natively and under ATEN_CPU_CAPABILITY=avx2 (the same numbers), and 0.048 / 0.031 /
+# 0.021 under =default (measured 2026-11-23 on an AVX2 machine). The test asks for half the smallest. The
+# held-out accuracy on 20 prompts is too noisy at this length to assert on.
 LEARN_STEPS = 100
-MIN_MEASURED_RISE = 0.026
+MIN_MEASURED_RISE = 0.021
 
 
 def test_grpo_with_lora_raises_the_reward(tmp_path, warm_base):
