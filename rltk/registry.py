@@ -75,6 +75,8 @@ KINDS: dict[str, Kind] = {
         Kind("logger", "rltk_loggers", "metric loggers",
              frozenset({"run_dir", "config", "total_steps", "resume_step"})),
         Kind("algorithm", "rltk_algorithms", "algorithm presets", frozenset()),
+        Kind("task", "rltk_tasks", "synthetic tasks (split, size, seed -> rows)",
+             frozenset({"split", "size", "seed"})),
     ]
 }
 

@@ -277,23 +277,44 @@ def _random_expression(numbers: list[int], rng: random.Random) -> tuple[int | No
     return (value, text) if value >= 0 else (None, "")
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "countdown": countdown}
+#: The arguments every task function takes positionally (the kind ``task`` fills them in).
+TASK_PROVIDED_ARGS = ("split", "size", "seed")
+
+
+def task_arguments(fn: Callable[..., list[dict]]) -> tuple[list[str], bool]:
+    """The ``data.task_args`` a task function accepts, and whether it takes any (``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    names = [p.name for p in params if p.name not in TASK_PROVIDED_ARGS
+             and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def get_task(name: str) -> Callable[..., list[dict]]:
+    """The task function registered as ``name`` (kind ``task``, see ``rltk_tasks``).
+
+    An unknown name is a ``ValueError`` naming ``data.task``, the closest
+    registered names and all of them.
+    """
+    from rltk.registry import RegistryError, get_registry
+
+    try:
+        return get_registry().entry("task", name, where="data.task").obj
+    except RegistryError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def make_task(name: str, split: str, size: int, seed: int, **args) -> list[dict]:
-    """Rows of the synthetic task ``name`` (``arithmetic`` or ``countdown``).
+    """Rows of the synthetic task registered as ``name`` (``arithmetic``, ``countdown``, ...).
 
-    ``args`` are the task's keyword arguments (see :func:`arithmetic`,
-    :func:`countdown`); unknown ones are an error listing the valid ones.
+    Tasks come from the registry (hook ``rltk_tasks``), so a plugin's task
+    is chosen by ``data.task`` like a builtin. ``args`` are the task's keyword
+    arguments (see :func:`arithmetic`, :func:`countdown`); unknown ones are an
+    error listing the valid ones.
     """
-    from rltk.registry import unknown_name_message
-
-    if name not in TASKS:
-        raise ValueError(unknown_name_message("synthetic task", name, list(TASKS), "data.task"))
-    fn = TASKS[name]
-    valid = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    fn = get_task(name)
+    valid, takes_any = task_arguments(fn)
     unknown = sorted(set(args) - set(valid))
-    if unknown:
+    if unknown and not takes_any:
         raise ValueError(f"synthetic task '{name}' has no argument(s) {unknown}. Valid: {', '.join(valid)}")
     return fn(split, size, seed, **args)
 
