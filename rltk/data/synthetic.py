@@ -319,14 +319,23 @@ def make_task(name: str, split: str, size: int, seed: int, **args) -> list[dict]
     return fn(split, size, seed, **args)
 
 
-def sft_examples(rows: list[dict]) -> list[tuple[str, str]]:
-    """``(prompt, completion)`` pairs with a correct completion, for supervised warm-up.
+def sft_examples(rows: list[dict]) -> list[tuple[str, str] | list[dict]]:
+    """What a supervised warm-up teaches for each row: a ``(prompt, completion)`` pair or a transcript.
 
-    The completion is ``extras["solution"]`` when a row has one (Countdown:
-    ``<answer>(3+5)*2</answer>``), else the ground truth (arithmetic: ``42``).
-    The tokenizer's eos is not included; the SFT stage appends it.
+    A row with ``sft_messages`` (the multi-turn tasks, chat datasets) gives
+    that transcript, a list of chat messages whose assistant turns are the
+    targets (:func:`rltk.data.chat.tokenize_transcript` tokenizes it with the
+    loss on those turns only). Any other row gives ``(prompt, completion)``
+    with a correct completion: ``extras["solution"]`` when the row has one
+    (Countdown: ``<answer>(3+5)*2</answer>``), else the ground truth
+    (arithmetic: ``42``). The tokenizer's eos is not included; the SFT stage
+    appends it.
     """
-    return [(row["prompt"], str(row.get("extras", {}).get("solution", row["ground_truth"]))) for row in rows]
+    return [
+        [dict(m) for m in row["sft_messages"]] if row.get("sft_messages")
+        else (row["prompt"], str(row.get("extras", {}).get("solution", row["ground_truth"])))
+        for row in rows
+    ]
 
 
 def _check_common(task: str, split: str, size: int, test_fraction: float) -> str:
