@@ -128,8 +128,30 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
         raise ConfigError("set either 'data.path' (a dataset file or folder) or 'data.task' (a synthetic task)")
     fmt = dict(system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
                prompt_template=d.prompt_template, max_prompt_tokens=d.max_prompt_tokens,
-               on_too_long=d.on_too_long)
+               on_too_long=d.on_too_long, tools=tool_schemas(cfg))
     return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
+
+
+def tool_schemas(cfg: DictConfig) -> list[dict] | None:
+    """The OpenAI function schemas of ``env.tools`` (with ``env.tools_args``), as the chat template renders them.
+
+    Prompts, demonstrations and multi-turn rollouts all render the same tool
+    list, so the warm-up and RL see one prompt text. ``None`` without tools.
+    """
+    env = cfg.get("env")
+    if env is None or not env.tools:
+        return None
+    from rltk.registry import get_registry
+
+    tools_args = dict(OmegaConf.to_container(env.tools_args, resolve=True) or {})
+    schemas = []
+    for name in env.tools:
+        base = get_registry().entry("tool", name, where="env.tools").obj
+        try:
+            schemas.append(base.bind(**dict(tools_args.get(name) or {})).schema())
+        except ValueError as exc:
+            raise ConfigError(f"env.tools_args.{name}: {exc}") from exc
+    return schemas
 
 
 def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
