@@ -94,6 +94,7 @@ def check_components(cfg: DictConfig, registry: Registry) -> None:
                                      (args or {}).get(name, {}), f"{key}_args.{name}")
         else:
             check_component_args(kind, names[0], registry.entries[kind][names[0]].obj, args, key + "_args")
+    check_agent(cfg, registry)
     weights = OmegaConf.select(cfg, "reward.weights") or {}
     for w in weights:
         if w not in cfg.reward.reward_fn:
@@ -101,6 +102,18 @@ def check_components(cfg: DictConfig, registry: Registry) -> None:
                 f"'reward.weights.{w}': '{w}' is not selected in 'reward.reward_fn' "
                 f"(selected: {', '.join(cfg.reward.reward_fn)})"
             )
+
+
+def check_agent(cfg: DictConfig, registry: Registry) -> None:
+    """``rollout.workflow_args.agent`` (agentic workflow) names a registered agent that takes its ``agent_args``."""
+    args = OmegaConf.select(cfg, "rollout.workflow_args") or {}
+    if "agent" not in args or "agent" not in registry.entries:
+        return
+    name, key = args["agent"], "rollout.workflow_args.agent"
+    table = registry.entries["agent"]
+    if not isinstance(name, str) or name not in table:
+        raise ConfigError(unknown_name_message("agent", str(name), list(table), where=key))
+    check_component_args("agent", name, table[name].obj, args.get("agent_args"), "rollout.workflow_args.agent_args")
 
 
 def check_task(cfg: DictConfig) -> None:
