@@ -1,5 +1,9 @@
 """Environment ``guess_number``: higher/lower feedback for the ``guess_number`` task's rows.
 
+The same game is also an agent (:func:`guess_number_agent`, kind ``agent``)
+for the ``agentic`` workflow: there the agent's own loop, written against the
+``openai`` client, gives the feedback instead of rltk's ``multi_turn`` loop.
+
 The episode opens with the row's messages (``"guess 1-31"``). Each assistant
 turn should be one integer; the environment answers ``"higher"`` when the
 secret is larger, ``"lower"`` when it is smaller, and ends the episode with a
@@ -77,6 +81,40 @@ class GuessNumber(Environment):
         return StepResult([{"role": "user", "content": reply}], info=info)
 
 
+def guess_number_agent(row: dict, client, model: str, *, max_turns: int = 5, decay: float = 1.0,
+                       max_tokens: int | None = None) -> float:
+    """Play one ``guess_number`` episode through the OpenAI chat API; the reward as :class:`GuessNumber` gives it.
+
+    Sends the row's opening messages, reads each reply as a guess, and
+    appends the reply and the :class:`GuessNumber` feedback as the next
+    messages, until the guess is the secret or ``max_turns`` replies were
+    made. Returns ``decay ** (guesses - 1)`` when solved, else 0.
+
+    Args:
+        row: a row of the ``guess_number`` task (``messages``, ``extras["secret"]``).
+        client: an ``openai.OpenAI`` client (the ``agentic`` workflow's, pointed at the policy).
+        model: the model id to request.
+        max_turns: replies before the episode is lost.
+        decay: as :class:`GuessNumber`'s.
+        max_tokens: ``max_tokens`` of each request (``None``: the endpoint's default).
+    """
+    env = GuessNumber(decay=decay, max_guesses=max_turns)
+    messages = env.reset(row)
+    extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+    while True:
+        reply = client.chat.completions.create(model=model, messages=messages, **extra)
+        text = reply.choices[0].message.content or ""
+        result = env.step(AssistantTurn(text=text))
+        if result.done:
+            return float(result.reward)
+        messages = messages + [{"role": "assistant", "content": text}, *result.observation]
+
+
 @rltk.hookimpl
 def rltk_environments():
     return {"guess_number": GuessNumber}
+
+
+@rltk.hookimpl
+def rltk_agents():
+    return {"guess_number": guess_number_agent}

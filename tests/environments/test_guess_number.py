@@ -93,3 +93,40 @@ def test_binary_search_wins_within_the_turn_limit_under_the_workflow():
     # one guess short of the limit, the secrets that need five guesses are lost
     short = _workflow(tokenizer, binary_search, max_turns=4).run(rows)
     assert sum(e.score for e in short) == sum(e.info["turns"] < 5 for e in experiences) == 15
+
+
+class FakeClient:
+    """An openai-client look-alike whose replies come from ``policy(messages)``; it records every request."""
+
+    def __init__(self, policy):
+        from types import SimpleNamespace
+
+        self.requests = []
+
+        def create(model, messages, **kwargs):
+            self.requests.append({"model": model, "messages": [dict(m) for m in messages], **kwargs})
+            message = SimpleNamespace(content=policy(messages))
+            return SimpleNamespace(choices=[SimpleNamespace(message=message)])
+
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=create))
+
+
+def test_the_agent_plays_the_environment_over_the_chat_api():
+    from rltk.environments.guess_number import guess_number_agent
+
+    guesses = iter(["16", "8", "4", "6", "5"])
+    client = FakeClient(lambda messages: next(guesses))
+    assert guess_number_agent(row(5), client, "policy") == 1.0
+    last = client.requests[-1]["messages"]
+    assert [m["content"] for m in last] == ["guess 1-31", "16", "lower", "8", "lower", "4", "higher", "6", "lower"]
+    assert [m["role"] for m in last[1:3]] == ["assistant", "user"] and client.requests[0]["model"] == "policy"
+
+
+def test_the_agent_loses_after_max_turns_and_decays_like_the_environment():
+    from rltk.environments.guess_number import guess_number_agent
+
+    assert guess_number_agent(row(5), FakeClient(lambda m: "16"), "m", max_turns=3) == 0.0
+    client = FakeClient(lambda m: "16" if len(m) == 1 else "24")
+    assert guess_number_agent(row(24), client, "m", decay=0.5, max_tokens=4) == 0.5
+    assert all(r["max_tokens"] == 4 for r in client.requests)
+    assert rltk.get_component("agent", "guess_number") is guess_number_agent
