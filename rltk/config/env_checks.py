@@ -1,22 +1,31 @@
 """The ``env`` section: environment, tools and tool parser are registered, their arguments fit, limits are positive.
 
-Checked whatever the workflow, so a typo in a name fails at validation like
-any other component name, before anything heavy starts.
+Checked when the chosen workflow reads the section (its class takes ``env``,
+as ``multi_turn`` does), so a typo in a name fails at validation like any
+other component name, before anything heavy starts. A run whose workflow
+ignores the section (``single_turn``) does not depend on the components it
+names being installed.
 """
 
 from __future__ import annotations
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rltk.config.components import check_component_args
+from rltk.config.components import check_component_args, signature_params
 from rltk.config.errors import ConfigError
 from rltk.registry import Registry, did_you_mean, unknown_name_message
+
+
+def workflow_reads_env(cfg: DictConfig, registry: Registry) -> bool:
+    """Whether ``rollout.workflow`` (already checked to be registered) takes the ``env`` section."""
+    entry = registry.entries["workflow"].get(cfg.rollout.workflow)
+    return entry is not None and "env" in signature_params(entry.obj)[0]
 
 
 def check_env(cfg: DictConfig, registry: Registry) -> None:
     """Raise :class:`ConfigError` naming the ``env.*`` key of the first problem."""
     env = cfg.get("env")
-    if env is None:
+    if env is None or not workflow_reads_env(cfg, registry):
         return
     name = env.environment
     if name is not None:

@@ -38,8 +38,13 @@ def test_a_multi_turn_config_validates():
     (["env.max_turns=0"], "bad value 0 for 'env.max_turns': must be an integer >= 1"),
     (["env.max_total_tokens=0"], "bad value 0 for 'env.max_total_tokens'"),
     (["env.max_new_tokens_per_turn=-2"], "bad value -2 for 'env.max_new_tokens_per_turn'"),
-    (["rollout.workflow_args.env={}", "rollout.workflow=multi_turn"], "'rollout.workflow_args.env': 'env' is filled in"),
+    (["rollout.workflow_args.env={}"], "'rollout.workflow_args.env': 'env' is filled in"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config([], overrides)
+        load_config([], ["rollout.workflow=multi_turn", *overrides])
+
+
+def test_a_workflow_that_ignores_the_section_does_not_check_it():
+    cfg = load_config([], ["env.tool_parser=not_installed", "env.tools=[nope]"])
+    assert cfg.rollout.workflow == "single_turn"

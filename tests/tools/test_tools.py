@@ -176,3 +176,17 @@ def test_calculator_never_raises_anything_but_its_own_error(text):
         evaluate_arithmetic(text)
     except CalculatorError:
         pass
+
+
+def test_rltk_list_shows_the_new_kinds(capsys):
+    from rltk.cli import main
+
+    assert main(["list", "tool"]) == 0
+    out = capsys.readouterr().out
+    assert "calculator" in out and "Evaluate an arithmetic expression" in out
+    assert main(["list", "tool_parser"]) == 0
+    assert "hermes" in capsys.readouterr().out
+    assert main(["list", "environment"]) == 0
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "multi_turn" in out and "calculator" in out
