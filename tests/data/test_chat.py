@@ -225,3 +225,18 @@ def test_the_sft_step_loss_is_the_mean_nll_of_the_assistant_tokens_only(tokenize
     assert info["sft_loss"] == pytest.approx(nll / count, abs=1e-5)
     guesses = [m["content"] for row in rows for m in row["sft_messages"] if m["role"] == "assistant"]
     assert count == sum(len(g) + 1 for g in guesses)  # each guess's digits and its eos
+
+
+def test_sft_pairs_tokenize_demonstrations_and_plain_rows(tokenizer):
+    from rltk.config.errors import ConfigError
+    from rltk.training.setup import sft_pairs
+
+    demo = guess_number("train", 1, 0)[0]
+    plain = {"prompt": "1+2=", "ground_truth": "3", "extras": {}, "id": "p"}
+    pairs = sft_pairs([demo, plain], tokenizer)
+    assert pairs[0] == tokenize_transcript(demo["sft_messages"], tokenizer)
+    assert pairs[1] == (ids(tokenizer, "1+2="), ids(tokenizer, "3") + [1], [1, 1])
+    broken = {**demo, "id": "b", "sft_messages": demo["sft_messages"][:1]}  # nothing to teach
+    with pytest.raises(ConfigError, match=r"row 'b': its demonstration \(sft_messages\) cannot be tokenized: .*ends "
+                                          r"with an assistant message"):
+        sft_pairs([broken], tokenizer)
