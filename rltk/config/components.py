@@ -105,15 +105,20 @@ def check_components(cfg: DictConfig, registry: Registry) -> None:
 
 
 def check_agent(cfg: DictConfig, registry: Registry) -> None:
-    """``rollout.workflow_args.agent`` (agentic workflow) names a registered agent that takes its ``agent_args``."""
+    """Workflow arguments that name components: ``rollout.workflow_args.<arg>`` of a workflow whose class
+    declares ``component_args = {arg: kind}`` (the agentic workflow: ``{"agent": "agent"}``) names a
+    registered component of that kind, which takes ``rollout.workflow_args.<arg>_args``."""
+    workflow = registry.entries["workflow"].get(OmegaConf.select(cfg, "rollout.workflow"))
+    declared = getattr(workflow.obj, "component_args", None) if workflow is not None else None
     args = OmegaConf.select(cfg, "rollout.workflow_args") or {}
-    if "agent" not in args or "agent" not in registry.entries:
-        return
-    name, key = args["agent"], "rollout.workflow_args.agent"
-    table = registry.entries["agent"]
-    if not isinstance(name, str) or name not in table:
-        raise ConfigError(unknown_name_message("agent", str(name), list(table), where=key))
-    check_component_args("agent", name, table[name].obj, args.get("agent_args"), "rollout.workflow_args.agent_args")
+    for arg, kind in (declared or {}).items():
+        if arg not in args or kind not in registry.entries:
+            continue  # a missing required argument is reported against the workflow's signature
+        name, key = args[arg], f"rollout.workflow_args.{arg}"
+        table = registry.entries[kind]
+        if not isinstance(name, str) or name not in table:
+            raise ConfigError(unknown_name_message(kind, str(name), list(table), where=key))
+        check_component_args(kind, name, table[name].obj, args.get(f"{arg}_args"), f"{key}_args")
 
 
 def check_task(cfg: DictConfig) -> None:

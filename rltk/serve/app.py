@@ -17,6 +17,12 @@ Routes (JSON in, JSON out, as the official ``openai`` client speaks them):
 * ``GET /rltk/sessions/{session_id}``: every record of a session (exact token
   ids and log-probs), ``GET /health``.
 
+``stream: true`` is answered as server-sent events once the completion is
+done (the engine generates whole completions): one chunk per choice with the
+whole text (and tool calls), one with its finish reason, a usage chunk when
+``stream_options.include_usage`` asks for it, then ``[DONE]``; so clients and
+agent frameworks that stream work unchanged.
+
 Log-probs are those of the sampled tokens under the distribution they were
 drawn from (see the engine). The engine reports no alternatives, so a
 ``top_logprobs`` list holds only the sampled token (empty when 0 are asked for).
@@ -31,7 +37,7 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
 a malformed body, empty ``messages``, an unknown role, ``n < 1``,
 ``temperature < 0``, ``top_p`` outside (0, 1], ``max_tokens`` above the budget
 (code ``max_tokens_exceeded``), a prompt that leaves no room in the model's
-context (code ``context_length_exceeded``), ``stream: true`` (not supported);
+context (code ``context_length_exceeded``);
 404/405 for unknown routes; 500 ``server_error`` when the engine fails.
 
 Requests are coalesced into batched engine calls by :class:`~rltk.serve.batcher.Batcher`.
@@ -99,6 +105,8 @@ class ServeState:
     batcher: Batcher
     store: SessionStore
     sampling_override: dict | None = None
+    parse_tool_calls: Any = None
+    max_requests_per_session: int | None = None
     counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -112,9 +120,12 @@ def create_app(
     max_tokens_limit: int | None = None,
     max_model_len: int | None = None,
     tool_parser: str = "hermes",
+    tool_parser_args: dict | None = None,
     store: SessionStore | None = None,
-    window_s: float = 0.01,
+    max_requests_per_session: int | None = None,
+    window_s: float = 0.05,
     max_batch: int = 64,
+    max_wait_s: float | None = None,
 ):
     """The FastAPI app serving ``engine`` under the model id ``model_name``.
 
@@ -123,14 +134,19 @@ def create_app(
         tokenizer: renders chat messages (its chat template) and decodes completions.
         model_name: the id clients pass as ``model``; any other id is a 404.
         defaults: sampling for fields a request leaves out (``max_tokens`` defaults
-            to ``defaults.max_new_tokens``); ``None`` means ``SamplingParams()``.
+            to ``defaults.max_new_tokens``, or what the context leaves when that is
+            less); ``None`` means ``SamplingParams()``.
         max_tokens_limit: the most ``max_tokens`` a request may ask for (the
             training budget per turn); ``None`` means ``defaults.max_new_tokens``.
         max_model_len: prompt + completion tokens the model handles (its
             ``max_position_embeddings``); ``None`` skips the context check.
-        tool_parser: the tool-call parser for requests with ``tools``.
+        tool_parser, tool_parser_args: the registered tool-call parser (kind ``tool_parser``)
+            for requests with ``tools``, and its arguments.
         store: where records go; a new unbounded store when ``None``.
-        window_s, max_batch: the :class:`Batcher`'s collection window and batch cap.
+        max_requests_per_session: refuse a session's next request (400, code
+            ``max_turns_exceeded``) once it made this many; ``None``: no cap.
+        window_s, max_batch, max_wait_s: the :class:`Batcher`'s gap between arrivals it waits
+            for, its cap on sequences per engine call, and the longest it collects one round.
 
     The batcher thread is closed on the app's shutdown (``app.state.rltk.batcher.close()``).
     """
@@ -138,9 +154,11 @@ def create_app(
     limit = max_tokens_limit if max_tokens_limit is not None else defaults.max_new_tokens
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"create_app: max_tokens_limit must be an integer >= 1, got {limit!r}")
-    get_tool_parser(tool_parser)  # an unknown parser fails here, not on the first request with tools
-    state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser,
-                       Batcher(engine, window_s=window_s, max_batch=max_batch), store or SessionStore())
+    parse_tool_calls = get_tool_parser(tool_parser, tool_parser_args)  # an unknown name fails here, not mid-run
+    batcher = Batcher(engine, window_s=window_s, max_batch=max_batch, max_wait_s=max_wait_s)
+    state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser, batcher,
+                       store or SessionStore(), parse_tool_calls=parse_tool_calls,
+                       max_requests_per_session=max_requests_per_session)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -195,13 +213,13 @@ def create_app(
     async def chat_completions(request: Request):
         body = await _json_body(request)
         state.counters["requests"] += 1
-        return await _chat(state, body, _session_id(request, body))
+        return _respond(await _chat(state, body, _session_id(request, body)), body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _json_body(request)
         state.counters["requests"] += 1
-        return await _complete(state, body, _session_id(request, body))
+        return _respond(await _complete(state, body, _session_id(request, body)), body)
 
     return app
 
@@ -253,9 +271,9 @@ def _is_number(value: Any) -> bool:
 
 def _sampling(state: ServeState, body: dict, prompt_lengths: list[int]) -> tuple[SamplingParams, list[str]]:
     """The request's :class:`SamplingParams` and stop strings, or a 400 naming the field."""
-    if body.get("stream"):
-        raise APIError(400, "stream=true is not supported by this endpoint; send the request without stream",
-                       param="stream")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not _is_int(n) or n < 1 or n > MAX_N:
@@ -413,17 +431,25 @@ def _render_chat(state: ServeState, messages: list[dict], tools: list[dict] | No
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the served model's tokenizer has no chat template; use /v1/completions with a "
                             "prompt instead", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja raises TemplateError (or the template's own raise_exception)
-        raise APIError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    from rltk.workflows.chat import render_ids
+
+    try:  # the rendering multi_turn opens its episodes with, so both give one prompt the same ids
+        ids = render_ids(tokenizer, messages, tools=tools)
+    except ValueError as exc:  # the template refused them (jinja's TemplateError or its own raise_exception)
+        raise APIError(400, str(exc), param="messages") from None
     if not ids:
         raise APIError(400, "the messages render to no tokens", param="messages")
     return list(ids)
 
 
 # ---------------------------------------------------------------------- generation and responses
+
+
+def _check_turns(state: ServeState, session_id: str) -> None:
+    cap = state.max_requests_per_session
+    if cap is not None and state.store.requests(session_id) >= cap:
+        raise APIError(400, f"session {session_id!r} already made {cap} requests, the most one episode may make "
+                            "(env.max_turns)", param=None, code="max_turns_exceeded")
 
 
 async def _generate(state: ServeState, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -475,10 +501,11 @@ async def _chat(state: ServeState, body: dict, session_id: str) -> dict:
                        param="top_logprobs")
     prompt_ids = _render_chat(state, messages, tools)
     params, stops = _sampling(state, body, [len(prompt_ids)])
+    _check_turns(state, session_id)
     completions = (await _generate(state, [prompt_ids], params))[0]
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    parse = get_tool_parser(state.tool_parser) if tools and tool_choice != "none" else None
+    parse = state.parse_tool_calls if tools and tool_choice != "none" else None
     choices, completion_tokens = [], 0
     for index, completion in enumerate(completions):
         ids, lps, text, finish = _cut_at_stop_strings(state.tokenizer, completion, stops)
@@ -553,6 +580,7 @@ async def _complete(state: ServeState, body: dict, session_id: str) -> dict:
         raise APIError(400, f"'logprobs' must be an integer in [0, 5] or null, got {logprobs!r}", param="logprobs")
     prompts = _prompts(state, body)
     params, stops = _sampling(state, body, [len(p) for p in prompts])
+    _check_turns(state, session_id)
     groups = await _generate(state, prompts, params)
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -582,6 +610,49 @@ async def _complete(state: ServeState, body: dict, session_id: str) -> dict:
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+
+
+def _respond(result: dict, body: dict):
+    """``result`` as JSON, or as server-sent events when the request asked to stream."""
+    if not body.get("stream"):
+        return result
+    from fastapi.responses import StreamingResponse
+
+    options = body.get("stream_options") or {}
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    return StreamingResponse(_events(result, include_usage), media_type="text/event-stream")
+
+
+def _events(result: dict, include_usage: bool):
+    """The chunks of a finished ``result``: its content per choice, then each finish reason, usage, ``[DONE]``."""
+    chat = result["object"] == "chat.completion"
+    head = {"id": result["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": result["created"], "model": result["model"]}
+
+    def event(choices: list, **extra) -> str:
+        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+
+    for choice in result["choices"]:
+        if chat:
+            message = choice["message"]
+            delta = {"role": "assistant", "content": message["content"]}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            yield event([{"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"],
+                          "finish_reason": None}])
+        else:
+            yield event([{"index": choice["index"], "text": choice["text"], "logprobs": choice["logprobs"],
+                          "finish_reason": None}])
+    for choice in result["choices"]:
+        if chat:
+            yield event([{"index": choice["index"], "delta": {}, "logprobs": None,
+                          "finish_reason": choice["finish_reason"]}])
+        else:
+            yield event([{"index": choice["index"], "text": "", "logprobs": None,
+                          "finish_reason": choice["finish_reason"]}])
+    if include_usage:
+        yield event([], usage=result["usage"])
+    yield "data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------------- uvicorn in a thread

@@ -5,8 +5,10 @@ train/eval mode and forks the RNG around ``generate``), and one batched call
 for many prompts is far cheaper than one call each. So every request the
 endpoint receives becomes a job on a queue, and a single worker thread:
 
-1. blocks for the first job, then keeps collecting jobs for ``window_s``
-   seconds or until ``max_batch`` sequences (prompts x ``n``) are waiting;
+1. blocks for the first job, then keeps collecting jobs while they keep
+   arriving (each within ``window_s`` of the last, so a burst of concurrent
+   requests lands in one call), for at most ``max_wait_s`` after the first, or
+   until ``max_batch`` sequences (prompts x ``n``) are waiting;
 2. groups the jobs by sampling parameters (everything but ``n``: each job's
    prompts are repeated ``n`` times and sampled with ``n=1``, so requests that
    differ only in ``n`` still share a call); a job with a ``seed`` is never
@@ -56,21 +58,29 @@ class Batcher:
 
     Args:
         engine: the rollout engine; nothing else may call it while the batcher runs.
-        window_s: how long the worker keeps collecting after the first job of a
-            round arrived (a short wait buys a fuller batch).
+        window_s: the gap after the latest job the worker waits for another
+            before it calls the engine (a short wait buys a fuller batch).
         max_batch: most sequences (prompts x ``n``) one engine call gets from
             several jobs; one job larger than that still goes in one call.
+        max_wait_s: the longest a round keeps collecting after its first job;
+            ``None`` means ``5 * window_s``.
 
     ``stats()`` counts jobs, engine calls and sequences, for metrics and tests.
     """
 
-    def __init__(self, engine: RolloutEngine, *, window_s: float = 0.01, max_batch: int = 64):
+    def __init__(self, engine: RolloutEngine, *, window_s: float = 0.05, max_batch: int = 64,
+                 max_wait_s: float | None = None):
         if not isinstance(window_s, (int, float)) or isinstance(window_s, bool) or window_s < 0:
             raise ValueError(f"Batcher: window_s must be a number of seconds >= 0, got {window_s!r}")
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"Batcher: max_batch must be an integer >= 1 (sequences per engine call), got {max_batch!r}")
+        if max_wait_s is not None and (not isinstance(max_wait_s, (int, float)) or isinstance(max_wait_s, bool)
+                                       or max_wait_s < window_s):
+            raise ValueError(f"Batcher: max_wait_s must be a number of seconds >= window_s ({window_s}), "
+                             f"got {max_wait_s!r}")
         self.engine = engine
         self.window_s = float(window_s)
+        self.max_wait_s = float(max_wait_s) if max_wait_s is not None else 5 * self.window_s
         self.max_batch = max_batch
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -111,7 +121,8 @@ class Batcher:
                 return
             jobs = [first]
             rows = first.rows
-            deadline = time.monotonic() + self.window_s
+            start = time.monotonic()
+            deadline = min(start + self.window_s, start + self.max_wait_s)
             while rows < self.max_batch:
                 try:
                     job = self._queue.get_nowait()
@@ -128,6 +139,7 @@ class Batcher:
                     break
                 jobs.append(job)
                 rows += job.rows
+                deadline = min(time.monotonic() + self.window_s, start + self.max_wait_s)
             self._run_round(jobs)
 
     def _run_round(self, jobs: list[_Job]) -> None:

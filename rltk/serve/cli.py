@@ -172,7 +172,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16, auto")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--tool-parser", default="hermes", help="tool-call parser for requests with tools")
-    p.add_argument("--batch-window", type=float, default=0.01, help="seconds to collect requests into a batch")
+    p.add_argument("--batch-window", type=float, default=0.05, help="seconds the batcher waits after a request for another (default 0.05)")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences per engine call from several requests")
     p.add_argument("--max-sessions", type=int, default=1000, help="sessions whose records are kept (oldest dropped)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")

@@ -107,6 +107,11 @@ class SessionStore:
         with self._lock:
             return list(self._sessions.get(session_id, ()))
 
+    def requests(self, session_id: str) -> int:
+        """How many requests (not choices) the session made so far."""
+        with self._lock:
+            return len({r.request_id for r in self._sessions.get(session_id, ())})
+
     def pop(self, session_id: str) -> list[Record]:
         """Remove the session and return its records (``[]`` if none)."""
         with self._lock:

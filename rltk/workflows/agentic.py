@@ -35,8 +35,15 @@ Sampling. During training the endpoint forces the rollout's temperature,
 top-p and top-k on every request (the trainer's log-prob recompute assumes
 that distribution; ``force_sampling=false`` serves requests as asked, for
 agents that know what they do); :meth:`AgenticWorkflow.evaluate` forces
-greedy decoding. ``max_tokens`` per request defaults to ``rollout.max_new_tokens``
-and may not exceed ``max_tokens_per_request``.
+greedy decoding.
+
+The ``env`` section, where it applies: ``env.max_new_tokens_per_turn`` is the
+most ``max_tokens`` one request may ask for (and the default when it asks for
+none); ``env.max_turns`` the most requests one episode may make (the next one
+gets a 400 error, code ``max_turns_exceeded``, which the agent sees as
+``openai.BadRequestError``); ``env.tool_parser`` (+ ``_args``) parses tool calls
+of requests with ``tools``. ``env.environment``, ``env.tools`` and
+``env.max_total_tokens`` belong to ``multi_turn``: an agent calls its own tools.
 """
 
 from __future__ import annotations
@@ -73,21 +80,25 @@ class AgenticWorkflow(Workflow):
     Args (``rollout.workflow_args.*``):
         agent: a registered agent name (kind ``agent``; ``rltk list agent``).
         agent_args: keyword arguments for the agent, beside the row, client and model.
+        env: the ``env`` config section (given by the recipe; see the module docstring);
+            ``None`` (direct construction) means no turn cap, ``hermes`` and
+            ``sampling.max_new_tokens`` per request.
         concurrency: episodes running at once (threads); the endpoint batches their requests.
-        max_tokens_per_request: the most ``max_tokens`` one request may ask for;
-            ``None`` means ``rollout.max_new_tokens``.
-        batch_window_s, max_batch: the endpoint batcher's collection window and
-            cap on sequences per engine call.
+        batch_window_s, max_batch: the endpoint batcher's wait for more requests after
+            the latest one, and its cap on sequences per engine call.
         request_timeout_s: the client's timeout per request.
         force_sampling: serve every training request with the rollout's temperature,
             top-p and top-k, whatever the agent asked (see the module docstring).
         model_name: the model id the agent is given and must pass.
-        tool_parser: parser for requests that carry ``tools``.
         host: where the in-process endpoint listens (a free port is chosen).
 
     The endpoint starts on the first :meth:`run` or :meth:`evaluate` and stops
     at :meth:`close` (or at interpreter exit).
     """
+
+    #: ``rollout.workflow_args.agent`` names a component of kind ``agent`` (its arguments in ``agent_args``),
+    #: checked by ``rltk validate`` before anything is built.
+    component_args = {"agent": "agent"}
 
     def __init__(
         self,
@@ -98,14 +109,13 @@ class AgenticWorkflow(Workflow):
         sampling: SamplingParams,
         agent: str,
         agent_args: Mapping[str, Any] | None = None,
+        env: Mapping[str, Any] | None = None,
         concurrency: int = 32,
-        max_tokens_per_request: int | None = None,
-        batch_window_s: float = 0.01,
+        batch_window_s: float = 0.05,
         max_batch: int = 64,
         request_timeout_s: float = 600.0,
         force_sampling: bool = True,
         model_name: str = "policy",
-        tool_parser: str = "hermes",
         host: str = "127.0.0.1",
     ):
         if not isinstance(sampling, SamplingParams):
@@ -117,9 +127,11 @@ class AgenticWorkflow(Workflow):
         self.agent_fn = rltk.get_component("agent", agent)  # an unknown name lists the registered agents
         if agent_args is not None and not isinstance(agent_args, Mapping):
             raise ValueError(f"agentic: rollout.workflow_args.agent_args must be a mapping, got {agent_args!r}")
+        env = dict(env or {})
         _positive_int(concurrency, "rollout.workflow_args.concurrency")
-        _positive_int(max_tokens_per_request, "rollout.workflow_args.max_tokens_per_request", allow_none=True)
         _positive_int(max_batch, "rollout.workflow_args.max_batch")
+        _positive_int(env.get("max_new_tokens_per_turn"), "env.max_new_tokens_per_turn", allow_none=True)
+        _positive_int(env.get("max_turns"), "env.max_turns", allow_none=True)
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward = reward
@@ -127,13 +139,15 @@ class AgenticWorkflow(Workflow):
         self.agent = agent
         self.agent_args = dict(agent_args or {})
         self.concurrency = concurrency
-        self.max_tokens_per_request = max_tokens_per_request or sampling.max_new_tokens
+        self.max_tokens_per_request = env.get("max_new_tokens_per_turn") or sampling.max_new_tokens
+        self.max_turns = env.get("max_turns")
+        self.tool_parser = env.get("tool_parser") or "hermes"
+        self.tool_parser_args = dict(env.get("tool_parser_args") or {})
         self.batch_window_s = batch_window_s
         self.max_batch = max_batch
         self.request_timeout_s = request_timeout_s
         self.force_sampling = force_sampling
         self.model_name = model_name
-        self.tool_parser = tool_parser
         self.host = host
         self._server = None
         self._client = None
@@ -170,8 +184,8 @@ class AgenticWorkflow(Workflow):
         app = create_app(
             self.engine, self.tokenizer, model_name=self.model_name, defaults=defaults,
             max_tokens_limit=self.max_tokens_per_request, max_model_len=_max_model_len(self.engine),
-            tool_parser=self.tool_parser, store=SessionStore(), window_s=self.batch_window_s,
-            max_batch=self.max_batch,
+            tool_parser=self.tool_parser, tool_parser_args=self.tool_parser_args, store=SessionStore(),
+            window_s=self.batch_window_s, max_batch=self.max_batch, max_requests_per_session=self.max_turns,
         )
         server = BackgroundServer(app, host=self.host)
         server.start()
@@ -298,7 +312,9 @@ class AgenticWorkflow(Workflow):
                           "ground_truth": row.get("ground_truth", ""), "row_id": row.get("id", str(row_index)),
                           "sample_index": episode["sample_index"], "session_id": episode["session_id"],
                           "segment": segment, "segments": len(trajectories),
-                          "requests": len(trajectory.records)},
+                          "requests": len(trajectory.records),
+                          # the names multi_turn uses: assistant turns in this trajectory, cut at a limit
+                          "turns": len(trajectory.records), "truncated": trajectory.finish_reason == "length"},
                 ))
         if not experiences:
             first = (errors or empty or [None])[0]
@@ -320,7 +336,7 @@ class AgenticWorkflow(Workflow):
         ``agentic/segments_per_episode``, ``agentic/requests_per_episode``, ``agentic/engine_calls``,
         ``agentic/requests_per_engine_call``, ``time/generate_s``, ``time/reward_s``,
         ``rollout/response_length_mean|max``, ``rollout/policy_tokens``, ``rollout/truncated_fraction``,
-        ``reward/<name>``."""
+        ``rollout/turns_mean`` (requests stitched into each experience), ``reward/<name>``."""
         return dict(self._metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -427,6 +443,7 @@ def _metrics(experiences, episodes, errors, empty, segments, requests, generate_
         "rollout/response_length_max": float(max(lengths)),
         "rollout/policy_tokens": float(policy_tokens),
         "rollout/truncated_fraction": sum(e.finish_reason == "length" for e in experiences) / len(experiences),
+        "rollout/turns_mean": sum(e.info["turns"] for e in experiences) / len(experiences),
     }
     names = sorted({name for e in experiences for name in e.reward_details})
     for name in names:

@@ -17,7 +17,10 @@ TINY_RUN = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "t
 
 @pytest.mark.slow  # 2 warm-up + 2 GRPO steps of agents talking to the in-process endpoint (~15-40 s)
 def test_a_two_turn_openai_client_agent_drives_grpo_and_its_stitched_logprobs_match_the_trainer(tmp_path):
+    import threading
+
     ensure_serve_builtins()
+    before = set(threading.enumerate())  # endpoints other tests left open are not this run's
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", *TINY_RUN, "rollout.workflow=agentic",
                  "rollout.workflow_args.agent=arithmetic_chat", "rollout.workflow_args.agent_args.checks=1",
@@ -34,5 +37,7 @@ def test_a_two_turn_openai_client_agent_drives_grpo_and_its_stitched_logprobs_ma
         assert r["mismatch/ratio_min"] > 1 - 1e-4 and r["mismatch/ratio_max"] < 1 + 1e-4
         assert r["rollout/policy_tokens"] > 0 and "pg_loss" in r
     assert any("eval/accuracy" in r for r in rows)
+    # the run closed its endpoint: no server or batcher thread outlives it
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("rltk-serve")]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"]["eval/num_responses"] == 8 and summary["final"]["eval/agent_errors"] == 0

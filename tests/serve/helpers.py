@@ -5,24 +5,14 @@ from __future__ import annotations
 import threading
 import time
 
-import rltk
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop
 
 
 def ensure_serve_builtins() -> None:
-    """Register the agentic workflow and the builtin agents when the installed entry points predate them.
+    """Register the agentic workflow and the builtin agents when the installed entry points predate them."""
+    from tests.builtin_plugins import ensure_registered
 
-    An editable install records entry points when it is made; one made before
-    these modules existed does not list them until ``pip install -e .`` runs again.
-    """
-    from rltk.registry import get_registry
-    from rltk.workflows import agentic, agents
-
-    registry = get_registry()
-    loaded = {info.module for info in registry.plugins.values()}
-    for module in (agentic, agents):
-        if module.__name__ not in loaded:
-            rltk.register_plugin(module, name=module.__name__)
+    ensure_registered("agentic", "agents")
 
 
 def tiny_chat_model():

@@ -132,7 +132,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "x" * 130}]}, 400, "messages", "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "x" * 120}], "max_tokens": 16}, 400, "max_tokens",
      "context_length_exceeded"),
-    ({"messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "stream", None),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream", None),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, 400, "stop", None),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "bad"}]}, 400, "tools[0]", None),
 ]
@@ -243,3 +243,34 @@ def test_a_stop_string_cuts_text_and_recorded_ids_at_its_first_occurrence(script
     assert tokenizer.decode(list(record.completion_ids)) == "one."
     assert record.logprobs == (-0.1, -0.2, -0.3, -0.4)
     assert choice.logprobs.token_logprobs == [-0.1, -0.2, -0.3, -0.4]
+
+
+def test_a_role_the_chat_template_cannot_render_is_a_400_naming_the_roles(live):
+    server, _, tokenizer = live
+    if "tool" in (tokenizer.chat_template or ""):
+        pytest.skip("this tiny chat template renders the tool role")
+    response = chat(server, messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}])
+    assert response.status_code == 400
+    assert "cannot render messages with roles ['user', 'tool']" in response.json()["error"]["message"]
+
+
+def test_streaming_clients_get_the_whole_completion_as_chunks(scripted):
+    server, _, _ = scripted
+    client = client_for(server, "stream-1")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                                 tools=TOOLS, stream=True, n=2,
+                                                 stream_options={"include_usage": True}))
+    by_index = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            entry = by_index.setdefault(choice.index, {"content": "", "calls": [], "finish": None})
+            entry["content"] += choice.delta.content or ""
+            entry["calls"] += choice.delta.tool_calls or []
+            entry["finish"] = choice.finish_reason or entry["finish"]
+    assert sorted(by_index) == [0, 1]
+    for entry in by_index.values():
+        assert entry["content"] == "Let me see." and entry["finish"] == "tool_calls"
+        assert [c.function.name for c in entry["calls"]] == ["get_weather"]
+    assert chunks[-1].usage.completion_tokens == 2 * len(server.app.state.rltk.store.get("stream-1")[0].completion_ids)
+    texts = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="go", stream=True) if c.choices]
+    assert "".join(texts) == "one. two. three"

@@ -114,3 +114,28 @@ def test_an_engine_failure_reaches_every_job_of_that_call_and_the_worker_keeps_s
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Batcher(CountingEngine(), **kwargs)
+
+
+def test_a_round_keeps_collecting_while_jobs_keep_arriving_but_no_longer_than_max_wait_s():
+    engine = CountingEngine(delay_s=0.0)
+    batcher = Batcher(engine, window_s=0.4, max_wait_s=1.5)
+    try:
+        futures = []
+        for k in range(3):  # gaps of ~0.1 s, each inside the 0.4 s window of the one before
+            futures.append(batcher.submit([[k]], SamplingParams()))
+            time.sleep(0.1)
+        for f in futures:
+            f.result(timeout=10)
+        assert [len(prompts) for prompts, _, _ in engine.calls] == [3]
+        start = time.monotonic()
+        late = []
+        while time.monotonic() - start < 2.5:  # a job every 0.1 s for 2.5 s: rounds end at max_wait_s
+            late.append(batcher.submit([[9]], SamplingParams()))
+            time.sleep(0.1)
+        for f in late:
+            f.result(timeout=10)
+    finally:
+        batcher.close()
+    assert len(engine.calls) - 1 >= 2
+    with pytest.raises(ValueError, match="max_wait_s"):
+        Batcher(CountingEngine(), window_s=0.5, max_wait_s=0.1)

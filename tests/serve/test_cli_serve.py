@@ -45,7 +45,7 @@ def stop(proc):
 
 
 @pytest.mark.slow  # a 2-step warm-up that writes a checkpoint, then a server process (~15-30 s)
-def test_rltk_serve_answers_the_openai_client_from_a_checkpoint_and_from_its_run_folder(tmp_path):
+def test_rltk_serve_answers_the_openai_client_from_a_checkpoint_and_resolves_a_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", "sft.steps=2", "sft.warmup_steps=0",
                  "sft.stop_at_accuracy=null", "data.train_size=40", "data.eval_size=8", "checkpoint.every=2",
@@ -65,12 +65,17 @@ def test_rltk_serve_answers_the_openai_client_from_a_checkpoint_and_from_its_run
             client.completions.create(model="step_000002", prompt="1+1=", max_tokens=7)
     finally:
         stop(proc)
-    proc, url = start_serving(run_dir, "--model-name", "policy")  # a run folder: its newest checkpoint
-    try:
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
-        assert client.completions.create(model="policy", prompt="1+1=", max_tokens=2).choices[0].index == 0
-    finally:
-        stop(proc)
+    # a run folder means its newest checkpoint, exported (weights and the run's tokenizer) to a temporary folder
+    import contextlib
+
+    from rltk.serve.cli import resolve_model_dir
+
+    with contextlib.ExitStack() as stack:
+        model_dir, found_run = resolve_model_dir(str(run_dir), stack)
+        assert found_run == run_dir
+        assert (model_dir / "model.safetensors").read_bytes() == (checkpoint / "model" / "model.safetensors").read_bytes()
+        assert (model_dir / "tokenizer.json").is_file()
+    assert not model_dir.exists()  # removed with the stack
 
 
 def test_serve_refuses_a_path_that_is_no_model_checkpoint_or_run(tmp_path, capsys):

@@ -112,7 +112,7 @@ def test_a_two_turn_chat_agent_gives_one_experience_per_episode_with_masks_and_l
         metrics = workflow.metrics()
         assert metrics["agentic/episodes"] == 4 and metrics["agentic/agent_errors"] == 0
         assert metrics["agentic/segments_per_episode"] == 1 and metrics["agentic/requests_per_episode"] == 2
-        assert metrics["rollout/policy_tokens"] == 16
+        assert metrics["rollout/policy_tokens"] == 16 and metrics["rollout/turns_mean"] == 2
         assert workflow.app_state.store.session_ids() == []  # every session was consumed
         assert workflow.run(ROWS[2:])[0].group_id == 2  # ids go on across calls
     finally:
@@ -199,8 +199,10 @@ def test_failures_that_leave_nothing_to_train_on_are_errors_naming_the_cause(set
     try:
         with pytest.raises(RuntimeError, match=r"(?s)all 3 episodes .*ValueError: agent gave up on r"):
             workflow.run(ROWS)
+        silent = make(setup, "silent", n=1)
         with pytest.raises(RuntimeError, match="no agent sent a single request"):
-            make(setup, "silent", n=1).run(ROWS[:1])
+            silent.run(ROWS[:1])
+        silent.close()
         bad = make(setup, "bad_return", n=1)
         with pytest.raises(RuntimeError, match="returned 'yes'; an agent returns the episode's reward"):
             bad.run(ROWS[:1])
@@ -212,3 +214,86 @@ def test_failures_that_leave_nothing_to_train_on_are_errors_naming_the_cause(set
 def test_an_unknown_agent_lists_the_registered_ones(setup):
     with pytest.raises(RegistryError, match="arithmetic_chat"):
         make(setup, "arithmetic_chatt")
+
+
+def test_validate_names_an_unknown_agent_and_a_mistyped_agent_argument(capsys):
+    from rltk.cli import main
+
+    base = ["validate", "grpo", "rollout.workflow=agentic"]
+    assert main(base + ["rollout.workflow_args.agent=arithmetic_chatt"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.workflow_args.agent" in err and "arithmetic_chat" in err
+    assert main(base + ["rollout.workflow_args.agent=arithmetic_chat",
+                        "rollout.workflow_args.agent_args.chekcs=1"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.workflow_args.agent_args.chekcs" in err and "checks" in err
+    assert main(base + ["rollout.workflow_args.agent=arithmetic_chat",
+                        "rollout.workflow_args.agent_args.checks=1"]) == 0
+    assert main(base) == 2  # the workflow needs its agent
+    assert "agent" in capsys.readouterr().err
+
+
+def test_env_caps_requests_per_episode_and_tokens_per_request(setup):
+    tokenizer, engine = setup
+    capped = make(setup, "arithmetic_chat", n=1, agent_args={"checks": 1},
+                  env={"max_turns": 1, "max_new_tokens_per_turn": 2, "tool_parser": "hermes"})
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)BadRequestError: Error code: 400 - session .* already made 1 requests.*env.max_turns"):
+            capped.run(ROWS[:1])  # the re-check is the episode's second request
+        assert capped.app_state.max_tokens_limit == 2
+        assert all(params.max_new_tokens == 2 for _, params in engine.calls)
+    finally:
+        capped.close()
+    with pytest.raises(ValueError, match="env.max_turns must be an integer >= 1"):
+        make(setup, "arithmetic_chat", env={"max_turns": 0})
+
+
+TOOL_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}<|user|>result: {{ m['content'] }}<|eos|>"
+    "{%- elif m['role'] == 'assistant' -%}<|assistant|>{{ m['content'] }}"
+    "{%- for call in m.get('tool_calls') or [] -%}"
+    "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>{%- endfor -%}<|eos|>"
+    "{%- else -%}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def test_the_tool_agent_runs_the_calculator_the_policy_calls_and_stays_one_trajectory():
+    tokenizer, _ = tiny_chat_model()
+    tokenizer.chat_template = TOOL_TEMPLATE
+
+    def script(prompt_text):
+        if prompt_text.endswith("<|eos|><|assistant|>") and "result: " in prompt_text.rsplit("<|user|>", 1)[-1]:
+            return prompt_text.rsplit("result: ", 1)[-1].split("<|eos|>")[0]  # answer with the tool's output
+        question = re.findall(r"<\|user\|>(\d+\+\d+)=<\|eos\|>", prompt_text)[-1]
+        return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % question
+
+    engine = ScriptedEngine(tokenizer, script)
+    workflow = AgenticWorkflow(engine=engine, tokenizer=tokenizer, reward=exact,
+                               sampling=SamplingParams(n=2, max_new_tokens=100), agent="arithmetic_tools")
+    try:
+        experiences = workflow.run(ROWS[:2])
+        assert [e.score for e in experiences] == [1.0] * 4  # 5 and 8, from the calculator
+        assert all(e.info["requests"] == 2 and e.info["segments"] == 1 for e in experiences)
+        inserted = tokenizer("<|user|>result: 5<|eos|><|assistant|>", add_special_tokens=False)["input_ids"]
+        mask = experiences[0].response_mask
+        zeros = [i for i, m in enumerate(mask) if m == 0]
+        assert len(zeros) == len(inserted)  # only the tool result and the next generation prompt
+        assert [experiences[0].response_ids[i] for i in zeros] == inserted
+    finally:
+        workflow.close()
+
+
+def test_the_chat_agent_opens_with_a_rows_messages_when_it_has_them(setup):
+    tokenizer, engine = setup
+    workflow = make(setup, "arithmetic_chat", n=1, agent_args={"system_prompt": "Add."})
+    try:
+        rows = [{"messages": [{"role": "user", "content": "3+4="}], "ground_truth": "7", "id": "m"}]
+        [experience] = workflow.run(rows)
+        assert tokenizer.decode(experience.prompt_ids) == "<|system|>Add.<|eos|><|user|>3+4=<|eos|><|assistant|>"
+        assert experience.score == 1.0 and experience.info["prompt"] == "3+4="
+    finally:
+        workflow.close()
