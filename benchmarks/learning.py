@@ -9,6 +9,7 @@ writes everything as JSON.
 
     python benchmarks/learning.py                                 # grpo and ppo, seeds 0-4, every level
     python benchmarks/learning.py --recipes grpo --seeds 0 1 --levels avx2
+    python benchmarks/learning.py --recipes multi_turn agentic   # the multi-turn defaults (issue #11)
     python benchmarks/learning.py --lr-sweep                      # GRPO stability over learning rates
 
 `--lr-sweep` is the second table of the README: two-digit addition on a 0.6M
@@ -37,6 +38,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+
+#: What `--recipes NAME` runs: a recipe with its own config, or the grpo recipe with a shipped config
+#: (`multi_turn`: a tool-calling episode per prompt; `agentic`: an agent over the OpenAI endpoint).
+RUNS = {
+    "grpo": ["run", "grpo"],
+    "ppo": ["run", "ppo"],
+    "multi_turn": ["run", "grpo", "--config", str(CONFIGS / "multi_turn.yaml")],
+    "agentic": ["run", "grpo", "--config", str(CONFIGS / "agentic.yaml")],
+}
 
 # The 0.6M-parameter model and the step shape of the lr sweep (issue: learning that holds on any machine).
 SWEEP_MODEL = ["model.tiny.hidden_size=128", "model.tiny.num_layers=4", "model.tiny.num_heads=4",
@@ -107,9 +118,10 @@ def default_runs(args, workdir: Path) -> list[dict]:
     def one(job):
         recipe, seed, level = job
         run_dir = workdir / f"{recipe}-s{seed}-{level}"
-        wall = run_rltk(["run", recipe, f"seed={seed}", *args.overrides], run_dir, level, workdir / f"{run_dir.name}.log")
+        wall = run_rltk([*RUNS[recipe], f"seed={seed}", *args.overrides], run_dir, level,
+                        workdir / f"{run_dir.name}.log")
         row = {"recipe": recipe, "seed": seed, "level": level, "wall_s": wall, **learning_curve(run_dir)}
-        print(f"{recipe:<5} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
+        print(f"{recipe:<10} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
               f"greedy {row['greedy_start']:.3f} -> {row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  "
               f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
               f"train reward {row['reward_rise']:+.3f}  {wall:.0f}s", flush=True)
@@ -188,7 +200,7 @@ def lr_sweep(args, workdir: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", nargs="+", default=["grpo", "ppo"])
+    parser.add_argument("--recipes", nargs="+", default=["grpo", "ppo"], choices=list(RUNS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--levels", nargs="+", default=None, help="ATEN_CPU_CAPABILITY levels (default: all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)

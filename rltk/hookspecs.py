@@ -216,6 +216,31 @@ def rltk_loggers() -> dict:
 
 
 # --------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def rltk_tasks() -> dict:
+    """Register synthetic tasks (kind ``task``), chosen by ``data.task``.
+
+    Return ``{name: fn}`` with ``fn(split, size, seed, **args) -> list[row]``:
+    ``split`` is ``"train"`` or ``"test"`` (the held-out split; the two must
+    never share a problem whatever the seeds), ``size`` the number of rows,
+    ``seed`` which rows are drawn, ``args`` the task's keyword arguments from
+    ``data.task_args`` (validated against ``fn``'s signature). A row is
+    ``{"prompt": str, "ground_truth": str, "extras": dict, "id": str}``
+    (see :mod:`rltk.data.loading`), or carries chat messages instead of or
+    beside the prompt: ``"messages"`` (the opening messages of an episode)
+    and, for the supervised warm-up, ``"sft_messages"`` (a whole
+    demonstration transcript: the opening messages, then assistant turns,
+    tool results and environment feedback; the loss covers the assistant
+    turns only). Without ``sft_messages`` the warm-up teaches
+    ``extras["solution"]`` (else the ground truth) as the response to the prompt.
+    """
+
+
+# --------------------------------------------------------------------------
 # Lifecycle (called by recipes through rltk.call_lifecycle_hook; every
 # implementation runs, the last registered first). A lifecycle hook may stop a
 # run: an exception it raises ends the run as rltk.LifecycleHookError naming

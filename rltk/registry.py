@@ -80,6 +80,8 @@ KINDS: dict[str, Kind] = {
         Kind("environment", "rltk_environments", "environments of multi-turn episodes", frozenset()),
         Kind("tool", "rltk_tools", "tools the policy can call", frozenset()),
         Kind("tool_parser", "rltk_tool_parsers", "tool-call parsers", frozenset()),
+        Kind("task", "rltk_tasks", "synthetic tasks (split, size, seed -> rows)",
+             frozenset({"split", "size", "seed"})),
     ]
 }
 

@@ -122,17 +122,18 @@ def check_agent(cfg: DictConfig, registry: Registry) -> None:
 
 
 def check_task(cfg: DictConfig) -> None:
-    """The synthetic task and its arguments, when no dataset path is given."""
+    """The synthetic task (a registered ``task``) and its arguments, when no dataset path is given."""
     if cfg.data.path or not cfg.data.task:
         return
-    from rltk.data.synthetic import TASKS
+    from rltk.data.synthetic import task_arguments
+    from rltk.registry import get_registry
 
-    if cfg.data.task not in TASKS:
-        raise ConfigError(unknown_name_message("synthetic task", cfg.data.task, list(TASKS), where="data.task"))
-    fn = TASKS[cfg.data.task]
-    valid = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    table = get_registry().entries["task"]
+    if cfg.data.task not in table:
+        raise ConfigError(unknown_name_message("task", cfg.data.task, list(table), where="data.task"))
+    valid, takes_any = task_arguments(table[cfg.data.task].obj)
     for arg in cfg.data.task_args or {}:
-        if arg not in valid:
+        if arg not in valid and not takes_any:
             raise ConfigError(
                 f"'data.task_args.{arg}': task '{cfg.data.task}' has no argument '{arg}'.{did_you_mean(arg, valid)} "
                 f"Valid: {', '.join(valid)}"

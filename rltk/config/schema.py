@@ -70,6 +70,7 @@ class DataConfig:
     eval_path: Optional[str] = None
     eval_split: Optional[str] = None
     prompt_key: str = "prompt"
+    messages_key: str = "messages"  # column of chat messages (rltk/data/chat.py); a transcript also feeds the warm-up
     answer_key: str = "answer"
     extras_keys: Optional[List[str]] = None  # columns kept as row extras; null keeps all others
     system_prompt: Optional[str] = None

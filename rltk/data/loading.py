@@ -4,6 +4,10 @@ Every dataset in rltk ends up as a list of rows of one standard form::
 
     {"prompt": str, "ground_truth": str, "extras": dict, "id": str}
 
+optionally with chat messages (see :mod:`rltk.data.chat`): ``"messages"``,
+the opening messages of an episode, and ``"sft_messages"``, a demonstration
+transcript for the supervised warm-up (loss on its assistant turns only).
+
 :func:`load_rows` reads the rows (JSON, JSONL, parquet, CSV, a ``datasets``
 folder written by ``save_to_disk``, or a folder of such files);
 :func:`format_prompts` applies the prompt template, the system prompt and
@@ -43,6 +47,7 @@ def load_rows(
     answer_key: str | None = "answer",
     extras_keys: Sequence[str] | None = None,
     id_key: str = "id",
+    messages_key: str = "messages",
     config_prefix: str = "data",
 ) -> list[dict]:
     """Rows ``{"prompt", "ground_truth", "extras", "id"}`` from a local dataset.
@@ -56,6 +61,14 @@ def load_rows(
 
     A prompt is a string, or a list of chat messages ``[{"role", "content"}]``
     (kept as is; :func:`format_prompts` renders it with the chat template).
+
+    A ``messages`` column (``messages_key``) holds chat messages, checked by
+    :func:`rltk.data.chat.check_messages` (roles system, user, assistant,
+    tool; assistant ``tool_calls``). Messages that end with an assistant turn
+    are a demonstration transcript: the row's ``messages`` are those before its
+    first assistant turn (the episode's opening) and ``sft_messages`` all of
+    them (what the warm-up teaches); other messages are all opening. Without a
+    prompt column the opening messages are the prompt too.
     The answer becomes the string ``ground_truth`` (numbers as written, lists
     and objects as JSON); ``answer_key=None`` means the rows have no answer.
     A missing answer (``null`` / ``None``, an empty parquet cell) is an error
@@ -72,6 +85,7 @@ def load_rows(
             ``None`` copies every column except prompt, answer and id.
         id_key: the column holding a row id if present; otherwise ids are
             ``"<file stem>-<row index>"``.
+        messages_key: the column holding chat messages, if the dataset has one.
         config_prefix: the config section the arguments came from, used in
             error messages (``data.prompt_key`` ...).
     """
@@ -89,11 +103,14 @@ def load_rows(
         if not isinstance(record, dict):
             raise DataError(f"{source}: row {index} is a {type(record).__name__}, expected an object with named fields")
     columns = list(records[0].keys())
-    _require_key(prompt_key, f"{config_prefix}.prompt_key", columns, source)
+    has_messages = messages_key in columns
+    if not (has_messages and prompt_key not in columns):
+        _require_key(prompt_key, f"{config_prefix}.prompt_key", columns, source,
+                     f"; or give a '{messages_key}' column of chat messages ({config_prefix}.messages_key)")
     if answer_key is not None:
         _require_key(answer_key, f"{config_prefix}.answer_key", columns, source)
     if extras_keys is None:
-        extras_keys = [c for c in columns if c not in (prompt_key, answer_key, id_key)]
+        extras_keys = [c for c in columns if c not in (prompt_key, answer_key, id_key, messages_key)]
     else:
         extras_keys = list(extras_keys)
         for key in extras_keys:
@@ -102,10 +119,21 @@ def load_rows(
     rows, seen_ids = [], set()
     for index, record in enumerate(records):
         where = f"{source}: row {index}"
-        for key in [prompt_key, *([answer_key] if answer_key else []), *extras_keys]:
+        prompt_keys = [prompt_key] if prompt_key in columns or not has_messages else [messages_key]
+        for key in [*prompt_keys, *([answer_key] if answer_key else []), *extras_keys]:
             if key not in record:
                 raise DataError(f"{where} has no '{key}' (columns of that row: {sorted(record)})")
-        prompt = _check_prompt(record[prompt_key], where, f"{config_prefix}.prompt_key={prompt_key!r}")
+        chat: dict[str, list[dict]] = {}
+        if has_messages and record.get(messages_key) is not None:
+            chat = _chat_columns(record[messages_key], f"{where} (column '{messages_key}', "
+                                                       f"{config_prefix}.messages_key)")
+        if prompt_key in record:
+            prompt = _check_prompt(record[prompt_key], where, f"{config_prefix}.prompt_key={prompt_key!r}")
+        elif chat:
+            prompt = chat["messages"]
+        else:
+            raise DataError(f"{where} has neither a prompt ('{prompt_key}', {config_prefix}.prompt_key) nor chat "
+                            f"messages ('{messages_key}', {config_prefix}.messages_key)")
         if answer_key is not None and record[answer_key] is None:
             raise DataError(
                 f"{where}: the answer (column '{answer_key}', {config_prefix}.answer_key) is null. A reward would "
@@ -121,8 +149,22 @@ def load_rows(
             "ground_truth": _as_text(record[answer_key]) if answer_key else "",
             "extras": {key: record[key] for key in extras_keys},
             "id": row_id,
+            **chat,
         })
     return rows
+
+
+def _chat_columns(messages: Any, where: str) -> dict[str, list[dict]]:
+    """``{"messages": opening}`` plus ``"sft_messages"`` when the messages are a transcript (end with an assistant)."""
+    from rltk.data.chat import check_messages, split_transcript
+
+    try:
+        checked = check_messages(messages, where)
+        opening, transcript = split_transcript(checked)
+    except ValueError as exc:
+        message = str(exc)
+        raise DataError(message if message.startswith(where) else f"{where}: {message}") from None
+    return {"messages": opening, **({"sft_messages": transcript} if transcript else {})}
 
 
 def _read_records(path: Path, split: str | None, config_prefix: str) -> tuple[list, str]:
@@ -240,9 +282,10 @@ def _read_saved_dataset(path: Path, split: str | None, config_prefix: str) -> li
     return loaded.to_list()
 
 
-def _require_key(key: str, config_key: str, columns: list[str], source: str) -> None:
+def _require_key(key: str, config_key: str, columns: list[str], source: str, alternative: str = "") -> None:
     if key not in columns:
-        raise DataError(f"{config_key}='{key}' is not a column of '{source}'. Columns: {', '.join(columns)}")
+        raise DataError(f"{config_key}='{key}' is not a column of '{source}'. Columns: {', '.join(columns)}"
+                        + alternative)
 
 
 def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict]:
@@ -273,6 +316,7 @@ def format_prompts(
     prompt_template: str = "{prompt}",
     max_prompt_tokens: int | None = None,
     on_too_long: str = "filter",
+    tools: list[dict] | None = None,
     config_prefix: str = "data",
 ) -> list[dict]:
     """Rows whose ``prompt`` is the final text to tokenize with ``add_special_tokens=False``.
@@ -284,10 +328,17 @@ def format_prompts(
        rendered by ``tokenizer.apply_chat_template(..., tokenize=False,
        add_generation_prompt=True)``; a row whose prompt is already a list of
        messages gets the system prompt prepended (unless it has one) and is
-       rendered as is. Without it, the system prompt and a newline are put
+       rendered as is; so is a row's ``messages`` (chat rows, see
+       :mod:`rltk.data.chat`), which take precedence over its prompt.
+       ``tools`` (OpenAI function schemas) are rendered by the template too.
+       The formatted row keeps the rendered opening as ``messages`` and, when
+       it has a demonstration, ``sft_messages`` starting with that same
+       opening, so a multi-turn rollout and the warm-up render exactly the
+       prompt text. Without it, the system prompt and a newline are put
        before the text, and the tokenizer's bos token when it adds one by
        default (Llama-style tokenizers), because special tokens are not
-       added again at tokenization.
+       added again at tokenization; chat rows then use their text prompt,
+       and a demonstration transcript is an error (it needs the template).
     3. Prompts longer than ``max_prompt_tokens`` are dropped with a logged
        count (``on_too_long="filter"``) or raise an error naming the row
        (``"error"``). Filtering every row is an error.
@@ -304,38 +355,50 @@ def format_prompts(
             f"template; set it to false, or use a model folder whose tokenizer_config.json has one"
         )
     template_fields(prompt_template, f"{config_prefix}.prompt_template")  # refused before any row is read
+    if tools and not use_chat_template:
+        raise ValueError(f"tools are rendered by the chat template: they need {config_prefix}.use_chat_template=true")
     bos_prefix = "" if use_chat_template else _default_bos(tokenizer)
-    texts = []
+    texts, chats = [], []
     for row in rows:
-        prompt = row["prompt"]
-        if isinstance(prompt, list):
-            if not use_chat_template:
+        prompt, given = row["prompt"], row.get("messages")
+        chat: dict[str, list[dict]] = {}
+        if not use_chat_template:
+            if isinstance(prompt, list):
                 raise ValueError(
                     f"row '{row['id']}': the prompt is a list of chat messages, which needs "
                     f"{config_prefix}.use_chat_template=true"
                 )
-            messages = [dict(m) for m in prompt]
-            for message in messages:
-                if message["role"] == "user" and isinstance(message["content"], str):
-                    message["content"] = _fill(prompt_template, message["content"], row, config_prefix)
-            if system_prompt and messages[0]["role"] != "system":
-                messages.insert(0, {"role": "system", "content": system_prompt})
+            if row.get("sft_messages"):
+                raise ValueError(
+                    f"row '{row['id']}' has a demonstration transcript (sft_messages), which is rendered by the chat "
+                    f"template: set {config_prefix}.use_chat_template=true"
+                )
+        if use_chat_template and (isinstance(given, list) or isinstance(prompt, list)):
+            original = given if isinstance(given, list) else prompt
+            messages = _format_opening(original, row, system_prompt, prompt_template, config_prefix)
         else:
             text = _fill(prompt_template, prompt, row, config_prefix)
+            original = None
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
                 {"role": "user", "content": text}
             ]
         if use_chat_template:
-            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            texts.append(tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                       add_generation_prompt=True))
+            chat["messages"] = messages
+            if row.get("sft_messages"):
+                chat["sft_messages"] = _format_transcript(row["sft_messages"], original, messages, row,
+                                                          system_prompt, prompt_template, config_prefix)
         else:
             body = messages[-1]["content"]
             texts.append(bos_prefix + (f"{system_prompt}\n{body}" if system_prompt else body))
+        chats.append(chat)
     if max_prompt_tokens is None:
         lengths = [0] * len(texts)
     else:
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
     formatted, too_long = [], []
-    for row, text, length in zip(rows, texts, lengths):
+    for row, text, length, chat in zip(rows, texts, lengths, chats):
         if max_prompt_tokens is not None and length > max_prompt_tokens:
             if on_too_long == "error":
                 raise ValueError(
@@ -345,7 +408,7 @@ def format_prompts(
                 )
             too_long.append(row["id"])
             continue
-        formatted.append({**row, "prompt": text, "extras": dict(row.get("extras", {}))})
+        formatted.append({**row, "prompt": text, "extras": dict(row.get("extras", {})), **chat})
     if too_long:
         logger.warning(
             "dropped %d of %d prompts longer than %s.max_prompt_tokens=%d (first ids: %s)",
@@ -357,6 +420,30 @@ def format_prompts(
             f"nothing is left to train on. Raise the limit."
         )
     return formatted
+
+
+def _format_opening(messages: list[dict], row: dict, system_prompt: str | None, prompt_template: str,
+                    config_prefix: str) -> list[dict]:
+    """Opening messages with the prompt template filled into user messages and the system prompt first."""
+    messages = [dict(m) for m in messages]
+    for message in messages:
+        if message["role"] == "user" and isinstance(message["content"], str):
+            message["content"] = _fill(prompt_template, message["content"], row, config_prefix)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _format_transcript(transcript: list[dict], original: list[dict] | None, opening: list[dict], row: dict,
+                       system_prompt: str | None, prompt_template: str, config_prefix: str) -> list[dict]:
+    """The demonstration with the formatted ``opening`` in place of its own, so the warm-up's prompt is the
+    rollout's. A transcript that does not start with the row's opening is formatted on its own."""
+    head = original if original is not None else [{"role": "user", "content": row["prompt"]}]
+    if [(m["role"], m["content"]) for m in transcript[: len(head)]] == [(m["role"], m["content"]) for m in head]:
+        return opening + [dict(m) for m in transcript[len(head):]]
+    first = next((i for i, m in enumerate(transcript) if m["role"] == "assistant"), len(transcript))
+    own = _format_opening(transcript[:first], row, system_prompt, prompt_template, config_prefix)
+    return own + [dict(m) for m in transcript[first:]]
 
 
 def _fill(template: str, prompt: str, row: dict, config_prefix: str) -> str:

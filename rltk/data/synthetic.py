@@ -277,35 +277,65 @@ def _random_expression(numbers: list[int], rng: random.Random) -> tuple[int | No
     return (value, text) if value >= 0 else (None, "")
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "countdown": countdown}
+#: The arguments every task function takes positionally (the kind ``task`` fills them in).
+TASK_PROVIDED_ARGS = ("split", "size", "seed")
+
+
+def task_arguments(fn: Callable[..., list[dict]]) -> tuple[list[str], bool]:
+    """The ``data.task_args`` a task function accepts, and whether it takes any (``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    names = [p.name for p in params if p.name not in TASK_PROVIDED_ARGS
+             and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def get_task(name: str) -> Callable[..., list[dict]]:
+    """The task function registered as ``name`` (kind ``task``, see ``rltk_tasks``).
+
+    An unknown name is a ``ValueError`` naming ``data.task``, the closest
+    registered names and all of them.
+    """
+    from rltk.registry import RegistryError, get_registry
+
+    try:
+        return get_registry().entry("task", name, where="data.task").obj
+    except RegistryError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def make_task(name: str, split: str, size: int, seed: int, **args) -> list[dict]:
-    """Rows of the synthetic task ``name`` (``arithmetic`` or ``countdown``).
+    """Rows of the synthetic task registered as ``name`` (``arithmetic``, ``countdown``, ...).
 
-    ``args`` are the task's keyword arguments (see :func:`arithmetic`,
-    :func:`countdown`); unknown ones are an error listing the valid ones.
+    Tasks come from the registry (hook ``rltk_tasks``), so a plugin's task
+    is chosen by ``data.task`` like a builtin. ``args`` are the task's keyword
+    arguments (see :func:`arithmetic`, :func:`countdown`); unknown ones are an
+    error listing the valid ones.
     """
-    from rltk.registry import unknown_name_message
-
-    if name not in TASKS:
-        raise ValueError(unknown_name_message("synthetic task", name, list(TASKS), "data.task"))
-    fn = TASKS[name]
-    valid = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    fn = get_task(name)
+    valid, takes_any = task_arguments(fn)
     unknown = sorted(set(args) - set(valid))
-    if unknown:
+    if unknown and not takes_any:
         raise ValueError(f"synthetic task '{name}' has no argument(s) {unknown}. Valid: {', '.join(valid)}")
     return fn(split, size, seed, **args)
 
 
-def sft_examples(rows: list[dict]) -> list[tuple[str, str]]:
-    """``(prompt, completion)`` pairs with a correct completion, for supervised warm-up.
+def sft_examples(rows: list[dict]) -> list[tuple[str, str] | list[dict]]:
+    """What a supervised warm-up teaches for each row: a ``(prompt, completion)`` pair or a transcript.
 
-    The completion is ``extras["solution"]`` when a row has one (Countdown:
-    ``<answer>(3+5)*2</answer>``), else the ground truth (arithmetic: ``42``).
-    The tokenizer's eos is not included; the SFT stage appends it.
+    A row with ``sft_messages`` (the multi-turn tasks, chat datasets) gives
+    that transcript, a list of chat messages whose assistant turns are the
+    targets (:func:`rltk.data.chat.tokenize_transcript` tokenizes it with the
+    loss on those turns only). Any other row gives ``(prompt, completion)``
+    with a correct completion: ``extras["solution"]`` when the row has one
+    (Countdown: ``<answer>(3+5)*2</answer>``), else the ground truth
+    (arithmetic: ``42``). The tokenizer's eos is not included; the SFT stage
+    appends it.
     """
-    return [(row["prompt"], str(row.get("extras", {}).get("solution", row["ground_truth"]))) for row in rows]
+    return [
+        [dict(m) for m in row["sft_messages"]] if row.get("sft_messages")
+        else (row["prompt"], str(row.get("extras", {}).get("solution", row["ground_truth"])))
+        for row in rows
+    ]
 
 
 def _check_common(task: str, split: str, size: int, test_fraction: float) -> str:

@@ -7,8 +7,15 @@ Face folder (:func:`save_pretrained_dir`) that every other part of rltk loads
 like a real model (:mod:`rltk.models.loading`).
 
 Token ids are fixed forever: special tokens first (:data:`SPECIAL_TOKENS`),
-then :data:`ALPHABET` in order, then ``extra_chars``. Never reorder them, or
-saved checkpoints decode to garbage.
+then :data:`ALPHABET` in order, then ``extra_chars``, then the special tokens
+added later (:data:`LATE_SPECIAL_TOKENS`, the ``<|tool|>`` role). Never
+reorder them, or saved checkpoints decode to garbage; a new token goes at the
+very end, so every existing id keeps its meaning.
+
+The chat template (:data:`CHAT_TEMPLATE`, documented in
+:func:`build_char_tokenizer`) renders roles as one token each, tool schemas
+as one short line and tool calls in the Hermes/Qwen form
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 """
 
 from __future__ import annotations
@@ -28,11 +35,18 @@ UNK_TOKEN = "<|unk|>"
 SYSTEM_TOKEN = "<|system|>"
 USER_TOKEN = "<|user|>"
 ASSISTANT_TOKEN = "<|assistant|>"
+TOOL_TOKEN = "<|tool|>"
 
 #: Special tokens and their ids (pad 0, eos 1, bos 2, unk 3, then the chat roles).
 SPECIAL_TOKENS: tuple[str, ...] = (
     PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN, SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN,
 )
+
+#: Special tokens added after the first release, with ids after every ordinary
+#: symbol (and after ``extra_chars``): appending them kept every earlier id.
+#: ``<|tool|>`` opens a tool result message (id ``len(SPECIAL_TOKENS) +
+#: len(ALPHABET)`` = 104 without extra characters).
+LATE_SPECIAL_TOKENS: tuple[str, ...] = (TOOL_TOKEN,)
 
 #: Every ordinary symbol, in id order after the special tokens. Arithmetic and
 #: Countdown come first so their ids stay small and stable; then letters,
@@ -52,12 +66,60 @@ ALPHABET: str = (
 # keeps prompts short, which matters for a model with 256 positions. Each
 # message ends with eos, so a model trained on the template stops after its
 # answer; the template rejects unknown roles instead of silently dropping them.
+#
+# Tools (``tools=``, OpenAI function schemas or bare {"name", "parameters"}
+# dicts) are rendered as one line of signatures in the first system turn,
+# ``tools: calculator(expression);search(query,k)``, never the full JSON schema:
+# a schema with its descriptions is hundreds of characters, more than the
+# whole context of the tiny model. A system message's content comes first and
+# the tool line after a newline; without a system message the tool line is a
+# system turn of its own. Only the first message may be a system message when
+# tools are given, so the tool line is written exactly once.
+#
+# An assistant message's ``tool_calls`` (OpenAI's {"type": "function",
+# "function": {"name", "arguments"}} or bare {"name", "arguments"}; arguments a
+# dict or a JSON string) follow its content as Hermes/Qwen tool calls,
+# ``<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>``,
+# one after another without separators, then eos. Tool results are
+# ``<|tool|>result<|eos|>``. Every message renders on its own, independent of
+# the ones after it, so rendering a conversation prefix gives a prefix of the
+# whole conversation's text: a multi-turn rollout can append each new
+# message's rendering to the tokens it already has.
 CHAT_TEMPLATE: str = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{ raise_exception('tiny chat template: role must be system, user or assistant, got ' + message['role']) }}"
+    "{%- macro tool_line() -%}"
+    "{{ 'tools: ' }}"
+    "{%- for tool in tools -%}"
+    "{%- set f = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- if not loop.first -%};{%- endif -%}"
+    "{{ f['name'] }}("
+    "{%- if f['parameters'] is defined and f['parameters']['properties'] is defined -%}"
+    "{{ f['parameters']['properties'].keys() | join(',') }}"
     "{%- endif -%}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>"
+    ")"
+    "{%- endfor -%}"
+    "{%- endmacro -%}"
+    "{%- if tools and (not messages or messages[0]['role'] != 'system') -%}"
+    "<|system|>{{ tool_line() }}<|eos|>"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{ raise_exception('tiny chat template: role must be system, user, assistant or tool, got ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- if tools and message['role'] == 'system' and not loop.first -%}"
+    "{{ raise_exception('tiny chat template: with tools, only the first message may be a system message') }}"
+    "{%- endif -%}"
+    "<|{{ message['role'] }}|>"
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- endif -%}"
+    "{%- if tools and message['role'] == 'system' -%}{{ '\\n' }}{{ tool_line() }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set c = call['function'] if call['function'] is defined else call -%}"
+    "<tool_call>{\"name\": {{ c['name'] | tojson }}, \"arguments\": "
+    "{%- if c['arguments'] is string %} {{ c['arguments'] }}{%- else %} {{ c['arguments'] | tojson }}{%- endif -%}"
+    "}</tool_call>"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "<|eos|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
@@ -69,7 +131,8 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     Every character is one token; a character outside the vocabulary becomes
     ``<|unk|>`` (one per character, so lengths are preserved). Special tokens
     have fixed ids: ``<|pad|>`` 0, ``<|eos|>`` 1, ``<|bos|>`` 2, ``<|unk|>`` 3,
-    ``<|system|>`` 4, ``<|user|>`` 5, ``<|assistant|>`` 6. Nothing is added
+    ``<|system|>`` 4, ``<|user|>`` 5, ``<|assistant|>`` 6, and ``<|tool|>`` the
+    last id of all (after ``extra_chars``; see :data:`LATE_SPECIAL_TOKENS`). Nothing is added
     around the text when encoding (no bos), like Qwen tokenizers; rltk
     tokenizes prompts with ``add_special_tokens=False`` anyway.
 
@@ -77,6 +140,11 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     ``<|assistant|>`` as the generation prompt, so
     ``apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
     add_generation_prompt=True)`` is ``"<|user|>1+2=<|eos|><|assistant|>"``.
+    Roles are ``system``, ``user``, ``assistant`` and ``tool``. ``tools=``
+    renders one line of signatures, ``tools: calculator(expression)``, and an
+    assistant's ``tool_calls`` render as
+    ``<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>``
+    after its content (see the comment on :data:`CHAT_TEMPLATE`).
 
     Args:
         extra_chars: characters to add after the fixed alphabet (duplicates of
@@ -86,18 +154,20 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     for char in ALPHABET + extra_chars:
         if char not in vocab:
             vocab[char] = len(vocab)
+    for token in LATE_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
     # BPE with no merges over text with no pre-tokenizer is exactly a
     # character lookup; Fuse() joins decoded characters without separators.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(list(SPECIAL_TOKENS + LATE_SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
         bos_token=BOS_TOKEN,
         unk_token=UNK_TOKEN,
-        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN],
+        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, TOOL_TOKEN],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -37,7 +37,8 @@ from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
 from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
-    prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config, write_summary,
+    prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config, tool_schemas,
+    write_summary,
 )
 from rltk.training.sft import sft_batch, sft_step
 
@@ -411,7 +412,8 @@ def run_sft_stage(stage: Stage) -> None:
     # Otherwise nothing samples during this stage, so the rollout engine is not pointed at the
     # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     probe_rows = run.train_rows[: s.probe_size]
-    sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key), s.batch_size,
+    sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg)),
+                         s.batch_size,
                          seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     start = 0
     if stage.resume is not None:

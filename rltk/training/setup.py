@@ -123,10 +123,10 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
     extras_keys = list(d.extras_keys) if d.extras_keys is not None else None
     if d.path:
         train = load_rows(d.path, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                          extras_keys=extras_keys)
+                          extras_keys=extras_keys, messages_key=d.messages_key)
         if d.eval_path:
             held_out = load_rows(d.eval_path, split=d.eval_split, prompt_key=d.prompt_key,
-                                 answer_key=d.answer_key, extras_keys=extras_keys)
+                                 answer_key=d.answer_key, extras_keys=extras_keys, messages_key=d.messages_key)
         else:  # carve a deterministic held-out slice off the training file
             order = list(range(len(train)))
             random.Random(cfg.seed).shuffle(order)
@@ -141,19 +141,56 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
         raise ConfigError("set either 'data.path' (a dataset file or folder) or 'data.task' (a synthetic task)")
     fmt = dict(system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
                prompt_template=d.prompt_template, max_prompt_tokens=d.max_prompt_tokens,
-               on_too_long=d.on_too_long)
+               on_too_long=d.on_too_long, tools=tool_schemas(cfg))
     return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
 
 
-def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids + eos) for supervised warm-up.
+def tool_schemas(cfg: DictConfig) -> list[dict] | None:
+    """The OpenAI function schemas of ``env.tools`` (with ``env.tools_args``), as the chat template renders them.
 
-    The completion is ``extras["solution"]`` when the task provides one, else
-    ``extras[completion_key]`` when configured, else the ground truth.
+    Prompts, demonstrations and multi-turn rollouts all render the same tool
+    list, so the warm-up and RL see one prompt text. ``None`` without tools.
     """
+    env = cfg.get("env")
+    if env is None or not env.tools:
+        return None
+    from rltk.registry import get_registry
+
+    tools_args = dict(OmegaConf.to_container(env.tools_args, resolve=True) or {})
+    schemas = []
+    for name in env.tools:
+        base = get_registry().entry("tool", name, where="env.tools").obj
+        try:
+            schemas.append(base.bind(**dict(tools_args.get(name) or {})).schema())
+        except ValueError as exc:
+            raise ConfigError(f"env.tools_args.{name}: {exc}") from exc
+    return schemas
+
+
+def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
+              tools: list[dict] | None = None) -> list[tuple[list[int], list[int], list[int]]]:
+    """``(prompt ids, response ids, loss mask)`` for supervised warm-up.
+
+    A row with a demonstration transcript (``sft_messages``) is tokenized by
+    :func:`rltk.data.chat.tokenize_transcript` (``tools`` rendered as in the
+    rollout's prompts): the loss covers its assistant turns only, and the ids
+    are those a multi-turn rollout of the same conversation builds. Any other
+    row teaches one completion, all of it with eos: ``extras["solution"]``
+    when the task provides one, else ``extras[completion_key]`` when
+    configured, else the ground truth.
+    """
+    from rltk.data.chat import tokenize_transcript
+
     pairs = []
     for row in rows:
         extras = row.get("extras") or {}
+        if row.get("sft_messages") and not completion_key:
+            try:
+                pairs.append(tokenize_transcript(row["sft_messages"], tokenizer, tools=tools))
+            except ValueError as exc:
+                raise ConfigError(f"row '{row.get('id')}': its demonstration (sft_messages) cannot be tokenized: "
+                                  f"{exc}") from exc
+            continue
         if completion_key:
             if completion_key not in extras:
                 raise ConfigError(
@@ -165,7 +202,7 @@ def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None) ->
             completion = str(extras.get("solution", row["ground_truth"]))
         prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        pairs.append((prompt_ids, completion_ids))
+        pairs.append((prompt_ids, completion_ids, [1] * len(completion_ids)))
     return pairs
 
 

@@ -9,9 +9,20 @@ from rltk.models.logprobs import response_logprobs
 from rltk.training.rl import lockstep_micro_batches
 
 
-def sft_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """(prompt ids, completion ids) pairs as a collated batch; the loss covers completions only."""
-    experiences = [Experience(prompt_ids=p, response_ids=c, score=0.0, group_id=i) for i, (p, c) in enumerate(examples)]
+def sft_batch(examples: list[tuple[list[int], ...]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Supervised examples as a collated batch whose ``response_mask`` marks the tokens the loss covers.
+
+    An example is ``(prompt ids, completion ids)`` (the loss covers the whole
+    completion) or ``(prompt ids, response ids, loss mask)``: a chat
+    transcript after its opening, the mask 1 on assistant tokens and 0 on tool
+    results, user or environment messages and template tokens (see
+    :func:`rltk.data.chat.tokenize_transcript`).
+    """
+    experiences = []
+    for i, example in enumerate(examples):
+        prompt_ids, response_ids, *mask = example
+        experiences.append(Experience(prompt_ids=prompt_ids, response_ids=response_ids, score=0.0, group_id=i,
+                                      response_mask=list(mask[0]) if mask else None))
     return collate(experiences, pad_token_id)
 
 
@@ -20,6 +31,9 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     """One optimizer step of token-level cross-entropy on the completion tokens.
 
         L = - sum_{i,t} m_{i,t} log pi(y_{i,t} | x_i, y_{i,<t}) / sum_{i,t} m_{i,t}
+
+    ``m`` is ``batch["response_mask"]``: the completion, or a transcript's
+    assistant tokens (tool results and user turns are read, never taught).
 
     normalised by the global token count so micro-batching and data parallelism
     give the gradient of one large batch. Returns ``sft_loss`` (that L),

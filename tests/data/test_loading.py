@@ -321,3 +321,94 @@ def test_null_answer_is_refused_naming_file_row_and_key(tmp_path):
     empty = tmp_path / "e.csv"
     empty.write_text("prompt,answer\np,\n")
     assert load_rows(empty)[0]["ground_truth"] == ""
+
+
+# ----------------------------------------------------------------- chat-message rows
+
+TRANSCRIPT = [
+    {"role": "user", "content": "12+34="},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12+34"}'}}]},
+    {"role": "tool", "content": "46"},
+    {"role": "assistant", "content": "46"},
+]
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "parameters": {"properties": {"expression": {}}}}}
+
+
+def test_a_messages_column_of_transcripts_gives_opening_and_demonstration(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": TRANSCRIPT, "answer": "46"}) + "\n"
+                    + json.dumps({"messages": TRANSCRIPT[:1], "answer": "46"}) + "\n")
+    rows = load_rows(path)
+    assert rows[0]["messages"] == rows[0]["prompt"] == [{"role": "user", "content": "12+34="}]
+    assert [m["role"] for m in rows[0]["sft_messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert rows[0]["sft_messages"][1]["tool_calls"][0]["function"]["arguments"] == {"expression": "12+34"}
+    assert rows[0]["extras"] == {}  # the messages column is not an extra
+    assert "sft_messages" not in rows[1]  # messages ending with a user turn only open an episode
+
+
+def test_messages_beside_a_prompt_column_keep_the_prompt(tmp_path):
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps([{"prompt": "p", "messages": TRANSCRIPT, "answer": "46"}]))
+    row = load_rows(path)[0]
+    assert row["prompt"] == "p" and row["messages"] == TRANSCRIPT[:1] and len(row["sft_messages"]) == 4
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "robot", "content": "x"}], r"row 0 \(column 'messages', data.messages_key\): message 0 has role "
+                                          r"'robot'; valid roles: system, user, assistant, tool"),
+    ([{"role": "assistant", "content": "x"}], r"row 0 \(column 'messages', data.messages_key\): the messages start "
+                                              r"with an assistant message"),
+    ("hello", r"row 0 \(column 'messages', data.messages_key\): messages must be a non-empty list"),
+])
+def test_bad_messages_rows_name_file_row_and_what_is_valid(tmp_path, messages, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": messages, "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl: " + message):
+        load_rows(path)
+
+
+def test_neither_prompt_nor_messages_names_both_keys(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps([{"question": "1", "answer": "1"}]))
+    with pytest.raises(DataError, match=r"data.prompt_key='prompt' is not a column of .*; or give a 'messages' "
+                                        r"column of chat messages \(data.messages_key\)"):
+        load_rows(path)
+
+
+def test_chat_rows_render_messages_tools_and_system_prompt(tokenizer, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": TRANSCRIPT, "answer": "46"}) + "\n")
+    row = format_prompts(load_rows(path), tokenizer, use_chat_template=True, system_prompt="Use tools.",
+                         tools=[CALCULATOR])[0]
+    assert row["prompt"] == "<|system|>Use tools.\ntools: calculator(expression)<|eos|><|user|>12+34=<|eos|><|assistant|>"
+    opening = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "12+34="}]
+    assert row["messages"] == opening
+    # the demonstration opens exactly like the rollout's prompt, then continues as given
+    assert row["sft_messages"][:2] == opening and row["sft_messages"][2:] == load_rows(path)[0]["sft_messages"][1:]
+
+
+def test_plain_rows_under_the_chat_template_record_the_messages_they_render(tokenizer):
+    rows = [{"prompt": "1+2=", "ground_truth": "3", "extras": {}, "id": "a"}]
+    row = format_prompts(rows, tokenizer, use_chat_template=True)[0]
+    assert row["prompt"] == "<|user|>1+2=<|eos|><|assistant|>"
+    assert row["messages"] == [{"role": "user", "content": "1+2="}] and "sft_messages" not in row
+
+
+def test_the_prompt_template_fills_the_opening_not_the_demonstration(tokenizer):
+    rows = [{"prompt": "g", "messages": [{"role": "user", "content": "g"}], "ground_truth": "4", "extras": {}, "id": "a",
+             "sft_messages": [{"role": "user", "content": "g"}, {"role": "assistant", "content": "2"},
+                              {"role": "user", "content": "higher"}, {"role": "assistant", "content": "4"}]}]
+    row = format_prompts(rows, tokenizer, use_chat_template=True, prompt_template="Q {prompt}")[0]
+    assert row["messages"] == [{"role": "user", "content": "Q g"}]
+    assert [m["content"] for m in row["sft_messages"]] == ["Q g", "2", "higher", "4"]
+
+
+def test_demonstrations_and_tools_need_the_chat_template(tokenizer):
+    rows = [{"prompt": "g", "ground_truth": "4", "extras": {}, "id": "a",
+             "sft_messages": [{"role": "user", "content": "g"}, {"role": "assistant", "content": "4"}]}]
+    with pytest.raises(ValueError, match=r"row 'a' has a demonstration transcript \(sft_messages\).*"
+                                         r"data.use_chat_template=true"):
+        format_prompts(rows, tokenizer)
+    with pytest.raises(ValueError, match=r"tools are rendered by the chat template: they need data.use_chat_template"):
+        format_prompts(rows[:1], tokenizer, tools=[CALCULATOR])

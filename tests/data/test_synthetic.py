@@ -129,7 +129,7 @@ def test_sft_examples_pair_prompts_with_correct_completions():
 
 def test_make_task_dispatches_and_checks_arguments():
     assert make_task("arithmetic", "train", 4, 0, operators="*") == arithmetic("train", 4, 0, operators="*")
-    with pytest.raises(ValueError, match=r"unknown synthetic task 'arithmatic'.*Did you mean: 'arithmetic'"):
+    with pytest.raises(ValueError, match=r"unknown task 'arithmatic' at 'data.task'.*Did you mean: 'arithmetic'"):
         make_task("arithmatic", "train", 4, 0)
     with pytest.raises(ValueError, match=r"'countdown' has no argument\(s\) \['digits'\]. Valid: min_numbers"):
         make_task("countdown", "train", 4, 0, digits=3)

@@ -1,8 +1,11 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rltk.models.tiny import (
     ALPHABET,
+    LATE_SPECIAL_TOKENS,
     SPECIAL_TOKENS,
     build_char_tokenizer,
     build_tiny_model,
@@ -18,7 +21,9 @@ def tokenizer():
 def test_special_tokens_have_fixed_ids(tokenizer):
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id) == (0, 1, 2, 3)
     assert tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"]) == [4, 5, 6]
-    assert len(tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET)
+    assert len(tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET) + len(LATE_SPECIAL_TOKENS)
+    # the tool role came later: its id is after every symbol, so no earlier id moved
+    assert tokenizer.convert_tokens_to_ids("<|tool|>") == len(SPECIAL_TOKENS) + len(ALPHABET) == 104
 
 
 def test_every_symbol_is_one_token_in_alphabet_order(tokenizer):
@@ -58,8 +63,9 @@ def test_special_token_text_encodes_to_its_id_and_is_skipped_on_decode(tokenizer
 def test_extra_chars_extend_the_vocabulary_after_the_alphabet():
     tokenizer = build_char_tokenizer(extra_chars="é1é")  # "1" is already known; "é" once
     base = len(SPECIAL_TOKENS) + len(ALPHABET)
-    assert len(tokenizer) == base + 1
+    assert len(tokenizer) == base + 2
     assert tokenizer("é1", add_special_tokens=False)["input_ids"] == [base, 8]
+    assert tokenizer.convert_tokens_to_ids("<|tool|>") == base + 1  # late special tokens come last of all
 
 
 def test_chat_template_renders_roles_and_generation_prompt(tokenizer):
@@ -78,8 +84,8 @@ def test_chat_template_renders_roles_and_generation_prompt(tokenizer):
 
 
 def test_chat_template_rejects_unknown_roles(tokenizer):
-    with pytest.raises(Exception, match="role must be system, user or assistant"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="role must be system, user, assistant or tool, got function"):
+        tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
 
 
 def test_tiny_model_shapes_and_parameter_count_by_hand(tokenizer):
@@ -97,7 +103,7 @@ def test_tiny_model_shapes_and_parameter_count_by_hand(tokenizer):
         + 2 * H  # two RMSNorms
     )
     expected = V * H + 2 * per_layer + H  # tied embedding, layers, final norm
-    assert sum(p.numel() for p in model.parameters()) == expected == 130112
+    assert sum(p.numel() for p in model.parameters()) == expected == 130176
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     logits = model(torch.tensor([[8, 9, 10]])).logits
     assert logits.shape == (1, 3, V)
@@ -137,3 +143,71 @@ def test_save_pretrained_dir_writes_a_hugging_face_folder(tokenizer, tmp_path):
     folder = save_pretrained_dir(build_tiny_model(tokenizer), tokenizer, tmp_path / "tiny")
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def test_tool_role_and_tool_calls_render_in_hermes_form(tokenizer):
+    messages = [
+        {"role": "user", "content": "12+34?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12+34"}}}]},
+        {"role": "tool", "content": "46"},
+        {"role": "assistant", "content": "46"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == (
+        "<|user|>12+34?<|eos|>"
+        '<|assistant|><tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call><|eos|>'
+        "<|tool|>46<|eos|><|assistant|>46<|eos|>"
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(104) == 1 and tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+
+
+def test_tool_call_arguments_as_json_text_and_bare_calls_render_alike(tokenizer):
+    openai_style = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+2"}'}}
+    bare = {"name": "calculator", "arguments": {"expression": "1+2"}}
+    texts = [tokenizer.apply_chat_template([{"role": "assistant", "content": "ok", "tool_calls": [call, call]}],
+                                           tokenize=False) for call in (openai_style, bare)]
+    one = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+    assert texts[0] == texts[1] == f"<|assistant|>ok{one}{one}<|eos|>"
+
+
+def test_tools_render_as_one_short_signature_line(tokenizer):
+    search = {"name": "search", "parameters": {"properties": {"query": {}, "k": {}}}}
+    user = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(user, tools=[CALCULATOR, search], tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|>tools: calculator(expression);search(query,k)<|eos|><|user|>hi<|eos|><|assistant|>"
+    with_system = [{"role": "system", "content": "Be brief."}, *user]
+    text = tokenizer.apply_chat_template(with_system, tools=[CALCULATOR], tokenize=False)
+    assert text == "<|system|>Be brief.\ntools: calculator(expression)<|eos|><|user|>hi<|eos|>"
+    # a schema's description never reaches the 256-position model
+    assert "Evaluate" not in text
+
+
+def test_a_second_system_message_with_tools_is_refused(tokenizer):
+    messages = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}, {"role": "system", "content": "c"}]
+    with pytest.raises(Exception, match="only the first message may be a system message"):
+        tokenizer.apply_chat_template(messages, tools=[CALCULATOR], tokenize=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]), st.text(alphabet="0123456789+=? ab", max_size=8)),
+                min_size=1, max_size=6),
+       st.booleans())
+def test_rendering_a_prefix_gives_a_prefix_of_the_whole(tokenizer, turns, with_tools):
+    # what lets a multi-turn rollout append each new message's tokens instead of re-tokenizing
+    messages = [{"role": role, "content": content} for role, content in turns]
+    tools = [CALCULATOR] if with_tools else None
+    whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    for k in range(1, len(messages)):
+        part = tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False)
+        assert whole.startswith(part)
+        if messages[k]["role"] == "assistant":
+            prompt = tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True)
+            assert whole.startswith(prompt)

@@ -81,9 +81,9 @@ def test_a_template_that_rewrites_earlier_turns_is_an_error_naming_it():
 
 
 def test_a_role_the_template_refuses_is_an_error_naming_the_roles():
-    tok = build_char_tokenizer()  # the shipped tiny template (before mt-data) knows no tool role
-    with pytest.raises(ValueError, match=r"cannot render messages with roles \['user', 'tool'\]"):
-        render_ids(tok, [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}])
+    tok = build_char_tokenizer()  # the tiny template knows system, user, assistant and tool
+    with pytest.raises(ValueError, match=r"cannot render messages with roles \['user', 'function'\]"):
+        render_ids(tok, [{"role": "user", "content": "q"}, {"role": "function", "content": "1"}])
 
 
 def test_delta_needs_the_assistant_turn_last():
