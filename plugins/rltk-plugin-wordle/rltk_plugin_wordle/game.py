@@ -182,16 +182,23 @@ class Wordle(Environment):
                           info={"guess": guess, "marks": marks, "valid": True, "solved": solved})
 
 
+#: Names of the held-out split (rltk asks tasks for ``"test"``; some callers say ``"heldout"`` or ``"eval"``).
+HELD_OUT_SPLITS = ("test", "heldout", "held_out", "eval", "validation", "val")
+
+
 def wordle_task(split: str, size: int, seed: int, *, words: list | None = None, prompt: str = "wordle") -> list[dict]:
-    """``size`` Wordle rows of ``split`` (``"train"`` or ``"test"``): hidden words drawn with ``seed``.
+    """``size`` Wordle rows of ``split`` (``"train"``, or ``"test"`` and its aliases in
+    :data:`HELD_OUT_SPLITS`): hidden words drawn with ``seed``.
 
     The two splits never share a word whatever the seeds: every fifth word of
     the list (``words``, default :data:`WORDS`) is held out for ``"test"``,
     the rest are ``"train"``'s. Words are drawn uniformly with replacement.
     A row is ``{"id", "prompt", "ground_truth": word, "extras": {}}``.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"wordle_task: split must be 'train' or 'test', got {split!r}")
+    if split != "train" and split not in HELD_OUT_SPLITS:
+        raise ValueError(f"wordle_task: split must be 'train' or 'test' (or {', '.join(HELD_OUT_SPLITS[1:])}), "
+                         f"got {split!r}")
+    split = "train" if split == "train" else "test"
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"data.train_size / data.eval_size must be an integer >= 0, got {size!r}")
     pool = [str(w).strip().lower() for w in (WORDS if words is None else words)]

@@ -151,10 +151,11 @@ def test_task_splits_never_share_a_word_and_follow_the_seed():
     assert {r["ground_truth"] for r in test} <= set(WORDS[::5])
     assert train == wordle_task("train", 400, seed=1) and train != wordle_task("train", 400, seed=2)
     assert train[0]["prompt"] == "wordle" and train[0]["id"] == "wordle-train-1-0" and len(train) == 400
+    assert wordle_task("heldout", 100, seed=1) == test  # the held-out split under another name
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: wordle_task("valid", 4, 0), "split must be 'train' or 'test', got 'valid'"),
+    (lambda: wordle_task("valid", 4, 0), "split must be 'train' or 'test' .*got 'valid'"),
     (lambda: wordle_task("train", -1, 0), "must be an integer >= 0, got -1"),
     (lambda: wordle_task("train", 4, 0, words=["ok", "no way"]), "data.task_args.words: every word must be letters"),
     (lambda: wordle_task("test", 4, 0, words=[]), "the test split is empty"),
