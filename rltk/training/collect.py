@@ -106,19 +106,30 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
     (equal-score groups), ``dynamic_sampling/groups_surplus`` and
     ``dynamic_sampling/generated_tokens`` (response tokens of every round, the
     cost of the refill). The workflow's own metrics describe its last round.
+
+    Always, over every experience the workflow produced this step (every
+    round, every rank), *before* dynamic sampling or the sample strategy
+    choose what is trained on: ``rollout/reward`` (mean score),
+    ``rollout/accuracy`` (fraction with score >= 1), ``rollout/samples`` and
+    ``rollout/groups``. :func:`rltk.training.rl.rollout_metrics` gives the
+    same numbers of the batch trained on (``reward``, ``accuracy``,
+    ``batch/samples``, ``batch/groups``).
     """
     run_args = {"greedy_baseline": True} if plan.greedy_baseline else {}
     rows = _rank_rows(sampler, strategy)
     if not plan.dynamic_sampling:
-        return workflow.run(rows, **run_args), {}
+        experiences = workflow.run(rows, **run_args)
+        return experiences, _produced_metrics(_produced_counts(experiences), strategy)
     target = len(rows)
     kept: list[list[Experience]] = []
     dropped = surplus = rounds = generated = 0
+    produced = torch.zeros(4, dtype=torch.float64)
     while True:
         rounds += 1
         if len(kept) < target:
             experiences = workflow.run(rows, **run_args)
             generated += sum(len(e.response_ids) for e in experiences)
+            produced += _produced_counts(experiences)
             for group in _groups(experiences):
                 if not scores_differ(group):
                     dropped += 1
@@ -131,10 +142,12 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
         rows = _rank_rows(sampler, strategy)
     counts = torch.tensor([len(kept), target, dropped, surplus, float(len(kept) < target), generated],
                           dtype=torch.float64)
+    counts = torch.cat([counts, produced])  # one collective for both
     if strategy is not None and strategy.world_size > 1:
         counts = strategy.all_reduce_sum(counts)
-    groups, wanted, dropped_all, surplus_all, short, tokens = counts.tolist()
+    groups, wanted, dropped_all, surplus_all, short, tokens = counts[:6].tolist()
     metrics = {
+        **_produced_metrics(counts[6:], None),
         "dynamic_sampling/rounds": float(rounds),
         "dynamic_sampling/cap_reached": float(short > 0),
         "dynamic_sampling/groups": groups,
@@ -144,6 +157,22 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
         "dynamic_sampling/generated_tokens": tokens,
     }
     return [e for group in kept for e in group], metrics
+
+
+def _produced_counts(experiences: list[Experience]) -> torch.Tensor:
+    """``[score sum, scores >= 1, samples, groups]`` of one rank's experiences (float64, to sum over ranks)."""
+    scores = [float(e.score) for e in experiences]
+    return torch.tensor([sum(scores), sum(s >= 1 for s in scores), len(scores),
+                         len({e.group_id for e in experiences})], dtype=torch.float64)
+
+
+def _produced_metrics(counts: torch.Tensor, strategy) -> dict[str, float]:
+    """The ``rollout/`` means and counts of :func:`_produced_counts`, summed over ranks first with a ``strategy``."""
+    if strategy is not None and strategy.world_size > 1:
+        counts = strategy.all_reduce_sum(counts)
+    score_sum, correct, samples, groups = counts.tolist()
+    return {"rollout/reward": score_sum / max(samples, 1), "rollout/accuracy": correct / max(samples, 1),
+            "rollout/samples": samples, "rollout/groups": groups}
 
 
 def expert_experiences(cfg: DictConfig, tokenizer, reward) -> list[Experience]:

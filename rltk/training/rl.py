@@ -289,20 +289,29 @@ def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: d
 
 def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, elapsed: float,
                     strategy=None) -> dict[str, float]:
-    """What every RL step logs about its rollout batch: reward, accuracy, lengths, throughput,
-    plus the workflow's, reward functions' and sample strategy's own counters.
+    """What every RL step logs about its batch: reward, accuracy, lengths, throughput, plus the
+    workflow's, reward functions' and sample strategy's own counters.
+
+    Two sets of responses, named apart: ``batch`` is what the trainer read, *after* the sample
+    strategy (filtered, mixed with expert data ...), and gives ``reward`` (mean score),
+    ``accuracy`` (fraction with score >= 1), ``response_length``, ``tokens_per_s``,
+    ``batch/samples`` and ``batch/groups``; the ``rollout/*`` and ``reward/*`` counters of the
+    workflow (and ``rollout/reward``, ``rollout/accuracy``, ``rollout/samples``,
+    ``rollout/groups`` of :func:`rltk.training.collect.collect_experiences`) describe everything
+    it produced, *before* the sample strategy.
 
     With a ``strategy`` the numbers cover every rank: reward, accuracy and length are means over
-    all responses, ``tokens_per_s`` is the total, and the components' counters are averaged over
-    ranks.
+    all responses, ``tokens_per_s`` and the ``batch/`` counts are totals, and the components'
+    counters are averaged over ranks.
     """
     scores = batch["scores"].double().cpu()
     local = torch.stack([
         scores.sum(), (scores >= 1).double().sum(), batch["response_lengths"].double().sum().cpu(),
         torch.tensor(float(scores.numel()), dtype=torch.float64),
         batch["attention_mask"].double().sum().cpu(),
+        torch.tensor(float(batch["group_ids"].unique().numel()), dtype=torch.float64),
     ])
-    score_sum, correct, length_sum, n, tokens = (
+    score_sum, correct, length_sum, n, tokens, groups = (
         local if strategy is None else strategy.all_reduce_sum(local)).tolist()
     counters = {
         **workflow.metrics(),
@@ -318,6 +327,8 @@ def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, e
         "accuracy": correct / max(n, 1),
         "response_length": length_sum / max(n, 1),
         "tokens_per_s": tokens / elapsed,
+        "batch/samples": n,
+        "batch/groups": groups,
         "time/step_s": elapsed,
         **counters,
     }

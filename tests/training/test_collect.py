@@ -42,12 +42,15 @@ def informative(*ids):
     return {f"r{i}": ((0.0, 1.0) if i in ids else (1.0, 1.0)) for i in range(12)}
 
 
-def test_without_dynamic_sampling_one_round_and_no_metrics():
-    workflow = ScriptedWorkflow(informative())
+def test_without_dynamic_sampling_one_round_and_only_what_was_produced():
+    workflow = ScriptedWorkflow(informative(1))
     sampler = RowSampler(rows(12), 3, shuffle=False)
     experiences, metrics = collect_experiences(workflow, sampler, RolloutPlan())
     assert [e.info["row"] for e in experiences] == ["r0", "r0", "r1", "r1", "r2", "r2"]  # equal groups kept
-    assert metrics == {} and workflow.calls == [(["r0", "r1", "r2"], {})]
+    # scores 1 1 | 0 1 | 1 1: five of six solved
+    assert metrics == {"rollout/reward": 5 / 6, "rollout/accuracy": 5 / 6, "rollout/samples": 6.0,
+                       "rollout/groups": 3.0}
+    assert workflow.calls == [(["r0", "r1", "r2"], {})]
 
 
 def test_dynamic_sampling_refills_until_the_batch_holds_as_many_informative_groups_as_prompts():
@@ -60,7 +63,10 @@ def test_dynamic_sampling_refills_until_the_batch_holds_as_many_informative_grou
     assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/cap_reached": 0.0,
                        "dynamic_sampling/groups": 3.0, "dynamic_sampling/groups_target": 3.0,
                        "dynamic_sampling/groups_dropped": 5.0, "dynamic_sampling/groups_surplus": 1.0,
-                       "dynamic_sampling/generated_tokens": 18.0}  # 9 groups of 2 one-token responses
+                       "dynamic_sampling/generated_tokens": 18.0,  # 9 groups of 2 one-token responses
+                       # every round's 18 responses: 4 informative groups score 0 and 1, 5 equal ones 1 and 1
+                       "rollout/reward": 14 / 18, "rollout/accuracy": 14 / 18, "rollout/samples": 18.0,
+                       "rollout/groups": 9.0}
     assert [c[0] for c in workflow.calls] == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6", "r7", "r8"]]
     assert sampler.next_batch()[0]["id"] == "r9"  # the sampler moved on by exactly the rounds drawn
 
