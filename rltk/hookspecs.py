@@ -38,8 +38,12 @@ def rltk_advantage_fns() -> dict:
     ``values``, ``scores``, ``old_logprobs`` ...; ``reward_components`` and
     ``sum_pi_squared``, which the recipes fill only for an estimator that
     names them) plus its configured arguments, and returns ``(advantages,
-    returns)``, both ``[B, T]`` and zero outside the mask. A required field the recipe does not fill is a
-    validation error naming it.
+    returns)``, both ``[B, T]``: ``advantages`` a new tensor, zero outside the
+    mask; ``returns`` right on every policy token, and outside the mask either 0
+    or (the builtin outcome estimators) a read-only broadcast view holding
+    ``R_i`` (see "What consumers may rely on" in
+    :mod:`rltk.algorithms.advantages`). A required field the recipe does not
+    fill is a validation error naming it.
     """
 
 

@@ -3,8 +3,9 @@
 Every estimator is a pure function called with keyword arguments only. It names
 in its signature the batch fields it needs (the recipe passes exactly those,
 see :func:`rltk.registry.call_with_fields`) plus its own configured arguments,
-and returns ``(advantages, returns)``, both ``[B, T]`` float32 and zero outside
-``response_mask``.
+and returns ``(advantages, returns)``, both ``[B, T]`` float32 (what the
+outcome estimators' ``returns`` hold off the mask: see "What consumers may rely
+on" below).
 
 Batch fields an estimator may declare (``T`` is the response width):
 
@@ -38,15 +39,43 @@ and ``gpg`` (``optimal_token_baseline`` keeps the group conventions, per token):
   a KL penalty folded into the rewards is part of the return. With pure outcome
   rewards ``R_i`` is the ``scores`` field.
 * They are sequence-level: every policy token of response ``i`` gets the same
-  advantage ``A_i``. Their ``returns`` are ``R_i`` on every policy token (they
-  train no critic; the field is there for logging and for a uniform contract).
+  advantage ``A_i``. Their ``returns`` are ``R_i`` on every token of row ``i``,
+  padding included: a broadcast view of the ``[B]`` returns (they train no
+  critic; the field is there for logging, a critic if one is attached, and a
+  uniform contract).
 * A group of one response, and a group whose returns are all equal, says
   nothing about which response was better: its advantage is exactly 0 (not NaN,
   not the raw score). Equality is tested on the returns themselves, up to the
   rounding of their float32 sums over tokens (``EQUAL_WITHIN_ULPS``), so such
   groups never get rounding noise blown up by a tiny standard deviation.
-* Group statistics are float64 segment reductions over
-  ``torch.unique(group_ids, return_inverse=True)``: no Python loop over groups.
+* Group statistics are float64 segment reductions over a group index
+  (:class:`rltk.algorithms.groups.Groups`): no Python loop over groups, and a
+  handful of ``[B]`` kernels, so an outcome estimator costs one row sum of
+  ``token_rewards`` plus writing its advantages (``benchmarks/advantages.py``).
+
+What consumers may rely on
+--------------------------
+
+* ``advantages`` is a new, contiguous ``[B, T]`` float32 tensor, zero off
+  ``response_mask``, aliasing no input and not ``returns``: the caller owns it
+  and may modify it in place.
+* ``returns`` has the documented values on every policy token. Off the mask it
+  is 0 for the per-token estimators (``gae``, ``reinforce_plus_plus``,
+  ``optimal_token_baseline``), whose returns are new contiguous tensors like
+  the advantages. For the outcome estimators it is ``R_i`` there too: a
+  read-only stride-0 view ``R[:, None].expand(B, T)`` of a ``[B]`` tensor the
+  estimator allocated, which never aliases an input or the advantages.
+  Writing a second ``[B, T]`` tensor would cost as much as the advantages
+  themselves, for a field nothing reads off the mask.
+* So a consumer masks ``returns`` before reducing over them (every rltk
+  consumer does: the clipped value loss, explained variance and the logged
+  means select policy tokens), never writes into them, and calls
+  ``.contiguous()`` (or multiplies by the mask) when it needs a dense tensor,
+  e.g. to ``.view`` it. An element-wise in-place op on the view raises, but
+  an indexed write (``returns[m] = x``, ``masked_fill_``) only warns that it
+  is deprecated and changes every token of the row. Indexing, slicing,
+  ``.to(device)``, ``.clone()`` and arithmetic work on the view as on a dense
+  tensor (the results are dense).
 
 The time-dependent estimators (``gae``, ``reinforce_plus_plus``) treat the
 policy tokens of a row as its time steps. Masked tokens inside a response (tool
@@ -61,6 +90,7 @@ from __future__ import annotations
 import torch
 
 import rltk
+from rltk.algorithms.groups import EQUAL_WITHIN_ULPS, Groups, group_index
 
 __all__ = [
     "gae",
@@ -348,73 +378,13 @@ def discounted_returns(
     return _gae_any_layout(rewards, None, on, gamma, 1.0)
 
 
-def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense group index of every response (groups numbered in increasing id
-    order) and the size of each group.
-
-    Ids spanning a range of at most ``4 B`` values (prompt indices of a step,
-    the usual case) are ranked with a presence table and a cumulative sum, in
-    ``O(B + span)``; anything else (hashes, huge ids) goes through
-    ``torch.unique``'s sort. Both give the same numbering.
-    """
-    if group_ids.numel() == 0:
-        return group_ids.to(torch.int64), group_ids.new_zeros(0, dtype=torch.int64)
-    lowest, highest = torch.aminmax(group_ids)
-    span = int(highest) - int(lowest) + 1
-    if span > 4 * group_ids.numel():
-        _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-        return inverse, counts
-    offsets = (group_ids - lowest).to(torch.int64)
-    present = torch.zeros(span, dtype=torch.int64, device=group_ids.device)
-    present[offsets] = 1
-    inverse = (present.cumsum(0) - 1)[offsets]
-    return inverse, torch.bincount(inverse)
-
-
-def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
-    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
-
-
-# Returns are float32 sums over tokens, so equal rewards placed at different tokens can sum to
-# values one or a few ulps apart (how many depends on the CPU's vectorised reduction order).
-# std normalisation would blow that apart into advantages of +-0.7 for a group that is, in fact,
-# all equal; a group whose spread is within this many float32 ulps of its magnitude counts as equal.
-EQUAL_WITHIN_ULPS = 64
-
-
-def _group_all_equal(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """For every response: True if each member of its group has its value, up to float32 rounding
-    (a spread of at most ``EQUAL_WITHIN_ULPS`` float32 ulps of the group's largest magnitude)."""
-    lowest = torch.empty(n_groups, dtype=x.dtype, device=x.device).scatter_reduce_(
-        0, inverse, x, reduce="amin", include_self=False
-    )
-    highest = torch.empty(n_groups, dtype=x.dtype, device=x.device).scatter_reduce_(
-        0, inverse, x, reduce="amax", include_self=False
-    )
-    tolerance = EQUAL_WITHIN_ULPS * torch.finfo(torch.float32).eps * torch.maximum(lowest.abs(), highest.abs())
-    return (highest - lowest <= tolerance)[inverse]
+# The old private name of the group numbering (rltk.algorithms.groups.group_index).
+_group_index = group_index
 
 
 def _sequence_returns(token_rewards: torch.Tensor) -> torch.Tensor:
-    """``R_i = sum_t token_rewards[i, t]``. Shape: (B, T) -> (B,) float64."""
-    return token_rewards.detach().to(torch.float32).sum(-1).to(torch.float64)
-
-
-def _group_centred(
-    returns: torch.Tensor, group_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``R_i - mean_g(R)``, exactly 0 for groups of one and all-equal groups (up to float32 rounding).
-
-    Returns (centred [B], size of each response's group [B], dense group index
-    [B], number of groups), all float64 / int64.
-    """
-    inverse, counts = _group_index(group_ids)
-    n_groups = counts.numel()
-    sizes = counts[inverse].to(torch.float64)
-    mean = _group_sum(returns, inverse, n_groups)[inverse] / sizes
-    # A float mean of equal numbers need not equal them: test equality on the values themselves.
-    constant = _group_all_equal(returns, inverse, n_groups)
-    return torch.where(constant, 0.0, returns - mean), sizes, inverse, n_groups
+    """``R_i = sum_t token_rewards[i, t]``, summed in float32. Shape: (B, T) -> (B,) float32, a new tensor."""
+    return token_rewards.detach().to(torch.float32).sum(-1)
 
 
 def _policy_weights(response_mask: torch.Tensor) -> torch.Tensor:
@@ -425,22 +395,40 @@ def _policy_weights(response_mask: torch.Tensor) -> torch.Tensor:
     return (response_mask > 0).to(torch.float32)
 
 
-def _sequence_level(
-    advantage: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Put per-response ``A_i`` and ``R_i`` on every policy token.
+def _output(response_mask: torch.Tensor) -> torch.Tensor:
+    """The uninitialised ``[B, T]`` float32 advantages of an outcome estimator, allocated first.
 
-    The outputs are the only ``[B, T]`` work of an outcome estimator, so each is
-    one broadcast multiply by the 0/1 mask: a ``where`` on a bool mask costs a
-    comparison pass plus a slower select, about 3x the time on CPU.
-
-    Shape: (B,), (B,), (B, T) -> (B, T), (B, T) float32.
+    On CPU, writing into memory the process already holds costs half as much
+    as writing into fresh pages. glibc serves a ``[B, T]`` request from the
+    ``[B, T]`` block the previous step freed only if no small allocation has
+    split that block first, and the group statistics make a few dozen small
+    ones: allocated after them, the output lands on new pages (~4000 page
+    faults at ``B = 8192, T = 512``) about half the time.
     """
-    weights = _policy_weights(response_mask)
-    return (
-        torch.mul(weights, advantage.to(torch.float32)[:, None]),
-        torch.mul(weights, returns.to(torch.float32)[:, None]),
-    )
+    return torch.empty(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+
+
+def _sequence_level(
+    advantage: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put per-response ``A_i`` on every policy token and ``R_i`` on every token of row ``i``.
+
+    The advantages are the one ``[B, T]`` tensor an outcome estimator writes:
+    a broadcast multiply by the 0/1 mask into ``out`` (a ``where`` on a
+    bool mask costs a comparison pass plus a slower select, about 3x the time
+    on CPU). The returns are a stride-0 broadcast view of the ``[B]`` returns
+    (see "What consumers may rely on" in the module doc): writing a second
+    ``[B, T]`` tensor would double the estimator's cost for a field that only
+    a critic reads, and a critic masks its targets anyway.
+
+    ``out`` is :func:`_output`; ``returns`` must be a tensor the estimator
+    allocated (the view must not alias an input).
+
+    Shape: (B,), (B,), (B, T), (B, T) -> (B, T) contiguous, (B, T) view with strides (1, 0); float32.
+    """
+    B, T = response_mask.shape
+    torch.mul(_policy_weights(response_mask), advantage.to(torch.float32)[:, None], out=out)
+    return out, returns.to(torch.float32)[:, None].expand(B, T)
 
 
 # --------------------------------------------------------------------------
@@ -529,14 +517,13 @@ def grpo(
         "grpo", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
-    centred, sizes, inverse, n_groups = _group_centred(returns, group_ids)
-    advantage = centred
+    groups = Groups.of(group_ids)
+    advantage = groups.centred(returns.to(torch.float64))
     if norm_by_std:
-        squared = _group_sum(centred**2, inverse, n_groups)[inverse]
-        std = (squared / (sizes - 1).clamp(min=1)).sqrt()
-        advantage = centred / (std + eps)
-    return _sequence_level(advantage, returns, response_mask)
+        advantage = advantage / (groups.expand(groups.std(advantage) + eps))
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def rloo(
@@ -565,11 +552,13 @@ def rloo(
         "rloo", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
-    centred, sizes, _, _ = _group_centred(returns, group_ids)
+    groups = Groups.of(group_ids)
+    sizes = groups.expand(groups.sizes())
     # Groups of one already have centred == 0; the clamp only avoids 0 / 0.
-    advantage = centred * sizes / (sizes - 1).clamp(min=1)
-    return _sequence_level(advantage, returns, response_mask)
+    advantage = groups.centred(returns.to(torch.float64)) * sizes / (sizes - 1).clamp(min=1)
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def reinforce_plus_plus(
@@ -634,11 +623,12 @@ def reinforce_plus_plus_baseline(
         {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
-    centred, _, _, _ = _group_centred(returns, group_ids)
+    centred = Groups.of(group_ids).centred(returns.to(torch.float64))
     if whiten:
         centred = _whiten_sequences(centred, _policy_weights(response_mask).sum(-1).to(torch.float64), eps)
-    return _sequence_level(centred, returns, response_mask)
+    return _sequence_level(centred, returns, response_mask, out)
 
 
 def remax(
@@ -668,9 +658,10 @@ def remax(
         "remax", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"baseline_scores": baseline_scores},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
-    advantage = returns - baseline_scores.detach().to(torch.float64)
-    return _sequence_level(advantage, returns, response_mask)
+    advantage = returns.to(torch.float64) - baseline_scores.detach().to(torch.float64)
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def opo(
@@ -699,23 +690,15 @@ def opo(
         "opo", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
+    R = returns.to(torch.float64)
     weights = _policy_weights(response_mask)
     lengths = weights.sum(-1).to(torch.float64)
-    inverse, counts = _group_index(group_ids)
-    n_groups = counts.numel()
-    weighted = _group_sum(lengths * returns, inverse, n_groups)
-    total_length = _group_sum(lengths, inverse, n_groups)
-    baseline = (weighted / total_length.clamp(min=1))[inverse]
-    constant = _group_all_equal(returns, inverse, n_groups)
-    advantage = torch.where(constant, 0.0, returns - baseline)
-    return _sequence_level(advantage, returns, weights)
-
-
-def _group_std(centred: torch.Tensor, sizes: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Unbiased (``1/(n-1)``) group std of each response's group from its centred returns; 0 for groups of one."""
-    squared = _group_sum(centred**2, inverse, n_groups)[inverse]
-    return (squared / (sizes - 1).clamp(min=1)).sqrt()
+    groups = Groups.of(group_ids)
+    baseline = groups.expand(groups.sum(lengths * R) / groups.sum(lengths).clamp(min=1))
+    advantage = (R - baseline).masked_fill_(groups.expand(groups.all_equal(R)), 0.0)
+    return _sequence_level(advantage, returns, weights, out)
 
 
 def grpo_passk(
@@ -752,27 +735,22 @@ def grpo_passk(
         "grpo_passk", {"token_rewards": token_rewards, "response_mask": response_mask},
         {"group_ids": group_ids},
     )
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
-    inverse, counts = _group_index(group_ids)
-    n_groups = counts.numel()
-    sizes = counts[inverse].to(torch.float64)
-    best = torch.empty(n_groups, dtype=returns.dtype, device=returns.device).scatter_reduce_(
-        0, inverse, returns, reduce="amax", include_self=False
-    )[inverse]
+    R = returns.to(torch.float64)
+    groups = Groups.of(group_ids)
+    best = groups.expand(groups.max(R))
     tolerance = EQUAL_WITHIN_ULPS * torch.finfo(torch.float32).eps * best.abs()
-    at_top = returns >= best - tolerance
-    n_at_top = _group_sum(at_top.to(torch.float64), inverse, n_groups)[inverse]
+    at_top = R >= best - tolerance
+    n_at_top = groups.expand(groups.sum(at_top.to(torch.float64)))
     # The best of the rest: the largest return below the top (-inf when there is none).
-    below = torch.where(at_top, -torch.inf, returns)
-    second = torch.full((n_groups,), -torch.inf, dtype=returns.dtype, device=returns.device).scatter_reduce_(
-        0, inverse, below, reduce="amax", include_self=True
-    )[inverse]
-    credited = at_top & (n_at_top == 1) & (sizes > 1)
+    second = groups.expand(groups.max(torch.where(at_top, -torch.inf, R)))
+    credited = at_top & (n_at_top == 1) & (groups.expand(groups.counts) > 1)
     advantage = torch.where(credited, best - second, 0.0)
     if norm_by_std:
-        centred = returns - _group_sum(returns, inverse, n_groups)[inverse] / sizes
-        advantage = advantage / (_group_std(centred, sizes, inverse, n_groups) + eps)
-    return _sequence_level(advantage, returns, response_mask)
+        centred = R - groups.expand(groups.mean(R))
+        advantage = advantage / (groups.expand(groups.std(centred) + eps))
+    return _sequence_level(advantage, returns, response_mask, out)
 
 
 def gdpo(
@@ -840,31 +818,16 @@ def gdpo(
                 f"gdpo: reward_weights must be {K} finite numbers, one per column of reward_components, "
                 f"got {list(reward_weights)!r}"
             )
+    out = _output(response_mask)  # first: see _output
     rewards = reward_components.detach().to(torch.float64)  # [B, K]
-    inverse, counts = _group_index(group_ids)
-    n_groups = counts.numel()
-    sizes = counts[inverse].to(torch.float64)[:, None]  # [B, 1]
-    index = inverse[:, None].expand(B, K)
-    sums = torch.zeros(n_groups, K, dtype=torch.float64, device=rewards.device).index_add_(0, inverse, rewards)
-    centred = rewards - sums[inverse] / sizes
-    lowest = torch.empty(n_groups, K, dtype=torch.float64, device=rewards.device).scatter_reduce_(
-        0, index, rewards, reduce="amin", include_self=False
-    )
-    highest = torch.empty(n_groups, K, dtype=torch.float64, device=rewards.device).scatter_reduce_(
-        0, index, rewards, reduce="amax", include_self=False
-    )
-    tolerance = EQUAL_WITHIN_ULPS * torch.finfo(torch.float32).eps * torch.maximum(lowest.abs(), highest.abs())
-    constant = (highest - lowest <= tolerance)[inverse]  # [B, K]; also true for groups of one
-    centred = torch.where(constant, 0.0, centred)
+    groups = Groups.of(group_ids)
+    centred = groups.centred(rewards)  # [B, K]; 0 where reward k is constant in the group
     if norm_by_std:
-        squared = torch.zeros(n_groups, K, dtype=torch.float64, device=rewards.device).index_add_(
-            0, inverse, centred**2
-        )[inverse]
-        centred = centred / ((squared / (sizes - 1).clamp(min=1)).sqrt() + eps)
+        centred = centred / (groups.expand(groups.std(centred) + eps))
     combined = centred @ weights  # [B]
     if whiten:
         combined = _whiten_sequences(combined, _policy_weights(response_mask).sum(-1).to(torch.float64), 1e-8)
-    return _sequence_level(combined, rewards @ weights, response_mask)
+    return _sequence_level(combined, rewards @ weights, response_mask, out)
 
 
 def gpg(
@@ -905,12 +868,16 @@ def gpg(
     )
     if not (isinstance(f_norm, (int, float)) and f_norm > 0 and f_norm != float("inf")):
         raise ValueError(f"gpg: f_norm must be a number > 0 (the paper uses 1), got {f_norm!r}")
+    out = _output(response_mask)  # first: see _output
     returns = _sequence_returns(token_rewards)
-    centred, sizes, inverse, n_groups = _group_centred(returns, group_ids)
-    constant = _group_all_equal(returns, inverse, n_groups)
-    informative = (~constant & (sizes > 1)).sum().to(torch.float64)
+    R = returns.to(torch.float64)
+    groups = Groups.of(group_ids)
+    constant = groups.all_equal(R)  # [G]
+    centred = groups.centred(R, constant)
+    # responses in groups with signal: more than one member and not all equal
+    informative = groups.counts[~constant & (groups.counts > 1)].sum().to(torch.float64)
     alpha = returns.numel() / informative.clamp(min=1)
-    return _sequence_level(alpha * centred / f_norm, returns, response_mask)
+    return _sequence_level(alpha * centred / f_norm, returns, response_mask, out)
 
 
 def optimal_token_baseline(
@@ -978,7 +945,7 @@ def optimal_token_baseline(
     energy = torch.where(policy, (1.0 - 2.0 * pi + sum_pi_squared.detach().to(torch.float64)).clamp(min=0.0), 0.0)
     realised = energy.cumsum(-1) * on  # [B, T]: W, 0 off the mask
 
-    inverse, counts = _group_index(group_ids)
+    inverse, counts = group_index(group_ids)
     n_groups = counts.numel()
     cell = (inverse[:, None] * T + torch.arange(T, device=inverse.device)).reshape(-1)  # (group, column)
 
@@ -1002,7 +969,8 @@ def optimal_token_baseline(
     if handle_zero_tail:
         # Not in a group whose returns are all equal: its only signal would be the tail's raw return,
         # a reward for being longest.
-        equal = _group_all_equal(_sequence_returns(token_rewards), inverse, n_groups)
+        groups = Groups(inverse, counts)
+        equal = groups.expand(groups.all_equal(_sequence_returns(token_rewards).to(torch.float64)))
         tail = (present == 1) & (~alone & ~equal)[:, None].expand(B, T).reshape(-1)
         baseline = torch.where(tail, 0.0, baseline)
     advantages = torch.where(alone[:, None], 0.0, (values - baseline).reshape(B, T)) * on

@@ -26,6 +26,11 @@ NAMES = {
 }
 
 
+# Estimators whose returns are per-token and zero off the mask; the outcome estimators'
+# returns are R_i on every token of row i (see "What consumers may rely on" in the module doc).
+PER_TOKEN_RETURNS = {"gae", "reinforce_plus_plus", "optimal_token_baseline"}
+
+
 def outcome_batch(scores, lengths, T=None):
     """token_rewards / response_mask for outcome rewards: score on the last token of each row."""
     T = T or max(max(lengths), 1)
@@ -83,7 +88,8 @@ def test_grpo_by_hand():
     # every policy token of a row carries its row's advantage, padding carries 0
     assert torch.equal(advantages, advantages[:, :1] * mask)
     assert returns[:, 0].tolist() == pytest.approx(SCORES)
-    assert torch.equal(returns, returns[:, :1] * mask)
+    # returns of an outcome estimator: R_i on every token of row i (a broadcast view, see the module doc)
+    assert torch.equal(returns, returns[:, :1].expand_as(returns))
 
 
 def test_dr_grpo_by_hand_skips_the_std():
@@ -112,7 +118,7 @@ def test_remax_by_hand():
         token_rewards=rewards, response_mask=mask, baseline_scores=torch.tensor([0.5, 0.5, 0.5])
     )
     assert advantages.tolist() == [[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]]
-    assert returns.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]]
+    assert (returns * mask).tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]]
 
 
 def test_reinforce_plus_plus_baseline_by_hand():
@@ -389,7 +395,11 @@ def test_outputs_are_float32_and_zero_outside_the_mask(batch):
         for out in (advantages, returns):
             assert out.shape == rewards.shape and out.dtype == torch.float32, name
             assert torch.isfinite(out).all(), name
-            assert (out[mask == 0] == 0).all(), name
+        assert (advantages[mask == 0] == 0).all(), name
+        if name in PER_TOKEN_RETURNS:
+            assert (returns[mask == 0] == 0).all(), name
+        else:  # outcome estimators: R_i on every token of the row, padding included
+            assert torch.equal(returns, rewards.sum(-1, keepdim=True).expand_as(returns)), name
 
 
 # --------------------------------------------------------------------------
