@@ -128,7 +128,8 @@ def run_rl_stage(stage: Stage) -> None:
                         reward_names=workflow.reward.names if plan.reward_components else None)
 
         # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it)
-        common = dict(micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
+        common = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                  pack_sequences=t.pack_sequences, temperature=cfg.rollout.temperature,
                       impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
         fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
                           strategy=strategy)

@@ -125,7 +125,8 @@ def run_ppo_stage(stage: Stage) -> None:
     if start == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 
-    common = dict(micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
+    common = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                  pack_sequences=t.pack_sequences, temperature=cfg.rollout.temperature,
                   impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
     for step in range(start + 1, t.total_steps + 1):
         tick = time.perf_counter()
@@ -150,7 +151,8 @@ def run_ppo_stage(stage: Stage) -> None:
         fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
                           strategy=strategy)
         batch["values"] = batched_values(critic_strategy.unwrap(), batch, micro_batch_size=t.micro_batch_size,
-                                         strategy=critic_strategy)
+                                         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                                         pack_sequences=t.pack_sequences, strategy=critic_strategy)
         mask = batch["response_mask"]
         kl_metrics = {}
         if reference is not None:
@@ -167,7 +169,8 @@ def run_ppo_stage(stage: Stage) -> None:
         update_metrics = critic_update(
             critic_strategy, batch, loss_agg=loss.loss_agg, loss_agg_args=loss.loss_agg_args,
             clip_range=c.value_clip, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-            micro_batch_size=t.micro_batch_size, generator=generator,
+            micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            pack_sequences=t.pack_sequences, generator=generator,
         )
         policy_updated = step > c.warmup_steps
         if policy_updated:

@@ -163,6 +163,10 @@ class TrainerConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch and epoch
     ppo_epochs: int = 1
     micro_batch_size: int = 32  # sequences per forward/backward
+    # micro-batches by a token budget instead (rows sorted by length, same count on every rank); null = by
+    # micro_batch_size. Counts computed tokens: rows x (longest prompt + response), or the sum when packed
+    max_tokens_per_micro_batch: Optional[int] = None
+    pack_sequences: bool = False  # run each micro-batch's real tokens packed into one row (no padding)
     lr: float = 5.0e-5
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])

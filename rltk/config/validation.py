@@ -115,6 +115,13 @@ def _check_positive(cfg: DictConfig) -> None:
             "bad value 'policy' for 'buffer.expert.source': that is the source of the policy's own rollouts; "
             "name another one (default 'expert')"
         )
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget is not None and budget <= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"bad value {budget!r} for 'trainer.max_tokens_per_micro_batch': must be null (micro-batches of "
+            f"trainer.micro_batch_size sequences) or a token count above rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}, so that a prompt and a full-length response fit in one micro-batch"
+        )
     batch = cfg.trainer.prompts_per_step * cfg.rollout.n
     if batch % cfg.trainer.mini_batches:
         raise ConfigError(

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from rltk.models.logprobs import base_model, positions_from_mask, unwrap_model
+from rltk.models.packing import pack_rows
 
 __all__ = [
     "VALUE_MODEL_FILE",
@@ -112,13 +113,15 @@ class ValueModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Value of every position: ``V[b, s] = value_head(h[b, s])``, fp32.
 
         ``position_ids`` default to :func:`rltk.models.logprobs.positions_from_mask`
         (left-padded rows get the positions they had at generation time).
+        ``attention_mask=None`` with position ids restarting per sequence is a
+        packed row (:mod:`rltk.models.packing`): attention stays within each sequence.
         Values on padding positions are whatever the head says of them: mask them.
 
         Shape: (B, S), (B, S), (B, S) -> (B, S).
@@ -251,6 +254,8 @@ def response_values(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     response_width: int,
+    *,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Values of the states before each response token, aligned with :mod:`rltk.batch`.
 
@@ -265,6 +270,10 @@ def response_values(
     ``critic`` is a :class:`ValueModel`, possibly wrapped (DDP, FSDP2, a
     DeepSpeed engine): it is called through its own forward, so gradient sync
     and unsharding hooks run. Differentiable.
+
+    ``pack=True`` runs the critic on the real tokens only, packed into one row
+    with position ids restarting per sequence (:mod:`rltk.models.packing`):
+    the same values up to float rounding, without the padding's compute.
 
     Shape: (B, S), (B, S), int T -> (B, T) fp32.
     """
@@ -282,6 +291,10 @@ def response_values(
     if response_width == 0:
         return torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
     prompt_len = seq_len - response_width
+    if pack:
+        packed = pack_rows(input_ids, attention_mask, response_width)
+        values = critic(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids)  # [1, L]
+        return packed.scatter(values[0, packed.predictors].float(), batch_size, response_width)
     mask = attention_mask[:, :-1]
     values = critic(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=positions_from_mask(mask))
     values = values[:, prompt_len - 1 :].float()  # [B, T]: positions P-1 .. S-2

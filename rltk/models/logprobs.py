@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
+from rltk.models.packing import pack_rows
 
 
 def response_logprobs(
@@ -63,6 +64,7 @@ def response_logprobs(
     with_entropy: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
     with_sum_pi_squared: bool = False,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under ``model``, without full logits.
 
@@ -80,6 +82,11 @@ def response_logprobs(
         with_sum_pi_squared: also return ``sum_v pi(v)^2`` of each next-token
             distribution (at ``temperature``), from the same pass over the
             vocabulary; detached (the optimal-token-baseline statistic).
+        pack: run the model on the real tokens only, packed into one row with
+            position ids restarting per sequence (:mod:`rltk.models.packing`),
+            and the head op on the real response tokens only. Same numbers as
+            the padded forward up to float rounding. Under FSDP2 with the head
+            in the root module the padded forward runs instead (see below).
 
     Returns:
         ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
@@ -94,6 +101,16 @@ def response_logprobs(
         empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
         return _outputs(empty, empty.clone() if with_entropy else None,
                         empty.clone() if with_sum_pi_squared else None, with_sum_pi_squared)
+    if pack:
+        head = output_head_module(model)
+        # A head sharded outside its own forward (the root module of an FSDP2 model: a DTensor here)
+        # takes the padded path below, whose logits come from a second forward of the model when the
+        # head stays sharded (no packing there). A head in an FSDP2 unit of its own, or
+        # under ZeRO-3, is gathered for the op and packs.
+        if _whole_only_in_forward(head) or not _is_dtensor(head.weight):
+            return _packed_response_logprobs(model, input_ids, attention_mask, width, temperature=temperature,
+                                             impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
+                                             with_sum_pi_squared=with_sum_pi_squared)
     hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])  # [B, S-1, D]
     hidden = hidden[:, prompt_len - 1 :]  # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]
     head = output_head_module(model)
@@ -129,6 +146,32 @@ def response_logprobs(
     sum_pi_squared = None
     if with_sum_pi_squared:
         sum_pi_squared = torch.where(response_valid, outputs[2].view(batch_size, width), 0.0)
+    return _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared)
+
+
+def _packed_response_logprobs(model, input_ids, attention_mask, width, *, temperature, impl, with_entropy,
+                              chunk_size, with_sum_pi_squared) -> tuple[torch.Tensor, ...]:
+    """:func:`response_logprobs` with ``pack=True``: one packed forward, the op on the ``N`` real
+    response tokens only, results scattered back to ``[B, T]``."""
+    packed = pack_rows(input_ids, attention_mask, width)
+    hidden = last_hidden_states(model, packed.input_ids, None, position_ids=packed.position_ids)  # [1, L, D]
+    hidden = hidden[0, packed.predictors]  # [N, D]
+    head = output_head_module(model)
+    temperature = temperature * logit_temperature_factor(model)
+
+    def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weight, bias = output_head(model)
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        return token_logprobs_and_entropy(
+            hidden.to(dtype), weight.to(dtype), packed.labels, bias=None if bias is None else bias.to(dtype),
+            temperature=temperature, impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
+        )
+
+    outputs = run_as_forward(head, fused, hidden) if _whole_only_in_forward(head) else fused(hidden)
+    batch_size = input_ids.shape[0]
+    logprobs = packed.scatter(outputs[0].float(), batch_size, width)
+    entropy = packed.scatter(outputs[1].float(), batch_size, width) if with_entropy else None
+    sum_pi_squared = packed.scatter(outputs[2].float(), batch_size, width) if with_sum_pi_squared else None
     return _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared)
 
 
@@ -212,19 +255,21 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The base model's final (normed) hidden states for a left-padded batch. Shape: (B, S, D).
 
     Calls ``model``'s own forward (so wrappers do their work) with
     ``logits_to_keep=1`` and catches the base model's output with a forward
     hook; without a base model it falls back to ``output_hidden_states=True``.
+    ``position_ids`` default to :func:`positions_from_mask`; a packed row
+    (:mod:`rltk.models.packing`) passes its own with ``attention_mask=None``.
     """
     inner = unwrap_model(model)
     decoder = base_model(inner)
-    kwargs = dict(
-        input_ids=input_ids, attention_mask=attention_mask,
-        position_ids=positions_from_mask(attention_mask), use_cache=False,
-    )
+    if position_ids is None:
+        position_ids = positions_from_mask(attention_mask)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     keep = _logits_to_keep_argument(inner)
     if keep is not None:
         kwargs[keep] = 1

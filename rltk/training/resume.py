@@ -145,7 +145,8 @@ RESUME_SAFE_KEYS = (
     "trainer.eval_every", "trainer.eval_size", "rollout.eval_max_new_tokens",  # evaluation only
     # How a step is computed, not what: micro-batches are normalised by global counts, the log-prob
     # kernels compute the same numbers, gradient checkpointing trades memory for time.
-    "trainer.micro_batch_size", "model.logprob_impl", "model.logprob_chunk_size", "model.gradient_checkpointing",
+    "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch", "trainer.pack_sequences",
+    "model.logprob_impl", "model.logprob_chunk_size", "model.gradient_checkpointing",
     "checkpoint.",  # how often to save and how many to keep; `resume` is how this run was chosen
     "logging.",  # where metrics go
     "guard.",  # when a diverged run stops: loosen it and resume, and the run trains as it would have

@@ -15,7 +15,7 @@ import torch
 
 from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
 from rltk.batch import slice_batch
-from rltk.models.logprobs import response_logprobs
+from rltk.training.micro_batches import micro_batches, run_logprobs
 from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction, weighted_loss_agg
 
 
@@ -160,6 +160,8 @@ def batched_logprobs(
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     strategy=None,
+    max_tokens_per_micro_batch: int | None = None,
+    pack_sequences: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
 
@@ -168,30 +170,38 @@ def batched_logprobs(
     as the rank with the most micro-batches, repeating its first micro-batch
     and discarding the result.
 
+    ``max_tokens_per_micro_batch`` forms micro-batches by a token budget and
+    ``pack_sequences`` packs each into one row (:mod:`rltk.training.micro_batches`);
+    the rows come back in the batch's order either way.
+
     Shape: returns ``(logprobs, entropy or None)``, ``[B, T]`` tensors on the
     batch's device, and ``sum_pi_squared`` ``[B, T]`` third when
     ``with_sum_pi_squared`` (see :func:`rltk.models.logprobs.response_logprobs`).
     """
     was_training = model.training
     model.eval()  # no dropout: old and reference log-probs must be deterministic
-    T = batch["response_mask"].shape[1]
-    outputs: list[list[torch.Tensor]] = [[], [], []]  # logprobs, entropy, sum_pi_squared
-    for mb, _, padding in lockstep_micro_batches(strategy, batch, micro_batch_size):
-        parts = response_logprobs(
-            model, mb["input_ids"], mb["attention_mask"], T,
+    B, T = batch["response_mask"].shape
+    # logprobs, entropy, sum_pi_squared; a token-budget plan reorders rows, so each lands at its index
+    outputs: list[torch.Tensor | None] = [None, None, None]
+    for mb in micro_batches(strategy, batch, micro_batch_size=micro_batch_size,
+                            max_tokens=max_tokens_per_micro_batch, packed=pack_sequences):
+        parts = run_logprobs(
+            model, mb.data, T, trim=max_tokens_per_micro_batch is not None, pack=pack_sequences,
             temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
             with_sum_pi_squared=with_sum_pi_squared,
         )
-        if padding:
+        if mb.padding:
             continue
-        for out, part in zip(outputs, parts):
+        for i, part in enumerate(parts):
             if part is not None:
-                out.append(part.float())
+                if outputs[i] is None:
+                    outputs[i] = torch.zeros(B, T, dtype=torch.float32, device=part.device)
+                outputs[i][mb.rows.to(part.device)] = part.float()
     model.train(was_training)
-    logprobs = torch.cat(outputs[0])
-    entropy = torch.cat(outputs[1]) if with_entropy else None
+    logprobs = outputs[0] if outputs[0] is not None else torch.zeros(B, T)
+    entropy = outputs[1] if with_entropy else None
     if with_sum_pi_squared:
-        return logprobs, entropy, torch.cat(outputs[2])
+        return logprobs, entropy, outputs[2]
     return logprobs, entropy
 
 
@@ -206,14 +216,16 @@ def needs_sum_pi_squared(advantage_fn: Callable) -> bool:
 
 def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], advantage_fn: Callable, *,
                       use_rollout_logprobs: bool, micro_batch_size: int, temperature: float, impl: str = "auto",
-                      chunk_size: int | None = None, strategy=None) -> None:
+                      chunk_size: int | None = None, strategy=None, max_tokens_per_micro_batch: int | None = None,
+                      pack_sequences: bool = False) -> None:
     """Fill ``batch["old_logprobs"]`` (the behaviour policy's log-probs of the sampled tokens) and, when
     ``advantage_fn`` names it, ``batch["sum_pi_squared"]`` (``sum_v pi_old(v)^2`` per token, ``[B, T]``).
 
     ``use_rollout_logprobs`` (``algorithm.use_rollout_logprobs``) takes the rollout engine's
     log-probs instead of a forward pass of ``policy``. The engine reports no distribution, so
     ``sum_pi_squared`` then still comes from one pass of ``policy``: the trainer's copy of the
-    weights that sampled the batch.
+    weights that sampled the batch. ``max_tokens_per_micro_batch`` and ``pack_sequences``: see
+    :func:`batched_logprobs`.
     """
     with_sq = needs_sum_pi_squared(advantage_fn)
     if use_rollout_logprobs:
@@ -221,7 +233,8 @@ def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], a
         if not with_sq:
             return
     outputs = batched_logprobs(policy, batch, micro_batch_size=micro_batch_size, temperature=temperature,
-                               impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sq, strategy=strategy)
+                               impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sq, strategy=strategy,
+                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack_sequences=pack_sequences)
     if not use_rollout_logprobs:
         batch["old_logprobs"] = outputs[0]
     if with_sq:
@@ -329,6 +342,8 @@ def policy_update(
     impl: str = "auto",
     chunk_size: int | None = None,
     generator: torch.Generator | None = None,
+    max_tokens_per_micro_batch: int | None = None,
+    pack_sequences: bool = False,
 ) -> dict[str, float]:
     """PPO-style epochs over mini-batches of a rollout batch; one optimizer step per mini-batch.
 
@@ -344,6 +359,12 @@ def policy_update(
     weighted by its importance weight between the trainer's old policy and the
     rollout engine's, and dropped tokens leave the response mask (and every
     normaliser) first: see :mod:`rltk.training.rollout_correction`.
+
+    ``max_tokens_per_micro_batch`` (``trainer.max_tokens_per_micro_batch``)
+    forms micro-batches by a token budget instead of ``micro_batch_size`` rows,
+    and ``pack_sequences`` runs each packed into one row; the global
+    normalisers keep the loss and gradient those of the whole mini-batch
+    (:mod:`rltk.training.micro_batches`).
     """
     # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs
     batch, correction_metrics = apply_rollout_correction(
@@ -369,14 +390,17 @@ def policy_update(
             shares: dict[str, float] = {}
             # Every rank runs as many micro-batches as the busiest (sharded engines gather parameters
             # in each forward; DDP all-reduces in the last backward); padding ones have zero weight.
-            for mb, is_last, padding in lockstep_micro_batches(strategy, mini, micro_batch_size, fallback=batch):
-                mb = {k: v.to(strategy.device) for k, v in mb.items()}
+            for micro in micro_batches(strategy, mini, micro_batch_size=micro_batch_size,
+                                       max_tokens=max_tokens_per_micro_batch, packed=pack_sequences, fallback=batch):
+                is_last, padding = micro.is_last, micro.padding
+                mb = {k: v.to(strategy.device) for k, v in micro.data.items()}
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
                 with strategy.accumulate(is_last):
                     with strategy.autocast():
-                        logprobs, entropy = response_logprobs(
-                            strategy.model, mb["input_ids"], mb["attention_mask"], T,
-                            temperature=temperature, impl=impl, with_entropy=True, chunk_size=chunk_size,
+                        logprobs, entropy = run_logprobs(
+                            strategy.model, mb, T, trim=max_tokens_per_micro_batch is not None,
+                            pack=pack_sequences, temperature=temperature, impl=impl, with_entropy=True,
+                            chunk_size=chunk_size,
                         )
                         pg_agg = agg if WEIGHTS_KEY not in mb else weighted_loss_agg(agg, mb[WEIGHTS_KEY])
                         pg_loss, pg_metrics = loss.policy_loss(

@@ -261,3 +261,16 @@ def test_kl_settings_without_kl_coef_warn(capsys):
                      "stages=[{name: rl, type: rl, overrides: {algorithm.kl_coef: 0.1}}]"])
     load_config([REPO / "recipes" / "configs" / "grpo.yaml"])  # the default run sets no KL key
     assert capsys.readouterr().err == ""
+
+
+def test_token_budget_keys():
+    cfg = load_config([], [])
+    assert cfg.trainer.max_tokens_per_micro_batch is None and cfg.trainer.pack_sequences is False
+    cfg = load_config([], ["rollout.max_new_tokens=64", "trainer.max_tokens_per_micro_batch=65",
+                           "trainer.pack_sequences=true"])
+    assert cfg.trainer.max_tokens_per_micro_batch == 65 and cfg.trainer.pack_sequences is True
+    with pytest.raises(ConfigError, match=r"bad value 64 for 'trainer.max_tokens_per_micro_batch': must be null .* "
+                                          r"above rollout.max_new_tokens=64"):
+        load_config([], ["rollout.max_new_tokens=64", "trainer.max_tokens_per_micro_batch=64"])
+    with pytest.raises(ConfigError, match="trainer.pack_sequences"):
+        load_config([], ["trainer.pack_sequences=maybe"])

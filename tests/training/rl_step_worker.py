@@ -4,6 +4,8 @@
 runs the recipes' RL step (old log-probs, advantages, PPO-clip update) for
 ``STEPS`` steps on fixed rollouts, once per phase (``ddp``, ``fsdp``,
 ``zero3``), and writes each rank's results to ``OUT_DIR/<phase>_rank<r>.pt``.
+A phase may add ``+budget`` (``max_tokens_per_micro_batch=TOKEN_BUDGET``) and
+``+pack`` (``pack_sequences``): e.g. ``zero3+budget+pack``.
 
 The rollouts are split the way the recipes split them, and deliberately
 unevenly: rank 0 samples groups 0-2, rank 1 group 3 alone, with shorter
@@ -33,6 +35,9 @@ REWARD_NAMES = ["value", "short"]  # the reward_details every experience carries
 STEPS = len(ESTIMATORS)
 PPO_EPOCHS = 2
 MICRO_BATCH = 2
+# rows hold 5-11 tokens: two or three share a micro-batch, so rank 0 (9 rows) needs more than rank 1 (3 rows)
+# and the ranks' micro-batch counts are balanced to the larger
+TOKEN_BUDGET = 24
 # eps=1e-6, not AdamW's 1e-8: the test compares weights to atol 1e-6, and one process and two sum the
 # same gradients in another order (differences ~1e-11). Adam's first update is lr*g/(|g|+eps), so for an
 # element whose gradient is at or below eps (here q_proj.weight[11, 13] of layer 0 at step 0: 2e-9,
@@ -77,8 +82,18 @@ def local_experiences(step: int, rank: int, world_size: int):
     return local
 
 
-def run_steps(strategy) -> dict:
-    """The RL steps; returns the advantages of this rank's rows, the update metrics and the final weights."""
+def micro_options(phase: str) -> dict:
+    """The micro-batching a phase name asks for: ``+budget`` and ``+pack`` after the engine."""
+    options = set(phase.split("+")[1:])
+    return {**({"max_tokens_per_micro_batch": TOKEN_BUDGET} if "budget" in options else {}),
+            **({"pack_sequences": True} if "pack" in options else {})}
+
+
+def run_steps(strategy, micro: dict | None = None) -> dict:
+    """The RL steps; returns the advantages of this rank's rows, the update metrics and the final weights.
+
+    ``micro``: token-budget / packing options for every forward (:func:`micro_options`).
+    """
     import rltk
     from rltk.batch import collate
     from rltk.training.rl import LossComponents, compute_advantages, fill_old_logprobs, policy_update
@@ -91,7 +106,7 @@ def run_steps(strategy) -> dict:
         adv_fn = rltk.get_component("advantage_fn", name)
         batch = collate(local_experiences(step, strategy.rank, strategy.world_size), pad_token_id=0,
                         reward_names=REWARD_NAMES if name == "gdpo" else None)
-        common = dict(micro_batch_size=MICRO_BATCH, temperature=1.0)
+        common = dict(micro_batch_size=MICRO_BATCH, temperature=1.0, **(micro or {}))
         fill_old_logprobs(strategy.unwrap(), batch, adv_fn, use_rollout_logprobs=False, **common, strategy=strategy)
         compute_advantages(adv_fn, batch, {}, strategy)
         advantages.append(batch["advantages"])
@@ -101,6 +116,7 @@ def run_steps(strategy) -> dict:
 
 
 def build_strategy(phase: str):
+    phase = phase.split("+")[0]
     if phase == "zero3":
         from rltk.strategies.deepspeed_strategy import DeepSpeedStrategy
 
@@ -116,7 +132,7 @@ def main(out_dir: Path, phases: list[str]) -> None:
         strategy = build_strategy(phase)
         strategy.setup(shared.tiny_qwen2(seed=0), **SETUP)
         assert strategy.world_size == 2, f"expected 2 processes, got {strategy.world_size}"
-        torch.save(run_steps(strategy), out_dir / f"{phase}_rank{strategy.rank}.pt")
+        torch.save(run_steps(strategy, micro_options(phase)), out_dir / f"{phase}_rank{strategy.rank}.pt")
         strategies.append(strategy)
     torch.distributed.barrier()
     for strategy in reversed(strategies):

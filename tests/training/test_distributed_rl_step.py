@@ -4,7 +4,9 @@ The split is uneven (three groups on rank 0, one on rank 1, with narrower
 responses and fewer micro-batches) and the estimators whiten over the batch,
 so advantages taken per rank, metrics that are one rank's share, or ranks
 running different numbers of forwards (a hang under ZeRO-3 and FSDP2) all fail
-here, for DDP, FSDP2 and ZeRO-3. See rl_step_worker.py.
+here, for DDP, FSDP2 and ZeRO-3. The same holds with token-budget micro-batches
+and packed rows (``+budget``, ``+pack`` phases) against the one padded process:
+the global normalisers make the plan irrelevant to the gradient. See rl_step_worker.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 WORKER_PATH = Path(__file__).with_name("rl_step_worker.py")
-PHASES = ["ddp", "fsdp", "zero3"]
+PHASES = ["ddp", "fsdp", "zero3", "ddp+budget", "fsdp+budget+pack", "zero3+budget+pack"]
 
 
 def _load_worker():
