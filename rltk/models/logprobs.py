@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
+from rltk.models.sharding import has_sharded_parameters
 
 
 def response_logprobs(
@@ -271,7 +272,8 @@ def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, atten
     of 8 and short answers about half the work of the policy forward and backward.
 
     None (the caller runs the whole batch) when every prompt is distinct, and when the model is
-    wrapped (DDP, DeepSpeed: their hooks expect one forward per backward), has sharded parameters,
+    wrapped (DDP, DeepSpeed: their hooks expect one forward per backward), has sharded parameters (ZeRO-3
+    or FSDP2 gather them collectively in every forward, and ranks must run the same number),
     trains with gradient checkpointing (HF turns the cache off then), or its base model takes no
     ``past_key_values``.
     """
@@ -281,7 +283,7 @@ def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, atten
     if checkpointing is None:
         checkpointing = getattr(inner, "is_gradient_checkpointing", False)
     if (decoder is None or inner is not model or checkpointing
-            or any(_is_dtensor(p) for p in inner.parameters())
+            or has_sharded_parameters(inner) or any(_is_dtensor(p) for p in inner.parameters())
             or "past_key_values" not in inspect.signature(decoder.forward).parameters):
         return None
     from transformers import DynamicCache

@@ -348,8 +348,10 @@ def _shared_prompt_cache(model: nn.Module, input_ids: torch.Tensor, attention_ma
     """
     from transformers import DynamicCache
 
-    if input_ids.shape[1] < 2 or getattr(model, "_is_stateful", False) or not getattr(
-            model, "_supports_default_dynamic_cache", lambda: True)():
+    # a sharded module gathers its parameters collectively in every forward: no extra forward on one rank
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+    if input_ids.shape[1] < 2 or has_sharded_parameters(model) or getattr(model, "_is_stateful", False) \
+            or not supports_cache:
         return {}
     rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
     unique, row_prompt = torch.unique(rows, dim=0, return_inverse=True)

@@ -198,7 +198,7 @@ def adamw_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
         fused_devices = set(_get_fused_kernels_supported_devices())
-    except ImportError:  # a torch without the helper: take CUDA, the device every fused build supports
+    except ImportError:  # a torch without the helper: CUDA, which every fused build supports
         fused_devices = {"cuda"}
     if all(p.is_floating_point() and p.device.type in fused_devices for p in params):
         return {"fused": True}

@@ -19,7 +19,8 @@ from rltk.training.rl import (
     LossComponents, batched_logprobs, compute_advantages, old_logprobs_from_update, policy_update,
 )
 
-_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", Path(__file__).with_name("rl_step_worker.py"))
+_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker",
+                                               Path(__file__).with_name("rl_step_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
