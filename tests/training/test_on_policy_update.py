@@ -64,8 +64,18 @@ CASES = {
 }
 
 
+# how the update cuts its micro-batches: a token budget groups rows by length (not runs of the shuffled
+# order), so the on-policy write-back must follow each micro-batch's own rows
+LAYOUTS = {
+    "rows": {},
+    "token budget": {"max_tokens_per_micro_batch": 40},
+    "token budget, packed": {"max_tokens_per_micro_batch": 40, "pack_sequences": True},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_taking_old_logprobs_from_the_training_forward_gives_the_recompute_path_s_update(case):
+def test_taking_old_logprobs_from_the_training_forward_gives_the_recompute_path_s_update(case, layout):
     policy_loss, agg, kl_name, kl_coef, entropy_coef = CASES[case]
     loss = LossComponents(
         policy_loss=rltk.get_component("policy_loss", policy_loss), loss_agg=rltk.get_component("loss_agg", agg),
@@ -79,7 +89,8 @@ def test_taking_old_logprobs_from_the_training_forward_gives_the_recompute_path_
     with_old["old_logprobs"], _ = batched_logprobs(recompute.unwrap(), with_old, micro_batch_size=2, temperature=1.0)
     if kl_name:
         with_old["ref_logprobs"] = without_old["ref_logprobs"] = with_old["old_logprobs"] - 0.3
-    common = dict(kl_coef=kl_coef, mini_batches=1, ppo_epochs=1, micro_batch_size=2, temperature=1.0)
+    common = dict(kl_coef=kl_coef, mini_batches=1, ppo_epochs=1, micro_batch_size=2, temperature=1.0,
+                  **LAYOUTS[layout])
     metrics_recompute = policy_update(recompute, with_old, loss, **common, generator=torch.Generator().manual_seed(3))
     metrics_reuse = policy_update(reuse, without_old, loss, **common, generator=torch.Generator().manual_seed(3))
 
