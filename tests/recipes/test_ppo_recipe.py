@@ -62,8 +62,10 @@ def test_crash_mid_ppo_resumes_policy_and_critic_and_matches(tmp_path):
     assert main(["run", "ppo", f"output_dir={crashing}", *args]) == 0
     resumed, reference = read_metrics(crashing), read_metrics(straight)
     # Not a comparison of zeros: after the resume point the critic predicts what it learned before the
-    # crash (a critic rebuilt instead of restored would start again from V = 0).
-    assert max(abs(m["critic/values_mean"]) for m in reference if m["step"] > 304) > 1e-2
+    # crash. A critic rebuilt instead of restored starts again from exactly V = 0 (zero-initialised head),
+    # so any reference value far above the comparison's tolerance below (rel 1e-6, abs 1e-9) tells the
+    # two apart; how large the values are depends on the trajectory, so the bar is only that.
+    assert max(abs(m["critic/values_mean"]) for m in reference if m["step"] > 304) > 1e-4
     assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # nothing logged twice
     for a, b in zip(resumed, reference):
         for key in ("reward", "pg_loss", "kl", "critic/vf_loss", "critic/values_mean", "eval/accuracy"):
