@@ -343,11 +343,11 @@ def _kill_worker(worker: _Worker) -> None:
         else:
             worker.process.kill()
     except (ProcessLookupError, PermissionError, OSError):
-        pass
+        pass  # already dead (it exited or crashed): nothing left to kill
     try:
         worker.conn.close()
     except OSError:
-        pass
+        pass  # the pipe broke with the worker: closing it is only tidying
     worker.process.join(5.0)
 
 
@@ -364,7 +364,7 @@ def _stop_workers(workers: list[_Worker], owner: int) -> None:
             try:
                 worker.conn.send(None)
             except (OSError, ValueError):
-                pass
+                pass  # it could not hear the request: the kill below stops it
     deadline = time.monotonic() + 1.0
     for worker in workers:
         if worker.state == "idle":
@@ -375,7 +375,7 @@ def _stop_workers(workers: list[_Worker], owner: int) -> None:
             try:
                 worker.conn.close()
             except OSError:
-                pass
+                pass  # it exited as asked; a pipe already closed is fine
     workers.clear()
 
 
@@ -491,7 +491,7 @@ def _die_with_parent() -> None:
         try:
             os.close(server._forkserver_alive_fd)
         except OSError:
-            pass
+            pass  # already closed: the server has been told to exit either way
         server._forkserver_alive_fd = None
     try:
         import ctypes
@@ -503,7 +503,7 @@ def _die_with_parent() -> None:
         if os.getppid() != parent:  # the server died before the line above
             os._exit(1)
     except (OSError, AttributeError):
-        pass
+        pass  # no prctl (not glibc): workers then end with close() or interpreter exit, not a SIGKILLed trainer
 
 
 def _describe_exit(code: int | None) -> str:
