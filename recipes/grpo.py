@@ -35,6 +35,7 @@ from rltk.algorithms.kl import apply_kl_penalty
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
+from rltk.models.logprobs import prompt_sharing_applies
 from rltk.recipe_utils import parse_recipe_args
 from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
 from rltk.training.resume import load_weights, save_weights_atomically
@@ -88,6 +89,11 @@ def run_rl_stage(stage: Stage) -> None:
     on_policy = old_logprobs_from_update(loss, advantage_fn, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
                                          use_rollout_logprobs=a.use_rollout_logprobs, kl_coef=a.kl_coef)
 
+    # The reference and old-policy passes run the way the training forward does (one prompt pass per
+    # group only where strategy.model is a plain module): at equal weights their log-probs then match
+    # bitwise and the KL gradient at the first step is exactly 0 on every strategy.
+    share_prompts = prompt_sharing_applies(strategy.model)
+
     # The reference policy is the policy as this stage starts (after any warm-up), frozen;
     # its weights are kept beside the checkpoints so a resumed run compares against the same one.
     reference = strategy.full_model_copy().eval().requires_grad_(False) if a.kl_coef > 0 else None
@@ -134,7 +140,8 @@ def run_rl_stage(stage: Stage) -> None:
         # an on-policy update (one epoch, one mini-batch) takes the old ones from its own forward instead
         common = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
                       pack_sequences=t.pack_sequences, temperature=cfg.rollout.temperature,
-                      impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
+                      impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size,
+                      share_prompts=share_prompts)
         if not on_policy:
             fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
                               strategy=strategy)

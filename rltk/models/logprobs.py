@@ -66,6 +66,7 @@ def response_logprobs(
     chunk_size: int | tuple[int, int] | None = None,
     with_sum_pi_squared: bool = False,
     pack: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under ``model``, without full logits.
 
@@ -88,6 +89,15 @@ def response_logprobs(
             and the head op on the real response tokens only. Same numbers as
             the padded forward up to float rounding. Under FSDP2 with the head
             in the root module the padded forward runs instead (see below).
+        share_prompts: run each distinct prompt once where ``model`` allows it
+            (:func:`shared_prompt_hidden_states`); False runs every row whole.
+            The two paths agree only up to float rounding, so a pass whose
+            numbers are compared with another module's must take the path
+            that one takes: the frozen reference and the old-policy pass
+            follow the training forward (``prompt_sharing_applies(strategy.model)``),
+            so that at equal weights their log-probs are bitwise equal, the KL
+            term is exactly 0 and its gradient too (rounding noise there would
+            become a full-size step once Adam normalises it).
 
     Returns:
         ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
@@ -114,7 +124,7 @@ def response_logprobs(
                                              with_sum_pi_squared=with_sum_pi_squared)
     # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]; a prompt shared by several rows (the n
     # samples of a group) runs once
-    hidden = shared_prompt_hidden_states(model, input_ids, attention_mask, prompt_len)
+    hidden = shared_prompt_hidden_states(model, input_ids, attention_mask, prompt_len) if share_prompts else None
     if hidden is None:
         hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, prompt_len - 1 :]
     head = output_head_module(model)
@@ -320,18 +330,14 @@ def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, atten
     wrapped (DDP, DeepSpeed: their hooks expect one forward per backward), has sharded parameters (ZeRO-3
     or FSDP2 gather them collectively in every forward, and ranks must run the same number),
     trains with gradient checkpointing (HF turns the cache off then), or its base model takes no
-    ``past_key_values``.
+    ``past_key_values`` (:func:`prompt_sharing_applies`).
     """
-    inner = unwrap_model(model)
-    decoder = base_model(inner)
-    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers 5; 4.x: the old name
-    if checkpointing is None:
-        checkpointing = getattr(inner, "is_gradient_checkpointing", False)
-    if (decoder is None or inner is not model or checkpointing
-            or has_sharded_parameters(inner) or any(_is_dtensor(p) for p in inner.parameters())
-            or "past_key_values" not in inspect.signature(decoder.forward).parameters):
+    if not prompt_sharing_applies(model):
         return None
     from transformers import DynamicCache
+
+    inner = unwrap_model(model)
+    decoder = base_model(inner)
 
     prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
     unique, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
@@ -349,6 +355,23 @@ def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, atten
     out = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=mask,
                   position_ids=positions_from_mask(mask)[:, prompt_len:], past_key_values=cache, use_cache=True)
     return torch.cat([last_prompt, _hidden_from_output(out)], dim=1)  # [B, T, D]
+
+
+def prompt_sharing_applies(model: nn.Module) -> bool:
+    """Whether :func:`shared_prompt_hidden_states` may run ``model``: a plain (unwrapped, unsharded)
+    causal LM whose decoder takes ``past_key_values`` and that does not checkpoint activations.
+
+    Passes that must agree with ``model``'s training forward take this answer from the *training*
+    module (``strategy.model``), not from their own (see ``share_prompts`` in :func:`response_logprobs`).
+    """
+    inner = unwrap_model(model)
+    decoder = base_model(inner)
+    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers 5; 4.x: the old name
+    if checkpointing is None:
+        checkpointing = getattr(inner, "is_gradient_checkpointing", False)
+    return not (decoder is None or inner is not model or checkpointing
+                or has_sharded_parameters(inner) or any(_is_dtensor(p) for p in inner.parameters())
+                or "past_key_values" not in inspect.signature(decoder.forward).parameters)
 
 
 def base_model(model: nn.Module) -> nn.Module | None:

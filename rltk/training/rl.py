@@ -163,6 +163,7 @@ def batched_logprobs(
     strategy=None,
     max_tokens_per_micro_batch: int | None = None,
     pack_sequences: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
 
@@ -174,6 +175,10 @@ def batched_logprobs(
     ``max_tokens_per_micro_batch`` forms micro-batches by a token budget and
     ``pack_sequences`` packs each into one row (:mod:`rltk.training.micro_batches`);
     the rows come back in the batch's order either way.
+
+    ``share_prompts`` (see :func:`rltk.models.logprobs.response_logprobs`): pass
+    ``prompt_sharing_applies(strategy.model)`` so that this pass runs the way
+    the policy's training forward does, whichever module ``model`` is.
 
     Shape: returns ``(logprobs, entropy or None)``, ``[B, T]`` tensors on the
     batch's device, and ``sum_pi_squared`` ``[B, T]`` third when
@@ -189,7 +194,7 @@ def batched_logprobs(
         parts = run_logprobs(
             model, mb.data, T, trim=max_tokens_per_micro_batch is not None, pack=pack_sequences,
             temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
-            with_sum_pi_squared=with_sum_pi_squared,
+            with_sum_pi_squared=with_sum_pi_squared, share_prompts=share_prompts,
         )
         if mb.padding:
             continue
@@ -253,15 +258,15 @@ def old_logprobs_from_update(loss: LossComponents, advantage_fn: Callable, *, pp
 def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], advantage_fn: Callable, *,
                       use_rollout_logprobs: bool, micro_batch_size: int, temperature: float, impl: str = "auto",
                       chunk_size: int | None = None, strategy=None, max_tokens_per_micro_batch: int | None = None,
-                      pack_sequences: bool = False) -> None:
+                      pack_sequences: bool = False, share_prompts: bool = True) -> None:
     """Fill ``batch["old_logprobs"]`` (the behaviour policy's log-probs of the sampled tokens) and, when
     ``advantage_fn`` names it, ``batch["sum_pi_squared"]`` (``sum_v pi_old(v)^2`` per token, ``[B, T]``).
 
     ``use_rollout_logprobs`` (``algorithm.use_rollout_logprobs``) takes the rollout engine's
     log-probs instead of a forward pass of ``policy``. The engine reports no distribution, so
     ``sum_pi_squared`` then still comes from one pass of ``policy``: the trainer's copy of the
-    weights that sampled the batch. ``max_tokens_per_micro_batch`` and ``pack_sequences``: see
-    :func:`batched_logprobs`.
+    weights that sampled the batch. ``max_tokens_per_micro_batch``, ``pack_sequences`` and
+    ``share_prompts``: see :func:`batched_logprobs`.
     """
     with_sq = needs_sum_pi_squared(advantage_fn)
     if use_rollout_logprobs:
@@ -270,7 +275,8 @@ def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], a
             return
     outputs = batched_logprobs(policy, batch, micro_batch_size=micro_batch_size, temperature=temperature,
                                impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sq, strategy=strategy,
-                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack_sequences=pack_sequences)
+                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack_sequences=pack_sequences,
+                               share_prompts=share_prompts)
     if not use_rollout_logprobs:
         batch["old_logprobs"] = outputs[0]
     if with_sq:
@@ -380,6 +386,7 @@ def policy_update(
     generator: torch.Generator | None = None,
     max_tokens_per_micro_batch: int | None = None,
     pack_sequences: bool = False,
+    share_prompts: bool = True,
 ) -> dict[str, float]:
     """PPO-style epochs over mini-batches of a rollout batch; one optimizer step per mini-batch.
 
@@ -400,7 +407,9 @@ def policy_update(
     forms micro-batches by a token budget instead of ``micro_batch_size`` rows,
     and ``pack_sequences`` runs each packed into one row; the global
     normalisers keep the loss and gradient those of the whole mini-batch
-    (:mod:`rltk.training.micro_batches`).
+    (:mod:`rltk.training.micro_batches`). ``share_prompts``: see
+    :func:`rltk.models.logprobs.response_logprobs` (it applies only where
+    ``strategy.model`` is a plain module).
 
     A ``batch`` without ``old_logprobs`` is trained on-policy (see
     :func:`old_logprobs_from_update`): each micro-batch takes its own
@@ -453,7 +462,7 @@ def policy_update(
                         logprobs, entropy = run_logprobs(
                             strategy.model, mb, T, trim=max_tokens_per_micro_batch is not None,
                             pack=pack_sequences, temperature=temperature, impl=impl, with_entropy=True,
-                            chunk_size=chunk_size,
+                            chunk_size=chunk_size, share_prompts=share_prompts,
                         )
                         # on-policy, pi_old is the policy this forward evaluates (no step has run yet)
                         old_logprobs = logprobs.detach() if on_policy else mb["old_logprobs"]

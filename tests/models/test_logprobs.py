@@ -456,3 +456,39 @@ def test_distinct_prompts_and_wrapped_models_take_the_whole_batch_path():
     wrapper = nn.Module()
     wrapper.module = model  # DDP / DeepSpeed style: hooks expect one forward per backward
     assert shared_prompt_hidden_states(wrapper, input_ids, attention_mask, 6) is None
+
+
+class _Wrapper(nn.Module):
+    """DDP / DeepSpeed style: the model in ``.module``, forward passed through."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_a_plain_copy_that_follows_the_wrapped_models_path_matches_it_bitwise_and_its_k3_gradient_is_zero():
+    # The frozen reference is a plain copy of a policy that trains wrapped. The copy could share prompts,
+    # the wrapped policy cannot; the reference pass must take the policy's path, or at equal weights the
+    # two log-probs differ by rounding and the KL term sends a noise gradient that Adam scales to a step.
+    import copy
+
+    from rltk.algorithms.kl import kl_k3
+    from rltk.models.logprobs import prompt_sharing_applies
+
+    model = qwen2(tie=True)
+    policy, reference = _Wrapper(model), copy.deepcopy(model).requires_grad_(False)
+    assert not prompt_sharing_applies(policy) and prompt_sharing_applies(reference)
+    input_ids, attention_mask, width = grouped_batch()
+    logprobs, _ = response_logprobs(policy, input_ids, attention_mask, width, impl="torch")
+    with torch.no_grad():
+        followed, _ = response_logprobs(reference, input_ids, attention_mask, width, impl="torch",
+                                      share_prompts=prompt_sharing_applies(policy))
+        shared, _ = response_logprobs(reference, input_ids, attention_mask, width, impl="torch")
+    assert torch.equal(logprobs.detach(), followed)
+    torch.testing.assert_close(shared, followed, atol=1e-5, rtol=0)  # the other path: equal up to rounding only
+    kl_k3(logprobs, followed).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and not any(g.any() for g in grads)
