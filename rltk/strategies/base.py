@@ -182,18 +182,16 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str,
 
 def adamw_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
     """torch AdamW's implementation switch for ``params``: ``{"fused": True}`` where torch has a fused
-    kernel for every parameter's device and dtype, else ``{"foreach": True}``, and ``{}`` (torch's own
-    choice) for DTensors (FSDP2).
+    kernel for every parameter's device and dtype, else ``{"foreach": True}``; ``{}`` (torch's own
+    choice) for no parameters.
 
     torch's default on CPU is the per-parameter loop: a dozen small kernel launches per tensor, which
     on a small model costs more than the arithmetic (the fused kernel does the whole update in one
-    pass over each parameter). The three implementations compute the same update up to float rounding.
+    pass over each parameter). The implementations agree only up to float rounding, so every strategy
+    takes the same one: FSDP2's DTensor parameters (torch dispatches the fused op shard by shard, an
+    element-wise update) get the fused kernel as DDP's and ZeRO's plain tensors do.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed: no DTensors either
-        DTensor = ()
-    if not params or any(isinstance(p, DTensor) for p in params):
+    if not params:
         return {}
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
