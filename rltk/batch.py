@@ -11,7 +11,10 @@ reads::
     rollout_logprobs[B, T]      log-probs the rollout engine sampled with (0 if absent)
     has_rollout_logprobs[B]     bool; False for experiences without them (e.g. expert data),
                                 whose zeros above are no log-probs
-    token_rewards   [B, T]      the scalar reward on the last response token
+    token_rewards   [B, T]      the scalar reward on the last response token; with
+                                ``turn_rewards`` (multi turn) each turn's reward on its
+                                position and the rest of the score on the last token,
+                                so a row always sums to its score
     scores          [B]         the scalar reward
     group_ids       [B]         int64; responses of one prompt share an id
     response_lengths[B]         number of response positions (incl. env tokens)
@@ -49,6 +52,9 @@ class Experience:
     reward_details: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)  # prompt text, ground truth, response text ...
     baseline_score: float | None = None  # e.g. ReMax's greedy-response score
+    # Multi turn: (response position, reward) of each environment turn reward, on the last token of the
+    # assistant turn it rewards. Part of `score` (score = their sum + the rest); see collate().
+    turn_rewards: list[tuple[int, float]] | None = None
 
     def __post_init__(self):
         if self.response_mask is None:
@@ -63,6 +69,17 @@ class Experience:
                 f"rollout_logprobs has {len(self.rollout_logprobs)} entries for "
                 f"{len(self.response_ids)} response tokens"
             )
+        if self.turn_rewards is not None:
+            # JSON (a checkpointed buffer) brings pairs back as lists: normalise to tuples
+            pairs = []
+            for pair in self.turn_rewards:
+                position, reward = pair
+                if isinstance(position, bool) or not isinstance(position, int) \
+                        or not 0 <= position < len(self.response_ids):
+                    raise ValueError(f"turn_rewards position {position!r} is outside the response's "
+                                     f"{len(self.response_ids)} tokens")
+                pairs.append((position, float(reward)))
+            self.turn_rewards = pairs
 
 
 def collate(experiences: list[Experience], pad_token_id: int, *,
@@ -78,6 +95,13 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
     a reward returning a dict also leaves ``"<name>/<key>"`` entries there,
     which are not components. An experience without one of the names (e.g.
     expert data given a fixed ``buffer.expert.score``) is a ValueError.
+
+    ``turn_rewards`` (multi-turn episodes) are part of ``score``: each lands
+    on its position of ``token_rewards`` (two on one position add up) and the
+    last token holds ``score - sum(turn rewards)``, the rest of the score
+    (the reward function's part). A row of ``token_rewards`` therefore always
+    sums to ``scores``: outcome estimators reading ``scores`` and per-token
+    ones (GAE, REINFORCE++) reading ``token_rewards`` see the same return.
     """
     if not experiences:
         raise ValueError("collate() needs at least one experience")
@@ -100,6 +124,10 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
             if e.rollout_logprobs is not None:
                 rollout_logprobs[i, :t] = torch.tensor(e.rollout_logprobs, dtype=torch.float32)
             token_rewards[i, t - 1] = e.score
+            if e.turn_rewards:  # each turn's reward on its token, the remainder of the score on the last
+                for position, reward in e.turn_rewards:
+                    token_rewards[i, position] += reward
+                token_rewards[i, t - 1] -= sum(reward for _, reward in e.turn_rewards)
     batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,

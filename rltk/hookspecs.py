@@ -121,6 +121,43 @@ def rltk_workflows() -> dict:
 
 
 # --------------------------------------------------------------------------
+# Multi-turn episodes: environments, tools, tool-call parsers
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def rltk_environments() -> dict:
+    """Register environments (kind ``environment``) of multi-turn episodes.
+
+    Return ``{name: cls}``, ``cls`` a subclass of
+    :class:`rltk.environments.base.Environment`; the ``multi_turn`` workflow
+    builds ``cls(**env.environment_args)`` once per episode and calls
+    ``reset(row)``, then ``step(turn)`` per assistant turn, then ``close()``.
+    """
+
+
+@hookspec
+def rltk_tools() -> dict:
+    """Register tools the policy can call (kind ``tool``).
+
+    Return ``{name: tool}``, ``tool`` a :class:`rltk.tools.base.Tool` (the
+    ``rltk.tools.base.tool`` decorator makes one from a function). Its
+    ``schema()`` is rendered through the chat template's ``tools=``;
+    ``env.tools_args.<name>`` binds its configured arguments.
+    """
+
+
+@hookspec
+def rltk_tool_parsers() -> dict:
+    """Register tool-call parsers (kind ``tool_parser``).
+
+    Return ``{name: cls}``; ``cls(**env.tool_parser_args).parse(text)`` returns
+    ``(content, calls, error)`` and never raises on model output (see
+    :mod:`rltk.tools.parsers`).
+    """
+
+
+# --------------------------------------------------------------------------
 # Buffer, training strategies, rollout engines, loggers
 # --------------------------------------------------------------------------
 

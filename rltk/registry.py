@@ -65,7 +65,7 @@ KINDS: dict[str, Kind] = {
         Kind("reward_fn", "rltk_reward_fns", "reward functions",
              frozenset({"prompt", "response", "ground_truth", "extras"})),
         Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",
-             frozenset({"engine", "tokenizer", "reward", "sampling"})),
+             frozenset({"engine", "tokenizer", "reward", "sampling", "env"})),
         Kind("sample_strategy", "rltk_sample_strategies", "buffer sample strategies",
              frozenset({"buffer"})),
         Kind("training_strategy", "rltk_training_strategies", "training strategies",
@@ -75,6 +75,9 @@ KINDS: dict[str, Kind] = {
         Kind("logger", "rltk_loggers", "metric loggers",
              frozenset({"run_dir", "config", "total_steps", "resume_step"})),
         Kind("algorithm", "rltk_algorithms", "algorithm presets", frozenset()),
+        Kind("environment", "rltk_environments", "environments of multi-turn episodes", frozenset()),
+        Kind("tool", "rltk_tools", "tools the policy can call", frozenset()),
+        Kind("tool_parser", "rltk_tool_parsers", "tool-call parsers", frozenset()),
     ]
 }
 

@@ -20,6 +20,7 @@ def test_kind_vocabulary_is_exactly_the_public_one():
     assert set(KINDS) == {
         "advantage_fn", "kl_penalty_fn", "loss_agg", "policy_loss", "reward_fn", "workflow",
         "sample_strategy", "training_strategy", "rollout_engine", "logger", "algorithm",
+        "environment", "tool", "tool_parser",
     }
     for kind in KINDS.values():
         assert hasattr(rltk.hookspecs, kind.hook), kind.hook

@@ -124,6 +124,25 @@ class RolloutConfig:
 
 
 @dataclass
+class EnvConfig:
+    """``env``: the environment and tools of multi-turn episodes (``rollout.workflow: multi_turn``).
+
+    Other workflows ignore it (``agentic`` reads the limits where they apply).
+    Each name is a registered component (``rltk list environment|tool|tool_parser``).
+    """
+
+    environment: Optional[str] = None  # a registered environment, or null (tools only)
+    environment_args: Dict[str, Any] = field(default_factory=dict)
+    tools: List[str] = field(default_factory=list)  # registered tools, rendered through the chat template's tools=
+    tools_args: Dict[str, Any] = field(default_factory=dict)  # {tool_name: {arg: value}}
+    tool_parser: str = "hermes"
+    tool_parser_args: Dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # assistant turns per episode
+    max_new_tokens_per_turn: int = "${rollout.max_new_tokens}"  # type: ignore[assignment]
+    max_total_tokens: int = 256  # response budget over all turns (assistant + observation tokens); over it: truncated
+
+
+@dataclass
 class RewardConfig:
     reward_fn: List[str] = field(default_factory=lambda: ["exact_match"])
     reward_fn_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
@@ -274,6 +293,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     strategy: str = "accelerate"
     strategy_args: Dict[str, Any] = field(default_factory=dict)

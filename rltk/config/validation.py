@@ -4,7 +4,8 @@
 :class:`~rltk.config.errors.ConfigError` on the first problem: component
 names and arguments (:mod:`rltk.config.components`), choices and value
 ranges (here), the seed and local paths (:mod:`rltk.config.run_checks`),
-the divergence guard's keys (:mod:`rltk.config.guard_checks`),
+the divergence guard's keys (:mod:`rltk.config.guard_checks`), the ``env``
+section of multi-turn episodes (:mod:`rltk.config.env_checks`),
 what the recipe serves (:mod:`rltk.config.recipe_capabilities`), the critic
 section (:mod:`rltk.config.critic_checks`), the rollout correction
 (:mod:`rltk.config.rollout_correction_checks`), each reward's own score where
@@ -19,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rltk.config.components import check_components, check_task
 from rltk.config.critic_checks import check_critic_config
+from rltk.config.env_checks import check_env
 from rltk.config.errors import ConfigError
 from rltk.config.guard_checks import check_guard
 from rltk.config.merge import apply_overrides
@@ -42,6 +44,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     """
     registry = get_registry()
     check_components(cfg, registry)
+    check_env(cfg, registry)
     for key, choices in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:

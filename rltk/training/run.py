@@ -24,10 +24,11 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import rltk
 from rltk.checkpoint import CheckpointManager
+from rltk.config.components import signature_params
 from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
@@ -101,9 +102,12 @@ def open_run(cfg: DictConfig) -> Run:
     # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
     engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
         model=policy, tokenizer=tokenizer, **args_of(cfg, "rollout.engine"))
-    workflow = rltk.get_component("workflow", cfg.rollout.workflow)(
+    workflow_cls = rltk.get_component("workflow", cfg.rollout.workflow)
+    # A workflow that names `env` in its signature (multi_turn, agentic) gets the env section.
+    env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in signature_params(workflow_cls)[0] else {}
+    workflow = workflow_cls(
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
-        **args_of(cfg, "rollout.workflow"))
+        **env, **args_of(cfg, "rollout.workflow"))
     if resume is not None:
         restore_rollout_state(workflow, resume)
 

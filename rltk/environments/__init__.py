@@ -1,0 +1,1 @@
+"""Environments of multi-turn episodes (kind ``environment``, hook ``rltk_environments``)."""

@@ -1,0 +1,50 @@
+import pytest
+
+from rltk.config.errors import ConfigError
+from rltk.config.loader import load_config
+from tests.builtin_plugins import ensure_registered
+
+
+@pytest.fixture(autouse=True, scope="module")
+def builtins():
+    ensure_registered("tools", "tool_parsers", "multi_turn")
+
+
+def test_defaults_follow_the_spec():
+    cfg = load_config([], ["rollout.max_new_tokens=12"])
+    assert dict(cfg.env) == {"environment": None, "environment_args": {}, "tools": [], "tools_args": {},
+                             "tool_parser": "hermes", "tool_parser_args": {}, "max_turns": 4,
+                             "max_new_tokens_per_turn": 12, "max_total_tokens": 256}
+
+
+def test_a_multi_turn_config_validates():
+    cfg = load_config([], ["rollout.workflow=multi_turn", "env.tools=[calculator]",
+                           "env.tools_args.calculator.max_length=50", "env.max_turns=3"])
+    assert cfg.env.tools_args.calculator.max_length == 50
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.tools=[calculater]"], "unknown tool 'calculater' at 'env.tools'. Did you mean: 'calculator'?"),
+    (["env.tool_parser=herms"], "unknown tool_parser 'herms' at 'env.tool_parser'. Did you mean: 'hermes'?"),
+    (["env.environment=no_such_env"], "unknown environment 'no_such_env' at 'env.environment'"),
+    (["env.environment_args.x=1"], "'env.environment_args' is set .* but 'env.environment' is null"),
+    (["env.tools=[calculator,calculator]"], "'env.tools' names a tool twice"),
+    (["env.tools=[calculator]", "env.tools_args.calculator.expression=1"],
+     "'env.tools_args.calculator.expression': tool 'calculator': 'expression' is an argument the model passes"),
+    (["env.tools=[calculator]", "env.tools_args.calculator.max_lenght=1"],
+     "'env.tools_args.calculator.max_lenght': .*Did you mean: 'max_length'"),
+    (["env.tools_args.calculator.digits=1"], "'env.tools_args.calculator': 'calculator' is not selected in 'env.tools'"),
+    (["env.tool_parser_args.foo=1"], "'env.tool_parser_args.foo': tool_parser 'hermes' has no argument 'foo'"),
+    (["env.max_turns=0"], "bad value 0 for 'env.max_turns': must be an integer >= 1"),
+    (["env.max_total_tokens=0"], "bad value 0 for 'env.max_total_tokens'"),
+    (["env.max_new_tokens_per_turn=-2"], "bad value -2 for 'env.max_new_tokens_per_turn'"),
+    (["rollout.workflow_args.env={}"], "'rollout.workflow_args.env': 'env' is filled in"),
+])
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], ["rollout.workflow=multi_turn", *overrides])
+
+
+def test_a_workflow_that_ignores_the_section_does_not_check_it():
+    cfg = load_config([], ["env.tool_parser=not_installed", "env.tools=[nope]"])
+    assert cfg.rollout.workflow == "single_turn"
