@@ -1,4 +1,4 @@
-"""The ``rltk`` command line: list, plugins, validate, run, export.
+"""The ``rltk`` command line: list, plugins, validate, run, export, serve.
 
 Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors,
 3 a run stopped by the divergence guard (``guard.*``: entropy collapse,
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a plain Hugging Face model folder from a checkpoint")
     p.add_argument("checkpoint", help="a step_XXXXXX folder under <output_dir>/checkpoints")
     p.add_argument("out_dir")
+    from rltk.serve.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -236,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_validate(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "serve":
+            from rltk.serve.cli import cmd_serve
+
+            return cmd_serve(args)
         return cmd_run(args, extra)
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)

@@ -120,6 +120,19 @@ def rltk_workflows() -> dict:
     """
 
 
+@hookspec
+def rltk_agents() -> dict:
+    """Register agents (kind ``agent``) for the ``agentic`` workflow.
+
+    Return ``{name: fn}`` with ``fn(row, client, model, **agent_args) ->
+    float | None``: ``client`` is an ``openai.OpenAI`` client pointed at the
+    endpoint rltk serves from the rollout engine (its requests carry the
+    episode's session id), ``model`` the model id to pass. Return the
+    episode's reward, or ``None`` for the reward function to score the last
+    completion. Called from several threads at once, one episode each.
+    """
+
+
 # --------------------------------------------------------------------------
 # Multi-turn episodes: environments, tools, tool-call parsers
 # --------------------------------------------------------------------------

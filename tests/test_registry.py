@@ -21,6 +21,7 @@ def test_kind_vocabulary_is_exactly_the_public_one():
         "advantage_fn", "kl_penalty_fn", "loss_agg", "policy_loss", "reward_fn", "workflow",
         "sample_strategy", "training_strategy", "rollout_engine", "logger", "algorithm",
         "environment", "tool", "tool_parser",
+        "agent",  # #11: agents of the agentic workflow
     }
     for kind in KINDS.values():
         assert hasattr(rltk.hookspecs, kind.hook), kind.hook

@@ -94,6 +94,7 @@ def check_components(cfg: DictConfig, registry: Registry) -> None:
                                      (args or {}).get(name, {}), f"{key}_args.{name}")
         else:
             check_component_args(kind, names[0], registry.entries[kind][names[0]].obj, args, key + "_args")
+    check_agent(cfg, registry)
     weights = OmegaConf.select(cfg, "reward.weights") or {}
     for w in weights:
         if w not in cfg.reward.reward_fn:
@@ -101,6 +102,23 @@ def check_components(cfg: DictConfig, registry: Registry) -> None:
                 f"'reward.weights.{w}': '{w}' is not selected in 'reward.reward_fn' "
                 f"(selected: {', '.join(cfg.reward.reward_fn)})"
             )
+
+
+def check_agent(cfg: DictConfig, registry: Registry) -> None:
+    """Workflow arguments that name components: ``rollout.workflow_args.<arg>`` of a workflow whose class
+    declares ``component_args = {arg: kind}`` (the agentic workflow: ``{"agent": "agent"}``) names a
+    registered component of that kind, which takes ``rollout.workflow_args.<arg>_args``."""
+    workflow = registry.entries["workflow"].get(OmegaConf.select(cfg, "rollout.workflow"))
+    declared = getattr(workflow.obj, "component_args", None) if workflow is not None else None
+    args = OmegaConf.select(cfg, "rollout.workflow_args") or {}
+    for arg, kind in (declared or {}).items():
+        if arg not in args or kind not in registry.entries:
+            continue  # a missing required argument is reported against the workflow's signature
+        name, key = args[arg], f"rollout.workflow_args.{arg}"
+        table = registry.entries[kind]
+        if not isinstance(name, str) or name not in table:
+            raise ConfigError(unknown_name_message(kind, str(name), list(table), where=key))
+        check_component_args(kind, name, table[name].obj, args.get(f"{arg}_args"), f"{key}_args")
 
 
 def check_task(cfg: DictConfig) -> None:

@@ -226,6 +226,9 @@ def finish_run(run: Run) -> dict:
     close_reward = getattr(run.workflow.reward, "close", None)
     if callable(close_reward):
         close_reward()
+    close_workflow = getattr(run.workflow, "close", None)  # its own resources (agentic: the endpoint's threads)
+    if callable(close_workflow):
+        close_workflow()
     run.metric_log.close()
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:

@@ -1,0 +1,178 @@
+"""``rltk serve [CHECKPOINT_OR_MODEL_DIR]``: the OpenAI-compatible endpoint over a saved policy.
+
+PATH may be:
+
+* a Hugging Face model folder (``config.json`` + weights + tokenizer), e.g. one
+  written by ``rltk export``;
+* a checkpoint, ``<output_dir>/checkpoints/step_XXXXXX``: it is exported (and
+  verified) to a temporary model folder first, exactly as ``rltk export`` would,
+  with the run's tokenizer;
+* a run folder (``<output_dir>``): its newest checkpoint;
+* nothing: the untrained tiny model of the embedded default, to try the endpoint.
+
+The rollout engine is ``--engine`` (default: the run's ``rollout.engine`` when
+PATH belongs to a run, else ``hf``), with the run's ``rollout.engine_args``
+unless ``--engine-arg key=value`` overrides them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rltk.config.errors import ConfigError
+
+CONFIG_FILE = "config.yaml"
+
+
+def resolve_model_dir(path: str | None, stack: contextlib.ExitStack) -> tuple[Path | None, Path | None]:
+    """``(model folder, run folder)`` for PATH; a checkpoint is exported into a temporary folder on ``stack``."""
+    from rltk.checkpoint import STATE_FILE, CheckpointManager
+    from rltk.training.export import export_checkpoint
+
+    if path is None:
+        return None, None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"rltk serve: '{path}' is not a folder; pass a model folder (config.json and weights), "
+                          "a checkpoint step_XXXXXX folder, or a run's output_dir")
+    if (folder / "config.json").is_file():
+        return folder, None
+    run_dir = None
+    if (folder / "checkpoints").is_dir():
+        run_dir = folder
+        latest = CheckpointManager(folder / "checkpoints").latest()
+        if latest is None:
+            raise ConfigError(f"rltk serve: run folder '{path}' has no complete checkpoint under checkpoints/ "
+                              "(train with checkpoint.every > 0, or serve an exported model folder)")
+        folder = latest
+    if (folder / STATE_FILE).is_file():
+        run_dir = run_dir or folder.parent.parent
+        out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rltk-serve-"))) / "model"
+        return export_checkpoint(folder, out), run_dir
+    present = sorted(p.name for p in folder.iterdir())[:12]
+    raise ConfigError(f"rltk serve: '{path}' is neither a model folder (no config.json), a checkpoint (no "
+                      f"{STATE_FILE}) nor a run folder (no checkpoints/); it holds {present}")
+
+
+def _engine_args(run_dir: Path | None, engine: str | None, overrides: list[str]) -> tuple[str, dict]:
+    from omegaconf import OmegaConf
+
+    name, args = "hf", {}
+    config = run_dir / CONFIG_FILE if run_dir is not None else None
+    if config is not None and config.is_file():
+        saved = OmegaConf.load(config)
+        name = OmegaConf.select(saved, "rollout.engine", default="hf")
+        saved_args = OmegaConf.select(saved, "rollout.engine_args", default=None)
+        args = OmegaConf.to_container(saved_args, resolve=True) if saved_args is not None else {}
+    if engine is not None and engine != name:
+        name, args = engine, {}  # another engine's arguments would not fit this one
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"rltk serve: --engine-arg takes key=value, got {item!r}")
+        args[key] = _parse_value(value)
+    return name, args
+
+
+def _parse_value(value: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def build_server_app(args) -> tuple[Any, contextlib.ExitStack, str]:
+    """The app for ``rltk serve`` arguments, the stack holding its temporary files, and the model id."""
+    import torch
+
+    import rltk
+    from rltk.models.loading import load_model, load_tokenizer
+    from rltk.rollout.base import SamplingParams
+    from rltk.serve.app import create_app
+    from rltk.serve.sessions import SessionStore
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"rltk serve: --max-tokens must be >= 1, got {args.max_tokens}")
+    stack = contextlib.ExitStack()
+    try:
+        model_dir, run_dir = resolve_model_dir(args.path, stack)
+        if model_dir is None:
+            from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+
+            tokenizer = build_char_tokenizer()
+            model = build_tiny_model(tokenizer)
+            name = args.model_name or "tiny"
+            print("rltk: no PATH given: serving the untrained tiny model of the embedded default", file=sys.stderr)
+        else:
+            tokenizer = load_tokenizer(model_dir, config_key="rltk serve PATH")
+            model = load_model(model_dir, dtype=args.dtype, config_key="rltk serve PATH")
+            name = args.model_name or Path(args.path).expanduser().resolve().name
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        model.to(device)
+        model.eval()
+        engine_name, engine_args = _engine_args(run_dir, args.engine, args.engine_arg or [])
+        engine_cls = rltk.get_component("rollout_engine", engine_name)
+        if model_dir is not None and "model_path" in inspect.signature(engine_cls).parameters:
+            engine_args.setdefault("model_path", str(model_dir))  # vllm loads the weights from the folder itself
+        engine = engine_cls(model=model, tokenizer=tokenizer, **engine_args)
+        max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        limit = min(args.max_tokens, max_len - 1) if max_len else args.max_tokens
+        app = create_app(engine, tokenizer, model_name=name, defaults=SamplingParams(max_new_tokens=limit),
+                         max_tokens_limit=limit, max_model_len=max_len, tool_parser=args.tool_parser,
+                         store=SessionStore(max_sessions=args.max_sessions), window_s=args.batch_window,
+                         max_batch=args.max_batch)
+        return app, stack, name
+    except BaseException:
+        stack.close()
+        raise
+
+
+def cmd_serve(args) -> int:
+    """Serve until interrupted; prints the base URL (with the real port when ``--port 0``) on stdout."""
+    from rltk.serve import require_serve_dependencies
+
+    try:
+        require_serve_dependencies(feature="rltk serve")
+    except ImportError as exc:  # a usage problem with one fix, not a traceback
+        raise ConfigError(str(exc)) from None
+    import uvicorn
+
+    from rltk.serve.app import free_socket
+
+    app, stack, name = build_server_app(args)
+    with stack:
+        sock = free_socket(args.host, args.port)
+        port = sock.getsockname()[1]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"rltk: serving model '{name}' at http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30)
+        uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def add_parser(sub) -> None:
+    """The ``serve`` subcommand's arguments."""
+    p = sub.add_parser("serve", help="serve a model folder, checkpoint or run on an OpenAI-compatible endpoint")
+    p.add_argument("path", nargs="?", metavar="CHECKPOINT_OR_MODEL_DIR",
+                   help="a model folder, a checkpoint step_XXXXXX folder or a run's output_dir "
+                        "(default: the untrained tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
+    p.add_argument("--model-name", help="the model id clients pass (default: the folder's name)")
+    p.add_argument("--engine", help="rollout engine (default: the run's rollout.engine, else hf)")
+    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="rollout engine argument (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=256, help="most new tokens per request (default 256)")
+    p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16, auto")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--tool-parser", default="hermes", help="tool-call parser for requests with tools")
+    p.add_argument("--batch-window", type=float, default=0.05, help="seconds the batcher waits after a request for another (default 0.05)")
+    p.add_argument("--max-batch", type=int, default=64, help="most sequences per engine call from several requests")
+    p.add_argument("--max-sessions", type=int, default=1000, help="sessions whose records are kept (oldest dropped)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level")

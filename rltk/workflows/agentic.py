@@ -1,0 +1,457 @@
+"""Workflow ``agentic``: your agent code drives the policy through an OpenAI-compatible endpoint.
+
+The loop is the agent's, not rltk's. For every row, ``sampling.n`` episodes run
+the registered agent (kind ``agent``)::
+
+    def my_agent(row: dict, client: openai.OpenAI, model: str, **agent_args) -> float | None
+
+with a client whose requests go to an endpoint rltk serves *in this process*
+(uvicorn in a background thread, :mod:`rltk.serve.app`) from the training
+rollout engine, and carry the episode's session id (header ``X-Session-Id``).
+Episodes run concurrently in a thread pool, so the endpoint's batcher turns
+their requests into batched engine calls, as a batched single-turn rollout
+would be.
+
+Trajectories. The endpoint records each request's exact prompt ids,
+completion ids and log-probs; after the step each session is stitched by
+token prefix (:func:`rltk.serve.sessions.stitch`): a request whose prompt
+extends an earlier prompt + completion continues that trajectory, the inserted
+tokens (chat-template glue, tool results, user turns) with ``response_mask`` 0
+and the completion with mask 1 and its log-probs. A request that does *not*
+extend any earlier one (the agent rewrote history) starts a new **segment**:
+one more experience in the episode's group, with the same score. So a
+multi-turn agent on a template that re-renders earlier turns to the same ids
+gives one experience per episode; every policy token is trained exactly once
+either way, and no token is ever re-tokenized.
+
+Rewards. The agent's return value is the episode's score; ``None`` means "score
+the final answer": the reward function gets the row's prompt, ground truth
+and extras and the text of the session's last completion. An agent that
+raises (or returns anything but a finite number or ``None``) drops its
+episode, counted in ``agentic/agent_errors``; a step in which every episode
+failed is an error naming the first failure.
+
+Sampling. During training the endpoint forces the rollout's temperature,
+top-p and top-k on every request (the trainer's log-prob recompute assumes
+that distribution; ``force_sampling=false`` serves requests as asked, for
+agents that know what they do); :meth:`AgenticWorkflow.evaluate` forces
+greedy decoding.
+
+The ``env`` section, where it applies: ``env.max_new_tokens_per_turn`` is the
+most ``max_tokens`` one request may ask for (and the default when it asks for
+none); ``env.max_turns`` the most requests one episode may make (the next one
+gets a 400 error, code ``max_turns_exceeded``, which the agent sees as
+``openai.BadRequestError``); ``env.tool_parser`` (+ ``_args``) parses tool calls
+of requests with ``tools``. ``env.environment``, ``env.tools`` and
+``env.max_total_tokens`` belong to ``multi_turn``: an agent calls its own tools.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import time
+import traceback
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import rltk
+from rltk.batch import Experience
+from rltk.rollout.base import RolloutEngine, SamplingParams
+from rltk.workflows.base import Workflow, score_samples
+
+logger = logging.getLogger(__name__)
+
+
+def _positive_int(value: Any, key: str, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"agentic: {key} must be an integer >= 1{' or null' if allow_none else ''}, got {value!r}")
+
+
+class AgenticWorkflow(Workflow):
+    """Rows -> ``n`` agent episodes each over the OpenAI endpoint -> stitched experiences (registered ``agentic``).
+
+    Args (``rollout.workflow_args.*``):
+        agent: a registered agent name (kind ``agent``; ``rltk list agent``).
+        agent_args: keyword arguments for the agent, beside the row, client and model.
+        env: the ``env`` config section (given by the recipe; see the module docstring);
+            ``None`` (direct construction) means no turn cap, ``hermes`` and
+            ``sampling.max_new_tokens`` per request.
+        concurrency: episodes running at once (threads); the endpoint batches their requests.
+        batch_window_s, max_batch: the endpoint batcher's wait for more requests after
+            the latest one, and its cap on sequences per engine call.
+        request_timeout_s: the client's timeout per request.
+        force_sampling: serve every training request with the rollout's temperature,
+            top-p and top-k, whatever the agent asked (see the module docstring).
+        model_name: the model id the agent is given and must pass.
+        host: where the in-process endpoint listens (a free port is chosen).
+
+    The endpoint starts on the first :meth:`run` or :meth:`evaluate` and stops
+    at :meth:`close` (or at interpreter exit).
+    """
+
+    #: ``rollout.workflow_args.agent`` names a component of kind ``agent`` (its arguments in ``agent_args``),
+    #: checked by ``rltk validate`` before anything is built.
+    component_args = {"agent": "agent"}
+
+    def __init__(
+        self,
+        *,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        reward: Any,
+        sampling: SamplingParams,
+        agent: str,
+        agent_args: Mapping[str, Any] | None = None,
+        env: Mapping[str, Any] | None = None,
+        concurrency: int = 32,
+        batch_window_s: float = 0.05,
+        max_batch: int = 64,
+        request_timeout_s: float = 600.0,
+        force_sampling: bool = True,
+        model_name: str = "policy",
+        host: str = "127.0.0.1",
+    ):
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"agentic: sampling must be a rltk.rollout.base.SamplingParams, got {type(sampling).__name__}")
+        if not callable(reward):
+            raise TypeError(f"agentic: reward must be callable, got {type(reward).__name__}")
+        if not isinstance(agent, str):
+            raise ValueError(f"agentic: rollout.workflow_args.agent must name a registered agent, got {agent!r}")
+        self.agent_fn = rltk.get_component("agent", agent)  # an unknown name lists the registered agents
+        if agent_args is not None and not isinstance(agent_args, Mapping):
+            raise ValueError(f"agentic: rollout.workflow_args.agent_args must be a mapping, got {agent_args!r}")
+        env = dict(env or {})
+        _positive_int(concurrency, "rollout.workflow_args.concurrency")
+        _positive_int(max_batch, "rollout.workflow_args.max_batch")
+        _positive_int(env.get("max_new_tokens_per_turn"), "env.max_new_tokens_per_turn", allow_none=True)
+        _positive_int(env.get("max_turns"), "env.max_turns", allow_none=True)
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.sampling = sampling
+        self.agent = agent
+        self.agent_args = dict(agent_args or {})
+        self.concurrency = concurrency
+        self.max_tokens_per_request = env.get("max_new_tokens_per_turn") or sampling.max_new_tokens
+        self.max_turns = env.get("max_turns")
+        self.tool_parser = env.get("tool_parser") or "hermes"
+        self.tool_parser_args = dict(env.get("tool_parser_args") or {})
+        self.batch_window_s = batch_window_s
+        self.max_batch = max_batch
+        self.request_timeout_s = request_timeout_s
+        self.force_sampling = force_sampling
+        self.model_name = model_name
+        self.host = host
+        self._server = None
+        self._client = None
+        self._next_group_id = 0
+        self._metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the endpoint
+
+    @property
+    def base_url(self) -> str:
+        """The endpoint's ``.../v1`` URL (starts it if needed)."""
+        self._ensure_server()
+        return self._server.base_url
+
+    @property
+    def app_state(self):
+        """The endpoint's :class:`rltk.serve.app.ServeState` (store, batcher, counters); starts it if needed."""
+        self._ensure_server()
+        return self._server.app.state.rltk
+
+    def _ensure_server(self) -> None:
+        if self._server is not None:
+            return
+        from rltk.serve import require_serve_dependencies
+
+        require_serve_dependencies("fastapi", "uvicorn", "openai", feature="the agentic workflow")
+        import openai
+
+        from rltk.serve.app import BackgroundServer, create_app
+        from rltk.serve.sessions import SessionStore
+
+        defaults = replace(self.sampling, n=1, seed=None,
+                           max_new_tokens=min(self.sampling.max_new_tokens, self.max_tokens_per_request))
+        app = create_app(
+            self.engine, self.tokenizer, model_name=self.model_name, defaults=defaults,
+            max_tokens_limit=self.max_tokens_per_request, max_model_len=_max_model_len(self.engine),
+            tool_parser=self.tool_parser, tool_parser_args=self.tool_parser_args, store=SessionStore(),
+            window_s=self.batch_window_s, max_batch=self.max_batch, max_requests_per_session=self.max_turns,
+        )
+        server = BackgroundServer(app, host=self.host)
+        server.start()
+        self._server = server
+        self._client = openai.OpenAI(base_url=server.base_url, api_key="rltk", max_retries=0,
+                                     timeout=self.request_timeout_s)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the endpoint (idempotent); the next :meth:`run` starts a new one."""
+        server, self._server = self._server, None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if server is not None:
+            server.stop()
+
+    # ------------------------------------------------------------------ episodes
+
+    def _run_episodes(self, rows: list[dict], n: int, override: dict | None) -> list[dict]:
+        """Run ``n`` episodes of every row; one dict per episode with its result, error and records."""
+        self._ensure_server()
+        state = self._server.app.state.rltk
+        state.sampling_override = override
+        prefix = uuid.uuid4().hex[:12]
+        episodes = [{"row_index": r, "sample_index": s, "session_id": f"{prefix}-{r}-{s}", "result": None,
+                     "error": None} for r in range(len(rows)) for s in range(n)]
+
+        def play(episode: dict) -> None:
+            client = self._client.with_options(default_headers={"X-Session-Id": episode["session_id"]})
+            row = rows[episode["row_index"]]
+            try:
+                result = self.agent_fn(row=_copy_row(row), client=client, model=self.model_name, **self.agent_args)
+                if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))
+                                           or not math.isfinite(result)):
+                    raise TypeError(f"agent {self.agent!r} returned {result!r}; an agent returns the episode's "
+                                    "reward as a finite float, or None to let the reward function score the "
+                                    "final answer")
+                episode["result"] = None if result is None else float(result)
+            except Exception as exc:  # the episode is dropped and counted; training goes on
+                episode["error"] = f"{type(exc).__name__}: {exc}"
+                episode["traceback"] = traceback.format_exc()
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(episodes)) or 1,
+                                    thread_name_prefix="rltk-agent") as pool:
+                list(pool.map(play, episodes))
+        finally:
+            state.sampling_override = None
+        for episode in episodes:
+            episode["records"] = state.store.pop(episode["session_id"])
+        return episodes
+
+    def _scores(self, rows: list[dict], episodes: list[dict]) -> None:
+        """Fill ``episode["score"]`` and ``["details"]``: the agent's float, or the reward on the final text."""
+        to_score = [e for e in episodes if e["error"] is None and e["records"] and e["result"] is None]
+        samples, wheres = [], []
+        for episode in to_score:
+            row = rows[episode["row_index"]]
+            final = max(episode["records"], key=lambda r: r.seq)
+            samples.append({"prompt": _prompt_text(row), "response": final.text,
+                            "ground_truth": row.get("ground_truth", ""), "extras": dict(row.get("extras") or {})})
+            wheres.append(f"row {episode['row_index']} (id {row.get('id', str(episode['row_index']))!r}), "
+                          f"episode {episode['sample_index']}")
+        for episode, (score, details) in zip(to_score, score_samples(self.reward, samples, wheres, "agentic")):
+            episode["score"], episode["details"] = score, details
+        for episode in episodes:
+            if episode["error"] is None and episode["records"] and episode["result"] is not None:
+                episode["score"], episode["details"] = episode["result"], {"agent": episode["result"]}
+
+    # ------------------------------------------------------------------ training rollouts
+
+    def run(self, rows: list[dict]) -> list[Experience]:
+        """``sampling.n`` episodes per row, stitched into experiences; all of a row's share one group id.
+
+        Rows are dicts as the agent expects them (``prompt`` and/or ``messages``,
+        ``ground_truth``, ``extras``, ``id``); the agent gets a copy of its row.
+        """
+        from rltk.serve.sessions import stitch
+
+        rows = _check_rows(rows)
+        if not rows:
+            self._metrics = {}
+            return []
+        calls_before = self.app_state.batcher.stats()
+        override = None
+        if self.force_sampling:
+            override = {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+                        "top_k": self.sampling.top_k, "greedy": self.sampling.greedy}
+        tick = time.perf_counter()
+        episodes = self._run_episodes(rows, self.sampling.n, override)
+        generate_s = time.perf_counter() - tick
+        calls_after = self.app_state.batcher.stats()
+
+        tick = time.perf_counter()
+        self._scores(rows, episodes)
+        experiences: list[Experience] = []
+        group_ids = []
+        for _ in rows:
+            group_ids.append(self._next_group_id)
+            self._next_group_id += 1
+        errors = [e for e in episodes if e["error"] is not None]
+        empty = [e for e in episodes if e["error"] is None and not e["records"]]
+        segments, requests = [], []
+        for episode in episodes:
+            if "score" not in episode:
+                continue
+            row_index = episode["row_index"]
+            row = rows[row_index]
+            trajectories = stitch(episode["records"])
+            segments.append(len(trajectories))
+            requests.append(len(episode["records"]))
+            for segment, trajectory in enumerate(trajectories):
+                experiences.append(Experience(
+                    prompt_ids=trajectory.prompt_ids,
+                    response_ids=trajectory.response_ids,
+                    response_mask=trajectory.response_mask,
+                    rollout_logprobs=trajectory.logprobs,
+                    score=episode["score"],
+                    group_id=group_ids[row_index],
+                    finish_reason=trajectory.finish_reason,
+                    reward_details=dict(episode["details"]),
+                    info={"prompt": _prompt_text(row), "response": trajectory.last_text,
+                          "ground_truth": row.get("ground_truth", ""), "row_id": row.get("id", str(row_index)),
+                          "sample_index": episode["sample_index"], "session_id": episode["session_id"],
+                          "segment": segment, "segments": len(trajectories),
+                          "requests": len(trajectory.records),
+                          # the names multi_turn uses: assistant turns in this trajectory, cut at a limit
+                          "turns": len(trajectory.records), "truncated": trajectory.finish_reason == "length"},
+                ))
+        if not experiences:
+            first = (errors or empty or [None])[0]
+            why = (f"the first agent error was:\n{first['traceback']}" if first is not None and first["error"]
+                   else "no agent sent a single request to the endpoint")
+            raise RuntimeError(f"agentic: all {len(episodes)} episodes of agent {self.agent!r} failed or made no "
+                               f"request, so there is nothing to train on; {why}")
+        if errors:  # counted in the metrics; the first message says why, once per step
+            logger.warning("agentic: %d of %d episodes dropped because agent %r failed; the first: %s",
+                           len(errors), len(episodes), self.agent, errors[0]["error"])
+        reward_s = time.perf_counter() - tick
+        self._metrics = _metrics(experiences, episodes, errors, empty, segments, requests, generate_s, reward_s,
+                                 calls_before, calls_after)
+        return experiences
+
+    def metrics(self) -> dict[str, float]:
+        """About the last :meth:`run`: ``agentic/episodes``, ``agentic/agent_errors`` (episodes dropped
+        because the agent raised or returned a bad value), ``agentic/empty_episodes`` (no request made),
+        ``agentic/segments_per_episode``, ``agentic/requests_per_episode``, ``agentic/engine_calls``,
+        ``agentic/requests_per_engine_call``, ``time/generate_s``, ``time/reward_s``,
+        ``rollout/response_length_mean|max``, ``rollout/policy_tokens``, ``rollout/truncated_fraction``,
+        ``rollout/turns_mean`` (requests stitched into each experience), ``reward/<name>``."""
+        return dict(self._metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"next_group_id": int}``, so a resumed run keeps group ids unique."""
+        return {"next_group_id": self._next_group_id}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue numbering groups from a :meth:`state_dict`."""
+        if not isinstance(state, Mapping) or set(state) != {"next_group_id"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"agentic.load_state_dict: expected {{'next_group_id': int}}, got {got}")
+        value = state["next_group_id"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"agentic.load_state_dict: state['next_group_id'] = {value!r} must be an integer >= 0")
+        self._next_group_id = value
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, rows: list[dict], params: SamplingParams | None = None, *,
+                 threshold: float = 1.0) -> dict[str, float]:
+        """One episode per held-out row, greedy by default (``params`` forces its sampling on every request).
+
+        Returns ``accuracy`` (episodes scoring ``>= threshold``; a failed episode
+        counts as unsolved), ``mean_score``, ``mean_response_length`` (policy
+        tokens per episode), ``truncated_fraction`` (episodes whose last
+        completion hit its length limit), ``agent_errors`` and ``num_responses``.
+        """
+        rows = _check_rows(rows)
+        if not rows:
+            raise ValueError("agentic.evaluate() got no rows; give it the held-out split")
+        params = params or replace(self.sampling, n=1, greedy=True)
+        override = {"greedy": True} if params.greedy else {
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "greedy": False}
+        episodes = self._run_episodes(rows, 1, override)
+        self._scores(rows, episodes)
+        scores, lengths, truncated = [], [], 0
+        for episode in episodes:
+            scores.append(episode.get("score", 0.0))
+            lengths.append(sum(len(r.completion_ids) for r in episode["records"]))
+            if episode["records"]:
+                truncated += max(episode["records"], key=lambda r: r.seq).finish_reason == "length"
+        count = len(episodes)
+        return {
+            "accuracy": sum(s >= threshold for s in scores) / count,
+            "mean_score": sum(scores) / count,
+            "mean_response_length": sum(lengths) / count,
+            "truncated_fraction": truncated / count,
+            "agent_errors": float(sum(e["error"] is not None for e in episodes)),
+            "num_responses": float(count),
+        }
+
+
+def _check_rows(rows: Any) -> list[dict]:
+    if isinstance(rows, Mapping) or not isinstance(rows, (list, tuple)):
+        raise TypeError(f"agentic.run() takes a list of row dicts, got {type(rows).__name__}")
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TypeError(f"agentic: row {index} must be a dict, got {type(row).__name__}")
+    return list(rows)
+
+
+def _copy_row(row: Mapping) -> dict:
+    """A copy an agent may edit without changing the row its sibling episodes get."""
+    import copy
+
+    return copy.deepcopy(dict(row))
+
+
+def _prompt_text(row: Mapping) -> str:
+    if isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    messages = row.get("messages") or []
+    users = [m.get("content", "") for m in messages if isinstance(m, Mapping) and m.get("role") == "user"]
+    return users[-1] if users and isinstance(users[-1], str) else ""
+
+
+def _max_model_len(engine: RolloutEngine) -> int | None:
+    """The served model's context length (``max_position_embeddings``), when the engine exposes its model."""
+    model = getattr(engine, "model", None)
+    while model is not None and hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _metrics(experiences, episodes, errors, empty, segments, requests, generate_s, reward_s,
+             calls_before, calls_after) -> dict[str, float]:
+    lengths = [len(e.response_ids) for e in experiences]
+    policy_tokens = sum(sum(e.response_mask) for e in experiences)
+    calls = calls_after["engine_calls"] - calls_before["engine_calls"]
+    jobs = calls_after["jobs"] - calls_before["jobs"]
+    metrics = {
+        "time/generate_s": generate_s,
+        "time/reward_s": reward_s,
+        "agentic/episodes": float(len(episodes)),
+        "agentic/agent_errors": float(len(errors)),
+        "agentic/empty_episodes": float(len(empty)),
+        "agentic/segments_per_episode": sum(segments) / len(segments),
+        "agentic/requests_per_episode": sum(requests) / len(requests),
+        "agentic/engine_calls": float(calls),
+        "agentic/requests_per_engine_call": jobs / calls if calls else 0.0,
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+        "rollout/policy_tokens": float(policy_tokens),
+        "rollout/truncated_fraction": sum(e.finish_reason == "length" for e in experiences) / len(experiences),
+        "rollout/turns_mean": sum(e.info["turns"] for e in experiences) / len(experiences),
+    }
+    names = sorted({name for e in experiences for name in e.reward_details})
+    for name in names:
+        values = [e.reward_details[name] for e in experiences if name in e.reward_details]
+        metrics[f"reward/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+@rltk.hookimpl
+def rltk_workflows():
+    return {"agentic": AgenticWorkflow}
