@@ -35,12 +35,13 @@ from rltk.algorithms.kl import apply_kl_penalty
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
+from rltk.models.logprobs import prompt_sharing_applies
 from rltk.recipe_utils import parse_recipe_args
 from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
 from rltk.training.reference import FrozenReference
 from rltk.training.rl import (
-    LossComponents, build_kl_controller, compute_advantages, fill_old_logprobs, policy_update,
-    rollout_metrics, any_rank, global_masked_mean,
+    LossComponents, build_kl_controller, compute_advantages, fill_old_logprobs, old_logprobs_from_update,
+    policy_update, rollout_metrics, any_rank, global_masked_mean,
 )
 from rltk.training.run import (
     Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
@@ -84,6 +85,14 @@ def run_rl_stage(stage: Stage) -> None:
     plan = RolloutPlan.from_config(cfg, advantage_fn)
     sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     generator = torch.Generator().manual_seed(cfg.seed)
+    # one epoch over one mini-batch: no separate old-log-prob pass (see old_logprobs_from_update)
+    on_policy = old_logprobs_from_update(loss, advantage_fn, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+                                         use_rollout_logprobs=a.use_rollout_logprobs, kl_coef=a.kl_coef)
+
+    # The reference and old-policy passes run the way the training forward does (one prompt pass per
+    # group only where strategy.model is a plain module): at equal weights their log-probs then match
+    # bitwise and the KL gradient at the first step is exactly 0 on every strategy.
+    share_prompts = prompt_sharing_applies(strategy.model)
 
     # The reference policy is the policy as this stage starts (after any warm-up), frozen;
     # its weights are kept beside the checkpoints so a resumed run compares against the same one.
@@ -128,20 +137,21 @@ def run_rl_stage(stage: Stage) -> None:
         batch = collate(experiences, run.tokenizer.pad_token_id,
                         reward_names=workflow.reward.names if plan.reward_components else None)
 
-        # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it)
+        # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it);
+        # an on-policy update (one epoch, one mini-batch) takes the old ones from its own forward instead
         common = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                  pack_sequences=t.pack_sequences, temperature=cfg.rollout.temperature,
-                      impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
-        fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
-                          strategy=strategy)
-        kl_metrics = {}
+                      pack_sequences=t.pack_sequences, temperature=cfg.rollout.temperature,
+                      impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size,
+                      share_prompts=share_prompts)
+        if not on_policy:
+            fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
+                              strategy=strategy)
         if reference is not None:
             batch["ref_logprobs"] = reference.logprobs(batch, **common)
-            kl = loss.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], **loss.kl_penalty_args)
-            mask = batch["response_mask"]
-            kl_metrics["kl"] = global_masked_mean(kl, mask, strategy)
             if a.kl_in == "reward":  # fold the penalty into the per-token rewards before advantages
-                batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, kl_ctl.value, mask)
+                kl = loss.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], **loss.kl_penalty_args)
+                batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, kl_ctl.value,
+                                                          batch["response_mask"])
 
         # advantages from the fields the estimator names
         compute_advantages(advantage_fn, batch, args_of(cfg, "algorithm.advantage_fn"), strategy)
@@ -150,7 +160,10 @@ def run_rl_stage(stage: Stage) -> None:
         update_metrics = policy_update(strategy, batch, loss, kl_coef=kl_ctl.value, mini_batches=t.mini_batches,
                                        ppo_epochs=t.ppo_epochs, generator=generator, **common)
         workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
-        if reference is not None:
+        kl_metrics = {}
+        if reference is not None:  # KL(pi_old || pi_ref) of the sampled tokens, the update's starting point
+            kl = loss.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], **loss.kl_penalty_args)
+            kl_metrics["kl"] = global_masked_mean(kl, batch["response_mask"], strategy)
             kl_ctl.update(kl_metrics["kl"], int(strategy.all_reduce_sum(torch.tensor([len(experiences)])).item()))
 
         # log

@@ -40,6 +40,7 @@ from rltk.algorithms.kl import apply_kl_penalty
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
+from rltk.models.logprobs import prompt_sharing_applies
 from rltk.recipe_utils import parse_recipe_args
 from rltk.training.ppo import (
     PolicyAndCritic, batched_values, build_critic, build_critic_strategy, check_critic_config, critic_update,
@@ -128,7 +129,9 @@ def run_ppo_stage(stage: Stage) -> None:
 
     common = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
                   pack_sequences=t.pack_sequences, temperature=cfg.rollout.temperature,
-                  impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size)
+                  impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size,
+                  # the old-policy and reference passes run the way the training forward does (see grpo.py)
+                  share_prompts=prompt_sharing_applies(strategy.model))
     for step in range(start + 1, t.total_steps + 1):
         tick = time.perf_counter()
         generator.manual_seed(cfg.seed * 1_000_003 + step)

@@ -51,6 +51,7 @@ from torch import nn
 
 from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
 from rltk.models.packing import pack_rows
+from rltk.models.sharding import has_sharded_parameters
 
 
 def response_logprobs(
@@ -65,6 +66,7 @@ def response_logprobs(
     chunk_size: int | tuple[int, int] | None = None,
     with_sum_pi_squared: bool = False,
     pack: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under ``model``, without full logits.
 
@@ -87,6 +89,15 @@ def response_logprobs(
             and the head op on the real response tokens only. Same numbers as
             the padded forward up to float rounding. Under FSDP2 with the head
             in the root module the padded forward runs instead (see below).
+        share_prompts: run each distinct prompt once where ``model`` allows it
+            (:func:`shared_prompt_hidden_states`); False runs every row whole.
+            The two paths agree only up to float rounding, so a pass whose
+            numbers are compared with another module's must take the path
+            that one takes: the frozen reference and the old-policy pass
+            follow the training forward (``prompt_sharing_applies(strategy.model)``),
+            so that at equal weights their log-probs are bitwise equal, the KL
+            term is exactly 0 and its gradient too (rounding noise there would
+            become a full-size step once Adam normalises it).
 
     Returns:
         ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
@@ -111,8 +122,11 @@ def response_logprobs(
             return _packed_response_logprobs(model, input_ids, attention_mask, width, temperature=temperature,
                                              impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
                                              with_sum_pi_squared=with_sum_pi_squared)
-    hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])  # [B, S-1, D]
-    hidden = hidden[:, prompt_len - 1 :]  # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]
+    # [B, T, D]: positions P-1 .. S-2 predict input_ids[:, P:]; a prompt shared by several rows (the n
+    # samples of a group) runs once
+    hidden = shared_prompt_hidden_states(model, input_ids, attention_mask, prompt_len) if share_prompts else None
+    if hidden is None:
+        hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, prompt_len - 1 :]
     head = output_head_module(model)
     gather_in_forward = _whole_only_in_forward(head)
     if not gather_in_forward and _is_dtensor(head.weight):
@@ -307,6 +321,67 @@ def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask
             "Use response_logprobs_naive for this model."
         )
     return _hidden_from_output(captured[0])
+
+
+def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                prompt_len: int) -> torch.Tensor | None:
+    """The final hidden states at positions ``P-1 .. S-2`` with each distinct prompt run once, or None
+    where that does not apply. Shape: (B, T, D).
+
+    A causal LM's states over the prompt part of a row depend on that prompt alone, so the ``n``
+    responses sampled for one prompt share them exactly. The prompt part runs for each distinct
+    (left-padded) prompt once with a KV cache, whose keys and values are then indexed out to every
+    row, and the response part runs on that cache. Gradients flow through the indexing back into the
+    one prompt pass, so values and gradients are those of the full pass (up to float rounding), for
+    ``U`` prompts at ``U * P + B * T`` token positions instead of ``B * (P + T)``: with GRPO's groups
+    of 8 and short answers about half the work of the policy forward and backward.
+
+    None (the caller runs the whole batch) when every prompt is distinct, and when the model is
+    wrapped (DDP, DeepSpeed: their hooks expect one forward per backward), has sharded parameters (ZeRO-3
+    or FSDP2 gather them collectively in every forward, and ranks must run the same number),
+    trains with gradient checkpointing (HF turns the cache off then), or its base model takes no
+    ``past_key_values`` (:func:`prompt_sharing_applies`).
+    """
+    if not prompt_sharing_applies(model):
+        return None
+    from transformers import DynamicCache
+
+    inner = unwrap_model(model)
+    decoder = base_model(inner)
+
+    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
+    unique, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)  # [U, 2P], [B]
+    if unique.shape[0] == input_ids.shape[0]:
+        return None
+    prompt_ids, prompt_mask = unique[:, :prompt_len], unique[:, prompt_len:].to(attention_mask.dtype)
+    cache = DynamicCache(config=getattr(inner, "config", None))
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
+                  past_key_values=cache, use_cache=True)
+    last_prompt = _hidden_from_output(out)[:, -1:][row_prompt]  # [B, 1, D]
+    if input_ids.shape[1] - prompt_len == 1:
+        return last_prompt
+    cache.batch_select_indices(row_prompt)  # [U, ...] -> [B, ...], differentiable indexing
+    mask = attention_mask[:, :-1]
+    out = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=mask,
+                  position_ids=positions_from_mask(mask)[:, prompt_len:], past_key_values=cache, use_cache=True)
+    return torch.cat([last_prompt, _hidden_from_output(out)], dim=1)  # [B, T, D]
+
+
+def prompt_sharing_applies(model: nn.Module) -> bool:
+    """Whether :func:`shared_prompt_hidden_states` may run ``model``: a plain (unwrapped, unsharded)
+    causal LM whose decoder takes ``past_key_values`` and that does not checkpoint activations.
+
+    Passes that must agree with ``model``'s training forward take this answer from the *training*
+    module (``strategy.model``), not from their own (see ``share_prompts`` in :func:`response_logprobs`).
+    """
+    inner = unwrap_model(model)
+    decoder = base_model(inner)
+    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers 5; 4.x: the old name
+    if checkpointing is None:
+        checkpointing = getattr(inner, "is_gradient_checkpointing", False)
+    return not (decoder is None or inner is not model or checkpointing
+                or has_sharded_parameters(inner) or any(_is_dtensor(p) for p in inner.parameters())
+                or "past_key_values" not in inspect.signature(decoder.forward).parameters)
 
 
 def base_model(model: nn.Module) -> nn.Module | None:

@@ -33,6 +33,7 @@ a 150k vocabulary).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -226,11 +227,13 @@ class HFRolloutEngine(RolloutEngine):
             use_cache=True,
             **neutral_sampling,
         )
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         sequences = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
             generation_config=config,
             logits_processor=processors,
+            **_shared_prompt_cache(model, input_ids, attention_mask),
         )
         generated = sequences[:, width:]  # [N, L], L <= max_new_tokens
         logprobs = recorder.finish(generated)  # [N, L]
@@ -331,6 +334,38 @@ class HFRolloutEngine(RolloutEngine):
                 "HFRolloutEngine.update_weights: the trainer's module does not match the engine's model; "
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatches {mismatched[:3]}"
             )
+
+
+def _shared_prompt_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    """``{"past_key_values": cache}`` holding every row's prompt but its last token, computed once per
+    distinct prompt, or ``{}`` when no two rows share a prompt or the model keeps no ``DynamicCache``.
+
+    The ``n`` samples of a prompt are ``n`` identical rows, and a causal LM's states over identical
+    prefixes are identical: the prefill runs on the distinct prompts and its keys and values are
+    indexed out to the rows. ``generate`` then runs only the uncached last prompt token before
+    sampling (a cache must leave it one token to process). With groups of 8 this takes 7/8 of the
+    prefill away.
+    """
+    from transformers import DynamicCache
+
+    # a sharded module gathers its parameters collectively in every forward: no extra forward on one rank
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+    if input_ids.shape[1] < 2 or has_sharded_parameters(model) or getattr(model, "_is_stateful", False) \
+            or not supports_cache:
+        return {}
+    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    unique, row_prompt = torch.unique(rows, dim=0, return_inverse=True)
+    if unique.shape[0] == input_ids.shape[0]:
+        return {}
+    width = input_ids.shape[1]
+    ids, mask = unique[:, : width - 1], unique[:, width:-1].to(attention_mask.dtype)
+    cache = DynamicCache(config=getattr(model, "config", None))
+    # the prefill's logits are not needed: keep the head to one position where the model allows it
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
+          past_key_values=cache, use_cache=True, **keep)
+    cache.batch_select_indices(row_prompt)
+    return {"past_key_values": cache}
 
 
 def _untied_missing_keys(model: nn.Module, missing: list[str], given: set[str]) -> list[str]:

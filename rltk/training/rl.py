@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
+from rltk.algorithms.mismatch import correction_active
 from rltk.batch import slice_batch
 from rltk.training.micro_batches import micro_batches, run_logprobs
 from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction, weighted_loss_agg
@@ -162,6 +163,7 @@ def batched_logprobs(
     strategy=None,
     max_tokens_per_micro_batch: int | None = None,
     pack_sequences: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
 
@@ -173,6 +175,10 @@ def batched_logprobs(
     ``max_tokens_per_micro_batch`` forms micro-batches by a token budget and
     ``pack_sequences`` packs each into one row (:mod:`rltk.training.micro_batches`);
     the rows come back in the batch's order either way.
+
+    ``share_prompts`` (see :func:`rltk.models.logprobs.response_logprobs`): pass
+    ``prompt_sharing_applies(strategy.model)`` so that this pass runs the way
+    the policy's training forward does, whichever module ``model`` is.
 
     Shape: returns ``(logprobs, entropy or None)``, ``[B, T]`` tensors on the
     batch's device, and ``sum_pi_squared`` ``[B, T]`` third when
@@ -188,7 +194,7 @@ def batched_logprobs(
         parts = run_logprobs(
             model, mb.data, T, trim=max_tokens_per_micro_batch is not None, pack=pack_sequences,
             temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
-            with_sum_pi_squared=with_sum_pi_squared,
+            with_sum_pi_squared=with_sum_pi_squared, share_prompts=share_prompts,
         )
         if mb.padding:
             continue
@@ -214,18 +220,53 @@ def needs_sum_pi_squared(advantage_fn: Callable) -> bool:
         return False
 
 
+def old_logprobs_from_update(loss: LossComponents, advantage_fn: Callable, *, ppo_epochs: int, mini_batches: int,
+                             use_rollout_logprobs: bool, kl_coef: float) -> bool:
+    """Whether the update may take ``old_logprobs`` from its own training forward (detached) instead of a
+    separate no-grad pass of the policy before it.
+
+    With one epoch over one mini-batch the only optimizer step comes after the one training forward, so
+    the policy that forward evaluates is the policy that sampled the batch: ``pi_old = pi_theta.detach()``
+    and the PPO ratio is exactly 1 (as in the on-policy case of Schulman et al. 2017, arXiv:1707.06347).
+    The pass before the update is then a forward whose result is already known. It is still needed when
+
+    * ``ppo_epochs > 1`` or ``mini_batches > 1``: later mini-batches train a policy that has moved;
+    * ``use_rollout_logprobs``: the old log-probs are the engine's, not this policy's;
+    * a rollout-correction mode or ``log_metrics`` is on: both compare old with rollout log-probs before
+      the update (the weights and the narrowed mask are fixed before the first forward);
+    * the estimator names ``old_logprobs`` or ``sum_pi_squared``: advantages come before the update;
+    * a KL penalty is folded into the rewards (``kl_in == "reward"`` with ``kl_coef > 0``): it needs
+      ``old_logprobs`` before the advantages.
+
+    One difference remains where the policy is not deterministic in training mode (dropout): the
+    training forward's log-probs are then those of the dropped-out network, which the recompute (in
+    eval mode) is not. rltk's models train without dropout.
+    """
+    if ppo_epochs != 1 or mini_batches != 1 or use_rollout_logprobs:
+        return False
+    if correction_active(loss.rollout_correction) or loss.log_mismatch_metrics:
+        return False
+    try:
+        named = inspect.signature(advantage_fn).parameters
+    except (TypeError, ValueError):  # no signature to read: keep the pass, the estimator may want the field
+        return False
+    if "old_logprobs" in named or "sum_pi_squared" in named:
+        return False
+    return not (kl_coef > 0 and loss.kl_in == "reward")
+
+
 def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], advantage_fn: Callable, *,
                       use_rollout_logprobs: bool, micro_batch_size: int, temperature: float, impl: str = "auto",
                       chunk_size: int | None = None, strategy=None, max_tokens_per_micro_batch: int | None = None,
-                      pack_sequences: bool = False) -> None:
+                      pack_sequences: bool = False, share_prompts: bool = True) -> None:
     """Fill ``batch["old_logprobs"]`` (the behaviour policy's log-probs of the sampled tokens) and, when
     ``advantage_fn`` names it, ``batch["sum_pi_squared"]`` (``sum_v pi_old(v)^2`` per token, ``[B, T]``).
 
     ``use_rollout_logprobs`` (``algorithm.use_rollout_logprobs``) takes the rollout engine's
     log-probs instead of a forward pass of ``policy``. The engine reports no distribution, so
     ``sum_pi_squared`` then still comes from one pass of ``policy``: the trainer's copy of the
-    weights that sampled the batch. ``max_tokens_per_micro_batch`` and ``pack_sequences``: see
-    :func:`batched_logprobs`.
+    weights that sampled the batch. ``max_tokens_per_micro_batch``, ``pack_sequences`` and
+    ``share_prompts``: see :func:`batched_logprobs`.
     """
     with_sq = needs_sum_pi_squared(advantage_fn)
     if use_rollout_logprobs:
@@ -234,7 +275,8 @@ def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], a
             return
     outputs = batched_logprobs(policy, batch, micro_batch_size=micro_batch_size, temperature=temperature,
                                impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sq, strategy=strategy,
-                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack_sequences=pack_sequences)
+                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack_sequences=pack_sequences,
+                               share_prompts=share_prompts)
     if not use_rollout_logprobs:
         batch["old_logprobs"] = outputs[0]
     if with_sq:
@@ -355,6 +397,7 @@ def policy_update(
     generator: torch.Generator | None = None,
     max_tokens_per_micro_batch: int | None = None,
     pack_sequences: bool = False,
+    share_prompts: bool = True,
 ) -> dict[str, float]:
     """PPO-style epochs over mini-batches of a rollout batch; one optimizer step per mini-batch.
 
@@ -375,8 +418,24 @@ def policy_update(
     forms micro-batches by a token budget instead of ``micro_batch_size`` rows,
     and ``pack_sequences`` runs each packed into one row; the global
     normalisers keep the loss and gradient those of the whole mini-batch
-    (:mod:`rltk.training.micro_batches`).
+    (:mod:`rltk.training.micro_batches`). ``share_prompts``: see
+    :func:`rltk.models.logprobs.response_logprobs` (it applies only where
+    ``strategy.model`` is a plain module).
+
+    A ``batch`` without ``old_logprobs`` is trained on-policy (see
+    :func:`old_logprobs_from_update`): each micro-batch takes its own
+    training-forward log-probs, detached, as the old ones, and ``batch``
+    receives them as ``old_logprobs`` ``[B, T]`` afterwards (for the KL metric
+    and logging). That needs ``ppo_epochs == mini_batches == 1``.
     """
+    on_policy = "old_logprobs" not in batch
+    if on_policy and (ppo_epochs != 1 or mini_batches != 1):
+        raise ValueError(
+            f"a batch without old_logprobs is trained on-policy, which needs trainer.ppo_epochs=1 and "
+            f"trainer.mini_batches=1 (got {ppo_epochs} and {mini_batches}): fill old_logprobs first "
+            f"(rltk.training.rl.fill_old_logprobs)"
+        )
+    given = batch
     # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs
     batch, correction_metrics = apply_rollout_correction(
         batch, loss.rollout_correction, log_metrics=loss.log_mismatch_metrics, strategy=strategy)
@@ -388,6 +447,9 @@ def policy_update(
     # k3_unbiased weights each token by pi / pi_old; without old_logprobs it assumes the batch was
     # sampled by the current policy, wrong after the first mini-batch step.
     kl_takes_old = loss.kl_penalty is not None and "old_logprobs" in inspect.signature(loss.kl_penalty).parameters
+    # on-policy: each real micro-batch's detached training-forward log-probs, with its rows' indices in
+    # the mini-batch (a token budget groups rows by length, so micro-batches are not runs of `order`)
+    taken: list[tuple[torch.Tensor, torch.Tensor]] = []
     for _ in range(ppo_epochs):
         order = torch.randperm(B, generator=generator)
         for rows in order.tensor_split(mini_batches):
@@ -411,11 +473,15 @@ def policy_update(
                         logprobs, entropy = run_logprobs(
                             strategy.model, mb, T, trim=max_tokens_per_micro_batch is not None,
                             pack=pack_sequences, temperature=temperature, impl=impl, with_entropy=True,
-                            chunk_size=chunk_size,
+                            chunk_size=chunk_size, share_prompts=share_prompts,
                         )
+                        # on-policy, pi_old is the policy this forward evaluates (no step has run yet)
+                        old_logprobs = logprobs.detach() if on_policy else mb["old_logprobs"]
+                        if on_policy and not padding:
+                            taken.append((micro.rows, old_logprobs.float()))
                         pg_agg = agg if WEIGHTS_KEY not in mb else weighted_loss_agg(agg, mb[WEIGHTS_KEY])
                         pg_loss, pg_metrics = loss.policy_loss(
-                            logprobs=logprobs, old_logprobs=mb["old_logprobs"], advantages=mb["advantages"],
+                            logprobs=logprobs, old_logprobs=old_logprobs, advantages=mb["advantages"],
                             response_mask=mb["response_mask"], loss_agg=pg_agg, **loss.policy_loss_args,
                         )
                         total = pg_loss
@@ -426,7 +492,7 @@ def policy_update(
                         mean_entropy = masked_mean(entropy.detach(), mask)
                         parts = {"pg_loss": pg_loss.detach(), "entropy": mean_entropy}
                         if kl_coef > 0 and loss.kl_in == "loss":
-                            kl_old = {"old_logprobs": mb["old_logprobs"]} if kl_takes_old else {}
+                            kl_old = {"old_logprobs": old_logprobs} if kl_takes_old else {}
                             kl = loss.kl_penalty(logprobs, mb["ref_logprobs"], **kl_old, **loss.kl_penalty_args)
                             kl_term = agg(kl, mb["response_mask"])
                             total = total + kl_coef * kl_term
@@ -449,4 +515,9 @@ def policy_update(
                 shares = dict(zip(names, summed.tolist()))
             _mean_metrics(metrics, {**shares, **step_info}, 1.0)
             n_updates += 1
+    if on_policy:
+        old = torch.empty(B, T, dtype=torch.float32, device=given["response_mask"].device)
+        for rows_in_mini, values in taken:  # a rank with no rows of its own ran padding passes only
+            old[order[rows_in_mini]] = values.to(old.device)  # one mini-batch: its row i is batch row order[i]
+        given["old_logprobs"] = old
     return {**{k: v / n_updates for k, v in metrics.items()}, **correction_metrics}

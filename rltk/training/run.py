@@ -37,7 +37,8 @@ from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
 from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
-    prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config, tool_schemas,
+    limit_torch_threads, prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config,
+    tool_schemas,
     write_summary,
 )
 from rltk.training.sft import sft_batch, sft_step
@@ -82,6 +83,7 @@ class Stage:
 
 def open_run(cfg: DictConfig) -> Run:
     """Run folder, tokenizer and policy, data, rollout workflow, loggers and the resume point."""
+    limit_torch_threads()  # no more threads than cores, before the first parallel op
     seed_everything(cfg.seed)
     # Whether this continues the run in the folder is settled before anything is written there:
     # an incompatible config stops here, with the folder untouched.

@@ -403,3 +403,92 @@ def test_sum_pi_squared_of_each_response_position_matches_the_model_logits(impl)
     assert len(response_logprobs(model, input_ids, attention_mask, T)) == 2  # no third output unless asked
     empty = response_logprobs(model, input_ids[:, :6], attention_mask[:, :6], 0, with_sum_pi_squared=True)
     assert len(empty) == 3 and empty[2].shape == (3, 0)
+
+
+# --------------------------------------------------------------------------
+# Prompts shared by several rows run once
+# --------------------------------------------------------------------------
+
+
+def grouped_batch(seed: int = 0):
+    """Three prompts (left-padded to P = 6) with 3, 1 and 2 responses (right-padded to T = 5), rows shuffled
+    so that a group's rows are not adjacent."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, VOCAB, (3, 6), generator=gen)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[0, :2] = 0
+    prompt_mask[2, :4] = 0
+    rows = [0, 2, 1, 0, 2, 0]
+    responses = torch.randint(3, VOCAB, (len(rows), 5), generator=gen)
+    response_mask = torch.ones_like(responses)
+    response_mask[1, -2:] = 0
+    response_mask[3, -4:] = 0  # a response of one token
+    input_ids = torch.cat([prompts[rows], responses], dim=1)
+    attention_mask = torch.cat([prompt_mask[rows], response_mask], dim=1)
+    input_ids[attention_mask == 0] = 0
+    return input_ids, attention_mask, 5
+
+
+@pytest.mark.parametrize("build", [lambda: qwen2(tie=True), llama], ids=["qwen2-tied", "llama"])
+@pytest.mark.parametrize("width", [5, 1])
+def test_rows_sharing_a_prompt_give_the_full_pass_values_and_gradients(build, width):
+    from rltk.models.logprobs import shared_prompt_hidden_states
+
+    model = build()
+    input_ids, attention_mask, full = grouped_batch()
+    input_ids, attention_mask = input_ids[:, : input_ids.shape[1] - full + width], attention_mask[:, : 6 + width]
+    assert shared_prompt_hidden_states(model, input_ids, attention_mask, 6) is not None  # the shared path runs
+    ours = response_logprobs(model, input_ids, attention_mask, width, impl="torch", with_entropy=True)
+    ref = response_logprobs_naive(model, input_ids, attention_mask, width, with_entropy=True)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    upstream = (torch.linspace(-1, 1, 6 * width).view(6, width), torch.linspace(0.5, 1.5, 6 * width).view(6, width))
+    assert_grads_close(param_grads(model, ours, upstream), param_grads(model, ref, upstream))
+
+
+def test_distinct_prompts_and_wrapped_models_take_the_whole_batch_path():
+    from rltk.models.logprobs import shared_prompt_hidden_states
+
+    model = qwen2(tie=True)
+    input_ids, attention_mask, _ = left_right_padded_batch()  # three different prompts
+    assert shared_prompt_hidden_states(model, input_ids, attention_mask, 6) is None
+    input_ids, attention_mask, _ = grouped_batch()
+    wrapper = nn.Module()
+    wrapper.module = model  # DDP / DeepSpeed style: hooks expect one forward per backward
+    assert shared_prompt_hidden_states(wrapper, input_ids, attention_mask, 6) is None
+
+
+class _Wrapper(nn.Module):
+    """DDP / DeepSpeed style: the model in ``.module``, forward passed through."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_a_plain_copy_that_follows_the_wrapped_models_path_matches_it_bitwise_and_its_k3_gradient_is_zero():
+    # The frozen reference is a plain copy of a policy that trains wrapped. The copy could share prompts,
+    # the wrapped policy cannot; the reference pass must take the policy's path, or at equal weights the
+    # two log-probs differ by rounding and the KL term sends a noise gradient that Adam scales to a step.
+    import copy
+
+    from rltk.algorithms.kl import kl_k3
+    from rltk.models.logprobs import prompt_sharing_applies
+
+    model = qwen2(tie=True)
+    policy, reference = _Wrapper(model), copy.deepcopy(model).requires_grad_(False)
+    assert not prompt_sharing_applies(policy) and prompt_sharing_applies(reference)
+    input_ids, attention_mask, width = grouped_batch()
+    logprobs, _ = response_logprobs(policy, input_ids, attention_mask, width, impl="torch")
+    with torch.no_grad():
+        followed, _ = response_logprobs(reference, input_ids, attention_mask, width, impl="torch",
+                                      share_prompts=prompt_sharing_applies(policy))
+        shared, _ = response_logprobs(reference, input_ids, attention_mask, width, impl="torch")
+    assert torch.equal(logprobs.detach(), followed)
+    torch.testing.assert_close(shared, followed, atol=1e-5, rtol=0)  # the other path: equal up to rounding only
+    kl_k3(logprobs, followed).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and not any(g.any() for g in grads)

@@ -77,6 +77,10 @@ def torchrun(*args: str):
 
 def assert_same_metrics(ours: list[dict], theirs: list[dict], *, rel: float) -> None:
     assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    # At the first RL step the policy is the reference: their log-probs come from the same forward
+    # path, so the KL is exactly 0 (rounding noise there is a gradient Adam would scale to a full step)
+    for metrics in (ours, theirs):
+        assert [m["kl"] for m in metrics if "kl" in m][:1] in ([], [0.0])
     compared = 0
     for a, b in zip(ours, theirs):
         for key in COMPARED:

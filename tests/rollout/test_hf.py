@@ -228,3 +228,36 @@ def test_use_model_switches_the_module_the_engine_samples_from(model, tokenizer,
     assert engine.model is other and all(torch.equal(a, b) for a, b in zip(other.parameters(), model.parameters()))
     with pytest.raises(TypeError, match="generate"):
         engine.use_model(nn.Linear(2, 2))
+
+
+def test_a_prompt_shared_by_n_rows_is_prefilled_once_and_samples_as_without_sharing(model, tokenizer, encode,
+                                                                                     monkeypatch):
+    # n rows of one prompt share its prefill (a cache indexed out to the rows); with the same seed the
+    # samples and their log-probs are those of the engine prefilling every row itself.
+    import rltk.rollout.hf as hf
+
+    prompts = [encode(p) for p in PROMPTS[:3]]  # different lengths: left padding inside the shared cache
+    params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=[], seed=11)
+    prefills = []
+    shared_cache = hf._shared_prompt_cache
+    monkeypatch.setattr(hf, "_shared_prompt_cache", lambda *a: prefills.append(a[1].shape) or shared_cache(*a))
+    shared = HFRolloutEngine(model, tokenizer).generate(prompts, params)
+    assert prefills == [torch.Size([12, 6])]  # 3 prompts x 4 rows, left-padded to the longest (6 tokens)
+    cache = shared_cache(model, *_padded(prompts * 4))["past_key_values"]
+    assert cache.get_seq_length() == 5 and cache.layers[0].keys.shape[0] == 12  # all but the last token, per row
+    monkeypatch.setattr(hf, "_shared_prompt_cache", lambda *a: {})
+    alone = HFRolloutEngine(model, tokenizer).generate(prompts, params)
+    for group_shared, group_alone in zip(shared, alone):
+        for a, b in zip(group_shared, group_alone):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def _padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask

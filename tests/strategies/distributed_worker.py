@@ -110,12 +110,14 @@ def main(out_dir: Path, phases: list[str]) -> None:
         assert strategy.world_size == 2, f"expected 2 processes, got {strategy.world_size}"
         strategy.setup(tiny_lora_qwen2(seed=0) if lora else tiny_qwen2(seed=0), **SETUP)
         assert strategy.sharded == fsdp
+        # every engine steps with the same AdamW implementation (they agree only up to rounding)
+        fused = all(group["fused"] for group in strategy.optimizer.param_groups)
         losses, grad_norms = train_steps(strategy, batches[:CHECKPOINT_STEP], micro_batches=2)
         manager = CheckpointManager(out_dir / f"ckpt_{phase}", keep_last=1)
         manager.save(CHECKPOINT_STEP, strategy, {"step": CHECKPOINT_STEP})
         more_losses, more_grad_norms = train_steps(strategy, batches[CHECKPOINT_STEP:], micro_batches=2)
         torch.save({"weights": strategy.full_state_dict(), "losses": losses + more_losses,
-                    "grad_norms": grad_norms + more_grad_norms}, out_dir / f"{phase}_rank{strategy.rank}.pt")
+                    "grad_norms": grad_norms + more_grad_norms, "fused": fused}, out_dir / f"{phase}_rank{strategy.rank}.pt")
 
         resumed = AccelerateStrategy(cpu=True, fsdp=fsdp)
         # other initial weights: load must replace them all (under LoRA the checkpoint holds the adapter

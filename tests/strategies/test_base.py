@@ -225,3 +225,34 @@ def test_full_state_load_accepts_a_tied_weight_stored_once_and_rejects_real_gaps
     bad_shape["head.weight"] = torch.zeros(4, 3)
     with pytest.raises(KeyError, match=r"head.weight: model \(2, 3\) vs checkpoint \(4, 3\)"):
         load_full_state_into(TinyNet(), bad_shape, "ckpt")
+
+
+def test_adamw_is_fused_on_cpu_and_steps_like_torch_s_default_loop():
+    # torch's CPU default is the per-parameter loop; build_adamw takes the fused kernel, which must give
+    # the same weights (up to float rounding) after a few steps on the same gradients.
+    from rltk.strategies.base import OptimizerSettings, adamw_implementation, build_adamw
+
+    torch.manual_seed(0)
+    fused_model, loop_model = nn.Linear(8, 4), nn.Linear(8, 4)
+    loop_model.load_state_dict(fused_model.state_dict())
+    settings = OptimizerSettings(lr=1e-2, total_steps=5, weight_decay=0.1)
+    fused = build_adamw(fused_model, settings)
+    loop = torch.optim.AdamW(weight_decay_groups(loop_model, 0.1), lr=1e-2, foreach=False)
+    assert adamw_implementation(list(fused_model.parameters())) == {"fused": True}
+    assert all(group["fused"] for group in fused.param_groups)
+    for step in range(5):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in ((fused_model, fused), (loop_model, loop)):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    for (name, a), b in zip(fused_model.named_parameters(), loop_model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_adamw_falls_back_to_foreach_where_torch_has_no_fused_kernel():
+    from rltk.strategies.base import adamw_implementation
+
+    assert adamw_implementation([]) == {}
+    meta = torch.zeros(3, device="meta")  # no fused kernel for the meta device: the foreach loop
+    assert adamw_implementation([meta]) == {"foreach": True}

@@ -66,6 +66,15 @@ def test_ranks_hold_identical_parameters(two_process_results, phase):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("phase", ["ddp", "fsdp"])
+def test_ddp_and_fsdp2_step_with_fused_adamw(two_process_results, phase):
+    # FSDP2's DTensor parameters take torch's fused kernel as DDP's plain ones do: the implementations
+    # agree only up to rounding, and the strategies must compute the same update the same way
+    _, results = two_process_results
+    assert results[f"{phase}_rank0"]["fused"] is True and results[f"{phase}_rank1"]["fused"] is True
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase", ["ddp", "fsdp"])
 def test_two_processes_match_one_process_on_the_global_batch(two_process_results, single_process_reference, phase):
     _, results = two_process_results
     distributed = results[f"{phase}_rank0"]

@@ -1,0 +1,250 @@
+"""Time per GRPO step, rltk against TRL's `GRPOTrainer`, on the same model, data and settings.
+
+The setting of issue #13: two-digit addition, the 0.6M-parameter Qwen2 of
+`benchmarks/learning.py --lr-sweep` (4 layers, hidden 128, tied, char
+tokenizer) warm-started by SFT to about 20% held-out accuracy, then 4 prompts x
+8 samples per step, at most 6 new tokens, lr 5e-5, no KL, fp32, one optimizer
+step per step. Runs alternate (rltk, TRL, rltk, TRL, ...), each a fresh process
+with the same environment and thread count, all starting from the same
+warmed-up weights; a step is timed from rollout to optimizer step on both sides
+(rltk's `time/step_s`; TRL's `on_step_begin` to `on_step_end`), so evaluation
+and logging are outside it. Prints the median step time of each, their ratio
+and the learning of both (mean training reward over the first and last quarter
+of the steps, greedy held-out accuracy at the end), and writes it all as JSON
+under `benchmarks/results/`.
+
+    pip install -c requirements/cpu.txt "trl>=1.16"     # or: pip install -e ".[bench]"
+    python benchmarks/step_vs_trl.py                     # 2 rounds x 300 steps each, after a shared warm-up
+    python benchmarks/step_vs_trl.py --steps 400 --rounds 3 --threads 0    # torch's own thread count
+
+TRL is an optional benchmark dependency, never one of rltk's. Its side runs in
+a subprocess (`--trl-worker`, this same file) with `--python` (default: this
+interpreter); give the interpreter of another virtual environment there if TRL
+needs package versions that rltk's environment does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from learning import SWEEP_RL, SWEEP_WARMUP  # noqa: E402  (the issue's model and step shape, shared)
+
+RESULTS = HERE / "results"
+PROMPTS, SAMPLES, NEW_TOKENS = 4, 8, 6  # per step: 4 prompts x 8 samples, at most 6 new tokens
+SKIP = 10  # first steps of each run left out of the medians (allocator and kernel warm-up)
+
+
+def bench_env(threads: int) -> dict[str, str]:
+    """The environment of every timed process: builtins only, and ``threads`` torch threads (0: torch's)."""
+    env = {**os.environ, "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def warm_up(workdir: Path, seed: int, env: dict[str, str]) -> Path:
+    """The shared starting point: rltk's SFT warm-up of the lr sweep, exported as an HF model folder."""
+    run_dir = workdir / "warmup"
+    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", f"seed={seed}", *SWEEP_WARMUP,
+               f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never"]
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    model = workdir / "model"
+    subprocess.run([sys.executable, "-m", "rltk.cli", "export", str(last), str(model)], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    return model
+
+
+def rl_overrides(model: Path, steps: int, lr: float, seed: int) -> list[str]:
+    """rltk's config for the timed RL run (also what the TRL worker reads its data and settings from)."""
+    return [f"seed={seed}", f"model.path={model}", *SWEEP_RL, f"trainer.lr={lr}", f"trainer.total_steps={steps}",
+            f"trainer.eval_every={steps}", "checkpoint.every=0", f"trainer.micro_batch_size={PROMPTS * SAMPLES}",
+            "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never"]
+
+
+def run_rltk(model: Path, steps: int, lr: float, seed: int, run_dir: Path, env: dict[str, str]) -> dict:
+    """One rltk run; its per-step times, rewards and held-out greedy accuracy at the end."""
+    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", *rl_overrides(model, steps, lr, seed),
+               f"output_dir={run_dir}"]
+    with open(run_dir.with_suffix(".log"), "w") as log:
+        subprocess.run(command, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [m for m in metrics if "time/step_s" in m]
+    evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    return {"step_s": [m["time/step_s"] for m in steps_], "reward": [m["reward"] for m in steps_],
+            "eval_start": evals[0], "eval_end": evals[-1]}
+
+
+def run_trl(python: str, model: Path, steps: int, lr: float, seed: int, out: Path, env: dict[str, str]) -> dict:
+    """One TRL run in its own process (``--trl-worker``); the same fields as :func:`run_rltk`."""
+    command = [python, str(Path(__file__).resolve()), "--trl-worker", str(out), "--model", str(model),
+               "--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run(command, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return json.loads(out.read_text())
+
+
+def trl_worker(args) -> None:
+    """TRL's side: GRPOTrainer on rltk's rows and reward, settings matched to rltk's config."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rltk.config.loader import load_config
+    from rltk.rewards.math import exact_match
+    from rltk.training.setup import build_rows
+
+    cfg = load_config([ROOT / "recipes" / "configs" / "grpo.yaml"],
+                      rl_overrides(Path(args.model), args.steps, args.lr, args.seed), warn=False)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model)  # not AutoTokenizer: see FACTS (qwen2)
+    tokenizer.padding_side = "left"
+    train_rows, eval_rows = build_rows(cfg, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in train_rows])
+
+    def reward(prompts, completions, ground_truth, **_):
+        return [exact_match(prompt=p, response=c, ground_truth=g, extras={})
+                for p, c, g in zip(prompts, completions, ground_truth)]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.step_s, self.reward, self.tick = [], [], 0.0
+
+        def on_step_begin(self, *_, **__):
+            self.tick = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.step_s.append(time.perf_counter() - self.tick)
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "reward" in logs:
+                self.reward.append(float(logs["reward"]))
+
+    t = cfg.trainer
+    config = GRPOConfig(
+        output_dir=str(Path(args.trl_worker).parent / "trl_out"), seed=args.seed, use_cpu=True, bf16=False,
+        per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
+        max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
+        learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, max_steps=args.steps,
+        beta=0.0, epsilon=0.2, loss_type="dapo",  # token-mean over the batch: rltk grpo's token-mean
+        scale_rewards="group", num_iterations=1, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    timer = Timer()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    result = {"step_s": timer.step_s, "reward": timer.reward,
+              "eval_end": greedy_accuracy(trainer.model, tokenizer, eval_rows[: t.eval_size or len(eval_rows)],
+                                          cfg.rollout.max_new_tokens)}
+    Path(args.trl_worker).write_text(json.dumps(result))
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    """Greedy exact-match accuracy on ``rows``, decoded as rltk's workflow decodes (special tokens skipped)."""
+    import torch
+
+    from rltk.rewards.math import exact_match
+
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(rows), 64):
+            chunk = rows[start : start + 64]
+            enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            correct += sum(exact_match(prompt=r["prompt"], response=text, ground_truth=r["ground_truth"], extras={})
+                           for r, text in zip(chunk, texts))
+    return correct / max(len(rows), 1)
+
+
+def summary(runs: list[dict], steps: int) -> dict:
+    """Median step time over every run's steps after the first ``SKIP``, and the learning numbers."""
+    times = [s for run in runs for s in run["step_s"][SKIP:]]
+    quarter = max(1, steps // 4)
+    first = [statistics.mean(run["reward"][:quarter]) for run in runs]
+    last = [statistics.mean(run["reward"][-quarter:]) for run in runs]
+    return {
+        "median_step_s": statistics.median(times),
+        "p90_step_s": statistics.quantiles(times, n=10)[-1],
+        "steps_over_1s": sum(t > 1.0 for t in times) / len(times),
+        "reward_first_quarter": statistics.mean(first),
+        "reward_last_quarter": statistics.mean(last),
+        "eval_end": statistics.mean(run["eval_end"] for run in runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="RL steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="rltk/TRL pairs, alternated")
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (0: torch's default)")
+    parser.add_argument("--model", type=Path, help="a warmed-up model folder (default: run the warm-up)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter with trl installed")
+    parser.add_argument("--out", type=Path, default=RESULTS / "step_vs_trl.json")
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args)
+        return
+
+    env = bench_env(args.threads)
+    with tempfile.TemporaryDirectory(prefix="rltk-step-vs-trl-") as tmp:
+        workdir = Path(tmp)
+        model = args.model or warm_up(workdir, args.seed, env)
+        runs: dict[str, list[dict]] = {"rltk": [], "trl": []}
+        for r in range(args.rounds):
+            runs["rltk"].append(run_rltk(model, args.steps, args.lr, args.seed, workdir / f"rltk-{r}", env))
+            runs["trl"].append(run_trl(args.python, model, args.steps, args.lr, args.seed,
+                                       workdir / f"trl-{r}.json", env))
+            for side in ("rltk", "trl"):
+                print(f"round {r} {side:<5} median step {statistics.median(runs[side][-1]['step_s'][SKIP:]):.4f} s",
+                      flush=True)
+        eval_start = runs["rltk"][0]["eval_start"]
+    result = {side: summary(side_runs, args.steps) for side, side_runs in runs.items()}
+    ratio = result["rltk"]["median_step_s"] / result["trl"]["median_step_s"]
+    print()
+    print(f"{args.rounds} rounds x {args.steps} steps, {PROMPTS} prompts x {SAMPLES} samples, lr {args.lr:g}, "
+          f"threads {args.threads or 'torch default'}; held-out greedy accuracy at the start {eval_start:.3f}")
+    print("| trainer | median step (s) | p90 step (s) | steps > 1 s | reward, first -> last quarter | "
+          "held-out greedy at end |")
+    print("|---|---|---|---|---|---|")
+    for side, s in result.items():
+        print(f"| {side} | {s['median_step_s']:.4f} | {s['p90_step_s']:.4f} | {s['steps_over_1s']:.1%} | "
+              f"{s['reward_first_quarter']:.3f} -> {s['reward_last_quarter']:.3f} | {s['eval_end']:.3f} |")
+    print(f"\nrltk median step / TRL median step: {ratio:.2f}x")
+    import torch
+    import trl  # noqa: F401  (only for its version; the worker ran it)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "settings": {"steps": args.steps, "rounds": args.rounds, "lr": args.lr, "seed": args.seed,
+                     "threads": args.threads, "skip_first": SKIP, "prompts": PROMPTS, "samples": SAMPLES,
+                     "max_new_tokens": NEW_TOKENS},
+        "versions": {"torch": torch.__version__, "trl": trl.__version__, "python": platform.python_version()},
+        "eval_start": eval_start, "ratio_rltk_over_trl": ratio, "summary": result, "runs": runs,
+    }, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
