@@ -60,6 +60,10 @@ def check_env(cfg: DictConfig, registry: Registry) -> None:
                 tool.bind(**{arg: args[arg]})
             except ValueError as exc:
                 raise ConfigError(f"'env.tools_args.{tool_name}.{arg}': {exc}.{did_you_mean(arg, valid)}") from None
+    if tools and cfg.model.path is None and not cfg.model.tiny.tool_role:
+        # tool results are `tool` messages; without the token the template refuses them mid-rollout
+        raise ConfigError(f"'env.tools' selects {list(tools)} for the tiny model, whose tokenizer has no tool "
+                          f"role: set model.tiny.tool_role=true (adds the <|tool|> token)")
 
     table = registry.entries["tool_parser"]
     parser = env.tool_parser

@@ -256,7 +256,7 @@ def model_skeleton(cfg: DictConfig):
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model
 
     tiny = cfg.model.tiny
-    return build_tiny_model(build_char_tokenizer(), hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
+    return build_tiny_model(build_char_tokenizer(tool_role=tiny.tool_role), hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
                             num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
                             intermediate_size=tiny.intermediate_size,
                             max_position_embeddings=tiny.max_position_embeddings,

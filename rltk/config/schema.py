@@ -30,6 +30,9 @@ class TinyModelConfig:
     intermediate_size: int = 256
     max_position_embeddings: int = 128
     tie_word_embeddings: bool = True
+    # the <|tool|> token and role (multi-turn tool use); off, the vocabulary is the 104 tokens the
+    # single-turn default's learning was measured with (a token more redraws the whole random init)
+    tool_role: bool = False
 
 
 @dataclass

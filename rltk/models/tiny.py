@@ -8,9 +8,10 @@ like a real model (:mod:`rltk.models.loading`).
 
 Token ids are fixed forever: special tokens first (:data:`SPECIAL_TOKENS`),
 then :data:`ALPHABET` in order, then ``extra_chars``, then the special tokens
-added later (:data:`LATE_SPECIAL_TOKENS`, the ``<|tool|>`` role). Never
-reorder them, or saved checkpoints decode to garbage; a new token goes at the
-very end, so every existing id keeps its meaning.
+added later (:data:`LATE_SPECIAL_TOKENS`, the ``<|tool|>`` role, only in
+tokenizers built with ``tool_role=True``). Never reorder them, or saved
+checkpoints decode to garbage; a new token goes at the very end, so every
+existing id keeps its meaning.
 
 The chat template (:data:`CHAT_TEMPLATE`, documented in
 :func:`build_char_tokenizer`) renders roles as one token each, tool schemas
@@ -45,7 +46,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 #: Special tokens added after the first release, with ids after every ordinary
 #: symbol (and after ``extra_chars``): appending them kept every earlier id.
 #: ``<|tool|>`` opens a tool result message (id ``len(SPECIAL_TOKENS) +
-#: len(ALPHABET)`` = 104 without extra characters).
+#: len(ALPHABET)`` = 104 without extra characters). Only tokenizers built with
+#: ``tool_role=True`` have it: a token more changes the random init of every
+#: tiny model (the embedding is drawn first), and the single-turn default's
+#: learning was measured over seeds with the 104-token vocabulary.
 LATE_SPECIAL_TOKENS: tuple[str, ...] = (TOOL_TOKEN,)
 
 #: Every ordinary symbol, in id order after the special tokens. Arithmetic and
@@ -102,8 +106,8 @@ CHAT_TEMPLATE: str = (
     "<|system|>{{ tool_line() }}<|eos|>"
     "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
-    "{{ raise_exception('tiny chat template: role must be system, user, assistant or tool, got ' + message['role']) }}"
+    "{%- if message['role'] not in ROLES -%}"
+    "{{ raise_exception('tiny chat template: role must be ROLE_NAMES, got ' + message['role']) }}"
     "{%- endif -%}"
     "{%- if tools and message['role'] == 'system' and not loop.first -%}"
     "{{ raise_exception('tiny chat template: with tools, only the first message may be a system message') }}"
@@ -125,14 +129,28 @@ CHAT_TEMPLATE: str = (
 )
 
 
-def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
+def chat_template(tool_role: bool) -> str:
+    """:data:`CHAT_TEMPLATE` for a tokenizer with (or without) the ``<|tool|>`` token.
+
+    Without it a ``tool`` message is an error that says how to get the role,
+    rather than ``<|tool|>`` spelled out in characters the model never saw.
+    """
+    roles = ["system", "user", "assistant"] + (["tool"] if tool_role else [])
+    names = "system, user, assistant or tool" if tool_role else (
+        "system, user or assistant (a tool message needs the tool role: model.tiny.tool_role=true, "
+        "build_char_tokenizer(tool_role=True))")
+    return CHAT_TEMPLATE.replace("ROLES", repr(roles)).replace("ROLE_NAMES", names)
+
+
+def build_char_tokenizer(extra_chars: str = "", *, tool_role: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer over :data:`ALPHABET` plus ``extra_chars``.
 
     Every character is one token; a character outside the vocabulary becomes
     ``<|unk|>`` (one per character, so lengths are preserved). Special tokens
     have fixed ids: ``<|pad|>`` 0, ``<|eos|>`` 1, ``<|bos|>`` 2, ``<|unk|>`` 3,
-    ``<|system|>`` 4, ``<|user|>`` 5, ``<|assistant|>`` 6, and ``<|tool|>`` the
-    last id of all (after ``extra_chars``; see :data:`LATE_SPECIAL_TOKENS`). Nothing is added
+    ``<|system|>`` 4, ``<|user|>`` 5, ``<|assistant|>`` 6, and with ``tool_role``
+    ``<|tool|>`` the last id of all (after ``extra_chars``; see
+    :data:`LATE_SPECIAL_TOKENS`). Nothing is added
     around the text when encoding (no bos), like Qwen tokenizers; rltk
     tokenizes prompts with ``add_special_tokens=False`` anyway.
 
@@ -140,7 +158,7 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     ``<|assistant|>`` as the generation prompt, so
     ``apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
     add_generation_prompt=True)`` is ``"<|user|>1+2=<|eos|><|assistant|>"``.
-    Roles are ``system``, ``user``, ``assistant`` and ``tool``. ``tools=``
+    Roles are ``system``, ``user``, ``assistant`` and, with ``tool_role``, ``tool``. ``tools=``
     renders one line of signatures, ``tools: calculator(expression)``, and an
     assistant's ``tool_calls`` render as
     ``<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>``
@@ -149,27 +167,30 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     Args:
         extra_chars: characters to add after the fixed alphabet (duplicates of
             existing symbols are ignored), e.g. ``"éü"``.
+        tool_role: add the ``<|tool|>`` token and the ``tool`` role (multi-turn
+            tasks whose tools answer in tool messages).
     """
+    late = LATE_SPECIAL_TOKENS if tool_role else ()
     vocab: dict[str, int] = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in ALPHABET + extra_chars:
         if char not in vocab:
             vocab[char] = len(vocab)
-    for token in LATE_SPECIAL_TOKENS:
+    for token in late:
         vocab[token] = len(vocab)
     # BPE with no merges over text with no pre-tokenizer is exactly a
     # character lookup; Fuse() joins decoded characters without separators.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS + LATE_SPECIAL_TOKENS))
+    backend.add_special_tokens(list(SPECIAL_TOKENS + late))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
         bos_token=BOS_TOKEN,
         unk_token=UNK_TOKEN,
-        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, TOOL_TOKEN],
+        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, *late],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template(tool_role)
     return tokenizer
 
 

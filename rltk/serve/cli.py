@@ -106,7 +106,7 @@ def build_server_app(args) -> tuple[Any, contextlib.ExitStack, str]:
         if model_dir is None:
             from rltk.models.tiny import build_char_tokenizer, build_tiny_model
 
-            tokenizer = build_char_tokenizer()
+            tokenizer = build_char_tokenizer(tool_role=True)  # agents send tool results
             model = build_tiny_model(tokenizer)
             name = args.model_name or "tiny"
             print("rltk: no PATH given: serving the untrained tiny model of the embedded default", file=sys.stderr)

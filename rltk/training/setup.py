@@ -109,7 +109,7 @@ def build_tokenizer_and_policy(cfg: DictConfig):
             raise ConfigError(text) from exc
     else:
         tiny = cfg.model.tiny
-        tokenizer = build_char_tokenizer()
+        tokenizer = build_char_tokenizer(tool_role=tiny.tool_role)
         model = build_tiny_model(
             tokenizer,
             hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,

@@ -18,7 +18,7 @@ def test_defaults_follow_the_spec():
 
 
 def test_a_multi_turn_config_validates():
-    cfg = load_config([], ["rollout.workflow=multi_turn", "env.tools=[calculator]",
+    cfg = load_config([], ["rollout.workflow=multi_turn", "env.tools=[calculator]", "model.tiny.tool_role=true",
                            "env.tools_args.calculator.max_length=50", "env.max_turns=3"])
     assert cfg.env.tools_args.calculator.max_length == 50
 
@@ -33,6 +33,8 @@ def test_a_multi_turn_config_validates():
      "'env.tools_args.calculator.expression': tool 'calculator': 'expression' is an argument the model passes"),
     (["env.tools=[calculator]", "env.tools_args.calculator.max_lenght=1"],
      "'env.tools_args.calculator.max_lenght': .*Did you mean: 'max_length'"),
+    (["env.tools=[calculator]"], r"'env.tools' selects \['calculator'\] for the tiny model, whose tokenizer has no "
+                                 r"tool role: set model.tiny.tool_role=true"),
     (["env.tools_args.calculator.digits=1"], "'env.tools_args.calculator': 'calculator' is not selected in 'env.tools'"),
     (["env.tool_parser_args.foo=1"], "'env.tool_parser_args.foo': tool_parser 'hermes' has no argument 'foo'"),
     (["env.max_turns=0"], "bad value 0 for 'env.max_turns': must be an integer >= 1"),

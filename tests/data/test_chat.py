@@ -16,7 +16,7 @@ CALCULATOR = {"type": "function", "function": {"name": "calculator", "descriptio
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_char_tokenizer()
+    return build_char_tokenizer(tool_role=True)
 
 
 def ids(tokenizer, text):

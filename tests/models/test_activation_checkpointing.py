@@ -220,7 +220,14 @@ def test_grpo_update_with_kl_is_the_same_with_checkpointing(lora):
         assert (batch["ref_logprobs"] - batch["old_logprobs"]).abs().max() > 1e-2
     assert plain_metrics["kl_loss"] != 0.0
     assert_same_tensors(ckpt_grads, plain_grads, "gradient")
-    assert_same_tensors(ckpt_weights, plain_weights, "updated weight")
+    # Adam's first step is lr * g / (|g| + eps), eps = 1e-8, on the gradient clipped to norm 1: where a
+    # clipped entry is itself near eps, a rounding difference in g (compared above) moves the step by a
+    # visible fraction of lr. Updated weights are compared where it is well above eps (almost everywhere).
+    clip = min(1.0, 1.0 / plain_metrics["grad_norm"])
+    settled = {name: plain_grads[name].abs() * clip > 1e-6 for name in plain_weights}
+    assert sum(m.sum().item() for m in settled.values()) > 0.99 * sum(m.numel() for m in settled.values())
+    assert_same_tensors({n: w[settled[n]] for n, w in ckpt_weights.items()},
+                        {n: w[settled[n]] for n, w in plain_weights.items()}, "updated weight")
     for key in ("pg_loss", "kl_loss", "entropy", "grad_norm"):
         assert ckpt_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-6), key
 

@@ -18,12 +18,21 @@ def tokenizer():
     return build_char_tokenizer()
 
 
-def test_special_tokens_have_fixed_ids(tokenizer):
-    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id) == (0, 1, 2, 3)
-    assert tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"]) == [4, 5, 6]
-    assert len(tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET) + len(LATE_SPECIAL_TOKENS)
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    return build_char_tokenizer(tool_role=True)
+
+
+def test_special_tokens_have_fixed_ids(tokenizer, tool_tokenizer):
+    for tok in (tokenizer, tool_tokenizer):
+        assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+        assert tok.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"]) == [4, 5, 6]
+    # the default keeps the 104 tokens its learning was measured with; "<|tool|>" is characters there
+    assert len(tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET) == 104
+    assert len(tokenizer("<|tool|>", add_special_tokens=False)["input_ids"]) == len("<|tool|>")
     # the tool role came later: its id is after every symbol, so no earlier id moved
-    assert tokenizer.convert_tokens_to_ids("<|tool|>") == len(SPECIAL_TOKENS) + len(ALPHABET) == 104
+    assert len(tool_tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET) + len(LATE_SPECIAL_TOKENS) == 105
+    assert tool_tokenizer.convert_tokens_to_ids("<|tool|>") == 104
 
 
 def test_every_symbol_is_one_token_in_alphabet_order(tokenizer):
@@ -61,11 +70,12 @@ def test_special_token_text_encodes_to_its_id_and_is_skipped_on_decode(tokenizer
 
 
 def test_extra_chars_extend_the_vocabulary_after_the_alphabet():
-    tokenizer = build_char_tokenizer(extra_chars="é1é")  # "1" is already known; "é" once
+    tokenizer = build_char_tokenizer(extra_chars="é1é", tool_role=True)  # "1" is already known; "é" once
     base = len(SPECIAL_TOKENS) + len(ALPHABET)
     assert len(tokenizer) == base + 2
     assert tokenizer("é1", add_special_tokens=False)["input_ids"] == [base, 8]
     assert tokenizer.convert_tokens_to_ids("<|tool|>") == base + 1  # late special tokens come last of all
+    assert len(build_char_tokenizer(extra_chars="é")) == base + 1
 
 
 def test_chat_template_renders_roles_and_generation_prompt(tokenizer):
@@ -83,9 +93,13 @@ def test_chat_template_renders_roles_and_generation_prompt(tokenizer):
     assert ids[:1] == [4] and ids[-1] == 6
 
 
-def test_chat_template_rejects_unknown_roles(tokenizer):
+def test_chat_template_rejects_unknown_roles(tokenizer, tool_tokenizer):
     with pytest.raises(Exception, match="role must be system, user, assistant or tool, got function"):
-        tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+        tool_tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+    # without the <|tool|> token a tool message says how to get the role
+    with pytest.raises(Exception, match=r"role must be system, user or assistant \(a tool message needs the tool "
+                                        r"role: model.tiny.tool_role=true.*got tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "4"}], tokenize=False)
 
 
 def test_tiny_model_shapes_and_parameter_count_by_hand(tokenizer):
@@ -103,7 +117,7 @@ def test_tiny_model_shapes_and_parameter_count_by_hand(tokenizer):
         + 2 * H  # two RMSNorms
     )
     expected = V * H + 2 * per_layer + H  # tied embedding, layers, final norm
-    assert sum(p.numel() for p in model.parameters()) == expected == 130176
+    assert sum(p.numel() for p in model.parameters()) == expected == 130112
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     logits = model(torch.tensor([[8, 9, 10]])).logits
     assert logits.shape == (1, 3, V)
@@ -150,7 +164,8 @@ CALCULATOR = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
-def test_tool_role_and_tool_calls_render_in_hermes_form(tokenizer):
+def test_tool_role_and_tool_calls_render_in_hermes_form(tool_tokenizer):
+    tokenizer = tool_tokenizer
     messages = [
         {"role": "user", "content": "12+34?"},
         {"role": "assistant", "content": "",
@@ -200,7 +215,8 @@ def test_a_second_system_message_with_tools_is_refused(tokenizer):
 @given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]), st.text(alphabet="0123456789+=? ab", max_size=8)),
                 min_size=1, max_size=6),
        st.booleans())
-def test_rendering_a_prefix_gives_a_prefix_of_the_whole(tokenizer, turns, with_tools):
+def test_rendering_a_prefix_gives_a_prefix_of_the_whole(tool_tokenizer, turns, with_tools):
+    tokenizer = tool_tokenizer
     # what lets a multi-turn rollout append each new message's tokens instead of re-tokenizing
     messages = [{"role": role, "content": content} for role, content in turns]
     tools = [CALCULATOR] if with_tools else None

@@ -37,7 +37,7 @@ def replay(tokenizer, transcript):
     (guess_number, {"environment": "guess_number", "max_turns": 5}),
 ])
 def test_rollout_ids_and_mask_equal_the_tokenized_demonstration(task, env):
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(tool_role=bool(env.get("tools")))
     tools = [get_registry().entry("tool", name).obj.schema() for name in env.get("tools", [])]
     rows = format_prompts(task("train", 12, 0), tokenizer, use_chat_template=True, tools=tools,
                           max_prompt_tokens=None)
