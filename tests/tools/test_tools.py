@@ -142,19 +142,29 @@ def test_format_number():
     assert [format_number(Fraction(v)) for v in ("4", "-1/2", "1/3000000")] == ["4", "-0.5", "0"]
 
 
+LIMIT = 10**18  # evaluate_arithmetic's default max_abs, on every numerator and denominator it computes
+
+
 @st.composite
 def expressions(draw, depth=0):
-    """(text, exact value or None when it divides by zero) of a random expression tree."""
+    """(text, exact value, or the error the calculator must raise) of a random expression tree.
+
+    The text is fully parenthesised, so each node is one operation the calculator bounds.
+    """
     if depth > 3 or draw(st.booleans()):
         n = draw(st.integers(0, 999))
         return str(n), Fraction(n)
     left, lv = draw(expressions(depth=depth + 1))
     right, rv = draw(expressions(depth=depth + 1))
     op = draw(st.sampled_from("+-*/"))
-    if lv is None or rv is None or (op == "/" and rv == 0):
-        value = None
+    if isinstance(lv, str) or isinstance(rv, str):
+        value = lv if isinstance(lv, str) else rv  # the left operand is evaluated first
+    elif op == "/" and rv == 0:
+        value = "division by zero"
     else:
         value = {"+": lv + rv, "-": lv - rv, "*": lv * rv, "/": lv / rv if rv else None}[op]
+        if abs(value.numerator) > LIMIT or value.denominator > LIMIT:
+            value = "magnitude limit"
     return f"({left}{op}{right})", value
 
 
@@ -162,11 +172,17 @@ def expressions(draw, depth=0):
 @given(expressions())
 def test_calculator_matches_exact_arithmetic(case):
     text, value = case
-    if value is None:
-        with pytest.raises(CalculatorError, match="division by zero"):
+    if isinstance(value, str):
+        with pytest.raises(CalculatorError, match=value):
             evaluate_arithmetic(text)
     else:
         assert evaluate_arithmetic(text) == value
+
+
+def test_a_value_over_the_limit_is_refused_even_when_the_result_is_small():
+    # hypothesis found it: 1000081062791293392/521 is about 1.9e15, but its numerator is above 1e18
+    with pytest.raises(CalculatorError, match="magnitude limit"):
+        evaluate_arithmetic("((((1/521)+(760*832))*(156*(372*987)))*53)")
 
 
 @settings(max_examples=200, deadline=None)
