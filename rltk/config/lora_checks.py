@@ -253,14 +253,9 @@ def model_skeleton(cfg: DictConfig):
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"bad value '{cfg.model.path}' for 'model.path': cannot read its config.json as a "
                               f"causal LM to check model.lora against it: {exc}") from exc
-    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+    from rltk.models.tiny import build_tiny_from_config
 
-    tiny = cfg.model.tiny
-    return build_tiny_model(build_char_tokenizer(tool_role=tiny.tool_role), hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
-                            num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads,
-                            intermediate_size=tiny.intermediate_size,
-                            max_position_embeddings=tiny.max_position_embeddings,
-                            tie_word_embeddings=tiny.tie_word_embeddings, seed=cfg.seed)
+    return build_tiny_from_config(cfg.model.tiny, cfg.seed)[1]
 
 
 def model_description(cfg: DictConfig) -> str:

@@ -89,7 +89,8 @@ ALPHABET: str = (
 # the ones after it, so rendering a conversation prefix gives a prefix of the
 # whole conversation's text: a multi-turn rollout can append each new
 # message's rendering to the tokens it already has.
-CHAT_TEMPLATE: str = (
+# ROLES and ROLE_NAMES are filled in by chat_template(): the tool role is opt-in.
+_TEMPLATE_SOURCE: str = (
     "{%- macro tool_line() -%}"
     "{{ 'tools: ' }}"
     "{%- for tool in tools -%}"
@@ -130,7 +131,7 @@ CHAT_TEMPLATE: str = (
 
 
 def chat_template(tool_role: bool) -> str:
-    """:data:`CHAT_TEMPLATE` for a tokenizer with (or without) the ``<|tool|>`` token.
+    """The tiny chat template for a tokenizer with (or without) the ``<|tool|>`` token.
 
     Without it a ``tool`` message is an error that says how to get the role,
     rather than ``<|tool|>`` spelled out in characters the model never saw.
@@ -139,7 +140,11 @@ def chat_template(tool_role: bool) -> str:
     names = "system, user, assistant or tool" if tool_role else (
         "system, user or assistant (a tool message needs the tool role: model.tiny.tool_role=true, "
         "build_char_tokenizer(tool_role=True))")
-    return CHAT_TEMPLATE.replace("ROLES", repr(roles)).replace("ROLE_NAMES", names)
+    return _TEMPLATE_SOURCE.replace("ROLES", repr(roles)).replace("ROLE_NAMES", names)
+
+
+#: The chat template of :func:`build_char_tokenizer` with its defaults (no tool role).
+CHAT_TEMPLATE: str = chat_template(tool_role=False)
 
 
 def build_char_tokenizer(extra_chars: str = "", *, tool_role: bool = False) -> PreTrainedTokenizerFast:
@@ -262,6 +267,22 @@ def build_tiny_model(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
+
+
+def build_tiny_from_config(tiny, seed: int) -> tuple[PreTrainedTokenizerFast, Qwen2ForCausalLM]:
+    """The tokenizer and random-init model the ``model.tiny`` config section describes.
+
+    ``tiny`` is that section (any object with its fields: the sizes,
+    ``tie_word_embeddings`` and ``tool_role``); ``seed`` is the run's seed.
+    """
+    tokenizer = build_char_tokenizer(tool_role=tiny.tool_role)
+    model = build_tiny_model(
+        tokenizer, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+        num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings, tie_word_embeddings=tiny.tie_word_embeddings,
+        seed=seed,
+    )
+    return tokenizer, model
 
 
 def save_pretrained_dir(

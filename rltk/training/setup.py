@@ -94,7 +94,7 @@ def build_tokenizer_and_policy(cfg: DictConfig):
     """The tokenizer and policy model: a local HF folder (``model.path``) or the embedded tiny model."""
     from rltk.models.activation_checkpointing import enable_activation_checkpointing
     from rltk.models.loading import ensure_pad_token, load_model, load_tokenizer
-    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+    from rltk.models.tiny import build_tiny_from_config
 
     if cfg.model.path:
         try:
@@ -108,15 +108,7 @@ def build_tokenizer_and_policy(cfg: DictConfig):
                 text = f"bad value '{cfg.model.path}' for 'model.path': cannot load it as a causal LM: {text}"
             raise ConfigError(text) from exc
     else:
-        tiny = cfg.model.tiny
-        tokenizer = build_char_tokenizer(tool_role=tiny.tool_role)
-        model = build_tiny_model(
-            tokenizer,
-            hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-            num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
-            max_position_embeddings=tiny.max_position_embeddings,
-            tie_word_embeddings=tiny.tie_word_embeddings, seed=cfg.seed,
-        )
+        tokenizer, model = build_tiny_from_config(cfg.model.tiny, cfg.seed)
         model = model.to(getattr(torch, cfg.model.dtype))
     if cfg.model.gradient_checkpointing:
         enable_activation_checkpointing(model)
