@@ -188,10 +188,13 @@ def _whiten_sequences(x: torch.Tensor, lengths: torch.Tensor, eps: float) -> tor
     if count == 0:
         return torch.zeros_like(x)
     # As in _whiten_: shift by a row that has tokens, so an all-equal batch is exactly 0.
-    shifted = x - x[lengths.argmax()]
-    shifted = shifted - (lengths * shifted).sum() / count
-    std = ((lengths * shifted**2).sum() / count).sqrt()
-    return shifted / (std + eps)
+    # (index_select: indexing with a 0-dim tensor takes the slower advanced-indexing path.)
+    shifted = x - x.index_select(0, lengths.argmax().view(1))
+    weighted = lengths * shifted
+    shifted.sub_(weighted.sum() / count)
+    # At B = 8192 each [B] kernel costs more in overhead than in arithmetic: reuse the buffers.
+    std = (torch.mul(shifted, shifted, out=weighted).mul_(lengths).sum() / count).sqrt_()
+    return shifted.div_(std + eps)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
