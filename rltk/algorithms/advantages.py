@@ -61,8 +61,9 @@ and ``gpg`` (``optimal_token_baseline`` keeps the group conventions, per token):
   that only save work: ``R_i`` is a ``[B, T]`` pass over ``token_rewards`` and
   ``l_i`` one over ``response_mask``, each about as long as writing the
   advantages, and the caller usually has them already.
-  :func:`rltk.batch.collate` computes both once per batch and the recipes
-  recompute ``sequence_rewards`` after folding a KL penalty into the rewards.
+  :func:`rltk.batch.collate` computes both once per batch, and the trainer
+  retakes them where ``token_rewards`` or the mask changed since, e.g. a KL
+  penalty folded into the rewards (:func:`rltk.batch.refresh_row_sums`).
   A caller that passes them promises ``sequence_rewards ==
   token_rewards.float().sum(-1)`` and ``policy_lengths ==
   response_mask.sum(-1)`` (same responses, same order): the estimators cannot
