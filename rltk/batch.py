@@ -109,9 +109,10 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
     ones (GAE, REINFORCE++) reading ``token_rewards`` see the same return.
 
     ``sequence_rewards`` and ``policy_lengths`` are the row sums of
-    ``token_rewards`` and ``response_mask``, taken once here so that the
-    outcome advantage estimators, which need only those ``[B]`` values, skip
-    a ``[B, T]`` pass each (:mod:`rltk.algorithms.advantages`). They are sums
+    ``token_rewards`` and ``response_mask``, read off the experiences (no
+    ``[B, T]`` pass) so that the outcome advantage estimators, which need only
+    those ``[B]`` values, skip a ``[B, T]`` pass each
+    (:mod:`rltk.algorithms.advantages`). They are sums
     of the tensors, not of ``score``: with turn rewards the float32 row sum
     may differ from ``score`` in the last bits, and the estimators must see
     exactly what they would sum themselves. A later change to the tensors
@@ -154,8 +155,7 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
         "group_ids": torch.tensor([e.group_id for e in experiences], dtype=torch.long),
         "response_lengths": torch.tensor([len(e.response_ids) for e in experiences], dtype=torch.long),
     }
-    for name in ROW_SUMS:
-        take_row_sums(batch, name)
+    _record_row_sums(batch, experiences)
     if reward_names is not None:
         batch["reward_components"] = reward_components(experiences, reward_names)
     if any(e.baseline_score is not None for e in experiences):
@@ -191,6 +191,27 @@ def take_row_sums(batch: dict[str, torch.Tensor], name: str) -> None:
         sums = sums.to(torch.long)
     _TAKEN_FROM[sums] = (weakref.ref(source), _version(source))
     batch[name] = sums
+
+
+def _record_row_sums(batch: dict[str, torch.Tensor], experiences: list[Experience]) -> None:
+    """The :data:`ROW_SUMS` fields of a fresh batch, from the experiences rather than another [B, T] pass.
+
+    A row without turn rewards holds its score on one token and zeros elsewhere, so its float32
+    row sum *is* that float32 score (0 for an empty response, which holds nothing); only rows with
+    turn rewards are summed as tensors (several nonzeros: the sum's rounding is the tensor's). The
+    policy's token count is an integer sum of 0/1 flags, exact either way.
+    """
+    token_rewards = batch["token_rewards"]
+    sums = torch.tensor([e.score if e.response_ids else 0.0 for e in experiences], dtype=torch.float32)
+    multi = [i for i, e in enumerate(experiences) if e.turn_rewards and e.response_ids]
+    if multi:
+        rows = torch.tensor(multi, dtype=torch.long)
+        sums[rows] = token_rewards.index_select(0, rows).sum(-1)
+    lengths = torch.tensor([sum(e.response_mask) for e in experiences], dtype=torch.float32).to(torch.long)
+    for name, value in (("sequence_rewards", sums), ("policy_lengths", lengths)):
+        source = batch[ROW_SUMS[name]]
+        _TAKEN_FROM[value] = (weakref.ref(source), _version(source))
+        batch[name] = value
 
 
 def refresh_row_sums(batch: dict[str, torch.Tensor], names: Sequence[str]) -> None:

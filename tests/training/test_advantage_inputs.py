@@ -44,6 +44,20 @@ def test_collate_adds_the_row_sums_of_its_tensors():
     assert batch["sequence_rewards"].tolist() == pytest.approx([2.0, 1 / 3, 0.7, 0.0])
 
 
+def test_collate_reads_the_sums_off_the_experiences_exactly_as_the_tensors_sum():
+    # collate takes a single-turn row's sum from its score, not from the tensor: the two must agree to
+    # the bit, for scores float32 cannot hold exactly, negative ones, and an empty response that scored
+    # (nothing of it lands on a token, so its row sums to 0)
+    scores = [1 / 3, -0.1, 1e-8, 12345.678, -2.5]
+    experiences = [Experience(prompt_ids=[1], response_ids=[2] * (i + 1), score=s, group_id=i // 2)
+                   for i, s in enumerate(scores)]
+    experiences.append(Experience(prompt_ids=[1], response_ids=[], score=0.9, group_id=3))
+    batch = collate(experiences, pad_token_id=0)
+    assert torch.equal(batch["sequence_rewards"], batch["token_rewards"].sum(-1))
+    assert batch["sequence_rewards"][-1].item() == 0.0
+    assert torch.equal(batch["policy_lengths"], batch["response_mask"].sum(-1).long())
+
+
 @pytest.mark.parametrize("name", OUTCOME)
 def test_untouched_sums_are_passed_as_collate_took_them(name):
     batch = collate(episodes(), pad_token_id=0)
