@@ -3,19 +3,31 @@
 
 One run, one batch (default B = 8192, T = 512, groups of 8, group ids shuffled):
 each round times every contender once, in a fresh random order, and the table
-reports medians over rounds and ratios of those medians. Contenders:
+reports medians over rounds and ratios of those medians. The estimators are
+called the way the trainer calls them (:func:`rltk.training.rl.compute_advantages`):
+with the batch fields their signatures name, which include the ``[B]`` row sums
+``sequence_rewards`` and ``policy_lengths`` that :func:`rltk.batch.collate`
+takes once per batch. Those sums are built with the batch, outside the timing,
+as in the trainer, where they cost one ``[B, T]`` pass each inside collate
+(and the row sum is taken again in ``compute_advantages`` when the rewards
+change after collate, e.g. a KL penalty folded into them). The rows
+``<estimator>, summing`` time the same estimators without them, each summing
+its ``[B, T]`` inputs itself, as a caller without the fields would (and as
+under KL-in-reward, where the retaken sum costs the same). Contenders:
 
 * ``verl``: verl's ``compute_grpo_vectorized_outcome_advantage`` transcribed
   below (its math, not its code path: a row sum, float32 segment sums with
-  ``index_add_``, one ``[B, T]`` multiply returned twice).
+  ``index_add_``, one ``[B, T]`` multiply returned twice). verl's trainer hands
+  its estimators only ``[B, T]`` rewards, so its row sum is part of its time.
 * ``floor``: writing an outcome estimator's output, one fresh ``[B, T]`` float32
   tensor ``A_i * mask`` (the broadcast multiply that reads the mask). Since the
   outcome estimators return ``returns`` as a broadcast view, that is all they
-  must write; the floor ignores even the row sum of ``token_rewards``.
+  must write, given ``R_i`` (and ``l_i``) as ``[B]`` inputs.
 * ``row sum + floor``: the floor plus ``token_rewards.sum(-1)``, the one pass
-  over the rewards that ``R_i`` needs: the least any outcome estimator can do
-  (``opo`` and ``reinforce_plus_plus_baseline`` also sum the mask for the
-  lengths ``l_i``, one more ``[B, T]`` read).
+  over the rewards that ``R_i`` needs when it is not given: the least an
+  outcome estimator summing its own rewards can do (``opo`` and
+  ``reinforce_plus_plus_baseline`` also sum the mask for the lengths ``l_i``,
+  one more ``[B, T]`` read).
 * ``stats``: the ``[B]`` group statistics alone (rltk's ``Groups`` vs
   verl's ``group_mean_std`` vs ``torch.unique``).
 
@@ -177,6 +189,8 @@ LOOP_CASES = {
 
 # The five estimators of the target, then the newer outcome estimators.
 OUTCOME = ["grpo", "rloo", "opo", "reinforce_plus_plus_baseline", "remax", "grpo_passk", "gpg", "gdpo"]
+# The [B] row sums collate adds to a batch: without them an estimator sums its [B, T] inputs itself.
+PRECOMPUTED = ("sequence_rewards", "policy_lengths")
 
 
 def make_batch(B, T, group_size=8, seed=0):
@@ -188,6 +202,9 @@ def make_batch(B, T, group_size=8, seed=0):
     return {
         "token_rewards": rewards,
         "response_mask": mask,
+        # what rltk.batch.collate adds beside them, once per batch
+        "sequence_rewards": rewards.sum(-1),
+        "policy_lengths": mask.sum(-1).to(torch.long),
         "values": torch.randn(B, T, generator=g) * mask,
         "group_ids": torch.randperm(B, generator=g) // group_size,
         "baseline_scores": torch.rand(B, generator=g),
@@ -252,6 +269,9 @@ def outcome_table(batch, rounds):
     scores = batch["token_rewards"].sum(-1)
     per_row = batch["baseline_scores"]
     contenders = {name: bind(getattr(adv, name), batch) for name in OUTCOME}
+    unsummed = {k: v for k, v in batch.items() if k not in PRECOMPUTED}
+    summing = [f"{name}, summing" for name in OUTCOME[:5]]
+    contenders.update({f"{name}, summing": bind(getattr(adv, name), unsummed) for name in OUTCOME[:5]})
     contenders["verl"] = bind(verl_vectorized_grpo, batch)
     contenders["floor"] = lambda: torch.mul(mask, per_row[:, None])
     rewards = batch["token_rewards"]
@@ -261,7 +281,7 @@ def outcome_table(batch, rounds):
     contenders["torch.unique"] = lambda: torch.unique(ids, return_inverse=True, return_counts=True)
     faults, c = {}, {}
     t = interleaved_medians(contenders, rounds, faults, c)
-    names = OUTCOME + ["verl", "row sum + floor", "floor"]
+    names = OUTCOME + summing + ["verl", "row sum + floor", "floor"]
     rows = [{"estimator": "verl_vectorized_grpo" if name == "verl" else name,
              "cpu_s": c[name], "over_verl": c[name] / c["verl"], "over_floor": c[name] / c["floor"],
              "wall_s": t[name], "wall_over_verl": t[name] / t["verl"], "wall_over_floor": t[name] / t["floor"],
@@ -308,12 +328,14 @@ def main():
         B, T = (int(x) for x in size.split("x"))
         batch = {k: v.to(args.device) for k, v in make_batch(B, T).items()}
         rows, stats = outcome_table(batch, args.rounds)
+        print("estimators get sequence_rewards / policy_lengths as the trainer passes them "
+              "(rltk.batch.collate sums once per batch); ', summing': without them")
         print(f"B={B} T={T}, groups of 8, {args.threads} thread(s), median of {args.rounds} interleaved rounds")
-        print(f"{'':30s} {'------ CPU time ------':>26s}  {'------ wall time -----':>26s}")
-        print(f"{'estimator':30s} {'ms':>8s} {'/ verl':>8s} {'/ floor':>8s}  {'ms':>8s} {'/ verl':>8s} {'/ floor':>8s}"
+        print(f"{'':38s} {'------ CPU time ------':>26s}  {'------ wall time -----':>26s}")
+        print(f"{'estimator':38s} {'ms':>8s} {'/ verl':>8s} {'/ floor':>8s}  {'ms':>8s} {'/ verl':>8s} {'/ floor':>8s}"
               f" {'faults/call':>12s}")
         for row in rows:
-            print(f"{row['estimator']:30s} {row['cpu_s'] * 1e3:8.3f} {row['over_verl']:8.2f} {row['over_floor']:8.2f}"
+            print(f"{row['estimator']:38s} {row['cpu_s'] * 1e3:8.3f} {row['over_verl']:8.2f} {row['over_floor']:8.2f}"
                   f"  {row['wall_s'] * 1e3:8.3f} {row['wall_over_verl']:8.2f} {row['wall_over_floor']:8.2f}"
                   f" {row['faults']:12.0f}")
             results["outcome"].append({"B": B, "T": T, **row})

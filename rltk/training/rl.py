@@ -15,7 +15,7 @@ import torch
 
 from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
 from rltk.algorithms.mismatch import correction_active
-from rltk.batch import slice_batch
+from rltk.batch import ROW_SUMS, refresh_row_sums, slice_batch
 from rltk.training.micro_batches import micro_batches, run_logprobs
 from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction, weighted_loss_agg
 
@@ -295,6 +295,13 @@ def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: d
     process holding the whole batch. Group ids are made distinct per rank: a
     rank samples every response of its prompts, so a group never spans ranks,
     while the workflows number groups per process.
+
+    ``sequence_rewards`` / ``policy_lengths`` (the ``[B]`` row sums an outcome
+    estimator may name) are passed only as the row sums of the batch's current
+    ``token_rewards`` / ``response_mask``: :func:`rltk.batch.refresh_row_sums`
+    retakes them when those tensors were replaced (a KL penalty folded into the
+    rewards) or written in place since ``collate`` summed them. Each rank sums
+    its own rows before the gather.
     """
     params = inspect.signature(adv_fn).parameters
     missing = [
@@ -308,6 +315,8 @@ def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: d
             f"(available: {sorted(batch)}); choose another algorithm.advantage_fn "
             f"(e.g. 'values' needs the ppo recipe's critic)"
         )
+    # A stale sum would silently change R_i: never pass one (costs a row sum only when retaken).
+    refresh_row_sums(batch, [name for name in ROW_SUMS if name in params and name not in args])
     fields = {k: v for k, v in batch.items() if k in params and k not in args}
     if strategy is None or strategy.world_size == 1:
         advantages, returns = adv_fn(**fields, **args)

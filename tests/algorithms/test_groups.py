@@ -92,6 +92,25 @@ def test_group_statistics_equal_a_per_group_loop(data):
 
 
 @SETTINGS
+@given(data=grouped_values(), seed=st.integers(0, 2**31 - 1))
+def test_float64_sums_take_bincount_with_the_bits_of_index_add(data, seed):
+    """Groups.sum of [B] float64 on CPU is a weighted bincount: the same sequential sum in index
+    order as zeros + index_add_ (the mean, std and every estimator's statistics rest on it)."""
+    ids, x = data
+    # spread magnitudes, so that the order of the additions shows in the last bits
+    x = x + torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 1e-3
+    groups = Groups.of(ids)
+    reference = torch.zeros(groups.n_groups, dtype=torch.float64).index_add_(0, groups.inverse, x)
+    assert torch.equal(groups.sum(x), reference)
+    used = groups.counts > 0  # an unused number's mean is 0 / 0
+    assert torch.equal(groups.mean(x)[used], (reference / groups.counts.to(torch.float64))[used])
+    # float32 keeps index_add_: bincount would sum it in float64
+    x32 = x.float()
+    assert groups.sum(x32).dtype == torch.float32
+    assert torch.equal(groups.sum(x32), torch.zeros(groups.n_groups).index_add_(0, groups.inverse, x32))
+
+
+@SETTINGS
 @given(data=grouped_values(columns=2))
 def test_group_statistics_of_several_columns_are_those_of_each_column(data):
     ids, x = data
