@@ -615,7 +615,9 @@ async def _complete(state: ServeState, body: dict, session_id: str) -> dict:
 def _respond(result: dict, body: dict):
     """``result`` as JSON, or as server-sent events when the request asked to stream."""
     if not body.get("stream"):
-        return result
+        # Already plain JSON types: a JSONResponse skips FastAPI's jsonable_encoder walk of every field (the same
+        # bytes; it was a sizable share of the endpoint's time per request with log-probs in the body).
+        return JSONResponse(result)
     from fastapi.responses import StreamingResponse
 
     options = body.get("stream_options") or {}

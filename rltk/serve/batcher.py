@@ -12,7 +12,8 @@ endpoint receives becomes a job on a queue, and a single worker thread:
    holds as many jobs as the caller said requesters are live (:meth:`Batcher.expect`:
    the agentic workflow knows how many episodes are running, each waiting on at
    most one request, so once all of them have asked there is nobody left to wait
-   for and the round goes out at once instead of idling out the window);
+   for and the round goes out at once; while a count is set, a round waits for
+   it, up to ``max_wait_s``, instead of closing after a ``window_s`` gap);
 2. groups the jobs by sampling parameters (everything but ``n``: each job's
    prompts are repeated ``n`` times and sampled with ``n=1``, so requests that
    differ only in ``n`` still share a call); a job with a ``seed`` is never
@@ -104,10 +105,13 @@ class Batcher:
         most one request at a time (the agentic workflow's running episodes), so
         a round holding ``count`` jobs cannot grow by waiting. ``None`` (the
         default) turns this off: rounds close by the window, ``max_wait_s`` and
-        ``max_batch`` only. Calling it again (an episode ended) re-checks the
-        round being collected. A wrong count costs time, never correctness: too
-        high and the round waits for the window as without it, too low and a
-        round goes out before a late job, which the next round serves.
+        ``max_batch`` only. While a count is set the gap window does not close a
+        round (requesters that were all answered at once ask again spread over
+        more than a window when they share one GIL): the count, ``max_wait_s`` or
+        ``max_batch`` do. Calling it again (an episode ended) re-checks the round
+        being collected. A wrong count costs time, never correctness: too high
+        and a round waits ``max_wait_s``, too low and a round goes out before a
+        late job, which the next round serves.
         """
         if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
             raise ValueError(f"Batcher.expect: count must be an integer >= 0 or None, got {count!r}")
@@ -150,9 +154,9 @@ class Batcher:
             jobs = [first]
             rows = first.rows
             start = time.monotonic()
-            # With live requesters announced (expect()), the jobs that queued while the engine was busy do not
-            # start the gap window: the requesters just answered need a moment to send their next requests.
-            # The round waits for a fresh arrival (at most max_wait_s), then the window applies as usual.
+            # With live requesters announced (expect()), the round waits for all of them, up to max_wait_s, and
+            # not for a gap: 128 agent threads answered at once send their next requests over a few hundred ms
+            # (they share the GIL), with pauses longer than the window, which would split them into rounds.
             gap = self._expected is None
             deadline = min(start + self.window_s, start + self.max_wait_s) if gap else start + self.max_wait_s
             while rows < self.max_batch:
@@ -169,7 +173,6 @@ class Batcher:
                         job = self._queue.get(timeout=remaining)
                     except queue.Empty:
                         break
-                    gap = True
                 if job is _STOP:
                     stopping = True  # serve what was queued before close(), then stop
                     break

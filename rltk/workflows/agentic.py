@@ -88,6 +88,13 @@ class AgenticWorkflow(Workflow):
         concurrency: episodes running at once (threads); the endpoint batches their requests.
         batch_window_s, max_batch: the endpoint batcher's wait for more requests after
             the latest one, and its cap on sequences per engine call.
+        batch_max_wait_s: the longest one batch waits for the running episodes' requests.
+            The workflow tells the batcher how many episodes are running, so a batch goes
+            out as soon as each has its request in; until then it waits (not for a
+            ``batch_window_s`` gap: episodes answered together ask again spread over a few
+            hundred ms when they are many threads), at most this long (an agent that
+            works between requests, e.g. runs a tool, holds the others' batch that long);
+            ``None``: 1 s, or ``batch_window_s`` when that is longer.
         request_timeout_s: the client's timeout per request.
         force_sampling: serve every training request with the rollout's temperature,
             top-p and top-k, whatever the agent asked (see the module docstring).
@@ -115,6 +122,7 @@ class AgenticWorkflow(Workflow):
         concurrency: int = 32,
         batch_window_s: float = 0.05,
         max_batch: int = 64,
+        batch_max_wait_s: float | None = None,
         request_timeout_s: float = 600.0,
         force_sampling: bool = True,
         model_name: str = "policy",
@@ -147,6 +155,13 @@ class AgenticWorkflow(Workflow):
         self.tool_parser_args = dict(env.get("tool_parser_args") or {})
         self.batch_window_s = batch_window_s
         self.max_batch = max_batch
+        if batch_max_wait_s is None and isinstance(batch_window_s, (int, float)):
+            batch_max_wait_s = max(1.0, batch_window_s)
+        if isinstance(batch_max_wait_s, bool) or not isinstance(batch_max_wait_s, (int, float)) \
+                or not batch_max_wait_s >= batch_window_s:
+            raise ValueError(f"agentic: rollout.workflow_args.batch_max_wait_s must be a number of seconds >= "
+                             f"batch_window_s ({batch_window_s}), got {batch_max_wait_s!r}")
+        self.batch_max_wait_s = float(batch_max_wait_s)
         self.request_timeout_s = request_timeout_s
         self.force_sampling = force_sampling
         self.model_name = model_name
@@ -189,7 +204,8 @@ class AgenticWorkflow(Workflow):
             self.engine, self.tokenizer, model_name=self.model_name, defaults=defaults,
             max_tokens_limit=self.max_tokens_per_request, max_model_len=_max_model_len(self.engine),
             tool_parser=self.tool_parser, tool_parser_args=self.tool_parser_args, store=SessionStore(),
-            window_s=self.batch_window_s, max_batch=self.max_batch, max_requests_per_session=self.max_turns,
+            window_s=self.batch_window_s, max_batch=self.max_batch, max_wait_s=self.batch_max_wait_s,
+            max_requests_per_session=self.max_turns,
         )
         server = BackgroundServer(app, host=self.host)
         server.start()
