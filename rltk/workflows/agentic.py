@@ -214,7 +214,7 @@ class AgenticWorkflow(Workflow):
         atexit.register(self.close)
 
     def _new_client(self):
-        """An ``openai.OpenAI`` client of the endpoint with its own one-connection HTTP client.
+        """An ``openai.OpenAI`` client of the endpoint with its own HTTP connection pool (one connection in use, normally).
 
         Each running episode borrows one (:meth:`_borrow_client`): a client shared by all
         ``concurrency`` threads scans its whole connection pool on every request and keeps
@@ -227,7 +227,8 @@ class AgenticWorkflow(Workflow):
         import openai
 
         httpx = importlib.import_module(_httpx_module(openai.DefaultHttpxClient))
-        transport = httpx.HTTPTransport(limits=httpx.Limits(max_connections=4, max_keepalive_connections=1),
+        # no cap on connections: an agent may send requests from several threads of its own at once
+        transport = httpx.HTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=2),
                                         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         http_client = openai.DefaultHttpxClient(transport=transport, timeout=self.request_timeout_s)
         return openai.OpenAI(base_url=self._server.base_url, api_key="rltk", max_retries=0,

@@ -218,6 +218,23 @@ def test_each_turn_of_all_running_episodes_goes_out_in_one_engine_call_without_w
         workflow.close()
 
 
+def test_episodes_borrow_clients_from_a_pool_that_lives_across_steps(setup):
+    """One client (and connection) per running episode, reused by the next step's episodes, closed with the workflow."""
+    workflow = make(setup, "arithmetic_chat", n=4, concurrency=3)
+    try:
+        workflow.run(ROWS[:2])  # 8 episodes on 3 threads
+        clients = list(workflow._free_clients)
+        assert 1 <= len(clients) <= 3
+        workflow.run(ROWS[:2])
+        assert {id(c) for c in clients} <= {id(c) for c in workflow._free_clients}  # reused, none lost
+        assert len(workflow._free_clients) <= 3
+        clients = list(workflow._free_clients)
+    finally:
+        workflow.close()
+    assert workflow._free_clients == []
+    assert all(c.is_closed() for c in clients)
+
+
 def test_failures_that_leave_nothing_to_train_on_are_errors_naming_the_cause(setup):
     calls["raise_on"] = {r["id"] for r in ROWS}
     workflow = make(setup, "flaky", n=1)
