@@ -8,7 +8,12 @@ endpoint receives becomes a job on a queue, and a single worker thread:
 1. blocks for the first job, then keeps collecting jobs while they keep
    arriving (each within ``window_s`` of the last, so a burst of concurrent
    requests lands in one call), for at most ``max_wait_s`` after the first, or
-   until ``max_batch`` sequences (prompts x ``n``) are waiting;
+   until ``max_batch`` sequences (prompts x ``n``) are waiting, or until it
+   holds as many jobs as the caller said requesters are live (:meth:`Batcher.expect`:
+   the agentic workflow knows how many episodes are running, each waiting on at
+   most one request, so once all of them have asked there is nobody left to wait
+   for and the round goes out at once; while a count is set, a round waits for
+   it, up to ``max_wait_s``, instead of closing after a ``window_s`` gap);
 2. groups the jobs by sampling parameters (everything but ``n``: each job's
    prompts are repeated ``n`` times and sampled with ``n=1``, so requests that
    differ only in ``n`` still share a call); a job with a ``seed`` is never
@@ -51,6 +56,7 @@ class _Job:
 
 
 _STOP = object()
+_WAKE = object()  # re-check the round's closing condition (the expected count changed)
 
 
 class Batcher:
@@ -66,6 +72,8 @@ class Batcher:
             ``None`` means ``5 * window_s``.
 
     ``stats()`` counts jobs, engine calls and sequences, for metrics and tests.
+    :meth:`expect` lets a caller that knows how many requesters are live close
+    rounds early.
     """
 
     def __init__(self, engine: RolloutEngine, *, window_s: float = 0.05, max_batch: int = 64,
@@ -87,7 +95,29 @@ class Batcher:
         self._jobs = self._calls = self._sequences = 0
         self._thread = threading.Thread(target=self._loop, name="rltk-serve-batcher", daemon=True)
         self._closed = False
+        self._expected: int | None = None
         self._thread.start()
+
+    def expect(self, count: int | None) -> None:
+        """Close each round as soon as it holds ``count`` jobs, without waiting out the window.
+
+        The caller knows ``count`` requesters are live, each of which sends at
+        most one request at a time (the agentic workflow's running episodes), so
+        a round holding ``count`` jobs cannot grow by waiting. ``None`` (the
+        default) turns this off: rounds close by the window, ``max_wait_s`` and
+        ``max_batch`` only. While a count is set the gap window does not close a
+        round (requesters that were all answered at once ask again spread over
+        more than a window when they share one GIL): the count, ``max_wait_s`` or
+        ``max_batch`` do. Calling it again (an episode ended) re-checks the round
+        being collected. A wrong count costs time, never correctness: too high
+        and a round waits ``max_wait_s``, too low and a round goes out before a
+        late job, which the next round serves.
+        """
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+            raise ValueError(f"Batcher.expect: count must be an integer >= 0 or None, got {count!r}")
+        self._expected = count
+        if not self._closed:
+            self._queue.put(_WAKE)
 
     def submit(self, prompt_ids: list[list[int]], params: SamplingParams) -> Future:
         """Queue ``params.n`` samples of each prompt; the future gives ``list[list[Completion]]`` as
@@ -119,11 +149,20 @@ class Batcher:
             first = self._queue.get()
             if first is _STOP:
                 return
+            if first is _WAKE:
+                continue
             jobs = [first]
             rows = first.rows
             start = time.monotonic()
-            deadline = min(start + self.window_s, start + self.max_wait_s)
+            # With live requesters announced (expect()), the round waits for all of them, up to max_wait_s, and
+            # not for a gap: 128 agent threads answered at once send their next requests over a few hundred ms
+            # (they share the GIL), with pauses longer than the window, which would split them into rounds.
+            gap = self._expected is None
+            deadline = min(start + self.window_s, start + self.max_wait_s) if gap else start + self.max_wait_s
             while rows < self.max_batch:
+                expected = self._expected
+                if expected is not None and len(jobs) >= expected:
+                    break  # every live requester has asked: nobody left to wait for
                 try:
                     job = self._queue.get_nowait()
                 except queue.Empty:
@@ -137,9 +176,12 @@ class Batcher:
                 if job is _STOP:
                     stopping = True  # serve what was queued before close(), then stop
                     break
+                if job is _WAKE:
+                    continue
                 jobs.append(job)
                 rows += job.rows
-                deadline = min(time.monotonic() + self.window_s, start + self.max_wait_s)
+                if gap:
+                    deadline = min(time.monotonic() + self.window_s, start + self.max_wait_s)
             self._run_round(jobs)
 
     def _run_round(self, jobs: list[_Job]) -> None:

@@ -49,8 +49,10 @@ of requests with ``tools``. ``env.environment``, ``env.tools`` and
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import math
+import threading
 import time
 import traceback
 import uuid
@@ -86,6 +88,13 @@ class AgenticWorkflow(Workflow):
         concurrency: episodes running at once (threads); the endpoint batches their requests.
         batch_window_s, max_batch: the endpoint batcher's wait for more requests after
             the latest one, and its cap on sequences per engine call.
+        batch_max_wait_s: the longest one batch waits for the running episodes' requests.
+            The workflow tells the batcher how many episodes are running, so a batch goes
+            out as soon as each has its request in; until then it waits (not for a
+            ``batch_window_s`` gap: episodes answered together ask again spread over a few
+            hundred ms when they are many threads), at most this long (an agent that
+            works between requests, e.g. runs a tool, holds the others' batch that long);
+            ``None``: 1 s, or ``batch_window_s`` when that is longer.
         request_timeout_s: the client's timeout per request.
         force_sampling: serve every training request with the rollout's temperature,
             top-p and top-k, whatever the agent asked (see the module docstring).
@@ -113,6 +122,7 @@ class AgenticWorkflow(Workflow):
         concurrency: int = 32,
         batch_window_s: float = 0.05,
         max_batch: int = 64,
+        batch_max_wait_s: float | None = None,
         request_timeout_s: float = 600.0,
         force_sampling: bool = True,
         model_name: str = "policy",
@@ -145,12 +155,21 @@ class AgenticWorkflow(Workflow):
         self.tool_parser_args = dict(env.get("tool_parser_args") or {})
         self.batch_window_s = batch_window_s
         self.max_batch = max_batch
+        if batch_max_wait_s is None and isinstance(batch_window_s, (int, float)):
+            batch_max_wait_s = max(1.0, batch_window_s)
+        if isinstance(batch_max_wait_s, bool) or not isinstance(batch_max_wait_s, (int, float)) \
+                or not batch_max_wait_s >= batch_window_s:
+            raise ValueError(f"agentic: rollout.workflow_args.batch_max_wait_s must be a number of seconds >= "
+                             f"batch_window_s ({batch_window_s}), got {batch_max_wait_s!r}")
+        self.batch_max_wait_s = float(batch_max_wait_s)
         self.request_timeout_s = request_timeout_s
         self.force_sampling = force_sampling
         self.model_name = model_name
         self.host = host
         self._server = None
         self._client = None
+        self._free_clients: list = []  # idle per-episode clients, kept across steps (their connections stay open)
+        self._clients_lock = threading.Lock()
         self._next_group_id = 0
         self._metrics: dict[str, float] = {}
 
@@ -185,14 +204,45 @@ class AgenticWorkflow(Workflow):
             self.engine, self.tokenizer, model_name=self.model_name, defaults=defaults,
             max_tokens_limit=self.max_tokens_per_request, max_model_len=_max_model_len(self.engine),
             tool_parser=self.tool_parser, tool_parser_args=self.tool_parser_args, store=SessionStore(),
-            window_s=self.batch_window_s, max_batch=self.max_batch, max_requests_per_session=self.max_turns,
+            window_s=self.batch_window_s, max_batch=self.max_batch, max_wait_s=self.batch_max_wait_s,
+            max_requests_per_session=self.max_turns,
         )
         server = BackgroundServer(app, host=self.host)
         server.start()
         self._server = server
-        self._client = openai.OpenAI(base_url=server.base_url, api_key="rltk", max_retries=0,
-                                     timeout=self.request_timeout_s)
+        self._client = self._new_client()
         atexit.register(self.close)
+
+    def _new_client(self):
+        """An ``openai.OpenAI`` client of the endpoint with its own HTTP connection pool (one connection in use, normally).
+
+        Each running episode borrows one (:meth:`_borrow_client`): a client shared by all
+        ``concurrency`` threads scans its whole connection pool on every request and keeps
+        only 100 idle connections (openai's default), so above that episodes reconnect each
+        turn. ``TCP_NODELAY`` because the client writes headers and body separately and
+        Nagle's algorithm would hold the body for the server's delayed ACK (~40 ms a request).
+        """
+        import socket
+
+        import openai
+
+        httpx = importlib.import_module(_httpx_module(openai.DefaultHttpxClient))
+        # no cap on connections: an agent may send requests from several threads of its own at once
+        transport = httpx.HTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=2),
+                                        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        http_client = openai.DefaultHttpxClient(transport=transport, timeout=self.request_timeout_s)
+        return openai.OpenAI(base_url=self._server.base_url, api_key="rltk", max_retries=0,
+                             timeout=self.request_timeout_s, http_client=http_client)
+
+    def _borrow_client(self):
+        with self._clients_lock:
+            if self._free_clients:
+                return self._free_clients.pop()
+        return self._new_client()
+
+    def _return_client(self, client) -> None:
+        with self._clients_lock:
+            self._free_clients.append(client)
 
     def close(self) -> None:
         """Stop the endpoint (idempotent); the next :meth:`run` starts a new one."""
@@ -200,6 +250,10 @@ class AgenticWorkflow(Workflow):
         if self._client is not None:
             self._client.close()
             self._client = None
+        with self._clients_lock:
+            clients, self._free_clients = self._free_clients, []
+        for client in clients:
+            client.close()
         if server is not None:
             server.stop()
 
@@ -214,8 +268,24 @@ class AgenticWorkflow(Workflow):
         episodes = [{"row_index": r, "sample_index": s, "session_id": f"{prefix}-{r}-{s}", "result": None,
                      "error": None} for r in range(len(rows)) for s in range(n)]
 
+        # Episodes running now, each waiting on at most one request: the batcher sends a round as soon as it
+        # holds a request from each of them instead of waiting out its window (the agents are all blocked then).
+        workers = min(self.concurrency, len(episodes)) or 1
+        unfinished = [len(episodes)]
+        lock = threading.Lock()
+        batcher = state.batcher
+
         def play(episode: dict) -> None:
-            client = self._client.with_options(default_headers={"X-Session-Id": episode["session_id"]})
+            try:
+                _play(episode)
+            finally:
+                with lock:
+                    unfinished[0] -= 1
+                    batcher.expect(min(workers, unfinished[0]))
+
+        def _play(episode: dict) -> None:
+            own = self._borrow_client()
+            client = own.with_options(default_headers={"X-Session-Id": episode["session_id"]})
             row = rows[episode["row_index"]]
             try:
                 result = self.agent_fn(row=_copy_row(row), client=client, model=self.model_name, **self.agent_args)
@@ -228,13 +298,16 @@ class AgenticWorkflow(Workflow):
             except Exception as exc:  # the episode is dropped and counted; training goes on
                 episode["error"] = f"{type(exc).__name__}: {exc}"
                 episode["traceback"] = traceback.format_exc()
+            finally:
+                self._return_client(own)
 
+        batcher.expect(min(workers, len(episodes)))
         try:
-            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(episodes)) or 1,
-                                    thread_name_prefix="rltk-agent") as pool:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rltk-agent") as pool:
                 list(pool.map(play, episodes))
         finally:
             state.sampling_override = None
+            batcher.expect(None)
         for episode in episodes:
             episode["records"] = state.store.pop(episode["session_id"])
         return episodes
@@ -411,6 +484,14 @@ def _prompt_text(row: Mapping) -> str:
     messages = row.get("messages") or []
     users = [m.get("content", "") for m in messages if isinstance(m, Mapping) and m.get("role") == "user"]
     return users[-1] if users and isinstance(users[-1], str) else ""
+
+
+def _httpx_module(client_class: type) -> str:
+    """The HTTP library ``openai`` is built on (``httpx``, or ``httpx2`` in later releases): its client's base."""
+    for base in client_class.__mro__[1:]:
+        if base.__name__ == "Client":
+            return base.__module__.split(".")[0]
+    return "httpx"
 
 
 def _max_model_len(engine: RolloutEngine) -> int | None:

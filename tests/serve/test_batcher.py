@@ -139,3 +139,57 @@ def test_a_round_keeps_collecting_while_jobs_keep_arriving_but_no_longer_than_ma
     assert len(engine.calls) - 1 >= 2
     with pytest.raises(ValueError, match="max_wait_s"):
         Batcher(CountingEngine(), window_s=0.5, max_wait_s=0.1)
+
+
+def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it():
+    engine = CountingEngine(delay_s=0.0)
+    batcher = Batcher(engine, window_s=2.0, max_wait_s=10.0)  # without expect(), a round would wait >= 2 s
+    try:
+        batcher.expect(4)
+        start = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            futures = list(pool.map(lambda k: batcher.submit([[k]], SamplingParams()), range(4)))
+        for f in futures:
+            f.result(timeout=10)
+        assert time.monotonic() - start < 1.0
+        assert [len(prompts) for prompts, _, _ in engine.calls] == [4]  # all four in one call, no window wait
+
+        # Three of four live requesters asked; the fourth finished instead (expect(3)): the round goes at once.
+        futures = [batcher.submit([[k]], SamplingParams()) for k in range(3)]
+        time.sleep(0.2)
+        assert len(engine.calls) == 1  # still collecting: the fourth could yet ask
+        start = time.monotonic()
+        batcher.expect(3)
+        for f in futures:
+            f.result(timeout=10)
+        assert time.monotonic() - start < 1.0
+        assert [len(prompts) for prompts, _, _ in engine.calls] == [4, 3]
+
+        batcher.expect(None)  # off again: the window applies
+        start = time.monotonic()
+        batcher.submit([[7]], SamplingParams()).result(timeout=10)
+        assert time.monotonic() - start >= 1.9
+    finally:
+        batcher.close()
+    with pytest.raises(ValueError, match="expect"):
+        batcher.expect(-1)
+
+
+def test_with_expect_a_round_waits_past_the_window_for_the_requesters_just_answered():
+    """No gap closes the round while a count is set: those answered by the last call get to send again."""
+    engine = CountingEngine(delay_s=1.0)
+    batcher = Batcher(engine, window_s=0.1, max_wait_s=0.6)
+    try:
+        batcher.expect(4)
+        first = [batcher.submit([[k]], SamplingParams()) for k in range(2)]  # 2 of 4: closes by max_wait_s
+        time.sleep(0.8)  # the engine is busy with those two
+        backlog = [batcher.submit([[k]], SamplingParams()) for k in (2, 3)]
+        for f in first:
+            f.result(timeout=10)
+        time.sleep(0.3)  # the two answered think for 3x the window before asking again
+        again = [batcher.submit([[k]], SamplingParams()) for k in (0, 1)]
+        for f in backlog + again:
+            f.result(timeout=10)
+    finally:
+        batcher.close()
+    assert [len(prompts) for prompts, _, _ in engine.calls] == [2, 4]

@@ -193,6 +193,48 @@ def test_concurrent_episodes_share_engine_calls(setup):
         workflow.close()
 
 
+def test_each_turn_of_all_running_episodes_goes_out_in_one_engine_call_without_waiting_the_window(setup):
+    """The workflow tells the batcher how many episodes are live: once each has its request in, the round goes."""
+    tokenizer, engine = setup
+    engine.calls.clear()
+    workflow = AgenticWorkflow(engine=engine, tokenizer=tokenizer, reward=exact,
+                               sampling=SamplingParams(n=4, max_new_tokens=4), agent="arithmetic_chat",
+                               agent_args={"checks": 1}, batch_window_s=5.0, batch_max_wait_s=5.0,
+                               concurrency=12)
+    try:
+        start = time.monotonic()
+        experiences = workflow.run(ROWS)  # 12 episodes, 2 turns each
+        elapsed = time.monotonic() - start
+        assert len(experiences) == 12
+        assert [len(prompts) for prompts, _ in engine.calls] == [12, 12]  # one call per turn, all episodes in it
+        assert elapsed < 5.0  # a round closed by the window or max_wait_s would take 5 s each
+        assert workflow.app_state.batcher._expected is None  # off between steps (rltk serve-like traffic)
+        # fewer threads than episodes: the live count is the running ones, and the eval path does the same
+        engine.calls.clear()
+        workflow.concurrency = 2
+        workflow.evaluate(ROWS[:2])
+        assert [len(prompts) for prompts, _ in engine.calls] == [2, 2]
+    finally:
+        workflow.close()
+
+
+def test_episodes_borrow_clients_from_a_pool_that_lives_across_steps(setup):
+    """One client (and connection) per running episode, reused by the next step's episodes, closed with the workflow."""
+    workflow = make(setup, "arithmetic_chat", n=4, concurrency=3)
+    try:
+        workflow.run(ROWS[:2])  # 8 episodes on 3 threads
+        clients = list(workflow._free_clients)
+        assert 1 <= len(clients) <= 3
+        workflow.run(ROWS[:2])
+        assert {id(c) for c in clients} <= {id(c) for c in workflow._free_clients}  # reused, none lost
+        assert len(workflow._free_clients) <= 3
+        clients = list(workflow._free_clients)
+    finally:
+        workflow.close()
+    assert workflow._free_clients == []
+    assert all(c.is_closed() for c in clients)
+
+
 def test_failures_that_leave_nothing_to_train_on_are_errors_naming_the_cause(setup):
     calls["raise_on"] = {r["id"] for r in ROWS}
     workflow = make(setup, "flaky", n=1)
