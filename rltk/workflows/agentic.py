@@ -64,7 +64,7 @@ from typing import Any
 import rltk
 from rltk.batch import Experience
 from rltk.rollout.base import RolloutEngine, SamplingParams
-from rltk.workflows.base import Workflow, score_samples
+from rltk.workflows.base import GroupNumbering, Workflow, reward_means, score_samples
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _positive_int(value: Any, key: str, allow_none: bool = False) -> None:
         raise ValueError(f"agentic: {key} must be an integer >= 1{' or null' if allow_none else ''}, got {value!r}")
 
 
-class AgenticWorkflow(Workflow):
+class AgenticWorkflow(GroupNumbering, Workflow):
     """Rows -> ``n`` agent episodes each over the OpenAI endpoint -> stitched experiences (registered ``agentic``).
 
     Args (``rollout.workflow_args.*``):
@@ -104,6 +104,8 @@ class AgenticWorkflow(Workflow):
     The endpoint starts on the first :meth:`run` or :meth:`evaluate` and stops
     at :meth:`close` (or at interpreter exit).
     """
+
+    workflow_name = "agentic"
 
     #: ``rollout.workflow_args.agent`` names a component of kind ``agent`` (its arguments in ``agent_args``),
     #: checked by ``rltk validate`` before anything is built.
@@ -358,8 +360,7 @@ class AgenticWorkflow(Workflow):
         experiences: list[Experience] = []
         group_ids = []
         for _ in rows:
-            group_ids.append(self._next_group_id)
-            self._next_group_id += 1
+            group_ids.append(self.new_group_id())
         errors = [e for e in episodes if e["error"] is not None]
         empty = [e for e in episodes if e["error"] is None and not e["records"]]
         segments, requests = [], []
@@ -411,20 +412,6 @@ class AgenticWorkflow(Workflow):
         ``rollout/response_length_mean|max``, ``rollout/policy_tokens``, ``rollout/truncated_fraction``,
         ``rollout/turns_mean`` (requests stitched into each experience), ``reward/<name>``."""
         return dict(self._metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"next_group_id": int}``, so a resumed run keeps group ids unique."""
-        return {"next_group_id": self._next_group_id}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue numbering groups from a :meth:`state_dict`."""
-        if not isinstance(state, Mapping) or set(state) != {"next_group_id"}:
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"agentic.load_state_dict: expected {{'next_group_id': int}}, got {got}")
-        value = state["next_group_id"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"agentic.load_state_dict: state['next_group_id'] = {value!r} must be an integer >= 0")
-        self._next_group_id = value
 
     # ------------------------------------------------------------------ evaluation
 
@@ -526,11 +513,7 @@ def _metrics(experiences, episodes, errors, empty, segments, requests, generate_
         "rollout/truncated_fraction": sum(e.finish_reason == "length" for e in experiences) / len(experiences),
         "rollout/turns_mean": sum(e.info["turns"] for e in experiences) / len(experiences),
     }
-    names = sorted({name for e in experiences for name in e.reward_details})
-    for name in names:
-        values = [e.reward_details[name] for e in experiences if name in e.reward_details]
-        metrics[f"reward/{name}"] = sum(values) / len(values)
-    return metrics
+    return {**metrics, **reward_means(experiences)}
 
 
 @rltk.hookimpl

@@ -78,6 +78,51 @@ class Workflow(abc.ABC):
                              f"{sorted(state)}; a workflow that saves state must override load_state_dict")
 
 
+class GroupNumbering:
+    """Mixin for workflows that number groups: ids unique across calls and across a resume.
+
+    Take ids with :meth:`new_group_id`. :meth:`state_dict` is ``{"next_group_id": int}``:
+    experiences a sample strategy keeps across steps (``staleness``) are grouped by id, and a
+    counter restarted at 0 gave new groups the ids of kept ones, which were then trained as one
+    group. Put it before :class:`Workflow` in the bases; ``workflow_name`` names the workflow in
+    errors.
+    """
+
+    workflow_name = "workflow"
+    _next_group_id = 0
+
+    def new_group_id(self) -> int:
+        """The next unused group id."""
+        group_id = self._next_group_id
+        self._next_group_id += 1
+        return group_id
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"next_group_id": int}``: the group id the next row gets, so a resumed run numbers on."""
+        return {"next_group_id": self._next_group_id}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue numbering groups from a :meth:`state_dict`; a bad entry is a ``ValueError`` naming it."""
+        where = f"{self.workflow_name}.load_state_dict"
+        if not isinstance(state, Mapping) or set(state) != {"next_group_id"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"{where}: expected {{'next_group_id': int}} as state_dict() returns, got {got}")
+        value = state["next_group_id"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: state['next_group_id'] = {value!r} must be an integer >= 0")
+        self._next_group_id = value
+
+
+def reward_means(experiences: list[Experience]) -> dict[str, float]:
+    """``{"reward/<name>": mean}`` of each reward function's score over the experiences that have it."""
+    names = sorted({name for e in experiences for name in e.reward_details})
+    means = {}
+    for name in names:
+        values = [e.reward_details[name] for e in experiences if name in e.reward_details]
+        means[f"reward/{name}"] = sum(values) / len(values)
+    return means
+
+
 def score_samples(reward: Any, samples: list[dict], wheres: list[str], workflow: str) -> list[tuple[float, dict]]:
     """``(score, details)`` for every sample, scoring them all in one call when the reward can.
 

@@ -63,7 +63,7 @@ from rltk.batch import Experience
 from rltk.environments.base import AssistantTurn, Environment, StepResult, check_messages, check_step_result
 from rltk.registry import get_registry
 from rltk.rollout.base import RolloutEngine, SamplingParams
-from rltk.workflows.base import Workflow
+from rltk.workflows.base import GroupNumbering, Workflow, reward_means
 from rltk.workflows.chat import TurnRenderer, generate_checked, render_text, row_messages, score_responses
 
 #: The ``env`` config section's keys and defaults (rltk.config.schema.EnvConfig mirrors them).
@@ -104,7 +104,7 @@ class _Episode:
         return self.stop_reason in ("max_turns", "max_total_tokens")
 
 
-class MultiTurnWorkflow(Workflow):
+class MultiTurnWorkflow(GroupNumbering, Workflow):
     """Rows -> ``n`` multi-turn episodes each -> experiences (registered as ``multi_turn``).
 
     Args:
@@ -120,6 +120,8 @@ class MultiTurnWorkflow(Workflow):
 
     Episodes are numbered into groups by a counter kept in :meth:`state_dict`.
     """
+
+    workflow_name = "multi_turn"
 
     def __init__(self, *, engine: RolloutEngine, tokenizer: Any, reward: Any, sampling: SamplingParams,
                  env: Mapping[str, Any] | None = None):
@@ -181,8 +183,7 @@ class MultiTurnWorkflow(Workflow):
         experiences = []
         group_of_row = {}
         for index in range(len(rows)):
-            group_of_row[index] = self._next_group_id
-            self._next_group_id += 1
+            group_of_row[index] = self.new_group_id()
         for episode, (score, details, reward_fn_score) in zip(episodes, scored):
             row = rows[episode.row_index]
             experiences.append(self._experience(row, episode, score, details, reward_fn_score,
@@ -230,21 +231,6 @@ class MultiTurnWorkflow(Workflow):
         ``rollout/env_reward_mean`` vs ``rollout/reward_fn_mean``, ``rollout/truncated_fraction``,
         ``rollout/engine_calls``, lengths, timings and each reward function's mean."""
         return dict(self._metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"next_group_id": int}``: the group id the next row gets, so a resumed run numbers on."""
-        return {"next_group_id": self._next_group_id}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue numbering groups from a :meth:`state_dict`; a bad entry is a ``ValueError`` naming it."""
-        if not isinstance(state, Mapping) or set(state) != {"next_group_id"}:
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"multi_turn.load_state_dict: expected {{'next_group_id': int}} as state_dict() "
-                             f"returns, got {got}")
-        value = state["next_group_id"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"multi_turn.load_state_dict: next_group_id must be an integer >= 0, got {value!r}")
-        self._next_group_id = value
 
     # ------------------------------------------------------------------ the episode loop
 

@@ -18,10 +18,10 @@ from typing import Any
 import rltk
 from rltk.batch import Experience
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
-from rltk.workflows.base import Workflow, check_rows, score_samples
+from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means, score_samples
 
 
-class SingleTurnWorkflow(Workflow):
+class SingleTurnWorkflow(GroupNumbering, Workflow):
     """Rows -> ``n`` completions each -> rewards -> experiences (registered as ``single_turn``).
 
     Args:
@@ -39,6 +39,8 @@ class SingleTurnWorkflow(Workflow):
     share one, across calls included. Each experience's ``info`` holds the
     prompt text, response text, ground truth, row id and sample index.
     """
+
+    workflow_name = "single_turn"
 
     def __init__(
         self,
@@ -104,8 +106,7 @@ class SingleTurnWorkflow(Workflow):
         experiences = []
         baselines = []
         for index, (row, ids, completions) in enumerate(zip(rows, prompt_ids, groups)):
-            group_id = self._next_group_id
-            self._next_group_id += 1
+            group_id = self.new_group_id()
             row_scored = [next(scored) for _ in completions]
             baseline = None
             if greedy is not None:
@@ -138,27 +139,6 @@ class SingleTurnWorkflow(Workflow):
         if baselines:
             self._metrics["rollout/greedy_baseline_score"] = sum(baselines) / len(baselines)
         return experiences
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"next_group_id": int}``: the group id the next row gets, so a resumed run numbers on.
-
-        Experiences a sample strategy keeps across steps (``staleness``) are
-        grouped by id; a counter restarted at 0 gave new groups the ids of
-        kept ones, and the two were trained as one group.
-        """
-        return {"next_group_id": self._next_group_id}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue numbering groups from a :meth:`state_dict`; a bad entry is a ``ValueError`` naming it."""
-        if not isinstance(state, Mapping) or set(state) != {"next_group_id"}:
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"single_turn.load_state_dict: expected {{'next_group_id': int}} as state_dict() "
-                             f"returns, got {got}")
-        value = state["next_group_id"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"single_turn.load_state_dict: state['next_group_id'] = {value!r} must be an "
-                             "integer >= 0")
-        self._next_group_id = value
 
     def metrics(self) -> dict[str, float]:
         """About the last :meth:`run`: ``time/generate_s``, ``time/reward_s``,
@@ -262,11 +242,7 @@ def _rollout_metrics(experiences: list[Experience], generate_s: float, reward_s:
         "rollout/truncated_fraction": sum(e.finish_reason == "length" for e in experiences) / len(experiences),
         "rollout/generated_tokens": float(sum(lengths)),
     }
-    names = sorted({name for e in experiences for name in e.reward_details})
-    for name in names:
-        values = [e.reward_details[name] for e in experiences if name in e.reward_details]
-        metrics[f"reward/{name}"] = sum(values) / len(values)
-    return metrics
+    return {**metrics, **reward_means(experiences)}
 
 
 @rltk.hookimpl

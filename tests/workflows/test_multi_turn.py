@@ -304,7 +304,7 @@ def test_groups_are_per_row_and_unique_across_calls_and_resumes(tok):
     resumed = workflow(tok, ScriptedEngine(tok, ["84"]), n=3)
     resumed.load_state_dict(state)
     assert {e.group_id for e in resumed.run(rows("c"))} == {2}
-    with pytest.raises(ValueError, match="next_group_id must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"multi_turn.load_state_dict: state\[.next_group_id.\] = -1 must be an integer >= 0"):
         resumed.load_state_dict({"next_group_id": -1})
 
 
