@@ -39,6 +39,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from process_memory import memory_kib, reset_peak
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CPU_CASES = ("matmul", "naive", "torch")
 MODES = ("fwd", "fwd+bwd")
@@ -47,21 +49,6 @@ MODES = ("fwd", "fwd+bwd")
 # --------------------------------------------------------------------------
 # Child process: one case, one shape
 # --------------------------------------------------------------------------
-
-
-def _memory_kib() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                values[key] = int(value.split()[0])
-    return values
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets VmHWM to the current RSS
 
 
 def run_child(case: str, mode: str, n: int, d: int, v: int, repeats: int, chunk: list[int] | None) -> dict:
@@ -106,13 +93,13 @@ def run_child(case: str, mode: str, n: int, d: int, v: int, repeats: int, chunk:
     times, cpu_times, peaks = [], [], []
     for _ in range(repeats):
         hidden.grad = weight.grad = None
-        _reset_peak()
-        base = _memory_kib()["VmRSS"]
+        reset_peak()
+        base = memory_kib()["VmRSS"]
         start, cpu_start = time.perf_counter(), time.process_time()
         out = run()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
-        peaks.append((_memory_kib()["VmHWM"] - base) / 1024)
+        peaks.append((memory_kib()["VmHWM"] - base) / 1024)
         del out
     return {"case": case, "mode": mode, "N": n, "D": d, "V": v, "chunk_size": chunk,
             "times_s": times, "cpu_times_s": cpu_times, "peaks_mib": peaks}

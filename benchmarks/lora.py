@@ -53,6 +53,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from process_memory import memory_kib, reset_peak
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CASES = ("full", "lora", "full+ckpt", "lora+ckpt")
 PROMPT_LEN, RESPONSE_LEN, GROUP = 64, 192, 8
@@ -62,21 +64,6 @@ KL_COEF = 0.05
 # --------------------------------------------------------------------------
 # Child process: one case
 # --------------------------------------------------------------------------
-
-
-def _memory_kib() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                values[key] = int(value.split()[0])
-    return values
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets VmHWM to the current RSS
 
 
 def build_config(layers: int, vocab: int):
@@ -139,8 +126,8 @@ def run_child(case: str, args) -> dict:
     warm(torch.randn(64, 896)).sum().backward()
     del warm
 
-    base = _memory_kib()["VmRSS"]
-    _reset_peak()
+    base = memory_kib()["VmRSS"]
+    reset_peak()
     torch.manual_seed(args.seed)
     # what rltk.training.setup.build_tokenizer_and_policy does to a model loaded from model.path
     model = transformers.Qwen2ForCausalLM(build_config(args.layers, args.vocab))
@@ -170,13 +157,13 @@ def run_child(case: str, args) -> dict:
                                 ppo_epochs=t.ppo_epochs, generator=generator, **common)
         times.append(time.perf_counter() - wall)
         cpu_times.append(time.process_time() - cpu)
-        step_peaks.append((_memory_kib()["VmHWM"] - base) / 1024)
+        step_peaks.append((memory_kib()["VmHWM"] - base) / 1024)
     params = sum(p.numel() for p in policy.parameters())
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     optimizer_state = sum(v.numel() * v.element_size() for s in strategy.optimizer.state.values()
                           for v in s.values() if isinstance(v, torch.Tensor))
     return {
-        "case": case, "peak_mib": (_memory_kib()["VmHWM"] - base) / 1024, "peak_after_step_mib": step_peaks,
+        "case": case, "peak_mib": (memory_kib()["VmHWM"] - base) / 1024, "peak_after_step_mib": step_peaks,
         "baseline_rss_mib": base / 1024, "times_s": times, "cpu_times_s": cpu_times, "params": params,
         "trainable_params": trainable, "optimizer_state_mib": optimizer_state / 2**20,
         "reference_copy": not reference.shares_policy, "kl_loss": metrics.get("kl_loss"),

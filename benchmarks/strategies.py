@@ -53,6 +53,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from process_memory import memory_kib, reset_peak
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CASES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")
 MODELS = {
@@ -77,21 +79,6 @@ def state_bytes_per_param(case: str, processes: int) -> float:
 # --------------------------------------------------------------------------
 # Child: one process of one case
 # --------------------------------------------------------------------------
-
-
-def _memory_kib() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                values[key] = int(value.split()[0])
-    return values
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets VmHWM to the current RSS
 
 
 def build_strategy(case: str):
@@ -126,8 +113,8 @@ def run_child(case: str, model_name: str, batch: int, seq: int, warmup: int, ste
     warm(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
     del warm
     strategy.barrier()
-    base_kib = _memory_kib()["VmRSS"]
-    _reset_peak()
+    base_kib = memory_kib()["VmRSS"]
+    reset_peak()
 
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**MODELS[model_name]))
@@ -155,7 +142,7 @@ def run_child(case: str, model_name: str, batch: int, seq: int, warmup: int, ste
         strategy.barrier()
         if step >= warmup:
             times.append(time.perf_counter() - start)
-    peak_mib = (_memory_kib()["VmHWM"] - base_kib) / 1024
+    peak_mib = (memory_kib()["VmHWM"] - base_kib) / 1024
     peaks = strategy.all_gather_object(peak_mib)
     if rank == 0:
         out_file.write_text(json.dumps({"case": case, "processes": world, "parameters": parameters,
