@@ -35,3 +35,22 @@ def fresh_registry():
     get_registry(reload=True)
     yield
     get_registry(reload=True)
+
+
+@pytest.fixture
+def batches(monkeypatch):
+    """Every batch a recipe run hands to the advantage estimator, as it was after the estimator ran.
+
+    Patches ``rltk.training.rl.compute_advantages``, which the recipes look up when they run.
+    """
+    import rltk.training.rl as rl
+
+    seen = []
+    compute_advantages = rl.compute_advantages
+
+    def recording(adv_fn, batch, args, strategy=None):
+        compute_advantages(adv_fn, batch, args, strategy)
+        seen.append({k: v.clone() for k, v in batch.items()})
+
+    monkeypatch.setattr(rl, "compute_advantages", recording)
+    return seen

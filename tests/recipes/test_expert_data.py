@@ -18,21 +18,6 @@ TINY = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "train
         "logging.logger=[jsonl]", "logging.plot=false"]
 
 
-@pytest.fixture
-def batches(monkeypatch):
-    import rltk.training.rl as rl
-
-    seen = []
-    compute_advantages = rl.compute_advantages
-
-    def recording(adv_fn, batch, args, strategy=None):
-        compute_advantages(adv_fn, batch, args, strategy)
-        seen.append({k: v.clone() for k, v in batch.items()})
-
-    monkeypatch.setattr(rl, "compute_advantages", recording)  # the recipe imports it when it runs
-    return seen
-
-
 @pytest.mark.slow  # a two-step warm-up and two GRPO steps of the tiny model (~3 s)
 def test_expert_responses_from_a_file_join_the_groups_of_their_prompts(tmp_path, batches):
     grpo_yaml = OmegaConf.load(Path(__file__).resolve().parents[2] / "recipes" / "configs" / "grpo.yaml")

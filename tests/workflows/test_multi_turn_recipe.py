@@ -19,21 +19,6 @@ TINY = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "train
 
 
 @pytest.fixture
-def batches(monkeypatch):
-    import rltk.training.rl as rl
-
-    seen = []
-    compute_advantages = rl.compute_advantages
-
-    def recording(adv_fn, batch, args, strategy=None):
-        compute_advantages(adv_fn, batch, args, strategy)
-        seen.append({k: v.clone() for k, v in batch.items()})
-
-    monkeypatch.setattr(rl, "compute_advantages", recording)
-    return seen
-
-
-@pytest.fixture
 def counting_env():
     ensure_registered("tools", "tool_parsers", "multi_turn")
     module = types.ModuleType("recipe_test_envs")
