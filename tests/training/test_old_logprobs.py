@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +10,8 @@ import rltk
 from rltk.batch import collate
 from rltk.models.logprobs import positions_from_mask
 from rltk.training.rl import batched_logprobs, compute_advantages, fill_old_logprobs, needs_sum_pi_squared
+from tests.training.rl_step_helpers import worker
 
-_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", Path(__file__).with_name("rl_step_worker.py"))
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
 
 COMMON = dict(micro_batch_size=3, temperature=0.8)
 

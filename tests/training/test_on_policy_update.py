@@ -7,8 +7,6 @@ metrics, gradients and weights as the path that recomputes, and the batch ends u
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,19 +16,7 @@ from rltk.batch import collate
 from rltk.training.rl import (
     LossComponents, batched_logprobs, compute_advantages, old_logprobs_from_update, policy_update,
 )
-
-_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker",
-                                               Path(__file__).with_name("rl_step_worker.py"))
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
-
-
-def _strategy():
-    from rltk.strategies.accelerate_strategy import AccelerateStrategy
-
-    strategy = AccelerateStrategy(cpu=True)
-    strategy.setup(worker.shared.tiny_qwen2(seed=0), **worker.SETUP)
-    return strategy
+from tests.training.rl_step_helpers import one_process_strategy, worker
 
 
 def _record_gradients(strategy) -> list[dict[str, torch.Tensor]]:
@@ -83,7 +69,7 @@ def test_taking_old_logprobs_from_the_training_forward_gives_the_recompute_path_
         kl_penalty=rltk.get_component("kl_penalty_fn", kl_name) if kl_name else None,
         kl_in="loss", entropy_coef=entropy_coef,
     )
-    recompute, reuse = _strategy(), _strategy()
+    recompute, reuse = one_process_strategy(), one_process_strategy()
     grads_recompute, grads_reuse = _record_gradients(recompute), _record_gradients(reuse)
     with_old, without_old = _batch(5), _batch(5)
     with_old["old_logprobs"], _ = batched_logprobs(recompute.unwrap(), with_old, micro_batch_size=2, temperature=1.0)
@@ -110,7 +96,7 @@ def test_taking_old_logprobs_from_the_training_forward_gives_the_recompute_path_
 def test_on_policy_the_ratio_is_one_so_nothing_is_clipped():
     # pi_old = pi_theta.detach(): ratio 1 on every token, so the PPO clip never binds and the policy loss
     # is -agg(A) (token-mean of the advantages over response tokens), a number read off the batch.
-    strategy = _strategy()
+    strategy = one_process_strategy()
     batch = _batch(4)
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"))
@@ -126,7 +112,7 @@ def test_on_policy_the_ratio_is_one_so_nothing_is_clipped():
 
 @pytest.mark.parametrize("ppo_epochs, mini_batches", [(2, 1), (1, 2)])
 def test_a_batch_without_old_logprobs_is_refused_off_policy(ppo_epochs, mini_batches):
-    strategy = _strategy()
+    strategy = one_process_strategy()
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"))
     with pytest.raises(ValueError, match=rf"needs trainer.ppo_epochs=1 and trainer.mini_batches=1 "

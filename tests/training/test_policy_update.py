@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,18 +10,7 @@ import torch
 import rltk
 from rltk.batch import collate, slice_batch
 from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
-
-_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", Path(__file__).with_name("rl_step_worker.py"))
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
-
-
-def _strategy():
-    from rltk.strategies.accelerate_strategy import AccelerateStrategy
-
-    strategy = AccelerateStrategy(cpu=True)
-    strategy.setup(worker.shared.tiny_qwen2(seed=0), **worker.SETUP)
-    return strategy
+from tests.training.rl_step_helpers import one_process_strategy, worker
 
 
 def _batch(strategy, rows: int):
@@ -40,7 +27,7 @@ LOSS = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
 def test_a_batch_that_mini_batches_do_not_divide_is_cut_into_near_equal_parts():
     # A sample strategy that filters groups leaves any number of rows: 5 rows in 2 mini-batches are
     # one step on 3 rows, then one on 2, in the order the generator shuffles them.
-    strategy, reference = _strategy(), _strategy()
+    strategy, reference = one_process_strategy(), one_process_strategy()
     batch = _batch(strategy, rows=5)
     policy_update(strategy, batch, LOSS, kl_coef=0.0, mini_batches=2, ppo_epochs=1, micro_batch_size=2,
                   temperature=1.0, generator=torch.Generator().manual_seed(7))
@@ -56,7 +43,7 @@ def test_a_batch_that_mini_batches_do_not_divide_is_cut_into_near_equal_parts():
 
 
 def test_fewer_rows_than_mini_batches_names_the_config_keys():
-    strategy = _strategy()
+    strategy = one_process_strategy()
     batch = _batch(strategy, rows=3)
     with pytest.raises(ValueError, match=r"has 3 sequences, fewer than trainer.mini_batches=4"):
         policy_update(strategy, batch, LOSS, kl_coef=0.0, mini_batches=4, ppo_epochs=1, micro_batch_size=2,
@@ -67,7 +54,7 @@ def test_the_k3_unbiased_loss_term_is_weighted_by_the_ratio_to_the_old_policy():
     # Tokens sampled by an older policy: old = current - 0.5, so pi / pi_old = e^0.5 on every token,
     # and ref = current - 0.3, so k3 = e^-0.3 + 0.3 - 1 on every token. The logged term is the token
     # mean of their product; a call without old_logprobs would take the ratio as 1.
-    strategy = _strategy()
+    strategy = one_process_strategy()
     batch = _batch(strategy, rows=4)
     current, _ = batched_logprobs(strategy.unwrap(), batch, micro_batch_size=2, temperature=1.0)
     batch["old_logprobs"] = current - 0.5

@@ -24,19 +24,7 @@ from rltk.training.rl import LossComponents, batched_logprobs, compute_advantage
 from rltk.training.rollout_correction import (
     WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask, weighted_loss_agg,
 )
-
-_spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker",
-                                               Path(__file__).with_name("rl_step_worker.py"))
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
-
-
-def _strategy():
-    from rltk.strategies.accelerate_strategy import AccelerateStrategy
-
-    strategy = AccelerateStrategy(cpu=True)
-    strategy.setup(worker.shared.tiny_qwen2(seed=0), **worker.SETUP)
-    return strategy
+from tests.training.rl_step_helpers import one_process_strategy, worker
 
 
 def _perturbation(shape) -> torch.Tensor:
@@ -78,7 +66,7 @@ def _assert_same_weights(a, b):
     ("reinforce", "seq-mean-token-sum-norm", {"tis": "token", "tis_cap": 2.0}),
 ])
 def test_the_weight_multiplies_the_policy_loss_term_of_every_loss(policy_loss, loss_agg, settings):
-    corrected, reference = _strategy(), _strategy()
+    corrected, reference = one_process_strategy(), one_process_strategy()
     batch = _batch(corrected)
     weights = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
                                  **settings).weights
@@ -96,7 +84,7 @@ def test_the_weight_multiplies_the_policy_loss_term_of_every_loss(policy_loss, l
 def test_dropped_tokens_leave_the_mask_and_every_normaliser(loss_agg):
     settings = {"mis": "token", "mis_low": 0.5, "mis_high": 2.0, "rejection": "geometric",
                 "rejection_low": 0.8, "rejection_high": 1.25}
-    corrected, reference = _strategy(), _strategy()
+    corrected, reference = one_process_strategy(), one_process_strategy()
     batch = _batch(corrected)
     c = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], **settings)
     assert c.rejected.any() and not c.rejected.all() and (c.dropped & ~c.rejected[:, None]).any()
@@ -108,7 +96,7 @@ def test_dropped_tokens_leave_the_mask_and_every_normaliser(loss_agg):
 
 
 def test_metrics_report_the_mismatch_and_logging_alone_changes_nothing():
-    corrected, reference = _strategy(), _strategy()
+    corrected, reference = one_process_strategy(), one_process_strategy()
     batch = _batch(corrected)
     batch["rollout_logprobs"] = (batch["old_logprobs"] - 0.1) * batch["response_mask"]  # every ratio e^0.1
     metrics = _update(corrected, batch, _loss(log_mismatch_metrics=True))
@@ -262,7 +250,7 @@ def test_two_ranks_drop_normalise_and_measure_as_one_process_holding_every_rollo
                            str(path), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
-    reference = correction_worker.corrected_update(_strategy())
+    reference = correction_worker.corrected_update(one_process_strategy())
     expected = reference["metrics"]
     # the split must exercise what the reduction does: something dropped, rejected, kept on each side
     assert 0 < expected["mismatch/rejected_frac"] < 1 and 0 < expected["mismatch/dropped_frac"] < 1
