@@ -6,6 +6,7 @@ import threading
 import time
 
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop
+from tests.workflows.multi_turn_helpers import RecordingEngine
 
 
 def ensure_serve_builtins() -> None:
@@ -25,13 +26,13 @@ def tiny_chat_model():
     return tokenizer, model
 
 
-class SpyEngine(RolloutEngine):
-    """Wraps an engine and keeps every call: the prompt ids it got, the params, the completions it returned."""
+class SpyEngine(RecordingEngine):
+    """A :class:`RecordingEngine` (every call's prompt ids, params and completions) that also keeps the
+    names of the threads that called it and may take ``delay_s`` longer per call."""
 
     def __init__(self, inner: RolloutEngine, delay_s: float = 0.0):
-        self.inner = inner
+        super().__init__(inner)
         self.model = getattr(inner, "model", None)
-        self.calls: list[tuple[list[list[int]], SamplingParams, list[list[Completion]]]] = []
         self.delay_s = delay_s
         self.threads: set[str] = set()
 
@@ -39,12 +40,7 @@ class SpyEngine(RolloutEngine):
         self.threads.add(threading.current_thread().name)
         if self.delay_s:
             time.sleep(self.delay_s)
-        out = self.inner.generate(prompt_ids, params)
-        self.calls.append(([list(p) for p in prompt_ids], params, out))
-        return out
-
-    def update_weights(self, state_dict_or_model):
-        self.inner.update_weights(state_dict_or_model)
+        return super().generate(prompt_ids, params)
 
 
 class ScriptedEngine(RolloutEngine):
