@@ -10,6 +10,7 @@ writes everything as JSON.
     python benchmarks/learning.py                                 # grpo and ppo, seeds 0-4, every level
     python benchmarks/learning.py --recipes grpo --seeds 0 1 --levels avx2
     python benchmarks/learning.py --recipes multi_turn agentic   # the multi-turn defaults (issue #11)
+    python benchmarks/learning.py --recipes agentic --seeds 0 1 2 --levels default avx2 --at-step 100
     python benchmarks/learning.py --lr-sweep                      # GRPO stability over learning rates
 
 `--lr-sweep` is the second table of the README: two-digit addition on a 0.6M
@@ -88,14 +89,31 @@ def run_rltk(args: list[str], run_dir: Path, level: str, log: Path) -> float:
     return time.perf_counter() - tick
 
 
-def learning_curve(run_dir: Path) -> dict:
-    """Held-out accuracy when RL starts and at the end, and where the warm-up stopped."""
+def learning_curve(run_dir: Path, at_step: int | None = None) -> dict:
+    """Held-out accuracy when RL starts and at the end, and where the warm-up stopped.
+
+    ``at_step`` adds the same gains after the first ``at_step`` RL steps (``"at_step"``): the eval
+    at that step against the first, and the training reward of the 25 steps before it against the
+    first 25. With a constant learning rate that is what a run of ``at_step`` steps would measure.
+    """
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/accuracy" in m]
     probes = [m for m in metrics if "sft/train_accuracy" in m]
     start, end = evals[0], evals[-1]
     rewards = [m["reward"] for m in metrics if "reward" in m]
     window = max(1, min(25, len(rewards) // 4))
+    prefix = {}
+    if at_step is not None:
+        at = next((m for m in evals if m["step"] == start["step"] + at_step), None)
+        if at is None or len(rewards) < at_step:
+            raise ValueError(f"{run_dir}: no evaluation at RL step {at_step} (evals at "
+                             f"{[m['step'] - start['step'] for m in evals]}); choose a multiple of trainer.eval_every")
+        prefix = {"at_step": {
+            "rl_steps": at_step,
+            "reward_rise": sum(rewards[at_step - window:at_step]) / window - sum(rewards[:window]) / window,
+            "greedy_gain": at["eval/accuracy"] - start["eval/accuracy"],
+            "sampled_gain": at["eval/sampled_accuracy"] - start["eval/sampled_accuracy"],
+        }}
     return {
         # the training reward (sampled accuracy on the prompts of each step), first vs last 25 RL steps
         "reward_rise": sum(rewards[-window:]) / window - sum(rewards[:window]) / window if rewards else None,
@@ -105,6 +123,8 @@ def learning_curve(run_dir: Path) -> dict:
         "greedy_gain": end["eval/accuracy"] - start["eval/accuracy"],
         "sampled_gain": end["eval/sampled_accuracy"] - start["eval/sampled_accuracy"],
         "curve": [(m["step"], m["eval/accuracy"]) for m in evals],
+        "sampled_curve": [(m["step"], m["eval/sampled_accuracy"]) for m in evals],
+        **prefix,
     }
 
 
@@ -118,9 +138,13 @@ def default_runs(args, workdir: Path) -> list[dict]:
     def one(job):
         recipe, seed, level = job
         run_dir = workdir / f"{recipe}-s{seed}-{level}"
-        wall = run_rltk([*RUNS[recipe], f"seed={seed}", *args.overrides], run_dir, level,
-                        workdir / f"{run_dir.name}.log")
-        row = {"recipe": recipe, "seed": seed, "level": level, "wall_s": wall, **learning_curve(run_dir)}
+        if args.runs_dir:  # summarise earlier runs instead
+            wall = float("nan")
+        else:
+            wall = run_rltk([*RUNS[recipe], f"seed={seed}", *args.overrides], run_dir, level,
+                            workdir / f"{run_dir.name}.log")
+        row = {"recipe": recipe, "seed": seed, "level": level, "wall_s": wall,
+               **learning_curve(run_dir, args.at_step)}
         print(f"{recipe:<10} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
               f"greedy {row['greedy_start']:.3f} -> {row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  "
               f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
@@ -147,6 +171,20 @@ def default_runs(args, workdir: Path) -> list[dict]:
               f"{g['min']:+.3f} / {g['median']:+.3f} / {g['max']:+.3f} | "
               f"{s['min']:+.3f} / {s['median']:+.3f} / {s['max']:+.3f} | "
               f"{rise['min']:+.3f} / {rise['median']:+.3f} / {rise['max']:+.3f} | {wall:.0f} |")
+    if args.at_step is not None:
+        print(f"\nafter the first {args.at_step} RL steps:")
+        print("| recipe | greedy gain min / median / max | sampled gain min / median / max | "
+              "train reward rise min / median / max |")
+        print("|---|---|---|---|")
+        for recipe in args.recipes:
+            mine = [r["at_step"] for r in rows if r["recipe"] == recipe]
+            g, s = spread([r["greedy_gain"] for r in mine]), spread([r["sampled_gain"] for r in mine])
+            rise = spread([r["reward_rise"] for r in mine])
+            summary[recipe]["at_step"] = {"rl_steps": args.at_step, "greedy_gain": g, "sampled_gain": s,
+                                          "reward_rise": rise}
+            print(f"| {recipe} | {g['min']:+.3f} / {g['median']:+.3f} / {g['max']:+.3f} | "
+                  f"{s['min']:+.3f} / {s['median']:+.3f} / {s['max']:+.3f} | "
+                  f"{rise['min']:+.3f} / {rise['median']:+.3f} / {rise['max']:+.3f} |")
     return [{"runs": rows, "summary": summary}]
 
 
@@ -209,6 +247,11 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(SWEEP_VARIANTS), choices=list(SWEEP_VARIANTS))
     parser.add_argument("--sweep-steps", type=int, default=4000)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--at-step", type=int, default=None,
+                        help="also report the gains after this many RL steps (a multiple of trainer.eval_every)")
+    parser.add_argument("--runs-dir", type=Path, default=None,
+                        help="summarise the runs already in this folder (RECIPE-sSEED-LEVEL/metrics.jsonl) "
+                             "instead of running them")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every default run")
     args = parser.parse_args()
     args.levels = args.levels or cpu_levels()
@@ -216,7 +259,7 @@ def main() -> None:
         args.seeds = [0]
     with tempfile.TemporaryDirectory(prefix="rltk-learning-") as tmp:
         tick = time.perf_counter()
-        result = (lr_sweep if args.lr_sweep else default_runs)(args, Path(tmp))[0]
+        result = (lr_sweep if args.lr_sweep else default_runs)(args, args.runs_dir or Path(tmp))[0]
         result.update({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                        "total_wall_s": time.perf_counter() - tick})
     out = args.out or RESULTS / ("learning_lr_sweep.json" if args.lr_sweep else "learning.json")
