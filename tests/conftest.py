@@ -19,6 +19,9 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # Slow end-to-end tests first: with one worker per core (-n auto), a long test that starts last
+    # is what the whole run waits for. A stable sort keeps every other order as collected.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")
