@@ -452,8 +452,9 @@ def _check_turns(state: ServeState, session_id: str) -> None:
                             "(env.max_turns)", param=None, code="max_turns_exceeded")
 
 
-async def _generate(state: ServeState, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-    future = state.batcher.submit(prompts, params)
+async def _generate(state: ServeState, prompts: list[list[int]], params: SamplingParams,
+                    session_id: str | None = None) -> list[list[Completion]]:
+    future = state.batcher.submit(prompts, params, order=session_id)
     return await asyncio.wrap_future(future)
 
 
@@ -502,7 +503,7 @@ async def _chat(state: ServeState, body: dict, session_id: str) -> dict:
     prompt_ids = _render_chat(state, messages, tools)
     params, stops = _sampling(state, body, [len(prompt_ids)])
     _check_turns(state, session_id)
-    completions = (await _generate(state, [prompt_ids], params))[0]
+    completions = (await _generate(state, [prompt_ids], params, session_id))[0]
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     parse = state.parse_tool_calls if tools and tool_choice != "none" else None
@@ -581,7 +582,7 @@ async def _complete(state: ServeState, body: dict, session_id: str) -> dict:
     prompts = _prompts(state, body)
     params, stops = _sampling(state, body, [len(p) for p in prompts])
     _check_turns(state, session_id)
-    groups = await _generate(state, prompts, params)
+    groups = await _generate(state, prompts, params, session_id)
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices, completion_tokens = [], 0

@@ -18,7 +18,10 @@ endpoint receives becomes a job on a queue, and a single worker thread:
    prompts are repeated ``n`` times and sampled with ``n=1``, so requests that
    differ only in ``n`` still share a call); a job with a ``seed`` is never
    grouped with another, so its seed reproduces *that request*;
-3. makes one ``engine.generate`` call per group (a group above ``max_batch``
+3. orders each round's jobs by the requester name given to :meth:`Batcher.submit`
+   (the session id), so that their rows meet the engine's random draws in the
+   same order however the requesting threads were scheduled, and
+   makes one ``engine.generate`` call per group (a group above ``max_batch``
    sequences is split at job boundaries) and resolves each job's future with
    its own completions, ``n`` per prompt, in order.
 
@@ -42,6 +45,7 @@ from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
 class _Job:
     prompt_ids: list[list[int]]
     params: SamplingParams
+    order: str | None = None  # the requester's name: rows of a round are sampled in this order
     future: Future = field(default_factory=Future)
 
     @property
@@ -119,12 +123,18 @@ class Batcher:
         if not self._closed:
             self._queue.put(_WAKE)
 
-    def submit(self, prompt_ids: list[list[int]], params: SamplingParams) -> Future:
+    def submit(self, prompt_ids: list[list[int]], params: SamplingParams, order: str | None = None) -> Future:
         """Queue ``params.n`` samples of each prompt; the future gives ``list[list[Completion]]`` as
-        :meth:`RolloutEngine.generate` would (one list per prompt, ``n`` each, ``prompt_index`` set)."""
+        :meth:`RolloutEngine.generate` would (one list per prompt, ``n`` each, ``prompt_index`` set).
+
+        ``order`` (the endpoint passes the session id) places the job's rows in its round: jobs are
+        sampled sorted by it, then by arrival, and jobs without one after those with one. Threads
+        send their requests in whatever order the scheduler runs them; sorted, the same requests
+        get the same random draws from a seeded engine, so a run with a fixed seed repeats itself.
+        """
         if self._closed:
             raise RuntimeError("Batcher.submit after close(): the endpoint is shutting down")
-        job = _Job([list(p) for p in prompt_ids], params)
+        job = _Job([list(p) for p in prompt_ids], params, order)
         self._queue.put(job)
         return job.future
 
@@ -186,7 +196,7 @@ class Batcher:
 
     def _run_round(self, jobs: list[_Job]) -> None:
         groups: dict[tuple, list[_Job]] = {}
-        for job in jobs:
+        for job in sorted(jobs, key=lambda job: (job.order is None, job.order or "")):  # stable: then arrival
             groups.setdefault(job.key(), []).append(job)
         for group in groups.values():
             call, rows = [], 0

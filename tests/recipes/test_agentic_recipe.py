@@ -41,3 +41,21 @@ def test_a_two_turn_openai_client_agent_drives_grpo_and_its_stitched_logprobs_ma
     assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("rltk-serve")]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"]["eval/num_responses"] == 8 and summary["final"]["eval/agent_errors"] == 0
+
+
+@pytest.mark.slow  # two runs of the test above's size (~30-80 s)
+def test_an_agentic_run_repeats_itself_with_the_same_seed(tmp_path):
+    # 8 agent threads send each turn's requests in whatever order they are scheduled; the endpoint's
+    # batcher samples a round's rows in session order, so the same seed gives the same run
+    ensure_serve_builtins()
+    logs = []
+    for name in ("first", "second"):
+        run_dir = tmp_path / name
+        assert main(["run", "grpo", f"output_dir={run_dir}", *TINY_RUN, "rollout.workflow=agentic",
+                     "rollout.workflow_args.agent=arithmetic_chat", "rollout.workflow_args.agent_args.checks=1",
+                     "rollout.temperature=1.0"]) == 0
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        logs.append([{k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_s"))
+                      and "engine_calls" not in k} for row in rows])
+    assert logs[0] == logs[1]
+    assert any("pg_loss" in row for row in logs[0])

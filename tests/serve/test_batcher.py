@@ -193,3 +193,20 @@ def test_with_expect_a_round_waits_past_the_window_for_the_requesters_just_answe
     finally:
         batcher.close()
     assert [len(prompts) for prompts, _, _ in engine.calls] == [2, 4]
+
+
+def test_a_round_samples_its_jobs_in_requester_order_whatever_order_they_arrived_in():
+    engine = CountingEngine()
+    batcher = Batcher(engine, window_s=0.05, max_batch=64)
+    params = SamplingParams(max_new_tokens=2)
+    try:
+        batcher.expect(4)
+        # arrival order: c, unnamed, a, b -> sampled a, b, c, then the unnamed one
+        futures = {name: batcher.submit([[ord(name[0])]], params, order=name if name != "?" else None)
+                   for name in ("c", "?", "a", "b")}
+        answers = {name: future.result(timeout=5)[0][0].token_ids[0] for name, future in futures.items()}
+    finally:
+        batcher.close()
+    assert len(engine.calls) == 1
+    assert engine.calls[0][0] == [[ord("a")], [ord("b")], [ord("c")], [ord("?")]]
+    assert answers == {name: ord(name[0]) for name in futures}  # each job still gets its own completion
