@@ -124,36 +124,42 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
     B = len(experiences)
     P = max(len(e.prompt_ids) for e in experiences)
     T = max(max(len(e.response_ids) for e in experiences), 1)
+    # Every field is filled with one boolean-mask write of all rows' tokens, flattened: a tensor and
+    # two slice writes per row cost more than the data itself at RL batch shapes.
+    prompt_lengths = torch.tensor([len(e.prompt_ids) for e in experiences], dtype=torch.long)
+    response_lengths = torch.tensor([len(e.response_ids) for e in experiences], dtype=torch.long)
+    in_prompt = torch.arange(P) >= (P - prompt_lengths)[:, None]  # [B, P], left-padded
+    in_response = torch.arange(T) < response_lengths[:, None]  # [B, T], right-padded
     input_ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
+    input_ids[:, :P][in_prompt] = torch.tensor(_flat(e.prompt_ids for e in experiences), dtype=torch.long)
+    input_ids[:, P:][in_response] = torch.tensor(_flat(e.response_ids for e in experiences), dtype=torch.long)
+    attention_mask = torch.cat([in_prompt, in_response], dim=1).to(torch.long)
     response_mask = torch.zeros((B, T), dtype=torch.float32)
+    response_mask[in_response] = torch.tensor(_flat(e.response_mask for e in experiences), dtype=torch.float32)
     rollout_logprobs = torch.zeros((B, T), dtype=torch.float32)
+    has_logprobs = torch.tensor([e.rollout_logprobs is not None for e in experiences], dtype=torch.bool)
+    rollout_logprobs[in_response & has_logprobs[:, None]] = torch.tensor(
+        _flat(e.rollout_logprobs for e in experiences if e.rollout_logprobs is not None), dtype=torch.float32)
+    scores = torch.tensor([e.score for e in experiences], dtype=torch.float32)
     token_rewards = torch.zeros((B, T), dtype=torch.float32)
+    answered = (response_lengths > 0).nonzero().squeeze(1)
+    token_rewards[answered, response_lengths[answered] - 1] = scores[answered]
     for i, e in enumerate(experiences):
-        p, t = len(e.prompt_ids), len(e.response_ids)
-        input_ids[i, P - p : P] = torch.tensor(e.prompt_ids, dtype=torch.long)
-        attention_mask[i, P - p : P] = 1
-        if t:
-            input_ids[i, P : P + t] = torch.tensor(e.response_ids, dtype=torch.long)
-            attention_mask[i, P : P + t] = 1
-            response_mask[i, :t] = torch.tensor(e.response_mask, dtype=torch.float32)
-            if e.rollout_logprobs is not None:
-                rollout_logprobs[i, :t] = torch.tensor(e.rollout_logprobs, dtype=torch.float32)
-            token_rewards[i, t - 1] = e.score
-            if e.turn_rewards:  # each turn's reward on its token, the remainder of the score on the last
-                for position, reward in e.turn_rewards:
-                    token_rewards[i, position] += reward
-                token_rewards[i, t - 1] -= sum(reward for _, reward in e.turn_rewards)
+        if e.turn_rewards and e.response_ids:  # each turn's reward on its token, the rest of the score on the last
+            last = len(e.response_ids) - 1
+            for position, reward in e.turn_rewards:
+                token_rewards[i, position] += reward
+            token_rewards[i, last] -= sum(reward for _, reward in e.turn_rewards)
     batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "response_mask": response_mask,
         "rollout_logprobs": rollout_logprobs,
-        "has_rollout_logprobs": torch.tensor([e.rollout_logprobs is not None for e in experiences], dtype=torch.bool),
+        "has_rollout_logprobs": has_logprobs,
         "token_rewards": token_rewards,
-        "scores": torch.tensor([e.score for e in experiences], dtype=torch.float32),
+        "scores": scores,
         "group_ids": torch.tensor([e.group_id for e in experiences], dtype=torch.long),
-        "response_lengths": torch.tensor([len(e.response_ids) for e in experiences], dtype=torch.long),
+        "response_lengths": response_lengths,
     }
     _record_row_sums(batch, experiences)
     if reward_names is not None:
@@ -164,6 +170,10 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
             dtype=torch.float32,
         )
     return batch
+
+
+def _flat(rows) -> list:
+    return [value for row in rows for value in row]
 
 
 # Row-sum fields and the [B, T] field each sums. The outcome advantage estimators take them to
