@@ -14,9 +14,12 @@ causal mask (built for the whole batch, then the computed rows taken out of it, 
 the same kernel path), the caller's logits processors on every row's scores, one
 ``torch.multinomial`` over all ``[N, V]`` rows (its random draws do not depend on the
 probabilities, so the stream of random numbers is ``generate``'s), finished rows padded. Rows
-are independent in every op of these models, and the matrix products give each row the same
-bits at any row count from 4 up, so the loop keeps at least 4 rows (or all, if fewer) in each
-forward; the tests check the tokens and log-probs against ``generate`` with ``torch.equal``.
+are independent in every op of these models, and on the CPUs we measured MKL's matrix product
+gives a row the same bits at any row count from 4 up (below, other kernels round differently), so
+the loop keeps at least 4 rows (or all, if fewer) in each forward: its tokens and log-probs are
+then ``generate``'s bit for bit (tested with ``==`` where the machine's BLAS behaves so, within
+1e-5 elsewhere). A BLAS whose kernels depend on the row count (GPUs) rounds the rows it leaves
+out differently, as ``generate`` itself does for a different batch size.
 
 :func:`sampling_applies` says where the loop runs: a plain (unsharded, unwrapped by peft)
 ``Qwen2ForCausalLM`` or ``LlamaForCausalLM`` with ``sdpa`` attention and no sliding window.

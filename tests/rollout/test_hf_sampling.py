@@ -58,9 +58,23 @@ def test_tokens_and_logprobs_are_generates_bit_for_bit(name, prompt_lengths, n, 
     extra = {"greedy": dict(greedy=True), "plain": {}, "filtered": dict(temperature=0.7, top_k=9, top_p=0.9)}[sampling]
     params = SamplingParams(n=n, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, seed=seed, **extra)
     got, want = _both_ways(MODELS[name], prompts, params, monkeypatch)
+    bitwise = _blas_rounds_rows_alike()
     for group_got, group_want in zip(got, want, strict=True):
         for a, b in zip(group_got, group_want, strict=True):
-            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+            if bitwise:
+                assert a.logprobs == b.logprobs
+            else:
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def _blas_rounds_rows_alike() -> bool:
+    """Whether this machine's matrix product gives a row the same bits at MIN_FORWARD_ROWS rows as at 32
+    (true of MKL on the CPUs we measured; the loop's bit-for-bit claim rests on it)."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 32, generator=generator), torch.randn(64, 32, generator=generator)
+    return all(torch.equal(torch.nn.functional.linear(x[:rows], w), torch.nn.functional.linear(x, w)[:rows])
+               for rows in range(MIN_FORWARD_ROWS, 32))
 
 
 def test_finished_rows_leave_the_forward_and_prompts_run_their_last_token_once(monkeypatch):
