@@ -2,7 +2,9 @@
 
 The engine samples from the very module the trainer optimises, so there is
 nothing to synchronise after an optimizer step; it runs anywhere torch runs
-(CPU included) and is the default engine.
+(CPU included) and is the default engine. Qwen2 and Llama models are sampled
+by a loop of its own (:mod:`rltk.rollout.hf_sampling`: ``generate``'s tokens
+and log-probs with less compute); every other model by ``model.generate``.
 
 Under a strategy that shards parameters (DeepSpeed ZeRO-3) that module is no
 model on its own: every forward gathers parameters, a collective, so ranks
@@ -119,7 +121,8 @@ def _seeded(seed: int | None, device: torch.device):
 
 
 class HFRolloutEngine(RolloutEngine):
-    """Rollouts with ``model.generate`` on the training model itself (registered as ``hf``).
+    """Rollouts from the training model itself (registered as ``hf``), by ``model.generate`` or,
+    for Qwen2 and Llama, :func:`rltk.rollout.hf_sampling.sample`.
 
     Args:
         model: a ``transformers`` causal LM (possibly wrapped by DDP or
