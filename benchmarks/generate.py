@@ -1,17 +1,20 @@
-"""Tokens per second of the `hf` rollout engine against a plain KV-cached sampling loop.
+"""Tokens per second of the `hf` rollout engine, with its own sampling loop and through
+`transformers.generate`, against a plain KV-cached sampling loop.
 
 Both sample the same batch (prompts x n rows, left-padded) from the same model
 at temperature 1 and return what the engine's contract asks for: every token's
 log-prob under the distribution it was drawn from. The plain loop is the least
 a sampler has to do: one prefill forward, then one single-token forward per new
 token on the KV cache, a log-softmax, a multinomial draw and a gather; it stops
-when every row has produced an end-of-sequence token. Whatever the engine
-spends beyond that is `transformers.generate`'s bookkeeping (configuration
-checks, stopping criteria, logits-processor calls) or rltk's own (building the
-request, recording log-probs, cutting at stop tokens, decoding).
+when every row has produced an end-of-sequence token. The engine samples
+Qwen2 and Llama models with a loop of its own (`rltk/rollout/hf_sampling.py`:
+the last prompt token once per distinct prompt, finished rows out of the
+forward, generate's tokens bit for bit); "engine via generate" is the same
+engine made to call `transformers.generate`, as it does for other models.
 
-Calls alternate (engine, loop, engine, ...) so that a machine whose load
-changes affects both alike; the table gives the median of each and their ratio.
+Calls rotate the three sides (engine, via generate, loop; via generate, loop,
+engine; ...) so that a machine whose load changes affects all alike; the table
+gives the median of each and the ratios.
 
     python benchmarks/generate.py                                  # the default tiny model and the 0.6M one
     python benchmarks/generate.py --calls 40 --n 8 --prompts 4 --max-new-tokens 6
@@ -24,8 +27,11 @@ import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
+
+import rltk.rollout.hf as hf_engine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: model name -> rltk `model.tiny` settings: the shipped default and the 0.6M model of issue #13
@@ -91,16 +97,21 @@ def measure(name: str, tiny: dict, args) -> dict:
     engine = rltk.get_component("rollout_engine", "hf")(model=model, tokenizer=tokenizer)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    samples: dict[str, list[float]] = {"engine": [], "plain loop": []}
-    tokens: dict[str, int] = {"engine": 0, "plain loop": 0}
+    sides = ["engine", "engine via generate", "plain loop"]
+    samples: dict[str, list[float]] = {side: [] for side in sides}
+    tokens: dict[str, int] = {side: 0 for side in sides}
     for call in range(args.calls + args.warmup):
         batch = rows[(call % args.calls) * args.prompts:][: args.prompts]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in batch]
-        for side in ("engine", "plain loop") if call % 2 == 0 else ("plain loop", "engine"):
+        for side in sides[call % 3:] + sides[: call % 3]:
             torch.manual_seed(call)
             tick = time.perf_counter()
             if side == "engine":
                 groups = engine.generate(prompts, params)
+                count = sum(len(c.token_ids) for g in groups for c in g)
+            elif side == "engine via generate":
+                with mock.patch.object(hf_engine, "sampling_applies", lambda model: False):
+                    groups = engine.generate(prompts, params)
                 count = sum(len(c.token_ids) for g in groups for c in g)
             else:
                 out, _ = plain_sampling_loop(model, prompts, args.n, args.max_new_tokens, eos, pad)
@@ -115,9 +126,12 @@ def measure(name: str, tiny: dict, args) -> dict:
         result[side] = {"median_call_s": statistics.median(times), "tokens_per_call": per_call,
                         "tokens_per_s": per_call / statistics.median(times)}
     result["ratio_engine_over_loop"] = result["engine"]["tokens_per_s"] / result["plain loop"]["tokens_per_s"]
-    print(f"| {name} | {result['engine']['tokens_per_s']:.0f} | {result['plain loop']['tokens_per_s']:.0f} | "
-          f"{result['ratio_engine_over_loop']:.2f} | {result['engine']['median_call_s'] * 1e3:.1f} | "
-          f"{result['plain loop']['median_call_s'] * 1e3:.1f} |", flush=True)
+    result["ratio_engine_over_generate"] = (result["engine"]["tokens_per_s"]
+                                            / result["engine via generate"]["tokens_per_s"])
+    print(f"| {name} | {result['engine']['tokens_per_s']:.0f} | {result['engine via generate']['tokens_per_s']:.0f} | "
+          f"{result['plain loop']['tokens_per_s']:.0f} | {result['ratio_engine_over_generate']:.2f} | "
+          f"{result['ratio_engine_over_loop']:.2f} | "
+          + " | ".join(f"{result[side]['median_call_s'] * 1e3:.1f}" for side in sides) + " |", flush=True)
     return result
 
 
@@ -135,8 +149,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"{args.prompts} prompts x {args.n} samples, at most {args.max_new_tokens} new tokens, "
           f"{args.calls} alternated calls each")
-    print("| model | engine tokens/s | plain loop tokens/s | engine / loop | engine ms/call | loop ms/call |")
-    print("|---|---|---|---|---|---|")
+    print("| model | engine tokens/s | via generate tokens/s | plain loop tokens/s | engine / via generate | "
+          "engine / loop | engine ms/call | via generate ms/call | loop ms/call |")
+    print("|---|---|---|---|---|---|---|---|---|")
     results = {name: measure(name, tiny, args) for name, tiny in MODELS.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=1))

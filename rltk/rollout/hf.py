@@ -2,7 +2,9 @@
 
 The engine samples from the very module the trainer optimises, so there is
 nothing to synchronise after an optimizer step; it runs anywhere torch runs
-(CPU included) and is the default engine.
+(CPU included) and is the default engine. Qwen2 and Llama models are sampled
+by a loop of its own (:mod:`rltk.rollout.hf_sampling`: ``generate``'s tokens
+and log-probs with less compute); every other model by ``model.generate``.
 
 Under a strategy that shards parameters (DeepSpeed ZeRO-3) that module is no
 model on its own: every forward gathers parameters, a collective, so ranks
@@ -43,6 +45,7 @@ from torch import nn
 import rltk
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
+from rltk.rollout.hf_sampling import sample, sampling_applies
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -118,7 +121,8 @@ def _seeded(seed: int | None, device: torch.device):
 
 
 class HFRolloutEngine(RolloutEngine):
-    """Rollouts with ``model.generate`` on the training model itself (registered as ``hf``).
+    """Rollouts from the training model itself (registered as ``hf``), by ``model.generate`` or,
+    for Qwen2 and Llama, :func:`rltk.rollout.hf_sampling.sample`.
 
     Args:
         model: a ``transformers`` causal LM (possibly wrapped by DDP or
@@ -216,6 +220,12 @@ class HFRolloutEngine(RolloutEngine):
                 processors.append(TopPLogitsWarper(top_p=params.top_p))
         processors.append(recorder)
 
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        if sampling_applies(model):
+            generated = sample(model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
+                               greedy=params.greedy, stop_ids=stop_ids, pad_id=pad_id, logits_processor=processors)
+            return generated.tolist(), recorder.finish(generated).tolist()
+
         # Neutral values switch generate's own warpers off (its default top_k is 50).
         neutral_sampling = {} if params.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
         config = GenerationConfig(
@@ -227,7 +237,6 @@ class HFRolloutEngine(RolloutEngine):
             use_cache=True,
             **neutral_sampling,
         )
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         sequences = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -232,9 +232,12 @@ def test_use_model_switches_the_module_the_engine_samples_from(model, tokenizer,
 
 def test_a_prompt_shared_by_n_rows_is_prefilled_once_and_samples_as_without_sharing(model, tokenizer, encode,
                                                                                      monkeypatch):
-    # n rows of one prompt share its prefill (a cache indexed out to the rows); with the same seed the
-    # samples and their log-probs are those of the engine prefilling every row itself.
+    # On the generate path (models other than Qwen2/Llama; rltk.rollout.hf_sampling has its own), n rows of
+    # one prompt share its prefill (a cache indexed out to the rows); with the same seed the samples and
+    # their log-probs are those of the engine prefilling every row itself.
     import rltk.rollout.hf as hf
+
+    monkeypatch.setattr(hf, "sampling_applies", lambda model: False)
 
     prompts = [encode(p) for p in PROMPTS[:3]]  # different lengths: left padding inside the shared cache
     params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=[], seed=11)
