@@ -45,7 +45,7 @@ from torch import nn
 import rltk
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
-from rltk.rollout.hf_sampling import sample, sampling_applies
+from rltk.rollout.hf_sampling import sample, sampling_applies, shared_prompts
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -359,21 +359,18 @@ def _shared_prompt_cache(model: nn.Module, input_ids: torch.Tensor, attention_ma
 
     # a sharded module gathers its parameters collectively in every forward: no extra forward on one rank
     supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-    if input_ids.shape[1] < 2 or has_sharded_parameters(model) or getattr(model, "_is_stateful", False) \
-            or not supports_cache:
+    if has_sharded_parameters(model) or getattr(model, "_is_stateful", False) or not supports_cache:
         return {}
-    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
-    unique, row_prompt = torch.unique(rows, dim=0, return_inverse=True)
-    if unique.shape[0] == input_ids.shape[0]:
+    prompt_of_row, first_rows = shared_prompts(input_ids, attention_mask)
+    if prompt_of_row is None:
         return {}
-    width = input_ids.shape[1]
-    ids, mask = unique[:, : width - 1], unique[:, width:-1].to(attention_mask.dtype)
+    ids, mask = input_ids[first_rows, :-1], attention_mask[first_rows, :-1]
     cache = DynamicCache(config=getattr(model, "config", None))
     # the prefill's logits are not needed: keep the head to one position where the model allows it
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
           past_key_values=cache, use_cache=True, **keep)
-    cache.batch_select_indices(row_prompt)
+    cache.batch_select_indices(prompt_of_row)
     return {"past_key_values": cache}
 
 

@@ -88,7 +88,7 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     cache = DynamicCache(config=model.config)
     computed = torch.arange(rows, device=device)
-    prompt_of_row, lead = _shared_prompts(input_ids, attention_mask, floor)
+    prompt_of_row, lead = shared_prompts(input_ids, attention_mask, floor)
     if prompt_of_row is None:  # every row its own prompt: generate's prefill
         logits = forward(computed, input_ids, cache)
     else:
@@ -138,11 +138,11 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     return sequences[:, width:]
 
 
-def _shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, floor: int):
-    """``(prompt_of_row, lead)`` for rows that repeat prompts: every row's prompt number (prompts
-    numbered by their first row), and the rows to run the last prompt token on: each prompt's first
-    row, in prompt order, then other rows up to ``floor`` in all. ``(None, None)`` when every row
-    has its own prompt or the prompt is one token (nothing to share)."""
+def shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, floor: int = 0):
+    """``(prompt_of_row, lead)`` for left-padded rows that repeat prompts: every row's prompt number
+    (prompts numbered by their first row), and each prompt's first row, in prompt order, followed by
+    other rows up to ``floor`` rows in all. ``(None, None)`` when every row has its own prompt or
+    the prompt is one token (nothing to share: a cache must leave a model one token to run)."""
     rows, width = input_ids.shape
     if width < 2:
         return None, None

@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import rltk.rollout.hf as hf
 from rltk.rollout.base import SamplingParams
 from rltk.rollout.hf import HFRolloutEngine
-from rltk.rollout.hf_sampling import MIN_FORWARD_ROWS, _rows_to_keep, _shared_prompts, sampling_applies
+from rltk.rollout.hf_sampling import MIN_FORWARD_ROWS, _rows_to_keep, sampling_applies, shared_prompts
 
 from .conftest import build_model, build_tokenizer
 
@@ -112,10 +112,10 @@ def _forwards_of_loop(shapes):
 def test_shared_prompts_numbers_prompts_by_first_row_and_tops_up_the_lead_rows():
     ids = torch.tensor([[0, 7, 8], [5, 6, 9], [0, 7, 8], [5, 6, 9], [5, 6, 9]])
     mask = (ids != 0).long()
-    prompt_of_row, lead = _shared_prompts(ids, mask, floor=4)
+    prompt_of_row, lead = shared_prompts(ids, mask, floor=4)
     assert prompt_of_row.tolist() == [0, 1, 0, 1, 1] and lead.tolist() == [0, 1, 2, 3]
-    assert _shared_prompts(ids[:2], mask[:2], floor=2) == (None, None)  # nothing repeats
-    assert _shared_prompts(ids[:, :1], mask[:, :1], floor=4) == (None, None)  # one-token prompts
+    assert shared_prompts(ids[:2], mask[:2], floor=2) == (None, None)  # nothing repeats
+    assert shared_prompts(ids[:, :1], mask[:, :1], floor=4) == (None, None)  # one-token prompts
 
 
 def test_rows_to_keep():
