@@ -59,7 +59,7 @@ from typing import Any
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
 from rltk.serve import require_serve_dependencies
 from rltk.serve.batcher import Batcher
-from rltk.serve.sessions import DEFAULT_SESSION, SessionStore
+from rltk.serve.sessions import DEFAULT_SESSION, SessionStore, tool_results_sent
 from rltk.serve.tool_calls import get_tool_parser
 
 require_serve_dependencies()  # the clear error naming the extra, before fastapi's own ImportError
@@ -508,13 +508,16 @@ async def _chat(state: ServeState, body: dict, session_id: str) -> dict:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     parse = state.parse_tool_calls if tools and tool_choice != "none" else None
     choices, completion_tokens = [], 0
+    results, result_errors = tool_results_sent(messages)
     for index, completion in enumerate(completions):
         ids, lps, text, finish = _cut_at_stop_strings(state.tokenizer, completion, stops)
-        state.store.add(session_id, request_id, index, prompt_ids, ids, lps, finish, text, "chat")
+        content, calls, error = parse(text) if parse is not None else (text, [], None)
+        state.store.add(session_id, request_id, index, prompt_ids, ids, lps, finish, text, "chat",
+                        tool_calls=len(calls) if error is None else 0, tool_parse_error=error is not None,
+                        tool_results=results, tool_result_errors=result_errors)
         completion_tokens += len(ids)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if parse is not None:
-            content, calls, error = parse(text)
             if calls and error is None:
                 message["content"] = content or None
                 message["tool_calls"] = [

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 import rltk
 from rltk.checkpoint import CheckpointManager
 from rltk.config.components import signature_params
+from rltk.config.env_checks import check_demonstrations
 from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
@@ -275,10 +276,16 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
 
 def greedy_accuracy(workflow, rows: list[dict], cfg: DictConfig) -> float:
     """Greedy exact-answer accuracy on ``rows``, each process taking its share, combined over processes."""
+    return greedy_probe(workflow, rows, cfg)["accuracy"]
+
+
+def greedy_probe(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
+    """The workflow's greedy evaluation of ``rows`` (``accuracy``, ``truncated_fraction`` ...), each process
+    taking its share, combined over processes."""
     world, rank = _process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
-    return float(_combine_over_ranks(greedy, world)["accuracy"])
+    return {k: float(v) for k, v in _combine_over_ranks(greedy, world).items()}
 
 
 def _process_group() -> tuple[int, int]:
@@ -414,9 +421,9 @@ def run_sft_stage(stage: Stage) -> None:
     # Otherwise nothing samples during this stage, so the rollout engine is not pointed at the
     # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     probe_rows = run.train_rows[: s.probe_size]
-    sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg)),
-                         s.batch_size,
-                         seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
+    pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
+    check_demonstrations(cfg, run.train_rows, pairs)  # before the first step: tools and turn caps fit the rollout
+    sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     start = 0
     if stage.resume is not None:
         state = run.ckpt.load(stage.resume["path"], strategy)
@@ -432,7 +439,10 @@ def run_sft_stage(stage: Stage) -> None:
         reached = False
         if probing and step % s.probe_every == 0:
             run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
-            metrics["sft/train_accuracy"] = greedy_accuracy(run.workflow, probe_rows, cfg)
+            probe = greedy_probe(run.workflow, probe_rows, cfg)
+            metrics["sft/train_accuracy"] = probe["accuracy"]
+            # a probe at accuracy 0 with every episode cut says "raise the length cap", not "train longer"
+            metrics["sft/probe_truncated_fraction"] = probe.get("truncated_fraction", 0.0)
             reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
         run.metric_log.log(metrics, stage.first_step + step)
         stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged
