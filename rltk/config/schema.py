@@ -259,6 +259,9 @@ class CheckpointConfig:
     every: int = 100  # steps between checkpoints, plus each stage's last step; 0 writes none, not even the last
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a checkpoint folder
+    # A stage's last checkpoint of another run (its step_XXXXXX folder, kept whatever keep_last): a new run
+    # starts after that stage, from its weights, and trains the stages after it (see rltk/training/resume.py).
+    start_from: str | None = None
 
 
 @dataclass

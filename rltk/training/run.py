@@ -35,7 +35,9 @@ from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
-from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
+from rltk.training.resume import (
+    is_stage_end, load_model_weights, resume_or_start_over, run_is_finished, start_point,
+)
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
     limit_torch_threads, prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config,
@@ -88,8 +90,14 @@ def open_run(cfg: DictConfig) -> Run:
     seed_everything(cfg.seed)
     # Whether this continues the run in the folder is settled before anything is written there:
     # an incompatible config stops here, with the folder untouched.
-    ckpt = CheckpointManager(Path(cfg.output_dir) / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    # each stage's last checkpoint stays whatever keep_last: a later run may start from it (checkpoint.start_from)
+    ckpt = CheckpointManager(Path(cfg.output_dir) / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                             keep=is_stage_end)
     resume = resume_or_start_over(cfg, ckpt, main_process=process_rank() == 0)
+    stages = [stage_config(cfg, i) for i in range(len(cfg.stages))]
+    stage_steps = [s.sft.steps if st.type == "sft" else s.trainer.total_steps for s, st in zip(stages, cfg.stages)]
+    if resume is None and cfg.checkpoint.start_from:  # a new run, after another run's finished stage
+        resume = start_point(cfg, stage_steps)
     finished = run_is_finished(resume, cfg)
     # A finished run's config.yaml keeps describing how it was trained: nothing more is trained now.
     run_dir = prepare_run_dir(cfg, write_config=not finished and process_rank() == 0)
@@ -98,8 +106,6 @@ def open_run(cfg: DictConfig) -> Run:
         tokenizer.save_pretrained(run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
     seed_everything(cfg.seed + process_rank())  # same initial weights, different samples per rank
     train_rows, eval_rows = build_rows(cfg, tokenizer)
-    stages = [stage_config(cfg, i) for i in range(len(cfg.stages))]
-    stage_steps = [s.sft.steps if st.type == "sft" else s.trainer.total_steps for s, st in zip(stages, cfg.stages)]
 
     # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
     engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
@@ -125,7 +131,7 @@ def open_run(cfg: DictConfig) -> Run:
     if finished and process_rank() == 0:
         print(f"rltk: {run_dir} already finished (checkpoint {resume['path']}): nothing left to train, reporting "
               f"its final evaluation. For a new run use name=<new name>; to redo this one, checkpoint.resume=never")
-    elif resume is not None:
+    elif resume is not None and "started_from" not in resume:
         print(f"rltk: resuming from {resume['path']} (stage {resume['stage']}, step {resume['stage_step']})")
     return Run(cfg, run_dir, tokenizer, policy, train_rows, eval_rows, workflow, ckpt, metric_log, stages,
                stage_steps, resume, finished)
