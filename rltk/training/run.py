@@ -17,6 +17,7 @@ stage can build its own strategy, and the engine follows it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,11 +274,26 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     world, rank = _process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
-    sampled = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1)) if share else {}
+    with seeded_sampling(cfg.trainer.get("eval_seed"), rank):
+        sampled = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1)) if share else {}
     greedy, sampled = _combine_over_ranks(greedy, world), _combine_over_ranks(sampled, world)
     result = {f"eval/{k}": float(v) for k, v in greedy.items()}
     result["eval/sampled_accuracy"] = float(sampled["accuracy"])
     return result
+
+
+@contextlib.contextmanager
+def seeded_sampling(seed: int | None, rank: int = 0):
+    """With a seed: torch's random streams (CPU, and every GPU) start from ``seed + rank`` inside, and are
+    back where they were after, so a sampled evaluation of the same weights repeats its draws and leaves
+    the training's draws as they would have been without it (``trainer.eval_seed``). ``None``: no change."""
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + rank)
+        yield
 
 
 def greedy_accuracy(workflow, rows: list[dict], cfg: DictConfig) -> float:
