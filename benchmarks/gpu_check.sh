@@ -98,12 +98,12 @@ GPU_TESTS="tests/kernels tests/strategies/test_accelerate_strategy.py tests/roll
 part tests-gpu 120 $PY -m pytest -p no:cacheprovider -q -rA -m gpu $GPU_TESTS --junitxml="$OUT/tests-gpu.xml"
 
 # 2. the fused op against naive and the bare matmul (~3 min on an H100 by the sizes; see the README)
-part logprobs 210 $PY benchmarks/logprobs.py --device cuda --repeats 3 --n 16384 --d 4096 \
+part logprobs 240 $PY benchmarks/logprobs.py --device cuda --repeats 3 --n 16384 --d 4096 \
     --vocab 151936 151665 --dtypes bfloat16 float16 float32 --cases matmul triton naive \
     --out "$OUT/logprobs.json" --table "$TMP/logprobs.md"
 
 # 3. a GRPO update step, fused against naive
-part grpo 100 $PY benchmarks/gpu_grpo_step.py --precisions bf16-weights amp-bf16 --steps 3 --micro-batch 16 \
+part grpo 110 $PY benchmarks/gpu_grpo_step.py --precisions bf16-weights amp-bf16 --steps 3 --micro-batch 16 \
     --out "$OUT/grpo.json" --table "$TMP/grpo.md"
 
 # 4. Triton block sizes (data for tuning the default TritonConfig)

@@ -211,13 +211,6 @@ CUDA_CASES = ("matmul", "triton", "naive", "torch")
 _DEV = "cuda"
 
 
-def _sync():
-    import torch
-
-    if _DEV == "cuda":
-        torch.cuda.synchronize()
-
-
 def _reset_peak() -> int:
     """Reset the peak counter; the bytes allocated now (0 on CPU)."""
     import torch
@@ -239,7 +232,7 @@ def _empty_cache():
     import torch
 
     if _DEV == "cuda":
-        _empty_cache()
+        torch.cuda.empty_cache()
 
 
 class _Timer:
