@@ -237,7 +237,7 @@ def test_a_prompt_shared_by_n_rows_is_prefilled_once_and_samples_as_without_shar
     # their log-probs are those of the engine prefilling every row itself.
     import rltk.rollout.hf as hf
 
-    monkeypatch.setattr(hf, "sampling_applies", lambda model: False)
+    monkeypatch.setattr(hf, "sampling_blocker", lambda model: "switched off by the test")
 
     prompts = [encode(p) for p in PROMPTS[:3]]  # different lengths: left padding inside the shared cache
     params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=[], seed=11)
@@ -246,7 +246,7 @@ def test_a_prompt_shared_by_n_rows_is_prefilled_once_and_samples_as_without_shar
     monkeypatch.setattr(hf, "_shared_prompt_cache", lambda *a: prefills.append(a[1].shape) or shared_cache(*a))
     shared = HFRolloutEngine(model, tokenizer).generate(prompts, params)
     assert prefills == [torch.Size([12, 6])]  # 3 prompts x 4 rows, left-padded to the longest (6 tokens)
-    cache = shared_cache(model, *_padded(prompts * 4))["past_key_values"]
+    (cache,) = shared_cache(model, *_padded(prompts * 4)).values()
     assert cache.get_seq_length() == 5 and cache.layers[0].keys.shape[0] == 12  # all but the last token, per row
     monkeypatch.setattr(hf, "_shared_prompt_cache", lambda *a: {})
     alone = HFRolloutEngine(model, tokenizer).generate(prompts, params)
