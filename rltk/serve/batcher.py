@@ -35,7 +35,7 @@ import dataclasses
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
@@ -46,17 +46,28 @@ class _Job:
     prompt_ids: list[list[int]]
     params: SamplingParams
     order: str | None = None  # the requester's name: rows of a round are sampled in this order
+    requester: object = None  # who shares the engine fairly with others (the endpoint: key and session)
     future: Future = field(default_factory=Future)
+    seq: int = 0  # arrival order
+    sent: int = 0  # rows (prompt x sample, prompt-major) given to engine calls so far
+    results: list = field(default_factory=list)  # the Completion of each row sent
 
     @property
     def rows(self) -> int:
         return len(self.prompt_ids) * self.params.n
+
+    @property
+    def left(self) -> int:
+        return self.rows - self.sent
 
     def key(self) -> tuple:
         single = dataclasses.replace(self.params, n=1)
         values = dataclasses.astuple(single)
         values = tuple(tuple(v) if isinstance(v, list) else v for v in values)
         return values if self.params.seed is None else (*values, id(self))
+
+    def sort_key(self) -> tuple:
+        return (self.order is None, self.order or "", self.seq)
 
 
 _STOP = object()
@@ -96,7 +107,7 @@ class Batcher:
         self.max_batch = max_batch
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._jobs = self._calls = self._sequences = 0
+        self._jobs = self._calls = self._sequences = self._cancelled = self._arrivals = 0
         self._thread = threading.Thread(target=self._loop, name="rltk-serve-batcher", daemon=True)
         self._closed = False
         self._expected: int | None = None
@@ -123,7 +134,8 @@ class Batcher:
         if not self._closed:
             self._queue.put(_WAKE)
 
-    def submit(self, prompt_ids: list[list[int]], params: SamplingParams, order: str | None = None) -> Future:
+    def submit(self, prompt_ids: list[list[int]], params: SamplingParams, order: str | None = None,
+               requester: object = None) -> Future:
         """Queue ``params.n`` samples of each prompt; the future gives ``list[list[Completion]]`` as
         :meth:`RolloutEngine.generate` would (one list per prompt, ``n`` each, ``prompt_index`` set).
 
@@ -131,17 +143,26 @@ class Batcher:
         sampled sorted by it, then by arrival, and jobs without one after those with one. Threads
         send their requests in whatever order the scheduler runs them; sorted, the same requests
         get the same random draws from a seeded engine, so a run with a fixed seed repeats itself.
+        ``requester`` (default: ``order``) is who gets a fair share of a contended engine call.
+
+        Cancelling the future (``future.cancel()``: the client went away) withdraws the job's rows
+        not yet given to the engine; its rows in a call already running are discarded.
         """
         if self._closed:
             raise RuntimeError("Batcher.submit after close(): the endpoint is shutting down")
-        job = _Job([list(p) for p in prompt_ids], params, order)
+        with self._lock:
+            self._arrivals += 1
+            seq = self._arrivals
+        job = _Job([list(p) for p in prompt_ids], params, order, order if requester is None else requester, seq=seq)
         self._queue.put(job)
         return job.future
 
     def stats(self) -> dict[str, int]:
-        """``{"jobs", "engine_calls", "sequences"}`` since the batcher started."""
+        """``{"jobs", "engine_calls", "sequences", "cancelled"}`` since the batcher started (``jobs``: those
+        given to the engine; ``cancelled``: those withdrawn before they were done)."""
         with self._lock:
-            return {"jobs": self._jobs, "engine_calls": self._calls, "sequences": self._sequences}
+            return {"jobs": self._jobs, "engine_calls": self._calls, "sequences": self._sequences,
+                    "cancelled": self._cancelled}
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish queued jobs, then stop the worker thread."""
@@ -154,65 +175,146 @@ class Batcher:
     # ------------------------------------------------------------------ worker
 
     def _loop(self) -> None:
+        active: list[_Job] = []  # jobs with rows left, in arrival order
         stopping = False
-        while not stopping:
+        while True:
+            if not active:
+                if stopping:
+                    return
+                jobs, stopping = self._collect_round()
+                active.extend(jobs)
+            elif self._expected is None:
+                # Free-running (rltk serve): requests that came in during the last call join the next one, so a
+                # large request shares the engine with them instead of running to its end first. With a count
+                # of live requesters set (training) a round's jobs are finished first, as they were collected.
+                stopping = self._drain(active) or stopping
+            active = [job for job in active if not self._withdrawn(job)]
+            if active:
+                self._call(self._next_call(active))
+                active = [job for job in active if job.left and not job.future.done()]
+
+    def _drain(self, active: list[_Job]) -> bool:
+        """Move queued jobs to ``active`` without waiting; ``True`` if close() was asked for."""
+        stopping = False
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return stopping
+            if job is _STOP:
+                stopping = True
+            elif job is not _WAKE:
+                active.append(job)
+
+    def _withdrawn(self, job: _Job) -> bool:
+        if not job.future.cancelled():
+            return False
+        with self._lock:
+            self._cancelled += 1
+        return True
+
+    def _collect_round(self) -> tuple[list[_Job], bool]:
+        """Block for a first job, then collect a round (see the module docstring); ``(jobs, stopping)``."""
+        while True:
             first = self._queue.get()
             if first is _STOP:
-                return
-            if first is _WAKE:
-                continue
-            jobs = [first]
-            rows = first.rows
-            start = time.monotonic()
-            # With live requesters announced (expect()), the round waits for all of them, up to max_wait_s, and
-            # not for a gap: 128 agent threads answered at once send their next requests over a few hundred ms
-            # (they share the GIL), with pauses longer than the window, which would split them into rounds.
-            gap = self._expected is None
-            deadline = min(start + self.window_s, start + self.max_wait_s) if gap else start + self.max_wait_s
-            while rows < self.max_batch:
-                expected = self._expected
-                if expected is not None and len(jobs) >= expected:
-                    break  # every live requester has asked: nobody left to wait for
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    try:
-                        job = self._queue.get(timeout=remaining)
-                    except queue.Empty:
-                        break
-                if job is _STOP:
-                    stopping = True  # serve what was queued before close(), then stop
+                return [], True
+            if first is not _WAKE:
+                break
+        jobs = [first]
+        rows = first.rows
+        start = time.monotonic()
+        # With live requesters announced (expect()), the round waits for all of them, up to max_wait_s, and
+        # not for a gap: 128 agent threads answered at once send their next requests over a few hundred ms
+        # (they share the GIL), with pauses longer than the window, which would split them into rounds.
+        gap = self._expected is None
+        deadline = min(start + self.window_s, start + self.max_wait_s) if gap else start + self.max_wait_s
+        while rows < self.max_batch:
+            expected = self._expected
+            if expected is not None and len(jobs) >= expected:
+                break  # every live requester has asked: nobody left to wait for
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     break
-                if job is _WAKE:
+                try:
+                    job = self._queue.get(timeout=remaining)
+                except queue.Empty:
+                    break
+            if job is _STOP:
+                return jobs, True  # serve what was queued before close(), then stop
+            if job is _WAKE:
+                continue
+            jobs.append(job)
+            rows += job.rows
+            if gap:
+                deadline = min(time.monotonic() + self.window_s, start + self.max_wait_s)
+        return jobs, False
+
+    def _next_call(self, active: list[_Job]) -> list[tuple[_Job, int]]:
+        """The rows of the next engine call, as ``(job, rows)`` pieces in sampling order.
+
+        One sampling group per call. Collected rounds (a requester count is set) go group by group
+        in requester order, whole jobs up to ``max_batch`` rows (a larger job alone), as before.
+        Otherwise the group of the oldest job goes, and its ``max_batch`` rows are shared max-min
+        fairly between requesters (each gets what it asks or an equal share of what is left), each
+        requester's share taken from its jobs in arrival order; a job with a seed is never split
+        (its seed must meet its rows in one call).
+        """
+        if self._expected is not None:
+            ordered = sorted(active, key=_Job.sort_key)
+            key = ordered[0].key()
+            pieces, rows = [], 0
+            for job in ordered:
+                if job.key() != key:
                     continue
-                jobs.append(job)
-                rows += job.rows
-                if gap:
-                    deadline = min(time.monotonic() + self.window_s, start + self.max_wait_s)
-            self._run_round(jobs)
+                if pieces and rows + job.left > self.max_batch:
+                    break
+                pieces.append((job, job.left))
+                rows += job.left
+            return pieces
+        oldest = min(active, key=lambda job: job.seq)
+        if oldest.params.seed is not None:
+            return [(oldest, oldest.left)]
+        key = oldest.key()
+        by_requester: dict = {}
+        for job in sorted((job for job in active if job.key() == key), key=lambda job: job.seq):
+            by_requester.setdefault(job.requester, []).append(job)
+        wants = {who: sum(job.left for job in jobs) for who, jobs in by_requester.items()}
+        shares = dict.fromkeys(wants, 0)
+        capacity = self.max_batch
+        while capacity > 0:
+            hungry = [who for who in wants if shares[who] < wants[who]]
+            if not hungry:
+                break
+            each = max(1, capacity // len(hungry))
+            for who in hungry:
+                take = min(each, wants[who] - shares[who], capacity)
+                shares[who] += take
+                capacity -= take
+                if capacity == 0:
+                    break
+        pieces = []
+        for who, jobs in by_requester.items():
+            share = shares[who]
+            for job in jobs:
+                if share == 0:
+                    break
+                take = min(share, job.left)
+                pieces.append((job, take))
+                share -= take
+        return sorted(pieces, key=lambda piece: piece[0].sort_key())
 
-    def _run_round(self, jobs: list[_Job]) -> None:
-        groups: dict[tuple, list[_Job]] = {}
-        for job in sorted(jobs, key=lambda job: (job.order is None, job.order or "")):  # stable: then arrival
-            groups.setdefault(job.key(), []).append(job)
-        for group in groups.values():
-            call, rows = [], 0
-            for job in group:
-                if call and rows + job.rows > self.max_batch:
-                    self._call(call)
-                    call, rows = [], 0
-                call.append(job)
-                rows += job.rows
-            self._call(call)
-
-    def _call(self, jobs: list[_Job]) -> None:
-        params = dataclasses.replace(jobs[0].params, n=1)
-        flat = [prompt for job in jobs for prompt in job.prompt_ids for _ in range(job.params.n)]
+    def _call(self, pieces: list[tuple[_Job, int]]) -> None:
+        params = dataclasses.replace(pieces[0][0].params, n=1)
+        flat = []
+        for job, take in pieces:
+            n = job.params.n
+            flat += [job.prompt_ids[row // n] for row in range(job.sent, job.sent + take)]
         with self._lock:
-            self._jobs += len(jobs)
+            self._jobs += sum(1 for job, _ in pieces if job.sent == 0)
             self._calls += 1
             self._sequences += len(flat)
         try:
@@ -223,17 +325,28 @@ class Batcher:
                     f"for each of {len(flat)} prompts, got group sizes {[len(r) for r in results]}"
                 )
         except Exception as exc:  # every waiting request learns of the failure; the worker lives on
-            for job in jobs:
-                job.future.set_exception(exc)
+            for job, _ in pieces:
+                job.sent = job.rows
+                _resolve(job.future, exception=exc)
             return
         position = 0
-        for job in jobs:
-            out: list[list[Completion]] = []
-            for index in range(len(job.prompt_ids)):
-                samples = []
-                for _ in range(job.params.n):
-                    completion = results[position][0]
-                    samples.append(dataclasses.replace(completion, prompt_index=index))
-                    position += 1
-                out.append(samples)
-            job.future.set_result(out)
+        for job, take in pieces:
+            job.results += [r[0] for r in results[position:position + take]]
+            job.sent += take
+            position += take
+            if job.left == 0:
+                n = job.params.n
+                out = [[dataclasses.replace(job.results[index * n + sample], prompt_index=index)
+                        for sample in range(n)] for index in range(len(job.prompt_ids))]
+                _resolve(job.future, result=out)
+
+
+def _resolve(future: Future, *, result=None, exception: BaseException | None = None) -> None:
+    """Settle ``future`` unless its requester cancelled it meanwhile (then nobody waits for it)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

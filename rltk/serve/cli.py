@@ -27,6 +27,8 @@ from typing import Any
 from rltk.config.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"
+LIMIT_FLAGS = ("max_body_bytes", "max_json_depth", "max_prompt_chars", "max_prompts", "max_choices",
+               "max_request_tokens")
 
 
 def resolve_model_dir(path: str | None, stack: contextlib.ExitStack) -> tuple[Path | None, Path | None]:
@@ -96,10 +98,21 @@ def build_server_app(args) -> tuple[Any, contextlib.ExitStack, str]:
     from rltk.models.loading import load_model, load_tokenizer
     from rltk.rollout.base import SamplingParams
     from rltk.serve.app import create_app
+    from rltk.serve.auth import api_keys_from
+    from rltk.serve.limits import Limits
     from rltk.serve.sessions import SessionStore
 
     if args.max_tokens < 1:
         raise ConfigError(f"rltk serve: --max-tokens must be >= 1, got {args.max_tokens}")
+    for flag in ("max_batch", "max_sessions", "session_max_records", "session_max_bytes"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"rltk serve: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    try:
+        limits = Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    except ValueError as exc:
+        name = str(exc).split(": ")[1].split(" must")[0]
+        raise ConfigError(f"rltk serve: --{name.replace('_', '-')} must be an integer >= 1, got "
+                          f"{getattr(args, name)}") from None
     stack = contextlib.ExitStack()
     try:
         model_dir, run_dir = resolve_model_dir(args.path, stack)
@@ -124,10 +137,17 @@ def build_server_app(args) -> tuple[Any, contextlib.ExitStack, str]:
         engine = engine_cls(model=model, tokenizer=tokenizer, **engine_args)
         max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         limit = min(args.max_tokens, max_len - 1) if max_len else args.max_tokens
+        if limit < args.max_tokens:
+            print(f"rltk: --max-tokens {args.max_tokens} is more than the model's context of {max_len} tokens "
+                  f"leaves after a one-token prompt: a request may ask for at most {limit}", file=sys.stderr)
+        store = None
+        if args.record_sessions:
+            store = SessionStore(max_sessions=args.max_sessions, max_records=args.session_max_records,
+                                 max_bytes=args.session_max_bytes)
         app = create_app(engine, tokenizer, model_name=name, defaults=SamplingParams(max_new_tokens=limit),
                          max_tokens_limit=limit, max_model_len=max_len, tool_parser=args.tool_parser,
-                         store=SessionStore(max_sessions=args.max_sessions), window_s=args.batch_window,
-                         max_batch=args.max_batch)
+                         store=store, window_s=args.batch_window, max_batch=args.max_batch,
+                         api_keys=api_keys_from(args.api_key), limits=limits, docs=args.docs)
         return app, stack, name
     except BaseException:
         stack.close()
@@ -144,9 +164,13 @@ def cmd_serve(args) -> int:
         raise ConfigError(str(exc)) from None
     import uvicorn
 
-    from rltk.serve.app import free_socket
+    from rltk.serve.auth import api_keys_from, exposure_warning
+    from rltk.serve.server import free_socket
 
     app, stack, name = build_server_app(args)
+    warning = exposure_warning(args.host, api_keys_from(args.api_key))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     with stack:
         sock = free_socket(args.host, args.port)
         port = sock.getsockname()[1]
@@ -159,6 +183,8 @@ def cmd_serve(args) -> int:
 
 def add_parser(sub) -> None:
     """The ``serve`` subcommand's arguments."""
+    from rltk.serve.limits import Limits  # no web stack needed
+
     p = sub.add_parser("serve", help="serve a model folder, checkpoint or run on an OpenAI-compatible endpoint")
     p.add_argument("path", nargs="?", metavar="CHECKPOINT_OR_MODEL_DIR",
                    help="a model folder, a checkpoint step_XXXXXX folder or a run's output_dir "
@@ -168,11 +194,36 @@ def add_parser(sub) -> None:
     p.add_argument("--model-name", help="the model id clients pass (default: the folder's name)")
     p.add_argument("--engine", help="rollout engine (default: the run's rollout.engine, else hf)")
     p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="rollout engine argument (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=256, help="most new tokens per request (default 256)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="most new tokens per request (default 256; at most the model's context minus one)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16, auto")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--tool-parser", default="hermes", help="tool-call parser for requests with tools")
     p.add_argument("--batch-window", type=float, default=0.05, help="seconds the batcher waits after a request for another (default 0.05)")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences per engine call from several requests")
-    p.add_argument("--max-sessions", type=int, default=1000, help="sessions whose records are kept (oldest dropped)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a key every route but /health requires as 'Authorization: Bearer KEY' (repeatable: each "
+                        "key then reads only its own sessions; default: $RLTK_API_KEY, comma-separated)")
+    p.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
+    p.add_argument("--record-sessions", action="store_true",
+                   help="record every choice's token ids and log-probs under its X-Session-Id, readable by the "
+                        "key that wrote it at GET /rltk/sessions/{id} (off by default)")
+    p.add_argument("--max-sessions", type=int, default=1000, help="recorded sessions kept (oldest dropped; default 1000)")
+    p.add_argument("--session-max-records", type=int, default=4096,
+                   help="records kept per recorded session, oldest dropped (default 4096)")
+    p.add_argument("--session-max-bytes", type=int, default=64 << 20,
+                   help="estimated bytes kept per recorded session, oldest dropped (default 64 MiB)")
+    limits = Limits()
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                   help=f"largest request body; more is a 413 (default {limits.max_body_bytes})")
+    p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth,
+                   help=f"deepest JSON nesting of a body (default {limits.max_json_depth})")
+    p.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
+                   help=f"characters of a request's prompts, checked before tokenizing (default {limits.max_prompt_chars})")
+    p.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                   help=f"prompts in one /v1/completions request (default {limits.max_prompts})")
+    p.add_argument("--max-choices", type=int, default=limits.max_choices,
+                   help=f"prompts x n in one request (default {limits.max_choices})")
+    p.add_argument("--max-request-tokens", type=int, default=limits.max_request_tokens,
+                   help=f"prompts x n x max_tokens in one request (default {limits.max_request_tokens})")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
