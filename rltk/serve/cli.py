@@ -32,9 +32,16 @@ LIMIT_FLAGS = ("max_body_bytes", "max_json_depth", "max_prompt_chars", "max_prom
 
 
 def resolve_model_dir(path: str | None, stack: contextlib.ExitStack) -> tuple[Path | None, Path | None]:
-    """``(model folder, run folder)`` for PATH; a checkpoint is exported into a temporary folder on ``stack``."""
-    from rltk.checkpoint import STATE_FILE, CheckpointManager
-    from rltk.training.export import export_checkpoint
+    """``(model folder, run folder)`` for PATH; a checkpoint is exported into a temporary folder on ``stack``.
+
+    Weights are checked before anything loads them (:func:`rltk.models.integrity.check_weights`): a
+    damaged file is refused with its name. A run folder falls back from a damaged newest checkpoint
+    to the newest intact one, with a warning naming what was skipped (nothing is moved: serving
+    only reads the run).
+    """
+    from rltk.checkpoint import STATE_FILE, CheckpointManager, damage_summary
+    from rltk.models.integrity import check_weights
+    from rltk.serialization import CheckpointFileError, UnsafeCheckpointError
 
     if path is None:
         return None, None
@@ -43,22 +50,49 @@ def resolve_model_dir(path: str | None, stack: contextlib.ExitStack) -> tuple[Pa
         raise ConfigError(f"rltk serve: '{path}' is not a folder; pass a model folder (config.json and weights), "
                           "a checkpoint step_XXXXXX folder, or a run's output_dir")
     if (folder / "config.json").is_file():
+        check_weights(folder)
         return folder, None
-    run_dir = None
     if (folder / "checkpoints").is_dir():
-        run_dir = folder
-        latest = CheckpointManager(folder / "checkpoints").latest()
-        if latest is None:
-            raise ConfigError(f"rltk serve: run folder '{path}' has no complete checkpoint under checkpoints/ "
-                              "(train with checkpoint.every > 0, or serve an exported model folder)")
-        folder = latest
+        manager = CheckpointManager(folder / "checkpoints")
+        skipped = []
+        for _, checkpoint in reversed(manager.checkpoints()):
+            damage = manager.verify(checkpoint)  # UnsafeCheckpointError propagates: tampering is not damage
+            try:
+                if damage:
+                    raise CheckpointFileError(damage[0].path, damage_summary(damage, checkpoint))
+                model_dir = _export_checked(checkpoint, stack)
+            except UnsafeCheckpointError:
+                raise
+            except CheckpointFileError as exc:
+                skipped.append(f"{checkpoint.name}: {exc}")
+                continue
+            for line in skipped:
+                print(f"rltk serve: WARNING: skipping damaged checkpoint {line}", file=sys.stderr)
+            if skipped:
+                print(f"rltk serve: serving the newest intact checkpoint, {checkpoint.name}", file=sys.stderr)
+            return model_dir, folder
+        if skipped:
+            raise ConfigError(f"rltk serve: every checkpoint of run folder '{path}' is damaged: " + "; ".join(skipped))
+        raise ConfigError(f"rltk serve: run folder '{path}' has no complete checkpoint under checkpoints/ "
+                          "(train with checkpoint.every > 0, or serve an exported model folder)")
     if (folder / STATE_FILE).is_file():
-        run_dir = run_dir or folder.parent.parent
-        out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rltk-serve-"))) / "model"
-        return export_checkpoint(folder, out), run_dir
+        return _export_checked(folder, stack), folder.parent.parent
     present = sorted(p.name for p in folder.iterdir())[:12]
     raise ConfigError(f"rltk serve: '{path}' is neither a model folder (no config.json), a checkpoint (no "
                       f"{STATE_FILE}) nor a run folder (no checkpoints/); it holds {present}")
+
+
+def _export_checked(checkpoint: Path, stack: contextlib.ExitStack) -> Path:
+    """The checkpoint exported to a temporary folder, its weights checked (named in the checkpoint) first."""
+    from rltk.models.integrity import check_weights
+    from rltk.training.export import export_checkpoint
+
+    if (checkpoint / "model").is_dir():
+        check_weights(checkpoint / "model")
+    out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rltk-serve-"))) / "model"
+    exported = export_checkpoint(checkpoint, out)
+    check_weights(exported)  # what a sharded checkpoint consolidated to
+    return exported
 
 
 def _engine_args(run_dir: Path | None, engine: str | None, overrides: list[str]) -> tuple[str, dict]:
