@@ -124,6 +124,8 @@ def create_app(
     api_keys: list[str] | None = None,
     limits: Limits | None = None,
     docs: bool = False,
+    slice_tokens: int | None = None,
+    max_batch_tokens: int | None = None,
 ):
     """The FastAPI app serving ``engine`` under the model id ``model_name``.
 
@@ -149,6 +151,10 @@ def create_app(
             ``None`` or empty: none.
         limits: per-request bounds (:class:`~rltk.serve.limits.Limits`); ``None``: the defaults.
         docs: serve ``/docs`` and ``/openapi.json`` (off: they describe the API to anyone).
+        slice_tokens: generate at most this many tokens per engine call, so requests share the engine
+            fairly (:class:`~rltk.serve.batcher.Batcher`); ``None``: whole completions per call.
+        max_batch_tokens: with ``slice_tokens``, the most work one engine call gets: the sum over its rows
+            of the context re-read and the tokens it may make; ``None``: only ``max_batch`` rows.
 
     The batcher thread is closed on the app's shutdown (``app.state.rltk.batcher.close()``).
     """
@@ -159,7 +165,8 @@ def create_app(
     if max_requests_per_session is not None and store is None:
         raise ValueError("create_app: max_requests_per_session counts recorded requests; pass a store")
     parse_tool_calls = get_tool_parser(tool_parser, tool_parser_args)  # an unknown name fails here, not mid-run
-    batcher = Batcher(engine, window_s=window_s, max_batch=max_batch, max_wait_s=max_wait_s)
+    batcher = Batcher(engine, window_s=window_s, max_batch=max_batch, max_wait_s=max_wait_s,
+                      slice_tokens=slice_tokens, max_batch_tokens=max_batch_tokens)
     keys = list(api_keys or [])
     state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser, batcher,
                        store, parse_tool_calls=parse_tool_calls, max_requests_per_session=max_requests_per_session,
@@ -266,7 +273,10 @@ async def _generate(state: ServeState, request, prompts: list[list[int]], params
                     session: tuple[str | None, str]) -> list[list[Completion]] | None:
     """The engine's completions, or ``None`` when the client disconnected first (the job is withdrawn)."""
     owner, session_id = session
-    future = state.batcher.submit(prompts, params, order=session_id, requester=(owner, session_id))
+    # Engine time is shared fairly between sessions; requests without an X-Session-Id (all "default") each
+    # count as their own requester, or one client's large request would stall every other client without one.
+    requester = (owner, session_id) if request.headers.get(SESSION_HEADER) else object()
+    future = state.batcher.submit(prompts, params, order=session_id, requester=requester)
     waiting = asyncio.wrap_future(future)
     try:
         while True:

@@ -27,6 +27,23 @@ endpoint receives becomes a job on a queue, and a single worker thread:
 
 Jobs queued while the engine is busy are picked up at once by the next round,
 so under load batches fill without waiting for the window.
+
+Sharing the engine (``slice_tokens``, what ``rltk serve`` uses; off for training,
+and whenever a requester count is set). The engines generate whole completions per
+call, so one large request would hold the engine for its whole length. With
+``slice_tokens`` set, every call generates at most that many tokens per row; a row
+that has budget left continues in a later call from its prompt plus the tokens so
+far (sampling is causal, so the continuation has the distribution of one long call;
+a seeded job's later slices get seeds derived from its own). Between calls new jobs
+join, withdrawn ones leave, and each call takes rows round-robin, one at a time,
+between requesters (the endpoint's sessions), starting with the one served least
+recently, up to ``max_batch`` rows and ``max_batch_tokens`` of work (over its rows,
+the context re-read plus the tokens it may make). A small request therefore waits
+for at most the call running when it arrived, then shares the next one.
+
+Cancellation. A job whose future was cancelled (the client disconnected) is
+dropped before the next call; the call running then finishes and its rows for
+that job are discarded.
 """
 
 from __future__ import annotations
@@ -49,8 +66,19 @@ class _Job:
     requester: object = None  # who shares the engine fairly with others (the endpoint: key and session)
     future: Future = field(default_factory=Future)
     seq: int = 0  # arrival order
-    sent: int = 0  # rows (prompt x sample, prompt-major) given to engine calls so far
-    results: list = field(default_factory=list)  # the Completion of each row sent
+    # Per row (prompt x sample, prompt-major): tokens and log-probs so far, finish reason once done.
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: list = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    slices: int = 0  # engine calls this job's rows were in (seeds a sliced job's later calls apart)
+    served_at: int = -1  # the engine call that last took rows of it
+
+    def __post_init__(self):
+        self.tokens = [[] for _ in range(self.rows)]
+        self.logprobs = [[] for _ in range(self.rows)]
+        self.finish = [None] * self.rows
+        self.texts = [""] * self.rows
 
     @property
     def rows(self) -> int:
@@ -58,12 +86,18 @@ class _Job:
 
     @property
     def left(self) -> int:
-        return self.rows - self.sent
+        """Rows not finished."""
+        return sum(1 for reason in self.finish if reason is None)
 
-    def key(self) -> tuple:
+    def open_rows(self, count: int) -> list[int]:
+        """The first ``count`` unfinished rows."""
+        return [row for row, reason in enumerate(self.finish) if reason is None][:count]
+
+    def key(self, sliced: bool = False) -> tuple:
         single = dataclasses.replace(self.params, n=1)
-        values = dataclasses.astuple(single)
-        values = tuple(tuple(v) if isinstance(v, list) else v for v in values)
+        values = tuple(tuple(v) if isinstance(v, list) else v
+                       for f, v in zip(dataclasses.fields(single), dataclasses.astuple(single))
+                       if not (sliced and f.name == "max_new_tokens"))  # sliced calls set their own
         return values if self.params.seed is None else (*values, id(self))
 
     def sort_key(self) -> tuple:
@@ -92,7 +126,8 @@ class Batcher:
     """
 
     def __init__(self, engine: RolloutEngine, *, window_s: float = 0.05, max_batch: int = 64,
-                 max_wait_s: float | None = None):
+                 max_wait_s: float | None = None, slice_tokens: int | None = None,
+                 max_batch_tokens: int | None = None):
         if not isinstance(window_s, (int, float)) or isinstance(window_s, bool) or window_s < 0:
             raise ValueError(f"Batcher: window_s must be a number of seconds >= 0, got {window_s!r}")
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
@@ -101,6 +136,14 @@ class Batcher:
                                        or max_wait_s < window_s):
             raise ValueError(f"Batcher: max_wait_s must be a number of seconds >= window_s ({window_s}), "
                              f"got {max_wait_s!r}")
+        if slice_tokens is not None and (not isinstance(slice_tokens, int) or isinstance(slice_tokens, bool)
+                                         or slice_tokens < 1):
+            raise ValueError(f"Batcher: slice_tokens must be an integer >= 1 or None, got {slice_tokens!r}")
+        if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
+                                             or max_batch_tokens < 1):
+            raise ValueError(f"Batcher: max_batch_tokens must be an integer >= 1 or None, got {max_batch_tokens!r}")
+        self.slice_tokens = slice_tokens
+        self.max_batch_tokens = max_batch_tokens
         self.engine = engine
         self.window_s = float(window_s)
         self.max_wait_s = float(max_wait_s) if max_wait_s is not None else 5 * self.window_s
@@ -190,8 +233,13 @@ class Batcher:
                 stopping = self._drain(active) or stopping
             active = [job for job in active if not self._withdrawn(job)]
             if active:
-                self._call(self._next_call(active))
-                active = [job for job in active if job.left and not job.future.done()]
+                try:
+                    self._call(self._next_call(active))
+                except Exception as exc:  # a bug here must not leave requests waiting on a dead thread
+                    for job in active:
+                        _resolve(job.future, exception=exc)
+                    active = []
+                active = [job for job in active if job.left and not self._withdrawn(job) and not job.future.done()]
 
     def _drain(self, active: list[_Job]) -> bool:
         """Move queued jobs to ``active`` without waiting; ``True`` if close() was asked for."""
@@ -253,17 +301,16 @@ class Batcher:
                 deadline = min(time.monotonic() + self.window_s, start + self.max_wait_s)
         return jobs, False
 
-    def _next_call(self, active: list[_Job]) -> list[tuple[_Job, int]]:
+    def _next_call(self, active: list[_Job]) -> list[tuple[_Job, list[int]]]:
         """The rows of the next engine call, as ``(job, rows)`` pieces in sampling order.
 
         One sampling group per call. Collected rounds (a requester count is set) go group by group
         in requester order, whole jobs up to ``max_batch`` rows (a larger job alone), as before.
-        Otherwise the group of the oldest job goes, and its ``max_batch`` rows are shared max-min
+        Otherwise (sliced calls) the group of the job served least recently goes, and its ``max_batch`` rows are shared max-min
         fairly between requesters (each gets what it asks or an equal share of what is left), each
-        requester's share taken from its jobs in arrival order; a job with a seed is never split
-        (its seed must meet its rows in one call).
+        requester's share taken from its jobs in arrival order, a job's unfinished rows first to last.
         """
-        if self._expected is not None:
+        if self._expected is not None or self.slice_tokens is None:
             ordered = sorted(active, key=_Job.sort_key)
             key = ordered[0].key()
             pieces, rows = [], 0
@@ -272,51 +319,60 @@ class Batcher:
                     continue
                 if pieces and rows + job.left > self.max_batch:
                     break
-                pieces.append((job, job.left))
+                pieces.append((job, job.open_rows(job.left)))
                 rows += job.left
             return pieces
-        oldest = min(active, key=lambda job: job.seq)
-        if oldest.params.seed is not None:
-            return [(oldest, oldest.left)]
-        key = oldest.key()
+        # The group of the job served least recently (never served first, then by arrival): groups take turns.
+        oldest = min(active, key=lambda job: (job.served_at, job.seq))
+        key = oldest.key(sliced=True)
         by_requester: dict = {}
-        for job in sorted((job for job in active if job.key() == key), key=lambda job: job.seq):
+        for job in sorted((job for job in active if job.key(sliced=True) == key), key=lambda job: job.seq):
             by_requester.setdefault(job.requester, []).append(job)
-        wants = {who: sum(job.left for job in jobs) for who, jobs in by_requester.items()}
-        shares = dict.fromkeys(wants, 0)
-        capacity = self.max_batch
-        while capacity > 0:
-            hungry = [who for who in wants if shares[who] < wants[who]]
-            if not hungry:
-                break
-            each = max(1, capacity // len(hungry))
-            for who in hungry:
-                take = min(each, wants[who] - shares[who], capacity)
-                shares[who] += take
-                capacity -= take
-                if capacity == 0:
+        # Round robin, one row at a time, starting with the requester served least recently: each gets an
+        # equal number of rows (or all it has left), and the call stops at max_batch rows or max_batch_tokens
+        # of work (the context each row is re-read with plus the tokens it may make), at least one row.
+        queues = sorted(by_requester.values(), key=lambda jobs: (min(j.served_at for j in jobs), jobs[0].seq))
+        pending = [[(job, row) for job in jobs for row in job.open_rows(job.left)] for jobs in queues]
+        taken: dict[int, tuple[_Job, list[int]]] = {}
+        rows = work = 0
+        while rows < self.max_batch and any(pending):
+            for queue_rows in pending:
+                if not queue_rows or rows >= self.max_batch:
+                    continue
+                job, row = queue_rows[0]
+                cost = len(job.prompt_ids[row // job.params.n]) + len(job.tokens[row]) + self.slice_tokens
+                if rows and self.max_batch_tokens is not None and work + cost > self.max_batch_tokens:
+                    pending = []
                     break
-        pieces = []
-        for who, jobs in by_requester.items():
-            share = shares[who]
-            for job in jobs:
-                if share == 0:
-                    break
-                take = min(share, job.left)
-                pieces.append((job, take))
-                share -= take
+                queue_rows.pop(0)
+                taken.setdefault(id(job), (job, []))[1].append(row)
+                rows += 1
+                work += cost
+        pieces = list(taken.values())
         return sorted(pieces, key=lambda piece: piece[0].sort_key())
 
-    def _call(self, pieces: list[tuple[_Job, int]]) -> None:
-        params = dataclasses.replace(pieces[0][0].params, n=1)
+    def _call(self, pieces: list[tuple[_Job, list[int]]]) -> None:
+        first = pieces[0][0]
+        sliced = self._expected is None and self.slice_tokens is not None
+        params = dataclasses.replace(first.params, n=1)
+        if sliced:
+            # The least budget left of any row: no row goes past its max_tokens (nor the context the request was
+            # checked against); rows with more left go on in a later call.
+            budget = min(job.params.max_new_tokens - len(job.tokens[row]) for job, rows in pieces for row in rows)
+            params = dataclasses.replace(params, max_new_tokens=min(self.slice_tokens, budget))
+            if first.params.seed is not None and first.slices:
+                # A seeded job's later slices: their own draws, still a function of the seed alone.
+                params = dataclasses.replace(params, seed=(first.params.seed + first.slices * _GOLDEN) % (1 << 63))
         flat = []
-        for job, take in pieces:
-            n = job.params.n
-            flat += [job.prompt_ids[row // n] for row in range(job.sent, job.sent + take)]
+        for job, rows in pieces:
+            flat += [job.prompt_ids[row // job.params.n] + job.tokens[row] for row in rows]
         with self._lock:
-            self._jobs += sum(1 for job, _ in pieces if job.sent == 0)
+            self._jobs += sum(1 for job, _ in pieces if job.slices == 0)
             self._calls += 1
             self._sequences += len(flat)
+        for job, _ in pieces:
+            job.slices += 1
+            job.served_at = self._calls
         try:
             results = self.engine.generate(flat, params)
             if len(results) != len(flat) or any(len(r) != 1 for r in results):
@@ -326,19 +382,32 @@ class Batcher:
                 )
         except Exception as exc:  # every waiting request learns of the failure; the worker lives on
             for job, _ in pieces:
-                job.sent = job.rows
+                job.finish = ["error"] * job.rows
                 _resolve(job.future, exception=exc)
             return
         position = 0
-        for job, take in pieces:
-            job.results += [r[0] for r in results[position:position + take]]
-            job.sent += take
-            position += take
+        for job, rows in pieces:
+            for row in rows:
+                completion = results[position][0]
+                position += 1
+                room = job.params.max_new_tokens - len(job.tokens[row])
+                job.tokens[row] += list(completion.token_ids[:room])
+                job.logprobs[row] += list(completion.logprobs[:room])
+                job.texts[row] += completion.text
+                if completion.finish_reason == "stop" and len(completion.token_ids) <= room:
+                    job.finish[row] = "stop"
+                elif len(completion.token_ids) >= room or not sliced:
+                    job.finish[row] = "length" if completion.finish_reason == "stop" else completion.finish_reason
+                # else: a slice ended with budget left; the row goes on from its prompt + tokens so far
             if job.left == 0:
                 n = job.params.n
-                out = [[dataclasses.replace(job.results[index * n + sample], prompt_index=index)
+                out = [[Completion(index, job.tokens[index * n + sample], job.logprobs[index * n + sample],
+                                   job.finish[index * n + sample], job.texts[index * n + sample])
                         for sample in range(n)] for index in range(len(job.prompt_ids))]
                 _resolve(job.future, result=out)
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads a sliced seeded job's per-slice seeds apart
 
 
 def _resolve(future: Future, *, result=None, exception: BaseException | None = None) -> None:
