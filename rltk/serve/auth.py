@@ -36,7 +36,7 @@ def api_keys_from(flags: list[str] | None, environ=os.environ) -> list[str]:
 
 
 def owner_tag(key: str | None, keys: list[str]) -> str | None:
-    """The session namespace of a caller: ``None`` with fewer than two keys (one principal), else a digest of its key."""
+    """A caller's session namespace: ``None`` with fewer than two keys (one principal), else its key's digest."""
     if key is None or len(keys) < 2:
         return None
     return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -306,9 +306,9 @@ class Batcher:
 
         One sampling group per call. Collected rounds (a requester count is set) go group by group
         in requester order, whole jobs up to ``max_batch`` rows (a larger job alone), as before.
-        Otherwise (sliced calls) the group of the job served least recently goes, and its ``max_batch`` rows are shared max-min
-        fairly between requesters (each gets what it asks or an equal share of what is left), each
-        requester's share taken from its jobs in arrival order, a job's unfinished rows first to last.
+        Otherwise (sliced calls) the group of the job served least recently goes, and its rows are
+        taken round-robin between requesters (see below), each requester's from its jobs in arrival
+        order, a job's unfinished rows first to last.
         """
         if self._expected is not None or self.slice_tokens is None:
             ordered = sorted(active, key=_Job.sort_key)

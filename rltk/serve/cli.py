@@ -209,7 +209,11 @@ def cmd_serve(args) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     with stack:
-        sock = free_socket(args.host, args.port)
+        try:
+            sock = free_socket(args.host, args.port)
+        except OSError as exc:  # taken port, an address not on this machine: one line, not a traceback
+            raise ConfigError(f"rltk serve: cannot listen on {args.host}:{args.port} (--host/--port): "
+                              f"{exc.strerror or exc}") from None
         port = sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"rltk: serving model '{name}' at http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
@@ -253,7 +257,8 @@ def add_parser(sub) -> None:
     p.add_argument("--record-sessions", action="store_true",
                    help="record every choice's token ids and log-probs under its X-Session-Id, readable by the "
                         "key that wrote it at GET /rltk/sessions/{id} (off by default)")
-    p.add_argument("--max-sessions", type=int, default=1000, help="recorded sessions kept (oldest dropped; default 1000)")
+    p.add_argument("--max-sessions", type=int, default=1000,
+                   help="recorded sessions kept (oldest dropped; default 1000)")
     p.add_argument("--session-max-records", type=int, default=4096,
                    help="records kept per recorded session, oldest dropped (default 4096)")
     p.add_argument("--session-max-bytes", type=int, default=64 << 20,
@@ -264,7 +269,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth,
                    help=f"deepest JSON nesting of a body (default {limits.max_json_depth})")
     p.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
-                   help=f"characters of a request's prompts, checked before tokenizing (default {limits.max_prompt_chars})")
+                   help="characters of a request's prompts, checked before tokenizing "
+                        f"(default {limits.max_prompt_chars})")
     p.add_argument("--max-prompts", type=int, default=limits.max_prompts,
                    help=f"prompts in one /v1/completions request (default {limits.max_prompts})")
     p.add_argument("--max-choices", type=int, default=limits.max_choices,

@@ -75,7 +75,8 @@ def test_a_missing_or_wrong_key_is_a_401_on_every_route_but_health(keyed):
 
 def test_docs_and_the_openapi_schema_are_off_unless_asked_for(keyed):
     for path in ("/docs", "/openapi.json", "/redoc"):
-        assert httpx.get(root(keyed) + path, headers={"Authorization": "Bearer key-alice"}, timeout=10).status_code == 404
+        response = httpx.get(root(keyed) + path, headers={"Authorization": "Bearer key-alice"}, timeout=10)
+        assert response.status_code == 404
     server, _ = serve(docs=True)
     with server:
         assert httpx.get(root(server) + "/openapi.json", timeout=10).json()["info"]["title"] == "rltk"
@@ -197,7 +198,8 @@ def test_a_long_prompt_is_refused_by_its_characters_before_it_is_tokenized(limit
     response = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": "1" * 50_000},
                           timeout=30)
     assert response.status_code == 400 and response.json()["error"]["code"] == "prompt_too_long"
-    assert "50000 characters" in response.json()["error"]["message"] and "not tokenized" in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    assert "50000 characters" in message and "not tokenized" in message
     chat = httpx.post(server.base_url + "/chat/completions", timeout=30,
                       json={"model": MODEL, "messages": [{"role": "user", "content": "2" * 600}] * 2})
     assert chat.status_code == 400 and chat.json()["error"]["code"] == "prompt_too_long"
@@ -227,8 +229,8 @@ def test_prompts_and_choices_times_tokens_per_request_are_capped_before_the_engi
     assert "10000 prompts" in many.json()["error"]["message"] and "limit of 8" in many.json()["error"]["message"]
     wide = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": [[10]] * 4, "n": 8}, timeout=30)
     assert wide.status_code == 400 and wide.json()["error"]["code"] == "too_many_choices"
-    costly = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": "1", "n": 8, "max_tokens": 16},
-                        timeout=30)
+    costly = httpx.post(server.base_url + "/completions", timeout=30,
+                        json={"model": MODEL, "prompt": "1", "n": 8, "max_tokens": 16})
     assert costly.status_code == 400 and costly.json()["error"]["code"] == "request_too_large"
     assert "8 choices x 16 tokens = 128" in costly.json()["error"]["message"]
     assert len(engine.calls) == calls
