@@ -11,7 +11,8 @@
   n=1) and times each from request to response;
 * each of ``--abusers`` threads sends, back to back, the largest request the server's default limits
   allow (64 prompts x n=2 = 128 choices x 250 tokens = 32 000 tokens, under ``--max-request-tokens``
-  32 768; 250 is what the 256-position context leaves after the 6-token prompts) and hangs up ``--cancel-after`` seconds later, before it is done.
+  32 768; 250 is what the 256-position context leaves after the 6-token prompts) and hangs up
+  ``--cancel-after`` seconds later, before it is done.
 
 Rounds alternate the two conditions ("alone", then "abused"), so drift of a shared machine hits both;
 the figure is the median latency abused over the median alone, per round, and its median over rounds.
@@ -36,11 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_server(slice_tokens: int, max_batch_tokens: int) -> tuple[subprocess.Popen, str]:
+def start_server(slice_tokens: int, max_share_tokens: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "rltk.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                              "--log-level", "warning", "--slice-tokens", str(slice_tokens),
-                             "--max-batch-tokens", str(max_batch_tokens)],
+                             "--max-share-tokens", str(max_share_tokens)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -93,15 +94,15 @@ def main(argv=None) -> int:
     parser.add_argument("--abusers", type=int, default=1)
     parser.add_argument("--cancel-after", type=float, default=1.0)
     parser.add_argument("--slice-tokens", type=int, default=16, help="the server's --slice-tokens (0: off)")
-    parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help="the server's --max-batch-tokens (default: rltk serve's own)")
+    parser.add_argument("--max-share-tokens", type=int, default=None,
+                        help="the server's --max-share-tokens (default: rltk serve's own)")
     args = parser.parse_args(argv)
 
-    if args.max_batch_tokens is None:
+    if args.max_share_tokens is None:
         from rltk.cli import build_parser
 
-        args.max_batch_tokens = build_parser().parse_args(["serve"]).max_batch_tokens
-    proc, url = start_server(args.slice_tokens, args.max_batch_tokens)
+        args.max_share_tokens = build_parser().parse_args(["serve"]).max_share_tokens
+    proc, url = start_server(args.slice_tokens, args.max_share_tokens)
     rounds = []
     try:
         good_latencies(url, 3, args.good_tokens)  # warm-up: first calls pay one-off costs
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
             "model": "tiny", "prompt": [f"{k}+{k}=" for k in range(10, 74)], "n": 2, "max_tokens": 250}).json()
         large_s = time.monotonic() - start
         large_tokens = done["usage"]["completion_tokens"]
-        print(f"one largest request alone: {large_tokens} tokens in {large_s:.2f} s ({large_tokens / large_s:.0f} tokens/s)")
+        print(f"one largest request alone: {large_tokens} tokens in {large_s:.2f} s "
+              f"({large_tokens / large_s:.0f} tokens/s)")
     finally:
         proc.terminate()
         try:
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
             proc.kill()
     ratio = statistics.median(r["ratio"] for r in rounds)
     print(f"median over {len(rounds)} rounds: the well-behaved client's median latency abused / alone = {ratio:.2f}x "
-          f"(target <= 2x; --slice-tokens {args.slice_tokens} --max-batch-tokens {args.max_batch_tokens}, "
+          f"(target <= 2x; --slice-tokens {args.slice_tokens} --max-share-tokens {args.max_share_tokens}, "
           f"{args.abusers} abusive client(s))")
     try:
         load = os.getloadavg()[0]

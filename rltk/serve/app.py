@@ -126,6 +126,7 @@ def create_app(
     docs: bool = False,
     slice_tokens: int | None = None,
     max_batch_tokens: int | None = None,
+    max_share_tokens: int | None = None,
 ):
     """The FastAPI app serving ``engine`` under the model id ``model_name``.
 
@@ -155,6 +156,8 @@ def create_app(
             fairly (:class:`~rltk.serve.batcher.Batcher`); ``None``: whole completions per call.
         max_batch_tokens: with ``slice_tokens``, the most work one engine call gets: the sum over its rows
             of the context re-read and the tokens it may make; ``None``: only ``max_batch`` rows.
+        max_share_tokens: with ``slice_tokens``, the most of that work one session (one request without
+            an ``X-Session-Id``) gets per call; ``None``: no cap beyond the call's.
 
     The batcher thread is closed on the app's shutdown (``app.state.rltk.batcher.close()``).
     """
@@ -166,7 +169,8 @@ def create_app(
         raise ValueError("create_app: max_requests_per_session counts recorded requests; pass a store")
     parse_tool_calls = get_tool_parser(tool_parser, tool_parser_args)  # an unknown name fails here, not mid-run
     batcher = Batcher(engine, window_s=window_s, max_batch=max_batch, max_wait_s=max_wait_s,
-                      slice_tokens=slice_tokens, max_batch_tokens=max_batch_tokens)
+                      slice_tokens=slice_tokens, max_batch_tokens=max_batch_tokens,
+                      max_share_tokens=max_share_tokens)
     keys = list(api_keys or [])
     state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser, batcher,
                        store, parse_tool_calls=parse_tool_calls, max_requests_per_session=max_requests_per_session,

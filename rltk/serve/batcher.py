@@ -37,9 +37,11 @@ far (sampling is causal, so the continuation has the distribution of one long ca
 a seeded job's later slices get seeds derived from its own). Between calls new jobs
 join, withdrawn ones leave, and each call takes rows round-robin, one at a time,
 between requesters (the endpoint's sessions), starting with the one served least
-recently, up to ``max_batch`` rows and ``max_batch_tokens`` of work (over its rows,
-the context re-read plus the tokens it may make). A small request therefore waits
-for at most the call running when it arrived, then shares the next one.
+recently, each requester up to ``max_share_tokens`` of work (over its rows, the
+context re-read plus the tokens it may make), the call up to ``max_batch`` rows and
+``max_batch_tokens`` of work. A large request therefore runs in short calls, and a
+small one waits for at most the call running when it arrived, then shares the next;
+many small requesters still share one call.
 
 Cancellation. A job whose future was cancelled (the client disconnected) is
 dropped before the next call; the call running then finishes and its rows for
@@ -127,7 +129,7 @@ class Batcher:
 
     def __init__(self, engine: RolloutEngine, *, window_s: float = 0.05, max_batch: int = 64,
                  max_wait_s: float | None = None, slice_tokens: int | None = None,
-                 max_batch_tokens: int | None = None):
+                 max_batch_tokens: int | None = None, max_share_tokens: int | None = None):
         if not isinstance(window_s, (int, float)) or isinstance(window_s, bool) or window_s < 0:
             raise ValueError(f"Batcher: window_s must be a number of seconds >= 0, got {window_s!r}")
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
@@ -139,11 +141,12 @@ class Batcher:
         if slice_tokens is not None and (not isinstance(slice_tokens, int) or isinstance(slice_tokens, bool)
                                          or slice_tokens < 1):
             raise ValueError(f"Batcher: slice_tokens must be an integer >= 1 or None, got {slice_tokens!r}")
-        if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
-                                             or max_batch_tokens < 1):
-            raise ValueError(f"Batcher: max_batch_tokens must be an integer >= 1 or None, got {max_batch_tokens!r}")
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_share_tokens", max_share_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Batcher: {name} must be an integer >= 1 or None, got {value!r}")
         self.slice_tokens = slice_tokens
         self.max_batch_tokens = max_batch_tokens
+        self.max_share_tokens = max_share_tokens
         self.engine = engine
         self.window_s = float(window_s)
         self.max_wait_s = float(max_wait_s) if max_wait_s is not None else 5 * self.window_s
@@ -329,18 +332,24 @@ class Batcher:
         for job in sorted((job for job in active if job.key(sliced=True) == key), key=lambda job: job.seq):
             by_requester.setdefault(job.requester, []).append(job)
         # Round robin, one row at a time, starting with the requester served least recently: each gets an
-        # equal number of rows (or all it has left), and the call stops at max_batch rows or max_batch_tokens
-        # of work (the context each row is re-read with plus the tokens it may make), at least one row.
+        # equal number of rows (or all it has left) up to max_share_tokens of work (the context each row is
+        # re-read with plus the tokens it may make), and the call stops at max_batch rows or max_batch_tokens
+        # of work, at least one row.
         queues = sorted(by_requester.values(), key=lambda jobs: (min(j.served_at for j in jobs), jobs[0].seq))
         pending = [[(job, row) for job in jobs for row in job.open_rows(job.left)] for jobs in queues]
+        shares = [0] * len(pending)
         taken: dict[int, tuple[_Job, list[int]]] = {}
         rows = work = 0
         while rows < self.max_batch and any(pending):
-            for queue_rows in pending:
+            for number, queue_rows in enumerate(pending):
                 if not queue_rows or rows >= self.max_batch:
                     continue
                 job, row = queue_rows[0]
                 cost = len(job.prompt_ids[row // job.params.n]) + len(job.tokens[row]) + self.slice_tokens
+                if shares[number] and self.max_share_tokens is not None \
+                        and shares[number] + cost > self.max_share_tokens:
+                    queue_rows.clear()  # this requester's share of the call is full
+                    continue
                 if rows and self.max_batch_tokens is not None and work + cost > self.max_batch_tokens:
                     pending = []
                     break
@@ -348,6 +357,7 @@ class Batcher:
                 taken.setdefault(id(job), (job, []))[1].append(row)
                 rows += 1
                 work += cost
+                shares[number] += cost
         pieces = list(taken.values())
         return sorted(pieces, key=lambda piece: piece[0].sort_key())
 

@@ -140,7 +140,8 @@ def build_server_app(args) -> tuple[Any, contextlib.ExitStack, str]:
         raise ConfigError(f"rltk serve: --max-tokens must be >= 1, got {args.max_tokens}")
     if args.slice_tokens < 0:
         raise ConfigError(f"rltk serve: --slice-tokens must be >= 0 (0: whole completions), got {args.slice_tokens}")
-    for flag in ("max_batch", "max_batch_tokens", "max_sessions", "session_max_records", "session_max_bytes"):
+    for flag in ("max_batch", "max_batch_tokens", "max_share_tokens", "max_sessions", "session_max_records",
+                 "session_max_bytes"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"rltk serve: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     try:
@@ -184,7 +185,8 @@ def build_server_app(args) -> tuple[Any, contextlib.ExitStack, str]:
                          max_tokens_limit=limit, max_model_len=max_len, tool_parser=args.tool_parser,
                          store=store, window_s=args.batch_window, max_batch=args.max_batch,
                          api_keys=api_keys_from(args.api_key), limits=limits, docs=args.docs,
-                         slice_tokens=args.slice_tokens or None, max_batch_tokens=args.max_batch_tokens)
+                         slice_tokens=args.slice_tokens or None, max_batch_tokens=args.max_batch_tokens,
+                         max_share_tokens=args.max_share_tokens)
         return app, stack, name
     except BaseException:
         stack.close()
@@ -240,16 +242,20 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16, auto")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--tool-parser", default="hermes", help="tool-call parser for requests with tools")
-    p.add_argument("--batch-window", type=float, default=0.05, help="seconds the batcher waits after a request for another (default 0.05)")
+    p.add_argument("--batch-window", type=float, default=0.05,
+                   help="seconds the batcher waits after a request for another (default 0.05)")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences per engine call from several requests")
     p.add_argument("--slice-tokens", type=int, default=16,
                    help="most tokens generated per engine call: longer completions continue in later calls, so a "
                         "large request shares the engine with others and a cancelled one stops soon "
                         "(default 16; 0 generates whole completions per call)")
-    p.add_argument("--max-batch-tokens", type=int, default=512,
+    p.add_argument("--max-batch-tokens", type=int, default=4096,
                    help="with --slice-tokens, the most work per engine call: over its rows, the context re-read "
-                        "plus the tokens it may make (default 512: a small request waits at most one short call; "
-                        "raise it for throughput); rows are shared round-robin between sessions")
+                        "plus the tokens it may make (default 4096)")
+    p.add_argument("--max-share-tokens", type=int, default=512,
+                   help="with --slice-tokens, the most of that work one session gets per engine call (default 512: "
+                        "a large request runs in short calls, so others wait little; raise it for throughput). "
+                        "Rows are shared round-robin between sessions; a request without X-Session-Id is its own")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="a key every route but /health requires as 'Authorization: Bearer KEY' (repeatable: each "
                         "key then reads only its own sessions; default: $RLTK_API_KEY, comma-separated)")

@@ -136,3 +136,20 @@ def test_a_small_request_is_answered_between_the_slices_of_a_large_one(slow_serv
     assert small_done - start < 0.6  # the running slice, then one shared with the large request's rows
     assert result["large_done"] - small_done > 1.0  # the large one had most of its 2 s still to go
     assert len(result["large"].json()["choices"]) == 16
+
+
+def test_many_small_requesters_share_one_call_while_a_large_one_gets_its_share():
+    engine = CountUpEngine()
+    batcher = Batcher(engine, window_s=0.3, slice_tokens=4, max_batch_tokens=10**6, max_share_tokens=20)
+    try:
+        big = batcher.submit([[1]] * 40, SamplingParams(max_new_tokens=4), requester="big")
+        small = [batcher.submit([[50 + k]], SamplingParams(max_new_tokens=4), requester=f"s{k}") for k in range(10)]
+        for future in small + [big]:
+            future.result(timeout=10)
+    finally:
+        batcher.close()
+    # every row costs 1 + 0 + 4 = 5: the large requester's share of 20 is 4 rows a call, the ten small ones all go
+    # in the first call beside them; then the large one's 36 rows left, 4 a call
+    assert engine.calls[0] == (14, 4)
+    assert sorted(engine.lasts[0]) == [1] * 4 + list(range(50, 60))
+    assert engine.calls[1:] == [(4, 4)] * 9
