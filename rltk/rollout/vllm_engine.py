@@ -152,6 +152,16 @@ def memory_kwargs(platform: str, gpu_memory_utilization: float | None,
     return {"gpu_memory_utilization": float(0.5 if gpu_memory_utilization is None else gpu_memory_utilization)}
 
 
+def _release_failed_start() -> None:
+    """A start that failed part-way leaves vLLM's process group (and memory) in this process: release them."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under a launcher the group is the trainer's own
+        cleanup_dist_env_and_memory()
+
+
 _MEMORY_WORDS = ("memory", "kv cache", "cache blocks", "out of memory")
 
 
@@ -173,6 +183,7 @@ def _build_llm(vllm, kwargs: dict[str, Any]):
         with torch.random.fork_rng(devices=[]):
             return vllm.LLM(**kwargs)
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
+        _release_failed_start()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if any(word in first.lower() for word in _MEMORY_WORDS):
             raise ConfigError(
@@ -323,7 +334,11 @@ class VLLMRolloutEngine(RolloutEngine):
             switched off with a warning.
         sleep_level: 1 offloads weights to CPU and drops the KV cache; 2 drops
             both (the next :meth:`update_weights` must then bring weights).
-        dtype: vLLM's dtype (``"auto"``, ``"bfloat16"``, ``"float32"`` ...).
+        dtype: vLLM's dtype (``"bfloat16"``, ``"float32"`` ...). Default: the
+            trainer's parameter dtype, so the engine samples from the
+            distribution the trainer scores; ``"auto"`` lets vLLM choose
+            (it runs an fp32 model in bf16: ~0.4% per-token ratio gaps on the
+            tiny default instead of ~1e-6).
         max_model_len: longest prompt + completion; defaults to the model's.
         enforce_eager: skip graph capture and compilation (faster start, slower
             decode); default True on CPU, False on CUDA.
@@ -344,7 +359,7 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_cache_memory_bytes: int | None = None,
         enable_sleep_mode: bool | None = None,
         sleep_level: int = 1,
-        dtype: str = "auto",
+        dtype: str | None = None,
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool = True,
@@ -387,6 +402,8 @@ class VLLMRolloutEngine(RolloutEngine):
             enable_sleep_mode = False
         if enforce_eager is None:
             enforce_eager = self.platform == "cpu"
+        if dtype is None:
+            dtype = str(next(unwrapped.parameters()).dtype).removeprefix("torch.")
 
         self.model = model
         self.tokenizer = tokenizer
@@ -504,6 +521,20 @@ class VLLMRolloutEngine(RolloutEngine):
         self.weight_version += 1
         if self.enable_prefix_caching:
             self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut vLLM's engine down: its worker, memory and the process group it set up in this process.
+
+        Colocated, vLLM initializes ``torch.distributed`` here (a world of one
+        unless a launcher made one); closing before the trainer ends its own
+        group keeps the two from destroying each other's.
+        """
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
 
     def sleep(self) -> None:
         """Free GPU memory for training: ``llm.sleep(level=sleep_level)``; a no-op without sleep mode."""

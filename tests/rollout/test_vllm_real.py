@@ -49,7 +49,8 @@ def served(tok):
     model = vllm_model(tok)
     engine = VLLMRolloutEngine(model, tok, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 * 2**20)
     yield engine, model
-    del engine
+    engine.close()
+    assert not torch.distributed.is_initialized()  # vLLM's process group went with it: later tests see none
 
 
 def ids(tok, text):
@@ -194,4 +195,5 @@ def test_a_kv_cache_larger_than_memory_is_one_line_naming_the_setting(tok):
 
     with pytest.raises(ConfigError, match=r"could not reserve its memory.*kv_cache_memory_bytes") as info:
         VLLMRolloutEngine(vllm_model(tok), tok, dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**50)
+    assert not torch.distributed.is_initialized()  # the failed start left no process group behind
     assert "\n" not in str(info.value)
