@@ -292,6 +292,18 @@ def engine_weights(state_dict_or_model: Any, trainer_model: nn.Module | None = N
     return {name: tensor.clone() if sharded else tensor for name, tensor in source}
 
 
+def with_tied_head(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """``state`` with ``lm_head.weight`` present when the model ties it to the input embedding.
+
+    vLLM's layerwise reload (0.32) leaves a tied head broken unless its name
+    arrives with the rest, and a state dict may leave tied copies out.
+    """
+    if (getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state
+            and "model.embed_tokens.weight" in state):
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    return state
+
+
 def _peft_or_self(model: nn.Module) -> nn.Module:
     """The PeftModel inside ``model``'s wrappers (its state-dict names are peft's), else ``model``."""
     from rltk.models.lora import is_lora_model, peft_model_of
@@ -511,7 +523,7 @@ class VLLMRolloutEngine(RolloutEngine):
         belong to the old weights. A LoRA policy's adapters are merged into the
         weights on the way (:func:`engine_weights`).
         """
-        state = engine_weights(state_dict_or_model, self.model)
+        state = with_tied_head(engine_weights(state_dict_or_model, self.model), unwrap_model(self.model).config)
         if self._asleep:
             self._wake(["weights"])
         weights = [(name, tensor.detach()) for name, tensor in state.items()]
