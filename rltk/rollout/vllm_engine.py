@@ -304,6 +304,27 @@ def with_tied_head(state: dict[str, torch.Tensor], config: Any) -> dict[str, tor
     return state
 
 
+def _adapter_rank(model: nn.Module) -> int | None:
+    """The LoRA rank of ``model``'s adapter when vLLM can serve it as a LoRA over a frozen base, else None."""
+    from rltk.models.lora import is_lora_model, peft_model_of
+
+    if not is_lora_model(model):
+        return None
+    config = next(iter(peft_model_of(model).peft_config.values()))
+    if getattr(config, "modules_to_save", None) or getattr(config, "rank_pattern", None):
+        return None  # trained base modules or per-module ranks: send merged weights
+    return int(config.r)
+
+
+def _base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a LoRA model under the plain model's names (adapters left out)."""
+    from rltk.models.lora import peft_model_of
+
+    base = peft_model_of(model).get_base_model()  # the base model with its adapter layers inside
+    return {name.replace(".base_layer", ""): tensor for name, tensor in base.state_dict().items()
+            if ".lora_" not in name}
+
+
 def _peft_or_self(model: nn.Module) -> nn.Module:
     """The PeftModel inside ``model``'s wrappers (its state-dict names are peft's), else ``model``."""
     from rltk.models.lora import is_lora_model, peft_model_of
@@ -357,6 +378,11 @@ class VLLMRolloutEngine(RolloutEngine):
         enable_prefix_caching: reuse KV of shared prompt prefixes (the ``n``
             samples of a prompt); the cache is reset after each weight update.
         seed: vLLM's engine seed (offset by ``RANK // tensor_parallel_size``).
+        lora_sync: for a LoRA policy, ``"adapter"`` (default): vLLM serves the
+            frozen base (sent once) with the adapter as a LoRA (``enable_lora``),
+            and a sync writes the adapter alone and loads it as a new
+            ``LoRARequest``; ``"merged"``: every sync sends the merged weights.
+            Adapter sync needs no ``modules_to_save`` (those train base weights).
         engine_kwargs: anything else for ``vllm.LLM(...)``, passed through.
     """
 
@@ -376,8 +402,11 @@ class VLLMRolloutEngine(RolloutEngine):
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        lora_sync: str = "adapter",
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
+        if lora_sync not in ("adapter", "merged"):
+            raise ConfigError(f"rollout.engine_args.lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ConfigError(
                 f"rollout.engine_args.tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}"
@@ -451,6 +480,14 @@ class VLLMRolloutEngine(RolloutEngine):
             seed=seed + int(os.environ.get("RANK", "0")) // tensor_parallel_size,
         )
         kwargs.update(memory_kwargs(self.platform, gpu_memory_utilization, kv_cache_memory_bytes))
+        self._lora_rank = _adapter_rank(model) if lora_sync == "adapter" else None
+        self._lora_request = None
+        if self._lora_rank is not None:
+            ranks = [r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self._lora_rank]
+            if not ranks:
+                raise ConfigError(f"rollout.engine_args.lora_sync=adapter: vLLM serves LoRA ranks up to 512, the "
+                                  f"policy's is {self._lora_rank}; set rollout.engine_args.lora_sync=merged")
+            kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if world_size > 1:
@@ -463,7 +500,12 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = _build_llm(vllm, kwargs)
         self.logprobs_are_processed = True  # logprobs_mode=processed_logprobs: those of the distribution sampled
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
-        if load_format == "dummy":
+        if self._lora_rank is not None:
+            if load_format == "dummy":
+                self._push(_base_weights(model))  # the frozen base, once; adapters follow each update
+            self.update_weights(model)
+            self.weight_version = 0
+        elif load_format == "dummy":
             self.update_weights(model)
             self.weight_version = 0
 
@@ -487,7 +529,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 prompts.append({"prompt_token_ids": ids})
                 sampling.append(self._vllm.SamplingParams(**vllm_request_kwargs(params, stop_ids, seed, n)))
                 owners.append(index)
-        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False,
+                                    **({"lora_request": self._lora_request} if self._lora_request else {}))
         completions = completions_from_outputs(outputs, owners, stop_ids, params.max_new_tokens, self._decode)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
         for completion in completions:
@@ -523,16 +566,52 @@ class VLLMRolloutEngine(RolloutEngine):
         belong to the old weights. A LoRA policy's adapters are merged into the
         weights on the way (:func:`engine_weights`).
         """
-        state = with_tied_head(engine_weights(state_dict_or_model, self.model), unwrap_model(self.model).config)
         if self._asleep:
             self._wake(["weights"])
+        if self._lora_rank is not None:
+            self._push_adapter(state_dict_or_model)
+        else:
+            self._push(engine_weights(state_dict_or_model, self.model))
+        self.weight_version += 1
+        if self.enable_prefix_caching:
+            self.llm.reset_prefix_cache()
+
+    def _push(self, state: Mapping[str, torch.Tensor]) -> None:
+        state = with_tied_head(dict(state), unwrap_model(self.model).config)
         weights = [(name, tensor.detach()) for name, tensor in state.items()]
         self.llm.collective_rpc("start_weight_update")
         self.llm.collective_rpc("update_weights", kwargs={"update_info": {"weights": weights}})
         self.llm.collective_rpc("finish_weight_update")
-        self.weight_version += 1
-        if self.enable_prefix_caching:
-            self.llm.reset_prefix_cache()
+
+    def _push_adapter(self, state_dict_or_model: Any) -> None:
+        """Write the adapter alone and make it the LoRA every request uses (the previous one is dropped)."""
+        from vllm.lora.request import LoRARequest
+
+        from rltk.models.lora import peft_model_of, save_adapter_folder
+
+        peft_model = peft_model_of(self.model)
+        if isinstance(state_dict_or_model, nn.Module):
+            state = peft_model_of(state_dict_or_model).state_dict()
+        elif isinstance(state_dict_or_model, Mapping):
+            state = state_dict_or_model
+        else:
+            raise TypeError(f"VLLMRolloutEngine.update_weights takes an nn.Module or a state dict, "
+                            f"got {type(state_dict_or_model).__name__}")
+        self._loras_loaded = getattr(self, "_loras_loaded", 0) + 1
+        lora_id = self._loras_loaded  # vLLM's id of an adapter: new weights need a new one
+        folder = os.path.join(self._adapter_dir(), f"v{lora_id}")
+        save_adapter_folder(peft_model, state, folder)
+        previous, self._lora_request = self._lora_request, LoRARequest(f"rltk-v{lora_id}", lora_id, folder)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _adapter_dir(self) -> str:
+        if getattr(self, "_adapters", None) is None:
+            self._adapters = tempfile.mkdtemp(prefix="rltk-vllm-lora-",
+                                              dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+            weakref.finalize(self, shutil.rmtree, self._adapters, ignore_errors=True)
+        return self._adapters
 
     def close(self) -> None:
         """Shut vLLM's engine down: its worker, memory and the process group it set up in this process.

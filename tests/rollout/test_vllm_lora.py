@@ -49,7 +49,7 @@ def test_the_engine_is_built_from_the_base_config_and_gets_merged_weights_after_
                                                                                           tokenizer):
     plain_names = set(model.state_dict())
     policy = adapted(model)
-    engine = VLLMRolloutEngine(policy, tokenizer)
+    engine = VLLMRolloutEngine(policy, tokenizer, lora_sync="merged")
     llm = FakeLLM.instances[-1]
     assert set(llm.loaded) == plain_names
     with torch.no_grad():  # an optimizer step on the adapter

@@ -178,6 +178,37 @@ def test_a_lora_policy_reaches_the_engine_merged(served, tok):
         engine.update_weights(model)
 
 
+def test_a_lora_policy_syncs_its_adapter_alone(tok):
+    """lora_sync=adapter (the default for a LoRA policy): the base goes in once, each sync is the adapter."""
+    from rltk.models.lora import merged_copy
+    from rltk.rollout.vllm_engine import VLLMRolloutEngine
+
+    from .test_vllm_lora import adapted
+
+    policy = adapted(vllm_model(tok), seed=3)
+    engine = VLLMRolloutEngine(policy, tok, dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 * 2**20)
+    try:
+        assert engine.llm.llm_engine.vllm_config.lora_config.max_lora_rank == 8  # r=4 fits vLLM's smallest above
+        prompts = [ids(tok, p) for p in PROMPTS]
+        params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[])
+        for step in range(2):
+            got = engine.generate(prompts, params)
+            merged = merged_copy(policy)
+            for prompt, [completion] in zip(prompts, got):
+                want_ids, want_lps = hf_greedy(merged, prompt, 6)
+                assert completion.token_ids == want_ids
+                assert completion.logprobs == pytest.approx(want_lps, abs=1e-4)
+            with torch.no_grad():  # an optimizer step on the adapter
+                for name, param in policy.named_parameters():
+                    if "lora_B" in name:
+                        param.mul_(-2.0)
+            engine.update_weights(policy)
+        assert engine._lora_request.lora_int_id == 3 and engine.weight_version == 2  # 1: at the start
+    finally:
+        engine.close()
+    assert not torch.distributed.is_initialized()
+
+
 def test_a_model_with_a_head_size_vllm_cpu_lacks_is_refused_before_the_start(tok):
     from rltk.rollout.vllm_engine import VLLMRolloutEngine, vllm_platform
 
