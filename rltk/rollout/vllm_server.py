@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -369,11 +370,11 @@ class VLLMServerEngine(RolloutEngine):
         for server in getattr(self, "_servers", []):
             process = server.process
             if process is not None and process.poll() is None:
-                process.terminate()
+                _signal_group(process, signal.SIGTERM)  # the server, its engine core and workers
                 try:
                     process.wait(timeout=30)
                 except subprocess.TimeoutExpired:
-                    process.kill()
+                    _signal_group(process, signal.SIGKILL)
                     process.wait()
         self._servers = []
         pool = getattr(self, "_pool", None)
@@ -389,6 +390,14 @@ class VLLMServerEngine(RolloutEngine):
             self.close()
         except Exception:
             pass
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Signal the process group a launched server leads (started with ``start_new_session``)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _savable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The ``vllm_server`` engine against two real local vLLM servers it starts (one start for the module)."""
+"""The ``vllm_server`` engine against two real local vLLM servers it starts (once for the module)."""
 
 import importlib.util
 import os
@@ -27,21 +27,25 @@ def tok():
     return build_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def farm(tok):
-    """(engine over two launched servers, the model they started from)."""
+@needs_vllm
+def test_two_launched_servers_generate_take_weights_and_one_dying_is_named(tok):
+    """One test, in order, so that the servers start once even when xdist spreads a module's tests."""
     from rltk.rollout.vllm_server import VLLMServerEngine
 
     model = vllm_model(tok)
     engine = VLLMServerEngine(model, tok, launch=2, max_in_flight=3, timeout_s=60, max_model_len=128,
                               kv_cache_memory_bytes=64 * 2**20, start_timeout_s=500)
-    yield engine, model
-    engine.close()
+    processes = [server.process for server in engine._servers]
+    try:
+        _generate_spread_within_the_bound(engine, model, tok)
+        _weights_reach_every_server_versioned(engine, model, tok)
+        _a_server_that_dies_is_named(engine, tok)
+    finally:
+        engine.close()
+    assert engine.servers == [] and all(p.poll() is not None for p in processes)  # close() stopped them
 
 
-@needs_vllm
-def test_token_ids_in_and_out_spread_over_both_servers_within_the_bound(farm, tok):
-    engine, model = farm
+def _generate_spread_within_the_bound(engine, model, tok):
     prompts = [ids(tok, p) for p in PROMPTS] * 4  # 16 greedy requests
     got = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[]))
     for prompt, [completion] in zip(prompts, got):
@@ -60,30 +64,25 @@ def test_token_ids_in_and_out_spread_over_both_servers_within_the_bound(farm, to
         assert completion.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
 
 
-@needs_vllm
-def test_weights_reach_every_server_through_the_rl_endpoints_versioned(farm, tok):
+def _weights_reach_every_server_versioned(engine, model, tok):
     import httpx
 
-    engine, model = farm
     other = vllm_model(tok, seed=1)
     prompts = [ids(tok, p) for p in PROMPTS]
     params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[])
-    try:
-        engine.update_weights(other)
-        assert [httpx.get(url + "/weight_info").json()["weight_version"] for url in engine.servers] == ["1", "1"]
-        for _ in range(2):  # every prompt lands once on each server
-            got = engine.generate(prompts, params)
-            assert [g[0].token_ids for g in got] == [hf_greedy(other, p, 6)[0] for p in prompts]
-    finally:
-        engine.update_weights(model)
+    engine.update_weights(other)
+    assert [httpx.get(url + "/weight_info").json()["weight_version"] for url in engine.servers] == ["1", "1"]
+    for _ in range(2):  # every prompt lands once on each server
+        got = engine.generate(prompts, params)
+        assert [g[0].token_ids for g in got] == [hf_greedy(other, p, 6)[0] for p in prompts]
+    engine.update_weights(model)
     assert engine.weight_version == 2
+    assert [g[0].token_ids for g in engine.generate(prompts, params)] == [hf_greedy(model, p, 6)[0] for p in prompts]
 
 
-@needs_vllm
-def test_a_server_that_dies_mid_run_is_an_error_naming_it(farm, tok):
+def _a_server_that_dies_is_named(engine, tok):
     from rltk.rollout.vllm_server import VLLMServerError
 
-    engine, _ = farm
     victim = engine._servers[1]
     os.killpg(victim.process.pid, signal.SIGKILL)  # the server and its engine core
     victim.process.wait(timeout=30)
