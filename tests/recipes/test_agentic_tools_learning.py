@@ -24,7 +24,8 @@ RL_STEPS = 20
 # What `benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2 --levels default --at-step 20`
 # measured (README, "Learning, measured"): after 20 GRPO steps every run's held-out sampled accuracy
 # had gained at least MIN_BENCHMARK_SAMPLED_GAIN (+0.07 / +0.11 / +0.22). The test asks for half of it. Its
-# own run (2 threads, AVX-512, a loaded 2-core machine: 4.5 min) went 0.26 -> 0.35 sampled, 0.73 -> 0.94 greedy.
+# own run (2 threads, AVX-512; 1.9 min on a quiet 2-core machine, 4.5 min loaded) went 0.26 -> 0.35 sampled,
+# 0.73 -> 0.94 greedy.
 MIN_BENCHMARK_SAMPLED_GAIN = 0.07
 
 
