@@ -11,6 +11,7 @@ writes everything as JSON.
     python benchmarks/learning.py --recipes grpo --seeds 0 1 --levels avx2
     python benchmarks/learning.py --recipes multi_turn agentic   # the multi-turn defaults (issue #11)
     python benchmarks/learning.py --recipes agentic --seeds 0 1 2 --levels default avx2 --at-step 100
+    python benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2 --levels default avx2
     python benchmarks/learning.py --lr-sweep                      # GRPO stability over learning rates
 
 `--lr-sweep` is the second table of the README: two-digit addition on a 0.6M
@@ -48,6 +49,8 @@ RUNS = {
     "ppo": ["run", "ppo"],
     "multi_turn": ["run", "grpo", "--config", str(CONFIGS / "multi_turn.yaml")],
     "agentic": ["run", "grpo", "--config", str(CONFIGS / "agentic.yaml")],
+    # a tool-using agent: the calculator through the openai client's tools= (issue 29)
+    "agentic_tools": ["run", "grpo", "--config", str(CONFIGS / "agentic_tools.yaml")],
 }
 
 # The 0.6M-parameter model and the step shape of the lr sweep (issue: learning that holds on any machine).
@@ -145,7 +148,7 @@ def default_runs(args, workdir: Path) -> list[dict]:
                             workdir / f"{run_dir.name}.log")
         row = {"recipe": recipe, "seed": seed, "level": level, "wall_s": wall,
                **learning_curve(run_dir, args.at_step)}
-        print(f"{recipe:<10} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
+        print(f"{recipe:<13} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
               f"greedy {row['greedy_start']:.3f} -> {row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  "
               f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
               f"train reward {row['reward_rise']:+.3f}  {wall:.0f}s", flush=True)

@@ -281,7 +281,11 @@ class CheckpointManager:
     Args:
         root: folder holding ``step_XXXXXX`` checkpoints (created on first save).
         keep_last: number of most recent checkpoints kept after each save
-            (``None`` keeps all). Older ones are deleted.
+            (``None`` keeps all). Older ones are deleted, except those ``keep``
+            says to keep.
+        keep: ``keep(state) -> bool`` on a checkpoint's saved state: ``True`` keeps an
+            older checkpoint whatever ``keep_last`` (the runs keep each stage's last
+            checkpoint, so a later run can start from it: ``checkpoint.start_from``).
 
     Multi-process: every rank calls :meth:`save` and :meth:`load` with its
     strategy (the strategy's gathers are collective). Each rank writes its own
@@ -290,12 +294,13 @@ class CheckpointManager:
     every rank sees.
     """
 
-    def __init__(self, root: str | Path, *, keep_last: int | None = 3):
+    def __init__(self, root: str | Path, *, keep_last: int | None = 3, keep=None):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"CheckpointManager: keep_last={keep_last!r} must be an integer >= 1, or None to "
                              "keep every checkpoint.")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.keep = keep
 
     # ---------------------------------------------------------------- finding
 
@@ -405,10 +410,19 @@ class CheckpointManager:
             return removed
         keep = Path(keep).resolve() if keep is not None else None
         for _, path in self.checkpoints()[: -self.keep_last]:
-            if keep is None or path.resolve() != keep:
+            if (keep is None or path.resolve() != keep) and not self._kept(path):
                 shutil.rmtree(path)
                 removed.append(path)
         return removed
+
+    def _kept(self, path: Path) -> bool:
+        """Whether ``keep`` says to keep ``path`` whatever ``keep_last`` (a state it cannot read: no)."""
+        if self.keep is None:
+            return False
+        try:
+            return bool(self.keep(read_state_file(path)["state"]))
+        except Exception:  # a damaged state file is the integrity check's business, not the pruner's
+            return False
 
     # ---------------------------------------------------------------- integrity
 

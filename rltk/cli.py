@@ -151,12 +151,50 @@ def cmd_validate(args) -> int:
             default = default_config_for(script)
             files = [default] if default is not None else []
     cfg = load_config(files, overrides, recipe=spec)
+    checked = _check_warmup_demonstrations(cfg)
     print(f"ok: {', '.join(map(str, files)) or 'defaults'}"
           f"{' with ' + ' '.join(overrides) if overrides else ''}"
           f"{' for recipe ' + spec.name if spec else ''} "
           f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))"
-          f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}")
+          f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}"
+          f"{f'; the first {checked} warm-up examples fit the rollout' if checked else ''}")
     return EXIT_OK
+
+
+#: ``rltk validate`` tokenizes this many training rows of a warm-up; a run checks them all before its first step.
+VALIDATE_DEMONSTRATIONS = 256
+
+
+def _check_warmup_demonstrations(cfg) -> int:
+    """Tokenize the first warm-up examples as the warm-up will and check them against the rollout's caps
+    (:func:`rltk.config.env_checks.check_demonstrations`); returns how many were checked (0: no warm-up).
+
+    Loads the tokenizer (not the model) and the data; each ``sft`` stage is checked with its overrides."""
+    from rltk.config.env_checks import check_demonstrations
+    from rltk.training.setup import build_rows, sft_pairs, stage_config, tool_schemas
+
+    stages = [i for i, stage in enumerate(cfg.stages) if stage.type == "sft"]
+    if not stages:
+        return 0
+    if cfg.model.path:
+        from rltk.models.loading import ensure_pad_token, load_tokenizer
+
+        tokenizer = ensure_pad_token(load_tokenizer(cfg.model.path))
+    else:
+        from rltk.models.tiny import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer(tool_role=cfg.model.tiny.tool_role)
+    checked = 0
+    for index in stages:
+        staged = stage_config(cfg, index)
+        if staged.data.task and not staged.data.path:  # a synthetic task: generate only the rows checked
+            staged.data.train_size = min(staged.data.train_size, VALIDATE_DEMONSTRATIONS)
+            staged.data.eval_size = 1
+        rows = build_rows(staged, tokenizer)[0][:VALIDATE_DEMONSTRATIONS]
+        pairs = sft_pairs(rows, tokenizer, staged.sft.completion_key, tools=tool_schemas(staged))
+        check_demonstrations(staged, rows, pairs)
+        checked = max(checked, len(rows))
+    return checked
 
 
 def cmd_run(args, extra: list[str]) -> int:

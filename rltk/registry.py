@@ -78,7 +78,7 @@ KINDS: dict[str, Kind] = {
         Kind("logger", "rltk_loggers", "metric loggers",
              frozenset({"run_dir", "config", "total_steps", "resume_step"})),
         Kind("agent", "rltk_agents", "agents driving the policy through the OpenAI endpoint (agentic workflow)",
-             frozenset({"row", "client", "model"})),
+             frozenset({"row", "client", "model", "tools"})),
         Kind("algorithm", "rltk_algorithms", "algorithm presets", frozenset()),
         Kind("environment", "rltk_environments", "environments of multi-turn episodes", frozenset()),
         Kind("tool", "rltk_tools", "tools the policy can call", frozenset()),

@@ -75,3 +75,104 @@ def check_env(cfg: DictConfig, registry: Registry) -> None:
         value = OmegaConf.select(cfg, f"env.{key}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"bad value {value!r} for 'env.{key}': must be an integer >= 1")
+
+
+def check_agent_tools(cfg: DictConfig, registry: Registry) -> None:
+    """An agent that offers the tools it is given (a ``tools`` parameter) needs them in ``env.tools``."""
+    workflow = registry.entries["workflow"].get(cfg.rollout.workflow)
+    if workflow is None or "agent" not in (getattr(workflow.obj, "component_args", None) or {}):
+        return
+    name = OmegaConf.select(cfg, "rollout.workflow_args.agent")
+    entry = registry.entries["agent"].get(name) if isinstance(name, str) else None
+    if entry is not None and "tools" in signature_params(entry.obj)[0] and not cfg.env.tools:
+        raise ConfigError(f"'env.tools' is empty, but agent '{name}' offers the tools rltk gives it: list them in "
+                          f"env.tools (e.g. env.tools=[calculator]); the warm-up renders the same list into its "
+                          f"prompts and demonstrations")
+
+
+def demonstration_turn_caps(cfg: DictConfig) -> dict[str, tuple[str, int]]:
+    """What bounds a demonstrated episode when the policy plays it: ``{what: (config key, value)}``.
+
+    ``turn`` (tokens of one assistant turn, its eos included), ``turns`` (assistant turns) and
+    ``response`` (the whole response after the opening), by workflow: ``single_turn`` one turn of
+    ``rollout.max_new_tokens``; ``multi_turn`` ``env.max_new_tokens_per_turn``, ``env.max_turns``
+    and ``env.max_total_tokens``; ``agentic`` (requests to the endpoint) ``env.max_new_tokens_per_turn``
+    and ``env.max_turns``.
+    """
+    per_turn = ("env.max_new_tokens_per_turn", cfg.env.max_new_tokens_per_turn)
+    if cfg.rollout.workflow == "multi_turn":
+        return {"turn": per_turn, "turns": ("env.max_turns", cfg.env.max_turns),
+                "response": ("env.max_total_tokens", cfg.env.max_total_tokens)}
+    if cfg.rollout.workflow == "agentic":
+        return {"turn": per_turn, "turns": ("env.max_turns", cfg.env.max_turns)}
+    return {"turn": ("rollout.max_new_tokens", cfg.rollout.max_new_tokens), "turns": ("(one turn)", 1)}
+
+
+def check_demonstrations(cfg: DictConfig, rows: list[dict], pairs: list[tuple[list[int], ...]]) -> None:
+    """The warm-up's demonstrations are episodes the rollout can play: the tools they call reach the chat
+    template, and no demonstrated turn is longer than the cap the rollout puts on it.
+
+    ``rows`` are the training rows and ``pairs`` their warm-up examples (``rltk.training.setup.sft_pairs``:
+    ``(prompt ids, response ids, loss mask)``, the mask 1 on each assistant turn and its eos). A
+    demonstration that calls a tool while ``env.tools`` is empty was rendered without the tools block
+    the rollout's prompts carry, so the warm-up teaches a prompt the policy is never served; a turn
+    over its cap is cut in every episode that plays it (``truncated_fraction`` 1.0 and no reward).
+    Both are :class:`ConfigError` naming the row and the key to change.
+    """
+    tools = set(cfg.env.tools or [])
+    for row in rows if not cfg.sft.completion_key else []:  # a completion_key replaces the transcripts
+        for message in row.get("sft_messages") or []:
+            for call in message.get("tool_calls") or []:
+                name = (call.get("function") or call).get("name")
+                if not tools:
+                    raise ConfigError(
+                        f"the warm-up's demonstrations call tools (row '{row.get('id')}' calls '{name}'), but "
+                        f"'env.tools' is empty, so the chat template renders them without the tools block that "
+                        f"every rollout request with tools= carries: the warm-up would teach a prompt the policy "
+                        f"is never served. List the tools in env.tools (the agentic workflow gives the same list "
+                        f"to an agent that takes `tools`)")
+                if name not in tools:
+                    raise ConfigError(
+                        f"row '{row.get('id')}': its demonstration calls '{name}', which is not in 'env.tools' "
+                        f"({', '.join(sorted(tools))}); the warm-up renders only those tools")
+    caps = demonstration_turn_caps(cfg)
+    worst: dict[str, tuple[int, str]] = {}
+    over: dict[str, int] = {}
+    for row, (_, response_ids, *mask) in zip(rows, pairs):
+        mask = list(mask[0]) if mask else [1] * len(response_ids)
+        turns = _runs_of_ones(mask)
+        measured = {"turn": max(turns, default=0), "turns": len(turns), "response": len(response_ids)}
+        for what, (key, cap) in caps.items():
+            if isinstance(cap, int) and measured[what] > cap:
+                over[what] = over.get(what, 0) + 1
+                if measured[what] > worst.get(what, (0, ""))[0]:
+                    worst[what] = (measured[what], str(row.get("id")))
+    for what, (key, cap) in caps.items():
+        if what not in over:
+            continue
+        longest, row_id = worst[what]
+        phrase = {"turn": f"an assistant turn of {longest} tokens (eos included)",
+                  "turns": f"{longest} assistant turns", "response": f"a response of {longest} tokens"}[what]
+        if key == "(one turn)":
+            raise ConfigError(
+                f"{over[what]} of the warm-up's demonstrations have several assistant turns (row '{row_id}': "
+                f"{longest}), but rollout.workflow={cfg.rollout.workflow} plays one; use rollout.workflow=multi_turn "
+                f"or agentic")
+        raise ConfigError(
+            f"{over[what]} of {len(pairs)} warm-up demonstrations have {phrase} (row '{row_id}'), "
+            f"more than {key}={cap}: every episode that plays one is cut there (truncated, so no reward). Raise "
+            f"{key} to at least {longest}")
+
+
+def _runs_of_ones(mask: list[int]) -> list[int]:
+    """Lengths of the runs of 1 in ``mask``: the demonstration's assistant turns, eos included."""
+    runs, current = [], 0
+    for value in mask:
+        if value:
+            current += 1
+        elif current:
+            runs.append(current)
+            current = 0
+    if current:
+        runs.append(current)
+    return runs

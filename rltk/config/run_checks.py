@@ -41,6 +41,12 @@ def check_paths(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"bad value '{path}' for 'model.path': not a Hugging Face model folder (no config.json in it)"
             )
+    start = OmegaConf.select(cfg, "checkpoint.start_from")
+    if start and not (Path(start).expanduser() / "state.json").is_file():
+        raise ConfigError(
+            f"bad value '{start}' for 'checkpoint.start_from': not a complete rltk checkpoint (no state.json in it); "
+            f"give the step_XXXXXX folder that ends a stage of another run (<output_dir>/checkpoints)"
+        )
     for key in ("data.path", "data.eval_path", "buffer.expert.path"):
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).expanduser().exists():

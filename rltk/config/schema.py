@@ -216,6 +216,11 @@ class TrainerConfig:
     grad_clip: float = 1.0
     eval_every: int = 50
     eval_size: Optional[int] = None  # held-out rows per evaluation; null = all
+    # The sampled evaluation (eval/sampled_accuracy) draws its samples from the run's random stream, so two
+    # evaluations of the same weights differ by sampling noise, and evaluating changes later training draws.
+    # An integer seeds every sampled evaluation on its own stream (the run's stream left as it was): the
+    # same weights then give the same number. Greedy evaluation (eval/accuracy) never depends on it.
+    eval_seed: Optional[int] = None
 
 
 @dataclass
@@ -259,6 +264,9 @@ class CheckpointConfig:
     every: int = 100  # steps between checkpoints, plus each stage's last step; 0 writes none, not even the last
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a checkpoint folder
+    # A stage's last checkpoint of another run (its step_XXXXXX folder, kept whatever keep_last): a new run
+    # starts after that stage, from its weights, and trains the stages after it (see rltk/training/resume.py).
+    start_from: str | None = None
 
 
 @dataclass

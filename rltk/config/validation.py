@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rltk.config.components import check_components, check_task
 from rltk.config.critic_checks import check_critic_config
-from rltk.config.env_checks import check_env
+from rltk.config.env_checks import check_agent_tools, check_env
 from rltk.config.errors import ConfigError
 from rltk.config.guard_checks import check_guard
 from rltk.config.lora_checks import check_lora_fits_model, check_lora_values, check_no_stage_lora
@@ -46,6 +46,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     registry = get_registry()
     check_components(cfg, registry)
     check_env(cfg, registry)
+    check_agent_tools(cfg, registry)
     for key, choices in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:

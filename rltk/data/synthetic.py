@@ -316,7 +316,23 @@ def make_task(name: str, split: str, size: int, seed: int, **args) -> list[dict]
     unknown = sorted(set(args) - set(valid))
     if unknown and not takes_any:
         raise ValueError(f"synthetic task '{name}' has no argument(s) {unknown}. Valid: {', '.join(valid)}")
-    return fn(split, size, seed, **args)
+    return [_split_demonstration(row, name, index) for index, row in enumerate(fn(split, size, seed, **args))]
+
+
+def _split_demonstration(row: dict, task: str, index: int) -> dict:
+    """A task row whose ``messages`` end with an assistant turn, as a data file's ``messages`` column is read:
+    one name for demonstrations everywhere. The messages before the first assistant turn become the
+    episode's opening (``messages``) and the whole transcript the warm-up's demonstration
+    (``sft_messages``). A row that already has ``sft_messages``, or whose messages end otherwise, is
+    returned as it is."""
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if row.get("sft_messages") or not isinstance(messages, list) or not messages \
+            or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
+        return row
+    from rltk.data.loading import _chat_columns
+
+    chat = _chat_columns(messages, f"task '{task}': row {index} (id {row.get('id', '?')!r}), 'messages'")
+    return {"prompt": chat["messages"], **row, **chat}  # without a prompt, the opening is the prompt (as in files)
 
 
 def sft_examples(rows: list[dict]) -> list[tuple[str, str] | list[dict]]:

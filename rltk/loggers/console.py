@@ -31,7 +31,8 @@ from rltk.loggers.base import StageSpan, scalar_metrics
 # Training numbers (on the prompts just sampled) and held-out numbers are grouped apart:
 # they answer different questions and differ by tens of points.
 DEFAULT_FIELDS: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
-    "sft": {"loss": ("sft/sft_loss",), "probe acc": ("sft/train_accuracy",)},
+    "sft": {"loss": ("sft/sft_loss",), "probe acc": ("sft/train_accuracy",),
+            "truncated": ("sft/probe_truncated_fraction",)},
     "train": {"reward": ("reward", "reward/mean"), "acc": ("accuracy",)},
     "held-out": {"greedy": ("eval/accuracy",), "sampled": ("eval/sampled_accuracy",)},
     "kl": ("kl", "actor/kl"),

@@ -32,6 +32,7 @@ from typing import Any
 
 from rltk.rollout.base import SamplingParams
 from rltk.serve.errors import APIError
+from rltk.serve.sessions import tool_results_sent
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 128  # more choices than this in one request is almost certainly a mistake
@@ -54,6 +55,9 @@ class Prepared:
     tool_choice: Any = None
     logprobs: Any = None
     top_logprobs: int = 0
+    # the tool messages the request sent back after its last assistant turn, and how many are errors
+    # (rltk.serve.sessions.tool_results_sent): recorded for the agentic workflow's tool metrics
+    tool_results: tuple[int, int] = (0, 0)
 
 
 def _is_int(value: Any) -> bool:
@@ -349,7 +353,8 @@ def prepare_chat(state, body: dict) -> Prepared:
     _check_chars(state, _chat_chars(messages, tools), "messages")
     prompt_ids = render_chat(state, messages, tools)
     params, stops = sampling(state, body, [len(prompt_ids)])
-    return Prepared([prompt_ids], params, stops, tools, tool_choice, logprobs, top_logprobs)
+    return Prepared([prompt_ids], params, stops, tools, tool_choice, logprobs, top_logprobs,
+                    tool_results_sent(messages))
 
 
 def prompts_of(state, body: dict) -> list[list[int]]:

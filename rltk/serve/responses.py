@@ -45,10 +45,11 @@ def _token_strings(tokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode([token]) for token in ids]
 
 
-def _record(state, session, request_id, index, prompt_ids, ids, lps, finish, text, endpoint) -> None:
+def _record(state, session, request_id, index, prompt_ids, ids, lps, finish, text, endpoint, **tool_use) -> None:
     if state.store is not None and session is not None:
         owner, session_id = session
-        state.store.add(session_id, request_id, index, prompt_ids, ids, lps, finish, text, endpoint, owner=owner)
+        state.store.add(session_id, request_id, index, prompt_ids, ids, lps, finish, text, endpoint, owner=owner,
+                        **tool_use)
 
 
 def chat_result(state, prepared, groups: list[list[Completion]], session) -> dict:
@@ -59,11 +60,14 @@ def chat_result(state, prepared, groups: list[list[Completion]], session) -> dic
     choices, completion_tokens = [], 0
     for index, completion in enumerate(completions):
         ids, lps, text, finish = _cut_at_stop_strings(state.tokenizer, completion, prepared.stops)
-        _record(state, session, request_id, index, prompt_ids, ids, lps, finish, text, "chat")
+        content, calls, error = parse(text) if parse is not None else (text, [], None)
+        results, result_errors = prepared.tool_results
+        _record(state, session, request_id, index, prompt_ids, ids, lps, finish, text, "chat",
+                tool_calls=len(calls) if error is None else 0, tool_parse_error=error is not None,
+                tool_results=results, tool_result_errors=result_errors)
         completion_tokens += len(ids)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if parse is not None:
-            content, calls, error = parse(text)
             if calls and error is None:
                 message["content"] = content or None
                 message["tool_calls"] = [

@@ -59,6 +59,13 @@ class Record:
     finish_reason: str
     text: str
     endpoint: str  # "chat" or "completions"
+    # Tool use, for the agentic workflow's metrics: calls parsed from this completion (a request with
+    # ``tools``; 0 when the text failed to parse, ``tool_parse_error`` then), and the ``tool`` messages the
+    # request sent back after its last assistant message, ``tool_result_errors`` of them starting "error".
+    tool_calls: int = 0
+    tool_parse_error: bool = False
+    tool_results: int = 0
+    tool_result_errors: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready form (lists for the id tuples)."""
@@ -66,7 +73,8 @@ class Record:
             "session_id": self.session_id, "request_id": self.request_id, "index": self.index, "seq": self.seq,
             "prompt_ids": list(self.prompt_ids), "completion_ids": list(self.completion_ids),
             "logprobs": list(self.logprobs), "finish_reason": self.finish_reason, "text": self.text,
-            "endpoint": self.endpoint,
+            "endpoint": self.endpoint, "tool_calls": self.tool_calls, "tool_parse_error": self.tool_parse_error,
+            "tool_results": self.tool_results, "tool_result_errors": self.tool_result_errors,
         }
 
 
@@ -104,10 +112,12 @@ class SessionStore:
         self._seq = itertools.count()
 
     def add(self, session_id: str, request_id: str, index: int, prompt_ids, completion_ids, logprobs,
-            finish_reason: str, text: str, endpoint: str, *, owner: str | None = None) -> Record:
-        """File one choice under ``(owner, session_id)`` and return its :class:`Record`."""
+            finish_reason: str, text: str, endpoint: str, *, owner: str | None = None,
+            **tool_use: int | bool) -> Record:
+        """File one choice under ``(owner, session_id)`` and return its :class:`Record` (``tool_use``: its
+        tool fields)."""
         record = Record(session_id, request_id, index, 0, tuple(prompt_ids), tuple(completion_ids),
-                        tuple(float(x) for x in logprobs), finish_reason, text, endpoint)
+                        tuple(float(x) for x in logprobs), finish_reason, text, endpoint, **tool_use)
         size = record_bytes(record)
         with self._lock:
             record = replace(record, seq=next(self._seq))
@@ -193,6 +203,17 @@ def record_bytes(record: Record) -> int:
     for the rest (its JSON form in ``GET /rltk/sessions`` is of the same order)."""
     tokens = len(record.prompt_ids) + len(record.completion_ids) + len(record.logprobs)
     return 8 * tokens + len(record.text.encode("utf-8", "surrogatepass")) + 200
+
+
+def tool_results_sent(messages: list[dict]) -> tuple[int, int]:
+    """``(results, errors)``: the ``tool`` messages after the last assistant message (what this request sends
+    back for the previous turn's calls), and how many of them start with ``"error"`` (the convention of
+    :func:`rltk.workflows.agents.run_tool_calls` and the ``multi_turn`` workflow for a failed call)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    results = [m for m in messages[last + 1:] if m.get("role") == "tool"]
+    errors = sum(isinstance(m.get("content"), str) and m["content"].lstrip().lower().startswith("error")
+                 for m in results)
+    return len(results), errors
 
 
 @dataclass

@@ -239,6 +239,50 @@ def check_compatible(cfg: DictConfig, saved_file: Path, what: str) -> None:
     )
 
 
+def is_stage_end(state: dict[str, Any]) -> bool:
+    """Whether a checkpoint's saved state ends its stage: the runs keep those whatever ``checkpoint.keep_last``."""
+    return bool(state.get("stage_done"))
+
+
+def start_point(cfg: DictConfig, stage_steps: list[int]) -> dict[str, Any]:
+    """Where a new run that names ``checkpoint.start_from`` starts: after the stage that checkpoint ends.
+
+    ``checkpoint.start_from`` is the last checkpoint of a stage of another run (each stage's last
+    checkpoint is kept whatever ``checkpoint.keep_last``), e.g. the end of its warm-up. This run
+    skips its own stages up to and including that one (its steps are still counted, so later
+    stages keep their step numbers), loads the checkpoint's model weights, and trains the
+    stages after it with their own config: a fixed RL stage after a warm-up that went well,
+    without training the warm-up again. Nothing else of the other run is taken (no optimizer,
+    counters or logs); its architecture (``model.*``) must be this run's. ``stage_steps`` are
+    this run's stage lengths. ``ConfigError`` for a checkpoint that is damaged, ends no stage, or
+    ends this run's last stage (nothing would be left to train).
+    """
+    from rltk.training.setup import process_rank
+
+    path = Path(cfg.checkpoint.start_from).expanduser()
+    key = f"checkpoint.start_from='{cfg.checkpoint.start_from}'"
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(f"{key} is not a complete rltk checkpoint (no {STATE_FILE} in it); give the step_XXXXXX "
+                          f"folder that ends a stage of another run")
+    damage = CheckpointManager(path.parent).verify(path, allowed_globals=checkpoint_globals_of(cfg.strategy))
+    if damage:
+        raise ConfigError(f"{key} is a damaged checkpoint: {damage_summary(damage, path)}")
+    state = read_state_file(path)["state"]
+    stage, step = state.get("stage"), state.get("stage_step")
+    if not is_stage_end(state) or not isinstance(stage, int):
+        raise ConfigError(f"{key} was saved in the middle of its run's stage {stage} (step {step}); a run starts "
+                          f"from a checkpoint that ends a stage (its last step, kept whatever keep_last). To go "
+                          f"on from the middle of a stage, resume that run (checkpoint.resume)")
+    if stage >= len(cfg.stages) - 1:
+        raise ConfigError(f"{key} ends stage {stage}, and this run has {len(cfg.stages)} stage(s) "
+                          f"({', '.join(s.name for s in cfg.stages)}): nothing would be left to train. Its stages "
+                          f"after the one the checkpoint ends are the ones trained")
+    if process_rank() == 0:
+        print(f"rltk: starting after stage {stage} ('{cfg.stages[stage].name}') from the weights of {path}")
+    return {"path": path, "global_step": sum(stage_steps[: stage + 1]), "stage": stage, "stage_done": True,
+            "stage_step": step, "started_from": str(path)}
+
+
 def run_is_finished(resume: dict[str, Any] | None, cfg: DictConfig) -> bool:
     """Whether the resume point is the end of the run's last stage: nothing is left to train."""
     return resume is not None and resume["stage"] == len(cfg.stages) - 1 and bool(resume["stage_done"])

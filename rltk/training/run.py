@@ -17,6 +17,7 @@ stage can build its own strategy, and the engine follows it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,15 @@ from omegaconf import DictConfig, OmegaConf
 import rltk
 from rltk.checkpoint import CheckpointManager
 from rltk.config.components import signature_params
+from rltk.config.env_checks import check_demonstrations
 from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
-from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
+from rltk.training.resume import (
+    is_stage_end, load_model_weights, resume_or_start_over, run_is_finished, start_point,
+)
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
     limit_torch_threads, prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config,
@@ -87,8 +91,14 @@ def open_run(cfg: DictConfig) -> Run:
     seed_everything(cfg.seed)
     # Whether this continues the run in the folder is settled before anything is written there:
     # an incompatible config stops here, with the folder untouched.
-    ckpt = CheckpointManager(Path(cfg.output_dir) / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    # each stage's last checkpoint stays whatever keep_last: a later run may start from it (checkpoint.start_from)
+    ckpt = CheckpointManager(Path(cfg.output_dir) / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                             keep=is_stage_end)
     resume = resume_or_start_over(cfg, ckpt, main_process=process_rank() == 0)
+    stages = [stage_config(cfg, i) for i in range(len(cfg.stages))]
+    stage_steps = [s.sft.steps if st.type == "sft" else s.trainer.total_steps for s, st in zip(stages, cfg.stages)]
+    if resume is None and cfg.checkpoint.start_from:  # a new run, after another run's finished stage
+        resume = start_point(cfg, stage_steps)
     finished = run_is_finished(resume, cfg)
     # A finished run's config.yaml keeps describing how it was trained: nothing more is trained now.
     run_dir = prepare_run_dir(cfg, write_config=not finished and process_rank() == 0)
@@ -97,8 +107,6 @@ def open_run(cfg: DictConfig) -> Run:
         tokenizer.save_pretrained(run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
     seed_everything(cfg.seed + process_rank())  # same initial weights, different samples per rank
     train_rows, eval_rows = build_rows(cfg, tokenizer)
-    stages = [stage_config(cfg, i) for i in range(len(cfg.stages))]
-    stage_steps = [s.sft.steps if st.type == "sft" else s.trainer.total_steps for s, st in zip(stages, cfg.stages)]
 
     # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
     engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
@@ -124,7 +132,7 @@ def open_run(cfg: DictConfig) -> Run:
     if finished and process_rank() == 0:
         print(f"rltk: {run_dir} already finished (checkpoint {resume['path']}): nothing left to train, reporting "
               f"its final evaluation. For a new run use name=<new name>; to redo this one, checkpoint.resume=never")
-    elif resume is not None:
+    elif resume is not None and "started_from" not in resume:
         print(f"rltk: resuming from {resume['path']} (stage {resume['stage']}, step {resume['stage_step']})")
     return Run(cfg, run_dir, tokenizer, policy, train_rows, eval_rows, workflow, ckpt, metric_log, stages,
                stage_steps, resume, finished)
@@ -269,19 +277,40 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     world, rank = _process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
-    sampled = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1)) if share else {}
+    with seeded_sampling(cfg.trainer.get("eval_seed"), rank):
+        sampled = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1)) if share else {}
     greedy, sampled = _combine_over_ranks(greedy, world), _combine_over_ranks(sampled, world)
     result = {f"eval/{k}": float(v) for k, v in greedy.items()}
     result["eval/sampled_accuracy"] = float(sampled["accuracy"])
     return result
 
 
+@contextlib.contextmanager
+def seeded_sampling(seed: int | None, rank: int = 0):
+    """With a seed: torch's random streams (CPU, and every GPU) start from ``seed + rank`` inside, and are
+    back where they were after, so a sampled evaluation of the same weights repeats its draws and leaves
+    the training's draws as they would have been without it (``trainer.eval_seed``). ``None``: no change."""
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + rank)
+        yield
+
+
 def greedy_accuracy(workflow, rows: list[dict], cfg: DictConfig) -> float:
     """Greedy exact-answer accuracy on ``rows``, each process taking its share, combined over processes."""
+    return greedy_probe(workflow, rows, cfg)["accuracy"]
+
+
+def greedy_probe(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
+    """The workflow's greedy evaluation of ``rows`` (``accuracy``, ``truncated_fraction`` ...), each process
+    taking its share, combined over processes."""
     world, rank = _process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
-    return float(_combine_over_ranks(greedy, world)["accuracy"])
+    return {k: float(v) for k, v in _combine_over_ranks(greedy, world).items()}
 
 
 def _process_group() -> tuple[int, int]:
@@ -417,9 +446,9 @@ def run_sft_stage(stage: Stage) -> None:
     # Otherwise nothing samples during this stage, so the rollout engine is not pointed at the
     # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     probe_rows = run.train_rows[: s.probe_size]
-    sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg)),
-                         s.batch_size,
-                         seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
+    pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
+    check_demonstrations(cfg, run.train_rows, pairs)  # before the first step: tools and turn caps fit the rollout
+    sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     start = 0
     if stage.resume is not None:
         state = run.ckpt.load(stage.resume["path"], strategy)
@@ -435,7 +464,10 @@ def run_sft_stage(stage: Stage) -> None:
         reached = False
         if probing and step % s.probe_every == 0:
             run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
-            metrics["sft/train_accuracy"] = greedy_accuracy(run.workflow, probe_rows, cfg)
+            probe = greedy_probe(run.workflow, probe_rows, cfg)
+            metrics["sft/train_accuracy"] = probe["accuracy"]
+            # a probe at accuracy 0 with every episode cut says "raise the length cap", not "train longer"
+            metrics["sft/probe_truncated_fraction"] = probe.get("truncated_fraction", 0.0)
             reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
         run.metric_log.log(metrics, stage.first_step + step)
         stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged

@@ -1,9 +1,10 @@
 """Workflow ``agentic``: your agent code drives the policy through an OpenAI-compatible endpoint.
 
 The loop is the agent's, not rltk's. For every row, ``sampling.n`` episodes run
-the registered agent (kind ``agent``)::
+the registered agent (kind ``agent``, :mod:`rltk.workflows.agents`)::
 
-    def my_agent(row: dict, client: openai.OpenAI, model: str, **agent_args) -> float | None
+    def my_agent(row: dict, client: openai.OpenAI, model: str, *, tools, **agent_args)
+        -> float | None | tuple[float | None, dict]
 
 with a client whose requests go to an endpoint rltk serves *in this process*
 (uvicorn in a background thread, :mod:`rltk.serve.app`) from the training
@@ -26,10 +27,28 @@ either way, and no token is ever re-tokenized.
 
 Rewards. The agent's return value is the episode's score; ``None`` means "score
 the final answer": the reward function gets the row's prompt, ground truth
-and extras and the text of the session's last completion. An agent that
-raises (or returns anything but a finite number or ``None``) drops its
-episode, counted in ``agentic/agent_errors``; a step in which every episode
-failed is an error naming the first failure.
+and extras and the text of the session's last completion. A pair ``(score or
+None, {name: number})`` adds the agent's own numbers, logged as
+``agent/<name>`` (means over the episodes that report them). An agent that
+raises (or returns anything else) drops its episode, counted in
+``agentic/agent_errors``; a step in which every episode failed is an error
+naming the first failure.
+
+Tools. ``env.tools`` (with ``env.tools_args``) are the agent's tools: an agent
+that names a ``tools`` parameter gets them, bound and in that order, offers
+them with ``tools=[t.schema() for t in tools]`` and runs the calls with
+:func:`rltk.workflows.agents.run_tool_calls`. The supervised warm-up renders
+the same list into its prompts and demonstrations, so the prompt trained on is
+the prompt served. Each step checks that: an episode whose first request is
+not the row's prompt as the warm-up rendered it (other tools, none, another
+system prompt) counts in ``agentic/opening_mismatch``, and the first one is
+reported with the place the two texts part. The endpoint parses each
+completion of a request with ``tools`` (``env.tool_parser``) and counts, per
+episode: ``rollout/tool_calls`` (calls it returned), ``rollout/tool_parse_errors``
+(completions that tried to call and did not parse), ``rollout/tool_results``
+(``tool`` messages the agent sent back) and ``rollout/tool_errors`` (parse
+errors plus results that start with ``"error"``, as :func:`run_tool_calls`
+writes for a failed call).
 
 Sampling. During training the endpoint forces the rollout's temperature,
 top-p and top-k on every request (the trainer's log-prob recompute assumes
@@ -42,14 +61,15 @@ most ``max_tokens`` one request may ask for (and the default when it asks for
 none); ``env.max_turns`` the most requests one episode may make (the next one
 gets a 400 error, code ``max_turns_exceeded``, which the agent sees as
 ``openai.BadRequestError``); ``env.tool_parser`` (+ ``_args``) parses tool calls
-of requests with ``tools``. ``env.environment``, ``env.tools`` and
-``env.max_total_tokens`` belong to ``multi_turn``: an agent calls its own tools.
+of requests with ``tools``; ``env.tools`` (+ ``_args``) are the agent's tools
+(above). ``env.environment`` and ``env.max_total_tokens`` belong to ``multi_turn``.
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib
+import inspect
 import logging
 import math
 import secrets
@@ -65,7 +85,7 @@ from typing import Any
 import rltk
 from rltk.batch import Experience
 from rltk.rollout.base import RolloutEngine, SamplingParams
-from rltk.workflows.base import GroupNumbering, Workflow, reward_means, score_samples
+from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means, score_samples
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +161,14 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         if agent_args is not None and not isinstance(agent_args, Mapping):
             raise ValueError(f"agentic: rollout.workflow_args.agent_args must be a mapping, got {agent_args!r}")
         env = dict(env or {})
+        self.tools = _agent_tools(env)
+        self.agent_takes_tools = "tools" in _parameters(self.agent_fn)
+        if self.agent_takes_tools and "tools" in (agent_args or {}):
+            raise ValueError(f"agentic: rollout.workflow_args.agent_args.tools: agent {agent!r} gets its tools from "
+                             f"env.tools (the warm-up renders the same list); name them there")
+        if self.agent_takes_tools and not self.tools:
+            raise ValueError(f"agentic: agent {agent!r} offers the tools it is given, and env.tools is empty; list "
+                             f"them in env.tools (e.g. env.tools=[calculator]), which the warm-up renders too")
         _positive_int(concurrency, "rollout.workflow_args.concurrency")
         _positive_int(max_batch, "rollout.workflow_args.max_batch")
         _positive_int(env.get("max_new_tokens_per_turn"), "env.max_new_tokens_per_turn", allow_none=True)
@@ -176,6 +204,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         self._clients_lock = threading.Lock()
         self._next_group_id = 0
         self._metrics: dict[str, float] = {}
+        self._warned_opening = False
 
     # ------------------------------------------------------------------ the endpoint
 
@@ -271,7 +300,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         state.sampling_override = override
         prefix = uuid.uuid4().hex[:12]
         episodes = [{"row_index": r, "sample_index": s, "session_id": f"{prefix}-{r}-{s}", "result": None,
-                     "error": None} for r in range(len(rows)) for s in range(n)]
+                     "agent_info": {}, "error": None} for r in range(len(rows)) for s in range(n)]
 
         # Episodes running now, each waiting on at most one request: the batcher sends a round as soon as it
         # holds a request from each of them instead of waiting out its window (the agents are all blocked then).
@@ -292,14 +321,11 @@ class AgenticWorkflow(GroupNumbering, Workflow):
             own = self._borrow_client()
             client = own.with_options(default_headers={"X-Session-Id": episode["session_id"]})
             row = rows[episode["row_index"]]
+            tools = {"tools": list(self.tools)} if self.agent_takes_tools else {}
             try:
-                result = self.agent_fn(row=_copy_row(row), client=client, model=self.model_name, **self.agent_args)
-                if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))
-                                           or not math.isfinite(result)):
-                    raise TypeError(f"agent {self.agent!r} returned {result!r}; an agent returns the episode's "
-                                    "reward as a finite float, or None to let the reward function score the "
-                                    "final answer")
-                episode["result"] = None if result is None else float(result)
+                result = self.agent_fn(row=_copy_row(row), client=client, model=self.model_name, **tools,
+                                       **self.agent_args)
+                episode["result"], episode["agent_info"] = _agent_result(self.agent, result)
             except Exception as exc:  # the episode is dropped and counted; training goes on
                 episode["error"] = f"{type(exc).__name__}: {exc}"
                 episode["traceback"] = traceback.format_exc()
@@ -344,7 +370,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         """
         from rltk.serve.sessions import stitch
 
-        rows = _check_rows(rows)
+        rows = check_rows(rows, "agentic", prompt_required=False)
         if not rows:
             self._metrics = {}
             return []
@@ -367,6 +393,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         errors = [e for e in episodes if e["error"] is not None]
         empty = [e for e in episodes if e["error"] is None and not e["records"]]
         segments, requests = [], []
+        mismatched = self._check_openings(rows, episodes)
         for episode in episodes:
             if "score" not in episode:
                 continue
@@ -375,6 +402,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
             trajectories = stitch(episode["records"])
             segments.append(len(trajectories))
             requests.append(len(episode["records"]))
+            tool_use = _tool_use(episode["records"])
             for segment, trajectory in enumerate(trajectories):
                 experiences.append(Experience(
                     prompt_ids=trajectory.prompt_ids,
@@ -391,7 +419,8 @@ class AgenticWorkflow(GroupNumbering, Workflow):
                           "segment": segment, "segments": len(trajectories),
                           "requests": len(trajectory.records),
                           # the names multi_turn uses: assistant turns in this trajectory, cut at a limit
-                          "turns": len(trajectory.records), "truncated": trajectory.finish_reason == "length"},
+                          "turns": len(trajectory.records), "truncated": trajectory.finish_reason == "length",
+                          **tool_use, "agent_info": dict(episode["agent_info"])},
                 ))
         if not experiences:
             first = (errors or empty or [None])[0]
@@ -405,7 +434,38 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         reward_s = time.perf_counter() - tick
         self._metrics = _metrics(experiences, episodes, errors, empty, segments, requests, generate_s, reward_s,
                                  calls_before, calls_after)
+        self._metrics["agentic/opening_mismatch"] = mismatched
         return experiences
+
+    def _check_openings(self, rows: list[dict], episodes: list[dict]) -> float:
+        """The fraction of episodes whose first request is not the row's prompt as the warm-up rendered it.
+
+        A row formatted with the chat template (it has ``messages``) carries its opening rendered
+        with ``env.tools`` as ``prompt``: what the supervised warm-up put before each demonstration.
+        An agent that opens otherwise (other or no ``tools=``, another system prompt, its own
+        wording) is served a prompt the warm-up never showed, and a warm-up with a low loss can
+        then leave the policy at zero reward. The first such episode is reported once, with the
+        place the two texts part; the metric counts them every step.
+        """
+        checked = mismatched = 0
+        expected: dict[int, list[int]] = {}
+        for episode in episodes:
+            row = rows[episode["row_index"]]
+            if not episode["records"] or not isinstance(row.get("prompt"), str) or not row.get("messages"):
+                continue
+            index = episode["row_index"]
+            if index not in expected:
+                expected[index] = list(self.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
+            first = min(episode["records"], key=lambda r: r.seq)
+            checked += 1
+            if list(first.prompt_ids) == expected[index]:
+                continue
+            mismatched += 1
+            if not self._warned_opening:
+                self._warned_opening = True
+                logger.warning("agentic: %s", _opening_difference(self.tokenizer, self.agent, row, expected[index],
+                                                                   list(first.prompt_ids), self.tools))
+        return mismatched / checked if checked else 0.0
 
     def metrics(self) -> dict[str, float]:
         """About the last :meth:`run`: ``agentic/episodes``, ``agentic/agent_errors`` (episodes dropped
@@ -413,7 +473,11 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         ``agentic/segments_per_episode``, ``agentic/requests_per_episode``, ``agentic/engine_calls``,
         ``agentic/requests_per_engine_call``, ``time/generate_s``, ``time/reward_s``,
         ``rollout/response_length_mean|max``, ``rollout/policy_tokens``, ``rollout/truncated_fraction``,
-        ``rollout/turns_mean`` (requests stitched into each experience), ``reward/<name>``."""
+        ``rollout/turns_mean`` (requests stitched into each experience), ``rollout/tool_calls``,
+        ``rollout/tool_results`` and ``rollout/tool_errors`` (per episode), ``rollout/tool_parse_errors``
+        (count), ``rollout/tool_call_fraction`` (episodes with a call), ``agentic/opening_mismatch`` (see
+        the module docstring), ``agent/<name>`` (what agents returned beside their reward),
+        ``reward/<name>``."""
         return dict(self._metrics)
 
     # ------------------------------------------------------------------ evaluation
@@ -425,9 +489,10 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         Returns ``accuracy`` (episodes scoring ``>= threshold``; a failed episode
         counts as unsolved), ``mean_score``, ``mean_response_length`` (policy
         tokens per episode), ``truncated_fraction`` (episodes whose last
-        completion hit its length limit), ``agent_errors`` and ``num_responses``.
+        completion hit its length limit), ``tool_calls`` (per episode),
+        ``agent_errors`` and ``num_responses``.
         """
-        rows = _check_rows(rows)
+        rows = check_rows(rows, "agentic", prompt_required=False)
         if not rows:
             raise ValueError("agentic.evaluate() got no rows; give it the held-out split")
         params = params or replace(self.sampling, n=1, greedy=True)
@@ -435,10 +500,11 @@ class AgenticWorkflow(GroupNumbering, Workflow):
             "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "greedy": False}
         episodes = self._run_episodes(rows, 1, override)
         self._scores(rows, episodes)
-        scores, lengths, truncated = [], [], 0
+        scores, lengths, truncated, tool_calls = [], [], 0, 0
         for episode in episodes:
             scores.append(episode.get("score", 0.0))
             lengths.append(sum(len(r.completion_ids) for r in episode["records"]))
+            tool_calls += _tool_use(episode["records"])["tool_calls"]
             if episode["records"]:
                 truncated += max(episode["records"], key=lambda r: r.seq).finish_reason == "length"
         count = len(episodes)
@@ -447,18 +513,10 @@ class AgenticWorkflow(GroupNumbering, Workflow):
             "mean_score": sum(scores) / count,
             "mean_response_length": sum(lengths) / count,
             "truncated_fraction": truncated / count,
+            "tool_calls": tool_calls / count,
             "agent_errors": float(sum(e["error"] is not None for e in episodes)),
             "num_responses": float(count),
         }
-
-
-def _check_rows(rows: Any) -> list[dict]:
-    if isinstance(rows, Mapping) or not isinstance(rows, (list, tuple)):
-        raise TypeError(f"agentic.run() takes a list of row dicts, got {type(rows).__name__}")
-    for index, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise TypeError(f"agentic: row {index} must be a dict, got {type(row).__name__}")
-    return list(rows)
 
 
 def _copy_row(row: Mapping) -> dict:
@@ -516,7 +574,89 @@ def _metrics(experiences, episodes, errors, empty, segments, requests, generate_
         "rollout/truncated_fraction": sum(e.finish_reason == "length" for e in experiences) / len(experiences),
         "rollout/turns_mean": sum(e.info["turns"] for e in experiences) / len(experiences),
     }
+    played = [e for e in episodes if "score" in e]  # the episodes trained on, one entry each (not per segment)
+    uses = [_tool_use(e["records"]) for e in played]
+    metrics.update({
+        "rollout/tool_calls": sum(u["tool_calls"] for u in uses) / len(uses),
+        "rollout/tool_results": sum(u["tool_results"] for u in uses) / len(uses),
+        "rollout/tool_errors": sum(u["tool_errors"] for u in uses) / len(uses),
+        "rollout/tool_parse_errors": float(sum(u["tool_parse_errors"] for u in uses)),
+        "rollout/tool_call_fraction": sum(u["tool_calls"] > 0 for u in uses) / len(uses),
+    })
+    for name in sorted({name for e in played for name in e["agent_info"]}):
+        values = [e["agent_info"][name] for e in played if name in e["agent_info"]]
+        metrics[f"agent/{name}"] = sum(values) / len(values)
     return {**metrics, **reward_means(experiences)}
+
+
+def _tool_use(records: list) -> dict[str, int]:
+    """An episode's tool use, from the endpoint's records (see :class:`rltk.serve.sessions.Record`)."""
+    calls = sum(r.tool_calls for r in records)
+    parse_errors = sum(bool(r.tool_parse_error) for r in records)
+    # every choice of a request carries that request's results: count each request once
+    first_choices = [r for r in records if r.index == 0]
+    results = sum(r.tool_results for r in first_choices)
+    result_errors = sum(r.tool_result_errors for r in first_choices)
+    return {"tool_calls": calls, "tool_results": results, "tool_parse_errors": parse_errors,
+            "tool_errors": parse_errors + result_errors}
+
+
+def _agent_tools(env: Mapping[str, Any]) -> list:
+    """The tools of ``env.tools``, bound with ``env.tools_args``, in that order (what the warm-up renders)."""
+    from rltk.registry import get_registry
+
+    names = env.get("tools") or []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"agentic: env.tools must be a list of tool names, got {names!r}")
+    tools_args = dict(env.get("tools_args") or {})
+    tools = []
+    for name in names:
+        base = get_registry().entry("tool", name, where="env.tools").obj
+        try:
+            tools.append(base.bind(**dict(tools_args.get(name) or {})))
+        except ValueError as exc:
+            raise ValueError(f"env.tools_args.{name}: {exc}") from exc
+    return tools
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _agent_result(agent: str, result: Any) -> tuple[float | None, dict[str, float]]:
+    """An agent's return value as ``(score or None, {name: number})``; ``TypeError`` naming what is valid."""
+    info: Any = {}
+    if isinstance(result, tuple) and len(result) == 2:
+        result, info = result
+        if not isinstance(info, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for k, v in info.items()):
+            raise TypeError(f"agent {agent!r} returned ({result!r}, {info!r}); the second item of a pair is a dict "
+                            "of finite numbers by name, logged as agent/<name>")
+    if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))
+                               or not math.isfinite(result)):
+        raise TypeError(f"agent {agent!r} returned {result!r}; an agent returns the episode's reward as a finite "
+                        "float, or None to let the reward function score the final answer (either one may come "
+                        "as a pair with a dict of numbers to log)")
+    return (None if result is None else float(result)), {k: float(v) for k, v in info.items()}
+
+
+def _opening_difference(tokenizer: Any, agent: str, row: Mapping, expected: list[int], served: list[int],
+                        tools: list) -> str:
+    """Why an episode's first request is not the warm-up's prompt: where the texts part, and what to check."""
+    common = 0
+    while common < min(len(expected), len(served)) and expected[common] == served[common]:
+        common += 1
+    trained, sent = tokenizer.decode(expected[common:]), tokenizer.decode(served[common:])
+    offered = ", ".join(t.name for t in tools) or "none"
+    return (f"the first request of agent {agent!r} on row {row.get('id', '?')!r} is not the prompt the warm-up "
+            f"trained on: they part at token {common}, where the warm-up's prompt goes on {trained[:80]!r} and "
+            f"the request {sent[:80]!r}. The warm-up renders the row's messages with env.tools ({offered}); an "
+            f"agent should open with those messages (rltk.workflows.chat.row_messages(row)) and offer exactly "
+            f"tools=[t.schema() for t in tools]. Episodes that differ are counted in agentic/opening_mismatch")
 
 
 @rltk.hookimpl

@@ -177,20 +177,26 @@ def normalize_reward_output(result: Any, where: str) -> tuple[float, dict[str, f
     return float(score), {str(k): float(v) for k, v in details.items()}
 
 
-def check_rows(rows: Any, workflow: str) -> list[dict]:
-    """Check that ``rows`` is a list of dicts with a string ``"prompt"``, naming the bad row."""
+def check_rows(rows: Any, workflow: str, *, prompt_required: bool = True) -> list[dict]:
+    """Check that ``rows`` is a list of dicts with a string ``"prompt"`` and dict ``"extras"``, naming the bad row.
+
+    ``prompt_required=False`` (workflows that open an episode from a row's ``messages`` as well:
+    ``multi_turn``, ``agentic``) checks only that each row is a dict with dict ``extras``.
+    """
     if isinstance(rows, Mapping) or not isinstance(rows, (list, tuple)):
         raise TypeError(f"{workflow}.run() takes a list of row dicts, got {type(rows).__name__}")
     for index, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise TypeError(f"{workflow}: row {index} must be a dict, got {type(row).__name__}")
-        if "prompt" not in row:
+        if not prompt_required:
+            pass
+        elif "prompt" not in row:
             raise KeyError(
                 f"{workflow}: row {index} (id {row.get('id', '?')!r}) has no 'prompt' key; "
                 f"its keys are {sorted(row)}. Map your dataset's prompt column to 'prompt' "
                 f"(data.prompt_key)."
             )
-        if not isinstance(row["prompt"], str):
+        elif not isinstance(row["prompt"], str):
             raise TypeError(
                 f"{workflow}: row {index} (id {row.get('id', '?')!r}) 'prompt' must be text, "
                 f"got {type(row['prompt']).__name__}"

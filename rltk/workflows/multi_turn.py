@@ -63,7 +63,7 @@ from rltk.batch import Experience
 from rltk.environments.base import AssistantTurn, Environment, StepResult, check_messages, check_step_result
 from rltk.registry import get_registry
 from rltk.rollout.base import RolloutEngine, SamplingParams
-from rltk.workflows.base import GroupNumbering, Workflow, reward_means
+from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means
 from rltk.workflows.chat import TurnRenderer, generate_checked, render_text, row_messages, score_responses
 
 #: The ``env`` config section's keys and defaults (rltk.config.schema.EnvConfig mirrors them).
@@ -165,7 +165,7 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
         (not trained on) whose score is the ``baseline_score`` of the row's
         experiences (ReMax, Li et al. 2023, arXiv:2310.10505).
         """
-        rows = _check_rows(rows)
+        rows = check_rows(rows, "multi_turn", prompt_required=False)
         if not rows:
             self._metrics = {}
             return []
@@ -206,7 +206,7 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
         chooses the decoding (``n``, greedy, temperature ...); each turn's
         length limit stays ``env.max_new_tokens_per_turn``.
         """
-        rows = _check_rows(rows)
+        rows = check_rows(rows, "multi_turn", prompt_required=False)
         if not rows:
             raise ValueError("multi_turn.evaluate() got no rows; give it the held-out split")
         params = params if params is not None else replace(self.sampling, n=1, greedy=True)
@@ -449,19 +449,6 @@ def _close(env: Environment | None) -> None:
         env.close()
     except Exception:  # a failing close must not end training; the episode's outcome is already decided
         pass
-
-
-def _check_rows(rows: Any) -> list[dict]:
-    if isinstance(rows, Mapping) or not isinstance(rows, (list, tuple)):
-        raise TypeError(f"multi_turn.run() takes a list of row dicts, got {type(rows).__name__}")
-    for index, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise TypeError(f"multi_turn: row {index} must be a dict, got {type(row).__name__}")
-        extras = row.get("extras", {})
-        if extras is not None and not isinstance(extras, Mapping):
-            raise TypeError(f"multi_turn: row {index} (id {row.get('id', '?')!r}) 'extras' must be a dict, "
-                            f"got {type(extras).__name__}")
-    return list(rows)
 
 
 def _env_config(env: Mapping[str, Any] | None, sampling: SamplingParams) -> dict[str, Any]:

@@ -50,3 +50,49 @@ def test_errors_name_the_key(overrides, message):
 def test_a_workflow_that_ignores_the_section_does_not_check_it():
     cfg = load_config([], ["env.tool_parser=not_installed", "env.tools=[nope]"])
     assert cfg.rollout.workflow == "single_turn"
+
+
+# ------------------------------------------------------- the warm-up's demonstrations against the rollout (issue 29)
+
+AGENTIC_TOOLS = ["rollout.workflow=agentic", "rollout.workflow_args.agent=arithmetic_tools",
+                 "data.task=calculator_arithmetic", "data.use_chat_template=true", "model.tiny.tool_role=true",
+                 "data.train_size=40", "data.eval_size=4", "rollout.max_new_tokens=90", "data.max_prompt_tokens=64"]
+
+
+def validate(capsys, *overrides):
+    from rltk.cli import main
+
+    ensure_registered("agentic", "agents")
+    code = main(["validate", "grpo", *overrides])
+    return code, capsys.readouterr()
+
+
+def test_demonstrations_that_call_tools_need_the_tools_rendered(capsys):
+    # the issue's first failed run: tools belonged to the agent, so the warm-up rendered its tool-calling
+    # demonstrations without the tools block every RL request carried
+    code, out = validate(capsys, *AGENTIC_TOOLS[:1], "rollout.workflow_args.agent=arithmetic_chat",
+                         *AGENTIC_TOOLS[2:])
+    assert code == 2
+    assert "demonstrations call tools (row 'calculator_arithmetic/" in out.err and "calls 'calculator')" in out.err
+    assert "'env.tools' is empty" in out.err
+    code, out = validate(capsys, *AGENTIC_TOOLS, "env.tools=[calculator]")
+    assert code == 0 and "the first 40 warm-up examples fit the rollout" in out.out
+
+
+def test_an_agent_that_offers_the_given_tools_needs_env_tools(capsys):
+    code, out = validate(capsys, *AGENTIC_TOOLS)
+    assert code == 2 and "'env.tools' is empty, but agent 'arithmetic_tools' offers the tools rltk gives it" in out.err
+
+
+def test_a_per_turn_cap_shorter_than_the_demonstrations_names_the_key_and_the_length(capsys):
+    # the issue's second failed run: a tool call of ~85 tokens under a cap of 60: every episode was cut
+    code, out = validate(capsys, *AGENTIC_TOOLS, "env.tools=[calculator]", "env.max_new_tokens_per_turn=60")
+    assert code == 2
+    assert "40 of 40 warm-up demonstrations have an assistant turn of" in out.err
+    needed = int(out.err.split("Raise env.max_new_tokens_per_turn to at least ")[1].split()[0])
+    assert needed > 60
+    code, out = validate(capsys, *AGENTIC_TOOLS, "env.tools=[calculator]", f"env.max_new_tokens_per_turn={needed}")
+    assert code == 0
+    code, out = validate(capsys, *AGENTIC_TOOLS, "env.tools=[calculator]", f"env.max_new_tokens_per_turn={needed}",
+                         "env.max_turns=1")  # a call, its result, the answer: two requests
+    assert code == 2 and "have 2 assistant turns" in out.err and "Raise env.max_turns to at least 2" in out.err

@@ -143,3 +143,29 @@ def test_calculator_transcripts_fit_the_tiny_context():
     for row in guess_number("train", 31, 0):
         prompt, response, _ = tokenize_transcript(row["sft_messages"], tokenizer)
         assert len(prompt) + len(response) <= 64
+
+
+def test_a_task_names_its_demonstration_messages_as_a_data_file_does():
+    """One name for demonstrations (issue 29): a task's `messages` ending with an assistant turn are split
+    into the opening and the warm-up's transcript, exactly as a data file's `messages` column is."""
+    import types
+
+    import rltk
+    from rltk.data.synthetic import make_task
+
+    demonstration = [{"role": "user", "content": "3 km to m"}, {"role": "assistant", "content": "3000"}]
+
+    def convert_task(split, size, seed):
+        return [{"messages": demonstration, "ground_truth": "3000", "extras": {}, "id": "c0"},
+                {"messages": demonstration[:1], "ground_truth": "3000", "extras": {}, "id": "c1"}][:size]
+
+    plugin = types.ModuleType("convert_task_plugin")
+    plugin.rltk_tasks = rltk.hookimpl(lambda: {"convert_demo": convert_task})
+    rltk.register_plugin(plugin, name="convert_task_plugin")
+    try:
+        split, opening_only = make_task("convert_demo", "train", 2, 0)
+    finally:
+        rltk.unregister_plugin("convert_task_plugin")
+    assert split["messages"] == demonstration[:1] and split["sft_messages"] == demonstration
+    assert split["prompt"] == demonstration[:1]  # no prompt given: the opening is the prompt, as in files
+    assert opening_only["messages"] == demonstration[:1] and "sft_messages" not in opening_only

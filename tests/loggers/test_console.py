@@ -189,3 +189,12 @@ def test_a_single_stage_is_named_without_a_second_counter():
     logger.log({"reward": 1.0}, 1)
     assert stream.getvalue().splitlines()[-1] == ("[grpo] step 1/4 (25%) | train reward 1 | held-out greedy 0.5 "
                                                  "| 1.00s/step | ETA 3s")
+
+
+def test_the_warm_up_probe_shows_the_truncated_fraction_beside_its_accuracy():
+    # a probe at accuracy 0 because every episode hits the per-turn cap must say so on the line
+    logger, stream, clock = staged()
+    clock.now = 0.1
+    logger.log({"sft/sft_loss": 0.02, "sft/train_accuracy": 0.0, "sft/probe_truncated_fraction": 1.0}, 1)
+    assert stream.getvalue().splitlines()[0].startswith(
+        "[warmup 1/10] step 1/15 (7%) | sft loss 0.02 probe acc 0 truncated 1 |")

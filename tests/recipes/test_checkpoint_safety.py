@@ -14,7 +14,8 @@ from tests.test_serialization import plant
 
 pytestmark = pytest.mark.slow
 
-# Two SFT and two RL steps of a tiny model, a checkpoint after each: step_000003 and step_000004 are kept.
+# Two SFT and two RL steps of a tiny model, a checkpoint after each: step_000003 and step_000004 are kept, and
+# step_000002, the warm-up's last, whatever keep_last.
 TINY = ["data.train_size=40", "data.eval_size=8", "sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=2",
         "trainer.warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.eval_every=0",
         "logging.logger=[jsonl]", "logging.plot=false", "model.tiny.hidden_size=16", "model.tiny.num_layers=1",
@@ -28,7 +29,7 @@ def step_folders(run_dir: Path) -> list[str]:
 def test_a_damaged_final_checkpoint_is_skipped_extras_are_pruned_and_a_planted_one_is_refused(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", *TINY]) == 0
-    assert step_folders(run_dir) == ["step_000003", "step_000004"]
+    assert step_folders(run_dir) == ["step_000002", "step_000003", "step_000004"]
 
     # A cut-off copy damaged the last checkpoint: the run resumes from the one before and trains step 4 again.
     weights = run_dir / "checkpoints" / "step_000004" / "model" / "model.safetensors"
@@ -40,15 +41,15 @@ def test_a_damaged_final_checkpoint_is_skipped_extras_are_pruned_and_a_planted_o
         assert main(["run", "grpo", f"output_dir={run_dir}", *TINY]) == 0
     assert f"rltk: resuming from {run_dir / 'checkpoints' / 'step_000003'} (stage 1, step 1)" in capsys.readouterr().out
     # Step 4 was saved whole again; the damaged copy waits beside it for a look.
-    assert step_folders(run_dir) == ["damaged-step_000004", "step_000003", "step_000004"]
+    assert step_folders(run_dir) == ["damaged-step_000004", "step_000002", "step_000003", "step_000004"]
 
     # Runs killed between a save and its prune left checkpoints beyond keep_last: pruned as the run starts.
-    for extra in ("step_000001", "step_000002"):
+    for extra in ("step_000001",):
         shutil.copytree(run_dir / "checkpoints" / "step_000003", run_dir / "checkpoints" / extra)
     assert main(["run", "grpo", f"output_dir={run_dir}", *TINY]) == 0
     out = capsys.readouterr().out
-    assert "rltk: removed step_000001, step_000002 from" in out and "already finished" in out
-    assert step_folders(run_dir) == ["damaged-step_000004", "step_000003", "step_000004"]
+    assert "rltk: removed step_000001 from" in out and "already finished" in out
+    assert step_folders(run_dir) == ["damaged-step_000004", "step_000002", "step_000003", "step_000004"]
 
     marker = tmp_path / "MARKER"
     plant(run_dir / "checkpoints" / "step_000004" / "optimizer.pt", marker)

@@ -79,7 +79,8 @@ def test_a_run_prints_stage_lines_and_writes_checkpoints_and_exports_with_the_us
 
     # every file a checkpoint holds follows the umask (022 -> 0644), the weights included
     checkpoints = sorted(run_dir.glob("checkpoints/step_*"))
-    assert [c.name for c in checkpoints] == ["step_000003", "step_000004"]  # keep_last=2
+    # keep_last=2, and the warm-up's last checkpoint (step 2) stays whatever keep_last
+    assert [c.name for c in checkpoints] == ["step_000002", "step_000003", "step_000004"]
     for checkpoint in checkpoints:
         found = modes(checkpoint)
         assert "model/model.safetensors" in found
@@ -95,3 +96,7 @@ def test_a_run_prints_stage_lines_and_writes_checkpoints_and_exports_with_the_us
     found = modes(exported)
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(found)
     assert found == {name: 0o644 for name in found}
+    # the standard loader reads the exported tokenizer token for token (not Qwen2Tokenizer's byte-level rebuild)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(exported)("a b")["input_ids"] == tokenizer("a b")["input_ids"] == [25, 17, 26]

@@ -315,7 +315,8 @@ def test_the_tool_agent_runs_the_calculator_the_policy_calls_and_stays_one_traje
 
     engine = ScriptedEngine(tokenizer, script)
     workflow = AgenticWorkflow(engine=engine, tokenizer=tokenizer, reward=exact,
-                               sampling=SamplingParams(n=2, max_new_tokens=100), agent="arithmetic_tools")
+                               sampling=SamplingParams(n=2, max_new_tokens=100), agent="arithmetic_tools",
+                               env={"tools": ["calculator"]})
     try:
         experiences = workflow.run(ROWS[:2])
         assert [e.score for e in experiences] == [1.0] * 4  # 5 and 8, from the calculator
