@@ -20,10 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Callable
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rltk
@@ -34,6 +32,7 @@ from rltk.data.sampler import RowSampler
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
+from rltk.training.loop_state import LoopState
 from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
@@ -317,31 +316,29 @@ def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
     return every > 0 and (step == last or step % every == 0)
 
 
-def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
-                    extra: dict | None = None, rank_extra: dict | None = None,
-                    generators: Mapping[str, torch.Generator] | None = None) -> Path:
-    """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook.
+def save_checkpoint(stage: Stage, strategy, loop: LoopState, *, last_step: int) -> Path:
+    """Checkpoint the stage's strategy (or strategies) and its loop state at ``loop.step``, then call the hook.
 
     The divergence guard first checks the weights are finite (no checkpoint ever holds nan) and
     its counters go into the checkpoint, so a resumed run counts on.
 
-    ``extra`` is the recipe's JSON-able state, the same on every rank (the
-    main rank's is saved). ``rank_extra`` is state that differs per rank (e.g.
-    its experience buffer): every rank's is saved, beside its workflow's state
-    and cumulative reward counters (see :func:`restore_rollout_state`), and
-    :func:`rank_state` of the loaded state gives a rank its own back.
-    ``generators`` are the rank's private generators by name; a recipe hands
-    the same names to ``run.ckpt.load(..., generators=...)`` when it resumes.
-    The checkpoint also counts the metric rows already logged at its step, so
-    a run resumed from it drops the rows logged there after the save (see
-    :func:`open_run`). Collective: every rank calls it.
+    The loop's :meth:`~rltk.training.loop_state.LoopState.state_dict` is the
+    same on every rank (the main rank's is saved); its ``rank_state_dict``
+    (e.g. the experience buffer) differs per rank: every rank's is saved,
+    beside its workflow's state and cumulative reward counters (see
+    :func:`restore_rollout_state`), and :func:`rank_state` of the loaded state
+    gives a rank its own back. The loop's generators go into the rank's RNG
+    file by name (:meth:`LoopState.resume` restores them). The checkpoint also
+    counts the metric rows already logged at its step, so a run resumed from
+    it drops the rows logged there after the save (see :func:`open_run`).
+    Collective: every rank calls it.
     """
-    state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
-             "sampler": sampler.state_dict(), **(extra or {})}
+    stage_step = loop.step
+    state = {"stage": stage.index, "stage_done": stage_step == last_step, **loop.state_dict()}
     if stage.guard is not None:
         stage.guard.check_weights(strategy, stage_step)
         state["guard"] = stage.guard.state_dict()
-    mine = dict(rank_extra or {})
+    mine = loop.rank_state_dict()
     workflow = stage.run.workflow
     if hasattr(workflow, "state_dict"):
         mine[WORKFLOW_STATE_KEY] = workflow.state_dict()
@@ -350,7 +347,7 @@ def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler
     state[PER_RANK_KEY] = _every_rank(mine)
     global_step = stage.first_step + stage_step
     state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
-    path = stage.run.ckpt.save(global_step, strategy, state, generators=generators)
+    path = stage.run.ckpt.save(global_step, strategy, state, generators=loop.generators)
     rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
     return path
 
@@ -417,13 +414,10 @@ def run_sft_stage(stage: Stage) -> None:
     sampler = RowSampler(sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg)),
                          s.batch_size,
                          seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
-    start = 0
-    if stage.resume is not None:
-        state = run.ckpt.load(stage.resume["path"], strategy)
-        sampler.load_state_dict(state["sampler"])
-        start = state["stage_step"]
+    loop = LoopState(sampler)
+    loop.resume(stage, strategy)
 
-    for step in range(start + 1, s.steps + 1):
+    for step in range(loop.step + 1, s.steps + 1):
         # every rank draws the same global batch and trains on its share of the rows
         batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
         metrics = {f"sft/{k}": v for k, v in sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
@@ -437,8 +431,9 @@ def run_sft_stage(stage: Stage) -> None:
         run.metric_log.log(metrics, stage.first_step + step)
         stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged
         last = step if reached else s.steps
+        loop.step = step
         if should_checkpoint(cfg, step, last):
-            save_checkpoint(stage, strategy, step, sampler, last_step=last)
+            save_checkpoint(stage, strategy, loop, last_step=last)
         if reached:
             if process_rank() == 0:
                 print(f"rltk: warm-up reached sft.stop_at_accuracy={s.stop_at_accuracy} "
