@@ -114,9 +114,8 @@ from rltk.strategies.base import (
     build_adamw,
     build_lr_scheduler,
     check_mixed_precision,
-    load_model_folder,
-    save_model_folder,
 )
+from rltk.models.folders import load_model_folder, save_model_folder
 
 logger = logging.getLogger(__name__)
 
