@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -28,7 +29,10 @@ def register_resolvers() -> None:
         "max": lambda *xs: max(_number(x) for x in xs),
         "min": lambda *xs: min(_number(x) for x in xs),
     }
-    # omegaconf 2.4 renamed register_new_resolver and deprecated the old name.
-    register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+    # omegaconf 2.4 renamed register_new_resolver to register_resolver and deprecated the old name; in
+    # 2.3 register_resolver is still the legacy 2.0 call without replace=, so choose by what it accepts.
+    register = getattr(OmegaConf, "register_resolver", None)
+    if register is None or "replace" not in inspect.signature(register).parameters:
+        register = OmegaConf.register_new_resolver
     for name, fn in resolvers.items():
         register(name, fn, replace=True)

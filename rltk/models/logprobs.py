@@ -44,14 +44,19 @@ Models and wrappers:
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 
 import torch
 from torch import nn
 
 from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
+from rltk.models.kv_cache import cache_keyword
 from rltk.models.packing import pack_rows
 from rltk.models.sharding import has_sharded_parameters
+from rltk.notices import notice_once
+
+logger = logging.getLogger(__name__)
 
 
 def response_logprobs(
@@ -138,6 +143,10 @@ def response_logprobs(
                 "forward then), or shard the model with FSDP2 with the head in the root module or in a unit "
                 "of its own."
             )
+        notice_once(logger, "the fused log-prob op is off",
+                    f"the LM head weight of {type(unwrap_model(model)).__name__} stays a sharded DTensor after the "
+                    "forward (an FSDP wrapper that does not unshard the head), so logits come from a second "
+                    "forward of the model; shard the head in the root module or a unit of its own to fuse")
         return _response_logprobs_through_forward(model, input_ids, attention_mask, width,
                                                   temperature=temperature, with_entropy=with_entropy,
                                                   with_sum_pi_squared=with_sum_pi_squared)
@@ -340,7 +349,7 @@ def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, atten
     wrapped (DDP, DeepSpeed: their hooks expect one forward per backward), has sharded parameters (ZeRO-3
     or FSDP2 gather them collectively in every forward, and ranks must run the same number),
     trains with gradient checkpointing (HF turns the cache off then), or its base model takes no
-    ``past_key_values`` (:func:`prompt_sharing_applies`).
+    KV cache (:func:`prompt_sharing_applies`, which logs the reason once).
     """
     if not prompt_sharing_applies(model):
         return None
@@ -355,33 +364,55 @@ def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, atten
         return None
     prompt_ids, prompt_mask = unique[:, :prompt_len], unique[:, prompt_len:].to(attention_mask.dtype)
     cache = DynamicCache(config=getattr(inner, "config", None))
+    cache_arg = {cache_keyword(decoder.forward): cache}
     out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
-                  past_key_values=cache, use_cache=True)
+                  use_cache=True, **cache_arg)
     last_prompt = _hidden_from_output(out)[:, -1:][row_prompt]  # [B, 1, D]
     if input_ids.shape[1] - prompt_len == 1:
         return last_prompt
     cache.batch_select_indices(row_prompt)  # [U, ...] -> [B, ...], differentiable indexing
     mask = attention_mask[:, :-1]
     out = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=mask,
-                  position_ids=positions_from_mask(mask)[:, prompt_len:], past_key_values=cache, use_cache=True)
+                  position_ids=positions_from_mask(mask)[:, prompt_len:], use_cache=True, **cache_arg)
     return torch.cat([last_prompt, _hidden_from_output(out)], dim=1)  # [B, T, D]
 
 
 def prompt_sharing_applies(model: nn.Module) -> bool:
     """Whether :func:`shared_prompt_hidden_states` may run ``model``: a plain (unwrapped, unsharded)
-    causal LM whose decoder takes ``past_key_values`` and that does not checkpoint activations.
+    causal LM whose decoder takes a KV cache and that does not checkpoint activations.
 
+    Where it may not, the reason is logged once per process (:func:`prompt_sharing_blocker`): the
+    full pass gives the same numbers, slower, and a slower run should never go unexplained.
     Passes that must agree with ``model``'s training forward take this answer from the *training*
     module (``strategy.model``), not from their own (see ``share_prompts`` in :func:`response_logprobs`).
     """
+    reason = prompt_sharing_blocker(model)
+    if reason is not None:
+        notice_once(logger, "rows that share a prompt run it in full", reason)
+    return reason is None
+
+
+def prompt_sharing_blocker(model: nn.Module) -> str | None:
+    """Why :func:`shared_prompt_hidden_states` cannot run ``model``, or None where it can."""
     inner = unwrap_model(model)
     decoder = base_model(inner)
+    if decoder is None:
+        return f"{type(inner).__name__} has no base model (get_decoder(), .model or .base_model) to run with a cache"
+    if inner is not model:
+        return (f"the model is wrapped ({type(model).__name__}), whose hooks expect one forward per backward; "
+                "expected under DDP and DeepSpeed")
     checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers 5; 4.x: the old name
     if checkpointing is None:
         checkpointing = getattr(inner, "is_gradient_checkpointing", False)
-    return not (decoder is None or inner is not model or checkpointing
-                or has_sharded_parameters(inner) or any(_is_dtensor(p) for p in inner.parameters())
-                or "past_key_values" not in inspect.signature(decoder.forward).parameters)
+    if checkpointing:
+        return "gradient checkpointing is on, and transformers turns the KV cache off under it"
+    if has_sharded_parameters(inner) or any(_is_dtensor(p) for p in inner.parameters()):
+        return ("the parameters are sharded (ZeRO-3 or FSDP2 gather them in every forward, and all ranks "
+                "must run the same number of forwards)")
+    if cache_keyword(decoder.forward) is None:
+        return (f"{type(decoder).__name__}.forward declares neither `cache` (transformers >= 5.24) nor "
+                "`past_key_values`, so it takes no KV cache")
+    return None
 
 
 def base_model(model: nn.Module) -> nn.Module | None:

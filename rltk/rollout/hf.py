@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,9 +44,13 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.models.kv_cache import cache_keyword
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
+from rltk.notices import notice_once
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
-from rltk.rollout.hf_sampling import sample, sampling_applies, shared_prompts
+from rltk.rollout.hf_sampling import sample, sampling_blocker, shared_prompts
+
+logger = logging.getLogger(__name__)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -221,10 +226,12 @@ class HFRolloutEngine(RolloutEngine):
         processors.append(recorder)
 
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        if sampling_applies(model):
+        blocker = sampling_blocker(model)
+        if blocker is None:
             generated = sample(model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
                                greedy=params.greedy, stop_ids=stop_ids, pad_id=pad_id, logits_processor=processors)
             return generated.tolist(), recorder.finish(generated).tolist()
+        notice_once(logger, "the hf engine samples through generate, not its own loop", blocker)
 
         # Neutral values switch generate's own warpers off (its default top_k is 50).
         neutral_sampling = {} if params.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -346,8 +353,10 @@ class HFRolloutEngine(RolloutEngine):
 
 
 def _shared_prompt_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
-    """``{"past_key_values": cache}`` holding every row's prompt but its last token, computed once per
-    distinct prompt, or ``{}`` when no two rows share a prompt or the model keeps no ``DynamicCache``.
+    """``{keyword: cache}`` holding every row's prompt but its last token, computed once per distinct
+    prompt, or ``{}`` when no two rows share a prompt or the model keeps no ``DynamicCache``. The
+    keyword is the one the model's forward declares (:mod:`rltk.models.kv_cache`), which ``generate``
+    passes on to it.
 
     The ``n`` samples of a prompt are ``n`` identical rows, and a causal LM's states over identical
     prefixes are identical: the prefill runs on the distinct prompts and its keys and values are
@@ -361,6 +370,11 @@ def _shared_prompt_cache(model: nn.Module, input_ids: torch.Tensor, attention_ma
     supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
     if has_sharded_parameters(model) or getattr(model, "_is_stateful", False) or not supports_cache:
         return {}
+    keyword = cache_keyword(model.forward)
+    if keyword is None:
+        notice_once(logger, "generate runs every row's prompt in full",
+                    f"{type(model).__name__}.forward declares neither `cache` nor `past_key_values`")
+        return {}
     prompt_of_row, first_rows = shared_prompts(input_ids, attention_mask)
     if prompt_of_row is None:
         return {}
@@ -369,9 +383,9 @@ def _shared_prompt_cache(model: nn.Module, input_ids: torch.Tensor, attention_ma
     # the prefill's logits are not needed: keep the head to one position where the model allows it
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
-          past_key_values=cache, use_cache=True, **keep)
+          use_cache=True, **keep, **{keyword: cache})
     cache.batch_select_indices(prompt_of_row)
-    return {"past_key_values": cache}
+    return {keyword: cache}
 
 
 def _untied_missing_keys(model: nn.Module, missing: list[str], given: set[str]) -> list[str]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rltk.models.kv_cache import cache_keyword
 from rltk.models.sharding import has_sharded_parameters
 
 #: The smallest row count a forward runs at: below it the BLAS takes other kernels, whose rounding
@@ -40,15 +41,28 @@ MIN_FORWARD_ROWS = 4
 
 def sampling_applies(model: nn.Module) -> bool:
     """Whether :func:`sample` may run ``model`` (see the module docstring)."""
+    return sampling_blocker(model) is None
+
+
+def sampling_blocker(model: nn.Module) -> str | None:
+    """Why :func:`sample` cannot run ``model`` (so the engine takes ``generate``), or None where it can."""
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers.masking_utils import create_causal_mask
 
     if type(model) not in (Qwen2ForCausalLM, LlamaForCausalLM):
-        return False
+        return f"it runs Qwen2ForCausalLM and LlamaForCausalLM only, not {type(model).__name__}"
     config = model.config
-    return (getattr(config, "_attn_implementation", None) == "sdpa"
-            and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
-            and not getattr(model.model, "has_sliding_layers", False)
-            and not has_sharded_parameters(model))
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"it needs sdpa attention, not {getattr(config, '_attn_implementation', None)!r}"
+    if (any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
+            or getattr(model.model, "has_sliding_layers", False)):
+        return "the model has sliding-window layers"
+    if has_sharded_parameters(model):
+        return "the parameters are sharded (ZeRO-3 or FSDP2)"
+    if cache_keyword(model.forward) is None or cache_keyword(create_causal_mask) is None:
+        return (f"{type(model).__name__}.forward or create_causal_mask declares neither `cache` nor "
+                "`past_key_values` in this transformers release")
+    return None
 
 
 def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
@@ -63,6 +77,7 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     rows, width = input_ids.shape
     device = input_ids.device
+    model_cache, mask_cache = cache_keyword(model.forward), cache_keyword(create_causal_mask)
     floor = min(MIN_FORWARD_ROWS, rows)
     # generate's position ids, and its mask: dropped (None) when nothing is padded
     positions = attention_mask.long().cumsum(-1) - 1
@@ -75,15 +90,15 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
             return None
         stub = torch.empty((rows, query_length, 0), dtype=model.dtype, device=device)
         return create_causal_mask(config=model.config, inputs_embeds=stub, attention_mask=mask,
-                                  past_key_values=cache, position_ids=positions[:, -query_length:])
+                                  position_ids=positions[:, -query_length:], **{mask_cache: cache})
 
     def forward(computed: torch.Tensor, tokens: torch.Tensor, cache) -> torch.Tensor:
         """fp32 last-position logits of the ``computed`` rows (their cache rows in that order)."""
         query_length = tokens.shape[1]
         full = full_mask(cache, query_length)
         out = model(input_ids=tokens, attention_mask=None if full is None else full[computed],
-                    position_ids=positions[computed, -query_length:], past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+                    position_ids=positions[computed, -query_length:], use_cache=True, logits_to_keep=1,
+                    **{model_cache: cache})
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
     cache = DynamicCache(config=model.config)
@@ -95,8 +110,8 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
         # the prompts but their last token, once per distinct prompt (lead[:U] are their first rows) ...
         distinct = lead[: int(prompt_of_row.max()) + 1]
         model(input_ids=input_ids[distinct, : width - 1], attention_mask=attention_mask[distinct, : width - 1],
-              position_ids=positions[distinct, : width - 1], past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+              position_ids=positions[distinct, : width - 1], use_cache=True, logits_to_keep=1,
+              **{model_cache: cache})
         if lead.numel() < rows:  # ... and the last token on those rows (topped up to `floor`)
             if lead.numel() > distinct.numel():
                 cache.batch_select_indices(prompt_of_row[lead])

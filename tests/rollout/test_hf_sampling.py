@@ -34,7 +34,7 @@ def _both_ways(model, prompts, params, monkeypatch):
     """(the loop's completions, generate's completions) for the same call."""
     engine = HFRolloutEngine(model, TOKENIZER)
     with monkeypatch.context() as patch:
-        patch.setattr(hf, "sampling_applies", lambda model: False)
+        patch.setattr(hf, "sampling_blocker", lambda model: "switched off by the test")
         want = engine.generate(prompts, params)
     return engine.generate(prompts, params), want
 

@@ -601,7 +601,11 @@ def test_lora_under_zero_with_two_processes_matches_one_process(lora_runs, lora_
     assert rank0["weights"].keys() == reference["weights"].keys() and len(adapter) == 2 * 7
     for name, initial in reference["initial"].items():  # the adapter trained and nothing else moved
         assert torch.equal(rank0["weights"][name], initial) == (name not in adapter), name
-    assert rank0["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-6)
+    # The two processes sum each half of the batch and then the halves; one process sums micro-batches
+    # in another order. In fp32 that moves the grad norm by rounding alone: measured 0.8e-6 relative
+    # (AVX-512 and default kernels, this test's 5 steps) and 1.1e-7 (AVX2), 1.28e-6 on another AVX-512
+    # machine. 1e-5 is ~80 ulps; a rank's half of the batch missing changes the norm by tens of percent.
+    assert rank0["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
     assert rank0["losses"] == pytest.approx(reference["losses"], abs=1e-6)
     # Adam turns summation-order rounding of near-zero gradient elements (B starts at zero) into
     # update differences that are a fraction of lr (1e-3): see test_distributed's LoRA test. A rank's

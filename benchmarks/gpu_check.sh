@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Everything in rltk that needs CUDA, checked in one run of at most ~8 minutes on one GPU (issue 34):
+#
+#   bash benchmarks/gpu_check.sh                 # results in $OUT (default benchmarks/results/gpu-check)
+#   WHEELS=path/to/wheels bash benchmarks/gpu_check.sh   # first install these wheels (no index, no deps)
+#
+# Parts, each under its own `timeout` so one that hangs cannot eat the others' time:
+#   0. install: the carried wheels (WHEELS, e.g. omegaconf where the image lacks it), then rltk from
+#      this tree (pip install --no-deps --no-build-isolation -e .); prints GPU, driver, torch, Triton;
+#   1. tests: the gpu-marked tests, then every kernel test (tests/kernels, the Triton-interpreter
+#      cases included), junit XML in $OUT;
+#   2. logprobs: benchmarks/logprobs.py --device cuda at N=16384 D=4096, V=151936 (Qwen2.5) and 151665
+#      (its tokenizer's odd size), bf16 / fp32 / fp16: correctness of values and gradients against the
+#      naive path, time against the bare matmul and naive, peak memory;
+#   3. grpo: benchmarks/gpu_grpo_step.py, one GRPO update of a random-init Qwen2 with Qwen2.5-0.5B's
+#      shapes on 64 x 512 tokens, fused op against naive;
+#   4. sweep: forward and forward+backward times of a few Triton block configurations (bf16, V=151936).
+# Every part appends to $OUT/log.txt; $OUT/summary.md gets the versions, each part's exit status and
+# time, and the tables. At most 8 files land in $OUT (the device tool brings back no more).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu-check}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+SUMMARY="$OUT/summary.md"
+: >"$LOG"
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+START=$(date +%s)
+# Every part ends by START + BUDGET seconds whatever the others did (the device call's own limit is
+# larger by the machine's start-up and the transfers).
+DEADLINE=$((START + ${BUDGET:-440}))
+TMP=$(mktemp -d)
+
+# part NAME SECONDS CMD...: run CMD under `timeout` (its limit, cut to what is left before DEADLINE),
+# its output into the log, one status line each.
+part() {
+    local name=$1 limit=$2
+    shift 2
+    local t0=$(date +%s)
+    local left=$((DEADLINE - t0 - 5))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 10 ]; then
+        echo "| $name | SKIPPED: the run's time budget is spent | 0 s |" >>"$TMP/parts"
+        echo "=== part $name: skipped, the run's time budget is spent" | tee -a "$LOG"
+        return
+    fi
+    echo "=== part $name (limit ${limit}s, at +$((t0 - START))s): $*" | tee -a "$LOG"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    local verdict=ok
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && verdict="TIMED OUT after ${limit}s"
+    [ "$rc" -ne 0 ] && [ "$verdict" = ok ] && verdict="FAILED (exit $rc)"
+    echo "| $name | $verdict | $(($(date +%s) - t0)) s |" >>"$TMP/parts"
+    echo "=== part $name: $verdict in $(($(date +%s) - t0)) s" | tee -a "$LOG"
+}
+
+: >"$TMP/parts"
+if [ -n "${WHEELS:-}" ]; then
+    part wheels 60 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$TMP/site" "$WHEELS"/*.whl
+    export PYTHONPATH="$TMP/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# Editable, so the tests and benchmarks run this tree; the entry points (rltk's builtins) come with it.
+part install 90 $PY -m pip install -q --no-deps --no-build-isolation --no-compile -e .
+
+{
+    echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo
+    echo '```'
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+    timeout 120 $PY - <<'EOF' 2>&1
+import platform, torch, triton, transformers
+p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"triton {triton.__version__}, transformers {transformers.__version__}")
+print(f"device: {torch.cuda.get_device_name(0) if p else 'NO CUDA DEVICE'}"
+      + (f", {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB" if p else ""))
+import rltk
+print(f"rltk {rltk.__version__} from {rltk.__file__}")
+EOF
+    echo '```'
+} >>"$SUMMARY"
+cat "$SUMMARY" | tee -a "$LOG"
+
+# 1. tests. The kernel tests that need no GPU (CPU tensors, the Triton-interpreter cases: CPU-bound)
+# run in the background on 4 of the CPUs while the GPU parts run; the gpu-marked tests run alone first,
+# so their timing assertions have the GPU to themselves.
+(
+    LOG="$TMP/kernels.log" DEADLINE=$DEADLINE
+    part tests-kernels 300 $PY -m pytest -p no:cacheprovider -q -rfE -n 4 -m "not gpu" tests/kernels \
+        --junitxml="$OUT/tests-kernels.xml"
+) &
+KERNELS=$!
+GPU_TESTS="tests/kernels tests/strategies/test_accelerate_strategy.py tests/rollout/test_hf.py tests/rollout/test_vllm_engine.py
+    tests/rollout/test_vllm_lora.py"
+part tests-gpu 120 $PY -m pytest -p no:cacheprovider -q -rA -m gpu $GPU_TESTS --junitxml="$OUT/tests-gpu.xml"
+
+# 2. the fused op against naive and the bare matmul (~3 min on an H100 by the sizes; see the README)
+part logprobs 240 $PY benchmarks/logprobs.py --device cuda --repeats 3 --n 16384 --d 4096 \
+    --vocab 151936 151665 --dtypes bfloat16 float16 float32 --cases matmul triton naive \
+    --out "$OUT/logprobs.json" --table "$TMP/logprobs.md"
+
+# 3. a GRPO update step, fused against naive
+part grpo 110 $PY benchmarks/gpu_grpo_step.py --precisions bf16-weights amp-bf16 --steps 3 --micro-batch 16 \
+    --out "$OUT/grpo.json" --table "$TMP/grpo.md"
+
+# 4. Triton block sizes (data for tuning the default TritonConfig)
+part sweep 60 $PY benchmarks/logprobs.py --device cuda --triton-configs --repeats 3 --n 16384 --d 4096 \
+    --vocab 151936 --dtypes bfloat16 --out "$OUT/sweep.json" --table "$TMP/sweep.md"
+
+wait "$KERNELS"
+cat "$TMP/kernels.log" >>"$LOG"
+grep -E "^(FAILED|ERROR)|passed|failed" "$TMP/kernels.log" | tail -20
+
+{
+    echo
+    echo "| part | result | time |"
+    echo "|---|---|---|"
+    cat "$TMP/parts"
+    for t in logprobs grpo sweep; do
+        if [ -f "$TMP/$t.md" ]; then
+            echo
+            echo "## $t"
+            echo
+            cat "$TMP/$t.md"
+        fi
+    done
+    echo
+    echo "total $(($(date +%s) - START)) s"
+} >>"$SUMMARY"
+rm -rf "$TMP"
+cat "$SUMMARY"
