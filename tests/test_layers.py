@@ -23,7 +23,7 @@ PACKAGE = ROOT / "rltk"
 
 LAYERS: list[tuple[str, ...]] = [
     ("rltk", "rltk.registry", "rltk.hookspecs", "rltk.errors", "rltk.batch", "rltk.batch_types",
-     "rltk.serialization", "rltk.io", "rltk.distributed"),
+     "rltk.serialization", "rltk.io", "rltk.distributed", "rltk.notices"),
     ("rltk.algorithms", "rltk.kernels"),
     ("rltk.models", "rltk.data", "rltk.rewards", "rltk.tools", "rltk.environments", "rltk.loggers"),
     ("rltk.rollout", "rltk.workflows", "rltk.buffer"),
@@ -94,7 +94,9 @@ def layer_of(name: str) -> int:
     best, layer = "", None
     for i, members in enumerate(LAYERS):
         for member in members:
-            if (name == member or name.startswith(member + ".")) and len(member) > len(best):
+            # the package itself ("rltk") is its __init__ alone: a new top-level module must be placed
+            inside = name.startswith(member + ".") and member != "rltk"
+            if (name == member or inside) and len(member) > len(best):
                 best, layer = member, i
     assert layer is not None, f"{name} is in no layer: add it to LAYERS in {Path(__file__).name}"
     return layer

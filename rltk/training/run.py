@@ -29,6 +29,7 @@ from rltk.checkpoint import CheckpointManager
 from rltk.config.components import signature_params
 from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
+from rltk.distributed import end_process_group, every_rank, process_group, process_rank, seed_everything
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
@@ -36,7 +37,7 @@ from rltk.training.loop_state import LoopState
 from rltk.training.resume import load_model_weights, resume_or_start_over, run_is_finished
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
-    limit_torch_threads, prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config,
+    limit_torch_threads, prepare_run_dir, sampling_params, sft_pairs, stage_config,
     tool_schemas,
     write_summary,
 )
@@ -157,7 +158,7 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
             # What was logged up to the divergence is what the reader needs: flush it, and let every
             # rank (all stop at the same step) leave the process group together.
             run.metric_log.close()
-            _end_process_group()
+            end_process_group()
             raise
         if current.strategy is not None:
             # The next stage (and the final evaluation) starts from a plain module with the trained
@@ -239,18 +240,8 @@ def finish_run(run: Run) -> dict:
             plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)
     rltk.call_lifecycle_hook("rltk_on_train_end", run_dir=run.run_dir, metrics=summary)
-    _end_process_group()
+    end_process_group()
     return summary
-
-
-def _end_process_group() -> None:
-    """Every rank waits for the others, then the process group ends: a rank that exits while a
-    peer still talks to it occasionally aborts (gloo's "terminate called without an active exception")."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
@@ -262,7 +253,7 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     of the whole held-out set, ``eval/num_responses`` included.
     """
     rows = rows[: cfg.trainer.eval_size or len(rows)]
-    world, rank = _process_group()
+    world, rank = process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
     sampled = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1)) if share else {}
@@ -274,19 +265,10 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
 
 def greedy_accuracy(workflow, rows: list[dict], cfg: DictConfig) -> float:
     """Greedy exact-answer accuracy on ``rows``, each process taking its share, combined over processes."""
-    world, rank = _process_group()
+    world, rank = process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
     return float(_combine_over_ranks(greedy, world)["accuracy"])
-
-
-def _process_group() -> tuple[int, int]:
-    """(world size, rank) of the default process group, (1, 0) without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
@@ -344,7 +326,7 @@ def save_checkpoint(stage: Stage, strategy, loop: LoopState, *, last_step: int) 
         mine[WORKFLOW_STATE_KEY] = workflow.state_dict()
     if hasattr(workflow.reward, "state_dict"):
         mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
-    state[PER_RANK_KEY] = _every_rank(mine)
+    state[PER_RANK_KEY] = every_rank(mine)
     global_step = stage.first_step + stage_step
     state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
     path = stage.run.ckpt.save(global_step, strategy, state, generators=loop.generators)
@@ -378,17 +360,6 @@ def restore_rollout_state(workflow, resume: dict) -> None:
     for component, key in ((workflow, WORKFLOW_STATE_KEY), (workflow.reward, REWARD_STATE_KEY)):
         if key in saved and hasattr(component, "load_state_dict"):
             component.load_state_dict(saved[key])
-
-
-def _every_rank(obj: Any) -> list:
-    """``[obj of rank 0, obj of rank 1, ...]`` on every rank (``[obj]`` without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def run_sft_stage(stage: Stage) -> None:
