@@ -32,7 +32,7 @@ from rltk.algorithms.aggregation import loss_agg_normalisers
 from rltk.algorithms.value import clipped_value_loss
 from rltk.batch import slice_batch
 # The critic section is checked by config validation (a lower layer); re-exported for recipes.
-from rltk.config.critic_checks import check_critic_config
+from rltk.config.validation import check_critic_config
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model
 from rltk.training.micro_batches import micro_batches, run_values
 from rltk.training.rl import check_mini_batches
