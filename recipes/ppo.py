@@ -90,7 +90,6 @@ def run_ppo_stage(stage: Stage) -> None:
 
     for step in range(loop.step + 1, t.total_steps + 1):
         tick = time.perf_counter()
-        loop.generator.manual_seed(cfg.seed * 1_000_003 + step)
         # rollout: every rank draws the same global batch of prompts and samples its share of it
         # (under dynamic sampling more batches, until enough groups have differing scores)
         experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
