@@ -107,7 +107,8 @@ def run_child(case: str, args) -> dict:
     from rltk.models.activation_checkpointing import enable_activation_checkpointing
     from rltk.models.lora import apply_lora
     from rltk.training.reference import FrozenReference
-    from rltk.training.rl import LossComponents, compute_advantages, old_logprobs_pass, policy_update
+    from rltk.training.forward import old_logprobs_pass
+    from rltk.training.rl import LossComponents, compute_advantages, policy_update
     from rltk.training.setup import args_of, build_strategy
 
     torch.set_num_threads(args.threads)

@@ -32,7 +32,8 @@ from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args
 from rltk.training.collect import collect_experiences
 from rltk.training.loop_state import RLParts, kl_to_reference, rows_in, sampled_batch, start_rl_stage
-from rltk.training.rl import global_masked_mean, old_logprobs_pass, policy_update, rollout_metrics
+from rltk.training.forward import old_logprobs_pass
+from rltk.training.rl import global_masked_mean, policy_update, rollout_metrics
 from rltk.training.run import (
     Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
     save_checkpoint, should_checkpoint,

@@ -39,7 +39,8 @@ from rltk.training.collect import collect_experiences
 from rltk.training.loop_state import RLParts, kl_to_reference, rows_in, sampled_batch, start_rl_stage
 from rltk.training.ppo import PolicyAndCritic, batched_values, build_critic, build_critic_strategy, critic_update, \
     updates_per_step
-from rltk.training.rl import global_masked_mean, old_logprobs_pass, policy_update, rollout_metrics
+from rltk.training.forward import old_logprobs_pass
+from rltk.training.rl import global_masked_mean, policy_update, rollout_metrics
 from rltk.training.run import (
     Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
     save_checkpoint, should_checkpoint,

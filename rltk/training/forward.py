@@ -1,4 +1,6 @@
-"""How the training loop runs the policy forward: one frozen settings object for every pass.
+"""How the training loop runs the policy forward without gradients: the settings every pass shares,
+and the old-policy pass (the reference's is :mod:`rltk.training.reference`, the update's own
+training forward is :func:`rltk.training.rl.policy_update`).
 
 The old-policy pass, the reference pass and the update's training forward must
 run the same way (same micro-batching, temperature, kernel, prompt sharing):
@@ -12,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig
+
+from rltk.training.micro_batches import micro_batches, run_logprobs
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class ForwardSettings:
                    share_prompts=prompt_sharing_applies(strategy.model))
 
     def kwargs(self) -> dict:
-        """The settings as the keyword arguments of the passes (:func:`rltk.training.rl.batched_logprobs`,
+        """The settings as the keyword arguments of the passes (:func:`batched_logprobs`,
         :func:`rltk.training.rl.policy_update`)."""
         return dataclasses.asdict(self)
 
@@ -63,3 +68,91 @@ class ForwardSettings:
         return {"micro_batch_size": self.micro_batch_size,
                 "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch,
                 "pack_sequences": self.pack_sequences}
+
+
+@torch.no_grad()
+def batched_logprobs(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    impl: str = "auto",
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
+    strategy=None,
+    max_tokens_per_micro_batch: int | None = None,
+    pack_sequences: bool = False,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
+
+    Pass the ``strategy`` that shards ``model`` (ZeRO-3, FSDP): every forward
+    then gathers parameters collectively, so each rank runs as many forwards
+    as the rank with the most micro-batches, repeating its first micro-batch
+    and discarding the result.
+
+    ``max_tokens_per_micro_batch`` forms micro-batches by a token budget and
+    ``pack_sequences`` packs each into one row (:mod:`rltk.training.micro_batches`);
+    the rows come back in the batch's order either way.
+
+    ``share_prompts`` (see :func:`rltk.models.logprobs.response_logprobs`): pass
+    ``prompt_sharing_applies(strategy.model)`` so that this pass runs the way
+    the policy's training forward does, whichever module ``model`` is.
+
+    Shape: returns ``(logprobs, entropy or None)``, ``[B, T]`` tensors on the
+    batch's device, and ``sum_pi_squared`` ``[B, T]`` third when
+    ``with_sum_pi_squared`` (see :func:`rltk.models.logprobs.response_logprobs`).
+    """
+    was_training = model.training
+    model.eval()  # no dropout: old and reference log-probs must be deterministic
+    B, T = batch["response_mask"].shape
+    # logprobs, entropy, sum_pi_squared; a token-budget plan reorders rows, so each lands at its index
+    outputs: list[torch.Tensor | None] = [None, None, None]
+    for mb in micro_batches(strategy, batch, micro_batch_size=micro_batch_size,
+                            max_tokens=max_tokens_per_micro_batch, packed=pack_sequences):
+        parts = run_logprobs(
+            model, mb.data, T, trim=max_tokens_per_micro_batch is not None, pack=pack_sequences,
+            temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
+            with_sum_pi_squared=with_sum_pi_squared, share_prompts=share_prompts,
+        )
+        if mb.padding:
+            continue
+        for i, part in enumerate(parts):
+            if part is not None:
+                if outputs[i] is None:
+                    outputs[i] = torch.zeros(B, T, dtype=torch.float32, device=part.device)
+                outputs[i][mb.rows.to(part.device)] = part.float()
+    model.train(was_training)
+    logprobs = outputs[0] if outputs[0] is not None else torch.zeros(B, T)
+    entropy = outputs[1] if with_entropy else None
+    if with_sum_pi_squared:
+        return logprobs, entropy, outputs[2]
+    return logprobs, entropy
+
+
+def old_logprobs_pass(policy: torch.nn.Module, batch: dict[str, torch.Tensor], *, use_rollout_logprobs: bool,
+                      with_sum_pi_squared: bool = False, micro_batch_size: int, temperature: float,
+                      impl: str = "auto", chunk_size: int | None = None, strategy=None,
+                      max_tokens_per_micro_batch: int | None = None, pack_sequences: bool = False,
+                      share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(old_logprobs, sum_pi_squared)``: the behaviour policy's log-probs of the sampled tokens, and
+    (``with_sum_pi_squared``, for an estimator that names it) ``sum_v pi_old(v)^2`` per token, else None.
+
+    ``use_rollout_logprobs`` (``algorithm.use_rollout_logprobs``) takes the rollout engine's
+    log-probs instead of a forward pass of ``policy``. The engine reports no distribution, so
+    ``sum_pi_squared`` then still comes from one pass of ``policy``: the trainer's copy of the
+    weights that sampled the batch. The other keywords: see :func:`batched_logprobs`
+    (:class:`rltk.training.forward.ForwardSettings` holds them).
+
+    Shape: ``[B, T]`` each. Nothing is written into ``batch``.
+    """
+    if use_rollout_logprobs and not with_sum_pi_squared:
+        return batch["rollout_logprobs"], None
+    outputs = batched_logprobs(policy, batch, micro_batch_size=micro_batch_size, temperature=temperature,
+                               impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
+                               strategy=strategy, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                               pack_sequences=pack_sequences, share_prompts=share_prompts)
+    old = batch["rollout_logprobs"] if use_rollout_logprobs else outputs[0]
+    return old, outputs[2] if with_sum_pi_squared else None

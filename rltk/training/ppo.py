@@ -63,7 +63,7 @@ def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, m
     value loss compares against, and GAE's baseline) and restores the mode.
     Values on response padding are 0 (see :func:`rltk.models.critic.response_values`).
     Pass the ``strategy`` that shards ``critic`` to keep ranks' forwards in
-    lockstep (see :func:`rltk.training.rl.batched_logprobs`). ``max_tokens_per_micro_batch`` and
+    lockstep (see :func:`rltk.training.forward.batched_logprobs`). ``max_tokens_per_micro_batch`` and
     ``pack_sequences``: token-budget micro-batches and packed rows (:mod:`rltk.training.micro_batches`).
 
     Shape: batch tensors (B, P + T) -> (B, T) fp32 on the batch's device.

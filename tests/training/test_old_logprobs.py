@@ -9,7 +9,8 @@ import torch
 import rltk
 from rltk.batch import collate
 from rltk.models.logprobs import positions_from_mask
-from rltk.training.rl import batched_logprobs, compute_advantages, needs_sum_pi_squared, old_logprobs_pass
+from rltk.training.forward import batched_logprobs, old_logprobs_pass
+from rltk.training.rl import compute_advantages, needs_sum_pi_squared
 from tests.training.rl_step_helpers import worker
 
 
