@@ -117,6 +117,7 @@ def main() -> int:
 
     from rltk.rollout.base import SamplingParams
     from rltk.serve.app import BackgroundServer, create_app
+    from rltk.serve.sessions import SessionStore
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer, engine = build(args.tokens)
@@ -124,7 +125,7 @@ def main() -> int:
     app = create_app(engine, tokenizer, model_name="bench",
                      defaults=SamplingParams(max_new_tokens=args.tokens, stop_token_ids=[]),
                      max_tokens_limit=args.tokens, max_model_len=256, window_s=args.window,
-                     max_batch=max(64, args.agents))
+                     max_batch=max(64, args.agents), store=SessionStore())  # recording, as training does
     rows = []
     with BackgroundServer(app) as server:
         run_direct(engine, tokenizer, conversations[:4], 4)  # warm-up: first-call allocations

@@ -8,7 +8,9 @@ step per step. Runs alternate (rltk, TRL, rltk, TRL, ...), each a fresh process
 with the same environment and thread count, all starting from the same
 warmed-up weights; a step is timed from rollout to optimizer step on both sides
 (rltk's `time/step_s`; TRL's `on_step_begin` to `on_step_end`), so evaluation
-and logging are outside it. Prints the median step time of each, their ratio
+and logging are outside it. Both sides do the same work: fp32, no gradient
+checkpointing (TRL's `GRPOConfig` default is on; it is switched off here, since
+rltk does not checkpoint), the same thread count. Prints the median step time of each, their ratio
 and the learning of both (mean training reward over the first and last quarter
 of the steps, greedy held-out accuracy at the end), and writes it all as JSON
 under `benchmarks/results/`.
@@ -144,6 +146,9 @@ def trl_worker(args) -> None:
         beta=0.0, epsilon=0.2, loss_type="dapo",  # token-mean over the batch: rltk grpo's token-mean
         scale_rewards="group", num_iterations=1, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0,
+        # Equal work: GRPOConfig turns gradient checkpointing on by default, recomputing every layer's forward
+        # in the backward; rltk does not checkpoint, so neither does TRL here.
+        gradient_checkpointing=False,
     )
     timer = Timer()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,

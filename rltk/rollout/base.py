@@ -166,6 +166,9 @@ class RolloutEngine(abc.ABC):
     def wake_up(self) -> None:
         """Undo :meth:`sleep` before the next :meth:`generate`; a no-op by default."""
 
+    def close(self) -> None:
+        """Release what the engine holds (processes, connections, process groups); a no-op by default."""
+
 
 def validate_prompt_ids(prompt_ids: Any) -> list[list[int]]:
     """Check that ``prompt_ids`` is a list of non-empty lists of ints, naming the bad prompt."""

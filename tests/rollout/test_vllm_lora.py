@@ -1,17 +1,11 @@
 """The vLLM engine with a LoRA policy: it receives merged weights under the plain model's names."""
 
-import importlib.util
-import os
-import sys
-import types
-
 import pytest
 import torch
 
 from rltk.models.lora import apply_lora, merged_copy
-from rltk.rollout.base import SamplingParams
 from rltk.rollout.vllm_engine import VLLMRolloutEngine, engine_weights
-from tests.rollout.test_vllm_engine import FakeEngineArgs, FakeLLM, gpu_model
+from tests.rollout.test_vllm_engine import FakeLLM, install_fake_vllm
 
 
 def adapted(model, seed=1, r=4, alpha=8.0):
@@ -48,23 +42,14 @@ def test_a_plain_model_passes_through_unchanged(model):
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    module = types.SimpleNamespace(__version__="0.10.2", LLM=FakeLLM, EngineArgs=FakeEngineArgs,
-                                   SamplingParams=lambda **kw: kw)
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "unset")
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
-    FakeLLM.instances = []
-    return module
+    return install_fake_vllm(monkeypatch)
 
 
 def test_the_engine_is_built_from_the_base_config_and_gets_merged_weights_after_each_step(fake_vllm, model,
                                                                                           tokenizer):
     plain_names = set(model.state_dict())
     policy = adapted(model)
-    engine = VLLMRolloutEngine(policy, tokenizer)
+    engine = VLLMRolloutEngine(policy, tokenizer, lora_sync="merged")
     llm = FakeLLM.instances[-1]
     assert set(llm.loaded) == plain_names
     with torch.no_grad():  # an optimizer step on the adapter
@@ -72,28 +57,3 @@ def test_the_engine_is_built_from_the_base_config_and_gets_merged_weights_after_
     engine.update_weights(policy)
     name = "model.layers.1.mlp.up_proj.weight"
     torch.testing.assert_close(llm.loaded[name], merged_copy(policy).state_dict()[name], rtol=0, atol=1e-6)
-
-
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vllm is not installed (pip install 'rltk[vllm]' on a CUDA machine)")
-
-
-@pytest.mark.gpu
-@needs_vllm
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_vllm_samples_from_the_merged_lora_policy(tokenizer, encode):
-    from rltk.rollout.hf import HFRolloutEngine
-
-    policy = adapted(gpu_model(tokenizer), seed=3)
-    engine = VLLMRolloutEngine(policy, tokenizer, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
-    prompts = [encode(p) for p in ["12+3=", "7=", "abc de"]]
-    params = SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=[])
-    want = HFRolloutEngine(policy, tokenizer).generate(prompts, params)
-    assert [g[0].token_ids for g in engine.generate(prompts, params)] == [w[0].token_ids for w in want]
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.mul_(-2.0)
-    engine.update_weights(policy)
-    want = HFRolloutEngine(policy, tokenizer).generate(prompts, params)
-    assert [g[0].token_ids for g in engine.generate(prompts, params)] == [w[0].token_ids for w in want]

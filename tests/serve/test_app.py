@@ -13,6 +13,7 @@ import pytest
 from rltk.rollout.base import SamplingParams
 from rltk.rollout.hf import HFRolloutEngine
 from rltk.serve.app import BackgroundServer, create_app
+from rltk.serve.sessions import SessionStore
 from tests.serve.helpers import ScriptedEngine, SpyEngine, tiny_chat_model
 
 MODEL = "tiny"
@@ -24,7 +25,7 @@ def live():
     tokenizer, model = tiny_chat_model()
     engine = SpyEngine(HFRolloutEngine(model, tokenizer), delay_s=0.05)
     app = create_app(engine, tokenizer, model_name=MODEL, defaults=SamplingParams(max_new_tokens=6),
-                     max_tokens_limit=16, max_model_len=128, window_s=0.05)
+                     max_tokens_limit=16, max_model_len=128, window_s=0.05, store=SessionStore())
     with BackgroundServer(app) as server:
         yield server, engine, tokenizer
 
@@ -101,12 +102,14 @@ def test_concurrent_requests_are_coalesced_into_fewer_engine_calls(live):
     assert engine.threads == {"rltk-serve-batcher"}
 
 
-def test_the_session_id_comes_from_the_header_else_the_user_field_and_is_readable_back(live):
+def test_the_session_id_comes_from_the_header_never_the_user_field_and_is_readable_back(live):
     server, _, _ = live
+    store = server.app.state.rltk.store
+    before = len(store.get("default"))
     client_for(server).completions.create(model=MODEL, prompt="1=", max_tokens=2, user="from-user-field")
-    assert len(server.app.state.rltk.store.get("from-user-field")) == 1
+    assert store.get("from-user-field") == [] and len(store.get("default")) == before + 1
     client_for(server, "hdr").completions.create(model=MODEL, prompt="1=", max_tokens=2, user="ignored")
-    assert len(server.app.state.rltk.store.get("hdr")) == 1 and server.app.state.rltk.store.get("ignored") == []
+    assert len(store.get("hdr")) == 1 and store.get("ignored") == []
     body = httpx.get(server.base_url.removesuffix("/v1") + "/rltk/sessions/hdr").json()
     # 7 special tokens, then "0123456789 +-*/=": "1" is 7 + 1, "=" is 7 + 15
     assert body["records"][0]["prompt_ids"] == [8, 22]
@@ -199,7 +202,7 @@ def scripted():
 
     engine = ScriptedEngine(tokenizer, script)
     app = create_app(engine, tokenizer, model_name=MODEL, defaults=SamplingParams(max_new_tokens=120),
-                     max_model_len=None)
+                     max_model_len=None, store=SessionStore())
     with BackgroundServer(app) as server:
         yield server, engine, tokenizer
 

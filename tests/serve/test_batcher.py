@@ -47,7 +47,7 @@ def test_concurrent_jobs_share_engine_calls_and_each_gets_its_own_completions():
         assert [[c.token_ids[0] for c in samples] for samples in result] == [[k + 1], [k + 2]]
         assert [samples[0].prompt_index for samples in result] == [0, 1]
     assert {thread for *_, thread in engine.calls} == {"rltk-serve-batcher"}
-    assert batcher.stats() == {"jobs": 16, "engine_calls": len(engine.calls), "sequences": 32}
+    assert batcher.stats() == {"jobs": 16, "engine_calls": len(engine.calls), "sequences": 32, "cancelled": 0}
 
 
 def test_n_is_expanded_into_repeated_prompts_so_different_n_share_a_call():

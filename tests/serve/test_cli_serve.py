@@ -138,3 +138,35 @@ def test_rltk_imports_and_builds_the_agentic_workflow_without_the_serve_extra_an
     assert "install the serve extra: pip install 'rltk[serve]'" in out.stdout
     assert "APP: the OpenAI-compatible endpoint needs fastapi, uvicorn" in out.stdout
     assert "rltk: error: rltk serve needs fastapi, uvicorn" in out.stderr
+
+
+def test_listening_beyond_loopback_without_a_key_is_warned_about_before_binding(capsys):
+    # 203.0.113.1 (TEST-NET-3) is on no interface here: the warning comes first, then the bind fails in one line,
+    # so nothing is ever exposed by this test
+    assert main(["serve", "--host", "203.0.113.1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "WARNING: listening on 203.0.113.1 without an API key" in err
+    assert "cannot listen on 203.0.113.1:0 (--host/--port)" in err and "Traceback" not in err
+    assert main(["serve", "--host", "203.0.113.1", "--port", "0", "--api-key", "k"]) == 2
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def test_rltk_serve_records_nothing_by_default_and_says_when_the_context_lowers_max_tokens(capsys):
+    from rltk.cli import build_parser
+    from rltk.serve.cli import build_server_app
+
+    parser = build_parser()
+    app, stack, _ = build_server_app(parser.parse_args(["serve"]))
+    with stack:
+        state = app.state.rltk
+        assert state.store is None and state.api_keys == [] and app.openapi_url is None
+        # the README: --max-tokens 256 by default, at most the context (256 positions for the tiny model) minus one
+        assert parser.parse_args(["serve"]).max_tokens == 256 and state.max_tokens_limit == 255
+        assert "a request may ask for at most 255" in capsys.readouterr().err
+        state.batcher.close()
+    readme = (REPO / "README.md").read_text()
+    assert "`--max-tokens` (default 256)" in readme and "255 for the tiny model's 256 positions" in readme
+    app, stack, _ = build_server_app(parser.parse_args(["serve", "--record-sessions", "--session-max-records", "7"]))
+    with stack:
+        assert app.state.rltk.store.max_records == 7
+        app.state.rltk.batcher.close()

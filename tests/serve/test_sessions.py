@@ -122,3 +122,29 @@ def test_store_is_safe_under_concurrent_writes():
         t.join()
     seqs = sorted(r.seq for s in store.session_ids() for r in store.get(s))
     assert seqs == list(range(1200))
+
+
+def test_the_store_keeps_owners_apart_and_evicts_by_records_bytes_and_total():
+    from rltk.serve.sessions import record_bytes
+
+    store = SessionStore(max_records=3, max_bytes=None, max_total_bytes=None)
+    for k in range(5):
+        store.add("s", f"r{k}", 0, [1, 2], [3], [-0.1], "stop", "ab", "chat", owner="alice")
+    store.add("s", "r0", 0, [9], [9], [-0.9], "stop", "", "chat", owner="bob")
+    assert [r.request_id for r in store.get("s", "alice")] == ["r2", "r3", "r4"]
+    assert [r.prompt_ids for r in store.get("s", "bob")] == [(9,)] and store.get("s") == []
+    assert store.requests("s", "alice") == 5 and store.evicted("s", "alice") == 2
+    assert store.session_ids("alice") == ["s"] and store.session_ids() == []
+    # 8 bytes per id and log-prob, the text's UTF-8, 200 for the rest: 8 * (2 + 1 + 1) + 2 + 200
+    assert record_bytes(store.get("s", "alice")[0]) == 234
+    assert store.total_bytes() == 3 * 234 + (8 * 3 + 200)
+
+    small = SessionStore(max_records=None, max_bytes=500, max_total_bytes=750)
+    for k in range(4):
+        small.add("a", f"r{k}", 0, [1, 2], [3], [-0.1], "stop", "ab", "chat")
+    assert len(small.get("a")) == 2  # 2 x 234 <= 500 < 3 x 234
+    small.add("b", "r", 0, [1, 2], [3], [-0.1], "stop", "ab", "chat")
+    assert small.total_bytes() == 3 * 234 and small.session_ids() == ["a", "b"]
+    small.add("b", "r2", 0, [1, 2], [3], [-0.1], "stop", "ab", "chat")
+    assert small.session_ids() == ["b"]  # 4 x 234 > 750 in all: the least recently written session went
+    assert small.total_bytes() == 2 * 234 and len(small.pop("b")) == 2 and small.total_bytes() == 0

