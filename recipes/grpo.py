@@ -105,12 +105,10 @@ def run_rl_stage(stage: Stage) -> None:
         # advantages from the fields the estimator names
         batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
 
-        # update: ppo_epochs x mini-batches, one optimizer step each
+        # update: ppo_epochs x mini-batches, one optimizer step each (on-policy, it fills old_logprobs)
         update_metrics = policy_update(strategy, batch, parts.loss, kl_coef=loop.kl_ctl.value,
                                        mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
                                        generator=loop.generator, **fwd)
-        if update_metrics.old_logprobs is not None:  # on-policy: the old log-probs the update's forward took
-            batch["old_logprobs"] = update_metrics.old_logprobs
         workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
         kl_metrics = {}
         if reference is not None:  # KL(pi_old || pi_ref) of the sampled tokens, the update's starting point

@@ -340,13 +340,6 @@ def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, e
     }
 
 
-class UpdateMetrics(dict):
-    """What :func:`policy_update` returns: its metrics (a plain ``{name: float}`` dict) and, after an
-    on-policy update, the ``old_logprobs`` ``[B, T]`` its training forward took (None otherwise)."""
-
-    old_logprobs: torch.Tensor | None = None
-
-
 def _mean_metrics(acc: dict[str, float], new: dict[str, Any], weight: float) -> None:
     for k, v in new.items():
         v = float(v.detach().item() if isinstance(v, torch.Tensor) else v)
@@ -369,7 +362,7 @@ def policy_update(
     max_tokens_per_micro_batch: int | None = None,
     pack_sequences: bool = False,
     share_prompts: bool = True,
-) -> UpdateMetrics:
+) -> dict[str, float]:
     """PPO-style epochs over mini-batches of a rollout batch; one optimizer step per mini-batch.
 
     Each micro-batch's loss is aggregated with the mini-batch's *global* token
@@ -395,12 +388,11 @@ def policy_update(
 
     A ``batch`` without ``old_logprobs`` is trained on-policy (see
     :func:`old_logprobs_from_update`): each micro-batch takes its own
-    training-forward log-probs, detached, as the old ones, and the result's
-    ``old_logprobs`` attribute holds them, ``[B, T]`` (for the KL metric and
-    logging). That needs ``ppo_epochs == mini_batches == 1``. ``batch`` itself
-    is never written.
-
-    Returns: the metrics, means over optimizer steps (an :class:`UpdateMetrics`).
+    training-forward log-probs, detached, as the old ones, and ``batch``
+    receives them as ``old_logprobs`` ``[B, T]`` afterwards (for the KL metric
+    and logging). That needs ``ppo_epochs == mini_batches == 1``. It is the one
+    write into the batch a pass still makes: the metrics go through
+    ``torch.save`` with ``weights_only`` loads, which take plain dicts only.
     """
     on_policy = "old_logprobs" not in batch
     if on_policy and (ppo_epochs != 1 or mini_batches != 1):
@@ -489,10 +481,9 @@ def policy_update(
                 shares = dict(zip(names, summed.tolist()))
             _mean_metrics(metrics, {**shares, **step_info}, 1.0)
             n_updates += 1
-    result = UpdateMetrics({**{k: v / n_updates for k, v in metrics.items()}, **correction_metrics})
     if on_policy:
         old = torch.empty(B, T, dtype=torch.float32, device=given["response_mask"].device)
         for rows_in_mini, values in taken:  # a rank with no rows of its own ran padding passes only
             old[order[rows_in_mini]] = values.to(old.device)  # one mini-batch: its row i is batch row order[i]
-        result.old_logprobs = old
-    return result
+        given["old_logprobs"] = old
+    return {**{k: v / n_updates for k, v in metrics.items()}, **correction_metrics}

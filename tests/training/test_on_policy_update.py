@@ -79,8 +79,8 @@ def test_taking_old_logprobs_from_the_training_forward_gives_the_recompute_path_
     metrics_recompute = policy_update(recompute, with_old, loss, **common, generator=torch.Generator().manual_seed(3))
     metrics_reuse = policy_update(reuse, without_old, loss, **common, generator=torch.Generator().manual_seed(3))
 
-    # the update returns the old log-probs, row for row those of the recompute (rows were shuffled)
-    torch.testing.assert_close(metrics_reuse.old_logprobs, with_old["old_logprobs"], atol=1e-6, rtol=0)
+    # the batch now carries the old log-probs, row for row those of the recompute (rows were shuffled)
+    torch.testing.assert_close(without_old["old_logprobs"], with_old["old_logprobs"], atol=1e-6, rtol=0)
     assert set(metrics_reuse) == set(metrics_recompute)
     for name, value in metrics_recompute.items():
         assert metrics_reuse[name] == pytest.approx(value, abs=1e-6), name
