@@ -14,7 +14,7 @@ parameters, so the default keeps 5 layers (74.5M) and a 32000-token vocabulary
 per forward/backward) is trained on for ``--steps`` steps, each the recipe's update: old log-probs, reference log-probs,
 group advantages, one PPO-clip step with a k3 KL term in the loss
 (``kl_coef`` 0.05), all through rltk's own functions (``apply_lora``,
-``FrozenReference``, ``fill_old_logprobs``, ``compute_advantages``,
+``FrozenReference``, ``old_logprobs_pass``, ``compute_advantages``,
 ``policy_update``, the accelerate strategy's AdamW). Cases:
 
 * ``full``: every weight trains; the KL reference is a frozen copy of the policy
@@ -107,7 +107,8 @@ def run_child(case: str, args) -> dict:
     from rltk.models.activation_checkpointing import enable_activation_checkpointing
     from rltk.models.lora import apply_lora
     from rltk.training.reference import FrozenReference
-    from rltk.training.rl import LossComponents, compute_advantages, fill_old_logprobs, policy_update
+    from rltk.training.forward import old_logprobs_pass
+    from rltk.training.rl import LossComponents, compute_advantages, policy_update
     from rltk.training.setup import args_of, build_strategy
 
     torch.set_num_threads(args.threads)
@@ -150,7 +151,8 @@ def run_child(case: str, args) -> dict:
         batch = dict(batch0)
         wall, cpu = time.perf_counter(), time.process_time()
         # the recipe's update step (recipes/grpo.py): old and reference log-probs, advantages, update
-        fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=False, strategy=strategy, **common)
+        batch["old_logprobs"], _ = old_logprobs_pass(policy, batch, use_rollout_logprobs=False, strategy=strategy,
+                                                     **common)
         batch["ref_logprobs"] = reference.logprobs(batch, **common)
         compute_advantages(advantage_fn, batch, args_of(cfg, "algorithm.advantage_fn"), strategy)
         metrics = policy_update(strategy, batch, loss, kl_coef=cfg.algorithm.kl_coef, mini_batches=t.mini_batches,

@@ -33,30 +33,18 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-import rltk
 from rltk.algorithms.kl import apply_kl_penalty
-from rltk.batch import collate
-from rltk.buffer.buffer import ExperienceBuffer
-from rltk.data.sampler import RowSampler
-from rltk.models.logprobs import prompt_sharing_applies
 from rltk.recipe_utils import parse_recipe_args
-from rltk.training.ppo import (
-    PolicyAndCritic, batched_values, build_critic, build_critic_strategy, check_critic_config, critic_update,
-    updates_per_step,
-)
-from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences
-from rltk.training.reference import FrozenReference
-from rltk.training.rl import (
-    LossComponents, build_kl_controller, compute_advantages, fill_old_logprobs, policy_update,
-    rollout_metrics, any_rank, global_masked_mean,
-)
+from rltk.training.collect import collect_experiences
+from rltk.training.loop_state import RLParts, kl_to_reference, rows_in, sampled_batch, start_rl_stage
+from rltk.training.ppo import PolicyAndCritic, batched_values, build_critic, build_critic_strategy, critic_update, \
+    updates_per_step
+from rltk.training.forward import old_logprobs_pass
+from rltk.training.rl import global_masked_mean, policy_update, rollout_metrics
 from rltk.training.run import (
-    Stage, build_stage_strategy, evaluate, finish_run, open_run, rank_state, require_rows_per_rank, run_sft_stage,
-    run_stages, save_checkpoint, should_checkpoint,
+    Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
+    save_checkpoint, should_checkpoint,
 )
-from rltk.training.setup import args_of, stage_config
 
 
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the
@@ -82,114 +70,74 @@ def run_ppo_stage(stage: Stage) -> None:
     # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
     strategy = build_stage_strategy(stage, lr=t.lr, total_steps=policy_steps * per_step,
                                     warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
-    policy, workflow = strategy.unwrap(), run.workflow
+    workflow = run.workflow
     require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)
     # The critic starts from the policy as this stage begins (after any warm-up), copied from a
-    # plain copy of it (ZeRO-3 has partitioned `policy`); a resumed run overwrites its weights
+    # plain copy of it (ZeRO-3 has partitioned the policy); a resumed run overwrites its weights
     # from the checkpoint below.
     critic_strategy = build_critic_strategy(cfg, build_critic(cfg, strategy.full_model_copy()),
                                             total_steps=t.total_steps)
     strategies = PolicyAndCritic(strategy, critic_strategy)  # one checkpoint holds both
 
-    # Components, each chosen by name in the config.
-    sample_strategy = rltk.get_component("sample_strategy", cfg.buffer.sample_strategy)(
-        **args_of(cfg, "buffer.sample_strategy"))
-    advantage_fn = rltk.get_component("advantage_fn", a.advantage_fn)
-    loss = LossComponents.from_config(cfg)  # policy loss, aggregation, KL estimator, entropy bonus
-    kl_ctl = build_kl_controller(cfg)
-    buffer = ExperienceBuffer()
-    # a greedy response per prompt if the estimator needs baseline_scores; DAPO's dynamic sampling
-    plan = RolloutPlan.from_config(cfg, advantage_fn)
-    sampler = RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
-    generator = torch.Generator()  # mini-batch shuffling; reseeded every step, so a resumed run draws the same
-
-    # The reference policy is the policy as this stage starts, frozen; its weights are kept
-    # beside the checkpoints so a resumed run compares against the same one.
-    # With LoRA it is the same module with its adapters switched off (the base model): no copy at all.
-    reference = FrozenReference.for_stage(strategy, a.kl_coef)
-    reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
-    start = 0
-    if stage.resume is not None:
-        state = run.ckpt.load(stage.resume["path"], strategies)
-        workflow.engine.update_weights(policy)  # an engine with a copy of its own takes the restored weights
-        sampler.load_state_dict(state["sampler"])
-        start = state["stage_step"]
-        kl_ctl.value = state["kl_coef"]
-        if "buffer" in rank_state(state):  # what the buffer held then: expert data, experiences kept for later
-            buffer.load_state_dict(rank_state(state)["buffer"])
-        if reference is not None:
-            reference.load(reference_file)
-    elif reference is not None:
-        reference.save(reference_file)
-    if stage.resume is None or "buffer" not in rank_state(state):
-        # expert responses (buffer.expert.path), for a sample strategy that mixes them in; a resumed
-        # buffer has them already (scoring them again would count the reward calls twice)
-        buffer.put(expert_experiences(cfg, run.tokenizer, workflow.reward), 0, source=cfg.buffer.expert.source)
-    if start == 0:
+    # Components, each chosen by name in the config: estimator (GAE), losses, sample strategy, rollout
+    # plan, and how every log-prob pass runs.
+    parts = RLParts.from_config(cfg, strategy)
+    # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
+    # (policy and critic) from the stage's checkpoint when it resumes.
+    loop = start_rl_stage(stage, strategy, checkpointed=strategies)
+    reference, fwd = loop.reference, parts.forward.kwargs()
+    if loop.step == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 
-    common = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                  pack_sequences=t.pack_sequences, temperature=cfg.rollout.temperature,
-                  impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size,
-                  # the old-policy and reference passes run the way the training forward does (see grpo.py)
-                  share_prompts=prompt_sharing_applies(strategy.model))
-    for step in range(start + 1, t.total_steps + 1):
+    for step in range(loop.step + 1, t.total_steps + 1):
         tick = time.perf_counter()
-        generator.manual_seed(cfg.seed * 1_000_003 + step)
         # rollout: every rank draws the same global batch of prompts and samples its share of it
         # (under dynamic sampling more batches, until enough groups have differing scores)
-        experiences, collect_metrics = collect_experiences(workflow, sampler, plan, strategy)
-        buffer.put(experiences, step)
-        experiences = sample_strategy.sample(buffer, step) if experiences else []
-        # e.g. every group filtered out: nothing to learn from. Ranks stay in lockstep, so when
-        # any rank has nothing, every rank skips the step.
-        if any_rank(strategy, not experiences):
-            run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **sample_strategy.metrics()},
-                               stage.first_step + step)
+        experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
+        # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
+        batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+        if batch is None:
             continue
-        # gdpo: each reward function's own score, columns in reward.reward_fn order
-        batch = collate(experiences, run.tokenizer.pad_token_id,
-                        reward_names=workflow.reward.names if plan.reward_components else None)
 
         # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it),
         # and the critic's values
-        fill_old_logprobs(policy, batch, advantage_fn, use_rollout_logprobs=a.use_rollout_logprobs, **common,
-                          strategy=strategy)
-        batch["values"] = batched_values(critic_strategy.unwrap(), batch, micro_batch_size=t.micro_batch_size,
-                                         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                                         pack_sequences=t.pack_sequences, strategy=critic_strategy)
+        batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
+            strategy.unwrap(), batch, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
+            with_sum_pi_squared=parts.estimator.names("sum_pi_squared"), **fwd)
+        if sum_pi_squared is not None:
+            batch["sum_pi_squared"] = sum_pi_squared
+        batch["values"] = batched_values(critic_strategy.unwrap(), batch, strategy=critic_strategy,
+                                         **parts.forward.batching)
         mask = batch["response_mask"]
         kl_metrics = {}
         if reference is not None:
-            batch["ref_logprobs"] = reference.logprobs(batch, **common)
-            kl = loss.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], **loss.kl_penalty_args)
+            batch["ref_logprobs"] = reference.logprobs(batch, **fwd)
+            kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
             kl_metrics["kl"] = global_masked_mean(kl, mask, strategy)
             if a.kl_in == "reward":  # PPO's form: a per-token penalty, before advantages
-                batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, kl_ctl.value, mask)
+                batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, loop.kl_ctl.value, mask)
 
         # advantages: GAE over the (penalised) rewards with the critic's values as baseline
-        compute_advantages(advantage_fn, batch, args_of(cfg, "algorithm.advantage_fn"), strategy)
+        batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
 
         # update: the critic every step; the policy once the critic has warmed up
-        update_metrics = critic_update(
-            critic_strategy, batch, loss_agg=loss.loss_agg, loss_agg_args=loss.loss_agg_args,
-            clip_range=c.value_clip, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-            micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-            pack_sequences=t.pack_sequences, generator=generator,
-        )
+        update_metrics = critic_update(critic_strategy, batch, loss_agg=parts.loss.loss_agg,
+                                       loss_agg_args=parts.loss.loss_agg_args, clip_range=c.value_clip,
+                                       mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
+                                       generator=loop.generator, **parts.forward.batching)
         policy_updated = step > c.warmup_steps
         if policy_updated:
-            update_metrics.update(policy_update(strategy, batch, loss, kl_coef=kl_ctl.value,
+            update_metrics.update(policy_update(strategy, batch, parts.loss, kl_coef=loop.kl_ctl.value,
                                                 mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-                                                generator=generator, **common))
+                                                generator=loop.generator, **fwd))
             workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
             if reference is not None:
-                kl_ctl.update(kl_metrics["kl"], int(strategy.all_reduce_sum(torch.tensor([len(experiences)])).item()))
+                loop.kl_ctl.update(kl_metrics["kl"], rows_in(batch, strategy))
 
         # log
         elapsed = time.perf_counter() - tick
-        metrics = {**rollout_metrics(batch, workflow, sample_strategy, elapsed, strategy), **collect_metrics,
-                   "kl_coef": kl_ctl.value,
+        metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy), **collect_metrics,
+                   "kl_coef": loop.kl_ctl.value,
                    "policy_updated": float(policy_updated),
                    "returns_mean": global_masked_mean(batch["returns"], mask, strategy),
                    **kl_metrics, **update_metrics}
@@ -201,16 +149,13 @@ def run_ppo_stage(stage: Stage) -> None:
         stage.guard.observe(metrics, step, strategies)
 
         # checkpoint: policy, critic and the loop's position in one atomic folder
+        loop.step = step
         if should_checkpoint(cfg, step, t.total_steps):
-            save_checkpoint(stage, strategies, step, sampler, last_step=t.total_steps,
-                            extra={"kl_coef": kl_ctl.value}, rank_extra={"buffer": buffer.state_dict()})
+            save_checkpoint(stage, strategies, loop, last_step=t.total_steps)
 
 
 def main():
-    cfg = parse_recipe_args()
-    for i, stage in enumerate(cfg.stages):
-        if stage.type == "rl":  # rules spanning the critic and trainer sections, checked before anything loads
-            check_critic_config(stage_config(cfg, i))
+    cfg = parse_recipe_args()  # validation has checked the rules spanning the critic and trainer sections
     run = open_run(cfg)  # run folder, model, data, workflow, loggers, resume point
     run_stages(run, {"sft": run_sft_stage, "rl": run_ppo_stage})
     finish_run(run)  # held-out evaluation, curves.png, summary.json

@@ -128,32 +128,6 @@ def restore_rng_state(state: dict[str, Any], generators: Mapping[str, torch.Gene
 # --------------------------------------------------------------------------
 
 
-def default_file_mode() -> int:
-    """The mode ``open()`` gives a new file in this process: ``0o666`` less the umask (0644 under umask 022)."""
-    try:  # Linux reports the umask without changing it
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)  # elsewhere reading it means setting it; put it straight back
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def give_default_mode(paths) -> None:
-    """Set every file in ``paths`` to :func:`default_file_mode`.
-
-    safetensors writes its files with mode 0600, so a model folder came out
-    with ``model.safetensors`` readable by its owner alone beside 0644 config
-    files: a checkpoint or export shared with a group, or served by another
-    user, failed on the weights only. rltk's files follow the umask like any other.
-    """
-    mode = default_file_mode()
-    for path in paths:
-        os.chmod(path, mode)
-
-
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())

@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rltk.strategies.deepspeed_strategy import strip_local_rank_argument
+    from rltk.distributed import strip_local_rank_argument
 
     parser = build_parser()
     argv = strip_local_rank_argument(list(sys.argv[1:] if argv is None else argv))

@@ -24,7 +24,7 @@ def parse_recipe_args(argv: list[str] | None = None, recipe_file: str | None = N
     A config error prints the message and exits with status 2, whether the
     recipe runs under ``rltk run`` or as ``python recipes/grpo.py``.
     """
-    from rltk.strategies.deepspeed_strategy import strip_local_rank_argument
+    from rltk.distributed import strip_local_rank_argument
 
     # The `deepspeed` launcher appends --local_rank=N; it is an environment fact, not config.
     argv = strip_local_rank_argument(list(sys.argv[1:] if argv is None else argv))

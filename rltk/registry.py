@@ -15,11 +15,12 @@ import threading
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
 from rltk import hookspecs
+from rltk.batch_types import BATCH_FIELDS
 
 PROJECT = "rltk"
 ENTRY_POINT_GROUP = "rltk"
@@ -40,20 +41,6 @@ class Kind:
     description: str
     provided: frozenset[str] = field(default_factory=frozenset)
 
-
-BATCH_FIELDS = frozenset(
-    {
-        "input_ids", "attention_mask", "response_mask", "old_logprobs", "ref_logprobs",
-        "logprobs", "values", "token_rewards", "scores", "group_ids", "advantages",
-        "returns", "baseline_scores", "response_lengths",
-        # [B] row sums of token_rewards / response_mask (rltk.batch.collate) that the outcome
-        # estimators take, optionally, instead of summing [B, T] tensors themselves
-        "sequence_rewards", "policy_lengths",
-        # optional inputs of some estimators, filled by the recipe when one asks for them:
-        # reward_components [B, K] (gdpo), sum_pi_squared [B, T] (optimal_token_baseline)
-        "reward_components", "sum_pi_squared",
-    }
-)
 
 KINDS: dict[str, Kind] = {
     k.name: k
@@ -481,14 +468,3 @@ def list_components(kind: str | None = None) -> list[Entry]:
     registry = get_registry()
     kinds = [registry.kind(kind).name] if kind else list(KINDS)
     return [registry.entries[k][n] for k in kinds for n in sorted(registry.entries[k])]
-
-
-def call_with_fields(fn: Callable, available: dict[str, Any], args: dict[str, Any]) -> Any:
-    """Call ``fn`` with the fields of ``available`` its signature names, plus ``args``.
-
-    This is how batch fields reach an advantage function: it declares by name
-    what it needs and receives exactly that.
-    """
-    params = inspect.signature(fn).parameters
-    chosen = {k: v for k, v in available.items() if k in params and k not in args}
-    return fn(**chosen, **args)

@@ -44,16 +44,17 @@ def fresh_registry():
 def batches(monkeypatch):
     """Every batch a recipe run hands to the advantage estimator, as it was after the estimator ran.
 
-    Patches ``rltk.training.rl.compute_advantages``, which the recipes look up when they run.
+    Patches ``rltk.training.rl.Estimator.__call__``, the advantage pass every recipe runs.
     """
     import rltk.training.rl as rl
 
     seen = []
-    compute_advantages = rl.compute_advantages
+    estimate = rl.Estimator.__call__
 
-    def recording(adv_fn, batch, args, strategy=None):
-        compute_advantages(adv_fn, batch, args, strategy)
-        seen.append({k: v.clone() for k, v in batch.items()})
+    def recording(self, batch, strategy=None):
+        advantages, returns = estimate(self, batch, strategy)
+        seen.append({**{k: v.clone() for k, v in batch.items()}, "advantages": advantages, "returns": returns})
+        return advantages, returns
 
-    monkeypatch.setattr(rl, "compute_advantages", recording)
+    monkeypatch.setattr(rl.Estimator, "__call__", recording)
     return seen

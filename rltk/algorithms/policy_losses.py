@@ -43,7 +43,7 @@ token is far outside every clip range anyway.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -123,6 +123,27 @@ def _clamped_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, limit
     return (logprobs - old_logprobs.detach()).clamp(-limit, limit)
 
 
+class _PolicyTokens(NamedTuple):
+    on: torch.Tensor  # bool [B, T]: the policy's tokens
+    logprobs: torch.Tensor  # [B, T], 0 off the mask, at least float32
+    old_logprobs: torch.Tensor  # detached, likewise
+    advantages: torch.Tensor  # detached, likewise
+    log_ratio: torch.Tensor  # log(pi / pi_old), clamped to +-log_ratio_clamp
+
+
+def _policy_tokens(where: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   response_mask: torch.Tensor, loss_agg: object, log_ratio_clamp: float) -> _PolicyTokens:
+    """The preamble every policy loss shares: check the ``[B, T]`` inputs and ``loss_agg``, keep the
+    policy's tokens only (:func:`_policy_tokens_only`), detach the old log-probs and advantages, and
+    take the clamped log-ratio (losses that do not use it in the loss still log its metrics)."""
+    _check_inputs(where, logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
+        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    return _PolicyTokens(on, logprobs, old_logprobs, advantages, _clamped_log_ratio(logprobs, old_logprobs,
+                                                                                   log_ratio_clamp))
+
+
 @torch.no_grad()
 def _ratio_metrics(log_ratio: torch.Tensor, on: torch.Tensor) -> dict[str, torch.Tensor]:
     """approx_kl (k3 of old vs new) and the mean ratio over the masked tokens."""
@@ -191,7 +212,8 @@ def ppo_clip(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("ppo_clip", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "ppo_clip", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     eps_low = clip_eps_low
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     _check_eps("ppo_clip", "clip_eps_low", eps_low, below_one=True)
@@ -215,10 +237,6 @@ def ppo_clip(
                 f"(a smaller bound would also cap positive-advantage tokens inside the trust region; "
                 f"INTELLECT-2 uses 4), got {clip_delta!r}. Use None to turn two-sided clipping off."
             )
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     bounded = ratio if clip_delta is None else ratio.clamp(max=clip_delta)
     unclipped = -advantages * bounded
@@ -275,12 +293,10 @@ def gspo(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("gspo", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "gspo", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     _check_eps("gspo", "clip_eps_low", clip_eps_low, below_one=True)
     _check_eps("gspo", "clip_eps_high", clip_eps_high)
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
     token_log_ratio = logprobs - old_logprobs
     lengths = on.sum(-1, keepdim=True).clamp(min=1)
     sequence_log_ratio = (token_log_ratio.sum(-1, keepdim=True) / lengths).detach()  # [B, 1]
@@ -291,7 +307,7 @@ def gspo(
     loss_mat = torch.maximum(unclipped, clipped)
 
     with torch.no_grad():
-        metrics = _ratio_metrics(_clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp), on)
+        metrics = _ratio_metrics(log_ratio, on)
         metrics["seq_ratio_mean"] = masked_mean(
             torch.exp(sequence_log_ratio.squeeze(-1)), on.any(-1)
         ).detach()
@@ -335,13 +351,10 @@ def cispo(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("cispo", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "cispo", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     _check_eps("cispo", "clip_eps_low", clip_eps_low, allow_none=True, below_one=True)
     _check_eps("cispo", "clip_eps_high", clip_eps_high)
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     with torch.no_grad():
         ratio = torch.exp(log_ratio)
         lower = None if clip_eps_low is None else 1.0 - clip_eps_low
@@ -388,7 +401,8 @@ def reinforce(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("reinforce", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "reinforce", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     if max_importance_weight is not None:
         if not importance_weight:
             raise ValueError(
@@ -401,10 +415,6 @@ def reinforce(
                 f"policy_loss 'reinforce': max_importance_weight must be > 0 (e.g. 2.0), got "
                 f"{max_importance_weight!r}"
             )
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     with torch.no_grad():
         ratio = torch.exp(log_ratio)
         truncated = (
@@ -479,13 +489,10 @@ def sapo(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("sapo", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "sapo", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     _check_positive("sapo", "tau_pos", tau_pos, "the paper uses 1.0")
     _check_positive("sapo", "tau_neg", tau_neg, "the paper uses 1.05")
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     # full_like keeps the advantages' dtype; where() on two Python floats would give float32
     tau = torch.full_like(advantages, float(tau_neg)).masked_fill_(advantages > 0, float(tau_pos))
@@ -527,13 +534,11 @@ def gpg(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("gpg", logprobs, old_logprobs, advantages, response_mask, loss_agg)
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "gpg", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     loss_mat = -advantages * logprobs
     with torch.no_grad():
-        metrics = _ratio_metrics(_clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp), on)
+        metrics = _ratio_metrics(log_ratio, on)
         metrics["clip_frac"] = torch.zeros((), device=logprobs.device)
     return loss_agg(loss_mat, response_mask), metrics
 
@@ -591,7 +596,8 @@ def clip_cov(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("clip_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "clip_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     eps_low = clip_eps_low
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     _check_eps("clip_cov", "clip_eps_low", eps_low, below_one=True)
@@ -602,10 +608,6 @@ def clip_cov(
             f"policy_loss 'clip_cov': clip_cov_lb must be < clip_cov_ub (the covariance window tokens are "
             f"drawn from; the paper uses 1 and 5), got clip_cov_lb={clip_cov_lb!r}, clip_cov_ub={clip_cov_ub!r}"
         )
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -672,13 +674,10 @@ def kl_cov(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("kl_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "kl_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     _check_fraction("kl_cov", "kl_cov_ratio", kl_cov_ratio, "the paper uses 2e-4 to 2e-3")
     _check_eps("kl_cov", "ppo_kl_coef", ppo_kl_coef)
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
 
     with torch.no_grad():
@@ -741,14 +740,12 @@ def geo_mean(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("geo_mean", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, clamped_log_ratio = _policy_tokens(
+        "geo_mean", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     eps_low = clip_eps_low
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     _check_eps("geo_mean", "clip_eps_low", eps_low)
     _check_eps("geo_mean", "clip_eps_high", eps_high)
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
     log_ratio = logprobs - old_logprobs
     bounded = log_ratio.clamp(-eps_low, eps_high)
     positive, negative = advantages > 0, advantages < 0
@@ -762,7 +759,7 @@ def geo_mean(
     loss_mat = torch.where(on, per_sequence[:, None], 0.0)  # [B, T]
 
     with torch.no_grad():
-        metrics = _ratio_metrics(_clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp), on)
+        metrics = _ratio_metrics(clamped_log_ratio, on)  # the local log_ratio is unclamped
         metrics["seq_ratio_mean"] = masked_mean(torch.exp(sequence_log_ratio), on.any(-1)).detach()
         low = negative & (log_ratio < -eps_low)
         high = positive & (log_ratio > eps_high)
@@ -786,17 +783,14 @@ def _dppo(
     binary_kl: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The shared body of dppo_tv and dppo_kl: only the divergence test differs."""
-    _check_inputs(where, logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        where, logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     delta_low = clip_eps_low
     delta_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     _check_eps(where, "clip_eps_low", delta_low)
     _check_eps(where, "clip_eps_high", delta_high)
     if max_importance_weight is not None:
         _check_positive(where, "max_importance_weight", max_importance_weight, "the paper uses a large one, e.g. 20")
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     positive = advantages > 0
     with torch.no_grad():
         ratio = torch.exp(log_ratio)
@@ -948,12 +942,9 @@ def dro(
 
     Shape: (B, T) each -> loss (), metrics {name: ()}.
     """
-    _check_inputs("dro", logprobs, old_logprobs, advantages, response_mask, loss_agg)
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "dro", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     _check_positive("dro", "beta", beta, "e.g. 0.05 with group-normalised advantages")
-    on, logprobs, old_logprobs, advantages = _policy_tokens_only(
-        response_mask, logprobs, old_logprobs.detach(), advantages.detach()
-    )
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs, log_ratio_clamp)
     loss_mat = -(advantages * logprobs - 0.5 * beta * log_ratio.square())
     with torch.no_grad():
         metrics = _ratio_metrics(log_ratio, on)

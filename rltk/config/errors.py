@@ -1,7 +1,5 @@
-"""The one error every config problem raises."""
+"""The one error every config problem raises (defined in :mod:`rltk.errors`, below every layer)."""
 
-from __future__ import annotations
+from rltk.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A config problem; the message names the key path, the value and what is valid."""
+__all__ = ["ConfigError"]

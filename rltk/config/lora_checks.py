@@ -9,57 +9,27 @@ Two layers, both run by ``rltk validate`` and at the start of ``rltk run``:
   device) from ``model.path``'s config.json, or the embedded tiny model is
   built outright (it is tiny), so checking a 70B config costs no memory.
 
-The matching rules (:func:`unmatched_targets`, :func:`adapter_mismatches`) are
-plain functions of module names and shapes; :mod:`rltk.models.lora` applies
-the same ones to the real model.
+The matching rules (``unmatched_targets``, ``adapter_mismatches``, ...) live in
+:mod:`rltk.models.lora`, which applies the same ones to the real model.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from rltk.config.errors import ConfigError
-
-ALL_LINEAR = "all-linear"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-def lora_enabled(lora: Any) -> bool:
-    """Whether a ``model.lora`` section turns LoRA on: a rank above 0, or an adapter folder to load."""
-    if lora is None:
-        return False
-    r, path = _get(lora, "r"), _get(lora, "path")
-    return bool(path) or (r is not None and not isinstance(r, bool) and isinstance(r, int) and r > 0)
-
-
-def _get(node: Any, key: str) -> Any:
-    return node.get(key) if isinstance(node, (Mapping, DictConfig)) else getattr(node, key, None)
-
-
-def target_list(target_modules: Any) -> list[str] | str:
-    """``model.lora.target_modules`` as ``"all-linear"`` or a plain list of names (validated)."""
-    if isinstance(target_modules, str):
-        if target_modules == ALL_LINEAR:
-            return ALL_LINEAR
-        raise ConfigError(
-            f"bad value {target_modules!r} for 'model.lora.target_modules': must be '{ALL_LINEAR}' or a list of "
-            f"module names, e.g. model.lora.target_modules=[{target_modules}] or [q_proj,k_proj,v_proj,o_proj]"
-        )
-    if isinstance(target_modules, ListConfig):
-        target_modules = OmegaConf.to_container(target_modules, resolve=True)
-    if (not isinstance(target_modules, (list, tuple)) or not target_modules
-            or not all(isinstance(t, str) and t.strip() for t in target_modules)):
-        raise ConfigError(
-            f"bad value {target_modules!r} for 'model.lora.target_modules': must be '{ALL_LINEAR}' or a non-empty "
-            f"list of module names, e.g. [q_proj,k_proj,v_proj,o_proj]"
-        )
-    return [str(t) for t in target_modules]
+from rltk.errors import ConfigError
+from rltk.models.lora import (
+    adapter_config,
+    check_adapter_fits,
+    check_targets,
+    linear_modules,
+    lora_enabled,
+    target_list,
+)
 
 
 def check_lora_values(cfg: DictConfig) -> None:
@@ -85,33 +55,6 @@ def check_lora_values(cfg: DictConfig) -> None:
         adapter_config(lora.path)
 
 
-def adapter_config(path: str | Path) -> dict:
-    """The ``adapter_config.json`` of the LoRA adapter folder ``path`` (``model.lora.path``), checked."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(
-            f"bad value '{path}' for 'model.lora.path': {'not a folder' if folder.exists() else 'no such folder'}. "
-            f"Give a LoRA adapter folder (adapter_config.json and {ADAPTER_WEIGHTS_FILE}, as written by peft or "
-            f"`rltk export` of a LoRA run), or leave it null for a new adapter"
-        )
-    config_file = folder / ADAPTER_CONFIG_FILE
-    if not config_file.is_file() or not (folder / ADAPTER_WEIGHTS_FILE).is_file():
-        present = sorted(p.name for p in folder.iterdir())[:12]
-        raise ConfigError(
-            f"bad value '{path}' for 'model.lora.path': not a peft adapter folder (needs {ADAPTER_CONFIG_FILE} and "
-            f"{ADAPTER_WEIGHTS_FILE}; it holds {present})"
-        )
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"bad value '{path}' for 'model.lora.path': cannot read {config_file}: {exc}") from exc
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        kind = config.get("peft_type") if isinstance(config, dict) else None
-        raise ConfigError(f"bad value '{path}' for 'model.lora.path': the adapter is of peft type {kind!r}; "
-                          f"rltk trains LORA adapters")
-    return config
-
-
 def check_no_stage_lora(index: int, name: str, overrides: Any) -> None:
     """Refuse ``model.lora`` in a stage's overrides: the model and its adapter are built once per run.
 
@@ -133,110 +76,6 @@ def check_no_stage_lora(index: int, name: str, overrides: Any) -> None:
 
 
 # ---------------------------------------------------------------- matching against a model
-
-
-def linear_modules(model) -> dict[str, tuple[int, int]]:
-    """``{module name: (in_features, out_features)}`` of every linear layer of ``model`` but its LM head.
-
-    The LM head is left out as peft's ``all-linear`` leaves it out: an adapter
-    on the output projection of a (often tied) vocabulary matrix is rarely wanted.
-    """
-    from torch import nn
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module is not head:
-            found[name] = (module.in_features, module.out_features)
-    return found
-
-
-def matches(module_name: str, target: str) -> bool:
-    """peft's rule for a listed target name: the whole module name, or its last dotted part(s)."""
-    return module_name == target or module_name.endswith("." + target)
-
-
-def unmatched_targets(targets: list[str], linear_names: list[str]) -> list[str]:
-    """The listed targets that name no linear module of the model."""
-    return [t for t in targets if not any(matches(name, t) for name in linear_names)]
-
-
-def describe_linear_names(linear_names: list[str]) -> str:
-    """The distinct last names of the linear modules (what target_modules lists), with one full name each."""
-    examples: dict[str, str] = {}
-    for name in linear_names:
-        examples.setdefault(name.rsplit(".", 1)[-1], name)
-    return ", ".join(f"{leaf} (e.g. {full})" for leaf, full in examples.items())
-
-
-def check_targets(targets: list[str] | str, linear: Mapping[str, tuple[int, int]]) -> None:
-    """Raise ConfigError naming ``model.lora.target_modules`` when a listed target matches no linear module."""
-    names = list(linear)
-    if not names:
-        raise ConfigError("model.lora: the model has no linear layers besides its LM head, so LoRA has nothing to "
-                          "adapt; turn it off with model.lora.r=0")
-    if targets == ALL_LINEAR:
-        return
-    missing = unmatched_targets(list(targets), names)
-    if missing:
-        raise ConfigError(
-            f"bad value {list(targets)!r} for 'model.lora.target_modules': {missing} match no linear module of the "
-            f"model. Valid: '{ALL_LINEAR}', or names among its linear modules: {describe_linear_names(names)}"
-        )
-
-
-def adapter_module_shapes(path: str | Path) -> dict[str, tuple[int, int]]:
-    """``{module name in the base model: (in_features, out_features)}`` an adapter folder was made for.
-
-    Read from the adapter's tensor shapes only (no weights loaded): ``lora_A``
-    is ``[r, in]`` and ``lora_B`` is ``[out, r]``; peft stores them under
-    ``base_model.model.<module>.lora_A.weight``.
-    """
-    from safetensors import safe_open
-
-    file = Path(path).expanduser() / ADAPTER_WEIGHTS_FILE
-    shapes: dict[str, list[int | None]] = {}
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                for part, index, dim in ((".lora_A.weight", 0, 1), (".lora_B.weight", 1, 0)):
-                    if key.endswith(part):
-                        module = key[: -len(part)].removeprefix("base_model.model.")
-                        shapes.setdefault(module, [None, None])[index] = f.get_slice(key).get_shape()[dim]
-    except Exception as exc:  # a truncated or foreign file
-        raise ConfigError(f"bad value '{path}' for 'model.lora.path': cannot read {file}: {exc}") from exc
-    return {name: (a, b) for name, (a, b) in shapes.items()}
-
-
-def adapter_mismatches(adapter: Mapping[str, tuple[int, int]],
-                       linear: Mapping[str, tuple[int, int]]) -> list[str]:
-    """Why an adapter (see :func:`adapter_module_shapes`) does not fit a model's linear layers; empty if it fits."""
-    problems = []
-    for module, shape in adapter.items():
-        if module not in linear:
-            problems.append(f"{module} is not a linear module of the model")
-        elif tuple(shape) != tuple(linear[module]):
-            problems.append(f"{module} is (in, out) = {tuple(linear[module])} in the model but {tuple(shape)} "
-                            f"in the adapter")
-    return problems
-
-
-def check_adapter_fits(path: str | Path, linear: Mapping[str, tuple[int, int]], model_desc: str) -> None:
-    """Raise ConfigError naming ``model.lora.path`` when the adapter was made for another base model."""
-    config = adapter_config(path)
-    adapter = adapter_module_shapes(path)
-    if not adapter:
-        raise ConfigError(f"bad value '{path}' for 'model.lora.path': its {ADAPTER_WEIGHTS_FILE} holds no LoRA "
-                          f"weights (lora_A / lora_B)")
-    problems = adapter_mismatches(adapter, linear)
-    if problems:
-        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-        raise ConfigError(
-            f"bad value '{path}' for 'model.lora.path': the adapter was made for another base model "
-            f"(adapter_config.json names base {config.get('base_model_name_or_path')!r}; this run's model is "
-            f"{model_desc}): {shown}. Valid: an adapter trained on this model, or set model.path to the adapter's "
-            f"base model"
-        )
 
 
 def model_skeleton(cfg: DictConfig):

@@ -3,35 +3,35 @@
 :func:`validate_config` runs every check in turn and raises a
 :class:`~rltk.config.errors.ConfigError` on the first problem: component
 names and arguments (:mod:`rltk.config.components`), choices and value
-ranges (here), the seed and local paths (:mod:`rltk.config.run_checks`),
-the divergence guard's keys (:mod:`rltk.config.guard_checks`), the ``env``
-section of multi-turn episodes (:mod:`rltk.config.env_checks`),
-what the recipe serves (:mod:`rltk.config.recipe_capabilities`), the critic
-section (:mod:`rltk.config.critic_checks`), the rollout correction
-(:mod:`rltk.config.rollout_correction_checks`), each reward's own score where
-the estimator reads it (:mod:`rltk.config.reward_component_checks`), each
-stage's overrides, and interpolations.
+ranges, the seed and local paths, the divergence guard's keys, the ``env``
+section of multi-turn episodes (:mod:`rltk.config.env_checks`), ``model.lora``
+(:mod:`rltk.config.lora_checks`), what the recipe serves
+(:mod:`rltk.config.recipe_capabilities`), the critic section, the rollout
+correction, each reward's own score where the estimator reads it, each
+stage's overrides, and interpolations. The checks of one section each sit
+below :func:`validate_config`, under a banner naming the section.
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+import math
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rltk.algorithms.mismatch import check_rollout_correction, correction_active
+
 from rltk.config.components import check_components, check_task
-from rltk.config.critic_checks import check_critic_config
 from rltk.config.env_checks import check_agent_tools, check_env
 from rltk.config.errors import ConfigError
-from rltk.config.guard_checks import check_guard
 from rltk.config.lora_checks import check_lora_fits_model, check_lora_values, check_no_stage_lora
 from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
 )
-from rltk.config.reward_component_checks import check_reward_components
-from rltk.config.rollout_correction_checks import check_rollout_correction_config
-from rltk.config.run_checks import check_paths, check_prompt_template, check_seed
 from rltk.config.schema import CHOICES, STAGE_TYPES
+from rltk.data.templates import template_fields
 from rltk.registry import did_you_mean, get_registry
 
 
@@ -137,3 +137,202 @@ def _check_positive(cfg: DictConfig) -> None:
             f"trainer.prompts_per_step x rollout.n = {batch}"
         )
 
+
+# --------------------------------------------------------------------------
+# The run: the seed's range, the local paths it reads, the prompt template
+# --------------------------------------------------------------------------
+
+
+SEED_MAX = 2**32 - 1
+
+
+def check_seed(cfg: DictConfig) -> None:
+    """The seed is one numpy's global seed takes: 0 .. 2**32 - 1 (it refuses anything else at the start of a run)."""
+    if isinstance(cfg.seed, bool) or not 0 <= cfg.seed <= SEED_MAX:
+        raise ConfigError(f"bad value {cfg.seed!r} for 'seed': must be an integer in [0, 2**32 - 1 = {SEED_MAX}]")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """Local paths the run reads exist, and model folders are folders with a config.json."""
+    path = cfg.model.path
+    if path:
+        folder = Path(path).expanduser()
+        if not folder.exists():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': the folder does not exist. rltk loads models from local "
+                f"folders only; download one first (e.g. `huggingface-cli download <repo> --local-dir <folder>`) "
+                f"and set model.path=<folder>, or leave model.path null for the embedded tiny model"
+            )
+        if not folder.is_dir():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': it is a file, not a model folder (expected a Hugging Face "
+                f"model folder with config.json, weights and tokenizer files)"
+            )
+        if not (folder / "config.json").is_file():
+            raise ConfigError(
+                f"bad value '{path}' for 'model.path': not a Hugging Face model folder (no config.json in it)"
+            )
+    start = OmegaConf.select(cfg, "checkpoint.start_from")
+    if start and not (Path(start).expanduser() / "state.json").is_file():
+        raise ConfigError(
+            f"bad value '{start}' for 'checkpoint.start_from': not a complete rltk checkpoint (no state.json in it); "
+            f"give the step_XXXXXX folder that ends a stage of another run (<output_dir>/checkpoints)"
+        )
+    for key in ("data.path", "data.eval_path", "buffer.expert.path"):
+        value = OmegaConf.select(cfg, key)
+        if value and not Path(value).expanduser().exists():
+            raise ConfigError(
+                f"bad value '{value}' for '{key}': no such file or folder. rltk reads local datasets only "
+                f"(json, jsonl, parquet, csv, or a datasets folder)"
+            )
+
+
+def check_prompt_template(cfg: DictConfig) -> None:
+    """``data.prompt_template`` names plain fields only (see :mod:`rltk.data.templates`)."""
+    try:
+        template_fields(cfg.data.prompt_template, "data.prompt_template")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------
+# guard: the divergence guard (rltk/training/guard.py)
+# --------------------------------------------------------------------------
+
+
+def check_guard(cfg: DictConfig) -> None:
+    """Counts are whole numbers >= 0 (patience >= 1) and ``0 <= entropy_min < entropy_max <= 1``."""
+    g = cfg.guard
+    for key, minimum in (("max_skipped_steps", 0), ("entropy_patience", 1), ("check_weights_every", 0)):
+        value = g[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            off = " (0 turns this check off)" if minimum == 0 else ""
+            raise ConfigError(f"bad value {value!r} for 'guard.{key}': must be an integer >= {minimum}{off}")
+    low, high = g.entropy_min, g.entropy_max
+    for key, value in (("entropy_min", low), ("entropy_max", high)):
+        if not math.isfinite(value) or not 0 <= value <= 1:
+            raise ConfigError(
+                f"bad value {value!r} for 'guard.{key}': must be in [0, 1], a fraction of log(vocabulary size) "
+                f"(1 is the uniform distribution's entropy, 0 a single token's)"
+            )
+    if low >= high:
+        raise ConfigError(
+            f"bad values guard.entropy_min={low!r} >= guard.entropy_max={high!r}: the floor must be below the "
+            f"ceiling (defaults 1e-4 and 0.999; 0 and 1 turn each off)"
+        )
+
+
+# --------------------------------------------------------------------------
+# critic: for recipes that train a critic
+# --------------------------------------------------------------------------
+
+
+def check_critic_config(cfg: DictConfig) -> None:
+    """Check the ``critic`` section against the trainer's; raise ConfigError naming the key.
+
+    Checked here rather than in the schema because the rules relate keys of
+    two sections and only recipes with a critic read them (validation runs it
+    when the advantage estimator needs ``values`` or the recipe has a critic).
+    """
+    c, t = cfg.critic, cfg.trainer
+    if c.model_path:
+        folder = Path(c.model_path).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(
+                f"bad value '{c.model_path}' for 'critic.model_path': "
+                f"{'it is a file, not' if folder.exists() else 'no such folder; expected'} a critic folder or a "
+                f"Hugging Face causal-LM folder (null copies the policy's backbone)"
+            )
+    if not c.lr > 0:
+        raise ConfigError(f"bad value {c.lr!r} for 'critic.lr': must be > 0 (e.g. 1e-4)")
+    if c.value_clip is not None and not c.value_clip > 0:
+        raise ConfigError(
+            f"bad value {c.value_clip!r} for 'critic.value_clip': must be > 0 (in reward units, e.g. 0.2) or null "
+            "for an unclipped value loss"
+        )
+    if not 0 <= c.warmup_steps < t.total_steps:
+        raise ConfigError(
+            f"bad value {c.warmup_steps!r} for 'critic.warmup_steps': must be in [0, trainer.total_steps="
+            f"{t.total_steps}) so that the policy is updated at least once"
+        )
+    policy_steps = t.total_steps - c.warmup_steps
+    if t.warmup_steps > policy_steps:
+        raise ConfigError(
+            f"bad value {t.warmup_steps!r} for 'trainer.warmup_steps': the policy trains for trainer.total_steps - "
+            f"critic.warmup_steps = {policy_steps} steps, so its LR warm-up must be in [0, {policy_steps}]"
+        )
+    if not 0 <= c.lr_warmup_steps <= t.total_steps:
+        raise ConfigError(
+            f"bad value {c.lr_warmup_steps!r} for 'critic.lr_warmup_steps': must be in [0, trainer.total_steps="
+            f"{t.total_steps}]"
+        )
+    if not c.head_init_std >= 0:
+        raise ConfigError(f"bad value {c.head_init_std!r} for 'critic.head_init_std': must be >= 0 (0 = zero init)")
+
+
+# --------------------------------------------------------------------------
+# algorithm.rollout_correction: the rollout/trainer mismatch correction
+# --------------------------------------------------------------------------
+
+
+_CORRECTION_KEY = "algorithm.rollout_correction"
+
+
+def check_rollout_correction_config(cfg: DictConfig) -> None:
+    """Levels, thresholds and the mode combination; and that the correction has something to correct.
+
+    With ``algorithm.use_rollout_logprobs=true`` the old log-probs *are* the
+    rollout log-probs, every ratio is 1 and a correction would silently do
+    nothing, so that combination is refused.
+    """
+    settings = OmegaConf.to_container(OmegaConf.select(cfg, _CORRECTION_KEY), resolve=True)
+    settings.pop("log_metrics", None)
+    try:
+        check_rollout_correction(settings, where=_CORRECTION_KEY)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if correction_active(settings) and cfg.algorithm.use_rollout_logprobs:
+        on = ", ".join(f"{_CORRECTION_KEY}.{k}={settings[k]}" for k in ("tis", "mis", "rejection") if settings[k] is not None)
+        raise ConfigError(
+            f"{on} corrects between the trainer's old log-probs and the engine's, but "
+            f"algorithm.use_rollout_logprobs=true makes them the same (every ratio would be 1). "
+            f"Set algorithm.use_rollout_logprobs=false so the trainer recomputes the old log-probs, "
+            f"or turn the correction off"
+        )
+
+
+# --------------------------------------------------------------------------
+# reward: each reward function's own score, for an estimator that reads it (gdpo)
+# --------------------------------------------------------------------------
+# The recipes fill ``reward_components [B, K]`` from every experience's
+# ``reward_details``, column ``k`` for the k-th name of ``reward.reward_fn``.
+# Two configs cannot work, and are caught here before anything loads instead of
+# at the first step: weights per column that do not match the reward functions,
+# and expert data given one fixed score (``buffer.expert.score``), which carries
+# no per-reward scores.
+
+
+def check_reward_components(cfg: DictConfig, needs: frozenset[str]) -> None:
+    """Raise ConfigError for a config the ``reward_components`` columns cannot serve (see the module)."""
+    if "reward_components" not in needs:
+        return
+    names = list(cfg.reward.reward_fn)
+    estimator = cfg.algorithm.advantage_fn
+    weights = OmegaConf.select(cfg, "algorithm.advantage_fn_args.reward_weights")
+    if weights is not None:
+        if isinstance(weights, ListConfig):
+            weights = OmegaConf.to_container(weights, resolve=True)
+        if not isinstance(weights, list) or len(weights) != len(names):
+            raise ConfigError(
+                f"bad value {weights!r} for 'algorithm.advantage_fn_args.reward_weights': "
+                f"'algorithm.advantage_fn'='{estimator}' weighs each reward function of reward.reward_fn {names}, "
+                f"so give a list of {len(names)} numbers in that order (or leave it unset for all 1.0)"
+            )
+    expert = cfg.buffer.expert
+    if expert.path and expert.score is not None:
+        raise ConfigError(
+            f"'buffer.expert.score'={expert.score} gives every expert response one score and no score per reward "
+            f"function, which 'algorithm.advantage_fn'='{estimator}' needs (batch field reward_components, one "
+            f"column per function of reward.reward_fn {names}); unset buffer.expert.score so that the reward "
+            f"functions score the expert responses"
+        )

@@ -167,7 +167,7 @@ class ValueModel(nn.Module):
         """
         from safetensors.torch import save_file
 
-        from rltk.checkpoint import give_default_mode
+        from rltk.io import give_default_mode
 
         if self.config is None or not hasattr(self.config, "to_json_string"):
             raise ValueError(
@@ -231,7 +231,7 @@ def load_value_model(path: str | Path, *, dtype: str = "float32", head_init_std:
     from transformers import AutoConfig, AutoModel
 
     from rltk.models.loading import DTYPES, load_model
-    from rltk.strategies.base import load_full_state_into, load_model_folder
+    from rltk.models.folders import load_full_state_into, load_model_folder
 
     folder = Path(path).expanduser()
     if not folder.is_dir():

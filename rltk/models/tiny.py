@@ -294,7 +294,7 @@ def save_pretrained_dir(
     :func:`rltk.models.loading.load_tokenizer` (or ``model.path=<folder>`` in a
     config). Returns the folder as a ``Path``.
     """
-    from rltk.checkpoint import give_default_mode
+    from rltk.io import give_default_mode
     from rltk.models.loading import quiet_model_io
 
     path = Path(path)

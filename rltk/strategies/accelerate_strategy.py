@@ -45,14 +45,11 @@ from rltk.strategies.base import (
     build_adamw,
     build_lr_scheduler,
     check_mixed_precision,
-    full_cpu_copy,
-    load_full_state_into,
-    load_model_folder,
     load_optimizer_state_by_name,
     load_weights_only,
     optimizer_state_by_name,
-    save_model_folder,
 )
+from rltk.models.folders import full_cpu_copy, load_full_state_into, load_model_folder, save_model_folder
 
 logger = logging.getLogger(__name__)
 

@@ -90,9 +90,7 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
@@ -101,6 +99,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.distributed import free_local_port, seed_everything
 from rltk.models.lora import adapter_live_names, is_lora_model
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.registry import unknown_name_message
@@ -114,9 +113,8 @@ from rltk.strategies.base import (
     build_adamw,
     build_lr_scheduler,
     check_mixed_precision,
-    load_model_folder,
-    save_model_folder,
 )
+from rltk.models.folders import load_model_folder, save_model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -142,36 +140,6 @@ _FIXED_KEYS = {
 # --------------------------------------------------------------------------
 # Launch environment
 # --------------------------------------------------------------------------
-
-
-def strip_local_rank_argument(argv: list[str]) -> list[str]:
-    """``argv`` without the ``--local_rank=N`` / ``--local_rank N`` the ``deepspeed`` launcher appends.
-
-    The launcher also exports ``LOCAL_RANK``; the value is copied there when
-    the variable is missing, so nothing is lost. Call it before parsing a
-    recipe's arguments: ``args = parse(strip_local_rank_argument(sys.argv[1:]))``.
-    """
-    kept: list[str] = []
-    skip_next = False
-    for i, arg in enumerate(argv):
-        if skip_next:
-            skip_next = False
-            continue
-        if arg.startswith(("--local_rank=", "--local-rank=")):
-            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
-        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
-            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
-            skip_next = True
-        else:
-            kept.append(arg)
-    return kept
-
-
-def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for a one-machine rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ensure_single_process_environment() -> None:
@@ -377,14 +345,6 @@ def resolve_deepspeed_config(*, zero_stage: int, offload_optimizer: bool, offloa
 # --------------------------------------------------------------------------
 
 
-def _seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # every CUDA device too
-
-
 class DeepSpeedStrategy(TrainingStrategy):
     """Data-parallel training with DeepSpeed ZeRO stage 1, 2 or 3, optionally offloading to CPU.
 
@@ -461,7 +421,7 @@ class DeepSpeedStrategy(TrainingStrategy):
         self.save_full_weights = save_full_weights
         self.seed = seed
         if seed is not None:
-            _seed_everything(seed)
+            seed_everything(seed)
         self._engine = None
         self._closed = False
         self._released = False

@@ -9,10 +9,10 @@ from rltk.checkpoint import (
     STATE_FILE,
     CheckpointManager,
     damage_summary,
-    give_default_mode,
     strategy_checkpoint_globals,
 )
 from rltk.config.errors import ConfigError
+from rltk.io import give_default_mode
 from rltk.models.lora import is_adapter_folder
 from rltk.serialization import DamagedCheckpointError, check_json
 from rltk.strategies.base import MODEL_SUBDIR, STRATEGY_META_FILE
@@ -166,7 +166,7 @@ def _write_merged(checkpoint: Path, adapter_dir: Path, out_dir: Path) -> list:
 
     from rltk.config.schema import RunConfig
     from rltk.models.lora import merged_copy
-    from rltk.strategies.base import load_full_state_into, load_model_folder, save_model_folder
+    from rltk.models.folders import load_full_state_into, load_model_folder, save_model_folder
     from rltk.training.setup import build_tokenizer_and_policy
 
     config_file = checkpoint.parent.parent / "config.yaml"

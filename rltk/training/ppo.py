@@ -32,7 +32,7 @@ from rltk.algorithms.aggregation import loss_agg_normalisers
 from rltk.algorithms.value import clipped_value_loss
 from rltk.batch import slice_batch
 # The critic section is checked by config validation (a lower layer); re-exported for recipes.
-from rltk.config.critic_checks import check_critic_config
+from rltk.config.validation import check_critic_config
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model
 from rltk.training.micro_batches import micro_batches, run_values
 from rltk.training.rl import check_mini_batches
@@ -63,7 +63,7 @@ def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, m
     value loss compares against, and GAE's baseline) and restores the mode.
     Values on response padding are 0 (see :func:`rltk.models.critic.response_values`).
     Pass the ``strategy`` that shards ``critic`` to keep ranks' forwards in
-    lockstep (see :func:`rltk.training.rl.batched_logprobs`). ``max_tokens_per_micro_batch`` and
+    lockstep (see :func:`rltk.training.forward.batched_logprobs`). ``max_tokens_per_micro_batch`` and
     ``pack_sequences``: token-budget micro-batches and packed rows (:mod:`rltk.training.micro_batches`).
 
     Shape: batch tensors (B, P + T) -> (B, T) fp32 on the batch's device.

@@ -17,7 +17,7 @@ import torch
 
 from rltk.models.lora import adapters_disabled, is_lora_model
 from rltk.training.resume import load_weights, save_weights_atomically
-from rltk.training.rl import batched_logprobs
+from rltk.training.forward import batched_logprobs
 
 
 class FrozenReference:

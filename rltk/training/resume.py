@@ -35,15 +35,16 @@ from rltk.checkpoint import (
     STATE_FILE,
     CheckpointManager,
     damage_summary,
-    give_default_mode,
     read_state_file,
     strategy_checkpoint_globals,
 )
 from rltk.config.errors import ConfigError
 from rltk.config.saved import config_to_record
 from rltk.config.schema import RunConfig
+from rltk.io import give_default_mode
+from rltk.models.folders import load_full_state_into, load_model_folder
 from rltk.serialization import check_safetensors
-from rltk.strategies.base import MODEL_SUBDIR, load_full_state_into, load_model_folder
+from rltk.strategies.base import MODEL_SUBDIR
 
 
 def resume_point(ckpt: CheckpointManager, mode: str, *, allowed_globals=(), main_process: bool = True

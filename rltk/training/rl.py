@@ -1,7 +1,10 @@
-"""The policy-gradient update shared by the GRPO-family recipes.
+"""The advantage pass and the policy-gradient update shared by the RL recipes.
 
 Pure mechanics (micro-batching, global normalisers, loss assembly); every
-algorithmic choice arrives as a component from the registry.
+algorithmic choice arrives as a component from the registry:
+:class:`LossComponents` (policy loss, aggregation, KL, entropy) and
+:class:`Estimator` (the advantage function, its signature read once). The
+no-gradient passes before the update are :mod:`rltk.training.forward`.
 """
 
 from __future__ import annotations
@@ -149,79 +152,109 @@ def any_rank(strategy, flag: bool) -> bool:
     return bool(strategy.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
 
 
-@torch.no_grad()
-def batched_logprobs(
-    model: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
-    *,
-    micro_batch_size: int,
-    temperature: float,
-    impl: str = "auto",
-    chunk_size: int | None = None,
-    with_entropy: bool = False,
-    with_sum_pi_squared: bool = False,
-    strategy=None,
-    max_tokens_per_micro_batch: int | None = None,
-    pack_sequences: bool = False,
-    share_prompts: bool = True,
-) -> tuple[torch.Tensor, ...]:
-    """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
-
-    Pass the ``strategy`` that shards ``model`` (ZeRO-3, FSDP): every forward
-    then gathers parameters collectively, so each rank runs as many forwards
-    as the rank with the most micro-batches, repeating its first micro-batch
-    and discarding the result.
-
-    ``max_tokens_per_micro_batch`` forms micro-batches by a token budget and
-    ``pack_sequences`` packs each into one row (:mod:`rltk.training.micro_batches`);
-    the rows come back in the batch's order either way.
-
-    ``share_prompts`` (see :func:`rltk.models.logprobs.response_logprobs`): pass
-    ``prompt_sharing_applies(strategy.model)`` so that this pass runs the way
-    the policy's training forward does, whichever module ``model`` is.
-
-    Shape: returns ``(logprobs, entropy or None)``, ``[B, T]`` tensors on the
-    batch's device, and ``sum_pi_squared`` ``[B, T]`` third when
-    ``with_sum_pi_squared`` (see :func:`rltk.models.logprobs.response_logprobs`).
-    """
-    was_training = model.training
-    model.eval()  # no dropout: old and reference log-probs must be deterministic
-    B, T = batch["response_mask"].shape
-    # logprobs, entropy, sum_pi_squared; a token-budget plan reorders rows, so each lands at its index
-    outputs: list[torch.Tensor | None] = [None, None, None]
-    for mb in micro_batches(strategy, batch, micro_batch_size=micro_batch_size,
-                            max_tokens=max_tokens_per_micro_batch, packed=pack_sequences):
-        parts = run_logprobs(
-            model, mb.data, T, trim=max_tokens_per_micro_batch is not None, pack=pack_sequences,
-            temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
-            with_sum_pi_squared=with_sum_pi_squared, share_prompts=share_prompts,
-        )
-        if mb.padding:
-            continue
-        for i, part in enumerate(parts):
-            if part is not None:
-                if outputs[i] is None:
-                    outputs[i] = torch.zeros(B, T, dtype=torch.float32, device=part.device)
-                outputs[i][mb.rows.to(part.device)] = part.float()
-    model.train(was_training)
-    logprobs = outputs[0] if outputs[0] is not None else torch.zeros(B, T)
-    entropy = outputs[1] if with_entropy else None
-    if with_sum_pi_squared:
-        return logprobs, entropy, outputs[2]
-    return logprobs, entropy
-
-
 def needs_sum_pi_squared(advantage_fn: Callable) -> bool:
     """Whether the estimator names ``sum_pi_squared`` (the optimal token baseline): only then does the
     old-log-prob pass compute it."""
-    try:
-        return "sum_pi_squared" in inspect.signature(advantage_fn).parameters
-    except (TypeError, ValueError):  # no signature to read: it cannot name the field
-        return False
+    return Estimator.of(advantage_fn).names("sum_pi_squared")
 
 
-def old_logprobs_from_update(loss: LossComponents, advantage_fn: Callable, *, ppo_epochs: int, mini_batches: int,
-                             use_rollout_logprobs: bool, kl_coef: float) -> bool:
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator, its configured arguments, and the parameters of its signature, read once.
+
+    The estimator declares the batch fields it needs by naming them (see
+    :mod:`rltk.algorithms.advantages`); everything the loop decides from that
+    (a greedy baseline, ``sum_pi_squared`` in the old-log-prob pass, whether
+    the update may take the old log-probs itself) asks this object instead of
+    reading the signature again. ``params`` is None for a callable whose
+    signature cannot be read: it names nothing the loop can see.
+    """
+
+    fn: Callable
+    args: dict = field(default_factory=dict)
+    params: Any = None  # inspect's parameters mapping, or None
+
+    @classmethod
+    def of(cls, fn: Callable, args: dict | None = None) -> "Estimator":
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # no signature to read
+            params = None
+        return cls(fn, dict(args or {}), params)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Estimator":
+        """``algorithm.advantage_fn`` from the registry, with ``algorithm.advantage_fn_args``."""
+        from rltk import get_component
+        from rltk.training.setup import args_of
+
+        return cls.of(get_component("advantage_fn", cfg.algorithm.advantage_fn), args_of(cfg, "algorithm.advantage_fn"))
+
+    @property
+    def readable(self) -> bool:
+        return self.params is not None
+
+    def names(self, field_name: str) -> bool:
+        """Whether the estimator's signature names ``field_name``."""
+        return self.params is not None and field_name in self.params
+
+    def __call__(self, batch: dict[str, torch.Tensor], strategy=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(advantages, returns)``, ``[B, T]`` fp32 each, from the batch fields the estimator names.
+
+        With several ranks it sees the *global* batch: the fields are gathered from every
+        rank (rows in rank order, widths padded with zeros, which the response mask
+        marks as padding), every rank computes the same result, and each keeps its
+        own rows. Batch statistics (the whitening of ``gae`` and the REINFORCE++
+        family, or anything a plugin computes over the batch) are then those of one
+        process holding the whole batch. Group ids are made distinct per rank: a
+        rank samples every response of its prompts, so a group never spans ranks,
+        while the workflows number groups per process.
+
+        ``sequence_rewards`` / ``policy_lengths`` (the ``[B]`` row sums an outcome
+        estimator may name) are passed only as the row sums of the batch's current
+        ``token_rewards`` / ``response_mask``: :func:`rltk.batch.refresh_row_sums`
+        retakes them when those tensors were replaced (a KL penalty folded into the
+        rewards) or written in place since ``collate`` summed them. Each rank sums
+        its own rows before the gather.
+        """
+        params, args = self.params, self.args
+        if params is None:  # the error inspect gives for a callable it cannot read
+            params = inspect.signature(self.fn).parameters
+        missing = [
+            n for n, p in params.items()
+            if p.default is inspect.Parameter.empty and n not in batch and n not in args
+            and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        if missing:
+            raise ValueError(
+                f"advantage function needs batch field(s) {missing} that this recipe does not provide "
+                f"(available: {sorted(batch)}); choose another algorithm.advantage_fn "
+                f"(e.g. 'values' needs the ppo recipe's critic)"
+            )
+        # A stale sum would silently change R_i: never pass one (costs a row sum only when retaken).
+        refresh_row_sums(batch, [name for name in ROW_SUMS if name in params and name not in args])
+        fields = {k: v for k, v in batch.items() if k in params and k not in args}
+        if strategy is None or strategy.world_size == 1:
+            advantages, returns = self.fn(**fields, **args)
+        else:
+            B, T = batch["response_mask"].shape
+            gathered, counts = {}, []
+            for name, value in fields.items():
+                gathered[name], counts = strategy.gather_rows(value)
+            if "group_ids" in gathered:
+                rank_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+                pairs = torch.stack([rank_of_row, gathered["group_ids"].to(torch.int64).cpu()], dim=1)
+                gathered["group_ids"] = torch.unique(pairs, dim=0, return_inverse=True)[1].to(
+                    batch["group_ids"].device)
+            advantages, returns = self.fn(**gathered, **args)
+            start = sum(counts[: strategy.rank])
+            advantages = advantages[start : start + B, :T].contiguous()
+            returns = returns[start : start + B, :T].contiguous()
+        return advantages.float(), returns.float()
+
+
+def old_logprobs_from_update(loss: LossComponents, advantage_fn: "Callable | Estimator", *, ppo_epochs: int,
+                             mini_batches: int, use_rollout_logprobs: bool, kl_coef: float) -> bool:
     """Whether the update may take ``old_logprobs`` from its own training forward (detached) instead of a
     separate no-grad pass of the policy before it.
 
@@ -242,100 +275,22 @@ def old_logprobs_from_update(loss: LossComponents, advantage_fn: Callable, *, pp
     training forward's log-probs are then those of the dropped-out network, which the recompute (in
     eval mode) is not. rltk's models train without dropout.
     """
+    estimator = advantage_fn if isinstance(advantage_fn, Estimator) else Estimator.of(advantage_fn)
     if ppo_epochs != 1 or mini_batches != 1 or use_rollout_logprobs:
         return False
     if correction_active(loss.rollout_correction) or loss.log_mismatch_metrics:
         return False
-    try:
-        named = inspect.signature(advantage_fn).parameters
-    except (TypeError, ValueError):  # no signature to read: keep the pass, the estimator may want the field
+    if not estimator.readable:  # no signature to read: keep the pass, the estimator may want the field
         return False
-    if "old_logprobs" in named or "sum_pi_squared" in named:
+    if estimator.names("old_logprobs") or estimator.names("sum_pi_squared"):
         return False
     return not (kl_coef > 0 and loss.kl_in == "reward")
 
 
-def fill_old_logprobs(policy: torch.nn.Module, batch: dict[str, torch.Tensor], advantage_fn: Callable, *,
-                      use_rollout_logprobs: bool, micro_batch_size: int, temperature: float, impl: str = "auto",
-                      chunk_size: int | None = None, strategy=None, max_tokens_per_micro_batch: int | None = None,
-                      pack_sequences: bool = False, share_prompts: bool = True) -> None:
-    """Fill ``batch["old_logprobs"]`` (the behaviour policy's log-probs of the sampled tokens) and, when
-    ``advantage_fn`` names it, ``batch["sum_pi_squared"]`` (``sum_v pi_old(v)^2`` per token, ``[B, T]``).
-
-    ``use_rollout_logprobs`` (``algorithm.use_rollout_logprobs``) takes the rollout engine's
-    log-probs instead of a forward pass of ``policy``. The engine reports no distribution, so
-    ``sum_pi_squared`` then still comes from one pass of ``policy``: the trainer's copy of the
-    weights that sampled the batch. ``max_tokens_per_micro_batch``, ``pack_sequences`` and
-    ``share_prompts``: see :func:`batched_logprobs`.
-    """
-    with_sq = needs_sum_pi_squared(advantage_fn)
-    if use_rollout_logprobs:
-        batch["old_logprobs"] = batch["rollout_logprobs"]
-        if not with_sq:
-            return
-    outputs = batched_logprobs(policy, batch, micro_batch_size=micro_batch_size, temperature=temperature,
-                               impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sq, strategy=strategy,
-                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack_sequences=pack_sequences,
-                               share_prompts=share_prompts)
-    if not use_rollout_logprobs:
-        batch["old_logprobs"] = outputs[0]
-    if with_sq:
-        batch["sum_pi_squared"] = outputs[2]
-
-
 def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: dict, strategy=None) -> None:
-    """Fill ``batch["advantages"]`` and ``batch["returns"]`` with the configured estimator.
-
-    The estimator receives exactly the batch fields its signature names. With
-    several ranks it sees the *global* batch: the fields are gathered from every
-    rank (rows in rank order, widths padded with zeros, which the response mask
-    marks as padding), every rank computes the same result, and each keeps its
-    own rows. Batch statistics (the whitening of ``gae`` and the REINFORCE++
-    family, or anything a plugin computes over the batch) are then those of one
-    process holding the whole batch. Group ids are made distinct per rank: a
-    rank samples every response of its prompts, so a group never spans ranks,
-    while the workflows number groups per process.
-
-    ``sequence_rewards`` / ``policy_lengths`` (the ``[B]`` row sums an outcome
-    estimator may name) are passed only as the row sums of the batch's current
-    ``token_rewards`` / ``response_mask``: :func:`rltk.batch.refresh_row_sums`
-    retakes them when those tensors were replaced (a KL penalty folded into the
-    rewards) or written in place since ``collate`` summed them. Each rank sums
-    its own rows before the gather.
-    """
-    params = inspect.signature(adv_fn).parameters
-    missing = [
-        n for n, p in params.items()
-        if p.default is inspect.Parameter.empty and n not in batch and n not in args
-        and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-    ]
-    if missing:
-        raise ValueError(
-            f"advantage function needs batch field(s) {missing} that this recipe does not provide "
-            f"(available: {sorted(batch)}); choose another algorithm.advantage_fn "
-            f"(e.g. 'values' needs the ppo recipe's critic)"
-        )
-    # A stale sum would silently change R_i: never pass one (costs a row sum only when retaken).
-    refresh_row_sums(batch, [name for name in ROW_SUMS if name in params and name not in args])
-    fields = {k: v for k, v in batch.items() if k in params and k not in args}
-    if strategy is None or strategy.world_size == 1:
-        advantages, returns = adv_fn(**fields, **args)
-    else:
-        B, T = batch["response_mask"].shape
-        gathered, counts = {}, []
-        for name, value in fields.items():
-            gathered[name], counts = strategy.gather_rows(value)
-        if "group_ids" in gathered:
-            rank_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-            pairs = torch.stack([rank_of_row, gathered["group_ids"].to(torch.int64).cpu()], dim=1)
-            gathered["group_ids"] = torch.unique(pairs, dim=0, return_inverse=True)[1].to(
-                batch["group_ids"].device)
-        advantages, returns = adv_fn(**gathered, **args)
-        start = sum(counts[: strategy.rank])
-        advantages = advantages[start : start + B, :T].contiguous()
-        returns = returns[start : start + B, :T].contiguous()
-    batch["advantages"] = advantages.float()
-    batch["returns"] = returns.float()
+    """Fill ``batch["advantages"]`` and ``batch["returns"]`` with ``adv_fn`` (see :meth:`Estimator.__call__`,
+    which returns them instead; a loop builds its :class:`Estimator` once per stage)."""
+    batch["advantages"], batch["returns"] = Estimator.of(adv_fn, args)(batch, strategy)
 
 
 def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, elapsed: float,
@@ -435,14 +390,16 @@ def policy_update(
     :func:`old_logprobs_from_update`): each micro-batch takes its own
     training-forward log-probs, detached, as the old ones, and ``batch``
     receives them as ``old_logprobs`` ``[B, T]`` afterwards (for the KL metric
-    and logging). That needs ``ppo_epochs == mini_batches == 1``.
+    and logging). That needs ``ppo_epochs == mini_batches == 1``. It is the one
+    write into the batch a pass still makes: the metrics go through
+    ``torch.save`` with ``weights_only`` loads, which take plain dicts only.
     """
     on_policy = "old_logprobs" not in batch
     if on_policy and (ppo_epochs != 1 or mini_batches != 1):
         raise ValueError(
             f"a batch without old_logprobs is trained on-policy, which needs trainer.ppo_epochs=1 and "
             f"trainer.mini_batches=1 (got {ppo_epochs} and {mini_batches}): fill old_logprobs first "
-            f"(rltk.training.rl.fill_old_logprobs)"
+            f"(rltk.training.forward.old_logprobs_pass)"
         )
     given = batch
     # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -33,15 +32,17 @@ from rltk.config.components import signature_params
 from rltk.config.env_checks import check_demonstrations
 from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
+from rltk.distributed import end_process_group, every_rank, process_group, process_rank, seed_everything
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
+from rltk.training.loop_state import LoopState
 from rltk.training.resume import (
     is_stage_end, load_model_weights, resume_or_start_over, run_is_finished, start_point,
 )
 from rltk.training.setup import (
     MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
-    limit_torch_threads, prepare_run_dir, process_rank, sampling_params, seed_everything, sft_pairs, stage_config,
+    limit_torch_threads, prepare_run_dir, sampling_params, sft_pairs, stage_config,
     tool_schemas,
     write_summary,
 )
@@ -166,7 +167,7 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
             # What was logged up to the divergence is what the reader needs: flush it, and let every
             # rank (all stop at the same step) leave the process group together.
             run.metric_log.close()
-            _end_process_group()
+            end_process_group()
             raise
         if current.strategy is not None:
             # The next stage (and the final evaluation) starts from a plain module with the trained
@@ -251,18 +252,8 @@ def finish_run(run: Run) -> dict:
             plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)
     rltk.call_lifecycle_hook("rltk_on_train_end", run_dir=run.run_dir, metrics=summary)
-    _end_process_group()
+    end_process_group()
     return summary
-
-
-def _end_process_group() -> None:
-    """Every rank waits for the others, then the process group ends: a rank that exits while a
-    peer still talks to it occasionally aborts (gloo's "terminate called without an active exception")."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
@@ -274,7 +265,7 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     of the whole held-out set, ``eval/num_responses`` included.
     """
     rows = rows[: cfg.trainer.eval_size or len(rows)]
-    world, rank = _process_group()
+    world, rank = process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
     with seeded_sampling(cfg.trainer.get("eval_seed"), rank):
@@ -307,19 +298,10 @@ def greedy_accuracy(workflow, rows: list[dict], cfg: DictConfig) -> float:
 def greedy_probe(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     """The workflow's greedy evaluation of ``rows`` (``accuracy``, ``truncated_fraction`` ...), each process
     taking its share, combined over processes."""
-    world, rank = _process_group()
+    world, rank = process_group()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
     return {k: float(v) for k, v in _combine_over_ranks(greedy, world).items()}
-
-
-def _process_group() -> tuple[int, int]:
-    """(world size, rank) of the default process group, (1, 0) without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
@@ -349,40 +331,38 @@ def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
     return every > 0 and (step == last or step % every == 0)
 
 
-def save_checkpoint(stage: Stage, strategy, stage_step: int, sampler: RowSampler, *, last_step: int,
-                    extra: dict | None = None, rank_extra: dict | None = None,
-                    generators: Mapping[str, torch.Generator] | None = None) -> Path:
-    """Checkpoint the stage's strategy (or strategies) and loop position, then call the hook.
+def save_checkpoint(stage: Stage, strategy, loop: LoopState, *, last_step: int) -> Path:
+    """Checkpoint the stage's strategy (or strategies) and its loop state at ``loop.step``, then call the hook.
 
     The divergence guard first checks the weights are finite (no checkpoint ever holds nan) and
     its counters go into the checkpoint, so a resumed run counts on.
 
-    ``extra`` is the recipe's JSON-able state, the same on every rank (the
-    main rank's is saved). ``rank_extra`` is state that differs per rank (e.g.
-    its experience buffer): every rank's is saved, beside its workflow's state
-    and cumulative reward counters (see :func:`restore_rollout_state`), and
-    :func:`rank_state` of the loaded state gives a rank its own back.
-    ``generators`` are the rank's private generators by name; a recipe hands
-    the same names to ``run.ckpt.load(..., generators=...)`` when it resumes.
-    The checkpoint also counts the metric rows already logged at its step, so
-    a run resumed from it drops the rows logged there after the save (see
-    :func:`open_run`). Collective: every rank calls it.
+    The loop's :meth:`~rltk.training.loop_state.LoopState.state_dict` is the
+    same on every rank (the main rank's is saved); its ``rank_state_dict``
+    (e.g. the experience buffer) differs per rank: every rank's is saved,
+    beside its workflow's state and cumulative reward counters (see
+    :func:`restore_rollout_state`), and :func:`rank_state` of the loaded state
+    gives a rank its own back. The loop's generators go into the rank's RNG
+    file by name (:meth:`LoopState.resume` restores them). The checkpoint also
+    counts the metric rows already logged at its step, so a run resumed from
+    it drops the rows logged there after the save (see :func:`open_run`).
+    Collective: every rank calls it.
     """
-    state = {"stage": stage.index, "stage_step": stage_step, "stage_done": stage_step == last_step,
-             "sampler": sampler.state_dict(), **(extra or {})}
+    stage_step = loop.step
+    state = {"stage": stage.index, "stage_done": stage_step == last_step, **loop.state_dict()}
     if stage.guard is not None:
         stage.guard.check_weights(strategy, stage_step)
         state["guard"] = stage.guard.state_dict()
-    mine = dict(rank_extra or {})
+    mine = loop.rank_state_dict()
     workflow = stage.run.workflow
     if hasattr(workflow, "state_dict"):
         mine[WORKFLOW_STATE_KEY] = workflow.state_dict()
     if hasattr(workflow.reward, "state_dict"):
         mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
-    state[PER_RANK_KEY] = _every_rank(mine)
+    state[PER_RANK_KEY] = every_rank(mine)
     global_step = stage.first_step + stage_step
     state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
-    path = stage.run.ckpt.save(global_step, strategy, state, generators=generators)
+    path = stage.run.ckpt.save(global_step, strategy, state, generators=loop.generators)
     rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
     return path
 
@@ -415,17 +395,6 @@ def restore_rollout_state(workflow, resume: dict) -> None:
             component.load_state_dict(saved[key])
 
 
-def _every_rank(obj: Any) -> list:
-    """``[obj of rank 0, obj of rank 1, ...]`` on every rank (``[obj]`` without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 def run_sft_stage(stage: Stage) -> None:
     """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy.
 
@@ -449,13 +418,10 @@ def run_sft_stage(stage: Stage) -> None:
     pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
     check_demonstrations(cfg, run.train_rows, pairs)  # before the first step: tools and turn caps fit the rollout
     sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
-    start = 0
-    if stage.resume is not None:
-        state = run.ckpt.load(stage.resume["path"], strategy)
-        sampler.load_state_dict(state["sampler"])
-        start = state["stage_step"]
+    loop = LoopState(sampler)
+    loop.resume(stage, strategy)
 
-    for step in range(start + 1, s.steps + 1):
+    for step in range(loop.step + 1, s.steps + 1):
         # every rank draws the same global batch and trains on its share of the rows
         batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
         metrics = {f"sft/{k}": v for k, v in sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
@@ -472,8 +438,9 @@ def run_sft_stage(stage: Stage) -> None:
         run.metric_log.log(metrics, stage.first_step + step)
         stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged
         last = step if reached else s.steps
+        loop.step = step
         if should_checkpoint(cfg, step, last):
-            save_checkpoint(stage, strategy, step, sampler, last_step=last)
+            save_checkpoint(stage, strategy, loop, last_step=last)
         if reached:
             if process_rank() == 0:
                 print(f"rltk: warm-up reached sft.stop_at_accuracy={s.stop_at_accuracy} "

@@ -22,17 +22,11 @@ import rltk
 from rltk.config.errors import ConfigError
 from rltk.config.merge import apply_overrides
 from rltk.config.saved import config_to_record, config_yaml_to_record
+from rltk.distributed import process_rank
 from rltk.loggers.base import StageSpan, announce_stages
 from rltk.rollout.base import SamplingParams
 
 log = logging.getLogger("rltk")
-
-
-def process_rank() -> int:
-    """This process's rank under torchrun / deepspeed / accelerate launchers (0 when alone)."""
-    import os
-
-    return int(os.environ.get("RANK", "0"))
 
 
 def available_cores() -> int:
@@ -66,13 +60,6 @@ def limit_torch_threads() -> int:
     if torch.get_num_threads() > share:
         torch.set_num_threads(share)
     return torch.get_num_threads()
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (``seed`` is ``cfg.seed``, validated to 0 .. 2**32 - 1, plus a rank)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)  # numpy refuses 2**32 and above, which cfg.seed + rank may reach
-    torch.manual_seed(seed)
 
 
 def args_of(cfg: DictConfig, key: str) -> dict:

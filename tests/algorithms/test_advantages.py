@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import rltk
 from rltk.algorithms import advantages as adv
-from rltk.registry import call_with_fields
+from rltk.training.rl import Estimator
+from tests.algorithms.calls import call_with_fields
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
@@ -53,7 +54,7 @@ def test_every_estimator_is_registered_under_its_name(name):
     assert rltk.get_component("advantage_fn", name) is NAMES[name]
 
 
-def test_call_with_fields_passes_exactly_the_declared_fields():
+def test_the_loop_passes_exactly_the_declared_fields():
     rewards, mask = outcome_batch([1.0, 0.0], [2, 2])
     batch = {
         "token_rewards": rewards,
@@ -62,7 +63,7 @@ def test_call_with_fields_passes_exactly_the_declared_fields():
         "values": torch.zeros(2, 2),  # not declared by grpo: must not be passed
         "scores": torch.tensor([1.0, 0.0]),
     }
-    advantages, _ = call_with_fields(adv.grpo, batch, {"norm_by_std": False})
+    advantages, _ = Estimator.of(adv.grpo, {"norm_by_std": False})(batch)
     assert advantages.tolist() == [[0.5, 0.5], [-0.5, -0.5]]
 
 

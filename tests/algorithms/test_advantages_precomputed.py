@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from rltk.algorithms import advantages as adv
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.batch import Experience, collate
-from rltk.registry import BATCH_FIELDS, call_with_fields
+from rltk.registry import BATCH_FIELDS
+from tests.algorithms.calls import call_with_fields
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None)
 

@@ -173,7 +173,8 @@ def grpo_update(lora: bool, checkpointing: bool):
     runs it: old and reference log-probs without gradients, then one optimizer step."""
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
     from rltk.training.reference import FrozenReference
-    from rltk.training.rl import LossComponents, batched_logprobs, policy_update
+    from rltk.training.forward import batched_logprobs
+    from rltk.training.rl import LossComponents, policy_update
 
     class Recording(AccelerateStrategy):
         def backward(self, loss):

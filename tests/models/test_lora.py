@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rltk.config.errors import ConfigError
-from rltk.config.lora_checks import adapter_mismatches, check_lora_fits_model, check_lora_values, unmatched_targets
+from rltk.config.lora_checks import check_lora_fits_model, check_lora_values
+from rltk.models.lora import adapter_mismatches, unmatched_targets
 from rltk.config.schema import RunConfig
 from rltk.models.logprobs import response_logprobs
 from rltk.models.lora import (
@@ -182,7 +183,7 @@ def test_adapter_folder_holds_only_the_adapter_and_loads_back_in_peft_and_rltk(t
     loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter"))
     torch.testing.assert_close(response_logprobs(loaded, ids, mask, 5)[0], expected, rtol=0, atol=0)
     # rltk's own loader (what a resumed checkpoint uses) maps peft's names back to the live ones
-    from rltk.strategies.base import load_full_state_into
+    from rltk.models.folders import load_full_state_into
 
     _, other = tiny(seed=2)
     other = lora(other, r=4, targets=["q_proj", "down_proj"])

@@ -10,7 +10,7 @@ import sys
 import pytest
 from transformers.utils import logging as hf_logging
 
-from rltk.checkpoint import default_file_mode, give_default_mode
+from rltk.io import default_file_mode, give_default_mode
 from rltk.models.loading import load_model, quiet_model_io
 from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
 

@@ -58,21 +58,22 @@ def calls(monkeypatch):
     import rltk.training.rl as rl
 
     seen = {"advantages": [], "updates": []}
-    compute_advantages, policy_update = rl.compute_advantages, rl.policy_update
+    estimate, policy_update = rl.Estimator.__call__, rl.policy_update
 
-    def recording_advantages(adv_fn, batch, args, strategy=None):
+    def recording_advantages(self, batch, strategy=None):
         before = {k: v.clone() for k, v in batch.items()}
-        compute_advantages(adv_fn, batch, args, strategy)
-        seen["advantages"].append({"fn": adv_fn, "args": dict(args), "batch": before,
-                                   "advantages": batch["advantages"].clone(), "returns": batch["returns"].clone()})
+        advantages, returns = estimate(self, batch, strategy)
+        seen["advantages"].append({"fn": self.fn, "args": dict(self.args), "batch": before,
+                                   "advantages": advantages.clone(), "returns": returns.clone()})
+        return advantages, returns
 
     def recording_update(strategy, batch, loss, **kwargs):
         metrics = policy_update(strategy, batch, loss, **kwargs)
         seen["updates"].append({"loss": loss, "kl_coef": kwargs["kl_coef"], "metrics": metrics})
         return metrics
 
-    # The recipes import these names when they run, so they get the recording versions.
-    monkeypatch.setattr(rl, "compute_advantages", recording_advantages)
+    # The recipes import policy_update when they run, so they get the recording version.
+    monkeypatch.setattr(rl.Estimator, "__call__", recording_advantages)
     monkeypatch.setattr(rl, "policy_update", recording_update)
     return seen
 

@@ -178,7 +178,7 @@ def main(out_dir: Path, phases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from rltk.strategies.deepspeed_strategy import strip_local_rank_argument
+    from rltk.distributed import strip_local_rank_argument
 
     arguments = strip_local_rank_argument(sys.argv[1:])  # the `deepspeed` launcher appends --local_rank=N
     main(Path(arguments[0]), arguments[1:])

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from rltk.models.folders import load_full_state_into
 from rltk.strategies.base import (
     OptimizerSettings,
     build_adamw,
     build_lr_scheduler,
     check_mixed_precision,
-    load_full_state_into,
     load_optimizer_state_by_name,
     lr_multiplier,
     optimizer_state_by_name,

@@ -33,18 +33,17 @@ from hypothesis import strategies as st
 
 import rltk
 from rltk.strategies.base import OptimizerSettings, TrainingStrategy, build_adamw, build_lr_scheduler
+from rltk.distributed import free_local_port, strip_local_rank_argument
 from rltk.strategies.deepspeed_strategy import (
     DeepSpeedStrategy,
     check_resumable,
     derive_deepspeed_config,
     ensure_single_process_environment,
     export_model_folder,
-    free_local_port,
     merge_deepspeed_config,
     read_checkpoint_meta,
     read_deepspeed_config,
     resolve_deepspeed_config,
-    strip_local_rank_argument,
 )
 
 HERE = Path(__file__).parent

@@ -32,7 +32,8 @@ def perturbation(token_ids: torch.Tensor) -> torch.Tensor:
 def corrected_update(strategy) -> dict:
     import rltk
     from rltk.batch import collate
-    from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
+    from rltk.training.forward import batched_logprobs
+    from rltk.training.rl import LossComponents, compute_advantages, policy_update
 
     batch = collate(steps.local_experiences(0, strategy.rank, strategy.world_size), pad_token_id=0)
     T = batch["response_mask"].shape[1]

@@ -89,19 +89,20 @@ def recorded(monkeypatch):
     from rltk.workflows.single_turn import SingleTurnWorkflow
 
     produced, batches = [], []
-    run, compute_advantages = SingleTurnWorkflow.run, rl.compute_advantages
+    run, estimate = SingleTurnWorkflow.run, rl.Estimator.__call__
 
     def recording_run(self, rows, **kwargs):
         out = run(self, rows, **kwargs)
         produced.append(out)
         return out
 
-    def recording_advantages(adv_fn, batch, args, strategy=None):
-        compute_advantages(adv_fn, batch, args, strategy)
-        batches.append({k: v.clone() for k, v in batch.items()})
+    def recording_advantages(self, batch, strategy=None):
+        advantages, returns = estimate(self, batch, strategy)
+        batches.append({**{k: v.clone() for k, v in batch.items()}, "advantages": advantages, "returns": returns})
+        return advantages, returns
 
     monkeypatch.setattr(SingleTurnWorkflow, "run", recording_run)
-    monkeypatch.setattr(rl, "compute_advantages", recording_advantages)
+    monkeypatch.setattr(rl.Estimator, "__call__", recording_advantages)
     return produced, batches
 
 

@@ -12,7 +12,8 @@ import rltk
 from rltk.batch import Experience, collate
 from rltk.training.micro_batches import micro_batch_count, micro_batches, plan_micro_batches
 from rltk.training.ppo import batched_values, critic_update
-from rltk.training.rl import LossComponents, batched_logprobs, policy_update
+from rltk.training.forward import batched_logprobs
+from rltk.training.rl import LossComponents, policy_update
 
 
 # ---------------------------------------------------------------- the plan

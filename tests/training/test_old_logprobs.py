@@ -1,4 +1,4 @@
-"""fill_old_logprobs: the behaviour policy's log-probs, and sum_v pi(v)^2 only for an estimator that names it."""
+"""old_logprobs_pass: the behaviour policy's log-probs, and sum_v pi(v)^2 only for an estimator that names it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,20 @@ import torch
 import rltk
 from rltk.batch import collate
 from rltk.models.logprobs import positions_from_mask
-from rltk.training.rl import batched_logprobs, compute_advantages, fill_old_logprobs, needs_sum_pi_squared
+from rltk.training.forward import batched_logprobs, old_logprobs_pass
+from rltk.training.rl import compute_advantages, needs_sum_pi_squared
 from tests.training.rl_step_helpers import worker
 
 
 COMMON = dict(micro_batch_size=3, temperature=0.8)
+
+
+def fill_old_logprobs(policy, batch, adv_fn, **kwargs):
+    """The pass's tensors written into the batch, under the names the loop gives them."""
+    batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
+        policy, batch, with_sum_pi_squared=needs_sum_pi_squared(adv_fn), **kwargs)
+    if sum_pi_squared is not None:
+        batch["sum_pi_squared"] = sum_pi_squared
 
 
 def _batch():

@@ -13,9 +13,8 @@ import torch
 
 import rltk
 from rltk.batch import collate
-from rltk.training.rl import (
-    LossComponents, batched_logprobs, compute_advantages, old_logprobs_from_update, policy_update,
-)
+from rltk.training.forward import batched_logprobs
+from rltk.training.rl import LossComponents, compute_advantages, old_logprobs_from_update, policy_update
 from tests.training.rl_step_helpers import one_process_strategy, worker
 
 

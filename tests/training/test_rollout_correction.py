@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 import rltk
 from rltk.algorithms.mismatch import rollout_correction
 from rltk.batch import Experience, collate
-from rltk.training.rl import LossComponents, batched_logprobs, compute_advantages, policy_update
+from rltk.training.forward import batched_logprobs
+from rltk.training.rl import LossComponents, compute_advantages, policy_update
 from rltk.training.rollout_correction import (
     WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask, weighted_loss_agg,
 )

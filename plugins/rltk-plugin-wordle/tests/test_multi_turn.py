@@ -94,13 +94,14 @@ def batches(monkeypatch):
     import rltk.training.rl as rl
 
     seen = []
-    compute_advantages = rl.compute_advantages
+    estimate = rl.Estimator.__call__
 
-    def recording(adv_fn, batch, args, strategy=None):
-        compute_advantages(adv_fn, batch, args, strategy)
-        seen.append({k: v.clone() for k, v in batch.items()})
+    def recording(self, batch, strategy=None):
+        advantages, returns = estimate(self, batch, strategy)
+        seen.append({**{k: v.clone() for k, v in batch.items()}, "advantages": advantages, "returns": returns})
+        return advantages, returns
 
-    monkeypatch.setattr(rl, "compute_advantages", recording)
+    monkeypatch.setattr(rl.Estimator, "__call__", recording)
     return seen
 
 

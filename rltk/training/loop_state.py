@@ -1,0 +1,201 @@
+"""What a stage carries from one step to the next, built by one call and saved and restored in one place.
+
+A recipe's loop reads top to bottom like its algorithm box; what it needs to
+remember between steps lives here, in :class:`LoopState`:
+
+* the prompt sampler's position;
+* the experience buffer (expert data, experiences a sample strategy keeps for later);
+* the KL controller's coefficient;
+* the generator that shuffles rows into mini-batches;
+* the frozen reference policy (its weights beside the checkpoints);
+* the stage step reached.
+
+:func:`start_rl_stage` builds it for an RL stage, fresh or restored from the
+stage's checkpoint; :func:`rltk.training.run.save_checkpoint` saves it. What
+the components of a step are (estimator, losses, sample strategy, rollout plan,
+forward settings) is :class:`RLParts`, chosen once from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rltk.batch import collate
+from rltk.buffer.buffer import ExperienceBuffer
+from rltk.data.sampler import RowSampler
+from rltk.training.collect import RolloutPlan, expert_experiences
+from rltk.training.forward import ForwardSettings
+from rltk.training.reference import FrozenReference
+from rltk.training.rl import Estimator, LossComponents, any_rank, build_kl_controller, old_logprobs_from_update
+
+#: The name of the mini-batch generator in a checkpoint's RNG files (see :meth:`LoopState.generators`).
+MINIBATCH_GENERATOR = "minibatch_order"
+#: In each rank's checkpoint entry: its buffer's state_dict.
+BUFFER_KEY = "buffer"
+
+
+@dataclass
+class LoopState:
+    """What a stage's loop carries across steps; everything but the reference's weights is checkpointed here.
+
+    Attributes:
+        sampler: the prompt (or example) sampler; every rank holds the same one.
+        step: the last stage step done (0 before the first).
+        buffer: experiences kept across steps (RL stages), per rank.
+        kl_ctl: the KL controller; its ``value`` is the coefficient of the next step.
+        generator: shuffles rows into mini-batches; each rank's own.
+        reference: the frozen reference policy (None without a KL penalty).
+    """
+
+    sampler: RowSampler
+    step: int = 0
+    buffer: ExperienceBuffer | None = None
+    kl_ctl: Any = None
+    generator: torch.Generator | None = None
+    reference: FrozenReference | None = None
+
+    def state_dict(self) -> dict:
+        """The JSON-able state every rank shares (the main rank's is saved)."""
+        state: dict = {"stage_step": self.step, "sampler": self.sampler.state_dict()}
+        if self.kl_ctl is not None:
+            state["kl_coef"] = self.kl_ctl.value
+        return state
+
+    def rank_state_dict(self) -> dict:
+        """The JSON-able state of this rank alone (its buffer)."""
+        return {BUFFER_KEY: self.buffer.state_dict()} if self.buffer is not None else {}
+
+    @property
+    def generators(self) -> dict[str, torch.Generator]:
+        """This rank's private generators by name: saved with the rank's RNG state, restored by name."""
+        return {MINIBATCH_GENERATOR: self.generator} if self.generator is not None else {}
+
+    def load_state_dict(self, state: dict, rank_state: dict | None = None) -> None:
+        """Continue from :meth:`state_dict` (and this rank's :meth:`rank_state_dict`) of a checkpoint.
+
+        A rank entry without a buffer (an older rltk, or fewer processes then) leaves the buffer as built.
+        """
+        self.step = int(state["stage_step"])
+        self.sampler.load_state_dict(state["sampler"])
+        if self.kl_ctl is not None:
+            self.kl_ctl.value = state["kl_coef"]
+        if self.buffer is not None and BUFFER_KEY in (rank_state or {}):
+            self.buffer.load_state_dict(rank_state[BUFFER_KEY])
+
+    def resume(self, stage, strategy) -> bool:
+        """Restore ``strategy`` (or strategies), the RNG and this state from ``stage``'s checkpoint.
+
+        Returns whether the checkpoint held this rank's buffer. A no-op returning False for a stage
+        that starts afresh.
+        """
+        from rltk.training.run import rank_state
+
+        if stage.resume is None:
+            return False
+        # the generators continue where they stopped: seeding them again would replay their draws
+        state = stage.run.ckpt.load(stage.resume["path"], strategy, generators=self.generators)
+        mine = rank_state(state)
+        self.load_state_dict(state, mine)
+        return BUFFER_KEY in mine
+
+
+@dataclass
+class RLParts:
+    """The components of an RL step, each chosen by name in the config, and how its passes run.
+
+    Attributes:
+        estimator: ``algorithm.advantage_fn`` with its arguments; its signature read once.
+        loss: policy loss, aggregation, KL estimator, entropy bonus.
+        sample_strategy: what the buffer hands the trainer each step.
+        plan: a greedy response per prompt if the estimator needs ``baseline_scores``; DAPO's dynamic sampling.
+        forward: how every log-prob pass runs (:class:`rltk.training.forward.ForwardSettings`).
+        on_policy: the update takes ``old_logprobs`` from its own forward (see
+            :func:`rltk.training.rl.old_logprobs_from_update`); the recipe decides whether it may.
+    """
+
+    estimator: Estimator
+    loss: LossComponents
+    sample_strategy: Any
+    plan: RolloutPlan
+    forward: ForwardSettings
+    on_policy: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, strategy) -> "RLParts":
+        import rltk
+        from rltk.training.setup import args_of
+
+        a, t = cfg.algorithm, cfg.trainer
+        sample_strategy = rltk.get_component("sample_strategy", cfg.buffer.sample_strategy)(
+            **args_of(cfg, "buffer.sample_strategy"))
+        estimator = Estimator.from_config(cfg)
+        loss = LossComponents.from_config(cfg)
+        on_policy = old_logprobs_from_update(loss, estimator, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+                                             use_rollout_logprobs=a.use_rollout_logprobs, kl_coef=a.kl_coef)
+        return cls(estimator=estimator, loss=loss, sample_strategy=sample_strategy,
+                   plan=RolloutPlan.from_config(cfg, estimator.fn), forward=ForwardSettings.from_config(cfg, strategy),
+                   on_policy=on_policy)
+
+
+def start_rl_stage(stage, strategy, *, checkpointed=None) -> LoopState:
+    """The loop state of an RL stage: built afresh, or continued from the stage's checkpoint.
+
+    ``checkpointed`` is what the checkpoint restores (e.g. policy and critic together), ``strategy``
+    by default. The reference policy is the policy as this stage starts (after any warm-up), frozen;
+    its weights are kept beside the checkpoints so a resumed run compares against the same one. With
+    LoRA it is the same module with its adapters switched off (the base model): no copy at all.
+    Expert responses (``buffer.expert.path``) go into a fresh buffer; a resumed buffer has them already
+    (scoring them again would count the reward calls twice).
+    """
+    run, cfg = stage.run, stage.cfg
+    t = cfg.trainer
+    loop = LoopState(
+        sampler=RowSampler(run.train_rows, t.prompts_per_step, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle),
+        buffer=ExperienceBuffer(), kl_ctl=build_kl_controller(cfg), generator=torch.Generator().manual_seed(cfg.seed),
+        reference=FrozenReference.for_stage(strategy, cfg.algorithm.kl_coef),
+    )
+    reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
+    buffer_restored = loop.resume(stage, checkpointed if checkpointed is not None else strategy)
+    if stage.resume is not None:
+        run.workflow.engine.update_weights(strategy.unwrap())  # an engine with a copy of its own takes them
+        if loop.reference is not None:
+            loop.reference.load(reference_file)
+    elif loop.reference is not None:
+        loop.reference.save(reference_file)
+    if not buffer_restored:
+        loop.buffer.put(expert_experiences(cfg, run.tokenizer, run.workflow.reward), 0,
+                        source=cfg.buffer.expert.source)
+    return loop
+
+
+def sampled_batch(stage, loop: LoopState, parts: RLParts, experiences: list, collect_metrics: dict, step: int,
+                  strategy) -> dict[str, torch.Tensor] | None:
+    """The step's training batch: the sample strategy's pick from the buffer, padded to tensors.
+
+    None when any rank has nothing to train on (e.g. every group filtered out as all-equal): ranks stay
+    in lockstep, so every rank skips the step, and the skip is logged.
+    """
+    run = stage.run
+    loop.buffer.put(experiences, step)
+    experiences = parts.sample_strategy.sample(loop.buffer, step) if experiences else []
+    if any_rank(strategy, not experiences):
+        run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **parts.sample_strategy.metrics()},
+                           stage.first_step + step)
+        return None
+    # gdpo: each reward function's own score, columns in reward.reward_fn order
+    return collate(experiences, run.tokenizer.pad_token_id,
+                   reward_names=run.workflow.reward.names if parts.plan.reward_components else None)
+
+
+def kl_to_reference(loss: LossComponents, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(pi_old || pi_ref) per sampled token, ``[B, T]``, by the configured estimator (``algorithm.kl_penalty_fn``)."""
+    return loss.kl_penalty(old_logprobs, ref_logprobs, **loss.kl_penalty_args)
+
+
+def rows_in(batch: dict[str, torch.Tensor], strategy) -> int:
+    """The batch's sequences summed over ranks: what the adaptive KL controller counts as steps."""
+    return int(strategy.all_reduce_sum(torch.tensor([batch["input_ids"].shape[0]])).item())
+
