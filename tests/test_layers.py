@@ -42,12 +42,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     ("rltk.workflows.agentic", "rltk.serve"): "agentic workflow starts rltk's endpoint (owned elsewhere)",
     ("rltk.workflows.agentic", "rltk.serve.app"): "agentic workflow starts rltk's endpoint (owned elsewhere)",
     ("rltk.workflows.agentic", "rltk.serve.sessions"): "agentic workflow records sessions (owned elsewhere)",
-    # The vLLM engine and server import ConfigError from rltk.config.errors, whose package runs the
-    # whole validation; the fix is `from rltk.errors import ConfigError`, in files the vLLM helper owns.
-    ("rltk.rollout.vllm_engine", "rltk.config"): "ConfigError via rltk.config (owned elsewhere)",
-    ("rltk.rollout.vllm_engine", "rltk.config.errors"): "ConfigError via rltk.config (owned elsewhere)",
-    ("rltk.rollout.vllm_server", "rltk.config"): "ConfigError via rltk.config (owned elsewhere)",
-    ("rltk.rollout.vllm_server", "rltk.config.errors"): "ConfigError via rltk.config (owned elsewhere)",
 }
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts

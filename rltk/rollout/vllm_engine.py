@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 import rltk
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
 from rltk.rollout.hf import unwrap_model

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import rltk
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
 from rltk.rollout.hf import unwrap_model
 from rltk.rollout.vllm_engine import (
