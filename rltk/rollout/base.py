@@ -170,6 +170,19 @@ class RolloutEngine(abc.ABC):
         """Release what the engine holds (processes, connections, process groups); a no-op by default."""
 
 
+def stop_token_ids(params: SamplingParams, tokenizer: Any, model_config: Any) -> list[int]:
+    """The tokens that end a completion: ``params.stop_token_ids`` where given, else the tokenizer's EOS,
+    else the model config's (one id or several), else none."""
+    if params.stop_token_ids is not None:
+        return list(params.stop_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
 def validate_prompt_ids(prompt_ids: Any) -> list[list[int]]:
     """Check that ``prompt_ids`` is a list of non-empty lists of ints, naming the bad prompt."""
     if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):

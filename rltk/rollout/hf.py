@@ -47,7 +47,9 @@ import rltk
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.notices import notice_once
-from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
+from rltk.rollout.base import (
+    Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
+)
 from rltk.rollout.hf_sampling import sample, sampling_blocker, shared_prompts
 
 logger = logging.getLogger(__name__)
@@ -256,14 +258,7 @@ class HFRolloutEngine(RolloutEngine):
         return generated.tolist(), logprobs.tolist()
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        if params.stop_token_ids is not None:
-            return list(params.stop_token_ids)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(getattr(unwrap_model(self.model), "config", None), "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        return stop_token_ids(params, self.tokenizer, getattr(unwrap_model(self.model), "config", None))
 
     def _pad_token_id(self, stop_ids: list[int]) -> int:
         # Only used for left padding (masked out) and for rows that already

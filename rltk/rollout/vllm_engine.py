@@ -52,7 +52,9 @@ from torch import nn
 import rltk
 from rltk.errors import ConfigError
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
-from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
+from rltk.rollout.base import (
+    Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
+)
 from rltk.rollout.hf import unwrap_model
 
 MIN_VLLM_VERSION = (0, 32)  # the weight-transfer API and layerwise reload this engine syncs through
@@ -538,14 +540,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return grouped
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        if params.stop_token_ids is not None:
-            return list(params.stop_token_ids)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(unwrap_model(self.model).config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        return stop_token_ids(params, self.tokenizer, getattr(unwrap_model(self.model), "config", None))
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -47,7 +47,9 @@ from torch import nn
 
 import rltk
 from rltk.errors import ConfigError
-from rltk.rollout.base import Completion, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids
+from rltk.rollout.base import (
+    Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
+)
 from rltk.rollout.hf import unwrap_model
 from rltk.rollout.vllm_engine import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -312,14 +314,7 @@ class VLLMServerEngine(RolloutEngine):
                     server.in_flight -= 1
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        if params.stop_token_ids is not None:
-            return list(params.stop_token_ids)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(unwrap_model(self.model).config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        return stop_token_ids(params, self.tokenizer, getattr(unwrap_model(self.model), "config", None))
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -98,3 +98,16 @@ def test_rollout_engine_is_abstract_and_sleep_defaults_to_no_op():
     assert engine.sleep() is None and engine.wake_up() is None
     out = engine.generate([[4, 5], [6]], SamplingParams(n=2))
     assert [[c.token_ids for c in g] for g in out] == [[[4], [4]], [[6], [6]]]
+
+
+def test_stop_tokens_come_from_the_request_then_the_tokenizer_then_the_model_config():
+    from types import SimpleNamespace
+
+    from rltk.rollout.base import stop_token_ids
+
+    tokenizer, config = SimpleNamespace(eos_token_id=2), SimpleNamespace(eos_token_id=[7, 9])
+    assert stop_token_ids(SamplingParams(stop_token_ids=[5]), tokenizer, config) == [5]
+    assert stop_token_ids(SamplingParams(stop_token_ids=[]), tokenizer, config) == []  # asked for none
+    assert stop_token_ids(SamplingParams(), tokenizer, config) == [2]
+    assert stop_token_ids(SamplingParams(), None, config) == [7, 9]
+    assert stop_token_ids(SamplingParams(), None, None) == []
