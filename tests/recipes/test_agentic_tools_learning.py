@@ -37,7 +37,8 @@ def test_grpo_through_the_openai_endpoint_raises_the_tool_agents_sampled_accurac
                  "logging.plot=false", "checkpoint.every=0"]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     probes = [m for m in metrics if "sft/train_accuracy" in m]
-    assert probes[-1]["sft/train_accuracy"] >= 0.4 and probes[-1]["sft/probe_truncated_fraction"] == 0
+    assert probes[-1]["sft/train_accuracy"] >= 0.4, probes[-1]
+    assert probes[-1]["sft/probe_truncated_fraction"] == 0, probes[-1]
     steps = [m for m in metrics if "reward" in m]
     assert len(steps) == RL_STEPS
     for step in steps:  # the agent's tools reached the warm-up's prompt, and it calls them

@@ -62,7 +62,7 @@ def test_grpo_learns_on_the_embedded_default(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"]["eval/accuracy"] == pytest.approx(evals[-1])
     assert (run_dir / "curves.png").stat().st_size > 1000
-    assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # keep_last
+    assert len(list((run_dir / "checkpoints").glob("step_*"))) == 3  # keep_last=2, and the warm-up's end
 
     # The last checkpoint exports as a plain HF folder that reproduces the trained policy.
     from transformers import AutoModelForCausalLM
@@ -167,4 +167,5 @@ def test_grpo_recipe_under_torchrun_with_two_processes(tmp_path):
     assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
     assert [m["step"] for m in metrics if "sft/sft_loss" in m] == list(range(1, 11))
     assert out.stdout.count("rltk: final held-out") == 1
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000012", "step_000014"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        "step_000010", "step_000012", "step_000014"]  # keep_last=2 and the warm-up's end

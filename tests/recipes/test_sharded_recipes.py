@@ -101,7 +101,9 @@ def test_grpo_zero3_one_process_matches_the_default_strategy_and_resumes_after_a
     assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
     assert [m["step"] for m in metrics if "kl" in m] == [11, 12, 13, 14]
     assert max(m["kl"] for m in metrics if "kl" in m) > 0  # the reference is a separate, frozen copy
-    assert sorted(p.name for p in (straight / "checkpoints").glob("step_*")) == ["step_000012", "step_000014"]
+    # keep_last=2, and step_000010 ends the warm-up (a stage end outlives keep_last)
+    assert sorted(p.name for p in (straight / "checkpoints").glob("step_*")) == [
+        "step_000010", "step_000012", "step_000014"]
     assert json.loads((straight / "summary.json").read_text())["final"]["eval/num_responses"] == 20
 
     default = tmp_path / "default"
@@ -136,7 +138,8 @@ def test_grpo_zero3_under_torchrun_with_two_processes_matches_ddp(tmp_path, ddp_
     assert [m["step"] for m in metrics if "reward" in m] == [11, 12, 13, 14]
     assert [m["step"] for m in metrics if "sft/sft_loss" in m] == list(range(1, 11))
     assert out.stdout.count("rltk: final held-out") == 1
-    assert sorted(p.name for p in (zero3 / "checkpoints").glob("step_*")) == ["step_000012", "step_000014"]
+    assert sorted(p.name for p in (zero3 / "checkpoints").glob("step_*")) == [
+        "step_000010", "step_000012", "step_000014"]  # keep_last=2 and the warm-up's end
     meta = json.loads((zero3 / "checkpoints" / "step_000014" / "strategy.json").read_text())
     assert meta["zero_stage"] == 3 and meta["world_size"] == 2
     assert_same_metrics(metrics, ddp_two_process_metrics, rel=1e-4)

@@ -34,7 +34,9 @@ def test_warmup_stops_at_the_first_probe_that_reaches_the_target(tmp_path):
     # The RL stage keeps the global step numbers of a warm-up that ran to its cap (40).
     assert [m["step"] for m in metrics if "reward" in m] == [41, 42, 43]
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    assert checkpoints == ["step_000042", "step_000043"]  # keep_last=2; the warm-up saved step_000005 on stopping
+    # keep_last=2 keeps the two newest, and the warm-up's last checkpoint (step_000005, saved on stopping)
+    # stays too: a stage's end outlives keep_last, so a later run can start from it (checkpoint.start_from)
+    assert checkpoints == ["step_000005", "step_000042", "step_000043"]
 
 
 @pytest.mark.slow
