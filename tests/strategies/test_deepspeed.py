@@ -397,17 +397,21 @@ def test_zero3_really_partitions_the_parameters(runs):
 def test_zero_matches_plain_adamw_on_the_global_batch(runs, reference, phase):
     """Two processes (each its half) or one process, all equal one plain AdamW over the global batch.
 
-    Tolerance 1e-6: ZeRO sums and updates flattened fp32 buffers in another order
-    than per-tensor torch ops (measured differences ~2.5e-7). Adam and clipping
-    ignore a constant gradient factor, so the pre-clipping gradient norm is what
-    catches a wrong world_size scaling in backward().
+    ZeRO sums and updates flattened fp32 buffers in another order than per-tensor
+    torch ops. Grad norms and losses agree to 1e-6; the weights, after Adam has
+    divided each element's gradient by its own running scale, differed by ~2.5e-7
+    at AVX-512 and by 1.07e-6 under ATEN_CPU_CAPABILITY=avx2 (zero3, and the
+    checkpoint test below), so they are held to 1e-5, ~10x what rounding gave; a
+    wrong gradient shows first in the grad norms and losses, held to 1e-6. Adam and clipping ignore a constant gradient factor,
+    so the pre-clipping gradient norm is what catches a wrong world_size scaling in
+    backward().
     """
     _, results = runs
     run = results[phase]
     assert run["optimizer_steps"] == shared.TOTAL_STEPS and run["skipped_steps"] == 0
     assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-6)
     assert run["losses"] == pytest.approx(reference["losses"], abs=1e-6)
-    assert max_abs_diff(run["weights"], reference["weights"]) < 1e-6
+    assert max_abs_diff(run["weights"], reference["weights"]) < 1e-5
 
 
 @pytest.mark.distributed
@@ -470,7 +474,8 @@ def test_checkpoint_holds_deepspeed_shards_and_a_loadable_hf_folder(runs):
     at_checkpoint = results["zero3_crash_rank0_of2"]["weights"]
     assert max_abs_diff(model.state_dict(), at_checkpoint) == 0.0
     reference_at_checkpoint = reference_run(shared.global_batches(), stop_after=shared.CHECKPOINT_STEP)
-    assert max_abs_diff(at_checkpoint, reference_at_checkpoint["weights"]) < 1e-6
+    # another summation order than plain AdamW's: 1.07e-6 under AVX2 (see the test above)
+    assert max_abs_diff(at_checkpoint, reference_at_checkpoint["weights"]) < 1e-5
 
 
 @pytest.mark.distributed
