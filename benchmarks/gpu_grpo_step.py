@@ -90,6 +90,7 @@ class Variant:
         self.steps: list[dict] = []
 
     def step(self, batch: dict, micro_batch: int) -> dict:
+        from rltk.training.forward import ForwardSettings
         from rltk.training.rl import policy_update
 
         cuda = self.strategy.device.type == "cuda"
@@ -98,8 +99,9 @@ class Variant:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        metrics = policy_update(self.strategy, dict(batch), self.loss, kl_coef=0.0, mini_batches=1, ppo_epochs=1,
-                                micro_batch_size=micro_batch, temperature=1.0, impl=self.impl)
+        metrics, _ = policy_update(self.strategy, dict(batch), self.loss,
+                                   ForwardSettings(micro_batch_size=micro_batch, impl=self.impl), kl_coef=0.0,
+                                   mini_batches=1, ppo_epochs=1)
         if cuda:
             torch.cuda.synchronize()
         record = {"time_s": time.perf_counter() - start,

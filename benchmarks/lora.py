@@ -107,7 +107,7 @@ def run_child(case: str, args) -> dict:
     from rltk.models.activation_checkpointing import enable_activation_checkpointing
     from rltk.models.lora import apply_lora
     from rltk.training.reference import FrozenReference
-    from rltk.training.forward import old_logprobs_pass
+    from rltk.training.forward import ForwardSettings, old_logprobs_pass
     from rltk.training.rl import LossComponents, compute_advantages, policy_update
     from rltk.training.setup import args_of, build_strategy
 
@@ -142,21 +142,22 @@ def run_child(case: str, args) -> dict:
     reference = FrozenReference.for_stage(strategy, cfg.algorithm.kl_coef)  # the recipes' reference
     loss = LossComponents.from_config(cfg)
     advantage_fn = rltk.get_component("advantage_fn", cfg.algorithm.advantage_fn)
-    common = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                  pack_sequences=t.pack_sequences, temperature=1.0, impl=cfg.model.logprob_impl,
-                  chunk_size=cfg.model.logprob_chunk_size)
+    settings = ForwardSettings(micro_batch_size=t.micro_batch_size,
+                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                               pack_sequences=t.pack_sequences, temperature=1.0, impl=cfg.model.logprob_impl,
+                               chunk_size=cfg.model.logprob_chunk_size)
     generator = torch.Generator().manual_seed(args.seed)
     times, cpu_times, step_peaks = [], [], []
     for _ in range(args.steps):
         batch = dict(batch0)
         wall, cpu = time.perf_counter(), time.process_time()
         # the recipe's update step (recipes/grpo.py): old and reference log-probs, advantages, update
-        batch["old_logprobs"], _ = old_logprobs_pass(policy, batch, use_rollout_logprobs=False, strategy=strategy,
-                                                     **common)
-        batch["ref_logprobs"] = reference.logprobs(batch, **common)
+        batch["old_logprobs"], _ = old_logprobs_pass(policy, batch, settings, use_rollout_logprobs=False,
+                                                     strategy=strategy)
+        batch["ref_logprobs"] = reference.logprobs(batch, settings)
         compute_advantages(advantage_fn, batch, args_of(cfg, "algorithm.advantage_fn"), strategy)
-        metrics = policy_update(strategy, batch, loss, kl_coef=cfg.algorithm.kl_coef, mini_batches=t.mini_batches,
-                                ppo_epochs=t.ppo_epochs, generator=generator, **common)
+        metrics, _ = policy_update(strategy, batch, loss, settings, kl_coef=cfg.algorithm.kl_coef,
+                                   mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs, generator=generator)
         times.append(time.perf_counter() - wall)
         cpu_times.append(time.process_time() - cpu)
         step_peaks.append((memory_kib()["VmHWM"] - base) / 1024)

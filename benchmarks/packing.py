@@ -105,6 +105,7 @@ def main() -> None:
 
     import rltk
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
+    from rltk.training.forward import ForwardSettings
     from rltk.training.rl import LossComponents, policy_update
 
     torch.set_num_threads(args.threads)
@@ -129,8 +130,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, micro in cases.items():
             wall, cpu = time.perf_counter(), time.process_time()
-            policy_update(strategy, batch, loss, kl_coef=0.0, mini_batches=1, ppo_epochs=1, temperature=1.0,
-                          generator=torch.Generator().manual_seed(0), **micro)
+            policy_update(strategy, batch, loss, ForwardSettings(**micro), kl_coef=0.0, mini_batches=1, ppo_epochs=1,
+                          generator=torch.Generator().manual_seed(0))
             times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
             grads.setdefault(name, strategy.kept)
             print(f"round {round_} {name:12s} wall {times[name][-1][0]:6.1f} s  cpu {times[name][-1][1]:6.1f} s",

@@ -72,7 +72,7 @@ def run_rl_stage(stage: Stage) -> None:
     # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
     # from the stage's checkpoint when it resumes.
     loop = start_rl_stage(stage, strategy)
-    reference, fwd = loop.reference, parts.forward.kwargs()
+    reference, fwd = loop.reference, parts.forward
     if loop.step == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 
@@ -90,13 +90,13 @@ def run_rl_stage(stage: Stage) -> None:
         # an on-policy update (one epoch, one mini-batch) takes the old ones from its own forward instead
         if not parts.on_policy:
             batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
-                strategy.unwrap(), batch, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
-                with_sum_pi_squared=parts.estimator.names("sum_pi_squared"), **fwd)
+                strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
+                with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
             if sum_pi_squared is not None:
                 batch["sum_pi_squared"] = sum_pi_squared
         kl = None
         if reference is not None:
-            batch["ref_logprobs"] = reference.logprobs(batch, **fwd)
+            batch["ref_logprobs"] = reference.logprobs(batch, fwd)
             if a.kl_in == "reward":  # fold the penalty into the per-token rewards before advantages
                 kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
                 batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, loop.kl_ctl.value,
@@ -105,10 +105,11 @@ def run_rl_stage(stage: Stage) -> None:
         # advantages from the fields the estimator names
         batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
 
-        # update: ppo_epochs x mini-batches, one optimizer step each (on-policy, it fills old_logprobs)
-        update_metrics = policy_update(strategy, batch, parts.loss, kl_coef=loop.kl_ctl.value,
-                                       mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-                                       generator=loop.generator, **fwd)
+        # update: ppo_epochs x mini-batches, one optimizer step each (on-policy, the old log-probs are
+        # its own forward's, and it hands them back)
+        update_metrics, batch["old_logprobs"] = policy_update(strategy, batch, parts.loss, fwd,
+                                                              kl_coef=loop.kl_ctl.value, mini_batches=t.mini_batches,
+                                                              ppo_epochs=t.ppo_epochs, generator=loop.generator)
         workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
         kl_metrics = {}
         if reference is not None:  # KL(pi_old || pi_ref) of the sampled tokens, the update's starting point

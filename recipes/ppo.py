@@ -85,7 +85,7 @@ def run_ppo_stage(stage: Stage) -> None:
     # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
     # (policy and critic) from the stage's checkpoint when it resumes.
     loop = start_rl_stage(stage, strategy, checkpointed=strategies)
-    reference, fwd = loop.reference, parts.forward.kwargs()
+    reference, fwd = loop.reference, parts.forward
     if loop.step == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 
@@ -102,16 +102,15 @@ def run_ppo_stage(stage: Stage) -> None:
         # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it),
         # and the critic's values
         batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
-            strategy.unwrap(), batch, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
-            with_sum_pi_squared=parts.estimator.names("sum_pi_squared"), **fwd)
+            strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
+            with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
         if sum_pi_squared is not None:
             batch["sum_pi_squared"] = sum_pi_squared
-        batch["values"] = batched_values(critic_strategy.unwrap(), batch, strategy=critic_strategy,
-                                         **parts.forward.batching)
+        batch["values"] = batched_values(critic_strategy.unwrap(), batch, fwd, strategy=critic_strategy)
         mask = batch["response_mask"]
         kl_metrics = {}
         if reference is not None:
-            batch["ref_logprobs"] = reference.logprobs(batch, **fwd)
+            batch["ref_logprobs"] = reference.logprobs(batch, fwd)
             kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
             kl_metrics["kl"] = global_masked_mean(kl, mask, strategy)
             if a.kl_in == "reward":  # PPO's form: a per-token penalty, before advantages
@@ -121,15 +120,15 @@ def run_ppo_stage(stage: Stage) -> None:
         batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
 
         # update: the critic every step; the policy once the critic has warmed up
-        update_metrics = critic_update(critic_strategy, batch, loss_agg=parts.loss.loss_agg,
+        update_metrics = critic_update(critic_strategy, batch, fwd, loss_agg=parts.loss.loss_agg,
                                        loss_agg_args=parts.loss.loss_agg_args, clip_range=c.value_clip,
                                        mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-                                       generator=loop.generator, **parts.forward.batching)
+                                       generator=loop.generator)
         policy_updated = step > c.warmup_steps
         if policy_updated:
-            update_metrics.update(policy_update(strategy, batch, parts.loss, kl_coef=loop.kl_ctl.value,
+            update_metrics.update(policy_update(strategy, batch, parts.loss, fwd, kl_coef=loop.kl_ctl.value,
                                                 mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-                                                generator=loop.generator, **fwd))
+                                                generator=loop.generator).metrics)
             workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
             if reference is not None:
                 loop.kl_ctl.update(kl_metrics["kl"], rows_in(batch, strategy))

@@ -6,18 +6,17 @@ The old-policy pass, the reference pass and the update's training forward must
 run the same way (same micro-batching, temperature, kernel, prompt sharing):
 at equal weights their log-probs then match bitwise, and the KL gradient at a
 stage's first step is exactly 0 on every strategy. :class:`ForwardSettings` is
-built once per stage from the config and handed to each pass.
+built once per stage from the config and handed to each pass as one object.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 
-from rltk.training.micro_batches import micro_batches, run_logprobs
+from rltk.training.micro_batches import micro_batches, run_logprobs, run_values
 
 
 @dataclass(frozen=True)
@@ -56,35 +55,40 @@ class ForwardSettings:
                    max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
                    share_prompts=prompt_sharing_applies(strategy.model))
 
-    def kwargs(self) -> dict:
-        """The settings as the keyword arguments of the passes (:func:`batched_logprobs`,
-        :func:`rltk.training.rl.policy_update`)."""
-        return dataclasses.asdict(self)
-
     @property
-    def batching(self) -> dict:
-        """Only how rows are cut into micro-batches: the keywords of a pass that takes no log-probs
-        (the critic's :func:`rltk.training.ppo.batched_values` and :func:`rltk.training.ppo.critic_update`)."""
-        return {"micro_batch_size": self.micro_batch_size,
-                "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch,
-                "pack_sequences": self.pack_sequences}
+    def trim(self) -> bool:
+        """Whether each micro-batch drops its all-padding columns first (a token budget groups rows by length)."""
+        return self.max_tokens_per_micro_batch is not None
+
+    def micro_batches(self, strategy, batch: dict[str, torch.Tensor], *,
+                      fallback: dict[str, torch.Tensor] | None = None):
+        """The micro-batches of ``batch`` these settings cut (see :func:`rltk.training.micro_batches.micro_batches`)."""
+        return micro_batches(strategy, batch, micro_batch_size=self.micro_batch_size,
+                             max_tokens=self.max_tokens_per_micro_batch, packed=self.pack_sequences, fallback=fallback)
+
+    def logprobs(self, model: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int, *,
+                 with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+        """One micro-batch's response log-probs (see :func:`rltk.training.micro_batches.run_logprobs`), run
+        these settings' way; with gradients unless the caller turned them off."""
+        return run_logprobs(model, data, response_width, trim=self.trim, pack=self.pack_sequences,
+                            temperature=self.temperature, impl=self.impl, chunk_size=self.chunk_size,
+                            share_prompts=self.share_prompts, with_entropy=with_entropy,
+                            with_sum_pi_squared=with_sum_pi_squared)
+
+    def values(self, critic: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
+        """One micro-batch's critic values (see :func:`rltk.training.micro_batches.run_values`), cut the same way."""
+        return run_values(critic, data, response_width, trim=self.trim, pack=self.pack_sequences)
 
 
 @torch.no_grad()
 def batched_logprobs(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
+    settings: ForwardSettings,
     *,
-    micro_batch_size: int,
-    temperature: float,
-    impl: str = "auto",
-    chunk_size: int | None = None,
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     strategy=None,
-    max_tokens_per_micro_batch: int | None = None,
-    pack_sequences: bool = False,
-    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
 
@@ -93,13 +97,10 @@ def batched_logprobs(
     as the rank with the most micro-batches, repeating its first micro-batch
     and discarding the result.
 
-    ``max_tokens_per_micro_batch`` forms micro-batches by a token budget and
-    ``pack_sequences`` packs each into one row (:mod:`rltk.training.micro_batches`);
-    the rows come back in the batch's order either way.
-
-    ``share_prompts`` (see :func:`rltk.models.logprobs.response_logprobs`): pass
-    ``prompt_sharing_applies(strategy.model)`` so that this pass runs the way
-    the policy's training forward does, whichever module ``model`` is.
+    ``settings`` (:class:`ForwardSettings`): micro-batching (a token budget and
+    packed rows reorder micro-batches, the rows come back in the batch's order
+    either way), temperature, kernel and prompt sharing, as the policy's
+    training forward runs them, whichever module ``model`` is.
 
     Shape: returns ``(logprobs, entropy or None)``, ``[B, T]`` tensors on the
     batch's device, and ``sum_pi_squared`` ``[B, T]`` third when
@@ -110,13 +111,8 @@ def batched_logprobs(
     B, T = batch["response_mask"].shape
     # logprobs, entropy, sum_pi_squared; a token-budget plan reorders rows, so each lands at its index
     outputs: list[torch.Tensor | None] = [None, None, None]
-    for mb in micro_batches(strategy, batch, micro_batch_size=micro_batch_size,
-                            max_tokens=max_tokens_per_micro_batch, packed=pack_sequences):
-        parts = run_logprobs(
-            model, mb.data, T, trim=max_tokens_per_micro_batch is not None, pack=pack_sequences,
-            temperature=temperature, impl=impl, with_entropy=with_entropy, chunk_size=chunk_size,
-            with_sum_pi_squared=with_sum_pi_squared, share_prompts=share_prompts,
-        )
+    for mb in settings.micro_batches(strategy, batch):
+        parts = settings.logprobs(model, mb.data, T, with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared)
         if mb.padding:
             continue
         for i, part in enumerate(parts):
@@ -132,27 +128,21 @@ def batched_logprobs(
     return logprobs, entropy
 
 
-def old_logprobs_pass(policy: torch.nn.Module, batch: dict[str, torch.Tensor], *, use_rollout_logprobs: bool,
-                      with_sum_pi_squared: bool = False, micro_batch_size: int, temperature: float,
-                      impl: str = "auto", chunk_size: int | None = None, strategy=None,
-                      max_tokens_per_micro_batch: int | None = None, pack_sequences: bool = False,
-                      share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def old_logprobs_pass(policy: torch.nn.Module, batch: dict[str, torch.Tensor], settings: ForwardSettings, *,
+                      use_rollout_logprobs: bool, with_sum_pi_squared: bool = False,
+                      strategy=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(old_logprobs, sum_pi_squared)``: the behaviour policy's log-probs of the sampled tokens, and
     (``with_sum_pi_squared``, for an estimator that names it) ``sum_v pi_old(v)^2`` per token, else None.
 
     ``use_rollout_logprobs`` (``algorithm.use_rollout_logprobs``) takes the rollout engine's
     log-probs instead of a forward pass of ``policy``. The engine reports no distribution, so
     ``sum_pi_squared`` then still comes from one pass of ``policy``: the trainer's copy of the
-    weights that sampled the batch. The other keywords: see :func:`batched_logprobs`
-    (:class:`rltk.training.forward.ForwardSettings` holds them).
+    weights that sampled the batch. ``settings`` and ``strategy``: see :func:`batched_logprobs`.
 
     Shape: ``[B, T]`` each. Nothing is written into ``batch``.
     """
     if use_rollout_logprobs and not with_sum_pi_squared:
         return batch["rollout_logprobs"], None
-    outputs = batched_logprobs(policy, batch, micro_batch_size=micro_batch_size, temperature=temperature,
-                               impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
-                               strategy=strategy, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                               pack_sequences=pack_sequences, share_prompts=share_prompts)
+    outputs = batched_logprobs(policy, batch, settings, with_sum_pi_squared=with_sum_pi_squared, strategy=strategy)
     old = batch["rollout_logprobs"] if use_rollout_logprobs else outputs[0]
     return old, outputs[2] if with_sum_pi_squared else None

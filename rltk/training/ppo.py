@@ -34,7 +34,7 @@ from rltk.batch import slice_batch
 # The critic section is checked by config validation (a lower layer); re-exported for recipes.
 from rltk.config.validation import check_critic_config
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model
-from rltk.training.micro_batches import micro_batches, run_values
+from rltk.training.forward import ForwardSettings
 from rltk.training.rl import check_mini_batches
 
 __all__ = [
@@ -54,17 +54,16 @@ CRITIC_SUBDIR = "critic"
 
 
 @torch.no_grad()
-def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
-                   strategy=None, max_tokens_per_micro_batch: int | None = None,
-                   pack_sequences: bool = False) -> torch.Tensor:
+def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], settings: ForwardSettings, *,
+                   strategy=None) -> torch.Tensor:
     """The critic's value of the state before each response token, for a whole batch, without gradients.
 
     Runs in eval mode (no dropout: these are the ``old_values`` the clipped
     value loss compares against, and GAE's baseline) and restores the mode.
     Values on response padding are 0 (see :func:`rltk.models.critic.response_values`).
     Pass the ``strategy`` that shards ``critic`` to keep ranks' forwards in
-    lockstep (see :func:`rltk.training.forward.batched_logprobs`). ``max_tokens_per_micro_batch`` and
-    ``pack_sequences``: token-budget micro-batches and packed rows (:mod:`rltk.training.micro_batches`).
+    lockstep (see :func:`rltk.training.forward.batched_logprobs`). ``settings``: how rows are cut into
+    micro-batches (rows or a token budget, packed or not; :mod:`rltk.training.micro_batches`).
 
     Shape: batch tensors (B, P + T) -> (B, T) fp32 on the batch's device.
     """
@@ -74,10 +73,9 @@ def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], *, m
     device = next(critic.parameters()).device
     out = torch.zeros(B, T, dtype=torch.float32, device=batch["input_ids"].device)
     try:
-        for mb in micro_batches(strategy, batch, micro_batch_size=micro_batch_size,
-                                max_tokens=max_tokens_per_micro_batch, packed=pack_sequences):
+        for mb in settings.micro_batches(strategy, batch):
             data = {k: mb.data[k].to(device) for k in ("input_ids", "attention_mask")}
-            values = run_values(critic, data, T, trim=max_tokens_per_micro_batch is not None, pack=pack_sequences)
+            values = settings.values(critic, data, T)
             if not mb.padding:
                 out[mb.rows.to(out.device)] = values.float().to(out.device)  # a token-budget plan reorders rows
     finally:
@@ -114,16 +112,14 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 def critic_update(
     strategy,
     batch: dict[str, torch.Tensor],
+    settings: ForwardSettings,
     *,
     loss_agg: Callable,
     clip_range: float | None,
     mini_batches: int,
     ppo_epochs: int,
-    micro_batch_size: int,
     generator: torch.Generator | None = None,
     loss_agg_args: dict[str, Any] | None = None,
-    max_tokens_per_micro_batch: int | None = None,
-    pack_sequences: bool = False,
 ) -> dict[str, float]:
     """PPO epochs over mini-batches of the clipped value loss; one critic optimizer step per mini-batch.
 
@@ -148,11 +144,9 @@ def critic_update(
         clip_range: value clip ``c`` in reward units, or ``None``.
         mini_batches: optimizer steps per epoch; must divide ``B``.
         ppo_epochs: passes over the batch.
-        micro_batch_size: sequences per forward/backward.
+        settings: how rows are cut into micro-batches (rows, or a token budget,
+            packed or not: :mod:`rltk.training.micro_batches`). Same loss and gradient.
         generator: shuffles the sequences into mini-batches each epoch.
-        max_tokens_per_micro_batch: micro-batches by a token budget instead of
-            ``micro_batch_size`` rows; ``pack_sequences``: each packed into one
-            row (:mod:`rltk.training.micro_batches`). Same loss and gradient.
 
     Returns:
         ``critic/vf_loss`` (mini-batch loss, averaged over optimizer steps),
@@ -187,16 +181,14 @@ def critic_update(
             agg = functools.partial(loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **loss_agg_args)
             step = {"critic/vf_loss": 0.0, "critic/vf_clip_frac": 0.0, "critic/values_mean": 0.0}
             # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
-            for micro in micro_batches(strategy, mini, micro_batch_size=micro_batch_size,
-                                       max_tokens=max_tokens_per_micro_batch, packed=pack_sequences, fallback=batch):
+            for micro in settings.micro_batches(strategy, mini, fallback=batch):
                 is_last, padding = micro.is_last, micro.padding
                 mb = {k: v.to(strategy.device) for k, v in micro.data.items()}
                 # token-weighted so per-micro means add up to the mini-batch mean
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
                 with strategy.accumulate(is_last):
                     with strategy.autocast():
-                        values = run_values(strategy.model, mb, T, trim=max_tokens_per_micro_batch is not None,
-                                            pack=pack_sequences)
+                        values = settings.values(strategy.model, mb, T)
                         loss, metrics = clipped_value_loss(
                             values=values, old_values=mb["values"], returns=mb["returns"],
                             response_mask=mb["response_mask"], loss_agg=agg, clip_range=clip_range,

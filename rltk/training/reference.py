@@ -17,7 +17,7 @@ import torch
 
 from rltk.models.lora import adapters_disabled, is_lora_model
 from rltk.training.resume import load_weights, save_weights_atomically
-from rltk.training.forward import batched_logprobs
+from rltk.training.forward import ForwardSettings, batched_logprobs
 
 
 class FrozenReference:
@@ -48,18 +48,18 @@ class FrozenReference:
         """True under LoRA: the reference is the policy module with its adapters off."""
         return self.copy is None
 
-    def logprobs(self, batch: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
-        """Reference log-probs ``[B, T]`` of the batch's responses (kwargs as :func:`batched_logprobs`).
+    def logprobs(self, batch: dict[str, torch.Tensor], settings: ForwardSettings) -> torch.Tensor:
+        """Reference log-probs ``[B, T]`` of the batch's responses, run as ``settings`` say (:func:`batched_logprobs`).
 
         Under LoRA the strategy's module runs with adapters off; a strategy that
         shards parameters makes that forward collective, so every rank runs it
         in lockstep (the strategy is passed on for that).
         """
         if self.copy is not None:
-            return batched_logprobs(self.copy, batch, **kwargs)[0]
+            return batched_logprobs(self.copy, batch, settings)[0]
         policy = self.strategy.unwrap()
         with adapters_disabled(policy):
-            return batched_logprobs(policy, batch, strategy=self.strategy, **kwargs)[0]
+            return batched_logprobs(policy, batch, settings, strategy=self.strategy)[0]
 
     def save(self, path: str | Path) -> None:
         """Keep the copy's weights at ``path`` (a safetensors file); nothing to keep under LoRA."""

@@ -12,14 +12,14 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
 from rltk.algorithms.mismatch import correction_active
 from rltk.batch import ROW_SUMS, refresh_row_sums, slice_batch
-from rltk.training.micro_batches import micro_batches, run_logprobs
+from rltk.training.forward import ForwardSettings
 from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction, weighted_loss_agg
 
 
@@ -39,6 +39,15 @@ class LossComponents:
     # log the mismatch metrics with every mode off
     rollout_correction: dict = field(default_factory=dict)
     log_mismatch_metrics: bool = False
+
+    @property
+    def kl_takes_old(self) -> bool:
+        """Whether the KL estimator names ``old_logprobs`` (its signature read once per estimator).
+
+        k3_unbiased weights each token by pi / pi_old; without ``old_logprobs`` it assumes the batch was
+        sampled by the current policy, wrong after the first mini-batch step.
+        """
+        return self.kl_penalty is not None and _names_old_logprobs(self.kl_penalty)
 
     @classmethod
     def from_config(cls, cfg) -> "LossComponents":
@@ -63,6 +72,11 @@ class LossComponents:
             log_mismatch_metrics=bool(correction.pop("log_metrics")),
             rollout_correction=correction,
         )
+
+
+@functools.cache
+def _names_old_logprobs(kl_penalty: Callable) -> bool:
+    return "old_logprobs" in inspect.signature(kl_penalty).parameters
 
 
 def loss_agg_args(loss_agg: Callable, args: dict, max_new_tokens: int) -> dict:
@@ -346,23 +360,25 @@ def _mean_metrics(acc: dict[str, float], new: dict[str, Any], weight: float) -> 
         acc[k] = acc.get(k, 0.0) + v * weight
 
 
+class PolicyUpdate(NamedTuple):
+    """What :func:`policy_update` returns: its metrics, and the old log-probs it trained against."""
+
+    metrics: dict[str, float]
+    #: ``[B, T]``: the batch's own ``old_logprobs``, or on-policy the update's training-forward ones (detached)
+    old_logprobs: torch.Tensor
+
+
 def policy_update(
     strategy,
     batch: dict[str, torch.Tensor],
     loss: LossComponents,
+    settings: ForwardSettings,
     *,
     kl_coef: float,
     mini_batches: int,
     ppo_epochs: int,
-    micro_batch_size: int,
-    temperature: float,
-    impl: str = "auto",
-    chunk_size: int | None = None,
     generator: torch.Generator | None = None,
-    max_tokens_per_micro_batch: int | None = None,
-    pack_sequences: bool = False,
-    share_prompts: bool = True,
-) -> dict[str, float]:
+) -> PolicyUpdate:
     """PPO-style epochs over mini-batches of a rollout batch; one optimizer step per mini-batch.
 
     Each micro-batch's loss is aggregated with the mini-batch's *global* token
@@ -378,21 +394,16 @@ def policy_update(
     rollout engine's, and dropped tokens leave the response mask (and every
     normaliser) first: see :mod:`rltk.training.rollout_correction`.
 
-    ``max_tokens_per_micro_batch`` (``trainer.max_tokens_per_micro_batch``)
-    forms micro-batches by a token budget instead of ``micro_batch_size`` rows,
-    and ``pack_sequences`` runs each packed into one row; the global
-    normalisers keep the loss and gradient those of the whole mini-batch
-    (:mod:`rltk.training.micro_batches`). ``share_prompts``: see
-    :func:`rltk.models.logprobs.response_logprobs` (it applies only where
-    ``strategy.model`` is a plain module).
+    ``settings`` (:class:`rltk.training.forward.ForwardSettings`) cut the
+    micro-batches (rows, or a token budget, packed or not; the global
+    normalisers keep the loss and gradient those of the whole mini-batch) and
+    run the forward as the no-gradient passes before it ran theirs.
 
     A ``batch`` without ``old_logprobs`` is trained on-policy (see
     :func:`old_logprobs_from_update`): each micro-batch takes its own
-    training-forward log-probs, detached, as the old ones, and ``batch``
-    receives them as ``old_logprobs`` ``[B, T]`` afterwards (for the KL metric
-    and logging). That needs ``ppo_epochs == mini_batches == 1``. It is the one
-    write into the batch a pass still makes: the metrics go through
-    ``torch.save`` with ``weights_only`` loads, which take plain dicts only.
+    training-forward log-probs, detached, as the old ones, and they come back
+    as :attr:`PolicyUpdate.old_logprobs` (for the KL metric). That needs
+    ``ppo_epochs == mini_batches == 1``. Nothing is written into ``batch``.
     """
     on_policy = "old_logprobs" not in batch
     if on_policy and (ppo_epochs != 1 or mini_batches != 1):
@@ -401,7 +412,7 @@ def policy_update(
             f"trainer.mini_batches=1 (got {ppo_epochs} and {mini_batches}): fill old_logprobs first "
             f"(rltk.training.forward.old_logprobs_pass)"
         )
-    given = batch
+    given_old = batch.get("old_logprobs")
     # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs
     batch, correction_metrics = apply_rollout_correction(
         batch, loss.rollout_correction, log_metrics=loss.log_mismatch_metrics, strategy=strategy)
@@ -410,9 +421,6 @@ def policy_update(
     check_mini_batches(strategy, B, mini_batches)
     metrics: dict[str, float] = {}
     n_updates = 0
-    # k3_unbiased weights each token by pi / pi_old; without old_logprobs it assumes the batch was
-    # sampled by the current policy, wrong after the first mini-batch step.
-    kl_takes_old = loss.kl_penalty is not None and "old_logprobs" in inspect.signature(loss.kl_penalty).parameters
     # on-policy: each real micro-batch's detached training-forward log-probs, with its rows' indices in
     # the mini-batch (a token budget groups rows by length, so micro-batches are not runs of `order`)
     taken: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -429,18 +437,13 @@ def policy_update(
             shares: dict[str, float] = {}
             # Every rank runs as many micro-batches as the busiest (sharded engines gather parameters
             # in each forward; DDP all-reduces in the last backward); padding ones have zero weight.
-            for micro in micro_batches(strategy, mini, micro_batch_size=micro_batch_size,
-                                       max_tokens=max_tokens_per_micro_batch, packed=pack_sequences, fallback=batch):
+            for micro in settings.micro_batches(strategy, mini, fallback=batch):
                 is_last, padding = micro.is_last, micro.padding
                 mb = {k: v.to(strategy.device) for k, v in micro.data.items()}
                 weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
                 with strategy.accumulate(is_last):
                     with strategy.autocast():
-                        logprobs, entropy = run_logprobs(
-                            strategy.model, mb, T, trim=max_tokens_per_micro_batch is not None,
-                            pack=pack_sequences, temperature=temperature, impl=impl, with_entropy=True,
-                            chunk_size=chunk_size, share_prompts=share_prompts,
-                        )
+                        logprobs, entropy = settings.logprobs(strategy.model, mb, T, with_entropy=True)
                         # on-policy, pi_old is the policy this forward evaluates (no step has run yet)
                         old_logprobs = logprobs.detach() if on_policy else mb["old_logprobs"]
                         if on_policy and not padding:
@@ -458,7 +461,7 @@ def policy_update(
                         mean_entropy = masked_mean(entropy.detach(), mask)
                         parts = {"pg_loss": pg_loss.detach(), "entropy": mean_entropy}
                         if kl_coef > 0 and loss.kl_in == "loss":
-                            kl_old = {"old_logprobs": old_logprobs} if kl_takes_old else {}
+                            kl_old = {"old_logprobs": old_logprobs} if loss.kl_takes_old else {}
                             kl = loss.kl_penalty(logprobs, mb["ref_logprobs"], **kl_old, **loss.kl_penalty_args)
                             kl_term = agg(kl, mb["response_mask"])
                             total = total + kl_coef * kl_term
@@ -482,8 +485,7 @@ def policy_update(
             _mean_metrics(metrics, {**shares, **step_info}, 1.0)
             n_updates += 1
     if on_policy:
-        old = torch.empty(B, T, dtype=torch.float32, device=given["response_mask"].device)
+        given_old = torch.empty(B, T, dtype=torch.float32, device=batch["response_mask"].device)
         for rows_in_mini, values in taken:  # a rank with no rows of its own ran padding passes only
-            old[order[rows_in_mini]] = values.to(old.device)  # one mini-batch: its row i is batch row order[i]
-        given["old_logprobs"] = old
-    return {**{k: v / n_updates for k, v in metrics.items()}, **correction_metrics}
+            given_old[order[rows_in_mini]] = values.to(given_old.device)  # one mini-batch: row i is order[i]
+    return PolicyUpdate({**{k: v / n_updates for k, v in metrics.items()}, **correction_metrics}, given_old)

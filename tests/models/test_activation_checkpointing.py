@@ -173,7 +173,7 @@ def grpo_update(lora: bool, checkpointing: bool):
     runs it: old and reference log-probs without gradients, then one optimizer step."""
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
     from rltk.training.reference import FrozenReference
-    from rltk.training.forward import batched_logprobs
+    from rltk.training.forward import ForwardSettings, batched_logprobs
     from rltk.training.rl import LossComponents, policy_update
 
     class Recording(AccelerateStrategy):
@@ -193,16 +193,16 @@ def grpo_update(lora: bool, checkpointing: bool):
     reference = FrozenReference.for_stage(strategy, kl_coef=0.1)
     assert reference.shares_policy == lora
     batch = grouped_batch()
-    common = dict(micro_batch_size=2, temperature=1.0, impl="torch", chunk_size=(4, 16))
-    batch["old_logprobs"], _ = batched_logprobs(model, batch, **common)
-    batch["ref_logprobs"] = reference.logprobs(batch, **common)
+    settings = ForwardSettings(micro_batch_size=2, temperature=1.0, impl="torch", chunk_size=(4, 16))
+    batch["old_logprobs"], _ = batched_logprobs(model, batch, settings)
+    batch["ref_logprobs"] = reference.logprobs(batch, settings)
     batch["advantages"] = (torch.linspace(-1.0, 1.0, 6)[:, None] * batch["response_mask"]).float()
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"),
                           kl_penalty=rltk.get_component("kl_penalty_fn", "k3"), entropy_coef=0.01)
     torch.manual_seed(11)  # the same dropout masks in both runs
-    metrics = policy_update(strategy, batch, loss, kl_coef=0.1, mini_batches=1, ppo_epochs=1,
-                            generator=torch.Generator().manual_seed(0), **common)
+    metrics, _ = policy_update(strategy, batch, loss, settings, kl_coef=0.1, mini_batches=1, ppo_epochs=1,
+                               generator=torch.Generator().manual_seed(0))
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return strategy.grads, weights, metrics, counter.recomputes, batch
 

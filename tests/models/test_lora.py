@@ -101,6 +101,7 @@ def test_lora_off_returns_the_model_itself():
 
 def test_reference_logprobs_equal_a_separately_loaded_base_model(tmp_path):
     from rltk.models.loading import load_model
+    from rltk.training.forward import ForwardSettings
     from rltk.training.reference import FrozenReference
 
     tokenizer, model = tiny(seed=3)
@@ -120,7 +121,7 @@ def test_reference_logprobs_equal_a_separately_loaded_base_model(tmp_path):
     response = torch.ones(4, 6, dtype=torch.long)
     response[1, 4:] = 0
     data = {"input_ids": ids, "attention_mask": mask, "response_mask": response}
-    ref = reference.logprobs(data, micro_batch_size=3, temperature=1.0)
+    ref = reference.logprobs(data, ForwardSettings(micro_batch_size=3))
     base = load_model(folder)  # loaded on its own: no peft anywhere
     expected = response_logprobs(base.eval(), ids, mask, 6)[0]
     assert ref.shape == (4, 6)
@@ -136,6 +137,7 @@ def test_reference_logprobs_equal_a_separately_loaded_base_model(tmp_path):
 
 
 def test_reference_without_lora_is_a_frozen_copy():
+    from rltk.training.forward import ForwardSettings
     from rltk.training.reference import FrozenReference
 
     _, model = tiny()

@@ -67,10 +67,10 @@ def calls(monkeypatch):
                                    "advantages": advantages.clone(), "returns": returns.clone()})
         return advantages, returns
 
-    def recording_update(strategy, batch, loss, **kwargs):
-        metrics = policy_update(strategy, batch, loss, **kwargs)
-        seen["updates"].append({"loss": loss, "kl_coef": kwargs["kl_coef"], "metrics": metrics})
-        return metrics
+    def recording_update(strategy, batch, loss, settings, **kwargs):
+        update = policy_update(strategy, batch, loss, settings, **kwargs)
+        seen["updates"].append({"loss": loss, "kl_coef": kwargs["kl_coef"], "metrics": update.metrics})
+        return update
 
     # The recipes import policy_update when they run, so they get the recording version.
     monkeypatch.setattr(rl.Estimator, "__call__", recording_advantages)

@@ -96,7 +96,7 @@ def run_steps(strategy, micro: dict | None = None) -> dict:
     """
     import rltk
     from rltk.batch import collate
-    from rltk.training.forward import old_logprobs_pass
+    from rltk.training.forward import ForwardSettings, old_logprobs_pass
     from rltk.training.rl import LossComponents, compute_advantages, needs_sum_pi_squared, policy_update
 
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
@@ -107,16 +107,16 @@ def run_steps(strategy, micro: dict | None = None) -> dict:
         adv_fn = rltk.get_component("advantage_fn", name)
         batch = collate(local_experiences(step, strategy.rank, strategy.world_size), pad_token_id=0,
                         reward_names=REWARD_NAMES if name == "gdpo" else None)
-        common = dict(micro_batch_size=MICRO_BATCH, temperature=1.0, **(micro or {}))
+        settings = ForwardSettings(micro_batch_size=MICRO_BATCH, temperature=1.0, **(micro or {}))
         batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
-            strategy.unwrap(), batch, use_rollout_logprobs=False, with_sum_pi_squared=needs_sum_pi_squared(adv_fn),
-            **common, strategy=strategy)
+            strategy.unwrap(), batch, settings, use_rollout_logprobs=False,
+            with_sum_pi_squared=needs_sum_pi_squared(adv_fn), strategy=strategy)
         if sum_pi_squared is not None:
             batch["sum_pi_squared"] = sum_pi_squared
         compute_advantages(adv_fn, batch, {}, strategy)
         advantages.append(batch["advantages"])
-        metrics.append(policy_update(strategy, batch, loss, kl_coef=0.0, mini_batches=1, ppo_epochs=PPO_EPOCHS,
-                                     generator=generator, **common))
+        metrics.append(policy_update(strategy, batch, loss, settings, kl_coef=0.0, mini_batches=1,
+                                     ppo_epochs=PPO_EPOCHS, generator=generator).metrics)
     return {"advantages": advantages, "metrics": metrics, "weights": strategy.full_state_dict()}
 
 

@@ -32,12 +32,12 @@ def perturbation(token_ids: torch.Tensor) -> torch.Tensor:
 def corrected_update(strategy) -> dict:
     import rltk
     from rltk.batch import collate
-    from rltk.training.forward import batched_logprobs
+    from rltk.training.forward import ForwardSettings, batched_logprobs
     from rltk.training.rl import LossComponents, compute_advantages, policy_update
 
     batch = collate(steps.local_experiences(0, strategy.rank, strategy.world_size), pad_token_id=0)
     T = batch["response_mask"].shape[1]
-    batch["old_logprobs"], _ = batched_logprobs(strategy.unwrap(), batch, micro_batch_size=2, temperature=1.0,
+    batch["old_logprobs"], _ = batched_logprobs(strategy.unwrap(), batch, ForwardSettings(micro_batch_size=2),
                                                 strategy=strategy)
     batch["rollout_logprobs"] = (batch["old_logprobs"] - perturbation(batch["input_ids"][:, -T:])) \
         * batch["response_mask"]
@@ -45,8 +45,8 @@ def corrected_update(strategy) -> dict:
     compute_advantages(rltk.get_component("advantage_fn", "grpo"), batch, {}, strategy)
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "seq-mean-token-mean"), rollout_correction=SETTINGS)
-    metrics = policy_update(strategy, batch, loss, kl_coef=0.0, mini_batches=1, ppo_epochs=2, micro_batch_size=2,
-                            temperature=1.0, generator=torch.Generator().manual_seed(0))
+    metrics, _ = policy_update(strategy, batch, loss, ForwardSettings(micro_batch_size=2), kl_coef=0.0,
+                               mini_batches=1, ppo_epochs=2, generator=torch.Generator().manual_seed(0))
     return {"metrics": metrics, "weights": strategy.full_state_dict()}
 
 

@@ -12,7 +12,7 @@ import rltk
 from rltk.batch import Experience, collate
 from rltk.training.micro_batches import micro_batch_count, micro_batches, plan_micro_batches
 from rltk.training.ppo import batched_values, critic_update
-from rltk.training.forward import batched_logprobs
+from rltk.training.forward import ForwardSettings, batched_logprobs
 from rltk.training.rl import LossComponents, policy_update
 
 
@@ -154,8 +154,8 @@ def test_policy_gradient_under_a_token_budget_equals_padded(loss_agg, mode):
                           kl_penalty=rltk.get_component("kl_penalty_fn", "k3"), entropy_coef=0.01)
 
     def update(strategy, **micro):
-        return policy_update(strategy, batch, loss, kl_coef=0.1, mini_batches=1, ppo_epochs=1, temperature=1.0,
-                             generator=torch.Generator().manual_seed(0), **micro)
+        return policy_update(strategy, batch, loss, ForwardSettings(**micro), kl_coef=0.1, mini_batches=1,
+                             ppo_epochs=1, generator=torch.Generator().manual_seed(0)).metrics
 
     padded_metrics, padded = _grads_after(update, micro_batch_size=3)
     metrics, grads = _grads_after(update, micro_batch_size=3, **mode)
@@ -178,8 +178,8 @@ def test_a_wrong_normaliser_would_fail_the_gradient_check():
               for agg in (token_mean, local_mean)]
 
     def update(strategy, loss, **micro):
-        return policy_update(strategy, batch, loss, kl_coef=0.0, mini_batches=1, ppo_epochs=1, temperature=1.0,
-                             generator=torch.Generator().manual_seed(0), **micro)
+        return policy_update(strategy, batch, loss, ForwardSettings(**micro), kl_coef=0.0, mini_batches=1,
+                             ppo_epochs=1, generator=torch.Generator().manual_seed(0)).metrics
 
     _, right = _grads_after(lambda s, **m: update(s, losses[0], **m), micro_batch_size=8)
     _, wrong = _grads_after(lambda s, **m: update(s, losses[1], **m), micro_batch_size=8,
@@ -194,13 +194,13 @@ def test_batched_logprobs_and_values_keep_the_row_order(mode):
 
     batch = _batch(seed=2)
     model = _model()
-    expected = batched_logprobs(model, batch, micro_batch_size=3, temperature=1.0, with_entropy=True)
-    got = batched_logprobs(model, batch, micro_batch_size=3, temperature=1.0, with_entropy=True, **mode)
+    expected = batched_logprobs(model, batch, ForwardSettings(micro_batch_size=3), with_entropy=True)
+    got = batched_logprobs(model, batch, ForwardSettings(micro_batch_size=3, **mode), with_entropy=True)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     critic = build_critic_from_policy(model, head_init_std=0.1)
-    torch.testing.assert_close(batched_values(critic, batch, micro_batch_size=3, **mode),
-                               batched_values(critic, batch, micro_batch_size=3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched_values(critic, batch, ForwardSettings(micro_batch_size=3, **mode)),
+                               batched_values(critic, batch, ForwardSettings(micro_batch_size=3)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES[:2], ids=["budget", "budget+pack"])
@@ -220,8 +220,8 @@ def test_critic_gradient_under_a_token_budget_equals_padded(mode):
         strategy = KeepGrads(cpu=True)
         strategy.setup(build_critic_from_policy(_model(), head_init_std=0.1), lr=1e-3, total_steps=4,
                        weight_decay=0.0, warmup_steps=0, lr_schedule="constant", grad_clip=None)
-        critic_update(strategy, batch, loss_agg=rltk.get_component("loss_agg", "token-mean"), clip_range=0.2,
-                      mini_batches=1, ppo_epochs=1, generator=torch.Generator().manual_seed(0), **micro)
+        critic_update(strategy, batch, ForwardSettings(**micro), loss_agg=rltk.get_component("loss_agg", "token-mean"),
+                      clip_range=0.2, mini_batches=1, ppo_epochs=1, generator=torch.Generator().manual_seed(0))
         grads.append(strategy.kept)
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)

@@ -13,7 +13,7 @@ import torch
 
 import rltk
 from rltk.batch import collate
-from rltk.training.forward import batched_logprobs
+from rltk.training.forward import ForwardSettings, batched_logprobs
 from rltk.training.rl import LossComponents, compute_advantages, old_logprobs_from_update, policy_update
 from tests.training.rl_step_helpers import one_process_strategy, worker
 
@@ -71,16 +71,19 @@ def test_taking_old_logprobs_from_the_training_forward_gives_the_recompute_path_
     recompute, reuse = one_process_strategy(), one_process_strategy()
     grads_recompute, grads_reuse = _record_gradients(recompute), _record_gradients(reuse)
     with_old, without_old = _batch(5), _batch(5)
-    with_old["old_logprobs"], _ = batched_logprobs(recompute.unwrap(), with_old, micro_batch_size=2, temperature=1.0)
+    with_old["old_logprobs"], _ = batched_logprobs(recompute.unwrap(), with_old, ForwardSettings(micro_batch_size=2))
     if kl_name:
         with_old["ref_logprobs"] = without_old["ref_logprobs"] = with_old["old_logprobs"] - 0.3
-    common = dict(kl_coef=kl_coef, mini_batches=1, ppo_epochs=1, micro_batch_size=2, temperature=1.0,
-                  **LAYOUTS[layout])
-    metrics_recompute = policy_update(recompute, with_old, loss, **common, generator=torch.Generator().manual_seed(3))
-    metrics_reuse = policy_update(reuse, without_old, loss, **common, generator=torch.Generator().manual_seed(3))
+    settings = ForwardSettings(micro_batch_size=2, **LAYOUTS[layout])
+    common = dict(kl_coef=kl_coef, mini_batches=1, ppo_epochs=1)
+    metrics_recompute, _ = policy_update(recompute, with_old, loss, settings, **common,
+                                         generator=torch.Generator().manual_seed(3))
+    metrics_reuse, taken_old = policy_update(reuse, without_old, loss, settings, **common,
+                                             generator=torch.Generator().manual_seed(3))
 
-    # the batch now carries the old log-probs, row for row those of the recompute (rows were shuffled)
-    torch.testing.assert_close(without_old["old_logprobs"], with_old["old_logprobs"], atol=1e-6, rtol=0)
+    # the update hands back the old log-probs, row for row those of the recompute (rows were shuffled)
+    assert "old_logprobs" not in without_old  # and writes nothing into the batch
+    torch.testing.assert_close(taken_old, with_old["old_logprobs"], atol=1e-6, rtol=0)
     assert set(metrics_reuse) == set(metrics_recompute)
     for name, value in metrics_recompute.items():
         assert metrics_reuse[name] == pytest.approx(value, abs=1e-6), name
@@ -99,8 +102,8 @@ def test_on_policy_the_ratio_is_one_so_nothing_is_clipped():
     batch = _batch(4)
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"))
-    metrics = policy_update(strategy, batch, loss, kl_coef=0.0, mini_batches=1, ppo_epochs=1, micro_batch_size=2,
-                            temperature=1.0)
+    metrics, _ = policy_update(strategy, batch, loss, ForwardSettings(micro_batch_size=2), kl_coef=0.0,
+                               mini_batches=1, ppo_epochs=1)
     mask = batch["response_mask"]
     expected = -float((batch["advantages"] * mask).sum() / mask.sum())
     assert metrics["pg_loss"] == pytest.approx(expected, abs=1e-6)
@@ -116,8 +119,8 @@ def test_a_batch_without_old_logprobs_is_refused_off_policy(ppo_epochs, mini_bat
                           loss_agg=rltk.get_component("loss_agg", "token-mean"))
     with pytest.raises(ValueError, match=rf"needs trainer.ppo_epochs=1 and trainer.mini_batches=1 "
                                          rf"\(got {ppo_epochs} and {mini_batches}\)"):
-        policy_update(strategy, _batch(4), loss, kl_coef=0.0, mini_batches=mini_batches, ppo_epochs=ppo_epochs,
-                      micro_batch_size=2, temperature=1.0)
+        policy_update(strategy, _batch(4), loss, ForwardSettings(micro_batch_size=2), kl_coef=0.0,
+                      mini_batches=mini_batches, ppo_epochs=ppo_epochs)
 
 
 def _decide(advantage="grpo", *, correction=None, log_metrics=False, kl_in="loss", **overrides):

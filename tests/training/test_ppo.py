@@ -19,6 +19,7 @@ from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.models.critic import build_critic_from_policy, response_values
 from rltk.strategies.accelerate_strategy import AccelerateStrategy
+from rltk.training.forward import ForwardSettings
 from rltk.training.ppo import (
     CRITIC_SUBDIR,
     PolicyAndCritic,
@@ -75,8 +76,8 @@ def value_loss(critic, batch) -> float:
 def test_first_value_loss_of_a_zero_head_is_half_the_mean_squared_return():
     strategy = critic_strategy()
     batch = rollout_batch(RETURNS)
-    metrics = critic_update(strategy, batch, loss_agg=token_mean, clip_range=0.2, mini_batches=1, ppo_epochs=1,
-                            micro_batch_size=2)
+    metrics = critic_update(strategy, batch, ForwardSettings(micro_batch_size=2), loss_agg=token_mean, clip_range=0.2,
+                            mini_batches=1, ppo_epochs=1)
     # V = V_old = 0 before the step, so clipping is inactive and the loss is 0.5 * mean(R^2) over the 16 tokens:
     # 0.5 * (3 + 0 + 1 + 0.25 + 0.0625 + 0 + 0 + 2 + 0) / 16
     assert metrics["critic/vf_loss"] == pytest.approx(0.5 * 6.3125 / 16, rel=1e-6)
@@ -92,9 +93,9 @@ def test_critic_update_fits_the_returns_of_a_fixed_batch():
     generator = torch.Generator().manual_seed(0)
     before = value_loss(strategy.unwrap(), batch)
     for _ in range(20):
-        batch["values"] = batched_values(strategy.unwrap(), batch, micro_batch_size=4)
-        metrics = critic_update(strategy, batch, loss_agg=token_mean, clip_range=0.2, mini_batches=2, ppo_epochs=2,
-                                micro_batch_size=2, generator=generator)
+        batch["values"] = batched_values(strategy.unwrap(), batch, ForwardSettings(micro_batch_size=4))
+        metrics = critic_update(strategy, batch, ForwardSettings(micro_batch_size=2), loss_agg=token_mean, clip_range=0.2,
+                                mini_batches=2, ppo_epochs=2, generator=generator)
     after = value_loss(strategy.unwrap(), batch)
     assert after < 0.2 * before, f"value loss {before:.4f} -> {after:.4f}"
     assert metrics["critic/explained_var"] > 0.5
@@ -108,8 +109,9 @@ def test_micro_batching_does_not_change_the_update():
     params = []
     for micro_batch_size in (1, 6):
         strategy = critic_strategy(lr=1e-3)
-        metrics = critic_update(strategy, batch, loss_agg=token_mean, clip_range=0.2, mini_batches=1, ppo_epochs=1,
-                                micro_batch_size=micro_batch_size)
+        metrics = critic_update(strategy, batch, ForwardSettings(micro_batch_size=micro_batch_size),
+                                loss_agg=token_mean, clip_range=0.2,
+                                mini_batches=1, ppo_epochs=1)
         params.append(torch.cat([p.detach().flatten() for p in strategy.unwrap().parameters()]))
         assert metrics["critic/vf_clip_frac"] > 0
     torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-7)
@@ -118,7 +120,7 @@ def test_micro_batching_does_not_change_the_update():
 def test_batched_values_match_response_values_and_keep_the_mode():
     critic = build_critic_from_policy(qwen2(), head_init_std=0.2)
     batch = rollout_batch(RETURNS)
-    values = batched_values(critic, batch, micro_batch_size=4)
+    values = batched_values(critic, batch, ForwardSettings(micro_batch_size=4))
     assert critic.training  # restored
     critic.eval()
     with torch.no_grad():
@@ -162,12 +164,12 @@ def test_critic_update_errors_name_the_problem():
     strategy = critic_strategy()
     batch = rollout_batch(RETURNS)
     with pytest.raises(ValueError, match="has 6 sequences, fewer than trainer.mini_batches=7"):
-        critic_update(strategy, batch, loss_agg=token_mean, clip_range=0.2, mini_batches=7, ppo_epochs=1,
-                      micro_batch_size=2)
+        critic_update(strategy, batch, ForwardSettings(micro_batch_size=2), loss_agg=token_mean, clip_range=0.2,
+                      mini_batches=7, ppo_epochs=1)
     del batch["returns"]
     with pytest.raises(KeyError, match=r"lacks \['returns'\]"):
-        critic_update(strategy, batch, loss_agg=token_mean, clip_range=0.2, mini_batches=1, ppo_epochs=1,
-                      micro_batch_size=2)
+        critic_update(strategy, batch, ForwardSettings(micro_batch_size=2), loss_agg=token_mean, clip_range=0.2,
+                      mini_batches=1, ppo_epochs=1)
 
 
 def test_policy_and_critic_share_one_checkpoint_and_resume_exactly(tmp_path):
@@ -180,8 +182,8 @@ def test_policy_and_critic_share_one_checkpoint_and_resume_exactly(tmp_path):
 
     def train_critic(pair, steps):
         for _ in range(steps):
-            critic_update(pair.critic, batch, loss_agg=token_mean, clip_range=None, mini_batches=1, ppo_epochs=1,
-                          micro_batch_size=6)
+            critic_update(pair.critic, batch, ForwardSettings(micro_batch_size=6), loss_agg=token_mean, clip_range=None,
+                          mini_batches=1, ppo_epochs=1)
 
     straight = build()
     train_critic(straight, 2)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 import rltk
 from rltk.algorithms.mismatch import rollout_correction
 from rltk.batch import Experience, collate
-from rltk.training.forward import batched_logprobs
+from rltk.training.forward import ForwardSettings, batched_logprobs
 from rltk.training.rl import LossComponents, compute_advantages, policy_update
 from rltk.training.rollout_correction import (
     WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask, weighted_loss_agg,
@@ -37,7 +37,7 @@ def _perturbation(shape) -> torch.Tensor:
 def _batch(strategy, estimator="grpo"):
     """Rollouts of the tiny model's test task, with engine log-probs that differ from the trainer's."""
     batch = collate(worker.local_experiences(0, 0, 1), pad_token_id=0)
-    batch["old_logprobs"], _ = batched_logprobs(strategy.unwrap(), batch, micro_batch_size=4, temperature=1.0)
+    batch["old_logprobs"], _ = batched_logprobs(strategy.unwrap(), batch, ForwardSettings(micro_batch_size=4))
     batch["rollout_logprobs"] = (batch["old_logprobs"] - _perturbation(batch["old_logprobs"].shape)) \
         * batch["response_mask"]
     batch["has_rollout_logprobs"] = torch.ones(len(batch["scores"]), dtype=torch.bool)
@@ -51,8 +51,8 @@ def _loss(policy_loss="ppo_clip", loss_agg="token-mean", **kw):
 
 
 def _update(strategy, batch, loss):
-    return policy_update(strategy, batch, loss, kl_coef=0.0, mini_batches=2, ppo_epochs=2, micro_batch_size=3,
-                         temperature=1.0, generator=torch.Generator().manual_seed(3))
+    return policy_update(strategy, batch, loss, ForwardSettings(micro_batch_size=3), kl_coef=0.0, mini_batches=2,
+                         ppo_epochs=2, generator=torch.Generator().manual_seed(3)).metrics
 
 
 def _assert_same_weights(a, b):
