@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rltk.models.logprobs import base_model, positions_from_mask, unwrap_model
+from rltk.models.logprobs import base_model, positions_from_mask
+from rltk.models.wrappers import unwrap_model
 from rltk.models.packing import pack_rows
 
 __all__ = [

@@ -54,6 +54,7 @@ from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.packing import pack_rows
 from rltk.models.sharding import has_sharded_parameters
+from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 
 logger = logging.getLogger(__name__)
@@ -267,25 +268,6 @@ def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, t
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids of left-padded rows: ``cumsum(mask) - 1``, clamped at 0. Shape: (B, S)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside DDP / DeepSpeed-engine style wrappers (those holding it in ``.module``) and peft's
-    ``PeftModel`` (its base model, which holds the adapter layers)."""
-    # Ask the class, not the instance: DeepSpeed's engine forwards unknown
-    # attributes to its module, so hasattr(engine, "get_output_embeddings") is True.
-    while True:
-        # (the class may be FSDP2's subclass of PeftModel, hence the walk over the bases)
-        if (any(c.__module__.startswith("peft.") for c in type(model).__mro__)
-                and callable(getattr(model, "get_base_model", None))):
-            # peft injects its adapter layers into the base model's own modules, so the base model's
-            # forward runs them: seen through, a LoRA policy is an ordinary causal LM here.
-            model = model.get_base_model()
-        elif not hasattr(type(model), "get_output_embeddings") and isinstance(getattr(model, "module", None),
-                                                                                nn.Module):
-            model = model.module
-        else:
-            return model
 
 
 def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

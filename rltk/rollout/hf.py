@@ -46,6 +46,7 @@ from torch import nn
 import rltk
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
+from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 from rltk.rollout.base import (
     Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
@@ -53,13 +54,6 @@ from rltk.rollout.base import (
 from rltk.rollout.hf_sampling import sample, sampling_blocker, shared_prompts
 
 logger = logging.getLogger(__name__)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The model inside DDP / Accelerate / DeepSpeed wrappers (their ``.module``)."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
 
 
 class _SampledTokenLogprobs:
@@ -152,7 +146,7 @@ class HFRolloutEngine(RolloutEngine):
                 f"rollout engine 'hf': batch_size (rollout.engine_args.batch_size) must be an integer >= 1 "
                 f"(sequences per generate call), got {batch_size!r}"
             )
-        if not isinstance(model, nn.Module) or not hasattr(unwrap_model(model), "generate"):
+        if not isinstance(model, nn.Module) or not hasattr(unwrap_model(model, through_peft=False), "generate"):
             raise TypeError(
                 f"rollout engine 'hf' needs a transformers causal LM with .generate(), got {type(model).__name__}"
             )
@@ -166,7 +160,7 @@ class HFRolloutEngine(RolloutEngine):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample ``params.n`` completions per prompt; see the module docstring for log-probs."""
         prompt_ids = validate_prompt_ids(prompt_ids)
-        model = unwrap_model(self.model)
+        model = unwrap_model(self.model, through_peft=False)
         device = self.device or next(model.parameters()).device
         stop_ids = self._stop_token_ids(params)
         pad_id = self._pad_token_id(stop_ids)
@@ -258,7 +252,8 @@ class HFRolloutEngine(RolloutEngine):
         return generated.tolist(), logprobs.tolist()
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        return stop_token_ids(params, self.tokenizer, getattr(unwrap_model(self.model), "config", None))
+        model = unwrap_model(self.model, through_peft=False)
+        return stop_token_ids(params, self.tokenizer, getattr(model, "config", None))
 
     def _pad_token_id(self, stop_ids: list[int]) -> int:
         # Only used for left padding (masked out) and for rows that already
@@ -278,7 +273,7 @@ class HFRolloutEngine(RolloutEngine):
     def use_model(self, model: nn.Module) -> None:
         """Sample from ``model`` from now on: the trainer's module (shared, nothing to copy after a step)
         or a whole copy of the engine's own (when the trainer shards its parameters)."""
-        if not isinstance(model, nn.Module) or not hasattr(unwrap_model(model), "generate"):
+        if not isinstance(model, nn.Module) or not hasattr(unwrap_model(model, through_peft=False), "generate"):
             raise TypeError(
                 f"rollout engine 'hf' needs a transformers causal LM with .generate(), got {type(model).__name__}"
             )
@@ -295,9 +290,9 @@ class HFRolloutEngine(RolloutEngine):
         at a time straight into the engine's copy: a collective then, to be
         called on every rank.
         """
-        target = unwrap_model(self.model)
+        target = unwrap_model(self.model, through_peft=False)
         if isinstance(state_dict_or_model, nn.Module):
-            source = unwrap_model(state_dict_or_model)
+            source = unwrap_model(state_dict_or_model, through_peft=False)
             if source is target:
                 return
             if has_sharded_parameters(source):

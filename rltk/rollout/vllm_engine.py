@@ -55,7 +55,7 @@ from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import (
     Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
 )
-from rltk.rollout.hf import unwrap_model
+from rltk.models.wrappers import unwrap_model
 
 MIN_VLLM_VERSION = (0, 32)  # the weight-transfer API and layerwise reload this engine syncs through
 _USE_HF = "or set rollout.engine=hf (transformers, any device)"
@@ -272,7 +272,7 @@ def engine_weights(state_dict_or_model: Any, trainer_model: nn.Module | None = N
     from rltk.models.lora import lora_scalings, merge_lora_weights
 
     if isinstance(state_dict_or_model, nn.Module):
-        module = unwrap_model(state_dict_or_model)  # sees through peft: the base model, adapter layers inside
+        module = unwrap_model(state_dict_or_model, through_peft=False)  # a PeftModel stays whole: peft's names
         sharded = has_sharded_parameters(module)
         source = iter_full_state(module) if sharded else module.state_dict().items()
         scalings = lora_scalings(module)
@@ -432,7 +432,7 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         vllm = _import_vllm()
         self.platform = vllm_platform()
-        unwrapped = unwrap_model(model)
+        unwrapped = unwrap_model(model, through_peft=False)
         check_head_size(unwrapped.config, self.platform)
 
         from vllm.platforms import current_platform
@@ -540,7 +540,8 @@ class VLLMRolloutEngine(RolloutEngine):
         return grouped
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        return stop_token_ids(params, self.tokenizer, getattr(unwrap_model(self.model), "config", None))
+        model = unwrap_model(self.model, through_peft=False)
+        return stop_token_ids(params, self.tokenizer, getattr(model, "config", None))
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -572,7 +573,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.reset_prefix_cache()
 
     def _push(self, state: Mapping[str, torch.Tensor]) -> None:
-        state = with_tied_head(dict(state), unwrap_model(self.model).config)
+        state = with_tied_head(dict(state), unwrap_model(self.model, through_peft=False).config)
         weights = [(name, tensor.detach()) for name, tensor in state.items()]
         self.llm.collective_rpc("start_weight_update")
         self.llm.collective_rpc("update_weights", kwargs={"update_info": {"weights": weights}})

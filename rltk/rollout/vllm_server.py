@@ -50,7 +50,7 @@ from rltk.errors import ConfigError
 from rltk.rollout.base import (
     Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
 )
-from rltk.rollout.hf import unwrap_model
+from rltk.models.wrappers import unwrap_model
 from rltk.rollout.vllm_engine import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     _import_vllm,
@@ -198,7 +198,7 @@ class VLLMServerEngine(RolloutEngine):
                 start_timeout_s) -> None:
         _import_vllm()
         platform = vllm_platform()
-        unwrapped = unwrap_model(self.model)
+        unwrapped = unwrap_model(self.model, through_peft=False)
         check_head_size(unwrapped.config, platform)
         model_dir = os.path.join(self._tmp, "model")
         state = _savable(with_tied_head(engine_weights(self.model, self.model), unwrapped.config))
@@ -314,7 +314,8 @@ class VLLMServerEngine(RolloutEngine):
                     server.in_flight -= 1
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        return stop_token_ids(params, self.tokenizer, getattr(unwrap_model(self.model), "config", None))
+        model = unwrap_model(self.model, through_peft=False)
+        return stop_token_ids(params, self.tokenizer, getattr(model, "config", None))
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -330,7 +331,7 @@ class VLLMServerEngine(RolloutEngine):
 
         version = self.weight_version + 1
         state = _savable(with_tied_head(engine_weights(state_dict_or_model, self.model),
-                                          unwrap_model(self.model).config))
+                                          unwrap_model(self.model, through_peft=False).config))
         path = os.path.join(self.weight_dir, f"rltk-weights-{os.getpid()}-{id(self)}-v{version}.safetensors")
         save_file(state, path, metadata={"format": "pt"})
         try:

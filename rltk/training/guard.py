@@ -99,7 +99,7 @@ def vocab_size_of(model: torch.nn.Module) -> int:
     151643 tokens) spread probability over every row, so this, not the
     tokenizer's size, bounds the entropy.
     """
-    from rltk.models.logprobs import unwrap_model
+    from rltk.models.wrappers import unwrap_model
 
     model = unwrap_model(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
