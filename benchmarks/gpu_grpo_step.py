@@ -79,7 +79,7 @@ class Variant:
     def __init__(self, precision: str, impl: str, shape: dict, device: str, seed: int):
         from rltk import get_component
         from rltk.strategies.accelerate_strategy import AccelerateStrategy
-        from rltk.training.rl import LossComponents
+        from rltk.training.loss_components import LossComponents
 
         self.precision, self.impl = precision, impl
         self.strategy = AccelerateStrategy(cpu=device == "cpu",

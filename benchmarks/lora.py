@@ -108,7 +108,9 @@ def run_child(case: str, args) -> dict:
     from rltk.models.lora import apply_lora
     from rltk.training.reference import FrozenReference
     from rltk.training.forward import ForwardSettings, old_logprobs_pass
-    from rltk.training.rl import LossComponents, compute_advantages, policy_update
+    from rltk.training.estimator import compute_advantages
+    from rltk.training.loss_components import LossComponents
+    from rltk.training.rl import policy_update
     from rltk.training.setup import args_of, build_strategy
 
     torch.set_num_threads(args.threads)

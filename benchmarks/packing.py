@@ -106,7 +106,8 @@ def main() -> None:
     import rltk
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
     from rltk.training.forward import ForwardSettings
-    from rltk.training.rl import LossComponents, policy_update
+    from rltk.training.loss_components import LossComponents
+    from rltk.training.rl import policy_update
 
     torch.set_num_threads(args.threads)
     Strategy = type("KeepGradsStrategy", (_KeepGrads, AccelerateStrategy), {})

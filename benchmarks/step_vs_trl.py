@@ -108,7 +108,7 @@ def trl_worker(args) -> None:
 
     from rltk.config.loader import load_config
     from rltk.rewards.math import exact_match
-    from rltk.training.setup import build_rows
+    from rltk.training.rows import build_rows
 
     cfg = load_config([ROOT / "recipes" / "configs" / "grpo.yaml"],
                       rl_overrides(Path(args.model), args.steps, args.lr, args.seed), warn=False)

@@ -31,13 +31,15 @@ import time
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args
 from rltk.training.collect import collect_experiences
-from rltk.training.loop_state import RLParts, kl_to_reference, rows_in, sampled_batch, start_rl_stage
+from rltk.training.batch_metrics import rollout_metrics
+from rltk.training.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
 from rltk.training.forward import old_logprobs_pass
-from rltk.training.rl import global_masked_mean, policy_update, rollout_metrics
-from rltk.training.run import (
-    Stage, build_stage_strategy, evaluate, finish_run, open_run, require_rows_per_rank, run_sft_stage, run_stages,
-    save_checkpoint, should_checkpoint,
-)
+from rltk.training.ranks import global_masked_mean, rows_in
+from rltk.training.rl import policy_update
+from rltk.training.evaluation import evaluate
+from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.sft_stage import run_sft_stage
+from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
 
 
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the

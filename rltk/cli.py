@@ -171,7 +171,8 @@ def _check_warmup_demonstrations(cfg) -> int:
 
     Loads the tokenizer (not the model) and the data; each ``sft`` stage is checked with its overrides."""
     from rltk.config.env_checks import check_demonstrations
-    from rltk.training.setup import build_rows, sft_pairs, stage_config, tool_schemas
+    from rltk.training.rows import build_rows, sft_pairs, tool_schemas
+    from rltk.training.setup import stage_config
 
     stages = [i for i, stage in enumerate(cfg.stages) if stage.type == "sft"]
     if not stages:

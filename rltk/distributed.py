@@ -1,4 +1,5 @@
-"""The process and its peers: rank and world, gathers outside a strategy, launcher arguments, seeds.
+"""The process and its peers: rank and world, gathers outside a strategy, launcher arguments, seeds,
+and the share of the node's cores a process takes.
 
 Everything here works with or without a process group (one process is rank 0 of a world of 1),
 and is what the training loop, the strategies and the recipes' argument parsing share, so the
@@ -7,6 +8,7 @@ rank has one source: ``RANK`` before a process group exists, the group once it d
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
@@ -86,3 +88,32 @@ def free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (``/sys/fs/cgroup/cpu.max``, a container's ``--cpus``), which ``os.cpu_count()`` ignores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 here, or a format this does not know: the mask alone
+        pass
+    return max(1, cores)
+
+
+def limit_torch_threads() -> int:
+    """Cap torch's intra-op threads at this process's share of the cores it may use; return the count.
+
+    torch starts one thread per physical core of the machine, which under a CPU quota or an affinity
+    mask, or with several training processes on one node (``LOCAL_WORLD_SIZE``), is more threads than
+    cores: every parallel region then waits for a thread the scheduler has parked, and steps that take
+    milliseconds take seconds. ``OMP_NUM_THREADS``, when set, is the user's choice and is left alone.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    share = max(1, available_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
+    return torch.get_num_threads()

@@ -44,17 +44,17 @@ def fresh_registry():
 def batches(monkeypatch):
     """Every batch a recipe run hands to the advantage estimator, as it was after the estimator ran.
 
-    Patches ``rltk.training.rl.Estimator.__call__``, the advantage pass every recipe runs.
+    Patches ``rltk.training.estimator.Estimator.__call__``, the advantage pass every recipe runs.
     """
-    import rltk.training.rl as rl
+    import rltk.training.estimator as estimator
 
     seen = []
-    estimate = rl.Estimator.__call__
+    estimate = estimator.Estimator.__call__
 
     def recording(self, batch, strategy=None):
         advantages, returns = estimate(self, batch, strategy)
         seen.append({**{k: v.clone() for k, v in batch.items()}, "advantages": advantages, "returns": returns})
         return advantages, returns
 
-    monkeypatch.setattr(rl.Estimator, "__call__", recording)
+    monkeypatch.setattr(estimator.Estimator, "__call__", recording)
     return seen

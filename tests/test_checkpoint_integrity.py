@@ -22,7 +22,7 @@ from rltk.config import ConfigError, load_config
 from rltk.serialization import CheckpointFileError, DamagedCheckpointError, UnsafeCheckpointError
 from rltk.training.export import export_checkpoint
 from rltk.training.resume import load_weights, resume_or_start_over, save_weights_atomically
-from rltk.training.setup import prepare_run_dir
+from rltk.training.run_outputs import prepare_run_dir
 from tests.test_checkpoint import new_strategy, train_step
 from tests.test_serialization import Payload, plant
 

@@ -11,7 +11,7 @@ remember between steps lives here, in :class:`LoopState`:
 * the stage step reached.
 
 :func:`start_rl_stage` builds it for an RL stage, fresh or restored from the
-stage's checkpoint; :func:`rltk.training.run.save_checkpoint` saves it. What
+stage's checkpoint; :func:`rltk.training.stage_checkpoint.save_checkpoint` saves it. What
 the components of a step are (estimator, losses, sample strategy, rollout plan,
 forward settings) is :class:`RLParts`, chosen once from the config.
 """
@@ -27,9 +27,14 @@ from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
 from rltk.training.collect import RolloutPlan, expert_experiences
+from rltk.training.estimator import Estimator
 from rltk.training.forward import ForwardSettings
+from rltk.training.loss_components import LossComponents
+from rltk.training.ranks import any_rank
 from rltk.training.reference import FrozenReference
-from rltk.training.rl import Estimator, LossComponents, any_rank, build_kl_controller, old_logprobs_from_update
+from rltk.training.rl import old_logprobs_from_update
+from rltk.training.setup import args_of
+from rltk.training.stage_checkpoint import rank_state
 
 #: The name of the mini-batch generator in a checkpoint's RNG files (see :meth:`LoopState.generators`).
 MINIBATCH_GENERATOR = "minibatch_order"
@@ -91,8 +96,6 @@ class LoopState:
         Returns whether the checkpoint held this rank's buffer. A no-op returning False for a stage
         that starts afresh.
         """
-        from rltk.training.run import rank_state
-
         if stage.resume is None:
             return False
         # the generators continue where they stopped: seeding them again would replay their draws
@@ -126,7 +129,6 @@ class RLParts:
     @classmethod
     def from_config(cls, cfg, strategy) -> "RLParts":
         import rltk
-        from rltk.training.setup import args_of
 
         a, t = cfg.algorithm, cfg.trainer
         sample_strategy = rltk.get_component("sample_strategy", cfg.buffer.sample_strategy)(
@@ -138,6 +140,16 @@ class RLParts:
         return cls(estimator=estimator, loss=loss, sample_strategy=sample_strategy,
                    plan=RolloutPlan.from_config(cfg, estimator.fn), forward=ForwardSettings.from_config(cfg, strategy),
                    on_policy=on_policy)
+
+
+def build_kl_controller(cfg):
+    """``algorithm.kl_controller``: a fixed coefficient or the adaptive target-KL rule."""
+    from rltk.algorithms.kl import AdaptiveKLController, FixedKLController
+
+    a = cfg.algorithm
+    if a.kl_controller == "adaptive":
+        return AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+    return FixedKLController(a.kl_coef)
 
 
 def start_rl_stage(stage, strategy, *, checkpointed=None) -> LoopState:
@@ -193,9 +205,3 @@ def sampled_batch(stage, loop: LoopState, parts: RLParts, experiences: list, col
 def kl_to_reference(loss: LossComponents, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """KL(pi_old || pi_ref) per sampled token, ``[B, T]``, by the configured estimator (``algorithm.kl_penalty_fn``)."""
     return loss.kl_penalty(old_logprobs, ref_logprobs, **loss.kl_penalty_args)
-
-
-def rows_in(batch: dict[str, torch.Tensor], strategy) -> int:
-    """The batch's sequences summed over ranks: what the adaptive KL controller counts as steps."""
-    return int(strategy.all_reduce_sum(torch.tensor([batch["input_ids"].shape[0]])).item())
-

@@ -22,7 +22,7 @@ largest of those counts ``k``, and every rank spreads its rows over ``k``
 micro-batches as evenly as the budget's cost allows (LPT for packed bins; for
 padded runs the smallest per-micro-batch bound that still gives ``k`` runs).
 A rank with fewer rows than ``k`` runs zero-weight padding micro-batches (one
-row of its own, loss times 0), as :func:`rltk.training.rl.lockstep_micro_batches` does.
+row of its own, loss times 0), as the row-count micro-batches do.
 
 A row longer than ``M`` on its own gets a micro-batch to itself: a sequence
 cannot be split, and refusing it mid-run would end training on one long sample.
@@ -45,6 +45,7 @@ from rltk.batch import slice_batch
 from rltk.models.critic import response_values
 from rltk.models.logprobs import response_logprobs
 from rltk.models.packing import trim_padding
+from rltk.training.ranks import all_ranks_max
 
 __all__ = [
     "MicroBatch",
@@ -185,19 +186,13 @@ def plan_micro_batches(prompts: list[int], responses: list[int], max_tokens: int
     return [sorted(r) for r in runs]
 
 
-def _all_ranks_max(strategy, value: int) -> int:
-    if strategy is None or strategy.world_size == 1:
-        return value
-    return int(strategy.all_reduce_max(torch.tensor([value], dtype=torch.int64)).item())
-
-
 def micro_batches(strategy, rows: dict[str, torch.Tensor], *, micro_batch_size: int,
                   max_tokens: int | None = None, packed: bool = False,
                   fallback: dict[str, torch.Tensor] | None = None) -> Iterator[MicroBatch]:
     """The micro-batches of ``rows``, the same number on every rank.
 
     ``max_tokens=None``: runs of ``micro_batch_size`` rows in order (the
-    sequence-count micro-batches of :func:`rltk.training.rl.lockstep_micro_batches`).
+    rows in order, as the supervised warm-up and the default RL update cut them).
     Otherwise the token-budget plan of :func:`plan_micro_batches`, balanced
     across ranks (module docstring). A rank with fewer micro-batches than the
     busiest yields padding ones; a rank with no rows takes them from
@@ -206,12 +201,12 @@ def micro_batches(strategy, rows: dict[str, torch.Tensor], *, micro_batch_size: 
     n_rows = rows["input_ids"].shape[0]
     if max_tokens is None:
         plan = [list(range(s, min(s + micro_batch_size, n_rows))) for s in range(0, n_rows, micro_batch_size)]
-        total = _all_ranks_max(strategy, len(plan))
+        total = all_ranks_max(strategy, len(plan))
         pad_rows = list(range(min(micro_batch_size, n_rows or fallback["input_ids"].shape[0])))
     else:
         prompts, responses = (x.tolist() for x in row_lengths(rows))
         fewest = micro_batch_count(prompts, responses, max_tokens, packed=packed)
-        total = _all_ranks_max(strategy, fewest)
+        total = all_ranks_max(strategy, fewest)
         plan = plan_micro_batches(prompts, responses, max_tokens, packed=packed, count=total)
         pad_rows = [0]  # a zero-weight forward needs no more than one row
     source = rows if n_rows or fallback is None else fallback

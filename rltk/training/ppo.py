@@ -35,7 +35,7 @@ from rltk.batch import slice_batch
 from rltk.config.validation import check_critic_config
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model
 from rltk.training.forward import ForwardSettings
-from rltk.training.rl import check_mini_batches
+from rltk.training.ranks import check_mini_batches
 
 __all__ = [
     "CRITIC_SUBDIR",

@@ -258,7 +258,7 @@ def start_point(cfg: DictConfig, stage_steps: list[int]) -> dict[str, Any]:
     this run's stage lengths. ``ConfigError`` for a checkpoint that is damaged, ends no stage, or
     ends this run's last stage (nothing would be left to train).
     """
-    from rltk.training.setup import process_rank
+    from rltk.distributed import process_rank
 
     path = Path(cfg.checkpoint.start_from).expanduser()
     key = f"checkpoint.start_from='{cfg.checkpoint.start_from}'"

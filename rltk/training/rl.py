@@ -1,270 +1,29 @@
-"""The advantage pass and the policy-gradient update shared by the RL recipes.
+"""The policy-gradient update shared by the RL recipes (:func:`policy_update`), and when it may take the
+old log-probs from its own forward (:func:`old_logprobs_from_update`).
 
 Pure mechanics (micro-batching, global normalisers, loss assembly); every
 algorithmic choice arrives as a component from the registry:
-:class:`LossComponents` (policy loss, aggregation, KL, entropy) and
-:class:`Estimator` (the advantage function, its signature read once). The
-no-gradient passes before the update are :mod:`rltk.training.forward`.
+:class:`~rltk.training.loss_components.LossComponents` (policy loss,
+aggregation, KL, entropy) and :class:`~rltk.training.estimator.Estimator`
+(the advantage function, its signature read once). The no-gradient passes
+before the update are :mod:`rltk.training.forward`.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
 from rltk.algorithms.mismatch import correction_active
-from rltk.batch import ROW_SUMS, refresh_row_sums, slice_batch
+from rltk.batch import slice_batch
+from rltk.training.estimator import Estimator
 from rltk.training.forward import ForwardSettings
+from rltk.training.loss_components import LossComponents
+from rltk.training.ranks import check_mini_batches
 from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction, weighted_loss_agg
-
-
-@dataclass
-class LossComponents:
-    """The registry components and arguments one policy update needs."""
-
-    policy_loss: Callable
-    loss_agg: Callable
-    policy_loss_args: dict = field(default_factory=dict)
-    loss_agg_args: dict = field(default_factory=dict)
-    kl_penalty: Callable | None = None
-    kl_penalty_args: dict = field(default_factory=dict)
-    kl_in: str = "loss"
-    entropy_coef: float = 0.0
-    # algorithm.rollout_correction: modes and thresholds (rltk.algorithms.mismatch), and whether to
-    # log the mismatch metrics with every mode off
-    rollout_correction: dict = field(default_factory=dict)
-    log_mismatch_metrics: bool = False
-
-    @property
-    def kl_takes_old(self) -> bool:
-        """Whether the KL estimator names ``old_logprobs`` (its signature read once per estimator).
-
-        k3_unbiased weights each token by pi / pi_old; without ``old_logprobs`` it assumes the batch was
-        sampled by the current policy, wrong after the first mini-batch step.
-        """
-        return self.kl_penalty is not None and _names_old_logprobs(self.kl_penalty)
-
-    @classmethod
-    def from_config(cls, cfg) -> "LossComponents":
-        """The ``algorithm.*`` choices of a config, looked up in the registry."""
-        from omegaconf import OmegaConf
-
-        from rltk import get_component
-        from rltk.training.setup import args_of
-
-        a = cfg.algorithm
-        correction = OmegaConf.to_container(a.rollout_correction)
-        loss_agg = get_component("loss_agg", a.loss_agg)
-        return cls(
-            policy_loss=get_component("policy_loss", a.policy_loss),
-            policy_loss_args=args_of(cfg, "algorithm.policy_loss"),
-            loss_agg=loss_agg,
-            loss_agg_args=loss_agg_args(loss_agg, args_of(cfg, "algorithm.loss_agg"), cfg.rollout.max_new_tokens),
-            kl_penalty=get_component("kl_penalty_fn", a.kl_penalty_fn),
-            kl_penalty_args=args_of(cfg, "algorithm.kl_penalty_fn"),
-            kl_in=a.kl_in,
-            entropy_coef=a.entropy_coef,
-            log_mismatch_metrics=bool(correction.pop("log_metrics")),
-            rollout_correction=correction,
-        )
-
-
-@functools.cache
-def _names_old_logprobs(kl_penalty: Callable) -> bool:
-    return "old_logprobs" in inspect.signature(kl_penalty).parameters
-
-
-def loss_agg_args(loss_agg: Callable, args: dict, max_new_tokens: int) -> dict:
-    """The configured ``algorithm.loss_agg_args``, with ``norm_constant`` set to the generation budget
-    (``rollout.max_new_tokens``) for an aggregation that takes one and was given none.
-
-    Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) divides token sums by a constant, the maximum
-    response length: the budget is the same for every micro-batch and step, while the width of a
-    batch depends on the longest response sampled in it.
-    """
-    if "norm_constant" in inspect.signature(loss_agg).parameters and args.get("norm_constant") is None:
-        return {**args, "norm_constant": float(max_new_tokens)}
-    return args
-
-
-def build_kl_controller(cfg):
-    """``algorithm.kl_controller``: a fixed coefficient or the adaptive target-KL rule."""
-    from rltk.algorithms.kl import AdaptiveKLController, FixedKLController
-
-    a = cfg.algorithm
-    if a.kl_controller == "adaptive":
-        return AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
-    return FixedKLController(a.kl_coef)
-
-
-def check_mini_batches(strategy, local_rows: int, mini_batches: int) -> None:
-    """Refuse a rollout batch that cannot fill ``trainer.mini_batches`` mini-batches.
-
-    Each rank cuts its rows into ``mini_batches`` parts whose sizes differ by
-    at most one (a sample strategy can leave any number of rows), and
-    mini-batch ``m`` is part ``m`` of every rank. A rank with fewer rows than
-    ``mini_batches`` leaves some parts empty (it then runs zero-weight passes
-    in them); every mini-batch holds a row as long as the largest rank has
-    ``mini_batches`` rows. The test is on a global number, so every rank
-    raises or none does.
-    """
-    largest = lockstep_count(strategy, local_rows)
-    if largest < mini_batches:
-        raise ValueError(
-            f"the largest rank's rollout batch has {largest} sequences, fewer than trainer.mini_batches="
-            f"{mini_batches}; lower trainer.mini_batches or sample more (trainer.prompts_per_step, rollout.n)"
-        )
-
-
-def lockstep_count(strategy, local_count: int) -> int:
-    """The largest ``local_count`` over ranks (``local_count`` without a strategy).
-
-    Sharded engines gather parameters inside every forward, a collective: a
-    rank that ran fewer forwards than another would leave it waiting forever.
-    """
-    if strategy is None or strategy.world_size == 1:
-        return local_count
-    return int(strategy.all_reduce_max(torch.tensor([local_count], dtype=torch.int64)).item())
-
-
-def lockstep_micro_batches(strategy, rows: dict[str, torch.Tensor], micro_batch_size: int, *,
-                           fallback: dict[str, torch.Tensor] | None = None):
-    """Yield ``(micro_batch, is_last, padding)`` over ``rows``, the same number of times on every rank.
-
-    A rank with fewer micro-batches than the busiest one (see
-    :func:`lockstep_count`) then yields its first micro-batch again with
-    ``padding=True``: run it (forward, and backward with the loss times 0) and
-    discard the result. A rank with no rows repeats the first micro-batch of
-    ``fallback`` instead (the whole rollout batch around an empty mini-batch).
-    """
-    n_rows = rows["input_ids"].shape[0]
-    starts = list(range(0, n_rows, micro_batch_size))
-    total = lockstep_count(strategy, len(starts))
-    source = rows if n_rows or fallback is None else fallback
-    for i in range(total):
-        padding = i >= len(starts)
-        start = 0 if padding else starts[i]
-        yield slice_batch(source, slice(start, start + micro_batch_size)), i == total - 1, padding
-
-
-def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, strategy=None) -> float:
-    """``sum(values * mask) / sum(mask)`` over every rank's tokens (0 when there are none)."""
-    local = torch.stack([(values.detach().double() * mask).sum(), mask.double().sum()]).cpu()
-    total, count = (local if strategy is None else strategy.all_reduce_sum(local)).tolist()
-    return total / count if count else 0.0
-
-
-def any_rank(strategy, flag: bool) -> bool:
-    """True on every rank if ``flag`` is True on at least one."""
-    if strategy is None or strategy.world_size == 1:
-        return flag
-    return bool(strategy.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
-
-
-def needs_sum_pi_squared(advantage_fn: Callable) -> bool:
-    """Whether the estimator names ``sum_pi_squared`` (the optimal token baseline): only then does the
-    old-log-prob pass compute it."""
-    return Estimator.of(advantage_fn).names("sum_pi_squared")
-
-
-@dataclass(frozen=True)
-class Estimator:
-    """An advantage estimator, its configured arguments, and the parameters of its signature, read once.
-
-    The estimator declares the batch fields it needs by naming them (see
-    :mod:`rltk.algorithms.advantages`); everything the loop decides from that
-    (a greedy baseline, ``sum_pi_squared`` in the old-log-prob pass, whether
-    the update may take the old log-probs itself) asks this object instead of
-    reading the signature again. ``params`` is None for a callable whose
-    signature cannot be read: it names nothing the loop can see.
-    """
-
-    fn: Callable
-    args: dict = field(default_factory=dict)
-    params: Any = None  # inspect's parameters mapping, or None
-
-    @classmethod
-    def of(cls, fn: Callable, args: dict | None = None) -> "Estimator":
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):  # no signature to read
-            params = None
-        return cls(fn, dict(args or {}), params)
-
-    @classmethod
-    def from_config(cls, cfg) -> "Estimator":
-        """``algorithm.advantage_fn`` from the registry, with ``algorithm.advantage_fn_args``."""
-        from rltk import get_component
-        from rltk.training.setup import args_of
-
-        return cls.of(get_component("advantage_fn", cfg.algorithm.advantage_fn), args_of(cfg, "algorithm.advantage_fn"))
-
-    @property
-    def readable(self) -> bool:
-        return self.params is not None
-
-    def names(self, field_name: str) -> bool:
-        """Whether the estimator's signature names ``field_name``."""
-        return self.params is not None and field_name in self.params
-
-    def __call__(self, batch: dict[str, torch.Tensor], strategy=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(advantages, returns)``, ``[B, T]`` fp32 each, from the batch fields the estimator names.
-
-        With several ranks it sees the *global* batch: the fields are gathered from every
-        rank (rows in rank order, widths padded with zeros, which the response mask
-        marks as padding), every rank computes the same result, and each keeps its
-        own rows. Batch statistics (the whitening of ``gae`` and the REINFORCE++
-        family, or anything a plugin computes over the batch) are then those of one
-        process holding the whole batch. Group ids are made distinct per rank: a
-        rank samples every response of its prompts, so a group never spans ranks,
-        while the workflows number groups per process.
-
-        ``sequence_rewards`` / ``policy_lengths`` (the ``[B]`` row sums an outcome
-        estimator may name) are passed only as the row sums of the batch's current
-        ``token_rewards`` / ``response_mask``: :func:`rltk.batch.refresh_row_sums`
-        retakes them when those tensors were replaced (a KL penalty folded into the
-        rewards) or written in place since ``collate`` summed them. Each rank sums
-        its own rows before the gather.
-        """
-        params, args = self.params, self.args
-        if params is None:  # the error inspect gives for a callable it cannot read
-            params = inspect.signature(self.fn).parameters
-        missing = [
-            n for n, p in params.items()
-            if p.default is inspect.Parameter.empty and n not in batch and n not in args
-            and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-        ]
-        if missing:
-            raise ValueError(
-                f"advantage function needs batch field(s) {missing} that this recipe does not provide "
-                f"(available: {sorted(batch)}); choose another algorithm.advantage_fn "
-                f"(e.g. 'values' needs the ppo recipe's critic)"
-            )
-        # A stale sum would silently change R_i: never pass one (costs a row sum only when retaken).
-        refresh_row_sums(batch, [name for name in ROW_SUMS if name in params and name not in args])
-        fields = {k: v for k, v in batch.items() if k in params and k not in args}
-        if strategy is None or strategy.world_size == 1:
-            advantages, returns = self.fn(**fields, **args)
-        else:
-            B, T = batch["response_mask"].shape
-            gathered, counts = {}, []
-            for name, value in fields.items():
-                gathered[name], counts = strategy.gather_rows(value)
-            if "group_ids" in gathered:
-                rank_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-                pairs = torch.stack([rank_of_row, gathered["group_ids"].to(torch.int64).cpu()], dim=1)
-                gathered["group_ids"] = torch.unique(pairs, dim=0, return_inverse=True)[1].to(
-                    batch["group_ids"].device)
-            advantages, returns = self.fn(**gathered, **args)
-            start = sum(counts[: strategy.rank])
-            advantages = advantages[start : start + B, :T].contiguous()
-            returns = returns[start : start + B, :T].contiguous()
-        return advantages.float(), returns.float()
 
 
 def old_logprobs_from_update(loss: LossComponents, advantage_fn: "Callable | Estimator", *, ppo_epochs: int,
@@ -299,59 +58,6 @@ def old_logprobs_from_update(loss: LossComponents, advantage_fn: "Callable | Est
     if estimator.names("old_logprobs") or estimator.names("sum_pi_squared"):
         return False
     return not (kl_coef > 0 and loss.kl_in == "reward")
-
-
-def compute_advantages(adv_fn: Callable, batch: dict[str, torch.Tensor], args: dict, strategy=None) -> None:
-    """Fill ``batch["advantages"]`` and ``batch["returns"]`` with ``adv_fn`` (see :meth:`Estimator.__call__`,
-    which returns them instead; a loop builds its :class:`Estimator` once per stage)."""
-    batch["advantages"], batch["returns"] = Estimator.of(adv_fn, args)(batch, strategy)
-
-
-def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, elapsed: float,
-                    strategy=None) -> dict[str, float]:
-    """What every RL step logs about its batch: reward, accuracy, lengths, throughput, plus the
-    workflow's, reward functions' and sample strategy's own counters.
-
-    Two sets of responses, named apart: ``batch`` is what the trainer read, *after* the sample
-    strategy (filtered, mixed with expert data ...), and gives ``reward`` (mean score),
-    ``accuracy`` (fraction with score >= 1), ``response_length``, ``tokens_per_s``,
-    ``batch/samples`` and ``batch/groups``; the ``rollout/*`` and ``reward/*`` counters of the
-    workflow (and ``rollout/reward``, ``rollout/accuracy``, ``rollout/samples``,
-    ``rollout/groups`` of :func:`rltk.training.collect.collect_experiences`) describe everything
-    it produced, *before* the sample strategy.
-
-    With a ``strategy`` the numbers cover every rank: reward, accuracy and length are means over
-    all responses, ``tokens_per_s`` and the ``batch/`` counts are totals, and the components'
-    counters are averaged over ranks.
-    """
-    scores = batch["scores"].double().cpu()
-    local = torch.stack([
-        scores.sum(), (scores >= 1).double().sum(), batch["response_lengths"].double().sum().cpu(),
-        torch.tensor(float(scores.numel()), dtype=torch.float64),
-        batch["attention_mask"].double().sum().cpu(),
-        torch.tensor(float(batch["group_ids"].unique().numel()), dtype=torch.float64),
-    ])
-    score_sum, correct, length_sum, n, tokens, groups = (
-        local if strategy is None else strategy.all_reduce_sum(local)).tolist()
-    counters = {
-        **workflow.metrics(),
-        **{f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()},
-        **sample_strategy.metrics(),
-    }
-    if strategy is not None and strategy.world_size > 1:
-        every_rank = strategy.all_gather_object(counters)
-        counters = {k: sum(float(c.get(k, 0.0)) for c in every_rank) / len(every_rank)
-                    for k in sorted(set().union(*every_rank))}
-    return {
-        "reward": score_sum / max(n, 1),
-        "accuracy": correct / max(n, 1),
-        "response_length": length_sum / max(n, 1),
-        "tokens_per_s": tokens / elapsed,
-        "batch/samples": n,
-        "batch/groups": groups,
-        "time/step_s": elapsed,
-        **counters,
-    }
 
 
 def _mean_metrics(acc: dict[str, float], new: dict[str, Any], weight: float) -> None:

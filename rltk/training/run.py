@@ -7,51 +7,44 @@ recipes never copy it.
 
 Weights across stages. ``run.policy`` is the policy between stages: a plain
 module. A stage builds its strategy on it with :func:`build_stage_strategy`,
-which also points the rollout engine at the weights the stage trains (the
-module itself, or a whole copy of the engine's own when the strategy shards
-parameters, as ZeRO-3 does). When the stage ends, :func:`run_stages` takes the
-trained model back from the strategy (``strategy.release_model()``, a new
-plain module under ZeRO-3, which partitioned the old one in place) so the next
-stage can build its own strategy, and the engine follows it.
+which also points the rollout engine at the weights the stage trains
+(:mod:`rltk.training.engine_weights`). When the stage ends, :func:`run_stages`
+takes the trained model back from the strategy (``strategy.release_model()``,
+a new plain module under ZeRO-3, which partitioned the old one in place) so
+the next stage can build its own strategy, and the engine follows it.
+
+The stages' other pieces have modules of their own: held-out evaluation
+(:mod:`rltk.training.evaluation`), what a checkpoint holds
+(:mod:`rltk.training.stage_checkpoint`), the supervised warm-up stage
+(:mod:`rltk.training.sft_stage`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rltk
 from rltk.checkpoint import CheckpointManager
 from rltk.config.components import signature_params
-from rltk.config.env_checks import check_demonstrations
 from rltk.config.errors import ConfigError
-from rltk.data.sampler import RowSampler
-from rltk.distributed import end_process_group, every_rank, process_group, process_rank, seed_everything
+from rltk.distributed import end_process_group, limit_torch_threads, process_rank, seed_everything
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
+from rltk.training.engine_weights import connect_rollout_engine, engine_follows
+from rltk.training.evaluation import evaluate
 from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
-from rltk.training.loop_state import LoopState
 from rltk.training.resume import (
     is_stage_end, load_model_weights, resume_or_start_over, run_is_finished, start_point,
 )
-from rltk.training.setup import (
-    MetricLog, args_of, build_loggers, build_reward, build_rows, build_strategy, build_tokenizer_and_policy,
-    limit_torch_threads, prepare_run_dir, sampling_params, sft_pairs, stage_config,
-    tool_schemas,
-    write_summary,
-)
-from rltk.training.sft import sft_batch, sft_step
-
-PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
-REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
-WORKFLOW_STATE_KEY = "workflow"  # in each rank's dict: its workflow's state_dict()
-LOG_ROWS_KEY = "log_rows_at_step"  # checkpoint state: metric rows logged at its step before it was saved
+from rltk.training.rows import build_rows
+from rltk.training.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
+from rltk.training.setup import args_of, build_reward, build_strategy, build_tokenizer_and_policy, sampling_params, \
+    stage_config
+from rltk.training.stage_checkpoint import LOG_ROWS_KEY, restore_rollout_state
 
 
 @dataclass
@@ -153,7 +146,7 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
                 stage_resume = resume  # continue this stage mid-way
             else:
                 load_model_weights(resume["path"], run.policy)  # start from where the last stage ended
-                _engine_follows_policy(run)
+                engine_follows(run.workflow.engine, run.policy)
             resume = None
         current = Stage(run, scfg, i, first_step, stage_resume)
         current.guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,
@@ -173,11 +166,11 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
             # The next stage (and the final evaluation) starts from a plain module with the trained
             # weights: a ZeRO-3 engine leaves the module it trained partitioned.
             run.policy = current.strategy.release_model()
-            _engine_follows_policy(run)
+            engine_follows(run.workflow.engine, run.policy)
         first_step += run.stage_steps[i]
     if resume is not None:  # the checkpoint was the run's last: nothing left to train
         load_model_weights(resume["path"], run.policy)
-        _engine_follows_policy(run)
+        engine_follows(run.workflow.engine, run.policy)
 
 
 def require_rows_per_rank(strategy, key: str, rows: int) -> None:
@@ -200,32 +193,6 @@ def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_st
     stage.strategy = strategy
     connect_rollout_engine(run.workflow.engine, strategy)
     return strategy
-
-
-def connect_rollout_engine(engine, strategy) -> None:
-    """Make ``engine`` sample from the weights ``strategy`` trains. Collective if it shards parameters.
-
-    An engine that can sample from a module (``hf``) shares the trainer's
-    module, so an optimizer step needs no copy. A strategy that shards
-    parameters (ZeRO-3) makes every forward of that module a collective: ranks
-    would have to generate in lockstep and an evaluation on one rank would
-    hang, so the engine gets a whole copy of its own instead, refreshed by
-    ``engine.update_weights(strategy.unwrap())`` after each optimizer step.
-    Engines with weights of their own (``vllm``) load the full weights.
-    """
-    if hasattr(engine, "use_model"):
-        engine.use_model(strategy.full_model_copy() if strategy.shards_parameters else strategy.unwrap())
-    else:
-        engine.update_weights(strategy.full_state_dict())
-
-
-def _engine_follows_policy(run: Run) -> None:
-    """Point the rollout engine at ``run.policy`` (a plain module between stages)."""
-    engine = run.workflow.engine
-    if hasattr(engine, "use_model"):
-        engine.use_model(run.policy)
-    else:
-        engine.update_weights(run.policy)
 
 
 def finish_run(run: Run) -> dict:
@@ -254,195 +221,3 @@ def finish_run(run: Run) -> dict:
     rltk.call_lifecycle_hook("rltk_on_train_end", run_dir=run.run_dir, metrics=summary)
     end_process_group()
     return summary
-
-
-def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
-    """Held-out metrics of the current policy: greedy (``eval/*``) and one sample per
-    prompt at the training temperature (``eval/sampled_accuracy``, what RL sharpens first).
-
-    With several processes each evaluates its share of the rows (``rows[rank::world]``)
-    and the results are combined, weighted by responses: every rank returns the numbers
-    of the whole held-out set, ``eval/num_responses`` included.
-    """
-    rows = rows[: cfg.trainer.eval_size or len(rows)]
-    world, rank = process_group()
-    share = rows[rank::world]
-    greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
-    with seeded_sampling(cfg.trainer.get("eval_seed"), rank):
-        sampled = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1)) if share else {}
-    greedy, sampled = _combine_over_ranks(greedy, world), _combine_over_ranks(sampled, world)
-    result = {f"eval/{k}": float(v) for k, v in greedy.items()}
-    result["eval/sampled_accuracy"] = float(sampled["accuracy"])
-    return result
-
-
-@contextlib.contextmanager
-def seeded_sampling(seed: int | None, rank: int = 0):
-    """With a seed: torch's random streams (CPU, and every GPU) start from ``seed + rank`` inside, and are
-    back where they were after, so a sampled evaluation of the same weights repeats its draws and leaves
-    the training's draws as they would have been without it (``trainer.eval_seed``). ``None``: no change."""
-    if seed is None:
-        yield
-        return
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed + rank)
-        yield
-
-
-def greedy_accuracy(workflow, rows: list[dict], cfg: DictConfig) -> float:
-    """Greedy exact-answer accuracy on ``rows``, each process taking its share, combined over processes."""
-    return greedy_probe(workflow, rows, cfg)["accuracy"]
-
-
-def greedy_probe(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
-    """The workflow's greedy evaluation of ``rows`` (``accuracy``, ``truncated_fraction`` ...), each process
-    taking its share, combined over processes."""
-    world, rank = process_group()
-    share = rows[rank::world]
-    greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
-    return {k: float(v) for k, v in _combine_over_ranks(greedy, world).items()}
-
-
-def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
-    """Every rank's evaluation means as one: weighted by ``num_responses``, which is summed."""
-    if world == 1:
-        return metrics
-    import torch.distributed as dist
-
-    every_rank: list = [None] * world
-    dist.all_gather_object(every_rank, metrics)
-    every_rank = [m for m in every_rank if m]  # a rank with no held-out row contributes nothing
-    total = sum(m["num_responses"] for m in every_rank)
-    combined = {k: sum(m[k] * m["num_responses"] for m in every_rank) / total for k in every_rank[0]}
-    combined["num_responses"] = total
-    return combined
-
-
-def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
-    """Whether stage step ``step`` (of ``last``) is checkpointed: every ``checkpoint.every`` steps and a
-    stage's last step, or never when ``checkpoint.every`` is 0.
-
-    0 means no checkpoint at all, the final one included: nothing after a stage reads its checkpoint
-    (the next stage and the final evaluation take the trained module from the strategy), so a run
-    that will not be resumed need not write the weights and optimizer state.
-    """
-    every = cfg.checkpoint.every
-    return every > 0 and (step == last or step % every == 0)
-
-
-def save_checkpoint(stage: Stage, strategy, loop: LoopState, *, last_step: int) -> Path:
-    """Checkpoint the stage's strategy (or strategies) and its loop state at ``loop.step``, then call the hook.
-
-    The divergence guard first checks the weights are finite (no checkpoint ever holds nan) and
-    its counters go into the checkpoint, so a resumed run counts on.
-
-    The loop's :meth:`~rltk.training.loop_state.LoopState.state_dict` is the
-    same on every rank (the main rank's is saved); its ``rank_state_dict``
-    (e.g. the experience buffer) differs per rank: every rank's is saved,
-    beside its workflow's state and cumulative reward counters (see
-    :func:`restore_rollout_state`), and :func:`rank_state` of the loaded state
-    gives a rank its own back. The loop's generators go into the rank's RNG
-    file by name (:meth:`LoopState.resume` restores them). The checkpoint also
-    counts the metric rows already logged at its step, so a run resumed from
-    it drops the rows logged there after the save (see :func:`open_run`).
-    Collective: every rank calls it.
-    """
-    stage_step = loop.step
-    state = {"stage": stage.index, "stage_done": stage_step == last_step, **loop.state_dict()}
-    if stage.guard is not None:
-        stage.guard.check_weights(strategy, stage_step)
-        state["guard"] = stage.guard.state_dict()
-    mine = loop.rank_state_dict()
-    workflow = stage.run.workflow
-    if hasattr(workflow, "state_dict"):
-        mine[WORKFLOW_STATE_KEY] = workflow.state_dict()
-    if hasattr(workflow.reward, "state_dict"):
-        mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
-    state[PER_RANK_KEY] = every_rank(mine)
-    global_step = stage.first_step + stage_step
-    state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
-    path = stage.run.ckpt.save(global_step, strategy, state, generators=loop.generators)
-    rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
-    return path
-
-
-def rank_state(state: dict) -> dict:
-    """This rank's ``rank_extra`` (and reward counters) from a checkpoint's state, see :func:`save_checkpoint`.
-
-    Empty when the checkpoint holds none for this rank: written by an older
-    rltk, or by fewer processes than run now.
-    """
-    every_rank = state.get(PER_RANK_KEY) or []
-    rank = process_rank()
-    return every_rank[rank] if rank < len(every_rank) else {}
-
-
-def restore_rollout_state(workflow, resume: dict) -> None:
-    """Let ``workflow`` and its reward continue from a checkpoint's state, each rank from its own entry.
-
-    The workflow's state keeps group ids unique across the resume (a sample
-    strategy may train on experiences from before it). The reward's
-    counters, logged as ``reward_fn/calls``, ``failures/*`` and
-    ``timeouts/*``, are cumulative over the run, evaluations included;
-    restored, a resumed run logs the numbers the uninterrupted one would. A
-    checkpoint without them (older rltk, or components without
-    ``state_dict``) leaves them where they start.
-    """
-    saved = rank_state(resume)
-    for component, key in ((workflow, WORKFLOW_STATE_KEY), (workflow.reward, REWARD_STATE_KEY)):
-        if key in saved and hasattr(component, "load_state_dict"):
-            component.load_state_dict(saved[key])
-
-
-def run_sft_stage(stage: Stage) -> None:
-    """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy.
-
-    With ``sft.stop_at_accuracy`` the stage ends at the first probe (every
-    ``sft.probe_every`` steps) whose greedy accuracy on ``sft.probe_size``
-    training prompts reaches it; ``sft.steps`` is then a cap. Global step
-    numbers still reserve the whole cap for this stage, so the steps of later
-    stages do not depend on when the warm-up stopped.
-    """
-    run, cfg, s = stage.run, stage.cfg, stage.cfg.sft
-    strategy = build_strategy(cfg, run.policy, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps,
-                              lr_schedule=s.lr_schedule)
-    stage.strategy = strategy
-    require_rows_per_rank(strategy, "sft.batch_size", s.batch_size)
-    probing = s.stop_at_accuracy is not None
-    if probing:  # the probe samples from the weights being trained (a whole copy under ZeRO-3)
-        connect_rollout_engine(run.workflow.engine, strategy)
-    # Otherwise nothing samples during this stage, so the rollout engine is not pointed at the
-    # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
-    probe_rows = run.train_rows[: s.probe_size]
-    pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
-    check_demonstrations(cfg, run.train_rows, pairs)  # before the first step: tools and turn caps fit the rollout
-    sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
-    loop = LoopState(sampler)
-    loop.resume(stage, strategy)
-
-    for step in range(loop.step + 1, s.steps + 1):
-        # every rank draws the same global batch and trains on its share of the rows
-        batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
-        metrics = {f"sft/{k}": v for k, v in sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
-                                                      impl=cfg.model.logprob_impl,
-                                                      chunk_size=cfg.model.logprob_chunk_size).items()}
-        reached = False
-        if probing and step % s.probe_every == 0:
-            run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
-            probe = greedy_probe(run.workflow, probe_rows, cfg)
-            metrics["sft/train_accuracy"] = probe["accuracy"]
-            # a probe at accuracy 0 with every episode cut says "raise the length cap", not "train longer"
-            metrics["sft/probe_truncated_fraction"] = probe.get("truncated_fraction", 0.0)
-            reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
-        run.metric_log.log(metrics, stage.first_step + step)
-        stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged
-        last = step if reached else s.steps
-        loop.step = step
-        if should_checkpoint(cfg, step, last):
-            save_checkpoint(stage, strategy, loop, last_step=last)
-        if reached:
-            if process_rank() == 0:
-                print(f"rltk: warm-up reached sft.stop_at_accuracy={s.stop_at_accuracy} "
-                      f"(train accuracy {metrics['sft/train_accuracy']:.3f}) at step {step} of {s.steps}")
-            break

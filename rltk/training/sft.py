@@ -6,7 +6,7 @@ import torch
 
 from rltk.batch import Experience, collate
 from rltk.models.logprobs import response_logprobs
-from rltk.training.rl import lockstep_micro_batches
+from rltk.training.micro_batches import micro_batches
 
 
 def sft_batch(examples: list[tuple[list[int], ...]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -47,9 +47,9 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     ).item()
     total_nll = total_entropy = 0.0
     # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
-    for mb, is_last, padding in lockstep_micro_batches(strategy, batch, micro_batch_size):
-        mb = {k: v.to(strategy.device) for k, v in mb.items()}
-        with strategy.accumulate(is_last):
+    for micro in micro_batches(strategy, batch, micro_batch_size=micro_batch_size):
+        mb, padding = {k: v.to(strategy.device) for k, v in micro.data.items()}, micro.padding
+        with strategy.accumulate(micro.is_last):
             with strategy.autocast():
                 # the fused kernel computes the entropy beside the log-probs anyway; the divergence
                 # guard reads it (a collapse to uniform or to one token)

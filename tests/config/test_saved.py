@@ -11,7 +11,7 @@ import rltk
 from rltk.config import load_config
 from rltk.config.saved import config_to_record, config_yaml_to_record
 from rltk.training.resume import check_compatible
-from rltk.training.setup import build_loggers, prepare_run_dir
+from rltk.training.run_outputs import build_loggers, prepare_run_dir
 
 SECRET = "sk-do-not-write-me-0123456789"
 

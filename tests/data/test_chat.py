@@ -229,7 +229,7 @@ def test_the_sft_step_loss_is_the_mean_nll_of_the_assistant_tokens_only(tokenize
 
 def test_sft_pairs_tokenize_demonstrations_and_plain_rows(tokenizer):
     from rltk.config.errors import ConfigError
-    from rltk.training.setup import sft_pairs
+    from rltk.training.rows import sft_pairs
 
     demo = guess_number("train", 1, 0)[0]
     plain = {"prompt": "1+2=", "ground_truth": "3", "extras": {}, "id": "p"}

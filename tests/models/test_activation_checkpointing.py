@@ -174,7 +174,8 @@ def grpo_update(lora: bool, checkpointing: bool):
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
     from rltk.training.reference import FrozenReference
     from rltk.training.forward import ForwardSettings, batched_logprobs
-    from rltk.training.rl import LossComponents, policy_update
+    from rltk.training.loss_components import LossComponents
+    from rltk.training.rl import policy_update
 
     class Recording(AccelerateStrategy):
         def backward(self, loss):

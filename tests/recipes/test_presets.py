@@ -55,10 +55,11 @@ def parity_reward():
 @pytest.fixture
 def calls(monkeypatch):
     """What the recipe hands the shared training functions, step by step."""
+    import rltk.training.estimator as estimator
     import rltk.training.rl as rl
 
     seen = {"advantages": [], "updates": []}
-    estimate, policy_update = rl.Estimator.__call__, rl.policy_update
+    estimate, policy_update = estimator.Estimator.__call__, rl.policy_update
 
     def recording_advantages(self, batch, strategy=None):
         before = {k: v.clone() for k, v in batch.items()}
@@ -73,7 +74,7 @@ def calls(monkeypatch):
         return update
 
     # The recipes import policy_update when they run, so they get the recording version.
-    monkeypatch.setattr(rl.Estimator, "__call__", recording_advantages)
+    monkeypatch.setattr(estimator.Estimator, "__call__", recording_advantages)
     monkeypatch.setattr(rl, "policy_update", recording_update)
     return seen
 

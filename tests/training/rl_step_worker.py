@@ -97,7 +97,9 @@ def run_steps(strategy, micro: dict | None = None) -> dict:
     import rltk
     from rltk.batch import collate
     from rltk.training.forward import ForwardSettings, old_logprobs_pass
-    from rltk.training.rl import LossComponents, compute_advantages, needs_sum_pi_squared, policy_update
+    from rltk.training.estimator import compute_advantages, needs_sum_pi_squared
+    from rltk.training.loss_components import LossComponents
+    from rltk.training.rl import policy_update
 
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"), entropy_coef=0.01)

@@ -33,7 +33,9 @@ def corrected_update(strategy) -> dict:
     import rltk
     from rltk.batch import collate
     from rltk.training.forward import ForwardSettings, batched_logprobs
-    from rltk.training.rl import LossComponents, compute_advantages, policy_update
+    from rltk.training.estimator import compute_advantages
+    from rltk.training.loss_components import LossComponents
+    from rltk.training.rl import policy_update
 
     batch = collate(steps.local_experiences(0, strategy.rank, strategy.world_size), pad_token_id=0)
     T = batch["response_mask"].shape[1]

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rltk.config.schema import RunConfig
-from rltk.training.run import evaluate
+from rltk.training.evaluation import evaluate
 
 
 class DrawingWorkflow:

@@ -15,7 +15,7 @@ from rltk.buffer.strategies import FilterEqualGroups, OnPolicy
 from rltk.cli import main
 from rltk.data.sampler import RowSampler
 from rltk.training.collect import RolloutPlan, collect_experiences
-from rltk.training.rl import rollout_metrics
+from rltk.training.batch_metrics import rollout_metrics
 
 
 class GroupsWorkflow:
@@ -85,11 +85,11 @@ def test_without_filtering_the_two_sets_agree():
 @pytest.fixture
 def recorded(monkeypatch):
     """Every experience the workflow produced and every batch the trainer read, per RL step."""
-    import rltk.training.rl as rl
+    import rltk.training.estimator as estimator
     from rltk.workflows.single_turn import SingleTurnWorkflow
 
     produced, batches = [], []
-    run, estimate = SingleTurnWorkflow.run, rl.Estimator.__call__
+    run, estimate = SingleTurnWorkflow.run, estimator.Estimator.__call__
 
     def recording_run(self, rows, **kwargs):
         out = run(self, rows, **kwargs)
@@ -102,7 +102,7 @@ def recorded(monkeypatch):
         return advantages, returns
 
     monkeypatch.setattr(SingleTurnWorkflow, "run", recording_run)
-    monkeypatch.setattr(rl.Estimator, "__call__", recording_advantages)
+    monkeypatch.setattr(estimator.Estimator, "__call__", recording_advantages)
     return produced, batches
 
 

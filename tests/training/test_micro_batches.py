@@ -13,7 +13,8 @@ from rltk.batch import Experience, collate
 from rltk.training.micro_batches import micro_batch_count, micro_batches, plan_micro_batches
 from rltk.training.ppo import batched_values, critic_update
 from rltk.training.forward import ForwardSettings, batched_logprobs
-from rltk.training.rl import LossComponents, policy_update
+from rltk.training.loss_components import LossComponents
+from rltk.training.rl import policy_update
 
 
 # ---------------------------------------------------------------- the plan

@@ -10,7 +10,7 @@ import rltk
 from rltk.batch import collate
 from rltk.models.logprobs import positions_from_mask
 from rltk.training.forward import ForwardSettings, batched_logprobs, old_logprobs_pass
-from rltk.training.rl import compute_advantages, needs_sum_pi_squared
+from rltk.training.estimator import compute_advantages, needs_sum_pi_squared
 from tests.training.rl_step_helpers import worker
 
 

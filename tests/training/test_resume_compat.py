@@ -12,7 +12,7 @@ import pytest
 from rltk.checkpoint import CheckpointManager
 from rltk.config import ConfigError, load_config
 from rltk.training.resume import config_differences, resume_or_start_over
-from rltk.training.setup import prepare_run_dir
+from rltk.training.run_outputs import prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO_YAML = REPO / "recipes" / "configs" / "grpo.yaml"

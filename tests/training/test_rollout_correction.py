@@ -21,7 +21,9 @@ import rltk
 from rltk.algorithms.mismatch import rollout_correction
 from rltk.batch import Experience, collate
 from rltk.training.forward import ForwardSettings, batched_logprobs
-from rltk.training.rl import LossComponents, compute_advantages, policy_update
+from rltk.training.estimator import compute_advantages
+from rltk.training.loss_components import LossComponents
+from rltk.training.rl import policy_update
 from rltk.training.rollout_correction import (
     WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask, weighted_loss_agg,
 )

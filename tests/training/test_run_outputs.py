@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from rltk.cli import main
 from rltk.training.export import export_checkpoint
-from rltk.training.run import should_checkpoint
+from rltk.training.stage_checkpoint import should_checkpoint
 
 TINY_RUN = ["sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=2", "trainer.warmup_steps=0",
             "data.train_size=40", "data.eval_size=8", "trainer.prompts_per_step=4", "rollout.n=2",

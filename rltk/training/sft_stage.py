@@ -1,0 +1,68 @@
+"""The supervised warm-up stage: cross-entropy on solved examples before RL (the step is :mod:`rltk.training.sft`)."""
+
+from __future__ import annotations
+
+from rltk.config.env_checks import check_demonstrations
+from rltk.data.sampler import RowSampler
+from rltk.distributed import process_rank
+from rltk.training.engine_weights import connect_rollout_engine
+from rltk.training.evaluation import greedy_probe
+from rltk.training.loop_state import LoopState
+from rltk.training.run import Stage, require_rows_per_rank
+from rltk.training.rows import sft_pairs, tool_schemas
+from rltk.training.setup import build_strategy
+from rltk.training.sft import sft_batch, sft_step
+from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+
+
+def run_sft_stage(stage: Stage) -> None:
+    """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy.
+
+    With ``sft.stop_at_accuracy`` the stage ends at the first probe (every
+    ``sft.probe_every`` steps) whose greedy accuracy on ``sft.probe_size``
+    training prompts reaches it; ``sft.steps`` is then a cap. Global step
+    numbers still reserve the whole cap for this stage, so the steps of later
+    stages do not depend on when the warm-up stopped.
+    """
+    run, cfg, s = stage.run, stage.cfg, stage.cfg.sft
+    strategy = build_strategy(cfg, run.policy, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps,
+                              lr_schedule=s.lr_schedule)
+    stage.strategy = strategy
+    require_rows_per_rank(strategy, "sft.batch_size", s.batch_size)
+    probing = s.stop_at_accuracy is not None
+    if probing:  # the probe samples from the weights being trained (a whole copy under ZeRO-3)
+        connect_rollout_engine(run.workflow.engine, strategy)
+    # Otherwise nothing samples during this stage, so the rollout engine is not pointed at the
+    # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
+    probe_rows = run.train_rows[: s.probe_size]
+    pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
+    check_demonstrations(cfg, run.train_rows, pairs)  # before the first step: tools and turn caps fit the rollout
+    sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
+    loop = LoopState(sampler)
+    loop.resume(stage, strategy)
+
+    for step in range(loop.step + 1, s.steps + 1):
+        # every rank draws the same global batch and trains on its share of the rows
+        batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
+        metrics = {f"sft/{k}": v for k, v in sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
+                                                      impl=cfg.model.logprob_impl,
+                                                      chunk_size=cfg.model.logprob_chunk_size).items()}
+        reached = False
+        if probing and step % s.probe_every == 0:
+            run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+            probe = greedy_probe(run.workflow, probe_rows, cfg)
+            metrics["sft/train_accuracy"] = probe["accuracy"]
+            # a probe at accuracy 0 with every episode cut says "raise the length cap", not "train longer"
+            metrics["sft/probe_truncated_fraction"] = probe.get("truncated_fraction", 0.0)
+            reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
+        run.metric_log.log(metrics, stage.first_step + step)
+        stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged
+        last = step if reached else s.steps
+        loop.step = step
+        if should_checkpoint(cfg, step, last):
+            save_checkpoint(stage, strategy, loop, last_step=last)
+        if reached:
+            if process_rank() == 0:
+                print(f"rltk: warm-up reached sft.stop_at_accuracy={s.stop_at_accuracy} "
+                      f"(train accuracy {metrics['sft/train_accuracy']:.3f}) at step {step} of {s.steps}")
+            break
