@@ -117,3 +117,43 @@ def limit_torch_threads() -> int:
     if torch.get_num_threads() > share:
         torch.set_num_threads(share)
     return torch.get_num_threads()
+
+
+def ensure_single_process_environment() -> None:
+    """Fill in the rendezvous variables for a process started without a launcher.
+
+    ``torchrun`` and the ``deepspeed`` launcher export ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``;
+    ``deepspeed.init_distributed`` needs them even for one process. When none of
+    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` is set (and no MPI launcher is
+    detected), this sets a one-process world on ``127.0.0.1`` with a free port.
+    A partly set environment is an error naming what is missing.
+    """
+    rank_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    present = [name for name in rank_vars if name in os.environ]
+    if not present:
+        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+            return  # MPI launch: deepspeed.init_distributed discovers ranks itself
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_local_port()))
+        return
+    missing = [name for name in (*rank_vars, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if "LOCAL_RANK" in missing and os.environ.get("WORLD_SIZE") == "1":
+        os.environ["LOCAL_RANK"] = "0"
+        missing.remove("LOCAL_RANK")
+    if os.environ.get("WORLD_SIZE") == "1":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_ADDR" in missing:
+            missing.remove("MASTER_ADDR")
+        if "MASTER_PORT" in missing:
+            os.environ["MASTER_PORT"] = str(free_local_port())
+            missing.remove("MASTER_PORT")
+    if missing:
+        raise RuntimeError(
+            f"DeepSpeedStrategy: the distributed environment is incomplete: {', '.join(present)} "
+            f"{'is' if len(present) == 1 else 'are'} set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not. Start the script with a launcher "
+            "(`torchrun --nproc_per_node N script.py` or `deepspeed --num_gpus N script.py`), or unset "
+            "RANK/WORLD_SIZE/LOCAL_RANK to run a single process."
+        )

@@ -22,7 +22,7 @@ under Accelerate:
   so ``engine.backward`` only accumulates and ``engine.step`` is the
   accumulation boundary, however many micro-batches preceded it.
 
-How rltk's settings map onto the DeepSpeed config (see :func:`derive_deepspeed_config`)::
+How rltk's settings map onto the DeepSpeed config (see :func:`rltk.strategies.deepspeed_config.derive_deepspeed_config`)::
 
     setup(grad_clip=c)            -> "gradient_clipping": c  (0 when None)
     zero_stage=s                  -> "zero_optimization": {"stage": s}
@@ -37,19 +37,21 @@ How rltk's settings map onto the DeepSpeed config (see :func:`derive_deepspeed_c
 A raw DeepSpeed config (``config=`` a dict or a JSON file) is merged over the
 derived one, key by key; a value ``"auto"`` (as in Hugging Face examples)
 keeps rltk's value. Sections that would contradict rltk (``optimizer``,
-``scheduler``, accumulation) are refused with the reason.
+``scheduler``, accumulation) are refused with the reason
+(:mod:`rltk.strategies.deepspeed_config`). Checkpoint conversion and export,
+which need no process group, are :mod:`rltk.strategies.deepspeed_checkpoint`.
 
 Launching: ``torchrun --nproc_per_node N recipe.py``, ``deepspeed
 --num_gpus N recipe.py`` (or ``--hostfile`` for several nodes). The
 ``deepspeed`` launcher appends ``--local_rank=N`` to the script's arguments;
-:func:`strip_local_rank_argument` removes it before argument parsing. A plain
+:func:`rltk.distributed.strip_local_rank_argument` removes it before argument parsing. A plain
 ``python recipe.py`` runs one process: the rendezvous variables are filled in
 with a free local port.
 
 Checkpoints (:meth:`DeepSpeedStrategy.save`) hold DeepSpeed's own sharded
 checkpoint (``deepspeed/``, one optimizer shard per rank, read back by
 DeepSpeed's loader) plus, by default, the full fp32 weights as a plain Hugging
-Face folder (``model/``, safetensors) that :func:`export_model_folder` copies and
+Face folder (``model/``, safetensors) that :func:`~rltk.strategies.deepspeed_checkpoint.export_model_folder` copies and
 ``from_pretrained`` loads. The rollout engine gets full weights from
 :meth:`DeepSpeedStrategy.full_state_dict`, which gathers ZeRO-3 partitions.
 
@@ -71,13 +73,13 @@ back): DeepSpeed's shards are tied to the world size that wrote them, so
 (``ds_to_universal``, written beside them as ``deepspeed_universal/``) and
 loads that; weights, Adam moments and the schedule all carry over. Between
 ZeRO-1/2 and ZeRO-3 DeepSpeed 0.19 cannot convert; start from ``model/``
-then (see :func:`check_resumable`).
+then (see :func:`~rltk.strategies.deepspeed_checkpoint.check_resumable`).
 
 Loading never unpickles freely. DeepSpeed's readers call ``torch.load(...,
 weights_only=False)``, so every read of its files (resume, universal
 conversion, export) runs inside
 :func:`rltk.serialization.weights_only_everywhere` with
-:func:`deepspeed_checkpoint_globals` as the only classes allowed beyond
+:func:`~rltk.strategies.deepspeed_checkpoint.deepspeed_checkpoint_globals` as the only classes allowed beyond
 tensors and plain data, after :func:`rltk.serialization.check_torch_files`
 has checked each file (memory-mapped) so that a refused one is named.
 """
@@ -90,7 +92,6 @@ import json
 import logging
 import math
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
@@ -99,7 +100,8 @@ import torch
 from torch import nn
 
 import rltk
-from rltk.distributed import free_local_port, seed_everything
+from rltk.distributed import ensure_single_process_environment, seed_everything
+from rltk.models.folders import save_model_folder
 from rltk.models.lora import adapter_live_names, is_lora_model
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.registry import unknown_name_message
@@ -114,230 +116,23 @@ from rltk.strategies.base import (
     build_lr_scheduler,
     check_mixed_precision,
 )
-from rltk.models.folders import load_model_folder, save_model_folder
+from rltk.strategies.deepspeed_checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_TAG,
+    DEEPSPEED_SUBDIR,
+    MODEL_CONFIG_SUBDIR,
+    UNIVERSAL_SUBDIR,
+    check_resumable,
+    convert_to_universal,
+    deepspeed_checkpoint_globals,
+    read_checkpoint_meta,
+    save_model_config,
+)
+from rltk.strategies.deepspeed_config import (
+    ZERO_STAGES, read_deepspeed_config, resolve_deepspeed_config, summarize_deepspeed_config,
+)
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = "rltk-deepspeed-v1"
-DEEPSPEED_SUBDIR = "deepspeed"
-UNIVERSAL_SUBDIR = "deepspeed_universal"
-MODEL_CONFIG_SUBDIR = "model_config"  # config.json etc. when save_full_weights=False
-CHECKPOINT_TAG = "state"
-ZERO_STAGES = (1, 2, 3)
-
-# Keys rltk owns: a raw DeepSpeed config may not set them (other than to "auto" or rltk's own value).
-_RLTK_OWNED_KEYS = {
-    "optimizer": "rltk passes its own torch AdamW, built from setup(lr=..., betas=..., eps=..., weight_decay=...)",
-    "scheduler": "rltk passes its own LambdaLR, built from setup(warmup_steps=..., lr_schedule=..., min_lr_ratio=...)",
-}
-_FIXED_KEYS = {
-    "gradient_accumulation_steps": (1, "rltk accumulates micro-batches itself: every backward() before step() "
-                                       "accumulates, step() ends the accumulation"),
-    "managed_gradient_accumulation": (False, "rltk, not DeepSpeed's micro-step counter, decides when a step ends"),
-}
-
-
-# --------------------------------------------------------------------------
-# Launch environment
-# --------------------------------------------------------------------------
-
-
-def ensure_single_process_environment() -> None:
-    """Fill in the rendezvous variables for a process started without a launcher.
-
-    ``torchrun`` and the ``deepspeed`` launcher export ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``;
-    ``deepspeed.init_distributed`` needs them even for one process. When none of
-    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` is set (and no MPI launcher is
-    detected), this sets a one-process world on ``127.0.0.1`` with a free port.
-    A partly set environment is an error naming what is missing.
-    """
-    rank_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    present = [name for name in rank_vars if name in os.environ]
-    if not present:
-        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-            return  # MPI launch: deepspeed.init_distributed discovers ranks itself
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_local_port()))
-        return
-    missing = [name for name in (*rank_vars, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if "LOCAL_RANK" in missing and os.environ.get("WORLD_SIZE") == "1":
-        os.environ["LOCAL_RANK"] = "0"
-        missing.remove("LOCAL_RANK")
-    if os.environ.get("WORLD_SIZE") == "1":
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_ADDR" in missing:
-            missing.remove("MASTER_ADDR")
-        if "MASTER_PORT" in missing:
-            os.environ["MASTER_PORT"] = str(free_local_port())
-            missing.remove("MASTER_PORT")
-    if missing:
-        raise RuntimeError(
-            f"DeepSpeedStrategy: the distributed environment is incomplete: {', '.join(present)} "
-            f"{'is' if len(present) == 1 else 'are'} set but {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not. Start the script with a launcher "
-            "(`torchrun --nproc_per_node N script.py` or `deepspeed --num_gpus N script.py`), or unset "
-            "RANK/WORLD_SIZE/LOCAL_RANK to run a single process."
-        )
-
-
-# --------------------------------------------------------------------------
-# The DeepSpeed config
-# --------------------------------------------------------------------------
-
-
-def derive_deepspeed_config(*, zero_stage: int, offload_optimizer: bool, offload_params: bool,
-                            mixed_precision: str, grad_clip: float | None, world_size: int,
-                            pin_memory: bool = False) -> dict[str, Any]:
-    """The DeepSpeed config rltk derives from its own settings (mapping in the module docstring).
-
-    ``pin_memory`` pins offloaded CPU buffers for faster host-device copies;
-    it only helps (and is only allowed) with a GPU.
-    """
-    zero: dict[str, Any] = {"stage": zero_stage}
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
-    if offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "train_batch_size": world_size,
-        "gradient_accumulation_steps": 1,
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": float(grad_clip) if grad_clip else 0.0,
-        "zero_optimization": zero,
-        "bf16": {"enabled": mixed_precision == "bf16"},
-        # loss_scale 0 = dynamic loss scaling; an overflow skips the step and halves the scale.
-        "fp16": {"enabled": mixed_precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        "wall_clock_breakdown": False,
-    }
-    if offload_optimizer or offload_params:
-        # Without this DeepSpeed replaces the torch AdamW by its CPU Adam (a 1-2 minute compile).
-        config["zero_force_ds_cpu_optimizer"] = False
-    return config
-
-
-def read_deepspeed_config(config: str | Path | Mapping | None) -> dict[str, Any]:
-    """A raw DeepSpeed config as a plain dict: from a JSON file path, a mapping (or OmegaConf node), or ``{}``."""
-    if config is None:
-        return {}
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        if not path.is_file():
-            raise FileNotFoundError(f"DeepSpeedStrategy: config='{path}' is not a file; pass the path of a "
-                                    "DeepSpeed JSON config, a dict, or None.")
-        try:
-            loaded = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"DeepSpeedStrategy: config file '{path}' is not valid JSON: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ValueError(f"DeepSpeedStrategy: config file '{path}' must hold a JSON object, "
-                             f"got {type(loaded).__name__}.")
-        return loaded
-    if hasattr(config, "_metadata") and hasattr(config, "_content"):  # an OmegaConf DictConfig
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(config, resolve=True)
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise TypeError(f"DeepSpeedStrategy: config={config!r} must be a path to a DeepSpeed JSON file, a dict, "
-                    "or None.")
-
-
-def merge_deepspeed_config(derived: dict[str, Any], user: dict[str, Any], path: str = "") -> dict[str, Any]:
-    """``user`` merged over ``derived``, recursively; a user value ``"auto"`` keeps the derived one.
-
-    Raises for a key rltk owns (``optimizer``, ``scheduler``, accumulation
-    settings other than rltk's), and for ``"auto"`` where rltk has nothing to
-    fill in, naming the key path.
-    """
-    merged = copy.deepcopy(derived)
-    for key, value in user.items():
-        where = f"{path}{key}"
-        if not path and key in _RLTK_OWNED_KEYS:
-            raise ValueError(f"DeepSpeed config key '{where}' is not allowed: {_RLTK_OWNED_KEYS[key]}. "
-                             f"Remove '{where}' from the DeepSpeed config.")
-        if not path and key in _FIXED_KEYS and value != "auto" and value != _FIXED_KEYS[key][0]:
-            required, reason = _FIXED_KEYS[key]
-            raise ValueError(f"DeepSpeed config key '{where}'={value!r} is not supported: {reason}. "
-                             f"Remove it or set it to {json.dumps(required)}.")
-        if value == "auto":
-            if key not in derived:
-                raise ValueError(f"DeepSpeed config key '{where}' is \"auto\" but rltk derives no value for it; "
-                                 f"set it explicitly. rltk fills in: {', '.join(sorted(derived))}.")
-            continue
-        if isinstance(value, Mapping) and isinstance(derived.get(key), Mapping):
-            merged[key] = merge_deepspeed_config(dict(derived[key]), dict(value), f"{where}.")
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def summarize_deepspeed_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings rltk reads back from a merged DeepSpeed config: ZeRO stage, offload, precision."""
-    zero = config.get("zero_optimization") or {}
-
-    def offloaded(section: str) -> bool:
-        return (zero.get(section) or {}).get("device", "none") not in (None, "none")
-
-    bf16 = bool((config.get("bf16") or {}).get("enabled"))
-    fp16 = bool((config.get("fp16") or {}).get("enabled"))
-    return {
-        "zero_stage": zero.get("stage"),
-        "offload_optimizer": offloaded("offload_optimizer"),
-        "offload_params": offloaded("offload_param"),
-        "mixed_precision": "bf16" if bf16 else "fp16" if fp16 else "no",
-        "both_precisions": bf16 and fp16,
-    }
-
-
-def resolve_deepspeed_config(*, zero_stage: int, offload_optimizer: bool, offload_params: bool,
-                             mixed_precision: str, user_config: dict[str, Any], world_size: int,
-                             device: torch.device) -> dict[str, Any]:
-    """Derive rltk's DeepSpeed config, merge ``user_config`` over it and check the result.
-
-    The ``gradient_clipping`` placeholder is filled in by ``setup(grad_clip=...)``
-    unless ``user_config`` sets it. Raises ``ValueError`` naming the DeepSpeed key
-    and what is valid for: a ZeRO stage other than 1-3, parameter offload below
-    ZeRO-3, bf16 and fp16 together, a precision the device cannot run, and a
-    ``train_batch_size`` that DeepSpeed would reject.
-    """
-    config = merge_deepspeed_config(
-        derive_deepspeed_config(zero_stage=zero_stage, offload_optimizer=offload_optimizer,
-                                offload_params=offload_params, mixed_precision=mixed_precision, grad_clip=None,
-                                world_size=world_size, pin_memory=device.type == "cuda"),
-        user_config,
-    )
-    summary = summarize_deepspeed_config(config)
-    stage = summary["zero_stage"]
-    if isinstance(stage, bool) or stage not in ZERO_STAGES:
-        raise ValueError(f"DeepSpeed config key 'zero_optimization.stage'={stage!r} is invalid; valid: 1, 2, 3 "
-                         "(for plain data parallelism use training_strategy=accelerate).")
-    if summary["offload_params"] and stage != 3:
-        raise ValueError(
-            f"offload_params=True (DeepSpeed key 'zero_optimization.offload_param.device') needs zero_stage=3, "
-            f"got zero_stage={stage}: only ZeRO-3 partitions parameters. Use offload_optimizer=True with "
-            "ZeRO-1/2, or zero_stage=3."
-        )
-    if summary["both_precisions"]:
-        raise ValueError("DeepSpeed config enables both 'bf16.enabled' and 'fp16.enabled'; choose one "
-                         "(mixed_precision='bf16' or 'fp16').")
-    check_mixed_precision(summary["mixed_precision"], device)
-    micro = config.get("train_micro_batch_size_per_gpu")
-    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
-        raise ValueError(f"DeepSpeed config key 'train_micro_batch_size_per_gpu'={micro!r} must be an integer >= 1.")
-    expected = micro * world_size  # gradient_accumulation_steps is always 1
-    if "train_batch_size" in user_config and user_config["train_batch_size"] != "auto":
-        if config["train_batch_size"] != expected:
-            raise ValueError(
-                f"DeepSpeed config key 'train_batch_size'={config['train_batch_size']!r} must equal "
-                f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size = {micro} x 1 x "
-                f"{world_size} = {expected}; rltk does not use DeepSpeed's data loader, so remove it or set it "
-                "to \"auto\"."
-            )
-    config["train_batch_size"] = expected
-    return config
 
 
 # --------------------------------------------------------------------------
@@ -851,154 +646,6 @@ class DeepSpeedStrategy(TrainingStrategy):
             "mixed_precision": self.mixed_precision,
             "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
-
-
-# --------------------------------------------------------------------------
-# Checkpoint conversion and export (no process group needed)
-# --------------------------------------------------------------------------
-
-
-def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
-    """``strategy.json`` of a checkpoint written by :meth:`DeepSpeedStrategy.save`, checked."""
-    directory = Path(directory)
-    meta_path = directory / STRATEGY_META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"'{directory}' has no {STRATEGY_META_FILE}: it is not a checkpoint written by "
-                                "DeepSpeedStrategy.save() (or it is incomplete).")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(
-            f"checkpoint '{directory}' has format {meta.get('format')!r} (strategy {meta.get('strategy')!r}); "
-            f"DeepSpeedStrategy reads {CHECKPOINT_FORMAT!r}. Resume with the strategy that wrote it, or start "
-            f"from its exported model folder '{directory / MODEL_SUBDIR}'."
-        )
-    tag = meta.setdefault("tag", CHECKPOINT_TAG)
-    # DeepSpeed joins the tag to the checkpoint folder: a path in it would read files from elsewhere.
-    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or "\\" in tag:
-        raise ValueError(f"checkpoint '{directory}' names DeepSpeed tag {tag!r} in {STRATEGY_META_FILE}; a tag is "
-                         f"a plain folder name under '{DEEPSPEED_SUBDIR}/' (rltk writes {CHECKPOINT_TAG!r}).")
-    return meta
-
-
-def deepspeed_checkpoint_globals() -> list[Any]:
-    """The classes DeepSpeed 0.19 pickles into its checkpoint files besides tensors and plain data.
-
-    Measured on ZeRO-1/2/3 checkpoints (fp32, bf16, CPU offload) and their
-    universal conversions: the loss scaler (static, or dynamic under fp16), the
-    ZeRO stage enum, and ZeRO-1/2's fragment addresses. Each only stores the
-    values it is built with, so constructing one from a file runs no code of
-    the file's choosing. A newer DeepSpeed that pickles another class fails to
-    resume with an error naming that class, never by loading it unchecked.
-    """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def save_model_config(module: nn.Module, directory: Path) -> None:
-    """Write a Hugging Face model's ``config.json`` (and generation config) without its weights.
-
-    Modules without a Hugging Face config leave ``directory`` empty.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        return
-    config = copy.deepcopy(config)
-    config.architectures = [type(module).__name__]  # what save_pretrained records, so AutoModel finds it
-    config.save_pretrained(directory)
-    generation_config = getattr(module, "generation_config", None)
-    if generation_config is not None and hasattr(generation_config, "save_pretrained"):
-        generation_config.save_pretrained(directory)
-
-
-def check_resumable(meta: dict[str, Any], zero_stage: int, directory: str | Path) -> None:
-    """Raise unless a checkpoint described by ``meta`` can resume under ``zero_stage``.
-
-    Measured with DeepSpeed 0.19 (universal checkpoints, any process counts):
-    ZeRO-1 <-> ZeRO-2 and ZeRO-3 -> ZeRO-3 resume with weights, Adam moments
-    and schedule; between ZeRO-1/2 and ZeRO-3 (either way) the converted
-    checkpoint does not load, because ZeRO-3 keeps one model-state file per
-    rank and ZeRO-1/2 a single one.
-    """
-    saved = meta.get("zero_stage")
-    if saved is not None and (saved == 3) != (zero_stage == 3):
-        raise ValueError(
-            f"checkpoint '{directory}' was written under ZeRO-{saved} and cannot resume under ZeRO-{zero_stage}: "
-            "DeepSpeed converts checkpoints between process counts and between ZeRO-1 and ZeRO-2, but not "
-            f"between ZeRO-1/2 and ZeRO-3. Resume with zero_stage={saved}"
-            f"{' (or the other of 1 and 2)' if saved != 3 else ''}, or start a new run from the full weights in "
-            f"'{Path(directory) / MODEL_SUBDIR}' (the optimizer state starts fresh then)."
-        )
-
-
-def convert_to_universal(deepspeed_dir: str | Path, output_dir: str | Path, *, tag: str = CHECKPOINT_TAG) -> Path:
-    """Convert DeepSpeed's sharded checkpoint into a universal checkpoint (``ds_to_universal``).
-
-    A universal checkpoint stores every parameter's fp32 weight and Adam moments
-    whole, so it loads under any number of processes and any ZeRO stage. Runs
-    in this process only (no process group); returns ``output_dir``.
-    """
-    import argparse
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    deepspeed_dir, output_dir = Path(deepspeed_dir), Path(output_dir)
-    if not (deepspeed_dir / tag).is_dir():
-        raise FileNotFoundError(f"no DeepSpeed checkpoint '{deepspeed_dir / tag}' to convert.")
-    allowed = deepspeed_checkpoint_globals()
-    check_torch_files(deepspeed_dir / tag, allowed_globals=allowed)
-    # Convert beside the target and rename at the end: a conversion killed half-way is never mistaken
-    # for a finished one.
-    staging = output_dir.with_name(output_dir.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    args = argparse.Namespace(
-        input_folder=str(deepspeed_dir / tag), output_folder=str(staging / tag), num_extract_workers=1,
-        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False,
-    )
-    with weights_only_everywhere(allowed):  # ds_to_universal reads the shards with weights_only=False
-        ds_to_universal.main(args)
-    (staging / "latest_universal").write_text(tag)
-    shutil.rmtree(output_dir, ignore_errors=True)
-    os.replace(staging, output_dir)
-    return output_dir
-
-
-def export_model_folder(checkpoint: str | Path, output_dir: str | Path) -> Path:
-    """Write a plain Hugging Face model folder (safetensors) from a :class:`DeepSpeedStrategy` checkpoint.
-
-    Copies the checkpoint's ``model/`` folder when it was saved with
-    ``save_full_weights=True``. Otherwise consolidates the fp32 weights from
-    DeepSpeed's shards (``zero_to_fp32``: any ZeRO stage and process count, one
-    process, no GPU) into ``model.safetensors`` beside the model config that
-    :meth:`DeepSpeedStrategy.save` kept in ``model_config/``. Returns ``output_dir``.
-    """
-    from safetensors.torch import save_file
-
-    checkpoint, output_dir = Path(checkpoint), Path(output_dir)
-    meta = read_checkpoint_meta(checkpoint)
-    full_weights = checkpoint / MODEL_SUBDIR
-    if full_weights.is_dir():
-        load_model_folder(full_weights)  # fails with a clear message if the folder holds no weights
-        shutil.copytree(full_weights, output_dir, dirs_exist_ok=True)
-        return output_dir
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    allowed = deepspeed_checkpoint_globals()
-    check_torch_files(checkpoint / DEEPSPEED_SUBDIR / meta["tag"], allowed_globals=allowed)
-    with weights_only_everywhere(allowed):  # zero_to_fp32 reads the shards with weights_only=False
-        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / DEEPSPEED_SUBDIR), tag=meta["tag"])
-    output_dir.mkdir(parents=True, exist_ok=True)
-    # safetensors refuses tensors sharing storage (tied weights): store each key's own copy.
-    save_file({name: tensor.contiguous().clone() for name, tensor in state.items()},
-              str(output_dir / "model.safetensors"), metadata={"format": "pt"})
-    config_dir = checkpoint / MODEL_CONFIG_SUBDIR
-    if config_dir.is_dir():
-        for item in config_dir.iterdir():
-            shutil.copy2(item, output_dir / item.name)
-    return output_dir
 
 
 @rltk.hookimpl

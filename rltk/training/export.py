@@ -77,7 +77,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, merge: boo
         give_default_mode(written)
         return out_dir
     if not (model_dir / "config.json").is_file():
-        from rltk.strategies.deepspeed_strategy import export_model_folder
+        from rltk.strategies.deepspeed_checkpoint import export_model_folder
 
         model_dir = export_model_folder(checkpoint, out_dir / ".consolidated")
     _refuse_non_empty(out_dir)

@@ -45,7 +45,7 @@ def main() -> int:
     import deepspeed
 
     from rltk.models.logprobs import response_logprobs, response_logprobs_naive
-    from rltk.strategies.deepspeed_strategy import ensure_single_process_environment
+    from rltk.distributed import ensure_single_process_environment
 
     ensure_single_process_environment()
     deepspeed.init_distributed(dist_backend="gloo")

@@ -58,13 +58,13 @@ def planted_copy(checkpoint: Path, work: Path, relative: str, marker: Path) -> P
 def run_stage(stage: int, out_dir: Path, marker: Path) -> tuple[dict, object]:
     from rltk.checkpoint import CheckpointManager
     from rltk.serialization import weights_only_everywhere
-    from rltk.strategies.deepspeed_strategy import (
+    from rltk.strategies.deepspeed_checkpoint import (
         DEEPSPEED_SUBDIR,
-        DeepSpeedStrategy,
         convert_to_universal,
         deepspeed_checkpoint_globals,
         export_model_folder,
     )
+    from rltk.strategies.deepspeed_strategy import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy(zero_stage=stage, **({"config": ZERO3_CONFIG} if stage == 3 else {}))
     strategy.setup(shared.tiny_qwen2(seed=0), **shared.SETUP)

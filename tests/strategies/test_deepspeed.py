@@ -33,18 +33,15 @@ from hypothesis import strategies as st
 
 import rltk
 from rltk.strategies.base import OptimizerSettings, TrainingStrategy, build_adamw, build_lr_scheduler
-from rltk.distributed import free_local_port, strip_local_rank_argument
-from rltk.strategies.deepspeed_strategy import (
-    DeepSpeedStrategy,
-    check_resumable,
+from rltk.distributed import ensure_single_process_environment, free_local_port, strip_local_rank_argument
+from rltk.strategies.deepspeed_checkpoint import check_resumable, export_model_folder, read_checkpoint_meta
+from rltk.strategies.deepspeed_config import (
     derive_deepspeed_config,
-    ensure_single_process_environment,
-    export_model_folder,
     merge_deepspeed_config,
-    read_checkpoint_meta,
     read_deepspeed_config,
     resolve_deepspeed_config,
 )
+from rltk.strategies.deepspeed_strategy import DeepSpeedStrategy
 
 HERE = Path(__file__).parent
 CPU = torch.device("cpu")
