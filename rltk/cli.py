@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="LoRA checkpoints: fold the adapter into the base model and write a plain model folder "
                         "(default: the adapter folder)")
-    from rltk.serve.cli import add_parser as add_serve_parser
+    from rltk.serve_command import add_parser as add_serve_parser
 
     add_serve_parser(sub)
     return parser
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return cmd_export(args)
         if args.command == "serve":
-            from rltk.serve.cli import cmd_serve
+            from rltk.serve_command import cmd_serve
 
             return cmd_serve(args)
         return cmd_run(args, extra)

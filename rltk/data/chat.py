@@ -25,7 +25,7 @@ never re-tokenized), so the warm-up teaches the very token sequence RL samples.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -112,11 +112,40 @@ def split_transcript(messages: list[dict]) -> tuple[list[dict], list[dict] | Non
     return list(messages[:first]), list(messages)
 
 
-def render(tokenizer, messages: list[dict], *, tools: list[dict] | None = None,
-           add_generation_prompt: bool = False) -> str:
-    """``messages`` as text through the tokenizer's chat template (``tools`` rendered where it puts them)."""
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+def template_name(tokenizer: Any) -> str:
+    """How errors name a tokenizer's chat template: its ``name_or_path`` or its class."""
+    return f"the chat template of tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
+
+
+def render_text(tokenizer: Any, messages: Sequence[Mapping], *, tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """``messages`` rendered by the tokenizer's chat template as text (``tools`` as its ``tools=``)."""
+    try:
+        return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as exc:
+        roles = [m.get("role") for m in messages]
+        raise ValueError(f"{template_name(tokenizer)} cannot render messages with roles {roles}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
+def render_ids(tokenizer: Any, messages: Sequence[Mapping], *, tools: list[dict] | None = None,
+               add_generation_prompt: bool = True) -> list[int]:
+    """``messages`` rendered by the chat template and tokenized, as the template itself tokenizes them.
+
+    This is ``tokenizer.apply_chat_template(messages, tools=tools,
+    add_generation_prompt=True, tokenize=True)``: the opening of an episode.
+    """
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=True, return_dict=False,
+                                            add_generation_prompt=add_generation_prompt)
+    except Exception as exc:
+        roles = [m.get("role") for m in messages]
+        raise ValueError(f"{template_name(tokenizer)} cannot render messages with roles {roles}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if isinstance(ids, Mapping):  # tokenizers that return an encoding whatever return_dict says
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def tokenize_transcript(
@@ -152,7 +181,7 @@ def tokenize_transcript(
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    rendered = render(tokenizer, messages[:first], tools=tools, add_generation_prompt=True)
+    rendered = render_text(tokenizer, messages[:first], tools=tools, add_generation_prompt=True)
     prompt_ids = encode(rendered)
     response_ids: list[int] = []
     loss_mask: list[int] = []
@@ -160,15 +189,15 @@ def tokenize_transcript(
         role = messages[j]["role"]
         if role == "assistant" and messages[j - 1]["role"] == "assistant":
             # two assistant turns in a row: the second one's generation prompt is the template's, not the model's
-            prompt = render(tokenizer, messages[:j], tools=tools, add_generation_prompt=True)
+            prompt = render_text(tokenizer, messages[:j], tools=tools, add_generation_prompt=True)
             if prompt.startswith(rendered):  # else the check below names the template's problem
                 ids = encode(prompt[len(rendered):])
                 response_ids += ids
                 loss_mask += [0] * len(ids)
                 rendered = prompt
         next_is_assistant = j + 1 < len(messages) and messages[j + 1]["role"] == "assistant"
-        text = render(tokenizer, messages[: j + 1], tools=tools,
-                      add_generation_prompt=role != "assistant" and next_is_assistant)
+        text = render_text(tokenizer, messages[: j + 1], tools=tools,
+                           add_generation_prompt=role != "assistant" and next_is_assistant)
         if not text.startswith(rendered):
             raise ValueError(
                 f"tokenize_transcript: the chat template renders messages 0..{j} so that the rendering of messages "

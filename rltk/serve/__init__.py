@@ -15,6 +15,10 @@
 * :mod:`rltk.serve.sessions`: records a request's exact token ids and log-probs under
   its session id (bounded), and stitches a session into trajectories by token prefix.
 
+The endpoint sits beside the rollout engines and workflows (the ``agentic`` workflow runs one in its
+own process) and imports nothing above them; the ``rltk serve`` command, which finds and checks a
+run's weights first, is :mod:`rltk.serve_command`.
+
 The web stack (FastAPI, uvicorn, and the ``openai`` client agents use) is an optional
 dependency: ``import rltk`` never needs it, and :func:`require_serve_dependencies`
 turns its absence into one error naming the extra to install.

@@ -326,7 +326,7 @@ def render_chat(state, messages: list[dict], tools: list[dict] | None) -> list[i
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the served model's tokenizer has no chat template; use /v1/completions with a "
                             "prompt instead", param="messages")
-    from rltk.workflows.chat import render_ids
+    from rltk.data.chat import render_ids
 
     try:  # the rendering multi_turn opens its episodes with, so both give one prompt the same ids
         ids = render_ids(tokenizer, messages, tools=tools)

@@ -4,7 +4,8 @@ What a multi-turn workflow needs and a plugin author should not rewrite (or
 reach into ``SingleTurnWorkflow``'s private methods for):
 
 * :func:`render_ids` / :func:`render_text`: chat messages (and tool schemas)
-  through the tokenizer's chat template.
+  through the tokenizer's chat template (defined in :mod:`rltk.data.chat`, beside
+  the warm-up's transcripts, so the endpoint renders requests the same way).
 * :class:`TurnRenderer`: token-in/token-out continuation of a transcript.
   After an assistant turn it returns the ids of the newly appended
   observation messages plus the next generation prompt, **without
@@ -20,47 +21,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rltk.data.chat import render_ids, render_text, template_name
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
 from rltk.workflows.base import score_samples
 
+__all__ = ["TurnRenderer", "generate_checked", "render_ids", "render_text", "row_messages", "score_responses",
+           "template_name"]
+
 #: Assistant content used to find what a template writes after an assistant message (see TurnRenderer).
 _PROBE = "rltk-probe-7f3a"
-
-
-def template_name(tokenizer: Any) -> str:
-    """How errors name a tokenizer's chat template: its ``name_or_path`` or its class."""
-    return f"the chat template of tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
-
-
-def render_text(tokenizer: Any, messages: Sequence[Mapping], *, tools: list[dict] | None = None,
-                add_generation_prompt: bool = True) -> str:
-    """``messages`` rendered by the tokenizer's chat template as text (``tools`` as its ``tools=``)."""
-    try:
-        return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as exc:
-        roles = [m.get("role") for m in messages]
-        raise ValueError(f"{template_name(tokenizer)} cannot render messages with roles {roles}: "
-                         f"{type(exc).__name__}: {exc}") from exc
-
-
-def render_ids(tokenizer: Any, messages: Sequence[Mapping], *, tools: list[dict] | None = None,
-               add_generation_prompt: bool = True) -> list[int]:
-    """``messages`` rendered by the chat template and tokenized, as the template itself tokenizes them.
-
-    This is ``tokenizer.apply_chat_template(messages, tools=tools,
-    add_generation_prompt=True, tokenize=True)``: the opening of an episode.
-    """
-    try:
-        ids = tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=True, return_dict=False,
-                                            add_generation_prompt=add_generation_prompt)
-    except Exception as exc:
-        roles = [m.get("role") for m in messages]
-        raise ValueError(f"{template_name(tokenizer)} cannot render messages with roles {roles}: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    if isinstance(ids, Mapping):  # tokenizers that return an encoding whatever return_dict says
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def row_messages(row: Mapping, where: str = "row") -> list[dict]:

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rltk.data.chat import check_messages, render, split_transcript, tokenize_transcript
+from rltk.data.chat import check_messages, render_text, split_transcript, tokenize_transcript
 from rltk.data.multi_turn_tasks import calculator_arithmetic, guess_number
 from rltk.models.tiny import build_char_tokenizer
 from rltk.training.sft import sft_batch
@@ -172,13 +172,13 @@ def test_the_pieces_are_the_whole_rendering_and_the_mask_is_the_assistant_turns(
     tools = [CALCULATOR] if with_tools and transcript[0]["role"] != "system" else None
     prompt, response, mask = tokenize_transcript(transcript, tokenizer, tools=tools)
     # a character tokenizer tokenizes the whole like its pieces: the deltas add up to the full rendering
-    assert prompt + response == ids(tokenizer, render(tokenizer, transcript, tools=tools))
+    assert prompt + response == ids(tokenizer, render_text(tokenizer, transcript, tools=tools, add_generation_prompt=False))
     assert len(mask) == len(response)
     # the taught tokens are exactly each assistant turn as the template renders it after <|assistant|>, with eos
     taught = [t for t, m in zip(response, mask) if m]
     expected = []
     for turn in (m for m in transcript if m["role"] == "assistant"):
-        expected += ids(tokenizer, render(tokenizer, [turn])[len("<|assistant|>"):])
+        expected += ids(tokenizer, render_text(tokenizer, [turn], add_generation_prompt=False)[len("<|assistant|>"):])
     assert taught == expected
     assert tokenizer.convert_tokens_to_ids("<|assistant|>") not in taught
 

@@ -68,7 +68,7 @@ def test_rltk_serve_answers_the_openai_client_from_a_checkpoint_and_resolves_a_r
     # a run folder means its newest checkpoint, exported (weights and the run's tokenizer) to a temporary folder
     import contextlib
 
-    from rltk.serve.cli import resolve_model_dir
+    from rltk.serve_command import resolve_model_dir
 
     with contextlib.ExitStack() as stack:
         model_dir, found_run = resolve_model_dir(str(run_dir), stack)
@@ -93,7 +93,7 @@ def test_a_model_folder_is_served_as_it_is(tmp_path):
     import contextlib
 
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
-    from rltk.serve.cli import resolve_model_dir
+    from rltk.serve_command import resolve_model_dir
 
     tokenizer = build_char_tokenizer()
     folder = save_pretrained_dir(build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2,
@@ -153,7 +153,7 @@ def test_listening_beyond_loopback_without_a_key_is_warned_about_before_binding(
 
 def test_rltk_serve_records_nothing_by_default_and_says_when_the_context_lowers_max_tokens(capsys):
     from rltk.cli import build_parser
-    from rltk.serve.cli import build_server_app
+    from rltk.serve_command import build_server_app
 
     parser = build_parser()
     app, stack, _ = build_server_app(parser.parse_args(["serve"]))

@@ -10,7 +10,7 @@ mask, that RL later samples and scores.
 
 import pytest
 
-from rltk.data.chat import render, tokenize_transcript
+from rltk.data.chat import render_text, tokenize_transcript
 from rltk.data.loading import format_prompts
 from rltk.data.multi_turn_tasks import calculator_arithmetic, guess_number
 from rltk.models.tiny import build_char_tokenizer
@@ -28,7 +28,7 @@ def builtins():
 
 def replay(tokenizer, transcript):
     """An engine script writing the transcript's assistant turns, as the template renders them, in order."""
-    turns = [render(tokenizer, [m])[len("<|assistant|>"):-len("<|eos|>")] for m in transcript if m["role"] == "assistant"]
+    turns = [render_text(tokenizer, [m], add_generation_prompt=False)[len("<|assistant|>"):-len("<|eos|>")] for m in transcript if m["role"] == "assistant"]
     return lambda prompt_ids, call: turns[call]
 
 
