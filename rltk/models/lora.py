@@ -500,8 +500,3 @@ def merged_copy(model: nn.Module) -> nn.Module:
     ``model`` itself is left as it is.
     """
     return copy.deepcopy(peft_model_of(model)).merge_and_unload()
-
-
-def read_adapter_config(directory: str | Path) -> dict:
-    """The ``adapter_config.json`` in ``directory`` as a dict."""
-    return json.loads((Path(directory) / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))

@@ -85,11 +85,6 @@ def row_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return mask[:, :prompt_len].sum(-1).cpu(), mask[:, prompt_len:].sum(-1).cpu()
 
 
-def _padded_cost(prompts: list[int], responses: list[int]) -> int:
-    """Tokens a trimmed padded forward computes: rows x (longest prompt + longest response)."""
-    return len(prompts) * (max(max(prompts), 1) + max(responses)) if prompts else 0
-
-
 def _greedy_runs(order: list[int], prompts: list[int], responses: list[int], bound: int) -> list[list[int]]:
     """Cut ``order`` into contiguous runs, each as long as its padded cost stays within ``bound``
     (a row over ``bound`` alone forms a run). Greedy gives the fewest runs for a monotone cost."""
