@@ -13,6 +13,7 @@ lock and retried for ``busy_timeout_s``)::
     # the trainer (rank 0)
     q = ExperienceQueue(path, max_staleness=1, stale_policy="drop", timeout_s=600)
     q.recover(resumed_step)                  # once, at start: resumed checkpoint's step (0 if none)
+    sync_weights(); q.publish_version(resumed_step)  # a crash may have come before the last sync
     for step in range(resumed_step + 1, ...):
         lease = q.take(batch_size, step=step, version=policy_version)
         ... train on lease.experiences; log lease.metrics ...
