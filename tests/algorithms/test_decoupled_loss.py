@@ -229,6 +229,7 @@ def test_gradient_is_zero_where_the_proximal_ratio_is_clipped_whatever_the_behav
 
 
 CORRECTIONS = [
+    {"tis": "token", "tis_cap": None},  # the decoupled objective's default, AReaL's without a cap
     {"tis": "token", "tis_cap": 2.0},
     {"tis": "sequence", "tis_cap": 3.0},
     {"mis": "token", "mis_low": 0.5, "mis_high": 2.0},

@@ -166,6 +166,20 @@ def test_an_empty_queue_times_out_instead_of_hanging(tmp_path):
             q.take(2, step=1, version=0)
 
 
+def test_a_write_lock_held_too_long_is_a_timeout_naming_what_waited(tmp_path):
+    path = tmp_path / "q.sqlite"
+    ExperienceQueue(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process in the middle of a write
+    try:
+        with ExperienceQueue(path, busy_timeout_s=0.2) as q:
+            with pytest.raises(QueueTimeout, match=r"waited 0\.2 s for the write lock to put experiences"):
+                put_group(q, "a", 0, 0)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="stale_policy must be one of drop, wait"):
         ExperienceQueue(tmp_path / "q.sqlite", stale_policy="skip")
