@@ -31,7 +31,9 @@ the checkpoint's rename and :meth:`commit`), and returns the leases of later
 steps to the queue (their updates were lost with the process), in their
 original order. A checkpoint saved every ``k`` steps commits ``k`` steps'
 leases at once. Resuming from a checkpoint older than the queue's last commit
-is refused: experiences that checkpoint never trained on were consumed.
+is refused: experiences that checkpoint never trained on were consumed. So is
+a take or commit by a new trainer process while a dead one's leases are still
+open (it forgot :meth:`recover`).
 
 **Exactly once across a producer crash.** Every experience has a unique id
 (``UNIQUE`` in the table); a put of an id already stored is skipped, so a
@@ -170,6 +172,7 @@ class ExperienceQueue:
         self.poll_s = float(poll_s)
         self.busy_timeout_s = float(busy_timeout_s)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._own_leases: set[int] = set()  # leases this object took: any other open one is a crashed run's
         # autocommit mode: transactions are opened explicitly with BEGIN IMMEDIATE, so a writer takes the
         # lock before it reads what it will change (no lost updates between processes)
         self._db = sqlite3.connect(str(self.path), timeout=self.busy_timeout_s, isolation_level=None)
@@ -340,7 +343,20 @@ class ExperienceQueue:
                 raise QueueTimeout(self._timeout_message(count, step, version, waited, dropped, seen))
             time.sleep(self.poll_s)
 
+    def _refuse_foreign_leases(self, what: str) -> None:
+        """Open leases this object did not take belong to a trainer that died; training on (or committing)
+        around them before :meth:`recover` settles them would lose or repeat their experiences."""
+        foreign = [(i, s) for i, s in self._db.execute("SELECT id, step FROM leases WHERE state = 'open'")
+                   if i not in self._own_leases]
+        if foreign:
+            steps = sorted({s for _, s in foreign})
+            raise RuntimeError(
+                f"experience queue {self.path}: cannot {what}: {len(foreign)} lease(s) of step(s) {steps} are open "
+                f"from an earlier trainer process; call recover(resumed_step) with the step of the checkpoint "
+                f"this run resumed from (0 if none) first")
+
     def _try_take(self, count: int, step: int, version: int):
+        self._refuse_foreign_leases("take experiences")
         # the payloads are read only for the rows chosen
         rows = self._db.execute(
             "SELECT seq, id, group_key, min_version FROM experiences WHERE status = 'ready' ORDER BY seq").fetchall()
@@ -372,6 +388,7 @@ class ExperienceQueue:
         cursor = self._db.execute("INSERT INTO leases (step, version, take_time) VALUES (?, ?, ?)",
                                   (step, version, time.time()))
         lease_id = cursor.lastrowid
+        self._own_leases.add(lease_id)
         taken = [r for members in chosen for r in members]
         self._db.executemany("UPDATE experiences SET status = 'leased', lease = ? WHERE seq = ?",
                              [(lease_id, r[0]) for r in taken])
@@ -420,7 +437,9 @@ class ExperienceQueue:
             raise ValueError(f"ExperienceQueue.commit: step must be an integer >= 0, got {step!r}")
         return self._execute_locked("commit a checkpoint", self._commit, step)
 
-    def _commit(self, step: int) -> int:
+    def _commit(self, step: int, recovering: bool = False) -> int:
+        if not recovering:
+            self._refuse_foreign_leases("commit")
         committed = self._meta("committed_step", 0)
         if step < committed:
             raise ValueError(f"ExperienceQueue.commit: step {step} is before the committed step {committed}")
@@ -453,7 +472,7 @@ class ExperienceQueue:
                     f"but the run resumes from step {resumed_step}; the experiences of steps {resumed_step + 1}.."
                     f"{committed} were consumed by a checkpoint this run does not start from. Resume from the "
                     f"newest checkpoint, or give a fresh buffer.queue_path")
-            n = self._commit(resumed_step)
+            n = self._commit(resumed_step, recovering=True)
             returned = self._db.execute(
                 "UPDATE experiences SET status = 'ready', lease = NULL WHERE status = 'leased' AND lease IN "
                 "(SELECT id FROM leases WHERE state = 'open')").rowcount

@@ -104,6 +104,21 @@ def test_recover_commits_what_the_checkpoint_holds_and_returns_the_rest_in_order
         assert q.take(4, step=3, version=0).ids == ["a-2-0", "a-2-1", "a-3-0", "a-3-1"]  # original order
 
 
+def test_a_restarted_trainer_must_recover_before_it_takes_or_commits(tmp_path):
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path) as q:
+        for g in range(2):
+            put_group(q, "a", g, 0)
+        q.take(2, step=1, version=0)  # then the process dies
+    with ExperienceQueue(path) as q:
+        for call in (lambda: q.take(2, step=1, version=0), lambda: q.commit(1)):
+            with pytest.raises(RuntimeError, match=r"1 lease\(s\) of step\(s\) \[1\] are open from an earlier "
+                                                   r"trainer process; call recover\(resumed_step\)"):
+                call()
+        q.recover(0)
+        assert q.take(4, step=1, version=0).ids == ["a-0-0", "a-0-1", "a-1-0", "a-1-1"]
+
+
 def test_resuming_from_a_checkpoint_older_than_the_last_commit_is_refused(tmp_path):
     with ExperienceQueue(tmp_path / "q.sqlite") as q:
         put_group(q, "a", 0, 0)
