@@ -84,7 +84,7 @@ CREATE TABLE IF NOT EXISTS experiences (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- arrival order
     id TEXT NOT NULL UNIQUE,
     producer TEXT NOT NULL,
-    group_key TEXT NOT NULL,                 -- producer/group_id: groups of different producers never mix
+    group_key TEXT NOT NULL,                 -- producer/first id of its put/group_id: puts never mix
     min_version INTEGER NOT NULL,            -- the oldest token's policy version
     max_version INTEGER NOT NULL,
     versions TEXT,                           -- JSON list per response token, NULL when one version
@@ -245,7 +245,9 @@ class ExperienceQueue:
         version that sampled them: one int for all, one per experience, or per
         experience a list with one version per response token (a rollout
         interrupted by a weight update). Experiences with the same ``group_id``
-        in one producer's puts form one group; put a group whole, in one call.
+        in one call form one group (workflows number groups afresh for every
+        batch, so equal ids in two calls are two groups): put a group whole, in
+        one call. Experiences must be JSON-able (``info`` included).
         """
         experiences = list(experiences)
         ids = list(ids)
@@ -279,9 +281,13 @@ class ExperienceQueue:
                 low, high = (min(token_versions), max(token_versions)) if token_versions else (0, 0)
             if low < 0:
                 raise ValueError(f"ExperienceQueue.put: policy versions are >= 0, got {low} for {exp_id!r}")
-            rows.append((exp_id, producer, f"{producer}/{exp.group_id}", low, high,
-                         None if token_versions is None else json.dumps(token_versions),
-                         json.dumps(dataclasses.asdict(exp)), now))
+            try:
+                payload = json.dumps(dataclasses.asdict(exp))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"ExperienceQueue.put: experience {exp_id!r} cannot be stored as JSON ({exc}); "
+                                f"its info must hold JSON-able values") from exc
+            rows.append((exp_id, producer, f"{producer}/{ids[0]}/{exp.group_id}", low, high,
+                         None if token_versions is None else json.dumps(token_versions), payload, now))
 
         def insert() -> int:
             before = self._db.total_changes

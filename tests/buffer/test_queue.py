@@ -34,7 +34,7 @@ def test_wal_mode_and_a_round_trip_of_every_field(tmp_path):
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     (got,) = lease.experiences
     assert got == Experience(**{**exp.__dict__, "group_id": 0})  # floats exact, group renumbered
-    assert lease.ids == ["a"] and lease.versions == [[3, 3, 4]] and lease.group_keys == ["w0/9"]
+    assert lease.ids == ["a"] and lease.versions == [[3, 3, 4]] and lease.group_keys == ["w0/a/9"]
     # the oldest token decides: 4 - 3
     assert lease.metrics["staleness/mean"] == 1.0 and lease.metrics["staleness/max"] == 1.0
 
@@ -48,9 +48,12 @@ def test_take_leases_whole_groups_oldest_first_and_renumbers_them(tmp_path):
         assert lease.ids == ["a-0-0", "a-0-1", "b-0-0", "b-0-1"]
         assert [e.group_id for e in lease.experiences] == [0, 0, 1, 1]
         assert q.counts() == {"ready": 2, "leased": 4, "consumed": 0, "dropped": 0}
+        # a producer's next batch numbers its groups from 0 again: another group, not more of group 0
+        q.put(group(0, 1), ids=["a-next-0"], versions=0, producer="a")
+        assert q.take(3, step=2, version=0).ids == ["a-1-0", "a-1-1", "a-next-0"]
         # a group bigger than the batch is still taken whole rather than never
         put_group(q, "c", 0, 0, size=3)
-        assert q.take(1, step=2, version=0).ids == ["a-1-0", "a-1-1"]
+        assert q.take(1, step=3, version=0).ids == ["c-0-0", "c-0-1", "c-0-2"]
 
 
 def test_put_is_idempotent_by_id(tmp_path):
@@ -73,6 +76,10 @@ def test_bad_puts_are_refused_naming_the_problem(tmp_path):
             q.put([{"prompt_ids": [1]}], ids=["x"], versions=0)
         with pytest.raises(ValueError, match="distinct"):
             q.put(group(0, 2), ids=["x", "x"], versions=0)
+        odd = group(0, 1)
+        odd[0].info["when"] = object()
+        with pytest.raises(TypeError, match="'x' cannot be stored as JSON.*info must hold JSON-able values"):
+            q.put(odd, ids=["x"], versions=0)
         assert q.counts()["ready"] == 0
 
 
