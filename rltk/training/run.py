@@ -253,7 +253,6 @@ def finish_run(run: Run) -> dict:
     close_engine = getattr(run.workflow.engine, "close", None)  # vllm: its worker and the process group it made
     if callable(close_engine):
         close_engine()
-    run.metric_log.close()
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
@@ -262,6 +261,8 @@ def finish_run(run: Run) -> dict:
         if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
             plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)
+    # After the plot and summary: loggers that keep artifacts (mlflow, swanlab) upload them as they close.
+    run.metric_log.close()
     rltk.call_lifecycle_hook("rltk_on_train_end", run_dir=run.run_dir, metrics=summary)
     end_process_group()
     return summary
