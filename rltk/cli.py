@@ -143,6 +143,15 @@ def cmd_validate(args) -> int:
         # A recipe's own config (recipes/configs/grpo.yaml beside recipes/grpo.py) names its recipe.
         sibling = files[0].parent.parent / f"{files[0].stem}.py"
         recipe = str(sibling) if sibling.is_file() else None
+    print(validate(recipe, files, overrides)[1])
+    return EXIT_OK
+
+
+def validate(recipe: str | None, files: list[Path], overrides: list[str], *, warn: bool = True):
+    """What ``rltk validate`` checks (and the dashboard's config builder calls): ``(config, "ok: ..." line)``.
+
+    Raises ConfigError (or RegistryError / UsageError) naming the key, the value and what is valid.
+    """
     spec = None
     if recipe is not None:
         script = resolve_recipe(recipe)
@@ -150,15 +159,14 @@ def cmd_validate(args) -> int:
         if not files:  # as `rltk run`: the recipe's own config unless --config replaces it
             default = default_config_for(script)
             files = [default] if default is not None else []
-    cfg = load_config(files, overrides, recipe=spec)
+    cfg = load_config(files, overrides, recipe=spec, warn=warn)
     checked = _check_warmup_demonstrations(cfg)
-    print(f"ok: {', '.join(map(str, files)) or 'defaults'}"
-          f"{' with ' + ' '.join(overrides) if overrides else ''}"
-          f"{' for recipe ' + spec.name if spec else ''} "
-          f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))"
-          f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}"
-          f"{f'; the first {checked} warm-up examples fit the rollout' if checked else ''}")
-    return EXIT_OK
+    return cfg, (f"ok: {', '.join(map(str, files)) or 'defaults'}"
+                 f"{' with ' + ' '.join(overrides) if overrides else ''}"
+                 f"{' for recipe ' + spec.name if spec else ''} "
+                 f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))"
+                 f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}"
+                 f"{f'; the first {checked} warm-up examples fit the rollout' if checked else ''}")
 
 
 #: ``rltk validate`` tokenizes this many training rows of a warm-up; a run checks them all before its first step.
@@ -234,6 +242,26 @@ def cmd_export(args) -> int:
     return EXIT_OK
 
 
+def cmd_dashboard(args) -> int:
+    from rltk.dashboard.server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be in 0..65535")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"rltk: warning: the dashboard listens on {args.host}: anyone who can reach this address can read "
+              f"your runs and write YAML files into {args.save_dir}", file=sys.stderr)
+
+    def ready(server):
+        print(f"rltk dashboard: {server.url} (runs from {Path(args.runs).resolve()}, configs saved to "
+              f"{Path(args.save_dir).resolve()}); Ctrl-C stops it", flush=True)
+
+    try:
+        serve(args.host, args.port, args.runs, args.save_dir, ready=ready)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rltk", description="Composable RL components for LLM post-training."
@@ -260,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="LoRA checkpoints: fold the adapter into the base model and write a plain model folder "
                         "(default: the adapter folder)")
+    p = sub.add_parser("dashboard", help="a local web page: build a config from the schema and the registry, "
+                                         "view runs (curves, steps, sampled trajectories)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    p.add_argument("--runs", default="runs", help="folder whose subfolders are run folders (default ./runs)")
+    p.add_argument("--save-dir", default=".", help="where the config builder saves YAML files (default .)")
     from rltk.serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
@@ -286,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_validate(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "dashboard":
+            return cmd_dashboard(args)
         if args.command == "serve":
             from rltk.serve.cli import cmd_serve
 
