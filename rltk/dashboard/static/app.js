@@ -45,7 +45,8 @@ for (const tab of document.querySelectorAll(".tab")) {
 }
 
 // ------------------------------------------------------------------ config builder
-const state = {form: null, overrides: new Map(), values: {}, result: null, pending: null, seq: 0};
+const state = {form: null, overrides: new Map(), values: {}, result: null, pending: null, seq: 0,
+               open: new Set()};  // sections the user unfolded stay unfolded when the form is drawn again
 
 // A value as one would type it after key= on the command line (OmegaConf's dotlist grammar reads YAML).
 function valueText(v) {
@@ -152,7 +153,8 @@ function renderForm() {
 }
 
 function sectionNode(section, renderField, top) {
-  const open = top || section.fields.some((f) => state.overrides.has(f.key));
+  const errorAt = errorField(state.result);
+  const open = state.open.has(section.key) || section.fields.some((f) => state.overrides.has(f.key) || f.key === errorAt);
   const body = [
     section.doc ? el("div", {class: "section-doc", text: section.doc}) : null,
     ...section.fields.map(renderField),
@@ -162,8 +164,10 @@ function sectionNode(section, renderField, top) {
     // the top level: its own keys, then each section folded
     return el("div", {}, ...body);
   }
-  return el("details", {class: "section", open: open || undefined, "data-section": section.key},
-            el("summary", {text: section.title}), ...body);
+  const node = el("details", {class: "section", open: open || undefined, "data-section": section.key},
+                  el("summary", {text: section.title}), ...body);
+  node.addEventListener("toggle", () => { if (node.open) state.open.add(section.key); else state.open.delete(section.key); });
+  return node;
 }
 
 function inputFor(key, widget, current, choices, nullable, placeholder) {
@@ -244,7 +248,7 @@ function fieldNode(f, error) {
 
 function argsNode(prefix, component) {
   if (!component.args.length) {
-    return el("div", {class: "component-args muted", text: `${component.name} takes no arguments`});
+    return el("div", {class: "component-args muted", "data-args-for": prefix, text: `${component.name} takes no arguments`});
   }
   return el("div", {class: "component-args", "data-args-for": prefix},
     el("div", {class: "muted", text: `arguments of ${component.name} (${prefix}.*), from its signature`}),
