@@ -185,7 +185,13 @@ def test_read_a_real_runs_trajectories_in_the_browser(browser, dashboard, tmp_pa
     assert [t.get_attribute("data-mask") for t in tokens] == [str(m) for m in record["response_mask"]]
     assert "advantage" in tokens[0].get_attribute("title")
     assert "exact_match" in first.find_element(By.CSS_SELECTOR, "table.rewards").text
+    driver.execute_script("arguments[0].scrollIntoView()", first)
     screenshot(driver, tmp_path, "dashboard-run")
+
+    # live: a step the run logs now shows up in the table without a reload (the page polls every 3 s)
+    with open(runs_root / "tiny" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 999, "reward": 0.5}\n')
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#steps tr[data-step="999"]'), "the new step", 20)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ saving a YAML that the CLI accepts, the run viewer's data, and what it refuses."
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from rltk.cli import main
@@ -127,3 +128,19 @@ def test_the_run_viewer_reads_a_run_folder_as_data(dashboard):
         assert status == 404, bad
     status, _ = client.get("/api/runs/demo/traces?step=x")
     assert status == 400
+
+
+@pytest.mark.slow
+def test_a_yaml_built_in_the_dashboard_runs_with_rltk_run(dashboard, tmp_path):
+    client, _, save_dir = dashboard
+    run_dir = tmp_path / "run"
+    overrides = [f"output_dir={run_dir}", "logging.logger=[jsonl]", "data.train_size=40", "data.eval_size=8",
+                 "sft.steps=2", "sft.stop_at_accuracy=null", "sft.warmup_steps=0", "trainer.total_steps=2",
+                 "trainer.warmup_steps=0", "trainer.prompts_per_step=4", "rollout.n=2", "checkpoint.every=0",
+                 "algorithm.name=rloo"]
+    status, saved = client.post("/api/save", {"recipe": "grpo", "overrides": overrides, "name": "tiny.yaml"})
+    assert saved["ok"] is True, saved["error"]
+    assert main(["run", "grpo", "--config", saved["path"]]) == 0  # unchanged, as the page says to run it
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [yaml.safe_load(line)["step"] for line in lines if '"reward"' in line] == [3, 4]
+    assert "name: rloo" in (run_dir / "config.yaml").read_text()

@@ -351,9 +351,12 @@ function chart(title, ylabel, curves) {
   add("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis"});
   add("line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"});
   for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4, x = x0 + (x1 - x0) * i / 4;
+    const y = y0 + (y1 - y0) * i / 4;
     add("text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, Number(y.toPrecision(3)));
-    add("text", {x: sx(x), y: H - B + 14, "text-anchor": "middle"}, Math.round(x));
+  }
+  const every = Math.max(1, Math.ceil((x1 - x0) / 6));  // steps are whole numbers: whole, distinct ticks
+  for (let x = Math.ceil(x0 / every) * every; x <= x1; x += every) {
+    add("text", {x: sx(x), y: H - B + 14, "text-anchor": "middle"}, x);
   }
   add("text", {x: W - R, y: H - 2, "text-anchor": "end"}, "step");
   curves.forEach((c, i) => {
