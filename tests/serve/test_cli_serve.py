@@ -18,13 +18,13 @@ from rltk.cli import main
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_serving(path, *extra):
+def start_serving(path, *extra, timeout_s: float = 120):
     """`rltk serve PATH --port 0` in a subprocess; returns the process and the base URL it printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "rltk.cli", "serve", str(path), "--port", "0",
                              "--log-level", "warning", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if "serving model" in line:
