@@ -117,6 +117,14 @@ class TraceWriter:
             _drop_after(self.path, resume_step)
         self.size = self.path.stat().st_size if self.path.exists() else 0
 
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """Each token decoded on its own; one batched call where the tokenizer has it (a real model's responses
+        run to thousands of tokens, and one decode call per token would cost a second a step)."""
+        batch_decode = getattr(self.tokenizer, "batch_decode", None)
+        if callable(batch_decode):
+            return list(batch_decode([[t] for t in ids]))
+        return [self.tokenizer.decode([t]) for t in ids]
+
     def records(self, stage, step: int, batch: dict[str, torch.Tensor], items: Sequence | None) -> list[dict]:
         """The trace records of stage step ``step`` (the rows :func:`pick_rows` keeps)."""
         rows = pick_rows(batch["group_ids"].tolist(), self.per_step)
@@ -152,7 +160,7 @@ class TraceWriter:
                 # steps between sampling and training (0 on-policy); none for expert data
                 "staleness": step - item.step if item is not None and item.source == "policy" else None,
                 "response_tokens": n, "policy_tokens": int(policy_tokens),
-                "tokens": [self.tokenizer.decode([t]) for t in ids],
+                "tokens": self._pieces(ids),
                 "token_ids": ids,
                 "response_mask": [int(m) for m in mask.tolist()],
                 "advantages": [_number(a, 4) for a in adv.tolist()] if adv is not None else None,
