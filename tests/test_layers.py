@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.strategies", "rltk.checkpoint"),
     ("rltk.config",),
     ("rltk.training",),
-    ("rltk.recipe_utils", "rltk.cli", "rltk.serve", "rltk._recipes"),
+    ("rltk.recipe_utils", "rltk.cli", "rltk.serve", "rltk._recipes", "rltk.dashboard"),
 ]
 
 #: (importing module, imported module): why it is still allowed. Each entry names who removes it;
