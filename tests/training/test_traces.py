@@ -145,3 +145,34 @@ def test_a_real_grpo_run_writes_traces_of_every_rl_step(tmp_path):
             assert r["response"] in re.sub(r"<\|[a-z_]+\|>", "", "".join(r["tokens"]))
             assert (r["source"], r["staleness"]) == ("policy", 0)
     assert differing  # at least one group with differing scores, so the advantage check above is not 0 == 0
+
+
+def runs_of(mask: list[int], value: int) -> int:
+    """How many maximal runs of ``value`` the mask has (the turns of one kind)."""
+    return sum(1 for i, m in enumerate(mask) if m == value and (i == 0 or mask[i - 1] != value))
+
+
+@pytest.mark.slow
+def test_multi_turn_traces_hold_the_turns_and_the_environments_observations(tmp_path):
+    from rltk.cli import main
+    from tests.builtin_plugins import ensure_registered
+
+    ensure_registered("tasks", "guess_number", "multi_turn")
+    run_dir = tmp_path / "run"
+    config = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "multi_turn.yaml"
+    assert main(["run", "grpo", "--config", str(config), f"output_dir={run_dir}", "data.train_size=20",
+                 "data.eval_size=4", "sft.steps=2", "sft.stop_at_accuracy=null", "sft.warmup_steps=0",
+                 "trainer.total_steps=2", "trainer.warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",
+                 "trainer.eval_every=0", "checkpoint.every=0", "logging.logger=[jsonl]", "logging.plot=false"]) == 0
+    traces = read_traces(run_dir / TRACES_FILE)
+    assert [r["step"] for r in traces] == [3] * 4 + [4] * 4
+    for r in traces:
+        mask, info = r["response_mask"], r["info"]
+        assert 0 in mask and r["policy_tokens"] == sum(mask) < r["response_tokens"]
+        assert runs_of(mask, 1) == info["turns"] == sum(m["role"] == "assistant" for m in info["messages"])
+        # every observation the environment sent after the first prompt is in the tokens the policy did not write
+        observed = "".join(t for t, m in zip(r["tokens"], mask) if m == 0)
+        for message in info["messages"][1:]:
+            if message["role"] != "assistant":
+                assert message["content"] in observed
+        assert r["advantages"][mask.index(0)] == 0.0  # no advantage on an observation token
