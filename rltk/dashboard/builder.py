@@ -85,6 +85,10 @@ def build(recipe: str, overrides: list[str], known_keys: set[str]) -> dict:
     """
     result: dict[str, Any] = {"ok": False, "message": "", "error": None, "warnings": [], "values": {}, "yaml": "",
                               "command": command_line(recipe, overrides)}
+    if recipe not in shipped_recipes():  # a shipped name only: the page never reads a path it was sent
+        result["error"] = {"key": None, "message": f"recipe {recipe!r}: the dashboard builds configs for the shipped "
+                                                   f"recipes ({', '.join(shipped_recipes())})"}
+        return result
     try:
         result["yaml"] = config_yaml(recipe, overrides)
     except (ConfigError, RegistryError, UsageError) as exc:

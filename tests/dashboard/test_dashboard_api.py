@@ -84,6 +84,24 @@ def test_build_validates_like_rltk_validate_and_save_writes_a_yaml_the_cli_accep
     assert main(["validate", "--config", str(save_dir / "built.yaml"), "grpo"]) == 0
 
 
+def test_only_shipped_recipes_are_built(dashboard):
+    client, _, _ = dashboard
+    status, result = client.post("/api/build", {"recipe": "/etc/passwd.py", "overrides": []})
+    assert result["ok"] is False and "shipped recipes (" in result["error"]["message"] and not result["yaml"]
+
+
+def test_the_cli_refuses_a_bad_port_and_a_busy_one(capsys):
+    import socket
+
+    assert main(["dashboard", "--port", "70000"]) == 2
+    assert "--port 70000: must be in 0..65535" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["dashboard", "--port", str(busy.getsockname()[1])]) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+
+
 def test_save_refuses_paths_and_other_files(dashboard):
     client, _, save_dir = dashboard
     for name in ("../escape.yaml", "sub/x.yaml", "x.txt", ""):
