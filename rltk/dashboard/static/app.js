@@ -418,7 +418,12 @@ async function openStep(step) {
   $("#traces").replaceChildren(...data.traces.map(trajectoryNode));
 }
 
-function fmt(v) { return v === null || v === undefined ? "-" : (typeof v === "number" ? Number(v).toPrecision(4) : String(v)); }
+// Numbers to 4 significant digits without trailing zeros (0.5, 0.7071, 3), as Python's format(v, ".4g").
+function fmt(v) {
+  if (v === null || v === undefined) return "-";
+  if (typeof v !== "number") return String(v);
+  return Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
+}
 
 function trajectoryNode(t, index) {
   const sign = t.advantage > 0 ? "positive" : (t.advantage < 0 ? "negative" : "");
