@@ -149,6 +149,13 @@ def cmd_dashboard(args) -> int:
         print(f"rltk: warning: the dashboard listens on {args.host}: anyone who can reach this address can read "
               f"your runs and write YAML files into {args.save_dir}", file=sys.stderr)
 
+    runs = Path(args.runs)
+    if (runs / "metrics.jsonl").is_file() or (runs / "traces.jsonl").is_file():
+        # a run folder where the folder of runs belongs: show its parent, where it is one of the runs
+        print(f"rltk dashboard: {runs} is a run folder; listing the runs beside it in {runs.resolve().parent}",
+              file=sys.stderr)
+        args.runs = str(runs.resolve().parent)
+
     def ready(server):
         print(f"rltk dashboard: {server.url} (runs from {Path(args.runs).resolve()}, configs saved to "
               f"{Path(args.save_dir).resolve()}); Ctrl-C stops it", flush=True)

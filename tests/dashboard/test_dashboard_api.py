@@ -102,6 +102,18 @@ def test_the_cli_refuses_a_bad_port_and_a_busy_one(capsys):
     assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
 
 
+def test_the_cli_given_a_run_folder_lists_the_runs_beside_it(tmp_path, monkeypatch, capsys):
+    import rltk.dashboard.server as server
+
+    write_run(tmp_path / "runs" / "demo")
+    served = {}
+    monkeypatch.setattr(server, "serve", lambda host, port, runs_root, save_dir, ready=None: served.update(
+        host=host, runs=runs_root))
+    assert main(["dashboard", "--runs", str(tmp_path / "runs" / "demo")]) == 0
+    assert served == {"host": "127.0.0.1", "runs": str((tmp_path / "runs").resolve())}
+    assert "is a run folder" in capsys.readouterr().err
+
+
 def test_save_refuses_paths_and_other_files(dashboard):
     client, _, save_dir = dashboard
     for name in ("../escape.yaml", "sub/x.yaml", "x.txt", ""):

@@ -486,4 +486,9 @@ function tokensNode(t) {
 }
 
 startBuilder().catch((e) => { $("#status").className = "status bad"; $("#status").textContent = "could not load the form: " + e.message; });
-if (location.hash === "#runs") $("#tab-runs").click();
+// #runs opens the run viewer, #runs/NAME that run
+if (location.hash.startsWith("#runs")) {
+  $("#tab-runs").click();
+  const name = decodeURIComponent(location.hash.slice(6));
+  if (name) openRun(name);
+}
