@@ -104,6 +104,7 @@ def run_rl_stage(stage: Stage) -> None:
 
         # advantages from the fields the estimator names
         batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
+        run.trace(stage, step, batch, loop.batch_items)  # a sample of the step's trajectories (logging.traces)
 
         # update: ppo_epochs x mini-batches, one optimizer step each (on-policy, it fills old_logprobs)
         update_metrics = policy_update(strategy, batch, parts.loss, kl_coef=loop.kl_ctl.value,

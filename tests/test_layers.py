@@ -8,7 +8,7 @@ under ``if TYPE_CHECKING:`` do not run and are left out.
 The layers, bottom to top (``../shared/DESIGN.md``, "The next rooms"): errors, batch types, I/O
 and distributed helpers -> algorithms, kernels -> models, data, rewards, tools, environments,
 loggers -> rollout engines, workflows, buffer -> strategies, checkpoints -> config (loading and
-validation of a whole config) -> the training loop -> recipes, cli, serve.
+validation of a whole config) -> the training loop -> recipes, cli, serve, dashboard.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.strategies", "rltk.checkpoint"),
     ("rltk.config",),
     ("rltk.training",),
-    ("rltk.recipe_utils", "rltk.cli", "rltk.serve", "rltk._recipes"),
+    ("rltk.recipe_utils", "rltk.cli", "rltk.serve", "rltk._recipes", "rltk.dashboard"),
 ]
 
 #: (importing module, imported module): why it is still allowed. Each entry names who removes it;

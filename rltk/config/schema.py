@@ -313,6 +313,13 @@ class LoggingConfig:
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     logger_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
     plot: bool = True  # a PNG of reward and held-out accuracy in the run folder at the end
+    # Rollout traces (traces.jsonl, rltk/training/traces.py): a sample of each RL step's trajectories with
+    # prompt, response, rewards, advantages and per-token masks, for `rltk dashboard` or jq. On by default:
+    # the samples of a step cannot be had back once the run is over, and the cap bounds what they cost.
+    traces: bool = True
+    traces_per_step: int = 16  # trajectories kept per traced step, as whole groups (at least one group's start)
+    traces_every: int = 1  # trace every N-th RL step
+    traces_max_mb: float = 100.0  # the file's size cap; later steps are not traced once it is reached
 
 
 @dataclass

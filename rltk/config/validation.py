@@ -94,7 +94,7 @@ def _check_positive(cfg: DictConfig) -> None:
         "trainer.prompts_per_step": 1, "trainer.micro_batch_size": 1, "trainer.mini_batches": 1,
         "trainer.ppo_epochs": 1, "rollout.n": 1, "rollout.max_new_tokens": 1, "sft.batch_size": 1,
         "algorithm.dynamic_sampling_max_rounds": 1,
-        "reward.workers": 1,
+        "reward.workers": 1, "logging.traces_per_step": 1, "logging.traces_every": 1,
     }
     for key, minimum in rules.items():
         value = OmegaConf.select(cfg, key)
@@ -111,6 +111,9 @@ def _check_positive(cfg: DictConfig) -> None:
             f"bad value {cfg.reward.timeout_s!r} for 'reward.timeout_s': must be > 0 seconds, or null to run every "
             f"reward function in-process without a timeout"
         )
+    if cfg.logging.traces_max_mb <= 0:
+        raise ConfigError(f"bad value {cfg.logging.traces_max_mb!r} for 'logging.traces_max_mb': must be > 0 "
+                          f"(MiB); to write no traces, set logging.traces=false")
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"bad value {cfg.trainer.lr!r} for 'trainer.lr': must be > 0")
     if cfg.rollout.temperature <= 0:
