@@ -149,8 +149,13 @@ def default_runs(args, workdir: Path) -> list[dict]:
         if args.runs_dir:  # summarise earlier runs instead
             wall = float("nan")
         else:
-            wall = run_rltk([*RUNS[recipe], f"seed={seed}", *args.overrides], run_dir, level,
-                            workdir / f"{run_dir.name}.log")
+            try:
+                wall = run_rltk([*RUNS[recipe], f"seed={seed}", *args.overrides], run_dir, level,
+                                workdir / f"{run_dir.name}.log")
+            except RuntimeError as exc:  # the other runs go on; the failure is reported with its log's tail
+                tail = (workdir / f"{run_dir.name}.log").read_text(errors="replace").splitlines()[-15:]
+                print(f"{recipe:<13} seed {seed} {level:<8} FAILED: {exc}\n" + "\n".join(tail), flush=True)
+                return {"recipe": recipe, "seed": seed, "level": level, "failed": str(exc)}
         row = {"recipe": recipe, "seed": seed, "level": level, "wall_s": wall,
                **learning_curve(run_dir, args.at_step)}
         print(f"{recipe:<13} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
@@ -161,6 +166,8 @@ def default_runs(args, workdir: Path) -> list[dict]:
 
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(one, jobs))
+    failed = [r for r in rows if "failed" in r]
+    rows = [r for r in rows if "failed" not in r]
     print()
     print("| recipe | runs | greedy after warm-up | greedy at end | greedy gain min / median / max | "
           "sampled gain min / median / max | train reward rise min / median / max | wall s (median) |")
@@ -193,7 +200,9 @@ def default_runs(args, workdir: Path) -> list[dict]:
             print(f"| {recipe} | {g['min']:+.3f} / {g['median']:+.3f} / {g['max']:+.3f} | "
                   f"{s['min']:+.3f} / {s['median']:+.3f} / {s['max']:+.3f} | "
                   f"{rise['min']:+.3f} / {rise['median']:+.3f} / {rise['max']:+.3f} |")
-    return [{"runs": rows, "summary": summary}]
+    for r in failed:
+        print(f"FAILED: {r['recipe']} seed {r['seed']} {r['level']} (left out of the table)")
+    return [{"runs": rows, "failed": failed, "summary": summary}]
 
 
 def lr_sweep(args, workdir: Path) -> list[dict]:

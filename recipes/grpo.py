@@ -106,6 +106,7 @@ def run_rl_stage(stage: Stage) -> None:
 
         # advantages from the fields the estimator names
         batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
+        run.trace(stage, step, batch, loop.batch_items)  # a sample of the step's trajectories (logging.traces)
 
         # update: ppo_epochs x mini-batches, one optimizer step each (on-policy, the old log-probs are
         # its own forward's, and it hands them back)

@@ -120,6 +120,7 @@ def run_ppo_stage(stage: Stage) -> None:
 
         # advantages: GAE over the (penalised) rewards with the critic's values as baseline
         batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
+        run.trace(stage, step, batch, loop.batch_items)  # a sample of the step's trajectories (logging.traces)
 
         # update: the critic every step; the policy once the critic has warmed up
         update_metrics = critic_update(critic_strategy, batch, fwd, loss_agg=parts.loss.loss_agg,

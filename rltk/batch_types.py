@@ -76,7 +76,8 @@ class LossAgg(Protocol):
 
 class PolicyLoss(Protocol):
     """``fn(*, logprobs, old_logprobs, advantages, response_mask, loss_agg, **args) -> (loss, metrics)``,
-    every tensor ``[B, T]``; ``loss_agg`` reduces the per-token loss matrix."""
+    every tensor ``[B, T]``; ``loss_agg`` reduces the per-token loss matrix. A loss may also take
+    ``behaviour_logprobs`` ``[B, T]`` (the sampling policy's, per token: ``decoupled_ppo``)."""
 
     def __call__(self, *, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor,
                  loss_agg: Callable[..., Tensor], **args: Any) -> tuple[Tensor, dict[str, Tensor]]: ...

@@ -17,13 +17,15 @@ import argparse
 import runpy
 import sys
 import traceback
-from importlib import resources
 from pathlib import Path
 
 import rltk
 from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
-from rltk.recipe_utils import recipe_spec
+from rltk.recipe_utils import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
+    VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, default_config_for, recipe_spec, resolve_recipe, shipped_recipes,
+    validate,
+)
 from rltk.registry import (
     KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
 )
@@ -32,52 +34,6 @@ from rltk.serialization import CheckpointFileError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
-
-class UsageError(Exception):
-    """A mistake in how the command was called."""
-
-
-def _recipes_dir() -> Path:
-    return Path(str(resources.files("rltk._recipes")))
-
-
-def shipped_recipes() -> dict[str, Path]:
-    """Recipe name -> script path, for every recipe shipped with rltk."""
-    return {p.stem: p for p in sorted(_recipes_dir().glob("*.py")) if not p.name.startswith("_")}
-
-
-def _is_yaml(arg: str) -> bool:
-    return Path(arg).suffix in (".yaml", ".yml")
-
-
-def resolve_recipe(recipe: str) -> Path:
-    """A shipped recipe name or a path to a recipe script."""
-    path = Path(recipe)
-    if _is_yaml(recipe):
-        # A config file where the recipe belongs: the recipe cannot be guessed safely (a YAML
-        # names no recipe), so say how to pass it, naming the recipe its file name suggests.
-        guess = path.stem if path.stem in shipped_recipes() else "RECIPE"
-        raise UsageError(
-            f"'{recipe}' is a config file, not a recipe: pass it with --config, e.g. "
-            f"`rltk run {guess} --config {recipe}` (recipes: {', '.join(shipped_recipes())}, or a .py script)"
-        )
-    if path.suffix == ".py" or path.exists():
-        if not path.is_file():
-            raise UsageError(f"recipe script '{recipe}' does not exist")
-        return path
-    recipes = shipped_recipes()
-    if recipe not in recipes:
-        raise UsageError(unknown_name_message("recipe", recipe, list(recipes)) + ", or a path to a .py file")
-    return recipes[recipe]
-
-
-def default_config_for(recipe_path: Path) -> Path | None:
-    """``configs/<recipe>.yaml`` beside a recipe script, if it exists."""
-    candidate = recipe_path.parent / "configs" / f"{recipe_path.stem}.yaml"
-    return candidate if candidate.is_file() else None
-
-
-# ---------------------------------------------------------------- commands
 
 def cmd_list(args) -> int:
     kind = args.kind
@@ -143,59 +99,8 @@ def cmd_validate(args) -> int:
         # A recipe's own config (recipes/configs/grpo.yaml beside recipes/grpo.py) names its recipe.
         sibling = files[0].parent.parent / f"{files[0].stem}.py"
         recipe = str(sibling) if sibling.is_file() else None
-    spec = None
-    if recipe is not None:
-        script = resolve_recipe(recipe)
-        spec = recipe_spec(script)
-        if not files:  # as `rltk run`: the recipe's own config unless --config replaces it
-            default = default_config_for(script)
-            files = [default] if default is not None else []
-    cfg = load_config(files, overrides, recipe=spec)
-    checked = _check_warmup_demonstrations(cfg)
-    print(f"ok: {', '.join(map(str, files)) or 'defaults'}"
-          f"{' with ' + ' '.join(overrides) if overrides else ''}"
-          f"{' for recipe ' + spec.name if spec else ''} "
-          f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))"
-          f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}"
-          f"{f'; the first {checked} warm-up examples fit the rollout' if checked else ''}")
+    print(validate(recipe, files, overrides)[1])
     return EXIT_OK
-
-
-#: ``rltk validate`` tokenizes this many training rows of a warm-up; a run checks them all before its first step.
-VALIDATE_DEMONSTRATIONS = 256
-
-
-def _check_warmup_demonstrations(cfg) -> int:
-    """Tokenize the first warm-up examples as the warm-up will and check them against the rollout's caps
-    (:func:`rltk.config.env_checks.check_demonstrations`); returns how many were checked (0: no warm-up).
-
-    Loads the tokenizer (not the model) and the data; each ``sft`` stage is checked with its overrides."""
-    from rltk.config.env_checks import check_demonstrations
-    from rltk.training.rows import build_rows, sft_pairs, tool_schemas
-    from rltk.training.setup import stage_config
-
-    stages = [i for i, stage in enumerate(cfg.stages) if stage.type == "sft"]
-    if not stages:
-        return 0
-    if cfg.model.path:
-        from rltk.models.loading import ensure_pad_token, load_tokenizer
-
-        tokenizer = ensure_pad_token(load_tokenizer(cfg.model.path))
-    else:
-        from rltk.models.tiny import build_char_tokenizer
-
-        tokenizer = build_char_tokenizer(tool_role=cfg.model.tiny.tool_role)
-    checked = 0
-    for index in stages:
-        staged = stage_config(cfg, index)
-        if staged.data.task and not staged.data.path:  # a synthetic task: generate only the rows checked
-            staged.data.train_size = min(staged.data.train_size, VALIDATE_DEMONSTRATIONS)
-            staged.data.eval_size = 1
-        rows = build_rows(staged, tokenizer)[0][:VALIDATE_DEMONSTRATIONS]
-        pairs = sft_pairs(rows, tokenizer, staged.sft.completion_key, tools=tool_schemas(staged))
-        check_demonstrations(staged, rows, pairs)
-        checked = max(checked, len(rows))
-    return checked
 
 
 def cmd_run(args, extra: list[str]) -> int:
@@ -235,6 +140,33 @@ def cmd_export(args) -> int:
     return EXIT_OK
 
 
+def cmd_dashboard(args) -> int:
+    from rltk.dashboard.server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be in 0..65535")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"rltk: warning: the dashboard listens on {args.host}: anyone who can reach this address can read "
+              f"your runs and write YAML files into {args.save_dir}", file=sys.stderr)
+
+    runs = Path(args.runs)
+    if (runs / "metrics.jsonl").is_file() or (runs / "traces.jsonl").is_file():
+        # a run folder where the folder of runs belongs: show its parent, where it is one of the runs
+        print(f"rltk dashboard: {runs} is a run folder; listing the runs beside it in {runs.resolve().parent}",
+              file=sys.stderr)
+        args.runs = str(runs.resolve().parent)
+
+    def ready(server):
+        print(f"rltk dashboard: {server.url} (runs from {Path(args.runs).resolve()}, configs saved to "
+              f"{Path(args.save_dir).resolve()}); Ctrl-C stops it", flush=True)
+
+    try:
+        serve(args.host, args.port, args.runs, args.save_dir, ready=ready)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rltk", description="Composable RL components for LLM post-training."
@@ -261,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="LoRA checkpoints: fold the adapter into the base model and write a plain model folder "
                         "(default: the adapter folder)")
+    p = sub.add_parser("dashboard", help="a local web page: build a config from the schema and the registry, "
+                                         "view runs (curves, steps, sampled trajectories)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    p.add_argument("--runs", default="runs", help="folder whose subfolders are run folders (default ./runs)")
+    p.add_argument("--save-dir", default=".", help="where the config builder saves YAML files (default .)")
     from rltk.serve_command import add_parser as add_serve_parser
 
     add_serve_parser(sub)
@@ -287,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_validate(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "dashboard":
+            return cmd_dashboard(args)
         if args.command == "serve":
             from rltk.serve_command import cmd_serve
 

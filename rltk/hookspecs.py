@@ -75,7 +75,10 @@ def rltk_policy_losses() -> dict:
     """Register policy losses (kind ``policy_loss``).
 
     Return ``{name: fn}`` with ``fn(*, logprobs, old_logprobs, advantages,
-    response_mask, loss_agg, **args) -> (loss, metrics)``.
+    response_mask, loss_agg, **args) -> (loss, metrics)``. A loss may also
+    take ``behaviour_logprobs`` (the log-probs the rollout engine sampled
+    with, per token, when ``old_logprobs`` are the proximal policy's: the
+    decoupled objective), filled in by the caller, never set in a config.
     """
 
 

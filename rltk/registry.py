@@ -51,7 +51,7 @@ KINDS: dict[str, Kind] = {
         Kind("loss_agg", "rltk_loss_aggs", "loss aggregations",
              frozenset({"loss_mat", "mask", "global_tokens", "global_seqs"})),
         Kind("policy_loss", "rltk_policy_losses", "policy losses",
-             frozenset({"logprobs", "old_logprobs", "advantages", "response_mask", "loss_agg"})),
+             frozenset({"logprobs", "old_logprobs", "behaviour_logprobs", "advantages", "response_mask", "loss_agg"})),
         Kind("reward_fn", "rltk_reward_fns", "reward functions",
              frozenset({"prompt", "response", "ground_truth", "extras"})),
         Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",

@@ -9,7 +9,7 @@ The layers, bottom to top (``../shared/DESIGN.md``, "The next rooms"): errors, b
 and distributed helpers -> algorithms, kernels -> models, data, rewards, tools, environments,
 loggers -> rollout engines, the OpenAI-compatible endpoint, workflows, buffer -> strategies,
 checkpoints -> config (loading and validation of a whole config) -> the training loop -> recipes,
-cli, the ``rltk serve`` command.
+cli, the ``rltk serve`` command, dashboard.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.strategies", "rltk.checkpoint"),
     ("rltk.config",),
     ("rltk.training",),
-    ("rltk.recipe_utils", "rltk.cli", "rltk.serve_command", "rltk._recipes"),
+    ("rltk.recipe_utils", "rltk.cli", "rltk.serve_command", "rltk._recipes", "rltk.dashboard"),
 ]
 
 #: (importing module, imported module): why it is still allowed. Each entry names who removes it;

@@ -18,6 +18,7 @@ one of them; ``rejection`` combines with either)::
 
     tis="token"        w_t = min(rho_t, C)                             (truncated IS, TIS)
     tis="sequence"     w_t = min(prod_s rho_s, C)       for every t of the response
+                       (tis_cap=None: no truncation, plain importance sampling, w_t = rho_t or prod_s rho_s)
     mis="token"        w_t = rho_t  if low <= rho_t <= high, token dropped otherwise
     mis="sequence"     w_t = R      if low <= R <= high with R = prod_s rho_s, response dropped otherwise
     rejection="geometric"  response dropped unless low <= exp(mean_s log rho_s) <= high
@@ -35,6 +36,14 @@ A dropped token is removed from the update: its weight is 0 and the caller
 takes it out of the response mask, so it counts in no loss normaliser either
 (see :mod:`rltk.training.rollout_correction`).
 
+The same weights are the behaviour-policy correction of the decoupled PPO
+objective (:func:`rltk.algorithms.policy_losses.decoupled_loss`): with
+asynchronous rollouts ``pi_rollout`` is a policy several versions old (per
+token, where a rollout spans a weight update) and ``pi_old`` is the proximal
+policy, the trainer's recompute before the update. One function serves both:
+the loop's batch-level correction and the decoupled loss call
+:func:`rollout_correction` and weigh the loss through :func:`weighted_loss_agg`.
+
 Papers: Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You
 Off-Policy RL Training" (https://fengyao.notion.site/off-policy-rl; truncated
 importance sampling, TIS); Liu, Li et al. 2025, "When Speed Kills Stability:
@@ -50,7 +59,7 @@ arXiv:2110.00641 (decoupled behaviour and proximal policies).
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
@@ -64,6 +73,7 @@ __all__ = [
     "rollout_correction",
     "mismatch_statistics",
     "mismatch_metrics",
+    "weighted_loss_agg",
 ]
 
 TIS_LEVELS = ("token", "sequence")
@@ -105,10 +115,10 @@ def check_rollout_correction(settings: Mapping, where: str = "rollout_correction
             f"'{where}.tis'={s['tis']!r} and '{where}.mis'={s['mis']!r} both set the importance weight; "
             f"choose one (truncate with tis, or mask outside a band with mis) and set the other to null"
         )
-    if not (_is_number(s["tis_cap"]) and s["tis_cap"] >= 1):
+    if s["tis_cap"] is not None and not (_is_number(s["tis_cap"]) and s["tis_cap"] >= 1):
         raise ValueError(
-            f"bad value {s['tis_cap']!r} for '{where}.tis_cap': must be a number >= 1 (Yao et al. use 2); "
-            f"a cap below 1 would shrink the weight of on-policy tokens"
+            f"bad value {s['tis_cap']!r} for '{where}.tis_cap': must be a number >= 1 (Yao et al. use 2), or "
+            f"null for untruncated importance weights; a cap below 1 would shrink the weight of on-policy tokens"
         )
     for mode in ("mis", "rejection"):
         low, high = s[f"{mode}_low"], s[f"{mode}_high"]
@@ -175,7 +185,7 @@ def rollout_correction(
     response_mask: torch.Tensor,
     *,
     tis: str | None = None,
-    tis_cap: float = 2.0,
+    tis_cap: float | None = 2.0,
     mis: str | None = None,
     mis_low: float = 0.5,
     mis_high: float = 2.0,
@@ -212,7 +222,11 @@ def rollout_correction(
     truncated = torch.zeros_like(on)
     rejected = torch.zeros_like(has_tokens)
 
-    if tis is not None:
+    if tis is not None and tis_cap is None:
+        level = log_ratio if tis == "token" else seq_log_ratio.expand_as(log_ratio)
+        # untruncated; the clamp only keeps a response's log-ratio sum finite under exp (e^20 ~ 4.9e8)
+        weights = torch.exp(level.clamp(max=METRIC_LOG_RATIO_CLAMP))
+    elif tis is not None:
         level = log_ratio if tis == "token" else seq_log_ratio.expand_as(log_ratio)
         cap = _log_bound(tis_cap, dtype)
         truncated = (level > cap) & on
@@ -344,3 +358,25 @@ def mismatch_metrics(totals: Mapping[str, float]) -> dict[str, float]:
         "dropped_frac": mean("dropped_tokens", tokens),
         "rejected_frac": mean("rejected_sequences", seqs),
     }
+
+
+def weighted_loss_agg(loss_agg: Callable, weights: torch.Tensor) -> Callable:
+    """``loss_agg`` aggregating ``weights * loss_mat`` instead of ``loss_mat``.
+
+    What a policy loss hands its ``loss_agg`` is its per-token loss matrix, so
+    this weighs every token's policy-loss term by its (detached) importance
+    weight, whichever loss and aggregation are configured: the one way the
+    corrections of this module reach a loss.
+    """
+    weights = weights.detach()
+
+    def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if loss_mat.shape != weights.shape:
+            raise ValueError(
+                f"rollout correction weighs the per-token loss matrix a policy loss passes to loss_agg, but got "
+                f"loss_mat {tuple(loss_mat.shape)} for weights {tuple(weights.shape)}; a policy loss must call "
+                f"loss_agg(loss_mat [B, T], response_mask) (see rltk.algorithms.policy_losses)"
+            )
+        return loss_agg(loss_mat * weights.to(loss_mat.dtype), mask)
+
+    return aggregate

@@ -33,7 +33,14 @@ means over the policy tokens of the call:
 ``soft_gate_mean``  sapo: mean gradient weight of the soft gate (1 on-policy)
 ``cov_clip_frac``   clip_cov: fraction chosen by the covariance rule
 ``truncated_frac``  dppo_*: kept tokens whose importance weight was truncated
+``behaviour_*``     decoupled_ppo / decoupled_loss: the behaviour-policy weight
+                    ``pi_prox / pi_behav`` (``_weight_mean`` over kept tokens,
+                    ``_kl`` its k3, ``_dropped_frac``, ``_truncated_frac``)
 ==================  =============================================================
+
+A loss may also take ``behaviour_logprobs`` ``[B, T]`` (the log-probs the
+rollout engine sampled with, per token): the decoupled objective
+(:func:`decoupled_loss`) does; the caller fills it in, never a config.
 
 The log-ratio is clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` (20 by
 default) before ``exp`` so a stale or diverged token cannot overflow; any such
@@ -43,16 +50,20 @@ token is far outside every clip range anyway.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
 import rltk
 from rltk.algorithms.aggregation import masked_mean
+from rltk.algorithms.mismatch import (
+    METRIC_LOG_RATIO_CLAMP, check_rollout_correction, rollout_correction, weighted_loss_agg,
+)
 
 __all__ = [
     "ppo_clip", "gspo", "cispo", "reinforce",
     "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro",
+    "decoupled_loss", "decoupled_ppo",
 ]
 
 LossAgg = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -952,6 +963,158 @@ def dro(
     return loss_agg(loss_mat, response_mask), metrics
 
 
+# --------------------------------------------------------------------------
+# The decoupled objective: any loss, behaviour policy != proximal policy
+# --------------------------------------------------------------------------
+
+#: The behaviour correction the decoupled objective uses when none is given: the plain, untruncated
+#: importance weight pi_prox / pi_behav per token (AReaL with ``behav_imp_weight_cap`` unset).
+PLAIN_BEHAVIOUR_WEIGHT = {"tis": "token", "tis_cap": None}
+
+
+def decoupled_loss(
+    policy_loss: Callable,
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    behaviour_correction: Mapping | None = None,
+    **loss_args,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Any policy loss in its decoupled form: the clip (or trust region) against the proximal policy,
+    importance weights against the behaviour policy.
+
+    Three policies: ``pi`` (``logprobs``, with gradient), the proximal policy
+    ``pi_prox`` (``old_logprobs``: the trainer's recompute with the weights
+    before this update's mini-batches) and the behaviour policy ``pi_behav``
+    (``behaviour_logprobs``: what the rollout engine sampled with, possibly
+    several policy versions old, per token). With ``l_t(pi, pi_prox)`` the
+    per-token term of ``policy_loss``::
+
+        w_t  = sg[ pi_prox(y_t) / pi_behav(y_t) ]       corrected by behaviour_correction
+        loss = loss_agg(w * l(pi, pi_prox), response_mask without dropped tokens)
+
+    For ``ppo_clip`` this is AReaL's decoupled PPO objective (see
+    :func:`decoupled_ppo`). Where ``pi_behav = pi_prox`` every weight is 1 and
+    the loss, its gradient and its metrics are exactly ``policy_loss``'s.
+
+    ``behaviour_correction`` holds the settings of
+    :func:`rltk.algorithms.mismatch.rollout_correction` (``tis``, ``mis``,
+    ``rejection`` and their thresholds), the same TIS / MIS / rejection modes
+    that ``algorithm.rollout_correction`` applies in the loop, computed by the
+    same function; ``None`` means the plain weight ``{"tis": "token",
+    "tis_cap": None}``. AReaL's ``behav_imp_weight_cap = c`` (tokens whose
+    weight exceeds ``c`` get weight 0) is ``{"mis": "token", "mis_low": 0,
+    "mis_high": c}``. The loop applies the correction once: either here (the
+    decoupled loss) or at batch level, never both.
+
+    Dropped tokens (MIS, rejection) leave the mask ``policy_loss`` sees, so its
+    metrics and a response's own length under ``seq-mean-token-mean`` cover
+    the kept tokens only, as the batch-level correction does. The global
+    normalisers bound into ``loss_agg`` are the caller's: count kept tokens to
+    average over kept data (rltk's batch-level choice), or sampled tokens to
+    match AReaL (which divides by every sampled token).
+
+    Responses without behaviour log-probs (expert data) should carry
+    ``behaviour_logprobs = old_logprobs`` there: weight 1, nothing dropped.
+
+    Papers: Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+    Learning System for Language Reasoning", arXiv:2505.24298 (decoupled PPO
+    objective); Hilton, Cobbe, Schulman 2021, "Batch size-invariance for
+    policy optimization", arXiv:2110.00641 (the proximal policy).
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    if tuple(behaviour_logprobs.shape) != tuple(old_logprobs.shape):
+        raise ValueError(
+            f"decoupled policy loss: behaviour_logprobs {tuple(behaviour_logprobs.shape)} must match "
+            f"old_logprobs {tuple(old_logprobs.shape)} (the proximal policy's [B, T])"
+        )
+    settings = dict(PLAIN_BEHAVIOUR_WEIGHT if behaviour_correction is None else behaviour_correction)
+    try:
+        check_rollout_correction(settings, where="behaviour_correction")
+    except ValueError as err:
+        raise ValueError(f"decoupled policy loss: {err}") from None
+    mask = response_mask > 0
+    correction = rollout_correction(old_logprobs, behaviour_logprobs, mask, **settings)
+    kept = response_mask * (~correction.dropped).to(response_mask.dtype)
+    loss, metrics = policy_loss(
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=kept,
+        loss_agg=weighted_loss_agg(loss_agg, correction.weights), **loss_args,
+    )
+    with torch.no_grad():
+        on, kept_on = mask, mask & ~correction.dropped
+        dtype = correction.weights.dtype
+        log_w = torch.where(on, old_logprobs.detach().to(dtype) - behaviour_logprobs.detach().to(dtype), 0.0)
+        log_w = log_w.clamp(-METRIC_LOG_RATIO_CLAMP, METRIC_LOG_RATIO_CLAMP)
+        metrics = dict(metrics)
+        metrics["behaviour_weight_mean"] = masked_mean(correction.weights, kept_on).detach()
+        metrics["behaviour_kl"] = masked_mean(torch.expm1(log_w) - log_w, on).detach()
+        metrics["behaviour_dropped_frac"] = _fraction(correction.dropped, on)
+        metrics["behaviour_truncated_frac"] = _fraction(correction.truncated, on)
+    return loss, metrics
+
+
+def decoupled_ppo(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    clip_delta: float | None = None,
+    behaviour_correction: Mapping | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO: l = -sg[pi_prox / pi_behav] min(r A, clip(r) A), r = pi / pi_prox.
+
+    The objective asynchronous RL trains with: rollouts sampled by a stale
+    behaviour policy ``pi_behav`` (``behaviour_logprobs``, per token; a
+    rollout interrupted by a weight update carries each token's own
+    version's log-prob), a proximal policy ``pi_prox`` (``old_logprobs``, the
+    trainer's recompute before this update) as the trust-region centre::
+
+        r_t  = exp(logprobs_t - old_logprobs_t)                 (current / proximal)
+        w_t  = sg[ exp(old_logprobs_t - behaviour_logprobs_t) ] (proximal / behaviour)
+        l_t  = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
+        loss = loss_agg(l, response_mask)
+
+    Clipping against ``pi_behav`` instead (standard PPO on stale data) would
+    make the trust region depend on how stale the data is: after a few
+    versions most ratios sit outside it and the update stalls. Against
+    ``pi_prox`` the step size stays that of on-policy PPO, and ``w`` makes
+    the gradient an importance-sampled estimate under ``pi_behav``'s data.
+
+    The clip options (clip-higher, ``dual_clip_c``, ``clip_delta``) are
+    :func:`ppo_clip`'s; ``behaviour_correction`` chooses how ``w`` is
+    truncated or masked (TIS / MIS / rejection, see :func:`decoupled_loss`;
+    default untruncated). AReaL's ``behav_imp_weight_cap = c`` is
+    ``behaviour_correction={"mis": "token", "mis_low": 0, "mis_high": c}``.
+    With ``behaviour_logprobs == old_logprobs`` it is :func:`ppo_clip`.
+
+    Metrics: :func:`ppo_clip`'s plus ``behaviour_*`` (module docstring).
+
+    Paper: Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+    Learning System for Language Reasoning", arXiv:2505.24298, section 5.2;
+    Hilton, Cobbe, Schulman 2021, arXiv:2110.00641.
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    return decoupled_loss(
+        ppo_clip, logprobs=logprobs, old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs,
+        advantages=advantages, response_mask=response_mask, loss_agg=loss_agg,
+        behaviour_correction=behaviour_correction, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+        dual_clip_c=dual_clip_c, clip_delta=clip_delta, log_ratio_clamp=log_ratio_clamp,
+    )
+
+
 @rltk.hookimpl
 def rltk_policy_losses():
     """Register the builtin policy losses."""
@@ -968,4 +1131,5 @@ def rltk_policy_losses():
         "dppo_tv": dppo_tv,
         "dppo_kl": dppo_kl,
         "dro": dro,
+        "decoupled_ppo": decoupled_ppo,
     }

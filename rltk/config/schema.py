@@ -94,7 +94,7 @@ class RolloutCorrectionConfig:
     """
 
     tis: Optional[str] = None  # token | sequence: weight min(rho, tis_cap), rho = pi_old / pi_rollout
-    tis_cap: float = 2.0
+    tis_cap: Optional[float] = 2.0  # null: no truncation (plain importance weight)
     mis: Optional[str] = None  # token | sequence: weight rho inside [mis_low, mis_high], drop outside
     mis_low: float = 0.5  # 0: no lower bound
     mis_high: float = 2.0
@@ -194,6 +194,10 @@ class BufferConfig:
     sample_strategy: str = "on_policy"
     sample_strategy_args: Dict[str, Any] = field(default_factory=dict)
     expert: ExpertDataConfig = field(default_factory=ExpertDataConfig)
+    # The persistent experience queue of asynchronous training (rltk.buffer.queue, SQLite): producers write
+    # experiences tagged with their policy version, the trainer takes them. null: a file in the run folder.
+    queue_path: Optional[str] = None
+    queue_timeout_s: float = 600.0  # the longest the trainer waits for experiences (stale_policy=wait, or none)
 
 
 @dataclass
@@ -221,6 +225,13 @@ class TrainerConfig:
     # An integer seeds every sampled evaluation on its own stream (the run's stream left as it was): the
     # same weights then give the same number. Greedy evaluation (eval/accuracy) never depends on it.
     eval_seed: Optional[int] = None
+    # Asynchronous RL (issue 30). mode: sync (sample, score, update, repeat) | one_step_off (step t trains on
+    # rollouts of policy t-1 while policy t generates) | async (producers run ahead by at most max_staleness
+    # policy versions). Only sync is wired into the loop so far; validation refuses the others.
+    mode: str = "sync"
+    max_staleness: int = 1  # async: the oldest policy version a trained token may come from, counted back
+    stale_policy: str = "drop"  # drop (counted in staleness/dropped) | wait (for fresher data, buffer.queue_timeout_s)
+    sync_every: int = 1  # optimizer steps between weight syncs to the producers
 
 
 @dataclass
@@ -302,6 +313,13 @@ class LoggingConfig:
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     logger_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
     plot: bool = True  # a PNG of reward and held-out accuracy in the run folder at the end
+    # Rollout traces (traces.jsonl, rltk/training/traces.py): a sample of each RL step's trajectories with
+    # prompt, response, rewards, advantages and per-token masks, for `rltk dashboard` or jq. On by default:
+    # the samples of a step cannot be had back once the run is over, and the cap bounds what they cost.
+    traces: bool = True
+    traces_per_step: int = 16  # trajectories kept per traced step, as whole groups (at least one group's start)
+    traces_every: int = 1  # trace every N-th RL step
+    traces_max_mb: float = 100.0  # the file's size cap; later steps are not traced once it is reached
 
 
 @dataclass
@@ -358,6 +376,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.kl_in": ("loss", "reward"),
     "algorithm.kl_controller": ("fixed", "adaptive"),
     "trainer.lr_schedule": ("constant", "linear", "cosine"),
+    "trainer.mode": ("sync", "one_step_off", "async"),
+    "trainer.stale_policy": ("drop", "wait"),
     "sft.lr_schedule": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
 }

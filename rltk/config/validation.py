@@ -14,6 +14,7 @@ below :func:`validate_config`, under a banner naming the section.
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
             )
     _check_positive(cfg)
     check_rollout_correction_config(cfg)
+    check_async_config(cfg, registry)
     check_seed(cfg)
     check_paths(cfg)
     check_lora_values(cfg)
@@ -92,7 +94,7 @@ def _check_positive(cfg: DictConfig) -> None:
         "trainer.prompts_per_step": 1, "trainer.micro_batch_size": 1, "trainer.mini_batches": 1,
         "trainer.ppo_epochs": 1, "rollout.n": 1, "rollout.max_new_tokens": 1, "sft.batch_size": 1,
         "algorithm.dynamic_sampling_max_rounds": 1,
-        "reward.workers": 1,
+        "reward.workers": 1, "logging.traces_per_step": 1, "logging.traces_every": 1,
     }
     for key, minimum in rules.items():
         value = OmegaConf.select(cfg, key)
@@ -109,6 +111,9 @@ def _check_positive(cfg: DictConfig) -> None:
             f"bad value {cfg.reward.timeout_s!r} for 'reward.timeout_s': must be > 0 seconds, or null to run every "
             f"reward function in-process without a timeout"
         )
+    if cfg.logging.traces_max_mb <= 0:
+        raise ConfigError(f"bad value {cfg.logging.traces_max_mb!r} for 'logging.traces_max_mb': must be > 0 "
+                          f"(MiB); to write no traces, set logging.traces=false")
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"bad value {cfg.trainer.lr!r} for 'trainer.lr': must be > 0")
     if cfg.rollout.temperature <= 0:
@@ -136,6 +141,67 @@ def _check_positive(cfg: DictConfig) -> None:
             f"trainer.mini_batches={cfg.trainer.mini_batches} must divide the rollout batch "
             f"trainer.prompts_per_step x rollout.n = {batch}"
         )
+
+
+# --------------------------------------------------------------------------
+# trainer.mode and its keys: asynchronous training (issue 30)
+# --------------------------------------------------------------------------
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_async_config(cfg: DictConfig, registry) -> None:
+    """The asynchronous-training keys, and what the loop does not run yet.
+
+    ``trainer.max_staleness`` is an int >= 0, ``trainer.sync_every`` an int >= 1,
+    ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
+    are plain choices). Until the RL loop runs producers and a trainer
+    concurrently, ``trainer.mode`` other than ``sync`` is refused rather than
+    silently run synchronously, and so is a policy loss that needs the
+    behaviour policy's log-probs (``decoupled_ppo``), which the loop does not
+    pass yet.
+    """
+    t = cfg.trainer
+    if not (_is_int(t.max_staleness) and t.max_staleness >= 0):
+        raise ConfigError(
+            f"bad value {t.max_staleness!r} for 'trainer.max_staleness': must be an integer >= 0 (policy versions "
+            f"a trained token may lag the trainer; 0 is on-policy)"
+        )
+    if not (_is_int(t.sync_every) and t.sync_every >= 1):
+        raise ConfigError(
+            f"bad value {t.sync_every!r} for 'trainer.sync_every': must be an integer >= 1 (optimizer steps "
+            f"between weight syncs to the producers)"
+        )
+    timeout = cfg.buffer.queue_timeout_s
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+            and timeout > 0):
+        raise ConfigError(f"bad value {timeout!r} for 'buffer.queue_timeout_s': must be a number of seconds > 0")
+    if t.mode != "sync":
+        raise ConfigError(
+            f"bad value {t.mode!r} for 'trainer.mode': the {t.mode} mode is not yet wired into the RL loop "
+            f"(issue 30: the experience queue and the decoupled loss exist, the concurrent loop does not). "
+            f"Valid today: sync"
+        )
+    entry = registry.entries["policy_loss"].get(cfg.algorithm.policy_loss)
+    if entry is not None and _needs_behaviour_logprobs(entry.obj):
+        raise ConfigError(
+            f"bad value {cfg.algorithm.policy_loss!r} for 'algorithm.policy_loss': it needs the behaviour policy's "
+            f"log-probs per token (behaviour_logprobs), which the RL loop does not pass yet (issue 30). In the "
+            f"synchronous loop the same objective is ppo_clip with algorithm.use_rollout_logprobs=false and "
+            f"algorithm.rollout_correction.tis=token algorithm.rollout_correction.tis_cap=null (or another "
+            f"rollout_correction mode)"
+        )
+
+
+def _needs_behaviour_logprobs(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("behaviour_logprobs")
+    return p is not None and p.default is inspect.Parameter.empty
 
 
 # --------------------------------------------------------------------------

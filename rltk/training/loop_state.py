@@ -61,6 +61,9 @@ class LoopState:
     kl_ctl: Any = None
     generator: torch.Generator | None = None
     reference: FrozenReference | None = None
+    # the buffer items (experience, step put, source) of the current batch's rows, in row order: what the
+    # rollout traces read (not checkpointed; rebuilt every step by sampled_batch)
+    batch_items: list | None = None
 
     def state_dict(self) -> dict:
         """The JSON-able state every rank shares (the main rank's is saved)."""
@@ -192,7 +195,9 @@ def sampled_batch(stage, loop: LoopState, parts: RLParts, experiences: list, col
     """
     run = stage.run
     loop.buffer.put(experiences, step)
+    stored = {id(item.experience): item for item in loop.buffer.items()}
     experiences = parts.sample_strategy.sample(loop.buffer, step) if experiences else []
+    loop.batch_items = [stored.get(id(e)) for e in experiences]
     if any_rank(strategy, not experiences):
         run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **parts.sample_strategy.metrics()},
                            stage.first_step + step)

@@ -45,6 +45,7 @@ from rltk.training.run_outputs import MetricLog, build_loggers, prepare_run_dir,
 from rltk.training.setup import args_of, build_reward, build_strategy, build_tokenizer_and_policy, sampling_params, \
     stage_config
 from rltk.training.stage_checkpoint import LOG_ROWS_KEY, restore_rollout_state
+from rltk.training.traces import TraceWriter
 
 
 @dataclass
@@ -64,6 +65,12 @@ class Run:
     stage_steps: list[int]
     resume: dict | None  # the checkpoint this run continues from
     finished: bool = False  # the checkpoint ends the last stage: only the final evaluation is reported
+    traces: TraceWriter | None = None  # logging.traces: samples of each RL step in traces.jsonl (main process)
+
+    def trace(self, stage: "Stage", step: int, batch: dict, items) -> None:
+        """Keep a sample of stage step ``step``'s trajectories (``logging.traces``; a no-op when off)."""
+        if self.traces is not None:
+            self.traces.write(stage, step, batch, items)
 
 
 @dataclass
@@ -123,13 +130,17 @@ def open_run(cfg: DictConfig) -> Run:
         for logger in metric_log.loggers:
             if hasattr(logger, "truncate_after"):
                 logger.truncate_after(resume_step, keep_at_step=resume[LOG_ROWS_KEY])
+    lg = cfg.logging
+    traces = TraceWriter(run_dir, tokenizer, per_step=lg.traces_per_step, every=lg.traces_every,
+                         max_mb=lg.traces_max_mb, resume_step=resume_step) \
+        if lg.traces and process_rank() == 0 and not finished else None
     if finished and process_rank() == 0:
         print(f"rltk: {run_dir} already finished (checkpoint {resume['path']}): nothing left to train, reporting "
               f"its final evaluation. For a new run use name=<new name>; to redo this one, checkpoint.resume=never")
     elif resume is not None and "started_from" not in resume:
         print(f"rltk: resuming from {resume['path']} (stage {resume['stage']}, step {resume['stage_step']})")
     return Run(cfg, run_dir, tokenizer, policy, train_rows, eval_rows, workflow, ckpt, metric_log, stages,
-               stage_steps, resume, finished)
+               stage_steps, resume, finished, traces)
 
 
 def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
@@ -209,7 +220,6 @@ def finish_run(run: Run) -> dict:
     close_engine = getattr(run.workflow.engine, "close", None)  # vllm: its worker and the process group it made
     if callable(close_engine):
         close_engine()
-    run.metric_log.close()
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
@@ -218,6 +228,8 @@ def finish_run(run: Run) -> dict:
         if run.cfg.logging.plot and (run.run_dir / "metrics.jsonl").exists():
             plot_training_curves(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
         write_summary(run.run_dir, summary)
+    # After the plot and summary: loggers that keep artifacts (mlflow, swanlab) upload them as they close.
+    run.metric_log.close()
     rltk.call_lifecycle_hook("rltk_on_train_end", run_dir=run.run_dir, metrics=summary)
     end_process_group()
     return summary

@@ -105,6 +105,12 @@ def test_crash_mid_run_resumes_from_last_checkpoint_and_matches(tmp_path):
     assert main(["run", "grpo", f"output_dir={crashing}", *args]) == 0
     resumed, reference = read_metrics(crashing), read_metrics(straight)
     assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # nothing logged twice
+    # rollout traces too: the lines the crashed run wrote after its checkpoint are gone, the rest as if uninterrupted
+    from rltk.training.traces import read_traces
+
+    traces = read_traces(crashing / "traces.jsonl")
+    assert [t["step"] for t in traces] == [s for s in range(21, 29) for _ in range(16)]
+    assert traces == read_traces(straight / "traces.jsonl")
     for a, b in zip(resumed, reference):
         for key in ("reward", "pg_loss", "eval/accuracy"):
             if key in b:

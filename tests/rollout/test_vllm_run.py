@@ -47,3 +47,18 @@ def test_a_short_grpo_run_samples_with_vllm_from_the_trainers_weights(tmp_path):
         assert abs(r["mismatch/ratio_max"] - 1) < 1e-3 and abs(r["mismatch/ratio_min"] - 1) < 1e-3
     assert json.loads((run_dir / "summary.json").read_text())["steps"] > 0
     assert not torch.distributed.is_initialized()  # the engine closed with the run
+
+
+@pytest.mark.slow  # one vLLM start in a process of its own (~40 s on 2 cores)
+def test_a_short_run_at_torchs_baseline_cpu_kernels(tmp_path):
+    # vLLM compiles helpers with inductor, whose C++ fails to build at ATEN_CPU_CAPABILITY=default (torch 2.13):
+    # the engine runs them eagerly there, so the learning benchmark's `default` level runs with vLLM too
+    import sys
+
+    from tests.isolated import run_isolated
+
+    run_isolated([sys.executable, "-m", "rltk.cli", "run", "grpo", "rollout.engine=vllm", "model.tiny.num_heads=2",
+                  "model.tiny.num_kv_heads=1", f"output_dir={tmp_path / 'run'}", *SHORT],
+                 timeout=900, extra_env={"ATEN_CPU_CAPABILITY": "default"})
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "reward" in r]) == 2

@@ -1,0 +1,236 @@
+"""The persistent experience queue: leases, commits and recovery, staleness, concurrent producer processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from rltk.batch import Experience
+from rltk.buffer.queue import ExperienceQueue, QueueTimeout
+
+
+def group(group_id, size=2, tokens=3, score=1.0):
+    return [Experience(prompt_ids=[7, group_id], response_ids=list(range(1, tokens + 1)), score=score + i,
+                       group_id=group_id, rollout_logprobs=[-0.5] * tokens) for i in range(size)]
+
+
+def put_group(q, producer, group_id, version, size=2, **kw):
+    ids = [f"{producer}-{group_id}-{i}" for i in range(size)]
+    return q.put(group(group_id, size, **kw), ids=ids, versions=version, producer=producer)
+
+
+def test_wal_mode_and_a_round_trip_of_every_field(tmp_path):
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path) as q:
+        exp = Experience(prompt_ids=[1, 2], response_ids=[3, 4, 5], score=0.25, group_id=9, response_mask=[1, 0, 1],
+                         rollout_logprobs=[-0.1, -0.2, -0.30000000000000004], finish_reason="length",
+                         reward_details={"acc": 1.0}, info={"answer": "12"}, turn_rewards=[(1, 0.5)])
+        assert q.put([exp], ids=["a"], versions=[[3, 3, 4]], producer="w0") == 1
+        lease = q.take(1, step=1, version=4)
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    (got,) = lease.experiences
+    assert got == Experience(**{**exp.__dict__, "group_id": 0})  # floats exact, group renumbered
+    assert lease.ids == ["a"] and lease.versions == [[3, 3, 4]] and lease.group_keys == ["w0/a/9"]
+    # the oldest token decides: 4 - 3
+    assert lease.metrics["staleness/mean"] == 1.0 and lease.metrics["staleness/max"] == 1.0
+
+
+def test_take_leases_whole_groups_oldest_first_and_renumbers_them(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        put_group(q, "a", 0, 0)
+        put_group(q, "b", 0, 0)  # same group_id from another producer: another group
+        put_group(q, "a", 1, 0)
+        lease = q.take(4, step=1, version=0)
+        assert lease.ids == ["a-0-0", "a-0-1", "b-0-0", "b-0-1"]
+        assert [e.group_id for e in lease.experiences] == [0, 0, 1, 1]
+        assert q.counts() == {"ready": 2, "leased": 4, "consumed": 0, "dropped": 0}
+        # a producer's next batch numbers its groups from 0 again: another group, not more of group 0
+        q.put(group(0, 1), ids=["a-next-0"], versions=0, producer="a")
+        assert q.take(3, step=2, version=0).ids == ["a-1-0", "a-1-1", "a-next-0"]
+        # a group bigger than the batch is still taken whole rather than never
+        put_group(q, "c", 0, 0, size=3)
+        assert q.take(1, step=3, version=0).ids == ["c-0-0", "c-0-1", "c-0-2"]
+
+
+def test_put_is_idempotent_by_id(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        assert put_group(q, "a", 0, 0) == 2
+        assert put_group(q, "a", 0, 0) == 0  # a restarted producer putting its last group again
+        q.take(2, step=1, version=0)
+        q.commit(1)
+        assert put_group(q, "a", 0, 0) == 0  # also once consumed
+        assert q.counts()["ready"] == 0
+
+
+def test_bad_puts_are_refused_naming_the_problem(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        with pytest.raises(ValueError, match="2 ids for 1 experiences"):
+            q.put(group(0, 1), ids=["x", "y"], versions=0)
+        with pytest.raises(ValueError, match=r"one int per response token \(3\)"):
+            q.put(group(0, 1), ids=["x"], versions=[[1, 2]])
+        with pytest.raises(TypeError, match="not a rltk.batch.Experience"):
+            q.put([{"prompt_ids": [1]}], ids=["x"], versions=0)
+        with pytest.raises(ValueError, match="distinct"):
+            q.put(group(0, 2), ids=["x", "x"], versions=0)
+        odd = group(0, 1)
+        odd[0].info["when"] = object()
+        with pytest.raises(TypeError, match="'x' cannot be stored as JSON.*info must hold JSON-able values"):
+            q.put(odd, ids=["x"], versions=0)
+        assert q.counts()["ready"] == 0
+
+
+def test_commit_consumes_every_lease_up_to_the_checkpoint_step(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        for g in range(3):
+            put_group(q, "a", g, 0)
+        for step in (1, 2, 3):
+            q.take(2, step=step, version=0)
+        assert q.commit(2) == 4  # a checkpoint at step 2 covers steps 1 and 2
+        assert q.counts() == {"ready": 0, "leased": 2, "consumed": 4, "dropped": 0}
+        assert q.committed_step == 2
+        with pytest.raises(ValueError, match="step 2 is already committed"):
+            q.take(2, step=2, version=0)
+
+
+def test_recover_commits_what_the_checkpoint_holds_and_returns_the_rest_in_order(tmp_path):
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path) as q:
+        for g in range(4):
+            put_group(q, "a", g, 0)
+        q.take(2, step=1, version=0)
+        q.commit(1)
+        q.take(2, step=2, version=0)  # checkpoint of step 2 saved, then the crash: commit(2) never ran
+        q.take(2, step=3, version=0)  # trained, never checkpointed
+    with ExperienceQueue(path) as q:  # the restarted trainer resumes from the checkpoint of step 2
+        assert q.recover(2) == {"committed": 2, "returned": 2}
+        assert q.ids("consumed") == ["a-0-0", "a-0-1", "a-1-0", "a-1-1"]
+        assert q.take(4, step=3, version=0).ids == ["a-2-0", "a-2-1", "a-3-0", "a-3-1"]  # original order
+
+
+def test_a_restarted_trainer_must_recover_before_it_takes_or_commits(tmp_path):
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path) as q:
+        for g in range(2):
+            put_group(q, "a", g, 0)
+        q.take(2, step=1, version=0)  # then the process dies
+    with ExperienceQueue(path) as q:
+        for call in (lambda: q.take(2, step=1, version=0), lambda: q.commit(1)):
+            with pytest.raises(RuntimeError, match=r"1 lease\(s\) of step\(s\) \[1\] are open from an earlier "
+                                                   r"trainer process; call recover\(resumed_step\)"):
+                call()
+        q.recover(0)
+        assert q.take(4, step=1, version=0).ids == ["a-0-0", "a-0-1", "a-1-0", "a-1-1"]
+
+
+def test_resuming_from_a_checkpoint_older_than_the_last_commit_is_refused(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        put_group(q, "a", 0, 0)
+        q.take(2, step=1, version=0)
+        q.commit(1)
+        with pytest.raises(ValueError, match=r"committed up to training step 1, but the run resumes from step 0"):
+            q.recover(0)
+
+
+def test_drop_policy_drops_stale_groups_and_counts_them(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite", max_staleness=1) as q:
+        put_group(q, "a", 0, 3)             # staleness 5 - 3 = 2: dropped
+        put_group(q, "a", 1, [[4, 4, 5], [5, 5, 5]])  # one member's oldest token is 4: staleness 1, kept
+        put_group(q, "a", 2, 5)             # staleness 0
+        lease = q.take(4, step=1, version=5)
+        assert lease.ids == ["a-1-0", "a-1-1", "a-2-0", "a-2-1"]
+        # per experience: 1, 0 (group 1), 0, 0 (group 2) -> mean 0.25, max 1
+        assert lease.metrics["staleness/mean"] == 0.25 and lease.metrics["staleness/max"] == 1.0
+        assert lease.metrics["staleness/dropped"] == 2.0
+        assert q.ids("dropped") == ["a-0-0", "a-0-1"]
+
+
+def test_wait_policy_times_out_naming_what_it_waited_for(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite", max_staleness=1, stale_policy="wait", timeout_s=0.3) as q:
+        put_group(q, "a", 0, 2)
+        put_group(q, "a", 1, 5)
+        start = time.monotonic()
+        with pytest.raises(QueueTimeout) as info:
+            q.take(4, step=1, version=5)
+        assert 0.3 <= time.monotonic() - start < 5
+        msg = str(info.value)
+        assert "waited 0.3 s for 4 experiences of policy version >= 4 (trainer version 5, max_staleness 1)" in msg
+        assert "2 trainable ones are there" in msg and "2 older ones (policy versions [2])" in msg
+        assert str(tmp_path / "q.sqlite") in msg
+        assert q.counts() == {"ready": 4, "leased": 0, "consumed": 0, "dropped": 0}  # nothing dropped
+
+
+def test_wait_policy_returns_once_a_producer_supplies_fresh_data(tmp_path):
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path, max_staleness=0, stale_policy="wait", timeout_s=20) as q:
+        put_group(q, "a", 0, 1)  # stale at version 2
+
+        def late_producer():
+            time.sleep(0.2)
+            with ExperienceQueue(path) as p:
+                put_group(p, "b", 0, 2)
+
+        thread = threading.Thread(target=late_producer)
+        thread.start()
+        lease = q.take(2, step=1, version=2)
+        thread.join()
+        assert lease.ids == ["b-0-0", "b-0-1"] and lease.metrics["staleness/waited_s"] >= 0.2
+        assert lease.metrics["staleness/dropped"] == 0.0 and q.counts()["ready"] == 2
+
+
+def test_an_empty_queue_times_out_instead_of_hanging(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite", timeout_s=0.1) as q:
+        with pytest.raises(QueueTimeout, match=r"waited 0\.1 s for 2 experiences of no staleness bound for training "
+                                               r"step 1; 0 trainable ones are there\. Are the producers running"):
+            q.take(2, step=1, version=0)
+
+
+def test_a_write_lock_held_too_long_is_a_timeout_naming_what_waited(tmp_path):
+    path = tmp_path / "q.sqlite"
+    ExperienceQueue(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process in the middle of a write
+    try:
+        with ExperienceQueue(path, busy_timeout_s=0.2) as q:
+            with pytest.raises(QueueTimeout, match=r"waited 0\.2 s for the write lock to put experiences"):
+                put_group(q, "a", 0, 0)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="stale_policy must be one of drop, wait"):
+        ExperienceQueue(tmp_path / "q.sqlite", stale_policy="skip")
+    with pytest.raises(ValueError, match="max_staleness must be an integer >= 0"):
+        ExperienceQueue(tmp_path / "q.sqlite", max_staleness=-1)
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        with pytest.raises(ValueError, match="step must be an integer >= 1"):
+            q.take(2, step=0, version=0)
+
+
+def _produce(path, name, groups):
+    with ExperienceQueue(path) as q:
+        for g in range(groups):
+            put_group(q, name, g, 0)
+
+
+def test_several_producer_processes_write_at_once(tmp_path):
+    path = tmp_path / "q.sqlite"
+    ExperienceQueue(path).close()
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_produce, args=(path, f"w{i}", 40)) for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    with ExperienceQueue(path) as q:
+        ids = q.ids("ready")
+        assert len(ids) == len(set(ids)) == 4 * 40 * 2
+        lease = q.take(4 * 40 * 2, step=1, version=0)
+        # every group arrived whole: its two members are adjacent
+        assert all(lease.group_keys[i] == lease.group_keys[i + 1] for i in range(0, len(lease), 2))

@@ -1,0 +1,205 @@
+"""The dashboard in a real browser: Debian's headless Chromium driven by Selenium through Debian's chromedriver.
+
+Needs ``apt-get install chromium chromium-driver`` and the ``selenium`` package. Where either is missing the
+tests are skipped on a developer's machine, but FAIL in CI (``CI`` set) or with ``RLTK_BROWSER_TESTS=1``:
+browser tests that silently skip would pass CI while testing nothing. Screenshots of each page go to the
+test's tmp folder, or to ``$RLTK_SCREENSHOTS`` when set (for the docs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rltk.cli import main
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = os.environ.get("RLTK_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("RLTK_CHROMEDRIVER", "/usr/bin/chromedriver")
+INSTALL = "apt-get install -y chromium chromium-driver && pip install selenium==4.51.0"
+
+
+def _missing() -> str | None:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "the selenium package is not installed"
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not (Path(path).is_file() and os.access(path, os.X_OK)):
+            return f"{path} is missing"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    missing = _missing()
+    if missing:
+        message = f"browser tests need Chromium, chromedriver and selenium: {missing} (install: {INSTALL})"
+        if os.environ.get("CI") or os.environ.get("RLTK_BROWSER_TESTS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000", "--disable-extensions", "--no-first-run"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def screenshot(driver, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.png"
+    driver.save_screenshot(str(path))
+    target = os.environ.get("RLTK_SCREENSHOTS")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(target) / path.name)
+    return path
+
+
+def wait_for(driver, condition, what: str, timeout: float = 60):
+    """Wait until ``condition(driver)`` is truthy; the error says what was awaited."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition)
+    except TimeoutException:
+        raise AssertionError(f"waited {timeout}s for {what}; status line: "
+                             f"{driver.find_element('id', 'status').text!r}") from None
+
+
+def status_ok(driver) -> bool:
+    return driver.find_element("id", "status").get_attribute("data-ok") == "true" and not \
+        driver.find_element("id", "busy").text
+
+
+def choose(driver, key: str, value: str) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    Select(driver.find_element("css selector", f'select[data-key="{key}"]')).select_by_value(value)
+
+
+def test_build_a_config_in_the_browser_and_run_validate_on_it(browser, dashboard, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    client, _, save_dir = dashboard
+    driver = browser
+    driver.get(f"http://127.0.0.1:{client.port}/")
+    wait_for(driver, status_ok, "the recipe's own config to validate")
+    # the beginner view: the few keys a new run needs
+    shown = [e.get_attribute("data-field") for e in driver.find_elements(By.CSS_SELECTOR, "#form .field")]
+    assert {"model.path", "algorithm.name", "trainer.total_steps", "rollout.engine"} <= set(shown) and len(shown) < 12
+    screenshot(driver, tmp_path, "dashboard-beginner")
+
+    # choose a preset: the form shows what it sets
+    choose(driver, "algorithm.name", "dapo")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, 'table[data-preset="dapo"]') and status_ok(d),
+             "the dapo preset's table")
+    sets = driver.find_element(By.CSS_SELECTOR, 'table[data-preset="dapo"]').text
+    assert "algorithm.dynamic_sampling true" in sets and "clip_eps_high" in sets
+
+    # the expert view: every key; swap the advantage function and see its own arguments
+    driver.find_element(By.ID, "view-expert").click()
+    choose(driver, "algorithm.advantage_fn", "reinforce_plus_plus")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '[data-args-for="algorithm.advantage_fn_args"]')
+             and "arguments of reinforce_plus_plus" in d.find_element(
+                 By.CSS_SELECTOR, '[data-args-for="algorithm.advantage_fn_args"]').text
+             and status_ok(d), "reinforce_plus_plus's arguments")
+    assert "algorithm.advantage_fn=reinforce_plus_plus" in driver.find_element(By.ID, "command").text
+    gamma = driver.find_element(By.CSS_SELECTOR, 'input[data-key="algorithm.advantage_fn_args.gamma"]')
+    assert gamma.get_attribute("placeholder") == "default 1"  # from the function's signature
+    gamma.send_keys("0.99")
+    wait_for(driver, lambda d: "algorithm.advantage_fn_args.gamma=0.99" in d.find_element(By.ID, "command").text
+             and status_ok(d), "the argument in the command line")
+
+    # a bad value: the error appears beside its field, with the validator's text; fixed, it disappears
+    driver.find_element(By.CSS_SELECTOR, 'details[data-section="trainer"] > summary').click()
+    lr = driver.find_element(By.CSS_SELECTOR, 'input[data-key="trainer.lr"]')
+    lr.clear()
+    lr.send_keys("-1")
+    error = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '[data-error-for="trainer.lr"]'),
+                     "the error beside trainer.lr")[0]
+    assert error.text == "bad value -1.0 for 'trainer.lr': must be > 0"
+    screenshot(driver, tmp_path, "dashboard-error")
+    lr = driver.find_element(By.CSS_SELECTOR, 'input[data-key="trainer.lr"]')
+    lr.clear()
+    lr.send_keys("0.0001")
+    wait_for(driver, lambda d: status_ok(d) and not d.find_elements(By.CSS_SELECTOR, "[data-error-for]"),
+             "the error to go")
+
+    # save it, and `rltk validate` takes the file
+    name = driver.find_element(By.ID, "save-name")
+    name.clear()
+    name.send_keys("from_browser.yaml")
+    driver.find_element(By.ID, "save").click()
+    wait_for(driver, lambda d: d.find_element(By.ID, "save-result").get_attribute("data-path"), "the save")
+    saved = save_dir / "from_browser.yaml"
+    assert driver.find_element(By.ID, "save-result").get_attribute("data-path") == str(saved)
+    config = yaml.safe_load(saved.read_text())
+    assert config["algorithm"]["name"] == "dapo" and config["algorithm"]["advantage_fn"] == "reinforce_plus_plus"
+    assert config["algorithm"]["advantage_fn_args"] == {"gamma": 0.99}
+    assert config["trainer"]["lr"] == 0.0001
+    assert main(["validate", "--config", str(saved), "grpo"]) == 0
+    screenshot(driver, tmp_path, "dashboard-expert")
+
+
+def test_read_a_real_runs_trajectories_in_the_browser(browser, dashboard, tmp_path, real_run):
+    from selenium.webdriver.common.by import By
+
+    client, runs_root, _ = dashboard
+    shutil.copytree(real_run, runs_root / "tiny")
+    traced = sorted({int(line.split(",")[0].split(":")[1]) for line in
+                     (real_run / "traces.jsonl").read_text().splitlines()})
+    driver = browser
+    driver.get(f"http://127.0.0.1:{client.port}/#runs")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#runs-list button[data-run="tiny"]'), "the run list")
+    driver.find_element(By.CSS_SELECTOR, '#runs-list button[data-run="tiny"]').click()
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#curves [data-panel="train reward"] svg'),
+             "the curves")
+    panels = [p.get_attribute("data-panel") for p in driver.find_elements(By.CSS_SELECTOR, "#curves .panel")]
+    assert panels == ["warm-up (SFT) loss", "train reward", "held-out accuracy"]  # the panels of curves.png
+    step = traced[-1]
+    row = driver.find_element(By.CSS_SELECTOR, f'#steps tr.has-traces[data-step="{step}"]')
+    row.click()
+    cards = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .trajectory"), "the trajectories")
+    from rltk.training.traces import read_traces
+
+    expected = read_traces(real_run / "traces.jsonl", step=step)
+    assert len(cards) == len(expected)
+    first, record = cards[0], expected[0]
+    assert first.find_element(By.CSS_SELECTOR, "pre.prompt").text == record["prompt"].strip()
+    assert first.find_element(By.CSS_SELECTOR, "pre.response").text == record["response"].strip()
+    assert f"score {record['score']:.4g}" in first.find_element(By.CSS_SELECTOR, ".head").text
+    tokens = first.find_elements(By.CSS_SELECTOR, ".tokens .tok")
+    assert [t.get_attribute("data-mask") for t in tokens] == [str(m) for m in record["response_mask"]]
+    assert "advantage" in tokens[0].get_attribute("title")
+    assert "exact_match" in first.find_element(By.CSS_SELECTOR, "table.rewards").text
+    driver.execute_script("arguments[0].scrollIntoView()", first)
+    screenshot(driver, tmp_path, "dashboard-run")
+
+    # live: a step the run logs now shows up in the table without a reload (the page polls every 3 s)
+    with open(runs_root / "tiny" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 999, "reward": 0.5}\n')
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#steps tr[data-step="999"]'), "the new step", 20)
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """A real `rltk run grpo` on the embedded tiny default, cut short: warm-up, 3 GRPO steps, traces on."""
+    run_dir = tmp_path_factory.mktemp("real") / "tiny"
+    assert main(["run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]", "data.train_size=40",
+                 "data.eval_size=8", "sft.steps=4", "sft.stop_at_accuracy=null", "sft.warmup_steps=1",
+                 "trainer.total_steps=3", "trainer.warmup_steps=0", "trainer.prompts_per_step=4", "rollout.n=4",
+                 "trainer.eval_every=3", "logging.traces_per_step=8", "checkpoint.every=0"]) == 0
+    return run_dir
