@@ -1,12 +1,9 @@
 """The shipped tool-using agent config (recipes/configs/agentic_tools.yaml) learns: its warm-up and its
-first 20 GRPO steps (slow; run in CI).
+60 GRPO steps, run unchanged (slow; run in CI).
 
 The builtin `arithmetic_tools` agent asks each three-digit sum through the `openai` client with the
 `calculator` tool offered; the warm-up teaches the call, the tool's result and the answer from the
-task's demonstrations (rendered with env.tools, as every request is), then GRPO. The learning rate is
-constant after 5 warm-up steps and evaluations are seeded (trainer.eval_seed), so 20 steps are the run
-the benchmark's evaluation at RL step 20 measured (`benchmarks/learning.py --recipes agentic_tools
---at-step 20`).
+task's demonstrations (rendered with env.tools, as every request is), then GRPO.
 """
 
 import json
@@ -20,21 +17,21 @@ from tests.serve.helpers import ensure_serve_builtins
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-RL_STEPS = 20
-# What `benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2 --levels default --at-step 20`
-# measured (README, "Learning, measured"): after 20 GRPO steps every run's held-out sampled accuracy
-# had gained at least MIN_BENCHMARK_SAMPLED_GAIN (+0.07 / +0.11 / +0.22). The test asks for half of it. Its
-# own run (2 threads, AVX-512; 1.9 min on a quiet 2-core machine, 4.5 min loaded) went 0.26 -> 0.35 sampled,
-# 0.73 -> 0.94 greedy.
-MIN_BENCHMARK_SAMPLED_GAIN = 0.07
+RL_STEPS = 60
+# What `benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2` measured (README, "Learning, measured"):
+# over seeds 0-2 at the `default`, `avx2` and `avx512` kernel levels, every run's training reward (the mean
+# of the last 15 RL steps against the first 15, 960 episodes each) rose by at least MIN_BENCHMARK_REWARD_RISE.
+# The test asks for half of it. Held-out sampled accuracy rose in every run too, but by as little as +0.003
+# (seed 0 at avx2), within its noise, so it is not asserted.
+MIN_BENCHMARK_REWARD_RISE = 0.052
 
 
-def test_grpo_through_the_openai_endpoint_raises_the_tool_agents_sampled_accuracy(tmp_path):
+def test_grpo_through_the_openai_endpoint_raises_the_tool_agents_reward(tmp_path):
     ensure_serve_builtins()
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", "--config", str(REPO / "recipes" / "configs" / "agentic_tools.yaml"),
-                 f"output_dir={run_dir}", f"trainer.total_steps={RL_STEPS}", "logging.logger=[jsonl]",
-                 "logging.plot=false", "checkpoint.every=0"]) == 0
+                 f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false",
+                 "checkpoint.every=0"]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     probes = [m for m in metrics if "sft/train_accuracy" in m]
     assert probes[-1]["sft/train_accuracy"] >= 0.4, probes[-1]
@@ -45,5 +42,7 @@ def test_grpo_through_the_openai_endpoint_raises_the_tool_agents_sampled_accurac
         assert step["agentic/opening_mismatch"] == 0 and step["rollout/tool_call_fraction"] > 0.3
     evals = [m for m in metrics if "eval/sampled_accuracy" in m]
     assert evals[0]["eval/accuracy"] >= 0.3  # the warm-up's skill carries over to held-out sums
-    gain = evals[-1]["eval/sampled_accuracy"] - evals[0]["eval/sampled_accuracy"]
-    assert gain > MIN_BENCHMARK_SAMPLED_GAIN / 2, [m["eval/sampled_accuracy"] for m in evals]
+    window = RL_STEPS // 4  # benchmarks/learning.py's window for a run this long
+    first = sum(s["reward"] for s in steps[:window]) / window
+    last = sum(s["reward"] for s in steps[-window:]) / window
+    assert last > first + MIN_BENCHMARK_REWARD_RISE / 2, f"training reward did not rise: {first:.3f} -> {last:.3f}"
