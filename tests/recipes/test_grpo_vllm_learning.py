@@ -21,11 +21,14 @@ pytestmark = [pytest.mark.slow,
 
 HEAD_SIZE_32 = ["model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"]
 # What `benchmarks/learning.py --recipes grpo_head32 grpo_vllm --seeds 0 1 2` measured (README, "Learning,
-# measured"): over seeds 0-2 at the `default`, `avx2` and `avx512` kernel levels, every vllm run whose warm-up
-# reached its probe gained at least MIN_BENCHMARK_GAIN held-out greedy accuracy, and its training reward (last
-# 25 RL steps vs first 25) rose by at least MIN_BENCHMARK_REWARD_RISE. The test asks for half of each.
-MIN_BENCHMARK_GAIN = 0.145
-MIN_BENCHMARK_REWARD_RISE = 0.027
+# measured"): over seeds 0-2 at the `default`, `avx2` and `avx512` kernel levels, the 7 vllm runs whose warm-up
+# reached its probe gained at least MIN_BENCHMARK_GAIN held-out greedy accuracy, and their training reward (last
+# 25 RL steps vs first 25) rose by at least MIN_BENCHMARK_REWARD_RISE. The test asks for half of each, after
+# checking that its own warm-up reached the probe. The two others ended the warm-up at its 6000-step cap, as
+# the same seeds did with the hf engine (the warm-up does not sample): seed 2 at avx2 still gained +0.200,
+# seed 1 at avx512 (greedy 0.095 when RL began) +0.025.
+MIN_BENCHMARK_GAIN = 0.140
+MIN_BENCHMARK_REWARD_RISE = 0.042
 WARMUP_STOP_ACCURACY = 0.4  # the default's sft.stop_at_accuracy
 
 
