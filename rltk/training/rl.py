@@ -23,7 +23,8 @@ from rltk.training.estimator import Estimator
 from rltk.training.forward import ForwardSettings
 from rltk.training.loss_components import LossComponents
 from rltk.training.ranks import check_mini_batches
-from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction, weighted_loss_agg
+from rltk.algorithms.mismatch import weighted_loss_agg
+from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction
 
 
 def old_logprobs_from_update(loss: LossComponents, advantage_fn: "Callable | Estimator", *, ppo_epochs: int,

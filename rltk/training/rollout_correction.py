@@ -5,7 +5,7 @@ update uses it, for every policy loss and every aggregation:
 
 * The importance weight multiplies each token's policy-loss term: the loss's
   ``loss_agg`` callable is wrapped so that it aggregates ``weight * loss_mat``
-  (:func:`weighted_loss_agg`). Policy losses need no change, and the KL and
+  (:func:`rltk.algorithms.mismatch.weighted_loss_agg`). Policy losses need no change, and the KL and
   entropy terms are not weighted (they regularise the current policy, they
   do not estimate a gradient under the behaviour policy).
 * Dropped tokens (MIS outside its band, rejected responses) leave the
@@ -111,25 +111,4 @@ def apply_rollout_correction(
     corrected["response_mask"] = kept
     corrected[WEIGHTS_KEY] = correction.weights.float()
     return corrected, metrics
-
-
-def weighted_loss_agg(loss_agg: Callable, weights: torch.Tensor) -> Callable:
-    """``loss_agg`` aggregating ``weights * loss_mat`` instead of ``loss_mat``.
-
-    What a policy loss hands its ``loss_agg`` is its per-token loss matrix, so
-    this weighs every token's policy-loss term by its (detached) importance
-    weight, whichever loss and aggregation are configured.
-    """
-    weights = weights.detach()
-
-    def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if loss_mat.shape != weights.shape:
-            raise ValueError(
-                f"rollout correction weighs the per-token loss matrix a policy loss passes to loss_agg, but got "
-                f"loss_mat {tuple(loss_mat.shape)} for weights {tuple(weights.shape)}; a policy loss must call "
-                f"loss_agg(loss_mat [B, T], response_mask) (see rltk.algorithms.policy_losses)"
-            )
-        return loss_agg(loss_mat * weights.to(loss_mat.dtype), mask)
-
-    return aggregate
 

@@ -244,7 +244,7 @@ CORRECTIONS = [
 def test_is_the_loops_batch_level_rollout_correction_not_a_second_mechanism(name, correction):
     """The loop's path today (rltk.training.rollout_correction: old log-probs recomputed, rollout log-probs
     as the behaviour) and the decoupled loss give one loss and one gradient for every correction mode."""
-    from rltk.training.rollout_correction import apply_rollout_correction, weighted_loss_agg as loop_weighted
+    from rltk.training.rollout_correction import apply_rollout_correction
 
     fn, required = BASE_LOSSES[name]
     logprobs, proximal, behaviour, advantages, mask = random_batch(11)
@@ -252,7 +252,7 @@ def test_is_the_loops_batch_level_rollout_correction_not_a_second_mechanism(name
     corrected, _ = apply_rollout_correction(batch, correction)
     loop_loss, _ = fn(logprobs=logprobs, old_logprobs=proximal, advantages=advantages,
                       response_mask=corrected["response_mask"],
-                      loss_agg=loop_weighted(agg.seq_mean_token_mean, corrected["rollout_is_weights"]), **required)
+                      loss_agg=weighted_loss_agg(agg.seq_mean_token_mean, corrected["rollout_is_weights"]), **required)
     loss, _ = pl.decoupled_loss(fn, logprobs=logprobs, old_logprobs=proximal, behaviour_logprobs=behaviour,
                                 advantages=advantages, response_mask=mask, loss_agg=agg.seq_mean_token_mean,
                                 behaviour_correction=correction, **required)
@@ -278,12 +278,3 @@ def test_bad_settings_and_shapes_are_named():
         run(pl.decoupled_ppo, logprobs, proximal, behaviour, A, behaviour_correction={"bogus": 1})
     with pytest.raises(ValueError, match=r"behaviour_logprobs \(1, 3\) must match old_logprobs \(1, 4\)"):
         run(pl.decoupled_ppo, logprobs, proximal, behaviour[:, :3], A)
-
-
-def test_weighted_loss_agg_is_shared_with_the_loop():
-    # the loop's helper must weigh exactly as the algorithms-layer one (the loop will import it from there)
-    from rltk.training.rollout_correction import weighted_loss_agg as loop_weighted
-
-    loss_mat, mask, weights = f64([[1.0, 2.0, 3.0]]), torch.ones(1, 3), f64([[0.5, 1.0, 2.0]])
-    assert float(weighted_loss_agg(agg.token_mean, weights)(loss_mat, mask)) == pytest.approx((0.5 + 2 + 6) / 3)
-    assert float(loop_weighted(agg.token_mean, weights)(loss_mat, mask)) == pytest.approx((0.5 + 2 + 6) / 3)

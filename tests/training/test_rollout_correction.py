@@ -24,9 +24,8 @@ from rltk.training.forward import ForwardSettings, batched_logprobs
 from rltk.training.estimator import compute_advantages
 from rltk.training.loss_components import LossComponents
 from rltk.training.rl import policy_update
-from rltk.training.rollout_correction import (
-    WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask, weighted_loss_agg,
-)
+from rltk.algorithms.mismatch import weighted_loss_agg
+from rltk.training.rollout_correction import WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask
 from tests.training.rl_step_helpers import one_process_strategy, worker
 
 
