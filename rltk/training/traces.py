@@ -39,6 +39,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rltk.loggers.jsonl import read_jsonl_metrics
+
 TRACES_FILE = "traces.jsonl"
 #: ``info`` keys already written at the top level of a record.
 _TOP_LEVEL_INFO = ("prompt", "response", "ground_truth", "row_id", "sample_index")
@@ -211,19 +213,7 @@ def _drop_after(path: Path, step: int) -> None:
 
 def read_traces(path: str | Path, *, step: int | None = None) -> list[dict]:
     """The records of a traces file (of one global ``step`` if given); blank or cut lines are skipped."""
-    out = []
     path = Path(path)
     if not path.exists():
-        return out
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and (step is None or record.get("step") == step):
-                out.append(record)
-    return out
+        return []
+    return [r for r in read_jsonl_metrics(path) if step is None or r.get("step") == step]
