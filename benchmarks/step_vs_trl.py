@@ -247,7 +247,9 @@ def main() -> None:
               f"{s['reward_first_quarter']:.3f} -> {s['reward_last_quarter']:.3f} | {s['eval_end']:.3f} |")
     print(f"\nrltk median step / TRL median step: {ratio:.2f}x")
     import torch
-    import trl  # noqa: F401  (only for its version; the worker ran it)
+    # TRL's version from the interpreter that ran it (--python may be another environment's)
+    trl_version = subprocess.run([args.python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
 
     args.out = args.out or RESULTS / f"step_vs_trl{'' if args.rltk_engine == 'hf' else '_' + args.rltk_engine}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +257,7 @@ def main() -> None:
         "settings": {"steps": args.steps, "rounds": args.rounds, "lr": args.lr, "seed": args.seed,
                      "threads": args.threads, "rltk_engine": args.rltk_engine, "skip_first": SKIP, "prompts": PROMPTS, "samples": SAMPLES,
                      "max_new_tokens": NEW_TOKENS},
-        "versions": {"torch": torch.__version__, "trl": trl.__version__, "python": platform.python_version()},
+        "versions": {"torch": torch.__version__, "trl": trl_version, "python": platform.python_version()},
         "eval_start": eval_start, "ratio_rltk_over_trl": ratio, "summary": result, "runs": runs,
     }, indent=1))
     print(f"wrote {args.out}")
