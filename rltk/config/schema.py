@@ -243,10 +243,14 @@ class SFTConfig:
     lr: float = 1.0e-3
     warmup_steps: int = 20
     lr_schedule: str = "cosine"
-    # End the warm-up once greedy accuracy on `probe_size` training prompts reaches this, checked
+    # End the warm-up once accuracy on `probe_size` training prompts reaches this, checked
     # every `probe_every` steps (null: run all `steps`). RL then starts from the same skill level
     # whatever the seed or CPU, instead of wherever a fixed step count happens to land.
     stop_at_accuracy: Optional[float] = None
+    # greedy: one greedy answer per probe prompt. sampled: one answer at rollout.temperature, seeded by
+    # trainer.eval_seed -- the accuracy GRPO's groups see, so RL starts where its groups hold successes
+    # (a greedy probe can pass while sampled answers still almost never succeed).
+    probe: str = "greedy"
     probe_every: int = 100
     probe_size: int = 200
     completion_key: Optional[str] = None  # file datasets: column with the target; default the answer
@@ -379,6 +383,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.stale_policy": ("drop", "wait"),
     "sft.lr_schedule": ("constant", "linear", "cosine"),
+    "sft.probe": ("greedy", "sampled"),
     "device": ("auto", "cpu", "cuda"),
 }
 

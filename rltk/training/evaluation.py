@@ -1,7 +1,7 @@
 """Held-out evaluation of the current policy, each process taking its share of the rows.
 
 Greedy metrics (``eval/*``), one sample per prompt at the training temperature
-(``eval/sampled_accuracy``), and the greedy probe the supervised warm-up stops on.
+(``eval/sampled_accuracy``), and the probe the supervised warm-up stops on.
 """
 
 from __future__ import annotations
@@ -50,13 +50,20 @@ def seeded_sampling(seed: int | None, rank: int = 0):
         yield
 
 
-def greedy_probe(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
-    """The workflow's greedy evaluation of ``rows`` (``accuracy``, ``truncated_fraction`` ...), each process
-    taking its share, combined over processes."""
+def probe(workflow, rows: list[dict], cfg: DictConfig, *, sampled: bool = False) -> dict[str, float]:
+    """The workflow's evaluation of ``rows`` (``accuracy``, ``truncated_fraction`` ...), each process
+    taking its share, combined over processes: greedy, or (``sampled``) one answer per row at the
+    training temperature, seeded by ``trainer.eval_seed`` as :func:`evaluate`'s sampled pass is."""
     world, rank = process_group()
     share = rows[rank::world]
-    greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
-    return {k: float(v) for k, v in _combine_over_ranks(greedy, world).items()}
+    if not share:
+        return _combine_over_ranks({}, world)
+    if sampled:
+        with seeded_sampling(cfg.trainer.get("eval_seed"), rank):
+            metrics = workflow.evaluate(share, dataclasses.replace(sampling_params(cfg), n=1))
+    else:
+        metrics = workflow.evaluate(share, sampling_params(cfg, greedy=True))
+    return {k: float(v) for k, v in _combine_over_ranks(metrics, world).items()}
 
 
 def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:

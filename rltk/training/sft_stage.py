@@ -6,7 +6,7 @@ from rltk.config.env_checks import check_demonstrations
 from rltk.data.sampler import RowSampler
 from rltk.distributed import process_rank
 from rltk.training.engine_weights import connect_rollout_engine
-from rltk.training.evaluation import greedy_probe
+from rltk.training.evaluation import probe
 from rltk.training.loop_state import LoopState
 from rltk.training.run import Stage, require_rows_per_rank
 from rltk.training.rows import sft_pairs, tool_schemas
@@ -19,8 +19,8 @@ def run_sft_stage(stage: Stage) -> None:
     """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy.
 
     With ``sft.stop_at_accuracy`` the stage ends at the first probe (every
-    ``sft.probe_every`` steps) whose greedy accuracy on ``sft.probe_size``
-    training prompts reaches it; ``sft.steps`` is then a cap. Global step
+    ``sft.probe_every`` steps) whose accuracy on ``sft.probe_size`` training
+    prompts (greedy, or sampled with ``sft.probe=sampled``) reaches it; ``sft.steps`` is then a cap. Global step
     numbers still reserve the whole cap for this stage, so the steps of later
     stages do not depend on when the warm-up stopped.
     """
@@ -50,10 +50,10 @@ def run_sft_stage(stage: Stage) -> None:
         reached = False
         if probing and step % s.probe_every == 0:
             run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
-            probe = greedy_probe(run.workflow, probe_rows, cfg)
-            metrics["sft/train_accuracy"] = probe["accuracy"]
+            probed = probe(run.workflow, probe_rows, cfg, sampled=s.probe == "sampled")
+            metrics["sft/train_accuracy"] = probed["accuracy"]
             # a probe at accuracy 0 with every episode cut says "raise the length cap", not "train longer"
-            metrics["sft/probe_truncated_fraction"] = probe.get("truncated_fraction", 0.0)
+            metrics["sft/probe_truncated_fraction"] = probed.get("truncated_fraction", 0.0)
             reached = metrics["sft/train_accuracy"] >= s.stop_at_accuracy
         run.metric_log.log(metrics, stage.first_step + step)
         stage.guard.observe(metrics, step, strategy)  # stop here if the warm-up has diverged

@@ -50,3 +50,25 @@ def test_a_run_resumed_after_an_early_stop_skips_the_warmup(tmp_path):
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics if "sft/sft_loss" in m] == [1, 2, 3, 4, 5]  # not trained again
     assert [m["step"] for m in metrics if "reward" in m] == [41, 42, 43]
+
+
+@pytest.mark.slow
+def test_a_sampled_probe_stops_the_warmup_and_leaves_the_training_draws_alone(tmp_path):
+    """sft.probe=sampled samples its answers under trainer.eval_seed inside a forked random stream, so the
+    warm-up's losses are those of a run whose probe is greedy: only the probe's numbers differ."""
+    runs = {}
+    for kind in ("greedy", "sampled"):
+        run_dir = tmp_path / kind
+        assert main(["run", "grpo", f"output_dir={run_dir}", *RUN, f"sft.probe={kind}", "trainer.total_steps=1",
+                     "rollout.temperature=1.0", "trainer.eval_seed=0"]) == 0
+        runs[kind] = read_metrics(run_dir)
+    for metrics in runs.values():
+        assert [m["step"] for m in metrics if "sft/train_accuracy" in m] == [5]
+    losses = {kind: [m["sft/sft_loss"] for m in metrics if "sft/sft_loss" in m] for kind, metrics in runs.items()}
+    assert losses["greedy"] == losses["sampled"]
+
+
+def test_an_unknown_probe_kind_is_refused_with_the_choices(capsys):
+    assert main(["validate", "grpo", "sft.probe=beam"]) == 2
+    err = capsys.readouterr().err
+    assert "sft.probe" in err and "greedy" in err and "sampled" in err
