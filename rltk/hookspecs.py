@@ -83,6 +83,18 @@ def rltk_policy_losses() -> dict:
 
 
 @hookspec
+def rltk_preference_losses() -> dict:
+    """Register preference losses (kind ``preference_loss``): the DPO family.
+
+    Return ``{name: fn}`` with ``fn(*, chosen_logps, rejected_logps,
+    ref_chosen_logps, ref_rejected_logps, beta, **args) -> losses``: each
+    input ``[P]`` (a response's summed log-prob under the policy, with
+    gradient, or under the frozen reference), the result the ``[P]``
+    per-pair losses (see :mod:`rltk.algorithms.preference_losses`).
+    """
+
+
+@hookspec
 def rltk_algorithms() -> dict:
     """Register algorithm presets (kind ``algorithm``).
 

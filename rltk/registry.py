@@ -52,6 +52,8 @@ KINDS: dict[str, Kind] = {
              frozenset({"loss_mat", "mask", "global_tokens", "global_seqs"})),
         Kind("policy_loss", "rltk_policy_losses", "policy losses",
              frozenset({"logprobs", "old_logprobs", "behaviour_logprobs", "advantages", "response_mask", "loss_agg"})),
+        Kind("preference_loss", "rltk_preference_losses", "preference losses (DPO family)",
+             frozenset({"chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps", "beta"})),
         Kind("reward_fn", "rltk_reward_fns", "reward functions",
              frozenset({"prompt", "response", "ground_truth", "extras"})),
         Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",

@@ -104,6 +104,8 @@ the first policy token has no action to credit and is dropped).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import rltk
@@ -576,6 +578,63 @@ def grpo(
     advantage = groups.centred(returns.to(torch.float64))
     if norm_by_std:
         advantage = advantage / (groups.expand(groups.std(advantage) + eps))
+    return _sequence_level(advantage, returns, response_mask, out)
+
+
+def opmd(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
+    baseline: str = "mean",
+    tau: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPMD's advantage: the return minus a group baseline, the mean or the soft maximum ``tau * log mean exp(R / tau)``.
+
+    For response ``i`` in group ``g`` of ``n_g`` responses::
+
+        A_i = R_i - mean_g(R)                                     baseline="mean"
+        A_i = R_i - tau * log( (1/n_g) sum_{j in g} exp(R_j / tau) )   baseline="logavgexp"
+
+    on every policy token of ``i``, no division by a standard deviation.
+    ``logavgexp`` is the log-partition of the KL-regularised optimum
+    ``pi* ~ pi exp(R / tau)`` estimated from the group's samples: every
+    response then gets ``A <= max_g R - baseline``, and as ``tau`` grows it
+    tends to the mean. A group of one gets the baseline 0 in Trinity-RFT (its
+    raw return); here it gets ``A = 0`` like every builtin outcome estimator:
+    one response says nothing about which answer was better. All-equal groups
+    get ``A = 0`` under both baselines (``logavgexp`` of equal returns is that
+    return).
+
+    Papers: Trinity-RFT technical report, Pan et al. 2025, arXiv:2505.17826
+    (Appendix A, OPMD), following its ``opmd`` advantage (``opmd_baseline``
+    mean | logavgexp, ``tau``); Kimi k1.5, arXiv:2501.12599 (Sec. 2.3.2:
+    the mean reward approximates ``tau log Z``).
+
+    Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "opmd", {"token_rewards": token_rewards, "response_mask": response_mask},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
+    )
+    if baseline not in ("mean", "logavgexp"):
+        raise ValueError(f"advantage_fn 'opmd': baseline must be 'mean' or 'logavgexp', got {baseline!r}")
+    if tau is None or not (math.isfinite(float(tau)) and tau > 0):
+        raise ValueError(f"advantage_fn 'opmd': tau must be a number > 0 (Trinity-RFT uses 1.0), got {tau!r}")
+    out = _output(response_mask)  # first: see _output
+    returns = _sequence_returns(token_rewards, sequence_rewards)
+    groups = Groups.of(group_ids)
+    r = returns.to(torch.float64)
+    if baseline == "mean":
+        advantage = groups.centred(r)
+    else:
+        # tau * log mean exp(R / tau), shifted by the group max so exp never overflows
+        top = groups.expand(groups.max(r))
+        mean_exp = groups.sum(torch.exp((r - top) / tau)) / groups.sizes()
+        advantage = r - (top + tau * groups.expand(torch.log(mean_exp)))
+    # groups of one and all-equal groups carry no comparison (see the module doc)
+    advantage = advantage.masked_fill(groups.expand(groups.all_equal(r)), 0.0)  # True for a group of one
     return _sequence_level(advantage, returns, response_mask, out)
 
 
@@ -1073,6 +1132,7 @@ def rltk_advantage_fns():
     return {
         "gae": gae,
         "grpo": grpo,
+        "opmd": opmd,
         "rloo": rloo,
         "reinforce_plus_plus": reinforce_plus_plus,
         "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,

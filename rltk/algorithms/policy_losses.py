@@ -62,7 +62,7 @@ from rltk.algorithms.mismatch import (
 
 __all__ = [
     "ppo_clip", "gspo", "cispo", "reinforce",
-    "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro",
+    "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro", "opmd",
     "decoupled_loss", "decoupled_ppo",
 ]
 
@@ -963,6 +963,53 @@ def dro(
     return loss_agg(loss_mat, response_mask), metrics
 
 
+def opmd(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    tau: float = 1.0,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """OPMD's policy loss: the plain policy gradient scaled by ``1 / (1 + tau)``, l = -A logp / (1 + tau).
+
+    ::
+
+        l_it = -A_it * logprobs_it / (1 + tau)
+        loss = loss_agg(l, response_mask)
+
+    Online policy mirror descent takes each step towards the KL-regularised
+    optimum ``pi_{k+1} ~ pi_k exp(r / tau)``; with the group baseline of the
+    ``opmd`` advantage (the mean, or ``tau * log mean exp(r / tau)``, the
+    optimum's own normaliser) and the policy the samples came from as
+    ``pi_k``, the gradient of the squared surrogate at ``pi_theta = pi_k``
+    is the policy gradient above, divided by ``1 + tau`` for the regulariser
+    on the current policy. No ratio and no clip: the algorithm is meant to
+    tolerate stale samples through the regulariser (``old_logprobs`` only
+    feed the metrics; ``clip_frac`` is 0). Follows Trinity-RFT's ``opmd``
+    policy loss (a token mean of ``-A logp`` over ``1 + tau``, tau 1 by
+    default); here the bound ``loss_agg`` aggregates, ``token-mean`` in the
+    ``opmd`` preset.
+
+    Papers: Trinity-RFT technical report, Pan et al. 2025, arXiv:2505.17826
+    (Appendix A, OPMD) and arXiv:2509.24203 (Sec. 2.2); after Kimi k1.5,
+    arXiv:2501.12599 (Sec. 2.3.2, the online mirror descent surrogate).
+
+    Shape: (B, T) each -> loss (), metrics {name: ()}.
+    """
+    on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
+        "opmd", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
+    if tau is None or not (math.isfinite(float(tau)) and tau >= 0):
+        raise ValueError(f"policy_loss 'opmd': tau must be a number >= 0 (Trinity-RFT uses 1.0), got {tau!r}")
+    loss_mat = -advantages * logprobs / (1.0 + tau)
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, on)
+        metrics["clip_frac"] = torch.zeros((), device=logprobs.device)
+    return loss_agg(loss_mat, response_mask), metrics
+
+
 # --------------------------------------------------------------------------
 # The decoupled objective: any loss, behaviour policy != proximal policy
 # --------------------------------------------------------------------------
@@ -1131,5 +1178,6 @@ def rltk_policy_losses():
         "dppo_tv": dppo_tv,
         "dppo_kl": dppo_kl,
         "dro": dro,
+        "opmd": opmd,
         "decoupled_ppo": decoupled_ppo,
     }

@@ -113,6 +113,19 @@ REMAX = {
 }
 
 
+OPMD = {
+    **GRPO,
+    "description": "OPMD (Trinity-RFT, Pan et al. 2025): R minus the group mean, -A logp / (1 + tau), no clip, k2 KL as a loss term.",
+    "advantage_fn": "opmd",
+    "advantage_fn_args": {"baseline": "mean", "tau": 1.0},
+    "policy_loss": "opmd",
+    "policy_loss_args": {"tau": 1.0},
+    "loss_agg": "token-mean",
+    # Trinity-RFT's opmd algorithm type: kl_loss_fn k2, kl_penalty_fn none
+    "kl_penalty_fn": "k2",
+    "kl_in": "loss",
+}
+
 PPO = {
     "description": "PPO with a critic (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, clip, k1 KL in the reward.",
     "advantage_fn": "gae",
@@ -144,5 +157,6 @@ def rltk_algorithms():
         "sapo": SAPO,
         "gmpo": GMPO,
         "remax": REMAX,
+        "opmd": OPMD,
         "ppo": PPO,
     }

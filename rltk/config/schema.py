@@ -257,6 +257,30 @@ class SFTConfig:
 
 
 @dataclass
+class DPOConfig:
+    """The preference stage of the ``dpo`` recipe (``type: dpo`` in ``stages``): DPO and its variants.
+
+    Steps, learning rate and schedule come from ``trainer`` (``total_steps``, ``lr`` ...); each step
+    trains on ``trainer.prompts_per_step`` pairs.
+    """
+
+    loss: str = "sigmoid"  # a preference_loss: sigmoid (DPO, cDPO with label_smoothing) | ipo | hinge
+    loss_args: Dict[str, Any] = field(default_factory=dict)
+    beta: float = 0.1  # strength of the implicit KL to the reference
+    # Columns of a data.path dataset holding the preferred and the dispreferred response: text, or chat
+    # messages (the assistant turns after the prompt). Without data.path, the synthetic task's pairs
+    # (rltk.data.preferences) fill them: its answer chosen, a near miss rejected.
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    # The reference's log-probs of every pair computed once when the stage starts (then the frozen copy is
+    # dropped): one forward over the data instead of one per step. Offline only.
+    precompute_reference: bool = False
+    # Online DPO: each step samples rollout.n responses per prompt from the current policy, scores them
+    # with reward.reward_fn and trains on the best and the worst of each group whose scores differ.
+    online: bool = False
+
+
+@dataclass
 class CriticConfig:
     """The value model of recipes with a critic (``ppo``); other recipes ignore this section.
 
@@ -329,7 +353,7 @@ class LoggingConfig:
 @dataclass
 class StageConfig:
     name: str = "rl"
-    type: str = "rl"  # sft | rl
+    type: str = "rl"  # sft | rl | dpo (the dpo recipe)
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
 
 
@@ -350,6 +374,7 @@ class RunConfig:
     strategy_args: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -362,6 +387,7 @@ COMPONENT_KEYS: dict[str, tuple[str, bool]] = {
     "algorithm.name": ("algorithm", False),
     "algorithm.advantage_fn": ("advantage_fn", False),
     "algorithm.policy_loss": ("policy_loss", False),
+    "dpo.loss": ("preference_loss", False),
     "algorithm.loss_agg": ("loss_agg", False),
     "algorithm.kl_penalty_fn": ("kl_penalty_fn", False),
     "rollout.engine": ("rollout_engine", False),
@@ -387,4 +413,4 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
 }
 
-STAGE_TYPES = ("sft", "rl")
+STAGE_TYPES = ("sft", "rl", "dpo")

@@ -55,7 +55,7 @@ EXIT_DIVERGED = 3
 #: Logged metrics the guard reads, by what they are. ``skipped`` is the fraction of a step's optimizer
 #: steps that were skipped; the losses are means over the step's optimizer steps.
 SKIPPED_KEYS = {"sft/skipped": "policy", "skipped": "policy", "critic/skipped": "critic"}
-LOSS_KEYS = ("sft/sft_loss", "pg_loss", "kl_loss", "critic/vf_loss")
+LOSS_KEYS = ("sft/sft_loss", "pg_loss", "kl_loss", "critic/vf_loss", "dpo_loss")
 ENTROPY_KEYS = ("sft/entropy", "entropy")
 
 

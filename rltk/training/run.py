@@ -145,6 +145,11 @@ def open_run(cfg: DictConfig) -> Run:
 
 def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
     """Run each configured stage with the runner of its type, skipping what a checkpoint already holds."""
+    unknown = [f"stages[{i}] ('{st.name}', type {st.type})" for i, st in enumerate(run.cfg.stages)
+               if st.type not in runners]
+    if unknown:
+        raise ConfigError(f"this recipe runs stages of type {', '.join(sorted(runners))}; it cannot run "
+                          f"{', '.join(unknown)} (a dpo stage runs under `rltk run dpo`)")
     rltk.call_lifecycle_hook("rltk_on_train_start", config=run.cfg, run_dir=run.run_dir)
     resume, first_step = run.resume, 0
     for i, (scfg, stage) in enumerate(zip(run.stages, run.cfg.stages)):

@@ -9,7 +9,7 @@ import pytest
 
 import rltk
 
-KINDS = ["advantage_fn", "kl_penalty_fn", "loss_agg", "policy_loss", "algorithm"]
+KINDS = ["advantage_fn", "kl_penalty_fn", "loss_agg", "policy_loss", "preference_loss", "algorithm"]
 
 
 def catalogue() -> str:
