@@ -56,6 +56,11 @@ RUNS = {
     # head size 32, since vLLM's CPU attention has no head size 16 (2 heads of 32 instead of 4 of 16)
     "grpo_head32": ["run", "grpo", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"],
     "grpo_vllm": ["run", "grpo", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "rollout.engine=vllm"],
+    # beyond GRPO (issue 32): offline DPO on the task's synthetic pairs, online DPO on the policy's own best and
+    # worst samples, and GRPO's loop with Trinity-RFT's OPMD loss
+    "dpo": ["run", "dpo"],
+    "dpo_online": ["run", "dpo", "dpo.online=true"],
+    "grpo_opmd": ["run", "grpo", "algorithm.name=opmd"],
 }
 
 # The 0.6M-parameter model and the step shape of the lr sweep (issue: learning that holds on any machine).
@@ -161,7 +166,8 @@ def default_runs(args, workdir: Path) -> list[dict]:
         print(f"{recipe:<13} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
               f"greedy {row['greedy_start']:.3f} -> {row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  "
               f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
-              f"train reward {row['reward_rise']:+.3f}  {wall:.0f}s", flush=True)
+              f"train reward {row['reward_rise'] if row['reward_rise'] is not None else float('nan'):+.3f}  "
+              f"{wall:.0f}s", flush=True)
         return row
 
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -176,7 +182,8 @@ def default_runs(args, workdir: Path) -> list[dict]:
     for recipe in args.recipes:
         mine = [r for r in rows if r["recipe"] == recipe]
         g, s = spread([r["greedy_gain"] for r in mine]), spread([r["sampled_gain"] for r in mine])
-        rise = spread([r["reward_rise"] for r in mine])
+        # offline DPO samples nothing in training: no training reward
+        rise = spread([r["reward_rise"] for r in mine if r["reward_rise"] is not None] or [float("nan")])
         starts, ends = spread([r["greedy_start"] for r in mine]), spread([r["greedy_end"] for r in mine])
         wall = statistics.median(r["wall_s"] for r in mine)
         summary[recipe] = {"greedy_gain": g, "sampled_gain": s, "reward_rise": rise, "greedy_start": starts,
