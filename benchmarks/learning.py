@@ -59,7 +59,8 @@ RUNS = {
     # beyond GRPO (issue 32): offline DPO on the task's synthetic pairs, online DPO on the policy's own best and
     # worst samples, and GRPO's loop with Trinity-RFT's OPMD loss
     "dpo": ["run", "dpo"],
-    "dpo_online": ["run", "dpo", "dpo.online=true"],
+    "dpo_plain": ["run", "dpo", "dpo.nll_coef=0"],  # without the default's RPO term
+    "dpo_online": ["run", "dpo", "dpo.online=true", "dpo.nll_coef=0"],
     "grpo_opmd": ["run", "grpo", "algorithm.name=opmd"],
 }
 

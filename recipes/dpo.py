@@ -17,6 +17,7 @@ The loop, as in the paper's algorithm box (Rafailov et al. 2023, arXiv:2305.1829
             ref log-probs of both responses (or the precomputed ones)
             update      <- one optimizer step of preference_loss(log pi(y_w) - log pi_ref(y_w),
                                                                log pi(y_l) - log pi_ref(y_l); beta)
+                           [+ nll_coef * NLL(y_w): RPO]
             log (rewards/margins, rewards/accuracies ...), evaluate on held-out prompts
             guard, checkpoint
 
@@ -126,7 +127,7 @@ def run_dpo_stage(stage: Stage) -> None:
             ref = reference_sequence_logps(reference, batch, fwd)
 
         # update: one optimizer step of the preference loss
-        metrics = preference_step(strategy, batch, ref, loss, fwd)
+        metrics = preference_step(strategy, batch, ref, loss, fwd, nll_coef=d.nll_coef)
         run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
 
         # log

@@ -267,6 +267,8 @@ class DPOConfig:
     loss: str = "sigmoid"  # a preference_loss: sigmoid (DPO, cDPO with label_smoothing) | ipo | hinge
     loss_args: Dict[str, Any] = field(default_factory=dict)
     beta: float = 0.1  # strength of the implicit KL to the reference
+    # + nll_coef x the chosen responses' token-mean NLL (RPO / iterative RPO, Pang et al. 2024; TRL's rpo_alpha)
+    nll_coef: float = 0.0
     # Columns of a data.path dataset holding the preferred and the dispreferred response: text, or chat
     # messages (the assistant turns after the prompt). Without data.path, the synthetic task's pairs
     # (rltk.data.preferences) fill them: its answer chosen, a near miss rejected.

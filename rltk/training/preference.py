@@ -162,12 +162,19 @@ def reference_sequence_logps(reference, batch: dict[str, torch.Tensor], settings
 
 
 def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.Tensor, loss: PreferenceLoss,
-                    settings: ForwardSettings) -> dict[str, float]:
+                    settings: ForwardSettings, *, nll_coef: float = 0.0) -> dict[str, float]:
     """One optimizer step of ``loss`` on a :func:`pair_batch`, averaged over the pairs of every rank.
 
     ::
 
         L = (1 / P_global) sum_pairs loss(log pi(y_w), log pi(y_l), log pi_ref(y_w), log pi_ref(y_l))
+            + nll_coef * (- sum_{chosen tokens} log pi(y_w,t) / N_chosen_tokens)
+
+    The second term (``dpo.nll_coef``, TRL's ``rpo_alpha``) is the chosen
+    responses' token-mean negative log-likelihood: Pang et al. 2024,
+    "Iterative Reasoning Preference Optimization", arXiv:2404.19733, add it
+    because DPO alone on reasoning tasks lowers the rejected answers'
+    likelihood far more than it raises the chosen ones'.
 
     ``ref_logps`` ``[B]`` are the reference's log-probs of the batch's rows
     (:func:`reference_sequence_logps`, or precomputed). ``settings`` must keep
@@ -176,15 +183,17 @@ def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.T
     rewards ``beta (log pi - log pi_ref)``), ``rewards/margins`` (their
     difference), ``rewards/accuracies`` (the fraction of pairs whose chosen
     reward is the higher), ``logps/chosen``, ``logps/rejected``; ``dpo_loss``
-    (L), ``entropy`` (mean token entropy over both responses, for the
+    (the preference term of L), ``nll_loss`` (the chosen tokens' mean NLL, logged
+    whatever ``nll_coef``), ``entropy`` (mean token entropy over both responses, for the
     divergence guard) and the strategy's step info.
     """
     B, T = batch["response_mask"].shape
     if B % 2:
         raise ValueError(f"preference_step: a pair batch has an even number of rows (chosen, rejected), got {B}")
-    counts = strategy.all_reduce_sum(torch.tensor([B / 2, float(batch["response_mask"].sum())], dtype=torch.float64))
-    global_pairs, global_tokens = (max(float(c), 1.0) for c in counts.tolist())
-    names = ("dpo_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+    counts = strategy.all_reduce_sum(torch.tensor([B / 2, float(batch["response_mask"].sum()),
+                                                   float(batch["response_mask"][0::2].sum())], dtype=torch.float64))
+    global_pairs, global_tokens, chosen_tokens = (max(float(c), 1.0) for c in counts.tolist())
+    names = ("dpo_loss", "nll_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
              "logps/chosen", "logps/rejected", "entropy")
     sums = torch.zeros(len(names), dtype=torch.float64)
     for micro in settings.micro_batches(strategy, batch):
@@ -196,6 +205,9 @@ def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.T
                 ref = ref_logps[micro.rows].to(seq.device)
                 losses = loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2])  # [b / 2]
                 total = losses.sum() / global_pairs
+                nll = -torch.where(mb["response_mask"][0::2] > 0, logprobs[0::2].float(), 0.0).sum() / chosen_tokens
+                if nll_coef:
+                    total = total + nll_coef * nll
             strategy.backward(total * 0.0 if micro.padding else total)
         if micro.padding:
             continue
@@ -203,7 +215,7 @@ def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.T
             reward = loss.beta * (seq.detach() - ref)
             chosen, rejected = reward[0::2], reward[1::2]
             sums += torch.tensor([
-                losses.detach().sum().item(), chosen.sum().item(), rejected.sum().item(),
+                losses.detach().sum().item(), nll.detach().item() * global_pairs, chosen.sum().item(), rejected.sum().item(),
                 (chosen - rejected).sum().item(), (chosen > rejected).float().sum().item(),
                 seq.detach()[0::2].sum().item(), seq.detach()[1::2].sum().item(),
                 torch.where(mb["response_mask"] > 0, entropy.detach().float(), 0.0).sum().item() * global_pairs

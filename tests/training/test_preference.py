@@ -64,6 +64,24 @@ def test_text_pairs_are_tokenized_after_the_prompt_with_eos():
                              tok("yz")["input_ids"] + [0], [1, 1, 1])
 
 
+def test_chat_pairs_continue_the_rows_opening_in_either_form():
+    # the reply alone, or the whole conversation (TRL's implicit prompt): the same ids after the same prompt
+    from rltk.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    user = {"role": "user", "content": "1+2="}
+    row = {"prompt": "1+2=", "ground_truth": "3", "id": "r", "messages": [user],
+           "extras": {"c": [{"role": "assistant", "content": "3"}],
+                      "r": [user, {"role": "assistant", "content": "4"}]}}
+    (ex,) = preference_examples([row], tok, chosen_key="c", rejected_key="r")
+    assert tok.decode(ex.prompt_ids) == "<|user|>1+2=<|eos|><|assistant|>"
+    assert (tok.decode(ex.chosen_ids), tok.decode(ex.rejected_ids)) == ("3<|eos|>", "4<|eos|>")
+    assert ex.chosen_mask == ex.rejected_mask == [1, 1]
+    text_prompt = {**row, "messages": None}
+    with pytest.raises(ConfigError, match="chat responses need a chat prompt"):
+        preference_examples([text_prompt], tok, chosen_key="c", rejected_key="r")
+
+
 @pytest.mark.parametrize("chosen_key, rejected_key, named", [("chosen", "r", "dpo.chosen_key='chosen'"),
                                                              ("c", "rejected", "dpo.rejected_key='rejected'")])
 def test_a_missing_column_names_the_config_key(chosen_key, rejected_key, named):
@@ -143,3 +161,21 @@ def test_micro_batching_does_not_change_the_step():
         results.append(strategy.full_state_dict())
     for name, value in results[0].items():
         torch.testing.assert_close(results[1][name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_nll_term_is_the_chosen_tokens_mean_nll_and_only_trains_when_asked():
+    batch = pair_batch(_pairs(), 0)
+    settings = pair_settings(ForwardSettings(micro_batch_size=4))
+    sigmoid = PreferenceLoss(fn=rltk.get_component("preference_loss", "sigmoid"), args={}, beta=0.5)
+    states = []
+    for coef in (0.0, 1.0):
+        strategy = one_process_strategy()
+        reference = FrozenReference.for_stage(strategy, kl_coef=1.0)
+        tokens = reference.logprobs(batch, settings)[0::2]
+        mask = batch["response_mask"][0::2]
+        by_hand = -(tokens * mask).sum() / mask.sum()  # 6 chosen responses of 2 tokens each
+        metrics = preference_step(strategy, batch, reference_sequence_logps(reference, batch, settings), sigmoid,
+                                  settings, nll_coef=coef)
+        assert metrics["nll_loss"] == pytest.approx(by_hand.item(), abs=1e-5)
+        states.append(strategy.full_state_dict())
+    assert any((states[0][k] - states[1][k]).abs().max() > 0 for k in states[0])
