@@ -64,6 +64,9 @@ def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) ->
             f"'{key}': {kind} '{name}' needs argument(s) {', '.join(missing)}; "
             f"set them as {key}.{missing[0]}=..."
         )
+    check = getattr(obj, "check_args", None)
+    if callable(check) and not inspect.isclass(obj):  # a component's own check of its values (code_execution)
+        check(dict(args), f"'{key}'")
 
 
 def check_components(cfg: DictConfig, registry: Registry) -> None:

@@ -12,6 +12,7 @@ against the signature before training starts. Combine several with
 from __future__ import annotations
 
 import rltk
+from rltk.rewards.code_execution import code_execution
 from rltk.rewards.countdown import countdown
 from rltk.rewards.format import format_tags
 from rltk.rewards.math import exact_match, math_answer
@@ -25,4 +26,5 @@ def rltk_reward_fns():
         "math_answer": math_answer,
         "countdown": countdown,
         "format_tags": format_tags,
+        "code_execution": code_execution,
     }

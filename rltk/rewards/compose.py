@@ -395,6 +395,21 @@ def validate_reward_args(name: str, fn: Callable, args: Mapping[str, Any]) -> No
     missing = [p.name for p in configurable if p.default is inspect.Parameter.empty and p.name not in args]
     if missing:
         raise ValueError(f"reward '{name}' needs argument(s) {missing}; set them in its args. Valid args: {valid}")
+    check_values(name, fn, args, f"reward '{name}'")
+
+
+def check_values(name: str, fn: Callable, args: Mapping[str, Any], where: str) -> None:
+    """Run the reward's own ``fn.check_args(args, where)``, if it has one, on its configured ``args``.
+
+    A reward function may carry a ``check_args`` attribute that validates its
+    argument *values* (and whether this machine can run it) and raises
+    ``rltk.errors.ConfigError`` starting with ``where``; the config validator
+    calls it with the config key, the composer with the reward's name.
+    ``code_execution`` uses it to refuse a machine that cannot sandbox.
+    """
+    check = getattr(fn, "check_args", None)
+    if callable(check):
+        check(dict(args), where)
 
 
 def build_reward_composer(

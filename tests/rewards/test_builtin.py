@@ -19,6 +19,6 @@ def test_every_builtin_follows_the_calling_convention():
     sample = {"prompt": "p", "response": "<answer>1+2</answer>", "ground_truth": "3",
               "extras": {"numbers": [1, 2]}}
     for entry in rltk.list_components("reward_fn"):
-        if entry.plugin != "rltk:rewards":
-            continue
+        if entry.plugin != "rltk:rewards" or entry.name == "code_execution":
+            continue  # code_execution takes JSON tests and returns a dict: tests/rewards/test_code_execution.py
         assert isinstance(entry.obj(**sample), float), entry.name
