@@ -316,3 +316,12 @@ def test_composer_from_a_config_entry_counts_kills_in_the_logged_details():
     means = reward_means(experiences)
     assert means["reward/code_execution/killed/processes"] == pytest.approx(1.0)  # 3 kills over 3 samples
     assert means["reward/code_execution/passed"] == pytest.approx(2 / 3)
+
+
+@needs_sandbox
+def test_one_test_cannot_change_what_the_next_one_runs(unharmed):
+    # The first run tries to rewrite the program and to leave a file behind for the second.
+    program = ("import os\ntry:\n    open('solution.py', 'w').write('x = 1')\nexcept OSError:\n    pass\n"
+               "seen = os.path.exists('left.txt')\nopen('left.txt', 'w').write('x')\nx = 2")
+    out = run(program, '["assert x == 2 and not seen", "assert x == 2 and not seen"]')
+    assert out["passed"] == 2.0

@@ -38,9 +38,11 @@ def test_bad_marks():
 
 
 def test_every_builtin_reward_is_marked_bounded():
-    """The builtins promise bounded work on any input (tests/rewards/test_{math,countdown,format}.py prove
+    """The builtins but code_execution promise bounded work on any input (tests/rewards/test_{math,countdown,format}.py prove
     the caps), so they run in-process with no timeout and no per-call thread or process."""
     fns = builtin.rltk_reward_fns()
+    # code_execution runs a program for up to its timeouts: never in-process, always under reward.timeout_s.
+    assert not is_bounded(fns.pop("code_execution"))
     assert sorted(fns) == ["countdown", "exact_match", "format_tags", "math_answer"]
     assert all(is_bounded(fn) for fn in fns.values())
     composer = build_reward_composer(list(fns))
