@@ -48,11 +48,15 @@ no ``unshare``) is refused when the reward is configured
 the program is never run without it.
 
 **Time**: tests of one sample run one after another, each under
-``timeout_s``; samples run in parallel in the composer's worker processes
-(``reward.workers`` of them). Set ``reward.timeout_s`` above a sample's worst
-case, ``tests * (timeout_s + 0.5)`` plus about 2 s to set up, or the composer
-kills the whole sample first (it then scores ``reward.fallback`` and counts in
-``reward_fn/timeouts/code_execution``, without the per-reason details).
+``timeout_s``, all of them under ``sample_timeout_s`` when set (tests it
+leaves no time for are not started and count as ``killed/timeout``); samples
+run in parallel in the composer's worker processes (``reward.workers`` of
+them). Keep a sample's worst case, ``sample_timeout_s`` or else
+``tests * (timeout_s + 0.5)``, plus about 2 s to set up, under
+``reward.timeout_s``, or the composer kills the whole sample first (it then
+scores ``reward.fallback`` and counts in ``reward_fn/timeouts/code_execution``,
+without the per-reason details). Config validation refuses a
+``sample_timeout_s`` that is not at least 2 s under ``reward.timeout_s``.
 
 Args (``reward.reward_fn_args.code_execution.<arg>``; the limits apply per test):
     timeout_s: wall-clock seconds (default 5).
@@ -61,6 +65,8 @@ Args (``reward.reward_fn_args.code_execution.<arg>``; the limits apply per test)
     file_size_mb: largest file, stdout included, MiB (default 16).
     processes: processes and threads at once, the program included (default 16).
     scratch_mb: the sandbox's tmpfs for ``/work`` and ``/tmp``, MiB (default 64).
+    sample_timeout_s: wall-clock seconds for all tests of a sample together (default None: no cap
+        beyond ``tests * timeout_s``).
     all_or_nothing: score 1.0 only if every test passes (default False).
 """
 
@@ -74,7 +80,7 @@ from typing import Any
 from rltk.errors import ConfigError
 from rltk.rewards.sandbox import SandboxLimits, check_sandbox, run_in_sandbox
 
-LIMIT_ARGS = ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "processes", "scratch_mb")
+LIMIT_ARGS = ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "processes", "scratch_mb", "sample_timeout_s")
 KILL_REASONS = ("timeout", "cpu", "memory", "file_size", "processes", "signal")
 # Outcomes of rltk.rewards.sandbox as the detail each one counts in.
 _DETAIL = {"pass": "passed", "failed": "failed", "wrong_output": "failed", "error": "errors", "denied": "denied",
@@ -135,6 +141,7 @@ def code_execution(
     file_size_mb: int = 16,
     processes: int = 16,
     scratch_mb: int = 64,
+    sample_timeout_s: float | None = None,
     all_or_nothing: bool = False,
 ) -> dict[str, float]:
     """Fraction of the ground truth's tests the response's Python program passes, run in a sandbox.
@@ -144,7 +151,7 @@ def code_execution(
     """
     mode, tests = parse_tests(ground_truth)
     limits = SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, file_size_mb=file_size_mb,
-                           processes=processes, scratch_mb=scratch_mb)
+                           processes=processes, scratch_mb=scratch_mb, sample_timeout_s=sample_timeout_s)
     results = run_in_sandbox(extract_program(response), mode, tests, limits)
     details = {"passed": 0.0, "failed": 0.0, "errors": 0.0, "denied": 0.0,
                **{f"killed/{reason}": 0.0 for reason in KILL_REASONS}}

@@ -18,7 +18,8 @@ What the sandbox protects against (each one run by ``tests/rewards/test_code_exe
   sandbox, from :data:`UID_BASE`) with ``RLIMIT_NPROC`` (``processes``, threads
   included); the PID namespace is torn down after each test.
 * **Disk**: ``RLIMIT_FSIZE`` (``file_size_mb``) per file, and the whole
-  writable tree is a tmpfs of ``scratch_mb`` that vanishes with the sandbox.
+  writable tree is a tmpfs of ``scratch_mb`` (and ``64 * scratch_mb`` inodes)
+  that vanishes with the sandbox.
   Nothing the program writes reaches the host's filesystem: ``/usr``,
   ``/etc`` and the interpreter are read-only bind mounts, ``/tmp`` and
   ``/work`` are the sandbox's own, and every other host path (``/home``,
@@ -85,6 +86,7 @@ class SandboxLimits:
     file_size_mb: int = 16
     processes: int = 16
     scratch_mb: int = 64
+    sample_timeout_s: float | None = None  # all tests of one run together; None: tests x timeout_s
 
     def errors(self) -> list[str]:
         """One message per bad field (``'name' = value: what is valid``); empty when all are fine."""
@@ -97,6 +99,11 @@ class SandboxLimits:
             "scratch_mb": (8, 1 << 14, "MiB of the sandbox's tmpfs (/work and /tmp together)"),
         }
         out = []
+        total = self.sample_timeout_s
+        if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float))
+                                  or not (0.1 <= total <= 3600)):
+            out.append(f"'sample_timeout_s' = {total!r}: must be a number in [0.1, 3600] (seconds of wall clock "
+                       f"for all tests of a sample together) or null (no cap beyond tests x timeout_s)")
         for name, (low, high, what) in rules.items():
             value = getattr(self, name)
             integral = name != "timeout_s"
@@ -154,7 +161,10 @@ def run_in_sandbox(program: str, mode: str, tests: list, limits: SandboxLimits) 
            "ro_paths": ro_paths, **asdict(limits)}
     cmd = [unshare, "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child", "--",
            python, "-I", "-S", "-B", str(LAUNCHER)]
-    budget = len(tests) * (limits.timeout_s + 0.5) + STARTUP_SLACK_S
+    budget = len(tests) * (limits.timeout_s + 0.5)
+    if limits.sample_timeout_s is not None:
+        budget = min(budget, limits.sample_timeout_s + 0.5)
+    budget += STARTUP_SLACK_S
     try:
         proc = subprocess.run(cmd, input=json.dumps(job).encode(), capture_output=True, env={},
                               timeout=budget, cwd="/")

@@ -112,7 +112,7 @@ def _bind_ro(libc, src, target, nodev=True):
 def build_root(job):
     libc = _libc()
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['scratch_mb']}m,mode=0755")
+    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['scratch_mb']}m,nr_inodes={job['scratch_mb'] * 64},mode=0755")
     os.makedirs(ROOT)
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = "/" + top
@@ -213,7 +213,7 @@ def run_test(job, mode, index, test):
     pid = os.fork()
     if pid == 0:
         _child(job, mode, index)
-    deadline = started + job["timeout_s"]
+    deadline = min(started + job["timeout_s"], job["sample_deadline"])
     status = usage = None
     while status is None:
         done, raw, rusage = os.wait4(pid, os.WNOHANG)
@@ -266,7 +266,14 @@ def main():
     build_root(job)
     results = []
     mode = job["mode"]
+    # sample_timeout_s caps all tests together: a test started late gets what is left, and tests past
+    # the cap are not started (each counts as a timeout).
+    budget = job["sample_timeout_s"]
+    job["sample_deadline"] = time.monotonic() + budget if budget is not None else float("inf")
     for index, test in enumerate(job["tests"]):
+        if time.monotonic() >= job["sample_deadline"]:
+            results.append({"wall_s": 0.0, "outcome": "timeout"})
+            continue
         results.append(run_test(job, mode, index, test))
     sys.stdout.write(json.dumps({"results": results}) + "\n")
     sys.stdout.flush()

@@ -325,3 +325,21 @@ def test_one_test_cannot_change_what_the_next_one_runs(unharmed):
                "seen = os.path.exists('left.txt')\nopen('left.txt', 'w').write('x')\nx = 2")
     out = run(program, '["assert x == 2 and not seen", "assert x == 2 and not seen"]')
     assert out["passed"] == 2.0
+
+
+@needs_sandbox
+def test_sample_timeout_caps_all_tests_together(unharmed):
+    started = time.monotonic()
+    out = run("import time\ntime.sleep(3600)", '["assert True", "assert True"]', timeout_s=2.0, sample_timeout_s=1.0)
+    # The first test gets the 1 s cap, not its 2 s; the second is never started: both count as timeouts.
+    assert killed(out) == {"killed/timeout": 2.0} and out["score"] == 0.0
+    assert time.monotonic() - started < 2.0 + sandbox.STARTUP_SLACK_S
+
+
+def test_sample_timeout_must_fit_under_the_composer_timeout(capsys):
+    from rltk.cli import main
+
+    assert main(["validate", "grpo", "reward.reward_fn=[code_execution]", "reward.timeout_s=5",
+                 "reward.reward_fn_args.code_execution.sample_timeout_s=4"]) == 2
+    assert ("bad value 4 for 'reward.reward_fn_args.code_execution.sample_timeout_s': must be at least 2 s "
+            "(the sandbox's setup) under 'reward.timeout_s'=5.0") in capsys.readouterr().err
