@@ -42,8 +42,8 @@ lands in exactly one of ``passed``, ``failed``, ``errors``, ``denied`` and
 read-only root, rlimits, an unused uid, no network; its docstring says what
 it protects against and what it does not). The program runs on the
 interpreter rltk runs on, with the standard library only (``-I -S``: no
-site-packages). A machine that cannot run the sandbox (not root, not Linux,
-no ``unshare``) is refused when the reward is configured
+site-packages). A machine that cannot run the sandbox (not Linux, no
+``unshare``, neither root nor unprivileged user namespaces) is refused when the reward is configured
 (:func:`check_args`, a ``ConfigError`` naming the key: ``rltk run`` exits 2);
 the program is never run without it.
 
@@ -183,8 +183,8 @@ def check_args(args: Mapping[str, Any], where: str) -> None:
     if reason is not None:
         raise ConfigError(
             f"{where}: the code_execution reward cannot sandbox programs on this machine ({reason}); it runs "
-            f"model-written code only inside its sandbox, never without one. Run on Linux as root with "
-            f"util-linux's unshare, or remove code_execution from reward.reward_fn")
+            f"model-written code only inside its sandbox, never without one. Run on Linux with util-linux's "
+            f"unshare, as root or where unprivileged user namespaces are allowed, or remove code_execution from reward.reward_fn")
 
 
 code_execution.check_args = check_args  # type: ignore[attr-defined]

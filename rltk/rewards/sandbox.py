@@ -14,9 +14,9 @@ What the sandbox protects against (each one run by ``tests/rewards/test_code_exe
   the sandbox's PID namespace is killed, sleeping or forked ones included.
 * **Memory**: ``RLIMIT_AS`` (``memory_mb``) per process: allocating 10 GB
   fails at once with ``MemoryError``.
-* **Fork bombs**: the program runs as an otherwise unused uid (one per
-  sandbox, from :data:`UID_BASE`) with ``RLIMIT_NPROC`` (``processes``, threads
-  included); the PID namespace is torn down after each test.
+* **Fork bombs**: ``RLIMIT_NPROC`` (``processes``, threads included) on a uid
+  that only this sandbox uses (see "Two modes"); the PID namespace is torn
+  down after each test.
 * **Disk**: ``RLIMIT_FSIZE`` (``file_size_mb``) per file, and the whole
   writable tree is a tmpfs of ``scratch_mb`` (and ``64 * scratch_mb`` inodes)
   that vanishes with the sandbox.
@@ -29,8 +29,24 @@ What the sandbox protects against (each one run by ``tests/rewards/test_code_exe
 * **Secrets**: the program gets a near-empty environment (``PATH``, ``HOME=/work``,
   ``LANG``), a ``/proc`` showing only its own namespace (not the trainer's
   ``/proc/<pid>/environ``), and no ``$HOME`` or ``~/.ssh``.
-* **Privilege**: ``no_new_privs``, no supplementary groups, ``nosuid`` mounts,
-  no ``/sys``, device nodes limited to null/zero/random/urandom.
+* **Privilege**: ``no_new_privs``, no capabilities, no supplementary groups,
+  ``nosuid`` mounts, no ``/sys``, device nodes limited to null/zero/random/urandom;
+  the root, the harness and the program file are read-only mounts (only
+  ``/work`` and ``/tmp`` are writable).
+
+Two modes, chosen by who runs the trainer:
+
+* **As root**: plain namespaces, and the program runs as an otherwise unused
+  uid (one per sandbox, from :data:`UID_BASE`; ``RLIMIT_NPROC`` does not bind
+  root), with no groups.
+* **As any other user**: a user namespace too (``unshare --user
+  --map-root-user``): the program is uid 0 there (the caller's uid outside)
+  with every capability dropped for good (``SECBIT_NOROOT``, empty bounding
+  and ambient sets). ``RLIMIT_NPROC`` counts the namespace's processes, which
+  include ``unshare`` and the launcher, so it is raised by two to give the
+  program the same budget. Needs unprivileged user namespaces
+  (``kernel.unprivileged_userns_clone``, or AppArmor's
+  ``apparmor_restrict_unprivileged_userns`` on Ubuntu 24.04, must allow them).
 
 What it does **not** protect against:
 
@@ -44,10 +60,10 @@ What it does **not** protect against:
   memory can fake a pass. stdin/stdout tests are compared outside the
   program and cannot be faked that way. Use stdin/stdout tests for an
   adversarial setting.
-* It needs root (to create namespaces and to switch to the unused uid that
-  makes ``RLIMIT_NPROC`` bind) and util-linux's ``unshare``; on a machine
-  without them :func:`check_sandbox` says why and the ``code_execution``
-  reward refuses to start, rather than run code unsandboxed.
+* It needs Linux, util-linux's ``unshare``, and root or unprivileged user
+  namespaces; on a machine without them :func:`check_sandbox` says why and
+  the ``code_execution`` reward refuses to start, rather than run code
+  unsandboxed.
 """
 
 from __future__ import annotations
@@ -120,7 +136,7 @@ class SandboxError(RuntimeError):
 
 
 class SandboxUnavailable(SandboxError):
-    """This machine cannot run the sandbox (not root, no ``unshare``, namespaces refused ...)."""
+    """This machine cannot run the sandbox (no ``unshare``, namespaces refused ...)."""
 
 
 def _interpreter() -> tuple[str, list[str]]:
@@ -157,10 +173,13 @@ def run_in_sandbox(program: str, mode: str, tests: list, limits: SandboxLimits) 
     if unshare is None:
         raise SandboxUnavailable("util-linux's `unshare` is not on PATH")
     python, ro_paths = _interpreter()
-    job = {"program": program, "mode": mode, "tests": tests, "uid": _uid(), "python": python,
-           "ro_paths": ro_paths, **asdict(limits)}
-    cmd = [unshare, "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child", "--",
-           python, "-I", "-S", "-B", str(LAUNCHER)]
+    # As root: plain namespaces, and the program runs as an unused uid. Otherwise: a user namespace
+    # too (uid 0 inside, the caller's uid outside), where the program keeps uid 0 without capabilities.
+    as_root = os.geteuid() == 0
+    job = {"program": program, "mode": mode, "tests": tests, "uid": _uid() if as_root else None,
+           "python": python, "ro_paths": ro_paths, **asdict(limits)}
+    cmd = [unshare, *([] if as_root else ["--user", "--map-root-user"]), "--net", "--pid", "--mount", "--ipc",
+           "--uts", "--fork", "--kill-child", "--", python, "-I", "-S", "-B", str(LAUNCHER)]
     budget = len(tests) * (limits.timeout_s + 0.5)
     if limits.sample_timeout_s is not None:
         budget = min(budget, limits.sample_timeout_s + 0.5)
@@ -200,9 +219,6 @@ def check_sandbox() -> str | None:
             return _probe_result
         if sys.platform != "linux":
             reason = f"it needs Linux namespaces; this is {sys.platform}"
-        elif os.geteuid() != 0:
-            reason = ("it needs root, to create the namespaces and to run the program as an unused uid so "
-                      f"RLIMIT_NPROC binds; this process runs as uid {os.geteuid()}")
         elif shutil.which("unshare") is None:
             reason = "util-linux's `unshare` is not on PATH"
         else:

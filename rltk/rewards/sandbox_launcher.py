@@ -16,10 +16,12 @@ What it does, in order (as root inside the new mount and PID namespaces):
    PID namespace, an empty ``/tmp`` and the scratch directory ``/work`` that
    holds the program and nothing else. ``/home``, ``/root``, the host's
    ``/tmp``, the trainer's working directory and every other path do not
-   exist there;
+   exist there. The root itself and the program file end up read-only
+   mounts; ``/work`` and ``/tmp`` are the only writable places;
 3. ``chroot``s into it;
 4. for each test: forks a child that sets the rlimits, drops to the job's
-   unprivileged uid (no groups, ``no_new_privs``) and execs the harness with
+   unprivileged uid (no groups) or, in a user namespace, drops every
+   capability for good, sets ``no_new_privs`` and execs the harness with
    an almost empty environment; waits for it at most ``timeout_s`` of wall
    clock; then kills every other process of the namespace (``kill(-1)``: a
    program's forks and daemons go too) and reaps them;
@@ -37,7 +39,9 @@ import sys
 import time
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 28, 47, 4
+SECBIT_NOROOT, SECBIT_NOROOT_LOCKED, SECBIT_NO_SETUID_FIXUP, SECBIT_NO_SETUID_FIXUP_LOCKED = 1, 2, 4, 8
+SECBIT_KEEP_CAPS_LOCKED = 32
 ROOT = "/tmp/root"
 
 # What the harness (the program's own interpreter, pid != launcher) reports on fd 3, and how it exits.
@@ -130,13 +134,26 @@ def build_root(job):
     os.makedirs(ROOT + "/tmp", mode=0o1777)
     os.chmod(ROOT + "/tmp", 0o1777)
     os.makedirs(ROOT + "/work")
-    os.chown(ROOT + "/work", job["uid"], job["uid"])
+    _chown(job, ROOT + "/work")
     with open(ROOT + "/work/solution.py", "w") as f:
         f.write(job["program"])
     with open(ROOT + "/.harness.py", "w") as f:
         f.write(HARNESS)
+    # Only /work and /tmp stay writable, and the program file in /work does not: the root itself
+    # becomes a read-only mount. (Under a user namespace the program's uid owns these files, so
+    # permissions alone would not protect the harness or the next test's program.)
+    for rw in ("/work", "/tmp"):
+        _mount(libc, ROOT + rw, ROOT + rw, None, MS_BIND)
+    _bind_ro(libc, ROOT + "/work/solution.py", ROOT + "/work/solution.py")
+    _mount(libc, ROOT, ROOT, None, MS_BIND | MS_REC)
+    _mount(libc, None, ROOT, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chroot(ROOT)
     os.chdir("/work")
+
+
+def _chown(job, path):
+    if job["uid"] is not None:  # None: a user namespace, where the program keeps the launcher's uid
+        os.chown(path, job["uid"], job["uid"])
 
 
 def _limits(job):
@@ -145,7 +162,9 @@ def _limits(job):
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at cpu_s, SIGKILL a second later
         (resource.RLIMIT_AS, (mem, mem)),
         (resource.RLIMIT_FSIZE, (job["file_size_mb"] << 20,) * 2),
-        (resource.RLIMIT_NPROC, (job["processes"],) * 2),  # counts the uid's processes and threads
+        # Counts the uid's processes and threads; in a user namespace also `unshare` and this launcher,
+        # which share the program's uid there: two more, so the program's own budget is the same.
+        (resource.RLIMIT_NPROC, (job["processes"] + (2 if job["uid"] is None else 0),) * 2),
         (resource.RLIMIT_NOFILE, (64, 64)),
         (resource.RLIMIT_CORE, (0, 0)),
     ]
@@ -156,10 +175,21 @@ def _child(job, mode, index):
     try:
         for what, value in _limits(job):
             resource.setrlimit(what, value)
-        os.setgroups([])
-        os.setgid(job["uid"])
-        os.setuid(job["uid"])
-        if ctypes.CDLL(None).prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        libc = ctypes.CDLL(None)
+        if job["uid"] is not None:
+            os.setgroups([])
+            os.setgid(job["uid"])
+            os.setuid(job["uid"])
+        else:
+            # Uid 0 of a user namespace: keep the uid, lose every capability for good. NOROOT stops
+            # exec from granting uid 0 the full set; the bounding and ambient sets are emptied too.
+            if libc.prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP
+                          | SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED, 0, 0, 0) != 0:
+                os._exit(122)
+            for cap in range(64):
+                libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last cap: ignored
+            libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             os._exit(121)
         stdin = os.open("/work/.stdin", os.O_RDONLY) if mode == "io" else os.open("/dev/null", os.O_RDONLY)
         out = os.open("/work/.stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -199,7 +229,6 @@ def run_test(job, mode, index, test):
                 os.unlink(path)
     with open("/work/.nonce", "w") as f:
         f.write(nonce)
-    os.chown("/work/.nonce", job["uid"], job["uid"])
     if mode == "assert":
         with open(f"/work/test_{index}.py", "w") as f:
             f.write(test)
@@ -208,7 +237,7 @@ def run_test(job, mode, index, test):
             f.write(test["input"])
     for name in os.listdir("/work"):  # solution.py stays root's: no test can rewrite the next one's program
         if name != "solution.py":
-            os.chown("/work/" + name, job["uid"], job["uid"])
+            _chown(job, "/work/" + name)
     started = time.monotonic()
     pid = os.fork()
     if pid == 0:

@@ -116,9 +116,10 @@ def test_bad_limits_are_config_errors_naming_the_key():
 
 def test_a_machine_without_the_sandbox_is_refused_at_build(monkeypatch):
     monkeypatch.setattr(sandbox, "_probed", False)
-    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)  # as if not root
+    monkeypatch.setattr(sandbox.sys, "platform", "darwin")  # as if on a Mac
     with pytest.raises(ValueError, match=r"reward 'code_execution': the code_execution reward cannot sandbox "
-                                         r"programs on this machine \(it needs root.*never without one"):
+                                         r"programs on this machine \(it needs Linux namespaces; this is darwin\)"
+                                         r".*never without one"):
         build_reward_composer([{"fn": "code_execution"}], timeout_s=30)
     monkeypatch.setattr(sandbox, "_probed", False)  # forget the refusal for later tests
 
@@ -343,3 +344,63 @@ def test_sample_timeout_must_fit_under_the_composer_timeout(capsys):
                  "reward.reward_fn_args.code_execution.sample_timeout_s=4"]) == 2
     assert ("bad value 4 for 'reward.reward_fn_args.code_execution.sample_timeout_s': must be at least 2 s "
             "(the sandbox's setup) under 'reward.timeout_s'=5.0") in capsys.readouterr().err
+
+
+NOBODY = 65534
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+def _world_readable(path: Path) -> bool:
+    return all(p.stat().st_mode & 0o005 == 0o005 for p in [path, *path.parents]) and \
+        (path / "sandbox_launcher.py").stat().st_mode & 0o004
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0 or not SYSTEM_PYTHON.exists()
+                    or not Path("/usr/bin/setpriv").exists() or not _world_readable(REPO / "rltk" / "rewards"),
+                    reason="needs root to become another user, /usr/bin/python3, setpriv and a world-readable checkout")
+def test_without_root_a_user_namespace_gives_the_same_protection(tmp_path):
+    """As an ordinary user the sandbox adds a user namespace: the program keeps uid 0 there but has no
+    capability, and the same limits hold (the process limit to the same count)."""
+    escape = Path("/tmp") / f"rltk-sandbox-escape-{uuid.uuid4().hex}"
+    secret = f"hunter2-{uuid.uuid4().hex}"
+    fork = ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n"
+            "        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n    n += 1\nprint(n)")
+    cases = {  # name: (program, mode, tests, the outcome it must have)
+        "probe": None,
+        "forks": (fork, "io", [{"input": "", "output": "15"}], "pass"),
+        "no capabilities": ("caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n"
+                            "assert set(caps) == {'0000000000000000'}, caps", "assert", ["pass"], "pass"),
+        "harness": ("open('/.harness.py', 'w').write('x')", "assert", ["pass"], "denied"),
+        "program": ("open('/work/solution.py', 'w').write('x')", "assert", ["pass"], "denied"),
+        "escape": (f"open({str(escape)!r}, 'w').write('x')\nopen('/etc/passwd', 'a').write('x')", "assert",
+                   ["pass"], "denied"),
+        "mount": ("import ctypes\nassert ctypes.CDLL(None).mount(b'tmpfs', b'/work', b'tmpfs', 0, None) == 0",
+                  "assert", ["pass"], "failed"),
+        "10 GB": ("x = bytearray(10 * 2**30)", "assert", ["pass"], "memory"),
+        "socket": ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)", "assert", ["pass"], "denied"),
+        "secret": ("import os\nfound = os.environ.get('RLTK_TEST_SECRET', '')\nfor pid in os.listdir('/proc'):\n"
+                   "    try:\n        found += open(f'/proc/{pid}/environ').read()\n    except OSError:\n        pass\n"
+                   "print(found)", "io", [{"input": "", "output": secret}], "wrong_output"),
+    }
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'rltk' / 'rewards')!r})\n"
+        "from sandbox import SandboxLimits, check_sandbox, run_in_sandbox\n"
+        "cases = json.loads(sys.stdin.read())\n"
+        "out = {'probe': check_sandbox()}\n"
+        "for name, case in cases.items():\n"
+        "    if case:\n"
+        "        program, mode, tests, _ = case\n"
+        "        out[name] = run_in_sandbox(program, mode, tests, SandboxLimits(timeout_s=3.0, cpu_s=1))[0]['outcome']\n"
+        "print(json.dumps(out))\n")
+    import json
+    import subprocess
+
+    proc = subprocess.run(["/usr/bin/setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                           str(SYSTEM_PYTHON), "-I", "-c", script], input=json.dumps(cases), capture_output=True,
+                          text=True, timeout=120, cwd="/",
+                          env={"PATH": "/usr/bin:/bin", "RLTK_TEST_SECRET": secret})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"probe": None, **{name: case[3] for name, case in cases.items() if case}}
+    assert not escape.exists()
