@@ -12,7 +12,9 @@ list/dict), in one of two forms:
 * assert tests: ``["assert add(1, 2) == 3", "assert add(0, 0) == 0"]`` or
   ``{"asserts": [...]}``. Each is Python run after the program, in the
   program's global namespace, in a fresh interpreter; it passes when it
-  raises nothing.
+  raises nothing. The program runs as a module named ``solution`` (its
+  ``if __name__ == "__main__":`` block does not run; stdin is empty), and a
+  ``sys.exit()`` in it fails the test.
 * stdin/stdout cases: ``[{"input": "1 2\\n", "output": "3\\n"}, ...]`` or
   ``{"cases": [...]}``. The program runs as ``__main__`` with ``input`` on
   stdin and passes when its stdout equals ``output``, trailing whitespace of
@@ -39,13 +41,14 @@ lands in exactly one of ``passed``, ``failed``, ``errors``, ``denied`` and
 ``killed/*``, so those sum to ``tests``.
 
 **Isolation** is :mod:`rltk.rewards.sandbox` (Linux namespaces, a private
-read-only root, rlimits, an unused uid, no network; its docstring says what
-it protects against and what it does not). The program runs on the
-interpreter rltk runs on, with the standard library only (``-I -S``: no
-site-packages). A machine that cannot run the sandbox (not Linux, no
-``unshare``, neither root nor unprivileged user namespaces) is refused when the reward is configured
-(:func:`check_args`, a ``ConfigError`` naming the key: ``rltk run`` exits 2);
-the program is never run without it.
+read-only root, rlimits, an unused uid or no capabilities, no network; its
+docstring says what it protects against and what it does not). The program
+runs on the interpreter rltk runs on, with the standard library only
+(``-I -S``: no site-packages). A machine that cannot run the sandbox (not
+Linux, no ``unshare``, neither root nor unprivileged user namespaces) is
+refused when the reward is configured (:func:`check_args`, a
+``ConfigError`` naming the key: ``rltk run`` exits 2); the program is never
+run without it.
 
 **Time**: tests of one sample run one after another, each under
 ``timeout_s``, all of them under ``sample_timeout_s`` when set (tests it
@@ -184,7 +187,8 @@ def check_args(args: Mapping[str, Any], where: str) -> None:
         raise ConfigError(
             f"{where}: the code_execution reward cannot sandbox programs on this machine ({reason}); it runs "
             f"model-written code only inside its sandbox, never without one. Run on Linux with util-linux's "
-            f"unshare, as root or where unprivileged user namespaces are allowed, or remove code_execution from reward.reward_fn")
+            f"unshare, as root or where unprivileged user namespaces are allowed, or remove code_execution "
+            f"from reward.reward_fn")
 
 
 code_execution.check_args = check_args  # type: ignore[attr-defined]

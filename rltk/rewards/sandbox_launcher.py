@@ -55,7 +55,9 @@ def _report(word):
         _status.write(word + " " + _nonce if word == "pass" else word); _status.flush()
     os._exit(0)
 _mode, _index = sys.argv[1], int(sys.argv[2])
-_ns = {"__name__": "__main__", "__builtins__": __builtins__}
+# Assert tests import the program as a module (its `if __name__ == "__main__":` part does not run);
+# stdin/stdout cases run it as the main program.
+_ns = {"__name__": "__main__" if _mode == "io" else "solution", "__builtins__": __builtins__}
 try:
     _src = open("/work/solution.py").read()
     _test = open("/work/test_%d.py" % _index).read() if _mode == "assert" else ""
@@ -81,8 +83,6 @@ except OSError as e:
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENETUNREACH, errno.ENETDOWN,
                    errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.EAFNOSUPPORT, errno.ENOENT):
         _report("denied")
-    _report("error")
-except RecursionError:
     _report("error")
 except BaseException:
     _report("error")
@@ -116,7 +116,8 @@ def _bind_ro(libc, src, target, nodev=True):
 def build_root(job):
     libc = _libc()
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['scratch_mb']}m,nr_inodes={job['scratch_mb'] * 64},mode=0755")
+    mb = job["scratch_mb"]
+    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={mb}m,nr_inodes={mb * 64},mode=0755")
     os.makedirs(ROOT)
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = "/" + top
