@@ -253,7 +253,9 @@ def test_opening_sockets(unharmed):
     thread.start()
     # The server is reachable from here, so a refusal below is the sandbox's doing.
     socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 5
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.02)
     reached_from_outside = len(accepted)
     try:
         local = run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')",
