@@ -178,8 +178,12 @@ def check_reward_model_args(args: dict[str, Any]) -> None:
         got = "both" if path is not None else "neither"
         raise ValueError(f"set exactly one of path (a local reward-model folder, save_pretrained format) or url "
                          f"(a reward server, e.g. http://host:8001/score from `rltk serve-reward PATH`); got {got}")
-    if path is not None and (not isinstance(path, str) or not path):
-        raise ValueError(f"path must be a folder path, got {path!r}")
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"path must be a folder path, got {path!r}")
+        if not (Path(path).expanduser() / "config.json").is_file():
+            raise ValueError(f"path '{path}' is not a Hugging Face model folder (no config.json); give the folder "
+                             f"a reward model was saved to with save_pretrained (config, weights, tokenizer)")
     if url is not None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")

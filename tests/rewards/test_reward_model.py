@@ -182,6 +182,8 @@ def test_config_errors_name_the_key_and_what_is_valid(rm_folder, capsys):
     assert main([*base, f"reward.reward_fn_args.reward_model.path={folder}",
                  "reward.reward_fn_args.reward_model.url=http://h:1/score"]) == 2
     assert "got both" in capsys.readouterr().err
+    assert main([*base, f"reward.reward_fn_args.reward_model.path={folder.parent}"]) == 2
+    assert "is not a Hugging Face model folder (no config.json)" in capsys.readouterr().err
     assert main([*base, "reward.reward_fn_args.reward_model.url=http://h:1/score",
                  "reward.reward_fn_args.reward_model.max_length=64"]) == 2
     assert "rltk serve-reward flags: max_length -> --max-length" in capsys.readouterr().err
