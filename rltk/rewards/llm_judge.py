@@ -149,7 +149,6 @@ def llm_judge(
     backoff_s: float = 0.5,
     concurrency: int = 8,
     api_key: str | None = None,
-    **_: Any,
 ) -> list[float | BaseException]:
     """Grade each response with an LLM judge (see the module docs); one call per step, batched.
 

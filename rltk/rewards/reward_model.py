@@ -228,7 +228,6 @@ def reward_model(
     offset: float = 0.0,
     timeout_s: float = 30.0,
     retries: int = 2,
-    **_: Any,
 ) -> list[dict[str, float] | BaseException]:
     """Score each ``prompt + response`` with a sequence-classification reward model (see the module docs).
 

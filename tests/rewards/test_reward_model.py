@@ -190,6 +190,11 @@ def test_config_errors_name_the_key_and_what_is_valid(rm_folder, capsys):
     assert main([*base, f"reward.reward_fn_args.reward_model.path={folder}",
                  "reward.reward_fn_args.reward_model.truncation_side=middle"]) == 2
     assert "truncation_side must be one of left, right, got 'middle'" in capsys.readouterr().err
+    assert main([*base, f"reward.reward_fn_args.reward_model.path={folder}",
+                 "reward.reward_fn_args.reward_model.max_lenght=64"]) == 2
+    err = capsys.readouterr().err
+    assert "'reward.reward_fn_args.reward_model.max_lenght': reward_fn 'reward_model' has no argument" in err
+    assert "max_length" in err and "Traceback" not in err
     assert main([*base, f"reward.reward_fn_args.reward_model.path={folder}"]) == 0
     # the Python API says the same, under the reward's name
     with pytest.raises(ValueError, match="reward 'reward_model': set exactly one of path"):
@@ -200,3 +205,22 @@ def test_serve_reward_refuses_a_folder_that_is_no_model(tmp_path, capsys):
     assert main(["serve-reward", str(tmp_path), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "is not a Hugging Face model folder (no config.json)" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # a 2-step SFT + 3-step GRPO run of the embedded default (~30 s here)
+def test_a_grpo_run_scores_with_the_reward_model_beside_exact_match(rm_folder, tmp_path):
+    folder, _, _ = rm_folder
+    run_dir = tmp_path / "run"
+    assert main(["run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false",
+                 "trainer.total_steps=3", "trainer.warmup_steps=0", "sft.steps=2", "sft.warmup_steps=0",
+                 "sft.stop_at_accuracy=null", "trainer.eval_every=0", "data.train_size=40", "data.eval_size=8",
+                 "reward.reward_fn=[exact_match,reward_model]", "reward.weights.reward_model=0.5",
+                 f"reward.reward_fn_args.reward_model.path={folder}"]) == 0
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "reward/reward_model" in m]
+    assert len(steps) == 3
+    for m in steps:
+        # the step's mean reward is the weighted sum of the components' means (every sample has both)
+        assert m["rollout/reward"] == pytest.approx(m["reward/exact_match"] + 0.5 * m["reward/reward_model"], abs=1e-6)
+        assert m["reward/reward_model/raw"] == pytest.approx(m["reward/reward_model"])
+        assert m["reward_fn/failures/reward_model"] == 0
