@@ -67,3 +67,33 @@ def with_retries(call, *, retries: int, backoff_s: float, retry_on: tuple[type[B
 
 class ServerError(ValueError):
     """A server answered with an error status worth retrying (HTTP 5xx, 429)."""
+
+
+def call_all(jobs: list, *, concurrency: int, unreachable: tuple[type[BaseException], ...] = (TimeoutError,
+                                                                                             ConnectionError)) -> list:
+    """Run the zero-argument ``jobs`` ``concurrency`` at a time; each one's return value or exception, in order.
+
+    Once a job fails with an ``unreachable`` error (its own retries spent: the server is down or
+    hangs), the jobs not yet started are not sent; each gets a ``ConnectionError`` naming that
+    failure. So a step with a dead server waits for one round of tries, not one per sample:
+    about ``(retries + 1) * timeout_s`` plus the backoff, whatever the number of samples.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not jobs:
+        return []
+    failed: list[BaseException] = []
+
+    def run(job):
+        if failed:
+            return ConnectionError(f"not sent: the server failed earlier in this step ({failed[0]})")
+        try:
+            return job()
+        except unreachable as exc:
+            failed.append(exc)
+            return exc
+        except Exception as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(concurrency, len(jobs)), thread_name_prefix="rltk-reward-http") as pool:
+        return list(pool.map(run, jobs))

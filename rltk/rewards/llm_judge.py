@@ -15,11 +15,13 @@ is parsed into a score:
 The endpoint may be another ``rltk serve``, a vLLM or SGLang server, or a hosted API
 (``api_key``). Requests run ``concurrency`` at a time; each waits at most ``timeout_s`` for the
 server and is tried ``retries`` more times on a timeout, a refused or broken connection, or an
-HTTP 5xx/429, after ``backoff_s``, then twice that ... A sample whose judge call still fails, or
-whose verdict does not parse, gets the composer's ``reward.fallback`` and is counted: in
-``reward_fn/failures/llm_judge`` (every fallback) and ``reward_fn/timeouts/llm_judge`` (those that
-timed out), with one warning naming the first reason. A step therefore waits at most about
-``ceil(samples / concurrency) * (retries + 1) * timeout_s`` plus the backoff for a judge that hangs.
+HTTP 5xx/429, after ``backoff_s``, then twice that ... Once one request has spent its tries on a
+timeout or a connection error, the step's requests not yet sent are not sent (the judge is down or
+hangs), so such a step waits about ``(retries + 1) * timeout_s`` plus the backoff, whatever its
+number of samples. A sample whose judge call fails, or whose verdict does not parse, gets the
+composer's ``reward.fallback`` and is counted: in ``reward_fn/failures/llm_judge`` (every fallback)
+and ``reward_fn/timeouts/llm_judge`` (the requests that timed out), with one warning naming the
+first reason.
 
 Example::
 
@@ -40,10 +42,10 @@ from __future__ import annotations
 import math
 import re
 import string
-from concurrent.futures import ThreadPoolExecutor
+import functools
 from typing import Any
 
-from rltk.rewards.http import ServerError, post_json, with_retries
+from rltk.rewards.http import ServerError, call_all, post_json, with_retries
 from rltk.rewards.marks import batched
 
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
@@ -159,26 +161,19 @@ def llm_judge(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     messages_head = [{"role": "system", "content": system}] if system else []
 
-    def judge(i: int) -> float | BaseException:
+    def judge(i: int) -> float:
         text = template.format(prompt=prompt[i], response=response[i], ground_truth=ground_truth[i])
         body = {"model": model, "messages": messages_head + [{"role": "user", "content": text}],
                 "temperature": temperature, "max_tokens": max_tokens}
+        answer = with_retries(lambda: post_json(endpoint, body, timeout_s=timeout_s, headers=headers),
+                              retries=retries, backoff_s=backoff_s, retry_on=(TimeoutError, ConnectionError, ServerError))
         try:
-            answer = with_retries(lambda: post_json(endpoint, body, timeout_s=timeout_s, headers=headers),
-                                  retries=retries, backoff_s=backoff_s,
-                                  retry_on=(TimeoutError, ConnectionError, ServerError))
-            try:
-                reply = answer["choices"][0]["message"]["content"] or ""
-            except (KeyError, IndexError, TypeError):
-                raise ValueError(f"{endpoint} answered {str(answer)[:200]}, not a chat completion") from None
-            return parse_verdict(reply, parser, pattern, max_score)
-        except (TimeoutError, ConnectionError, ValueError) as exc:
-            return exc
+            reply = answer["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"{endpoint} answered {str(answer)[:200]}, not a chat completion") from None
+        return parse_verdict(reply, parser, pattern, max_score)
 
-    if not prompt:
-        return []
-    with ThreadPoolExecutor(max_workers=min(concurrency, len(prompt)), thread_name_prefix="rltk-judge") as pool:
-        return list(pool.map(judge, range(len(prompt))))
+    return call_all([functools.partial(judge, i) for i in range(len(prompt))], concurrency=concurrency)
 
 
 llm_judge.check_args = check_llm_judge_args  # type: ignore[attr-defined]

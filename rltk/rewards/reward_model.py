@@ -24,9 +24,10 @@ Two ways to reach the model (exactly one of ``path`` and ``url``):
   PATH``, on another machine), spoken to with the small protocol of
   :mod:`rltk.rewards.reward_server`: ``POST {"prompts": [...], "responses": [...]}`` ->
   ``{"scores": [raw, ...]}``. Truncation, micro-batching and the device are the server's then
-  (its flags); here ``micro_batch_size`` texts go in each request, each under ``timeout_s``,
-  retried ``retries`` times with exponential backoff. A request that still fails gives its
-  samples the composer's ``reward.fallback``, counted in ``reward_fn/failures/reward_model``.
+  (its flags); here ``micro_batch_size`` texts go in each request, ``concurrency`` requests at
+  once, each under ``timeout_s``, retried ``retries`` times with exponential backoff. A request
+  that still fails gives its samples the composer's ``reward.fallback``, counted in
+  ``reward_fn/failures/reward_model``, and stops the step's unsent requests (the server is down).
 
 Config keys, mirroring verl's ``reward_model`` section where one exists (``model.path`` ->
 ``path``, ``micro_batch_size_per_gpu`` -> ``micro_batch_size``, ``max_length``)::
@@ -44,13 +45,14 @@ model trained on another template should be trained on, or served with, rltk's r
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rltk.rewards.http import ServerError, post_json, with_retries
+from rltk.rewards.http import ServerError, call_all, post_json, with_retries
 from rltk.rewards.marks import batched
 
 TRUNCATION_SIDES = ("left", "right")
@@ -198,7 +200,7 @@ def check_reward_model_args(args: dict[str, Any]) -> None:
     dtype = args.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    for key in ("micro_batch_size", "max_length", "retries"):
+    for key in ("micro_batch_size", "max_length", "retries", "concurrency"):
         value = args.get(key)
         low = 0 if key == "retries" else 1
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
@@ -228,6 +230,7 @@ def reward_model(
     offset: float = 0.0,
     timeout_s: float = 30.0,
     retries: int = 2,
+    concurrency: int = 4,
 ) -> list[dict[str, float] | BaseException]:
     """Score each ``prompt + response`` with a sequence-classification reward model (see the module docs).
 
@@ -244,21 +247,23 @@ def reward_model(
             (default 1024), the side cut from a longer one (``left``, default: keep the end),
             device (``cpu``) and dtype (``float32``); a server has its own.
         sigmoid, scale, offset: ``score = scale * (sigmoid(r) if sigmoid else r) + offset``.
-        timeout_s, retries: per request to ``url``; retried with exponential backoff (0.5 s, 1 s ...).
+        timeout_s, retries, concurrency: per request to ``url``; retried with exponential backoff
+            (0.5 s, 1 s ...); ``concurrency`` requests at once. Once one has spent its tries on a
+            timeout or a refused connection, the rest of the step's are not sent (counted failures).
     """
     if url is None:
         scorer = load_scorer(path, device=device or "cpu", dtype=dtype, max_length=max_length or 1024,
                              truncation_side=truncation_side or "left", micro_batch_size=micro_batch_size)
         raws: list[float | BaseException] = list(scorer.score(prompt, response))
     else:
+        starts = range(0, len(prompt), micro_batch_size)
+        chunks = call_all([functools.partial(_score_remote, url, list(prompt[i:i + micro_batch_size]),
+                                             list(response[i:i + micro_batch_size]), timeout_s=timeout_s,
+                                             retries=retries) for i in starts], concurrency=concurrency)
         raws = []
-        for start in range(0, len(prompt), micro_batch_size):
-            prompts = list(prompt[start:start + micro_batch_size])
-            responses = list(response[start:start + micro_batch_size])
-            try:
-                raws.extend(_score_remote(url, prompts, responses, timeout_s=timeout_s, retries=retries))
-            except (TimeoutError, ConnectionError, ValueError) as exc:
-                raws.extend([exc] * len(prompts))
+        for start, chunk in zip(starts, chunks):
+            n = len(prompt[start:start + micro_batch_size])
+            raws.extend([chunk] * n if isinstance(chunk, BaseException) else chunk)
     out: list[dict[str, float] | BaseException] = []
     for raw in raws:
         if isinstance(raw, BaseException):
