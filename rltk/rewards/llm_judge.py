@@ -152,7 +152,9 @@ def llm_judge(
     concurrency: int = 8,
     api_key: str | None = None,
 ) -> list[float | BaseException]:
-    """Grade each response with an LLM judge (see the module docs); one call per step, batched.
+    """An LLM at an OpenAI-compatible URL grades each response by a rubric; its parsed verdict is the score.
+
+    Batched: one call per step (see the module docs for the protocol, parsers and failure counts).
 
     Returns the parsed score per sample, or the error (a ``TimeoutError``, ``ConnectionError``,
     ``ValueError`` or :class:`UnparsedVerdict`) for one the composer must give its fallback and count.

@@ -232,7 +232,9 @@ def reward_model(
     retries: int = 2,
     concurrency: int = 4,
 ) -> list[dict[str, float] | BaseException]:
-    """Score each ``prompt + response`` with a sequence-classification reward model (see the module docs).
+    """A sequence-classification reward model's score of prompt + response, from a local folder or a server URL.
+
+    See the module docs for the formula, the two forms and the server protocol.
 
     Batched (:func:`rltk.rewards.batched`): one call per step with every sample. Returns
     ``{"score": scale * f(r) + offset, "raw": r}`` per sample, ``f`` the sigmoid or the identity;

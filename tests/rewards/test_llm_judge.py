@@ -198,3 +198,42 @@ def test_a_real_rltk_serve_judge_is_greedy_and_its_reply_is_parsed_as_returned(t
         assert first[0] == first[1] or str(first[0]) == str(first[1])  # same rubric, same greedy verdict
     finally:
         stop(proc)
+
+
+def test_a_judge_answering_503_is_retried_with_backoff_until_it_answers():
+    """Two 503s (a server shedding load), then a chat completion: the third try's verdict is the score."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    arrivals: list[float] = []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            arrivals.append(time.monotonic())
+            status, body = (503, {"error": "busy"}) if len(arrivals) <= 2 else (
+                200, {"choices": [{"message": {"role": "assistant", "content": "Fine. Score: 8"}}]})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        assert llm_judge(prompt=["p"], response=["r"], ground_truth=["g"], url=url, model="m", retries=2,
+                         backoff_s=0.1) == [pytest.approx(0.8)]
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        assert len(arrivals) == 3 and gaps[0] >= 0.1 and gaps[1] >= 0.2  # backoff 0.1 s, then twice that
+        arrivals.clear()
+        [out] = llm_judge(prompt=["p"], response=["r"], ground_truth=["g"], url=url, model="m", retries=1,
+                          backoff_s=0.01)
+        assert isinstance(out, ValueError) and "HTTP 503" in str(out)  # tries spent: the error, for the fallback
+    finally:
+        server.shutdown()
+        server.server_close()
