@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -53,8 +54,6 @@ def with_retries(call, *, retries: int, backoff_s: float, retry_on: tuple[type[B
     The last error propagates. Exponential backoff so that a server restarting, or shedding load
     with 5xx answers, is not hammered by every sample of a step at once.
     """
-    import time
-
     for attempt in range(retries + 1):
         try:
             return call()

@@ -205,6 +205,8 @@ def check_reward_model_args(args: dict[str, Any]) -> None:
         low = 0 if key == "retries" else 1
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+    if args.get("sigmoid") is not None and not isinstance(args["sigmoid"], bool):
+        raise ValueError(f"sigmoid must be true or false, got {args['sigmoid']!r}")
     for key in ("scale", "offset", "timeout_s"):
         value = args.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
