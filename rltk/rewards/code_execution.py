@@ -168,8 +168,8 @@ def code_execution(
     return {"score": score, "tests": n, **details}
 
 
-def check_args(args: Mapping[str, Any], where: str) -> None:
-    """Refuse bad limits and a machine that cannot run the sandbox: ``ConfigError`` naming ``where``.
+def check_args(args: Mapping[str, Any]) -> None:
+    """Refuse bad limits and a machine that cannot run the sandbox (``ConfigError``; callers name the key).
 
     Called when the reward is configured (config validation, and
     :class:`rltk.rewards.compose.RewardComposer`), so a run stops before its
@@ -181,11 +181,11 @@ def check_args(args: Mapping[str, Any], where: str) -> None:
     if not isinstance(flag, bool):
         problems.append(f"'all_or_nothing' = {flag!r}: must be true or false")
     if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
+        raise ConfigError("; ".join(problems))
     reason = check_sandbox()
     if reason is not None:
         raise ConfigError(
-            f"{where}: the code_execution reward cannot sandbox programs on this machine ({reason}); it runs "
+            f"the code_execution reward cannot sandbox programs on this machine ({reason}); it runs "
             f"model-written code only inside its sandbox, never without one. Run on Linux with util-linux's "
             f"unshare, as root or where unprivileged user namespaces are allowed, or remove code_execution "
             f"from reward.reward_fn")

@@ -109,15 +109,19 @@ def test_ground_truth_formats_and_errors():
             parse_tests(bad)
 
 
-def test_bad_limits_are_config_errors_naming_the_key():
-    where = "'reward.reward_fn_args.code_execution'"
+def test_bad_limits_are_config_errors_naming_the_key(capsys):
+    from rltk.cli import main
+
     with pytest.raises(ConfigError) as err:
-        check_args({"timeout_s": 0, "memory_mb": "lots", "all_or_nothing": "yes"}, where)
+        check_args({"timeout_s": 0, "memory_mb": "lots", "all_or_nothing": "yes"})
     msg = str(err.value)
-    assert msg.startswith(where)
     assert "'timeout_s' = 0: must be a number in [0.1, 600]" in msg
     assert "'memory_mb' = 'lots': must be an integer" in msg
     assert "'all_or_nothing' = 'yes': must be true or false" in msg
+    assert main(["validate", "grpo", "reward.reward_fn=[code_execution]",
+                 "reward.reward_fn_args.code_execution.timeout_s=0"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "rltk: error: 'reward.reward_fn_args.code_execution': reward_fn 'code_execution': 'timeout_s' = 0")
 
 
 def test_a_machine_without_the_sandbox_is_refused_at_build(monkeypatch):
