@@ -141,7 +141,8 @@ def test_cli_refuses_a_machine_without_unshare_with_exit_2(tmp_path, monkeypatch
     forget_probe(monkeypatch)
     assert main(["validate", "grpo", "reward.reward_fn=[code_execution]", "reward.timeout_s=30"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rltk: error: 'reward.reward_fn_args.code_execution': the code_execution reward "
+    assert err.startswith("rltk: error: 'reward.reward_fn_args.code_execution': reward_fn 'code_execution': "
+                          "the code_execution reward "
                           "cannot sandbox programs on this machine (util-linux's `unshare` is not on PATH)")
     assert "Traceback" not in err
     assert main(["validate", "grpo", "reward.reward_fn=[code_execution]",
