@@ -167,7 +167,7 @@ def default_runs(args, workdir: Path) -> list[dict]:
         print(f"{recipe:<13} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
               f"greedy {row['greedy_start']:.3f} -> {row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  "
               f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
-              f"train reward {row['reward_rise'] if row['reward_rise'] is not None else float('nan'):+.3f}  "
+              f"train reward {'n/a' if row['reward_rise'] is None else format(row['reward_rise'], '+.3f')}  "
               f"{wall:.0f}s", flush=True)
         return row
 
