@@ -149,7 +149,8 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
                if st.type not in runners]
     if unknown:
         raise ConfigError(f"this recipe runs stages of type {', '.join(sorted(runners))}; it cannot run "
-                          f"{', '.join(unknown)} (a dpo stage runs under `rltk run dpo`)")
+                          f"{', '.join(unknown)} (rl stages run under `rltk run grpo` or `rltk run ppo`, dpo stages under "
+                          f"`rltk run dpo`)")
     rltk.call_lifecycle_hook("rltk_on_train_start", config=run.cfg, run_dir=run.run_dir)
     resume, first_step = run.resume, 0
     for i, (scfg, stage) in enumerate(zip(run.stages, run.cfg.stages)):
