@@ -131,7 +131,7 @@ def run_dpo_stage(stage: Stage) -> None:
         run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
 
         # log
-        metrics.update({**collect_metrics, "pairs": len(step_pairs), "time/step_s": time.perf_counter() - tick})
+        metrics.update({**collect_metrics, "time/step_s": time.perf_counter() - tick})
         if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
             metrics.update(evaluate(run.workflow, run.eval_rows, cfg))
         run.metric_log.log(metrics, stage.first_step + step)

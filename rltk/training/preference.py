@@ -185,7 +185,7 @@ def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.T
     reward is the higher), ``logps/chosen``, ``logps/rejected``; ``dpo_loss``
     (the preference term of L), ``nll_loss`` (the chosen tokens' mean NLL, logged
     whatever ``nll_coef``), ``entropy`` (mean token entropy over both responses, for the
-    divergence guard) and the strategy's step info.
+    divergence guard), ``pairs`` (the step's pairs over every rank) and the strategy's step info.
     """
     B, T = batch["response_mask"].shape
     if B % 2:
@@ -223,4 +223,4 @@ def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.T
             ], dtype=torch.float64)
     info = strategy.step()
     means = (strategy.all_reduce_sum(sums) / global_pairs).tolist()
-    return {**dict(zip(names, means)), **{k: float(v) for k, v in info.items()}}
+    return {**dict(zip(names, means)), "pairs": global_pairs if B else 0.0, **{k: float(v) for k, v in info.items()}}

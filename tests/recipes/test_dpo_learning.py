@@ -83,3 +83,42 @@ def test_a_dpo_stage_under_the_grpo_recipe_is_refused(tmp_path, capsys):
                  "logging.logger=[jsonl]"])
     assert code == 2
     assert "cannot run stages[0] ('dpo', type dpo)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_under_lora_the_reference_is_the_adapters_off_base(tmp_path):
+    # LoRA's B starts at 0, so at the first step the policy equals its base: loss log 2, margins 0; nothing
+    # is copied or saved for the reference (no stage_weights/), and later steps move the margin.
+    run_dir = tmp_path / "run"
+    assert main(["run", "dpo", "model.lora.r=4", "stages=[{name: dpo, type: dpo}]", "trainer.total_steps=3",
+                 "trainer.warmup_steps=0", "trainer.eval_every=3", "data.train_size=64", "data.eval_size=16",
+                 f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false"]) == 0
+    steps = [m for m in read_metrics(run_dir) if "dpo_loss" in m]
+    assert steps[0]["dpo_loss"] == pytest.approx(0.693147, abs=1e-5)
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[-1]["rewards/margins"] != 0.0
+    assert not (run_dir / "stage_weights").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one(tmp_path):
+    # Offline DPO draws no random numbers: under torchrun each rank takes half of every global batch of pairs,
+    # and the losses and margins of each step must be one process's (the reference precomputed on both).
+    import subprocess
+    import sys
+
+    args = ["stages=[{name: dpo, type: dpo}]", "trainer.total_steps=3", "trainer.warmup_steps=0",
+            "trainer.eval_every=3", "data.train_size=64", "data.eval_size=16", "dpo.precompute_reference=true",
+            "logging.logger=[jsonl]", "logging.plot=false"]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "rltk.cli", "run", "dpo", f"output_dir={tmp_path / 'ddp'}", *args],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert main(["run", "dpo", f"output_dir={tmp_path / 'single'}", *args]) == 0
+    ours = [m for m in read_metrics(tmp_path / "ddp") if "dpo_loss" in m]
+    theirs = [m for m in read_metrics(tmp_path / "single") if "dpo_loss" in m]
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        assert a["pairs"] == b["pairs"] == 16
+        for key in ("dpo_loss", "nll_loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
