@@ -42,8 +42,8 @@ def test_dpo_learns_on_the_embedded_default(tmp_path):
 
 
 FAST = ["data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20", "sft.steps=150",
-        "sft.stop_at_accuracy=null", "trainer.eval_every=5", "trainer.total_steps=5", "logging.logger=[jsonl]",
-        "logging.plot=false"]
+        "sft.stop_at_accuracy=null", "trainer.eval_every=5", "trainer.total_steps=5", "trainer.warmup_steps=0",
+        "logging.logger=[jsonl]", "logging.plot=false"]
 
 
 @pytest.mark.slow
