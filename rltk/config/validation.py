@@ -172,7 +172,7 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
         )
     if not (_is_int(t.sync_every) and t.sync_every >= 1):
         raise ConfigError(
-            f"bad value {t.sync_every!r} for 'trainer.sync_every': must be an integer >= 1 (optimizer steps "
+            f"bad value {t.sync_every!r} for 'trainer.sync_every': must be an integer >= 1 (RL steps "
             f"between weight syncs to the producers)"
         )
     timeout = cfg.buffer.queue_timeout_s

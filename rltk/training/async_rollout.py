@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 
 from rltk.buffer.queue import ExperienceQueue, Lease, QueueTimeout
 from rltk.config.errors import ConfigError
+from rltk.errors import ProcessWaitError
 from rltk.training.engine_weights import write_weights_file
 from rltk.training.producer import EXIT_TIMEOUT, batch_size
 
@@ -47,8 +48,12 @@ CHECK_S = 2.0
 RESTARTS = 1
 
 
-class ProducerFailed(RuntimeError):
+class ProducerFailed(ProcessWaitError):
     """A producer process stopped and could not be kept running; the message names it and its log."""
+
+
+class TrainerWaitTimeout(ProcessWaitError, QueueTimeout):
+    """The trainer waited ``buffer.queue_timeout_s`` for a step's experiences."""
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -165,7 +170,7 @@ class AsyncRollouts:
                                         timeout_s=max(min(CHECK_S, left), 1e-3))
             except QueueTimeout as exc:
                 if time.monotonic() - start >= self.timeout_s:
-                    raise QueueTimeout(
+                    raise TrainerWaitTimeout(
                         f"waited {self.timeout_s:g} s (buffer.queue_timeout_s) for rollout producer "
                         f"'{self.producer.name}' (log {self.producer.log}): {exc}") from None
                 continue

@@ -122,7 +122,7 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
         return True
 
     wait(f"the trainer's first weights in {weights_path}", lambda: weights_file_version(weights_path) is not None)
-    print(f"rltk producer {name}: starting at batch {batch}", flush=True)
+    print(f"rltk producer {name}: pid {os.getpid()}, starting at batch {batch}", flush=True)
     while True:
         published = weights_file_version(weights_path)
         if published is not None and published > version:
