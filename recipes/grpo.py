@@ -20,6 +20,10 @@ The loop, as in the paper's algorithm box:
             guard       <- stop if the run diverged (entropy collapse, nothing trained, nan weights)
             checkpoint
 
+With trainer.mode=one_step_off or async the experiences of a step come instead from a producer process
+that samples with weights at most trainer.max_staleness steps old (rltk.training.async_rollout); the
+rest of the step is the same.
+
 Every named piece comes from the registry, so any of them is one config entry away.
 This file is a script, not a module: copy it to change the loop itself.
 """

@@ -127,6 +127,9 @@ def policy_update(
     rollout engine's, and dropped tokens leave the response mask (and every
     normaliser) first: see :mod:`rltk.training.rollout_correction`.
 
+    A policy loss that takes ``behaviour_logprobs`` (``decoupled_ppo``) gets the rollout engine's
+    log-probs there (:func:`behaviour_logprobs`), the clip staying against ``old_logprobs``.
+
     ``settings`` (:class:`rltk.training.forward.ForwardSettings`) cut the
     micro-batches (rows, or a token budget, packed or not; the global
     normalisers keep the loss and gradient those of the whole mini-batch) and
