@@ -138,6 +138,9 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             self.environment_cls = get_registry().entry("environment", cfg["environment"],
                                                         where="env.environment").obj
         self.environment_args = dict(cfg["environment_args"])
+        if self.environment_cls is not None and hasattr(self.environment_cls, "check_args"):
+            # once, before any episode: a bad argument or an unreachable server stops the run here
+            self.environment_cls.check_args(**self.environment_args)
         self.tools = {}
         for name in cfg["tools"]:
             base = get_registry().entry("tool", name, where="env.tools").obj
