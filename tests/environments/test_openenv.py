@@ -199,3 +199,44 @@ def test_a_hanging_step_times_out_naming_what_it_waited_for(tok, server):
     assert f"the environment server at {server.url} did not answer step within 0.3 s " \
            "(env.environment_args.message_timeout_s)" in e.info["env_error"]
     assert any("did not answer step" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------------------------ from the command line
+
+TINY = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "trainer.total_steps=2",
+        "trainer.warmup_steps=0", "trainer.eval_every=0", "data.train_size=8", "data.eval_size=2",
+        "trainer.prompts_per_step=2", "rollout.n=2", "checkpoint.resume=never", "checkpoint.every=0",
+        "logging.logger=[jsonl]", "logging.plot=false", "rollout.workflow=multi_turn", "env.environment=openenv",
+        "env.max_total_tokens=40", "rollout.max_new_tokens=4"]
+
+
+def test_cli_exits_2_naming_the_key_for_a_bad_argument_and_a_server_that_is_down(tmp_path, capsys):
+    from rltk.cli import main
+
+    assert main(["run", "grpo", f"output_dir={tmp_path / 'a'}", *TINY, "env.environment_args.url=http://x",
+                 "env.environment_args.observation_fild=text"]) == 2
+    assert "env.environment_args.observation_fild" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["run", "grpo", f"output_dir={tmp_path / 'b'}", *TINY, f"env.environment_args.url=http://127.0.0.1:{port}",
+                 "env.environment_args.connect_timeout_s=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"env.environment_args.url: no OpenEnv server answered GET http://127.0.0.1:{port}/health within 0.5 s" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow  # two warm-up steps and two GRPO steps of the tiny model against the server (~10 s)
+def test_grpo_trains_on_an_openenv_server(tmp_path, server):
+    import json
+
+    from rltk.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["run", "grpo", f"output_dir={run_dir}", *TINY, f"env.environment_args.url={server.url}",
+                 "env.environment_args.observation_field=text", "env.max_turns=2"]) == 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl_lines = [m for m in lines if "rollout/turns_mean" in m]
+    assert len(rl_lines) == 2
+    for m in rl_lines:
+        assert m["rollout/env_errors"] == 0.0 and 1.0 <= m["rollout/turns_mean"] <= 2.0
