@@ -173,6 +173,7 @@ class RewardConfig:
     # killed on timeout; null runs every reward in-process with no timeout (for rewards you trust).
     timeout_s: Optional[float] = 5.0
     workers: int = 4  # worker processes for reward functions not marked bounded (builtins run in-process)
+    # (reward_model and llm_judge are batched: in-process, one call per step, under their own timeout_s)
 
 
 @dataclass
