@@ -219,10 +219,11 @@ def test_cli_exits_2_naming_the_key_for_a_bad_argument_and_a_server_that_is_down
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert main(["run", "grpo", f"output_dir={tmp_path / 'b'}", *TINY, f"env.environment_args.url=http://127.0.0.1:{port}",
+    url = f"http://127.0.0.1:{port}"
+    assert main(["run", "grpo", f"output_dir={tmp_path / 'b'}", *TINY, f"env.environment_args.url={url}",
                  "env.environment_args.connect_timeout_s=0.5"]) == 2
     err = capsys.readouterr().err
-    assert f"env.environment_args.url: no OpenEnv server answered GET http://127.0.0.1:{port}/health within 0.5 s" in err
+    assert f"env.environment_args.url: no OpenEnv server answered GET {url}/health within 0.5 s" in err
     assert "Traceback" not in err
 
 
