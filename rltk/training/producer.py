@@ -84,8 +84,7 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     from rltk.buffer.queue import ExperienceQueue
     from rltk.data.sampler import RowSampler
     from rltk.distributed import limit_torch_threads, seed_everything
-    from rltk.training.collect import RolloutPlan
-    from rltk.training.collect import collect_experiences
+    from rltk.training.collect import RolloutPlan, collect_experiences
     from rltk.training.engine_weights import read_weights_file, weights_file_version
     from rltk.training.rows import build_rows
     from rltk.training.setup import build_tokenizer_and_policy, build_workflow
