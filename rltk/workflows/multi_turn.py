@@ -139,6 +139,9 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             self.environment_cls = get_registry().entry("environment", cfg["environment"],
                                                         where="env.environment").obj
         self.environment_args = dict(cfg["environment_args"])
+        if self.environment_cls is not None and hasattr(self.environment_cls, "check_args"):
+            # once, before any episode: a bad argument or an unreachable server stops the run here
+            self.environment_cls.check_args(**self.environment_args)
         # keyed by the name the model calls (an MCP server's tool: the server's name for it)
         self.tools = {tool.name: tool for tool in resolve_tools(cfg)}
         parser_cls = get_registry().entry("tool_parser", cfg["tool_parser"], where="env.tool_parser").obj
