@@ -98,7 +98,7 @@ def run_dpo_stage(stage: Stage) -> None:
             reference_sequence_logps(reference, pair_batch(pairs[i: i + REFERENCE_CHUNK], run.tokenizer.pad_token_id),
                                      fwd)
             for i in range(0, len(pairs), REFERENCE_CHUNK)]).view(-1, 2)  # [P, 2]: chosen, rejected
-        reference = None
+        reference = loop.reference = None  # the copy's memory goes (its weights stay beside the checkpoints)
     if loop.step == 0:
         run.metric_log.log(evaluate(run.workflow, run.eval_rows, cfg), stage.first_step)
 
