@@ -56,6 +56,10 @@ RUNS = {
     # head size 32, since vLLM's CPU attention has no head size 16 (2 heads of 32 instead of 4 of 16)
     "grpo_head32": ["run", "grpo", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"],
     "grpo_vllm": ["run", "grpo", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "rollout.engine=vllm"],
+    # issue 32: SFT as a recipe of its own (held-out accuracy from the fresh model), and a Bradley-Terry
+    # reward model (held-out pairwise accuracy P(r_right > r_wrong), reported in the greedy columns)
+    "sft": ["run", "sft"],
+    "reward_model": ["run", "reward_model"],
 }
 
 # The 0.6M-parameter model and the step shape of the lr sweep (issue: learning that holds on any machine).
@@ -105,6 +109,9 @@ def learning_curve(run_dir: Path, at_step: int | None = None) -> dict:
     first 25. With a constant learning rate that is what a run of ``at_step`` steps would measure.
     """
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if any("eval/pairwise_accuracy" in m for m in metrics):  # a reward model: pairwise accuracy, nothing sampled
+        metrics = [{**m, "eval/accuracy": m["eval/pairwise_accuracy"], "eval/sampled_accuracy": float("nan")}
+                   if "eval/pairwise_accuracy" in m else m for m in metrics]
     evals = [m for m in metrics if "eval/accuracy" in m]
     probes = [m for m in metrics if "sft/train_accuracy" in m]
     start, end = evals[0], evals[-1]
@@ -124,7 +131,7 @@ def learning_curve(run_dir: Path, at_step: int | None = None) -> dict:
         }}
     return {
         # the training reward (sampled accuracy on the prompts of each step), first vs last 25 RL steps
-        "reward_rise": sum(rewards[-window:]) / window - sum(rewards[:window]) / window if rewards else None,
+        "reward_rise": sum(rewards[-window:]) / window - sum(rewards[:window]) / window if rewards else float("nan"),
         "warmup_steps": probes[-1]["step"] if probes else None,
         "greedy_start": start["eval/accuracy"], "greedy_end": end["eval/accuracy"],
         "sampled_start": start["eval/sampled_accuracy"], "sampled_end": end["eval/sampled_accuracy"],

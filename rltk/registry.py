@@ -52,6 +52,8 @@ KINDS: dict[str, Kind] = {
              frozenset({"loss_mat", "mask", "global_tokens", "global_seqs"})),
         Kind("policy_loss", "rltk_policy_losses", "policy losses",
              frozenset({"logprobs", "old_logprobs", "behaviour_logprobs", "advantages", "response_mask", "loss_agg"})),
+        Kind("reward_model_loss", "rltk_reward_model_losses", "reward-model losses over preference pairs",
+             frozenset({"chosen_rewards", "rejected_rewards"})),
         Kind("reward_fn", "rltk_reward_fns", "reward functions",
              frozenset({"prompt", "response", "ground_truth", "extras"})),
         Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",
