@@ -203,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     from rltk.serve_command import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from rltk.rewards.reward_server import add_arguments as add_reward_server_arguments
+
+    p = sub.add_parser("serve-reward", help="a reward model (sequence classification, num_labels=1) over HTTP, "
+                                            "for reward_model's url= (POST /score)")
+    add_reward_server_arguments(p)
     return parser
 
 
@@ -228,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "dashboard":
             return cmd_dashboard(args)
+        if args.command == "serve-reward":
+            from rltk.rewards.reward_server import run as serve_reward
+
+            return serve_reward(args)
         if args.command == "serve":
             from rltk.serve_command import cmd_serve
 

@@ -64,6 +64,15 @@ def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) ->
             f"'{key}': {kind} '{name}' needs argument(s) {', '.join(missing)}; "
             f"set them as {key}.{missing[0]}=..."
         )
+    # A function may check how its arguments go together (one of two, a template's fields): its own
+    # ``check_args(args)`` raises ValueError saying what is wrong and what is valid.
+    check = getattr(obj, "check_args", None) if inspect.isfunction(obj) else None
+    if callable(check):
+        plain = OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)
+        try:
+            check(plain)
+        except ValueError as exc:
+            raise ConfigError(f"'{key}': {kind} '{name}': {exc}") from None
 
 
 def check_components(cfg: DictConfig, registry: Registry) -> None:

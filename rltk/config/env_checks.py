@@ -14,6 +14,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rltk.config.components import check_component_args, signature_params
 from rltk.config.errors import ConfigError
 from rltk.registry import Registry, did_you_mean, unknown_name_message
+from rltk.tools.mcp import check_server_config
+from rltk.tools.resolve import is_mcp_name
 
 
 def workflow_reads_env(cfg: DictConfig, registry: Registry) -> bool:
@@ -41,7 +43,19 @@ def check_env(cfg: DictConfig, registry: Registry) -> None:
     if not isinstance(tools, (list, ListConfig)):
         raise ConfigError(f"'env.tools' must be a list of tool names, got {tools!r}")
     table = registry.entries["tool"]
+    servers = env.get("mcp_servers") or {}
+    if not isinstance(servers, (dict, DictConfig)):
+        raise ConfigError(f"'env.mcp_servers' must map server names to their settings, got {servers!r}")
+    for server, spec in servers.items():
+        check_server_config(server, OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig)
+                            else spec)
     for tool_name in tools:
+        if isinstance(tool_name, str) and is_mcp_name(tool_name):
+            server = tool_name.partition(".")[0]
+            if server not in servers:  # the server's own tool names are checked when it is first reached
+                raise ConfigError(f"'env.tools' names '{tool_name}', a tool of MCP server '{server}', but "
+                                  f"'env.mcp_servers' has no '{server}' (it has: {', '.join(servers) or '(none)'})")
+            continue
         if not isinstance(tool_name, str) or tool_name not in table:
             raise ConfigError(unknown_name_message("tool", str(tool_name), list(table), where="env.tools"))
     if len(set(tools)) != len(tools):
@@ -53,6 +67,9 @@ def check_env(cfg: DictConfig, registry: Registry) -> None:
         if not isinstance(args, (dict, DictConfig)):
             raise ConfigError(f"'env.tools_args.{tool_name}' must be a mapping of argument names to values, "
                               f"got {args!r}")
+        if is_mcp_name(tool_name):
+            raise ConfigError(f"'env.tools_args.{tool_name}': a tool of an MCP server takes no configured "
+                              f"arguments (the server owns its configuration)")
         tool = table[tool_name].obj
         valid = tool.configurable() if hasattr(tool, "configurable") else []
         for arg in args:

@@ -154,8 +154,12 @@ class EnvConfig:
 
     environment: Optional[str] = None  # a registered environment, or null (tools only)
     environment_args: Dict[str, Any] = field(default_factory=dict)
-    tools: List[str] = field(default_factory=list)  # registered tools, rendered through the chat template's tools=
+    # registered tools, or `<server>.<tool>` / `<server>.*` of env.mcp_servers; rendered through the template's tools=
+    tools: List[str] = field(default_factory=list)
     tools_args: Dict[str, Any] = field(default_factory=dict)  # {tool_name: {arg: value}}
+    # MCP servers whose tools env.tools may name: {name: {command: [argv] | url: ..., env, cwd, timeout_s,
+    # connect_timeout_s}} (rltk.tools.mcp)
+    mcp_servers: Dict[str, Any] = field(default_factory=dict)
     tool_parser: str = "hermes"
     tool_parser_args: Dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4  # assistant turns per episode
@@ -173,6 +177,7 @@ class RewardConfig:
     # killed on timeout; null runs every reward in-process with no timeout (for rewards you trust).
     timeout_s: Optional[float] = 5.0
     workers: int = 4  # worker processes for reward functions not marked bounded (builtins run in-process)
+    # (reward_model and llm_judge are batched: in-process, one call per step, under their own timeout_s)
 
 
 @dataclass

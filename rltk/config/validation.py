@@ -116,6 +116,15 @@ def _check_positive(cfg: DictConfig) -> None:
             f"bad value {cfg.reward.timeout_s!r} for 'reward.timeout_s': must be > 0 seconds, or null to run every "
             f"reward function in-process without a timeout"
         )
+    sample_s = OmegaConf.select(cfg, "reward.reward_fn_args.code_execution.sample_timeout_s")
+    if ("code_execution" in cfg.reward.reward_fn and cfg.reward.timeout_s is not None
+            and isinstance(sample_s, (int, float)) and sample_s + 2 > cfg.reward.timeout_s):
+        # The composer would kill the sample before the sandbox reports, losing the per-reason counts.
+        raise ConfigError(
+            f"bad value {sample_s!r} for 'reward.reward_fn_args.code_execution.sample_timeout_s': must be at least "
+            f"2 s (the sandbox's setup) under 'reward.timeout_s'={cfg.reward.timeout_s}, which otherwise kills the "
+            f"sample first; lower it or raise reward.timeout_s"
+        )
     if cfg.logging.traces_max_mb <= 0:
         raise ConfigError(f"bad value {cfg.logging.traces_max_mb!r} for 'logging.traces_max_mb': must be > 0 "
                           f"(MiB); to write no traces, set logging.traces=false")

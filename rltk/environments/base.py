@@ -22,6 +22,8 @@ What the workflow guarantees an environment:
   workflow does not answer itself (with tools configured, turns that call
   tools are answered by the tools; see the workflow), never after ``done``.
 * :meth:`Environment.close` is called once when the episode ends, however it ends.
+* :meth:`Environment.check_args` (a classmethod) is called once with
+  ``env.environment_args`` when the workflow is built, before any episode.
 * An exception from ``reset`` or ``step`` ends that episode only (counted as
   an environment error; see the workflow for the reward it gets); training goes on.
 """
@@ -96,6 +98,16 @@ class Environment(abc.ABC):
 
     def close(self) -> None:
         """Release what the episode holds (a sandbox, a file); called once per episode. A no-op by default."""
+
+    @classmethod
+    def check_args(cls, **environment_args: Any) -> None:
+        """Check ``env.environment_args`` once, before the first episode; raise naming the bad key.
+
+        The workflow builds instances episode by episode and counts their failures, so a
+        problem every episode would hit (a bad value, a server that is down) belongs here,
+        where it stops the run at once (a :class:`rltk.errors.ConfigError` exits with 2).
+        A no-op by default.
+        """
 
 
 def check_step_result(result: Any, where: str) -> StepResult:

@@ -269,6 +269,29 @@ def build_tiny_model(
     return model
 
 
+def build_tiny_reward_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, **sizes: int):
+    """A randomly initialised ``Qwen2ForSequenceClassification`` with one output (``num_labels=1``): a reward model.
+
+    Same decoder as :func:`build_tiny_model` (``sizes`` are its size arguments, and the decoder
+    weights are the ones it would give for ``seed``), with a linear score head on the last token.
+    ``save_pretrained_dir`` writes the folder ``reward_model``'s ``path`` loads.
+    """
+    from transformers import Qwen2ForSequenceClassification
+
+    lm = build_tiny_model(tokenizer, seed=seed, **sizes)
+    config = lm.config
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        model = Qwen2ForSequenceClassification(config)
+        # A head of std 1/sqrt(hidden) rather than the 0.02 init: rewards of order 1 that differ between
+        # texts, so tests can tell texts (and truncations) apart.
+        torch.nn.init.normal_(model.score.weight, std=config.hidden_size ** -0.5)
+    model.model.load_state_dict(lm.model.state_dict())
+    return model
+
+
 def build_tiny_from_config(tiny, seed: int) -> tuple[PreTrainedTokenizerFast, Qwen2ForCausalLM]:
     """The tokenizer and random-init model the ``model.tiny`` config section describes.
 

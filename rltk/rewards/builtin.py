@@ -5,16 +5,20 @@ A reward function is called with keyword arguments only::
     fn(*, prompt: str, response: str, ground_truth: str, extras: dict, **args) -> float | dict[str, float]
 
 where ``args`` come from the config and are checked
-against the signature before training starts. Combine several with
+against the signature before training starts. ``reward_model`` and ``llm_judge``
+are batched (:func:`rltk.rewards.batched`): one call per step, lists in and out. Combine several with
 :func:`rltk.rewards.compose.build_reward_composer`.
 """
 
 from __future__ import annotations
 
 import rltk
+from rltk.rewards.code_execution import code_execution
 from rltk.rewards.countdown import countdown
 from rltk.rewards.format import format_tags
+from rltk.rewards.llm_judge import llm_judge
 from rltk.rewards.math import exact_match, math_answer
+from rltk.rewards.reward_model import reward_model
 
 
 @rltk.hookimpl
@@ -25,4 +29,7 @@ def rltk_reward_fns():
         "math_answer": math_answer,
         "countdown": countdown,
         "format_tags": format_tags,
+        "code_execution": code_execution,
+        "reward_model": reward_model,
+        "llm_judge": llm_judge,
     }

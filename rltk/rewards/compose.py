@@ -20,6 +20,9 @@ How components run (the speed and the safety of a step):
   worker that crashes fails the sample it was scoring. The pool starts on the
   first call and is reused by every later one; :meth:`RewardComposer.close`
   (or interpreter exit, or Ctrl-C during scoring) stops it.
+* A function marked :func:`rltk.rewards.batched` (a reward model, an LLM
+  judge: its cost is per call, and it caps its own time) runs in this process
+  too, called once per :meth:`RewardComposer.score_batch` with every sample.
 * ``timeout_s=None`` runs every function in-process with no timeout, for
   rewards you trust.
 
@@ -41,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rltk.rewards.marks import is_bounded
+from rltk.rewards.marks import is_batched, is_bounded
 from rltk.rewards.pool import CallOutcome, RewardWorkerPool, picklable_error
 
 PROVIDED_ARGS = ("prompt", "response", "ground_truth", "extras")
@@ -139,8 +142,11 @@ class RewardComposer:
             validate_reward_args(spec.name, spec.fn, spec.args)
         # Functions may leave out sample fields they do not use (e.g. prompt).
         self._sample_fields = {spec.name: _accepted_sample_fields(spec.fn) for spec in self.specs}
-        # Which components need a worker process: unbounded ones, when there is a timeout to enforce.
-        self._isolated = [timeout_s is not None and not is_bounded(spec.fn, spec.args) for spec in self.specs]
+        self._batched = [is_batched(spec.fn) for spec in self.specs]
+        # Which components need a worker process: unbounded ones, when there is a timeout to enforce
+        # (a batched one caps its own time: it runs here, once per batch).
+        self._isolated = [timeout_s is not None and not batched and not is_bounded(spec.fn, spec.args)
+                          for spec, batched in zip(self.specs, self._batched)]
         for spec, isolated in zip(self.specs, self._isolated):
             if isolated:
                 _check_picklable(spec)
@@ -198,6 +204,10 @@ class RewardComposer:
         def in_process() -> None:
             for j, (spec, isolated) in enumerate(zip(self.specs, self._isolated)):
                 if isolated:
+                    continue
+                if self._batched[j]:
+                    for i, result in enumerate(self._score_batched(spec, rows)):
+                        results[i][j] = result
                     continue
                 for i, sample in enumerate(rows):
                     results[i][j] = self._score_in_process(spec, sample)
@@ -326,6 +336,36 @@ class RewardComposer:
             self._record_failure(spec.name, type(exc).__name__, str(exc), _traceback_tail(exc))
             return self.fallback, {}
 
+    def _score_batched(self, spec: RewardSpec, rows: list[dict]) -> list[tuple[float, dict[str, float]]]:
+        if not rows:
+            return []
+        fields = self._sample_fields[spec.name]
+        kwargs: dict[str, Any] = {k: [row[k] for row in rows] for k in PROVIDED_ARGS if k in fields}
+        kwargs.update(spec.args)
+        try:
+            values = list(spec.fn(**kwargs))
+            if len(values) != len(rows):
+                raise ValueError(f"batched reward '{spec.name}' returned {len(values)} scores for {len(rows)} samples")
+        except BaseException as exc:  # as for a per-sample call: the batch fails, training goes on
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            values = [exc] * len(rows)
+        out = []
+        for value in values:
+            if isinstance(value, BaseException):
+                if isinstance(value, TimeoutError):
+                    with self._lock:
+                        self.timeouts[spec.name] += 1
+                self._record_failure(spec.name, type(value).__name__, str(value), _traceback_tail(value))
+                out.append((self.fallback, {}))
+                continue
+            try:
+                out.append(_as_score(spec.name, value))
+            except Exception as exc:
+                self._record_failure(spec.name, type(exc).__name__, str(exc), "")
+                out.append((self.fallback, {}))
+        return out
+
     def _from_outcome(self, spec: RewardSpec, outcome: CallOutcome) -> tuple[float, dict[str, float]]:
         if outcome.ok:
             try:
@@ -370,7 +410,11 @@ class RewardComposer:
 
 
 def validate_reward_args(name: str, fn: Callable, args: Mapping[str, Any]) -> None:
-    """Check ``args`` against ``fn``'s signature; raise ``ValueError`` naming the reward and its valid args."""
+    """Check ``args`` against ``fn``'s signature; raise ``ValueError`` naming the reward and its valid args.
+
+    A function with a ``check_args(args)`` attribute (e.g. ``reward_model``: exactly one of ``path`` and
+    ``url``) has it called too; the ``ValueError`` it raises is reported under the reward's name.
+    """
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
@@ -395,6 +439,12 @@ def validate_reward_args(name: str, fn: Callable, args: Mapping[str, Any]) -> No
     missing = [p.name for p in configurable if p.default is inspect.Parameter.empty and p.name not in args]
     if missing:
         raise ValueError(f"reward '{name}' needs argument(s) {missing}; set them in its args. Valid args: {valid}")
+    check_args = getattr(fn, "check_args", None)
+    if callable(check_args):
+        try:
+            check_args(dict(args))
+        except ValueError as exc:
+            raise ValueError(f"reward '{name}': {exc}") from None
 
 
 def build_reward_composer(

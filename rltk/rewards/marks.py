@@ -79,3 +79,43 @@ def is_bounded(fn: Callable, args: Mapping[str, Any] | None = None) -> bool:
     if unless is None:
         return False
     return all(configured.get(name) is None for name in unless)
+
+
+_BATCHED = "__rltk_batched__"
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark ``fn`` as a batched reward function: one call scores all of a step's samples.
+
+    For rewards whose cost is per call, not per sample: a model forward pass
+    over a padded batch, requests to a server that batches. The composer calls
+    it once per :meth:`~rltk.rewards.compose.RewardComposer.score_batch`, in the
+    trainer's process, with the usual keyword names each holding a *list*, one
+    entry per sample (as ``datasets.map(batched=True)`` passes columns)::
+
+        @batched
+        def my_rm(*, prompt: list[str], response: list[str], ground_truth: list[str],
+                  extras: list[dict], **args) -> list[float | dict | BaseException]: ...
+
+    It returns one entry per sample: a score (float or dict, as for any
+    reward function) or an exception instance for a sample it could not score;
+    that sample gets the composer's ``fallback`` and the failure is counted in
+    ``stats()["failures/<name>"]`` (a ``TimeoutError`` in ``"timeouts/<name>"``
+    too). If the call itself raises, every sample of the batch fails that way.
+
+    Like :func:`bounded`, the mark is a promise that the call's time is capped
+    by the function itself (truncated inputs, network timeouts), since it runs
+    in-process where the composer's ``timeout_s`` cannot stop it. Returns
+    ``fn`` itself, marked.
+    """
+    if not callable(fn):
+        raise TypeError(f"@batched marks reward functions; got {type(fn).__name__}: {fn!r}")
+    setattr(fn, _BATCHED, True)
+    return fn
+
+
+def is_batched(fn: Callable) -> bool:
+    """Whether ``fn`` (or the function under a :func:`functools.partial`) is marked :func:`batched`."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return bool(getattr(fn, _BATCHED, False))

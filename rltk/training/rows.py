@@ -63,17 +63,9 @@ def tool_schemas(cfg: DictConfig) -> list[dict] | None:
     env = cfg.get("env")
     if env is None or not env.tools:
         return None
-    from rltk.registry import get_registry
+    from rltk.tools.resolve import resolve_tools
 
-    tools_args = dict(OmegaConf.to_container(env.tools_args, resolve=True) or {})
-    schemas = []
-    for name in env.tools:
-        base = get_registry().entry("tool", name, where="env.tools").obj
-        try:
-            schemas.append(base.bind(**dict(tools_args.get(name) or {})).schema())
-        except ValueError as exc:
-            raise ConfigError(f"env.tools_args.{name}: {exc}") from exc
-    return schemas
+    return [tool.schema() for tool in resolve_tools(OmegaConf.to_container(env, resolve=True))]
 
 
 def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,

@@ -85,6 +85,7 @@ from typing import Any
 import rltk
 from rltk.batch import Experience
 from rltk.rollout.base import RolloutEngine, SamplingParams
+from rltk.tools.resolve import resolve_tools
 from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means, score_samples
 
 logger = logging.getLogger(__name__)
@@ -603,20 +604,7 @@ def _tool_use(records: list) -> dict[str, int]:
 
 def _agent_tools(env: Mapping[str, Any]) -> list:
     """The tools of ``env.tools``, bound with ``env.tools_args``, in that order (what the warm-up renders)."""
-    from rltk.registry import get_registry
-
-    names = env.get("tools") or []
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"agentic: env.tools must be a list of tool names, got {names!r}")
-    tools_args = dict(env.get("tools_args") or {})
-    tools = []
-    for name in names:
-        base = get_registry().entry("tool", name, where="env.tools").obj
-        try:
-            tools.append(base.bind(**dict(tools_args.get(name) or {})))
-        except ValueError as exc:
-            raise ValueError(f"env.tools_args.{name}: {exc}") from exc
-    return tools
+    return resolve_tools(env)
 
 
 def _parameters(fn: Any) -> set[str]:

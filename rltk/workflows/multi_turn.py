@@ -63,12 +63,13 @@ from rltk.batch import Experience
 from rltk.environments.base import AssistantTurn, Environment, StepResult, check_messages, check_step_result
 from rltk.registry import get_registry
 from rltk.rollout.base import RolloutEngine, SamplingParams
+from rltk.tools.resolve import resolve_tools
 from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means
 from rltk.workflows.chat import TurnRenderer, generate_checked, render_text, row_messages, score_responses
 
 #: The ``env`` config section's keys and defaults (rltk.config.schema.EnvConfig mirrors them).
 ENV_DEFAULTS: dict[str, Any] = {
-    "environment": None, "environment_args": {}, "tools": [], "tools_args": {}, "tool_parser": "hermes",
+    "environment": None, "environment_args": {}, "tools": [], "tools_args": {}, "mcp_servers": {}, "tool_parser": "hermes",
     "tool_parser_args": {}, "max_turns": 4, "max_new_tokens_per_turn": None, "max_total_tokens": 256,
 }
 
@@ -138,13 +139,11 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             self.environment_cls = get_registry().entry("environment", cfg["environment"],
                                                         where="env.environment").obj
         self.environment_args = dict(cfg["environment_args"])
-        self.tools = {}
-        for name in cfg["tools"]:
-            base = get_registry().entry("tool", name, where="env.tools").obj
-            try:
-                self.tools[name] = base.bind(**dict(cfg["tools_args"].get(name) or {}))
-            except ValueError as exc:
-                raise ValueError(f"env.tools_args.{name}: {exc}") from exc
+        if self.environment_cls is not None and hasattr(self.environment_cls, "check_args"):
+            # once, before any episode: a bad argument or an unreachable server stops the run here
+            self.environment_cls.check_args(**self.environment_args)
+        # keyed by the name the model calls (an MCP server's tool: the server's name for it)
+        self.tools = {tool.name: tool for tool in resolve_tools(cfg)}
         parser_cls = get_registry().entry("tool_parser", cfg["tool_parser"], where="env.tool_parser").obj
         self.parser = parser_cls(**dict(cfg["tool_parser_args"]))
         self.max_turns = cfg["max_turns"]
@@ -467,7 +466,7 @@ def _env_config(env: Mapping[str, Any] | None, sampling: SamplingParams) -> dict
             raise ValueError(f"multi_turn: env.{key} must be an integer >= 1, got {value!r}")
     if not isinstance(cfg["tools"], (list, tuple)) or not all(isinstance(t, str) for t in cfg["tools"]):
         raise ValueError(f"multi_turn: env.tools must be a list of tool names, got {cfg['tools']!r}")
-    for key in ("environment_args", "tools_args", "tool_parser_args"):
+    for key in ("environment_args", "tools_args", "mcp_servers", "tool_parser_args"):
         if not isinstance(cfg[key] or {}, Mapping):
             raise ValueError(f"multi_turn: env.{key} must be a mapping, got {cfg[key]!r}")
         cfg[key] = dict(cfg[key] or {})

@@ -13,7 +13,7 @@ def builtins():
 def test_defaults_follow_the_spec():
     cfg = load_config([], ["rollout.max_new_tokens=12"])
     assert dict(cfg.env) == {"environment": None, "environment_args": {}, "tools": [], "tools_args": {},
-                             "tool_parser": "hermes", "tool_parser_args": {}, "max_turns": 4,
+                             "mcp_servers": {}, "tool_parser": "hermes", "tool_parser_args": {}, "max_turns": 4,
                              "max_new_tokens_per_turn": 12, "max_total_tokens": 256}
 
 
