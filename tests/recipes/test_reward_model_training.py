@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from rltk.cli import main
 from rltk.config.loader import load_config
