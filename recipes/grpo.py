@@ -20,6 +20,10 @@ The loop, as in the paper's algorithm box:
             guard       <- stop if the run diverged (entropy collapse, nothing trained, nan weights)
             checkpoint
 
+With trainer.mode=one_step_off or async the experiences of a step come instead from a producer process
+that samples with weights at most trainer.max_staleness steps old (rltk.training.async_rollout); the
+rest of the step is the same.
+
 Every named piece comes from the registry, so any of them is one config entry away.
 This file is a script, not a module: copy it to change the loop itself.
 """
@@ -30,7 +34,8 @@ import time
 
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args
-from rltk.training.collect import collect_experiences
+from rltk.training.async_rollout import start_producer
+from rltk.training.collect import collect_experiences, produced_metrics
 from rltk.training.batch_metrics import rollout_metrics
 from rltk.training.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
 from rltk.training.forward import old_logprobs_pass
@@ -54,12 +59,13 @@ PROVIDES = {
                      "ref_logprobs", "reward_components", "sum_pi_squared"],
     "buffer_sources": ["policy"],
     "expert_data": True,
+    "trainer_modes": ["sync", "one_step_off", "async"],
 }
 
 
 def run_rl_stage(stage: Stage) -> None:
     run, cfg = stage.run, stage.cfg
-    a, t = cfg.algorithm, cfg.trainer
+    t = cfg.trainer
     per_step = t.mini_batches * t.ppo_epochs  # optimizer steps per RL step: the schedule counts those
     # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
     strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps * per_step,
@@ -74,18 +80,38 @@ def run_rl_stage(stage: Stage) -> None:
     # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
     # from the stage's checkpoint when it resumes.
     loop = start_rl_stage(stage, strategy)
-    reference, fwd = loop.reference, parts.forward
     if loop.step == 0:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
+    # trainer.mode one_step_off / async: a producer process samples with weights published every
+    # trainer.sync_every steps, at most trainer.max_staleness versions behind; sync: None, sampled here
+    rollouts = start_producer(stage, strategy, resumed_step=loop.step)
+    try:
+        train_steps(stage, strategy, parts, loop, rollouts)
+    finally:
+        if rollouts is not None:
+            rollouts.close()
 
+
+def train_steps(stage: Stage, strategy, parts: RLParts, loop, rollouts) -> None:
+    run, cfg = stage.run, stage.cfg
+    a, t = cfg.algorithm, cfg.trainer
+    workflow = run.workflow
+    reference, fwd = loop.reference, parts.forward
     for step in range(loop.step + 1, t.total_steps + 1):
         tick = time.perf_counter()
-        # rollout: every rank draws the same global batch of prompts and samples its share of it
-        # (under dynamic sampling more batches, until enough groups have differing scores)
-        experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
+        if rollouts is None:
+            # rollout: every rank draws the same global batch of prompts and samples its share of it
+            # (under dynamic sampling more batches, until enough groups have differing scores)
+            experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
+        else:
+            # the producer's oldest batch within the staleness bound (staleness/* says how old)
+            lease = rollouts.take(step)
+            experiences, collect_metrics = lease.experiences, {**produced_metrics(lease.experiences), **lease.metrics}
         # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
         batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
         if batch is None:
+            if rollouts is not None:
+                rollouts.after_update(step)  # the version counts steps, trained or skipped
             continue
 
         # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it);
@@ -114,6 +140,8 @@ def run_rl_stage(stage: Stage) -> None:
                                                               kl_coef=loop.kl_ctl.value, mini_batches=t.mini_batches,
                                                               ppo_epochs=t.ppo_epochs, generator=loop.generator)
         workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+        if rollouts is not None:
+            rollouts.after_update(step)  # every trainer.sync_every steps, the producer's next weights
         kl_metrics = {}
         if reference is not None:  # KL(pi_old || pi_ref) of the sampled tokens, the update's starting point
             if kl is None:
@@ -137,6 +165,8 @@ def run_rl_stage(stage: Stage) -> None:
         loop.step = step
         if should_checkpoint(cfg, step, t.total_steps):
             save_checkpoint(stage, strategy, loop, last_step=t.total_steps)
+            if rollouts is not None:
+                rollouts.commit(step)  # the queue's leases of steps <= step are consumed, exactly once
 
 
 def main():

@@ -30,6 +30,7 @@ from rltk.registry import (
     KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
 )
 from rltk.training.guard import EXIT_DIVERGED, TrainingDiverged
+from rltk.errors import ProcessWaitError
 from rltk.serialization import CheckpointFileError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -253,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         cause = exc.__cause__
         if cause is not None:
             print("".join(traceback.format_exception(cause)).rstrip(), file=sys.stderr)
+        print(f"rltk: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except ProcessWaitError as exc:  # a producer that died, a wait that ran out: the message names it
         print(f"rltk: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except CheckpointFileError as exc:  # a refused or damaged checkpoint file: the message names it

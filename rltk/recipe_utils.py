@@ -69,7 +69,7 @@ def _spec_of(script: Path) -> RecipeSpec:
         return frozenset(provides[key]) if key in provides else None
 
     return RecipeSpec(script.stem, batch_fields=field("batch_fields"), buffer_sources=field("buffer_sources"),
-                      expert_data=bool(provides.get("expert_data", False)))
+                      expert_data=bool(provides.get("expert_data", False)), trainer_modes=field("trainer_modes"))
 
 
 def recipe_spec(script: str | Path) -> RecipeSpec:
@@ -81,6 +81,7 @@ def recipe_spec(script: str | Path) -> RecipeSpec:
         PROVIDES = {"batch_fields": ["input_ids", ..., "values"], "buffer_sources": ["policy"],
                     "expert_data": True}
 
+    ``trainer_modes`` lists the ``trainer.mode`` values its loop runs (``sync`` alone when left out).
     ``expert_data`` says it puts ``buffer.expert.path``'s experiences in the
     buffer. A key it leaves out is not checked (``expert_data``: false). The recipes beside it (``*.py`` in its
     folder) that declare ``PROVIDES`` come along as ``others``, so an error can name one that serves
@@ -92,7 +93,8 @@ def recipe_spec(script: str | Path) -> RecipeSpec:
         if p.resolve() != script.resolve() and not p.name.startswith("_") and _declared_provides(p) is not None
     ) if script.parent.is_dir() else ()
     spec = _spec_of(script)
-    return RecipeSpec(spec.name, spec.batch_fields, spec.buffer_sources, others, spec.expert_data)
+    return RecipeSpec(spec.name, spec.batch_fields, spec.buffer_sources, others, spec.expert_data,
+                      spec.trainer_modes)
 
 
 # ---------------------------------------------------------------- finding recipes, validating a config

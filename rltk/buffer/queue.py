@@ -492,6 +492,19 @@ class ExperienceQueue:
         """The last step :meth:`commit` (or :meth:`recover`) recorded; 0 before any."""
         return self._meta("committed_step", 0)
 
+    @property
+    def taken_step(self) -> int:
+        """The last training step that took a lease still standing (open or committed), else the committed
+        step: a producer reads it to know how far ahead of the trainer its next group would train."""
+        row = self._db.execute("SELECT MAX(step) FROM leases WHERE state != 'returned'").fetchone()
+        return max(int(row[0]) if row[0] is not None else 0, self.committed_step)
+
+    def last_id(self, producer: str) -> str | None:
+        """The id of ``producer``'s most recent put (any status), or None: where a restarted producer goes on."""
+        row = self._db.execute("SELECT id FROM experiences WHERE producer = ? ORDER BY seq DESC LIMIT 1",
+                               (producer,)).fetchone()
+        return None if row is None else row[0]
+
     # ------------------------------------------------------------------
     # inspection
 

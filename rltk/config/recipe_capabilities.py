@@ -37,6 +37,7 @@ class RecipeSpec:
         expert_data: it puts the experiences of ``buffer.expert.path`` in the
             buffer under ``buffer.expert.source`` (when a path is set).
         others: the specs of sibling recipes, to suggest one that serves what is missing.
+        trainer_modes: the ``trainer.mode`` values its loop runs (``None``: ``sync`` only).
     """
 
     name: str
@@ -44,6 +45,7 @@ class RecipeSpec:
     buffer_sources: frozenset[str] | None = None
     others: tuple["RecipeSpec", ...] = ()
     expert_data: bool = False
+    trainer_modes: frozenset[str] | None = None
 
 
 def required_batch_fields(advantage_fn: Any) -> frozenset[str]:

@@ -202,7 +202,7 @@ class BufferConfig:
     # The persistent experience queue of asynchronous training (rltk.buffer.queue, SQLite): producers write
     # experiences tagged with their policy version, the trainer takes them. null: a file in the run folder.
     queue_path: Optional[str] = None
-    queue_timeout_s: float = 600.0  # the longest the trainer waits for experiences (stale_policy=wait, or none)
+    queue_timeout_s: float = 600.0  # the longest any wait lasts: trainer for experiences, producer for weights
 
 
 @dataclass
@@ -230,13 +230,14 @@ class TrainerConfig:
     # An integer seeds every sampled evaluation on its own stream (the run's stream left as it was): the
     # same weights then give the same number. Greedy evaluation (eval/accuracy) never depends on it.
     eval_seed: Optional[int] = None
-    # Asynchronous RL (issue 30). mode: sync (sample, score, update, repeat) | one_step_off (step t trains on
-    # rollouts of policy t-1 while policy t generates) | async (producers run ahead by at most max_staleness
-    # policy versions). Only sync is wired into the loop so far; validation refuses the others.
+    # Asynchronous RL (README "Asynchronous training"; GRPO recipe). mode: sync (sample, score, update,
+    # repeat) | one_step_off (a producer process samples step t+1's batch with policy t-1 while step t
+    # trains: max_staleness 1) | async (the producer runs ahead by at most max_staleness policy versions;
+    # pair it with algorithm.policy_loss=decoupled_ppo to weigh stale tokens). Versions count RL steps.
     mode: str = "sync"
     max_staleness: int = 1  # async: the oldest policy version a trained token may come from, counted back
     stale_policy: str = "drop"  # drop (counted in staleness/dropped) | wait (for fresher data, buffer.queue_timeout_s)
-    sync_every: int = 1  # optimizer steps between weight syncs to the producers
+    sync_every: int = 1  # RL steps between weight syncs to the producer; at most max_staleness + 1
 
 
 @dataclass

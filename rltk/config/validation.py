@@ -14,7 +14,6 @@ below :func:`validate_config`, under a banner naming the section.
 
 from __future__ import annotations
 
-import inspect
 import math
 from pathlib import Path
 
@@ -56,7 +55,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
             )
     _check_positive(cfg)
     check_rollout_correction_config(cfg)
-    check_async_config(cfg, registry)
+    check_async_config(cfg, recipe)
     check_seed(cfg)
     check_paths(cfg)
     check_lora_values(cfg)
@@ -166,16 +165,18 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_async_config(cfg: DictConfig, registry) -> None:
-    """The asynchronous-training keys, and what the loop does not run yet.
+def check_async_config(cfg: DictConfig, recipe=None) -> None:
+    """The asynchronous-training keys, and the modes the loop runs.
 
     ``trainer.max_staleness`` is an int >= 0, ``trainer.sync_every`` an int >= 1,
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
-    are plain choices). Until the RL loop runs producers and a trainer
-    concurrently, ``trainer.mode`` other than ``sync`` is refused rather than
-    silently run synchronously, and so is a policy loss that needs the
-    behaviour policy's log-probs (``decoupled_ppo``), which the loop does not
-    pass yet.
+    are plain choices). ``one_step_off`` and ``async`` run in a recipe that
+    declares them (``PROVIDES["trainer_modes"]``: grpo), with a local producer
+    process on the ``hf`` engine; ``one_step_off`` is ``max_staleness=1``. The
+    producer may sample only with weights at most ``max_staleness`` versions
+    behind the step that will train on them, and it gets weights every
+    ``sync_every`` steps, so ``sync_every`` must be at most ``max_staleness + 1``
+    (else both sides would wait on each other until the timeout).
     """
     t = cfg.trainer
     if not (_is_int(t.max_staleness) and t.max_staleness >= 0):
@@ -185,37 +186,34 @@ def check_async_config(cfg: DictConfig, registry) -> None:
         )
     if not (_is_int(t.sync_every) and t.sync_every >= 1):
         raise ConfigError(
-            f"bad value {t.sync_every!r} for 'trainer.sync_every': must be an integer >= 1 (optimizer steps "
+            f"bad value {t.sync_every!r} for 'trainer.sync_every': must be an integer >= 1 (RL steps "
             f"between weight syncs to the producers)"
         )
     timeout = cfg.buffer.queue_timeout_s
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
             and timeout > 0):
         raise ConfigError(f"bad value {timeout!r} for 'buffer.queue_timeout_s': must be a number of seconds > 0")
-    if t.mode != "sync":
+    if t.mode == "sync":
+        return
+    modes = getattr(recipe, "trainer_modes", None) if recipe is not None else None
+    if recipe is not None and (modes is None or t.mode not in modes):
+        runs = sorted(r.name for r in recipe.others if r.trainer_modes is not None and t.mode in r.trainer_modes)
         raise ConfigError(
-            f"bad value {t.mode!r} for 'trainer.mode': the {t.mode} mode is not yet wired into the RL loop "
-            f"(issue 30: the experience queue and the decoupled loss exist, the concurrent loop does not). "
-            f"Valid today: sync"
-        )
-    entry = registry.entries["policy_loss"].get(cfg.algorithm.policy_loss)
-    if entry is not None and _needs_behaviour_logprobs(entry.obj):
+            f"bad value {t.mode!r} for 'trainer.mode': the {recipe.name} recipe runs "
+            f"{', '.join(sorted(modes or ['sync']))}" + (f"; {', '.join(runs)} runs {t.mode}" if runs else ""))
+    if cfg.rollout.engine != "hf":
         raise ConfigError(
-            f"bad value {cfg.algorithm.policy_loss!r} for 'algorithm.policy_loss': it needs the behaviour policy's "
-            f"log-probs per token (behaviour_logprobs), which the RL loop does not pass yet (issue 30). In the "
-            f"synchronous loop the same objective is ppo_clip with algorithm.use_rollout_logprobs=false and "
-            f"algorithm.rollout_correction.tis=token algorithm.rollout_correction.tis_cap=null (or another "
-            f"rollout_correction mode)"
-        )
-
-
-def _needs_behaviour_logprobs(fn) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    p = params.get("behaviour_logprobs")
-    return p is not None and p.default is inspect.Parameter.empty
+            f"bad value {cfg.rollout.engine!r} for 'rollout.engine' with trainer.mode={t.mode}: the producer is a "
+            f"local process with the hf engine so far (issue 30); set rollout.engine=hf or trainer.mode=sync")
+    if t.mode == "one_step_off" and t.max_staleness != 1:
+        raise ConfigError(
+            f"bad value {t.max_staleness!r} for 'trainer.max_staleness' with trainer.mode=one_step_off: that mode "
+            f"is max_staleness=1 (step t trains on policy t-1's rollouts); for another bound use trainer.mode=async")
+    if t.sync_every > t.max_staleness + 1:
+        raise ConfigError(
+            f"bad value {t.sync_every!r} for 'trainer.sync_every': with trainer.max_staleness={t.max_staleness} it "
+            f"must be at most {t.max_staleness + 1} (the producer may not sample with weights older than that, "
+            f"and gets new ones only every sync_every steps)")
 
 
 # --------------------------------------------------------------------------

@@ -159,6 +159,12 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
     return [e for group in kept for e in group], metrics
 
 
+def produced_metrics(experiences: list[Experience]) -> dict[str, float]:
+    """``rollout/reward``, ``rollout/accuracy``, ``rollout/samples``, ``rollout/groups`` of ``experiences``
+    (an asynchronous step's, sampled by a producer process)."""
+    return _produced_metrics(_produced_counts(experiences), None)
+
+
 def _produced_counts(experiences: list[Experience]) -> torch.Tensor:
     """``[score sum, scores >= 1, samples, groups]`` of one rank's experiences (float64, to sum over ranks)."""
     scores = [float(e.score) for e in experiences]

@@ -36,3 +36,62 @@ def engine_follows(engine, policy: nn.Module) -> None:
         engine.use_model(policy)
     else:
         engine.update_weights(policy)
+
+
+# ---------------------------------------------------------------- weights for another process
+
+#: The safetensors metadata key that holds the policy version of a weights file.
+VERSION_KEY = "rltk_policy_version"
+
+
+def write_weights_file(module: nn.Module, path, version: int) -> None:
+    """Save ``module``'s weights to ``path`` as policy ``version``, atomically.
+
+    Written beside the target and renamed over it, so a reader (an
+    asynchronous run's producer process) sees the old file or the new one,
+    never half of one; a reader that opened the old file keeps reading it.
+    Shared tensors (tied embeddings) are stored once.
+    """
+    import os
+    from pathlib import Path
+
+    from safetensors.torch import save_model
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_model(module, str(tmp), metadata={VERSION_KEY: str(int(version))})
+    os.replace(tmp, path)
+
+
+def weights_file_version(path) -> int | None:
+    """The policy version of the weights file at ``path``; None when there is none yet."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return int(f.metadata()[VERSION_KEY])
+    except FileNotFoundError:
+        return None
+
+
+def read_weights_file(module: nn.Module, path) -> int:
+    """Load the weights file at ``path`` (:func:`write_weights_file`) into ``module``; returns its version.
+
+    The version and the tensors come from one open file, so they match even if
+    the trainer renames a newer file over ``path`` meanwhile.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        version = int(f.metadata()[VERSION_KEY])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    missing, unexpected = module.load_state_dict(tensors, strict=False)
+    # tied weights are stored once: a missing key must share its storage with a loaded one
+    state = module.state_dict(keep_vars=True)
+    loaded = {p.data_ptr() for k, p in state.items() if k in tensors}
+    really_missing = [k for k in missing if state[k].data_ptr() not in loaded]
+    if really_missing or unexpected:
+        raise RuntimeError(f"weights file {path}: does not match the model (missing {really_missing[:5]}, "
+                           f"unexpected {list(unexpected)[:5]})")
+    return version

@@ -27,6 +27,32 @@ from rltk.algorithms.mismatch import weighted_loss_agg
 from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction
 
 
+#: The policy-loss argument of the behaviour policy's log-probs per token (:func:`behaviour_logprobs`).
+BEHAVIOUR_KEY = "behaviour_logprobs"
+
+
+def takes_behaviour_logprobs(policy_loss: Callable) -> bool:
+    """Whether ``policy_loss`` needs the behaviour policy's log-probs (a decoupled loss: ``decoupled_ppo``)."""
+    import inspect
+
+    try:
+        p = inspect.signature(policy_loss).parameters.get(BEHAVIOUR_KEY)
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.default is inspect.Parameter.empty
+
+
+def behaviour_logprobs(batch: dict[str, torch.Tensor], old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: the log-probs the rollout engine sampled each token with, where it recorded them, and
+    ``old_logprobs`` (weight 1) elsewhere (expert data, an engine without log-probs).
+
+    In an asynchronous run the sampling policy is several versions behind the trainer's proximal policy
+    ``old_logprobs``: their ratio is the decoupled loss's importance weight (Fu et al. 2025, arXiv:2505.24298).
+    """
+    has = batch["has_rollout_logprobs"].to(torch.bool).view(-1, 1)
+    return torch.where(has, batch["rollout_logprobs"].to(old_logprobs.dtype), old_logprobs)
+
+
 def old_logprobs_from_update(loss: LossComponents, advantage_fn: "Callable | Estimator", *, ppo_epochs: int,
                              mini_batches: int, use_rollout_logprobs: bool, kl_coef: float) -> bool:
     """Whether the update may take ``old_logprobs`` from its own training forward (detached) instead of a
@@ -101,6 +127,9 @@ def policy_update(
     rollout engine's, and dropped tokens leave the response mask (and every
     normaliser) first: see :mod:`rltk.training.rollout_correction`.
 
+    A policy loss that takes ``behaviour_logprobs`` (``decoupled_ppo``) gets the rollout engine's
+    log-probs there (:func:`behaviour_logprobs`), the clip staying against ``old_logprobs``.
+
     ``settings`` (:class:`rltk.training.forward.ForwardSettings`) cut the
     micro-batches (rows, or a token budget, packed or not; the global
     normalisers keep the loss and gradient those of the whole mini-batch) and
@@ -120,6 +149,7 @@ def policy_update(
             f"(rltk.training.forward.old_logprobs_pass)"
         )
     given_old = batch.get("old_logprobs")
+    decoupled = takes_behaviour_logprobs(loss.policy_loss)
     # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs
     batch, correction_metrics = apply_rollout_correction(
         batch, loss.rollout_correction, log_metrics=loss.log_mismatch_metrics, strategy=strategy)
@@ -156,9 +186,11 @@ def policy_update(
                         if on_policy and not padding:
                             taken.append((micro.rows, old_logprobs.float()))
                         pg_agg = agg if WEIGHTS_KEY not in mb else weighted_loss_agg(agg, mb[WEIGHTS_KEY])
+                        # a decoupled loss (decoupled_ppo) weighs by pi_prox / pi_behav: the sampler's log-probs
+                        behaviour = ({BEHAVIOUR_KEY: behaviour_logprobs(mb, old_logprobs)} if decoupled else {})
                         pg_loss, pg_metrics = loss.policy_loss(
                             logprobs=logprobs, old_logprobs=old_logprobs, advantages=mb["advantages"],
-                            response_mask=mb["response_mask"], loss_agg=pg_agg, **loss.policy_loss_args,
+                            response_mask=mb["response_mask"], loss_agg=pg_agg, **behaviour, **loss.policy_loss_args,
                         )
                         total = pg_loss
                         entropy_term = agg(entropy, mb["response_mask"])

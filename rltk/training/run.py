@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import rltk
 from rltk.checkpoint import CheckpointManager
-from rltk.config.components import signature_params
 from rltk.config.errors import ConfigError
 from rltk.distributed import end_process_group, limit_torch_threads, process_rank, seed_everything
 from rltk.loggers.base import stage_spans
@@ -42,8 +41,7 @@ from rltk.training.resume import (
 )
 from rltk.training.rows import build_rows
 from rltk.training.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
-from rltk.training.setup import args_of, build_reward, build_strategy, build_tokenizer_and_policy, sampling_params, \
-    stage_config
+from rltk.training.setup import build_strategy, build_tokenizer_and_policy, build_workflow, stage_config
 from rltk.training.stage_checkpoint import LOG_ROWS_KEY, restore_rollout_state
 from rltk.training.traces import TraceWriter
 
@@ -110,14 +108,7 @@ def open_run(cfg: DictConfig) -> Run:
     train_rows, eval_rows = build_rows(cfg, tokenizer)
 
     # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
-    engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
-        model=policy, tokenizer=tokenizer, **args_of(cfg, "rollout.engine"))
-    workflow_cls = rltk.get_component("workflow", cfg.rollout.workflow)
-    # A workflow that names `env` in its signature (multi_turn, agentic) gets the env section.
-    env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in signature_params(workflow_cls)[0] else {}
-    workflow = workflow_cls(
-        engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
-        **env, **args_of(cfg, "rollout.workflow"))
+    workflow = build_workflow(cfg, policy, tokenizer)
     if resume is not None:
         restore_rollout_state(workflow, resume)
 

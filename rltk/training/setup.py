@@ -89,6 +89,24 @@ def build_reward(cfg: DictConfig):
     )
 
 
+def build_workflow(cfg: DictConfig, policy, tokenizer):
+    """The configured rollout workflow on an engine of ``rollout.engine`` sampling from ``policy``.
+
+    The trainer builds one on its own policy; an asynchronous run's producer
+    process (:mod:`rltk.training.producer`) builds the same on its copy.
+    """
+    from rltk.config.components import signature_params
+
+    engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
+        model=policy, tokenizer=tokenizer, **args_of(cfg, "rollout.engine"))
+    workflow_cls = rltk.get_component("workflow", cfg.rollout.workflow)
+    # A workflow that names `env` in its signature (multi_turn, agentic) gets the env section.
+    env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in signature_params(workflow_cls)[0] else {}
+    return workflow_cls(
+        engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
+        **env, **args_of(cfg, "rollout.workflow"))
+
+
 def sampling_params(cfg: DictConfig, *, greedy: bool = False) -> SamplingParams:
     r = cfg.rollout
     if greedy:

@@ -1,5 +1,5 @@
-"""The asynchronous-training keys: defaults, bad values named with what is valid, and the modes the loop does
-not run yet refused (exit 2), never silently run synchronously."""
+"""The asynchronous-training keys: defaults, bad values named with what is valid, and what the loop cannot
+run (a recipe without the modes, a bound the producer cannot keep) refused with exit 2, never run otherwise."""
 
 from __future__ import annotations
 
@@ -33,19 +33,34 @@ def test_bad_values_name_the_key_and_what_is_valid(overrides, match):
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
-def test_modes_the_loop_does_not_run_yet_are_refused(mode):
-    with pytest.raises(ConfigError, match=rf"bad value '{mode}' for 'trainer\.mode': the {mode} mode is not yet "
-                                          rf"wired into the RL loop.*Valid today: sync"):
-        load_config([], [f"trainer.mode={mode}"])
+def test_grpo_runs_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_them(mode):
+    from rltk.recipe_utils import recipe_spec, resolve_recipe
+
+    load_config([], [f"trainer.mode={mode}"], recipe=recipe_spec(resolve_recipe("grpo")))
+    with pytest.raises(ConfigError, match=rf"bad value '{mode}' for 'trainer\.mode': the ppo recipe runs sync; "
+                                          rf"grpo runs {mode}"):
+        load_config([], [f"trainer.mode={mode}"], recipe=recipe_spec(resolve_recipe("ppo")))
 
 
-def test_the_decoupled_loss_is_refused_until_the_loop_passes_behaviour_logprobs():
-    with pytest.raises(ConfigError, match=r"'algorithm\.policy_loss'.*behaviour_logprobs.*does not pass yet.*"
-                                          r"rollout_correction\.tis_cap=null"):
-        load_config([], ["algorithm.policy_loss=decoupled_ppo"])
-    # the equivalent the message names is a valid synchronous config
-    load_config([], ["algorithm.use_rollout_logprobs=false", "algorithm.rollout_correction.tis=token",
-                     "algorithm.rollout_correction.tis_cap=null"])
+@pytest.mark.parametrize("overrides, match", [
+    # one_step_off is staleness 1 by definition; another bound is the async mode
+    (["trainer.mode=one_step_off", "trainer.max_staleness=2"],
+     r"bad value 2 for 'trainer\.max_staleness' with trainer\.mode=one_step_off.*use trainer\.mode=async"),
+    # a producer may not sample with weights older than max_staleness, and gets them every sync_every steps
+    (["trainer.mode=async", "trainer.max_staleness=1", "trainer.sync_every=3"],
+     r"bad value 3 for 'trainer\.sync_every': with trainer\.max_staleness=1 it must be at most 2"),
+    (["trainer.mode=async", "rollout.engine=vllm"],
+     r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: the producer is a local process with "
+     r"the hf engine"),
+])
+def test_asynchronous_settings_the_loop_cannot_run_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config([], overrides)
+
+
+def test_the_decoupled_loss_is_accepted_now_that_the_loop_passes_behaviour_logprobs():
+    cfg = load_config([], ["algorithm.policy_loss=decoupled_ppo"])
+    assert cfg.algorithm.policy_loss == "decoupled_ppo"
 
 
 def test_behaviour_logprobs_is_filled_in_by_rltk_not_configured():
@@ -54,6 +69,6 @@ def test_behaviour_logprobs_is_filled_in_by_rltk_not_configured():
 
 
 def test_cli_exits_2_without_traceback(capsys):
-    assert main(["validate", "grpo", "trainer.mode=async", "trainer.max_staleness=1"]) == 2
+    assert main(["validate", "ppo", "trainer.mode=async", "trainer.max_staleness=1"]) == 2
     err = capsys.readouterr().err
-    assert "'trainer.mode'" in err and "not yet wired" in err and "Traceback" not in err
+    assert "'trainer.mode'" in err and "ppo recipe runs sync" in err and "Traceback" not in err

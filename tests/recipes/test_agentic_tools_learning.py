@@ -18,14 +18,14 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 RL_STEPS = 60
-# What `benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2` measured (README, "Learning, measured"):
-# the test's own run is seed 0, one thread, at the machine's kernel level, and seed 0's runs at the `default`,
-# `avx2` and `avx512` levels raised the training reward (the mean of the last 15 RL steps against the first
-# 15, 960 episodes each) by +0.052, +0.062 and +0.114. The test asks for half the smallest. Over seeds the
-# config does not hold everywhere yet: seed 1 at avx512 started RL at 0.05 sampled accuracy and stayed flat
-# (-0.002); the other 8 of 9 runs rose by +0.052 to +0.322. Held-out sampled accuracy rose by as little
-# as +0.003 (seed 0 at avx2), within its noise, so it is not asserted.
-MIN_BENCHMARK_REWARD_RISE = 0.052
+# What `benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2` measured (README, "Learning, measured"),
+# with the warm-up stopping on a sampled probe at 0.3: the test's own run is seed 0, one thread, at the
+# machine's kernel level, and seed 0's runs at the `default`, `avx2` and `avx512` levels raised the training
+# reward (the mean of the last 15 RL steps against the first 15, 960 episodes each) by +0.080, +0.030 and
+# +0.024. The test asks for half the smallest. Over seeds all 9 runs rose, by +0.024 to +0.180. Held-out
+# sampled accuracy moved by -0.027 to +0.293 (seed 0 at avx512 the one fall, within the noise of 300 sums),
+# so it is not asserted.
+MIN_BENCHMARK_REWARD_RISE = 0.024
 
 
 def test_grpo_through_the_openai_endpoint_raises_the_tool_agents_reward(tmp_path):
@@ -36,7 +36,7 @@ def test_grpo_through_the_openai_endpoint_raises_the_tool_agents_reward(tmp_path
                  "checkpoint.every=0"]) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     probes = [m for m in metrics if "sft/train_accuracy" in m]
-    assert probes[-1]["sft/train_accuracy"] >= 0.4, probes[-1]
+    assert probes[-1]["sft/train_accuracy"] >= 0.3, probes[-1]  # the sampled probe's stop
     assert probes[-1]["sft/probe_truncated_fraction"] == 0, probes[-1]
     steps = [m for m in metrics if "reward" in m]
     assert len(steps) == RL_STEPS

@@ -1,0 +1,102 @@
+"""RL steps per hour and held-out gain of GRPO in each trainer.mode: sync, one_step_off, async (staleness 1, 4).
+
+Each (mode, seed) is one `rltk run grpo` in a fresh process, one producer process beside the trainer in the
+asynchronous modes (`rltk.training.producer`). Modes run one after another within a seed, their order rotated
+from seed to seed, so a load that drifts over the benchmark is spread over the modes. Same seed, same
+warm-up: the modes differ only in the RL stage.
+
+Reported per run, from its metrics.jsonl:
+
+* ``steps_per_hour``: RL steps / the RL stage's time, the sum of ``time/step_s`` (each step's sampling or
+  waiting for the producer, plus its update; held-out evaluations are outside it);
+* ``gain``: held-out greedy accuracy at the end of the run minus at the start of the RL stage;
+* ``staleness``: the mean of ``staleness/mean`` over the steps (0 for sync).
+
+and per mode: median steps per hour, its ratio to sync's, min / median / max gain.
+
+    python benchmarks/async.py                                # embedded default, seeds 0-2
+    python benchmarks/async.py --seeds 0 --quick              # tiny settings: checks that every mode runs
+    python benchmarks/async.py --set model.tiny.hidden_size=256 model.tiny.num_layers=4   # a larger model
+
+Times depend on what else the machine runs: compare ratios from one invocation, not figures across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: mode name -> the overrides that select it
+MODES = {
+    "sync": ["trainer.mode=sync"],
+    "one_step_off": ["trainer.mode=one_step_off", "trainer.max_staleness=1"],
+    "async_1": ["trainer.mode=async", "trainer.max_staleness=1"],
+    "async_4": ["trainer.mode=async", "trainer.max_staleness=4"],
+}
+#: --quick: one-digit addition, a short warm-up and a few RL steps (minutes, not hours)
+QUICK = ["data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=24", "sft.steps=60",
+         "sft.stop_at_accuracy=null", "trainer.total_steps=6", "trainer.warmup_steps=1", "trainer.eval_every=6",
+         "trainer.prompts_per_step=4", "rollout.n=4"]
+
+
+def run_one(mode: str, seed: int, extra: list[str], folder: Path) -> dict:
+    run_dir = folder / f"{mode}_seed{seed}"
+    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", f"seed={seed}",
+               "logging.logger=[jsonl]", "logging.plot=false", *MODES[mode], *extra]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} seed {seed} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    first_rl = steps[0]["step"]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    start = [a for s, a in evals if s < first_rl][-1]  # the RL stage's opening evaluation
+    seconds = sum(r["time/step_s"] for r in steps)
+    return {"mode": mode, "seed": seed, "rl_steps": len(steps), "rl_seconds": seconds,
+            "steps_per_hour": 3600 * len(steps) / seconds, "start": start, "end": evals[-1][1],
+            "gain": evals[-1][1] - start,
+            "staleness": statistics.mean(r.get("staleness/mean", 0.0) for r in steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--quick", action="store_true", help="tiny settings, to check every mode runs")
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides for every run")
+    parser.add_argument("--out", type=Path, default=RESULTS / "async.json")
+    args = parser.parse_args()
+    extra = [*(QUICK if args.quick else []), *args.set]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rltk_async_bench_") as tmp:
+        for i, seed in enumerate(args.seeds):
+            order = args.modes[i % len(args.modes):] + args.modes[:i % len(args.modes)]
+            for mode in order:
+                r = run_one(mode, seed, extra, Path(tmp))
+                results.append(r)
+                print(f"{mode:>13} seed {seed}: {r['steps_per_hour']:8.0f} RL steps/h, held-out "
+                      f"{r['start']:.3f} -> {r['end']:.3f} (gain {r['gain']:+.3f}), mean staleness "
+                      f"{r['staleness']:.2f}", flush=True)
+    sync = [r["steps_per_hour"] for r in results if r["mode"] == "sync"]
+    print("\nmode          steps/h (median)  x sync  gain min / median / max")
+    for mode in args.modes:
+        mine = [r for r in results if r["mode"] == mode]
+        speed = statistics.median(r["steps_per_hour"] for r in mine)
+        gains = sorted(r["gain"] for r in mine)
+        ratio = f"{speed / statistics.median(sync):6.2f}" if sync else "     -"
+        print(f"{mode:<13} {speed:16.0f}  {ratio}  {gains[0]:+.3f} / {statistics.median(gains):+.3f} / "
+              f"{gains[-1]:+.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"overrides": extra, "runs": results}, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""`rltk run grpo` with trainer.mode=async / one_step_off: a producer process beside the trainer (slow; run in CI).
+
+The fault tests compare which experience (by id) each training step trained on, read from the run's
+experience queue, against an uninterrupted run: a trainer that dies and resumes, or a producer killed
+mid-run and restarted, must train every step on the same experiences, each exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import sqlite3
+import types
+from pathlib import Path
+
+import pytest
+
+import rltk
+from rltk.cli import main
+from rltk.rewards import bounded
+from tests.crash import crash_at_step
+
+pytestmark = pytest.mark.slow
+
+SFT_STEPS, RL_STEPS = 20, 8
+TINY = [f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "data.task_args.max_digits=1",
+        "data.train_size=70", "data.eval_size=20", f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2",
+        "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=4", "logging.logger=[jsonl]",
+        "logging.plot=false", "checkpoint.every=2", "buffer.queue_timeout_s=300",
+        f"stages=[{{name: warmup, type: sft, overrides: {{checkpoint.every: {SFT_STEPS}}}}}, {{name: rl, type: rl}}]"]
+ASYNC = [*TINY, "trainer.mode=async", "trainer.max_staleness=1"]
+QUEUE = Path("async") / "stage_1" / "experience_queue.sqlite"
+LOG = Path("async") / "stage_1" / "producer-0.log"
+
+
+def trained(run_dir: Path) -> dict[str, int]:
+    """Experience id -> the training step whose (committed) lease trained it."""
+    with sqlite3.connect(run_dir / QUEUE) as db:
+        rows = db.execute("SELECT e.id, l.step FROM experiences e JOIN leases l ON e.lease = l.id "
+                          "WHERE e.status = 'consumed' AND l.state = 'committed'").fetchall()
+    return dict(rows)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("straight")
+    assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC]) == 0
+    return run_dir
+
+
+def test_each_step_trains_one_batch_within_the_staleness_bound(straight):
+    ids = trained(straight)
+    # step s trains the producer's batch s - 1, whole: 4 prompts x 4 samples
+    assert sorted(ids.items()) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(1, RL_STEPS + 1)
+                                         for i in range(16))
+    rows = [m for m in metrics(straight) if "staleness/max" in m]
+    assert [m["step"] for m in rows] == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))
+    assert all(m["staleness/max"] <= 1 and m["staleness/dropped"] == 0 for m in rows)
+    assert rows[0]["staleness/max"] == 0  # the first batch is the starting weights'
+    assert "rollout/reward" in rows[0] and "reward" in rows[0]
+
+
+def test_a_trainer_killed_mid_stage_resumes_training_the_same_experiences_once(tmp_path, straight):
+    rl_step = random.Random("async-trainer-crash").randint(3, RL_STEPS)
+    crashing = tmp_path / "crashing"
+    with crash_at_step(SFT_STEPS + rl_step):
+        main(["run", "grpo", f"output_dir={crashing}", *ASYNC])
+    assert main(["run", "grpo", f"output_dir={crashing}", *ASYNC]) == 0
+    assert trained(crashing) == trained(straight), f"crash at RL step {rl_step}"
+    rows = [m["step"] for m in metrics(crashing) if "staleness/max" in m]
+    assert rows == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))  # nothing logged twice
+
+
+def test_a_producer_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(tmp_path, straight):
+    run_dir = tmp_path / "killed"
+    kill_at = SFT_STEPS + random.Random("async-producer-kill").randint(2, RL_STEPS - 2)
+    killed = []
+
+    @rltk.hookimpl
+    def rltk_on_step_end(step: int) -> None:
+        if step == kill_at:
+            pid = int(re.findall(r"pid (\d+), starting", (run_dir / LOG).read_text())[-1])
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    plugin = types.ModuleType("producer_killer")
+    plugin.rltk_on_step_end = rltk_on_step_end
+    rltk.register_plugin(plugin, name="producer_killer")
+    try:
+        assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC]) == 0
+    finally:
+        rltk.unregister_plugin("producer_killer")
+    assert len(killed) == 1
+    log = (run_dir / LOG).read_text()
+    assert log.count("--- start") == 2, log  # started again once, going on from the batch after its last put
+    assert trained(run_dir) == trained(straight)
+
+
+@bounded
+def trainer_only(*, response: str) -> float:
+    return 0.0
+
+
+def test_a_producer_that_keeps_dying_stops_the_run_naming_it_and_its_log(tmp_path, capsys):
+    # a reward that only the trainer process registers: the producer cannot build its workflow, twice
+    plugin = types.ModuleType("trainer_only_reward")
+    plugin.rltk_reward_fns = rltk.hookimpl(lambda: {"trainer_only": trainer_only})
+    rltk.register_plugin(plugin, name="trainer_only_reward")
+    try:
+        code = main(["run", "grpo", f"output_dir={tmp_path / 'run'}", *ASYNC, "reward.reward_fn=[trainer_only]"])
+    finally:
+        rltk.unregister_plugin("trainer_only_reward")
+    err = capsys.readouterr().err
+    assert code == 1
+    assert re.search(r"rollout producer 'producer-0' \(pid \d+\) exited with status 1 after 2 starts; its log is "
+                     r".*producer-0\.log, which ends:", err), err[-3000:]
+    assert "trainer_only" in err and "Traceback" not in err.split("rollout producer")[-1]
+
+
+# The embedded tiny model on one-digit addition after a 150-step warm-up (test_grpo_recipe's FAST settings),
+# then 60 GRPO steps in trainer.mode=async with trainer.max_staleness=1. Measured on this 2-core machine
+# (2026-11-27, under load, one run per seed; README, "Asynchronous training"): the training reward (mean of
+# the last 10 steps minus the first 10) rose by RISES on every seed; the test asks for half the smallest.
+# Held-out greedy accuracy on the 24 test problems moved by -0.125, +0.125 and +0.333 (seeds 0, 1, 2): too
+# noisy at this size to assert a gain, so it is not asserted. Which policy version sampled a batch depends
+# on timing (staleness 0 or 1), so a rerun of a seed is not bit for bit the same run: hence the margin.
+LEARN = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=256",
+         "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=24", "sft.steps=150",
+         "sft.stop_at_accuracy=null", "sft.batch_size=32", "sft.warmup_steps=10", "trainer.prompts_per_step=16",
+         "logging.logger=[jsonl]", "logging.plot=false", "trainer.total_steps=60", "trainer.eval_every=20"]
+RISES = {0: 0.043, 1: 0.112, 2: 0.272}
+
+
+def test_grpo_async_with_staleness_1_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["run", "grpo", f"output_dir={run_dir}", *LEARN, "trainer.mode=async",
+                 "trainer.max_staleness=1"]) == 0
+    rows = metrics(run_dir)
+    evals = [m["eval/accuracy"] for m in rows if "eval/accuracy" in m]
+    assert len(evals) == 4  # at the RL stage's start (the warm-up's end), then every 20 steps
+    rewards = [m["reward"] for m in rows if "reward" in m]
+    assert len(rewards) == 60
+    staleness = [m["staleness/max"] for m in rows if "staleness/max" in m]
+    assert max(staleness) == 1 and all(s <= 1 for s in staleness)
+    rise = sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10
+    assert rise >= min(RISES.values()) / 2, f"training reward: {rewards}"

@@ -1,0 +1,134 @@
+"""The pieces of asynchronous RL below the recipe: the producer's staleness gate, the weights file it follows,
+the decoupled loss fed the sampler's log-probs by the update, and a producer that dies being reported."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+import rltk
+from rltk.batch import collate
+from rltk.training.async_rollout import ProducerFailed, ProducerProcess
+from rltk.training.engine_weights import read_weights_file, weights_file_version, write_weights_file
+from rltk.training.estimator import compute_advantages
+from rltk.training.forward import ForwardSettings, batched_logprobs
+from rltk.training.loss_components import LossComponents
+from rltk.training.producer import batch_of, gate_open
+from rltk.training.rl import policy_update
+from tests.training.rl_step_helpers import one_process_strategy, worker
+
+
+@pytest.mark.parametrize("taken, ready, version, bound, open_", [
+    # one_step_off: step 5 trains (taken 5) with weights 4; published 4, nothing ready: the batch sampled
+    # now by 4 trains at step 6 under version 5, one behind
+    (5, 0, 4, 1, True),
+    # ... and a second batch, queued behind it, would train at step 7 under version 6: two behind
+    (5, 8, 4, 1, False),
+    # the trainer waits for step 6 (taken 5, published 5): two ready batches make the next one train at 8
+    # under version 7, two behind (staleness 2 allows it, 1 does not)
+    (5, 16, 5, 2, True), (5, 16, 5, 1, False),
+    # staleness 0 samples only for the step the trainer is waiting for, with its weights
+    (5, 0, 5, 0, True), (5, 0, 4, 0, False),
+    # a partial batch counts as a batch ahead
+    (5, 3, 5, 0, False),
+])
+def test_the_gate_bounds_the_version_a_batch_trains_under(taken, ready, version, bound, open_):
+    assert gate_open(taken, ready, 8, version, bound) is open_
+
+
+def test_ids_carry_the_batch_a_restarted_producer_goes_on_from():
+    assert batch_of("producer-0-b12-7") == 12
+
+
+def test_the_weights_file_round_trips_tied_weights_and_its_version(tmp_path):
+    trained = worker.shared.tiny_qwen2(seed=0)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)
+    path = tmp_path / "policy.safetensors"
+    assert weights_file_version(path) is None
+    write_weights_file(trained, path, 7)
+    assert weights_file_version(path) == 7
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.safetensors"]  # the temporary was renamed
+    fresh = worker.shared.tiny_qwen2(seed=1)
+    assert read_weights_file(fresh, path) == 7
+    for (name, a), b in zip(trained.state_dict().items(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_weights_file_of_another_model_is_refused(tmp_path):
+    path = tmp_path / "policy.safetensors"
+    write_weights_file(torch.nn.Linear(2, 2), path, 1)
+    with pytest.raises(RuntimeError, match=r"does not match the model"):
+        read_weights_file(worker.shared.tiny_qwen2(seed=0), path)
+
+
+def _batch(strategy, rows: int = 4):
+    batch = collate(worker.local_experiences(0, 0, 1)[:rows], pad_token_id=0)
+    batch["old_logprobs"], _ = batched_logprobs(strategy.unwrap(), batch, ForwardSettings(micro_batch_size=2))
+    compute_advantages(rltk.get_component("advantage_fn", "grpo"), batch, {})
+    return batch
+
+
+def _update(policy_loss: str, batch):
+    strategy = one_process_strategy()
+    loss = LossComponents(policy_loss=rltk.get_component("policy_loss", policy_loss),
+                          loss_agg=rltk.get_component("loss_agg", "token-mean"))
+    metrics, _ = policy_update(strategy, batch, loss, ForwardSettings(micro_batch_size=2), kl_coef=0.0,
+                               mini_batches=1, ppo_epochs=1)
+    return metrics
+
+
+def test_the_update_feeds_a_decoupled_loss_the_samplers_logprobs():
+    batch = _batch(one_process_strategy())
+    plain = _update("ppo_clip", batch)
+    # sampled by a policy 0.5 nats below the proximal one on every token: each term weighs e^0.5
+    batch["rollout_logprobs"] = batch["old_logprobs"] - 0.5
+    batch["has_rollout_logprobs"] = torch.ones_like(batch["has_rollout_logprobs"])
+    decoupled = _update("decoupled_ppo", batch)
+    assert decoupled["behaviour_weight_mean"] == pytest.approx(math.exp(0.5), rel=1e-5)
+    assert decoupled["pg_loss"] == pytest.approx(math.exp(0.5) * plain["pg_loss"], rel=1e-4)
+    # rows without the engine's log-probs (expert data) weigh 1: the loss is ppo_clip's
+    batch["has_rollout_logprobs"] = torch.zeros_like(batch["has_rollout_logprobs"])
+    unweighted = _update("decoupled_ppo", batch)
+    assert unweighted["behaviour_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert unweighted["pg_loss"] == pytest.approx(plain["pg_loss"], rel=1e-5)
+
+
+def test_a_producer_that_dies_is_restarted_once_then_reported_with_its_log(tmp_path):
+    # a config file that is not there: the producer exits at once, with the reason in its log
+    args = ["--config", str(tmp_path / "missing.yaml"), "--stage", "1", "--queue", str(tmp_path / "q.sqlite"),
+            "--weights", str(tmp_path / "w.safetensors"), "--timeout", "5"]
+    producer = ProducerProcess("producer-0", args, tmp_path / "producer-0.log")
+    producer.start()
+    producer.proc.wait(60)
+    producer.check()  # the first exit: started again
+    assert producer.starts == 2
+    producer.proc.wait(60)
+    with pytest.raises(ProducerFailed, match=r"(?s)rollout producer 'producer-0' \(pid \d+\) exited with status 1 "
+                                             r"after 2 starts; its log is .*producer-0\.log.*missing\.yaml"):
+        producer.check()
+
+
+@pytest.mark.slow  # a process that builds a model: seconds on a quiet machine
+def test_a_producer_waiting_for_weights_stops_after_its_timeout_naming_the_file(tmp_path):
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from rltk.config import load_config
+    from rltk.training.producer import EXIT_TIMEOUT
+
+    cfg = load_config([], ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
+                           "data.train_size=8", "data.eval_size=4"])
+    OmegaConf.save(cfg, tmp_path / "c.yaml", resolve=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "rltk.training.producer", "--config", str(tmp_path / "c.yaml"), "--stage", "1",
+         "--queue", str(tmp_path / "q.sqlite"), "--weights", str(tmp_path / "w.safetensors"), "--timeout", "1",
+         "--name", "p"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_TIMEOUT, done.stderr
+    assert (f"rltk producer p: error: waited 1 s (buffer.queue_timeout_s) for the trainer's first weights in "
+            f"{tmp_path / 'w.safetensors'}") in done.stderr
