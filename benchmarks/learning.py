@@ -62,6 +62,10 @@ RUNS = {
     "dpo_plain": ["run", "dpo", "dpo.nll_coef=0"],  # without the default's RPO term
     "dpo_online": ["run", "dpo", "dpo.online=true", "dpo.nll_coef=0"],
     "grpo_opmd": ["run", "grpo", "algorithm.name=opmd"],
+    # issue 32: SFT as a recipe of its own (held-out accuracy from the fresh model), and a Bradley-Terry
+    # reward model (held-out pairwise accuracy P(r_right > r_wrong), reported in the greedy columns)
+    "sft": ["run", "sft"],
+    "reward_model": ["run", "reward_model"],
 }
 
 # The 0.6M-parameter model and the step shape of the lr sweep (issue: learning that holds on any machine).
@@ -111,6 +115,9 @@ def learning_curve(run_dir: Path, at_step: int | None = None) -> dict:
     first 25. With a constant learning rate that is what a run of ``at_step`` steps would measure.
     """
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if any("eval/pairwise_accuracy" in m for m in metrics):  # a reward model: pairwise accuracy, nothing sampled
+        metrics = [{**m, "eval/accuracy": m["eval/pairwise_accuracy"], "eval/sampled_accuracy": float("nan")}
+                   if "eval/pairwise_accuracy" in m else m for m in metrics]
     evals = [m for m in metrics if "eval/accuracy" in m]
     probes = [m for m in metrics if "sft/train_accuracy" in m]
     start, end = evals[0], evals[-1]

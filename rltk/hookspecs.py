@@ -71,6 +71,15 @@ def rltk_loss_aggs() -> dict:
 
 
 @hookspec
+def rltk_reward_model_losses() -> dict:
+    """Register reward-model losses (kind ``reward_model_loss``, config key ``reward_model.loss``).
+
+    Return ``{name: fn}`` with ``fn(*, chosen_rewards, rejected_rewards, **args) -> (loss, metrics)``:
+    the scalar rewards ``[B]`` of the preferred and the dispreferred response of each pair.
+    """
+
+
+@hookspec
 def rltk_policy_losses() -> dict:
     """Register policy losses (kind ``policy_loss``).
 

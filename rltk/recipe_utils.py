@@ -84,13 +84,13 @@ def recipe_spec(script: str | Path) -> RecipeSpec:
     ``trainer_modes`` lists the ``trainer.mode`` values its loop runs (``sync`` alone when left out).
     ``expert_data`` says it puts ``buffer.expert.path``'s experiences in the
     buffer. A key it leaves out is not checked (``expert_data``: false). The recipes beside it (``*.py`` in its
-    folder) come along as ``others``, so an error can name one that serves
-    what is missing.
+    folder) that declare ``PROVIDES`` come along as ``others``, so an error can name one that serves
+    what is missing (one that declares nothing, such as ``sft``, serves no batch to suggest).
     """
     script = Path(script)
     others = tuple(
         _spec_of(p) for p in sorted(script.parent.glob("*.py"))
-        if p.resolve() != script.resolve() and not p.name.startswith("_")
+        if p.resolve() != script.resolve() and not p.name.startswith("_") and _declared_provides(p) is not None
     ) if script.parent.is_dir() else ()
     spec = _spec_of(script)
     return RecipeSpec(spec.name, spec.batch_fields, spec.buffer_sources, others, spec.expert_data,

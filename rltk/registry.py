@@ -54,6 +54,8 @@ KINDS: dict[str, Kind] = {
              frozenset({"logprobs", "old_logprobs", "behaviour_logprobs", "advantages", "response_mask", "loss_agg"})),
         Kind("preference_loss", "rltk_preference_losses", "preference losses (DPO family)",
              frozenset({"chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps", "beta"})),
+        Kind("reward_model_loss", "rltk_reward_model_losses", "reward-model losses over preference pairs",
+             frozenset({"chosen_rewards", "rejected_rewards"})),
         Kind("reward_fn", "rltk_reward_fns", "reward functions",
              frozenset({"prompt", "response", "ground_truth", "extras"})),
         Kind("workflow", "rltk_workflows", "workflows (task -> experiences)",

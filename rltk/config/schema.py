@@ -74,7 +74,7 @@ class DataConfig:
     eval_split: Optional[str] = None
     prompt_key: str = "prompt"
     messages_key: str = "messages"  # column of chat messages (rltk/data/chat.py); a transcript also feeds the warm-up
-    answer_key: str = "answer"
+    answer_key: Optional[str] = "answer"  # null: the rows have no answer (preference data, plain SFT text)
     extras_keys: Optional[List[str]] = None  # columns kept as row extras; null keeps all others
     system_prompt: Optional[str] = None
     use_chat_template: bool = False
@@ -260,6 +260,32 @@ class SFTConfig:
     probe_every: int = 100
     probe_size: int = 200
     completion_key: Optional[str] = None  # file datasets: column with the target; default the answer
+    # Steps between held-out evaluations during the stage (and one before its first step); null: none, as in
+    # a warm-up before RL. `rltk run sft` sets it: there the stage is the whole run.
+    eval_every: Optional[int] = None
+
+
+@dataclass
+class RewardModelTrainingConfig:
+    """Reward-model training (``rltk run reward_model``): a Bradley-Terry model from preference pairs.
+
+    The model is ``model.path``'s (or the tiny model's) architecture and backbone with a one-output
+    score head; its folder (``<run>/reward_model``) is what ``reward.reward_fn_args.reward_model.path``
+    loads. Micro-batching, weight decay, betas and clipping come from ``trainer``.
+    """
+
+    loss: str = "bradley_terry"  # a registered reward_model_loss
+    loss_args: Dict[str, Any] = field(default_factory=dict)
+    chosen_key: str = "chosen"  # data.path: the column of the preferred response (text)
+    rejected_key: str = "rejected"  # data.path: the column of the dispreferred response (text)
+    wrong_offset: int = 20  # synthetic task: the rejected answer is the right one moved by +-1..this
+    steps: int = 300
+    batch_size: int = 32  # pairs per optimizer step
+    lr: float = 1.0e-3
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"
+    max_length: int = 1024  # tokens of prompt + response the model reads (cut from the left, as the reward fn does)
+    eval_every: int = 100  # steps between held-out pairwise accuracies (and one before the first step)
 
 
 @dataclass
@@ -384,6 +410,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -398,6 +425,7 @@ COMPONENT_KEYS: dict[str, tuple[str, bool]] = {
     "dpo.loss": ("preference_loss", False),
     "algorithm.loss_agg": ("loss_agg", False),
     "algorithm.kl_penalty_fn": ("kl_penalty_fn", False),
+    "reward_model.loss": ("reward_model_loss", False),
     "rollout.engine": ("rollout_engine", False),
     "rollout.workflow": ("workflow", False),
     "reward.reward_fn": ("reward_fn", True),
@@ -418,6 +446,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.stale_policy": ("drop", "wait"),
     "sft.lr_schedule": ("constant", "linear", "cosine"),
     "sft.probe": ("greedy", "sampled"),
+    "reward_model.lr_schedule": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
 }
 

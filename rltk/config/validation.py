@@ -94,12 +94,17 @@ def _check_positive(cfg: DictConfig) -> None:
         "trainer.ppo_epochs": 1, "rollout.n": 1, "rollout.max_new_tokens": 1, "sft.batch_size": 1,
         "algorithm.dynamic_sampling_max_rounds": 1,
         "reward.workers": 1, "logging.traces_per_step": 1, "logging.traces_every": 1,
+        "reward_model.batch_size": 1, "reward_model.max_length": 1, "reward_model.wrong_offset": 1,
+        "reward_model.steps": 1, "reward_model.eval_every": 0,
     }
     for key, minimum in rules.items():
         value = OmegaConf.select(cfg, key)
         if value < minimum:
             raise ConfigError(f"bad value {value!r} for '{key}': must be >= {minimum}")
-    for section, total in (("trainer", "total_steps"), ("sft", "steps")):
+    if cfg.sft.eval_every is not None and cfg.sft.eval_every < 0:
+        raise ConfigError(f"bad value {cfg.sft.eval_every!r} for 'sft.eval_every': must be >= 0 (0 or null: no "
+                          f"held-out evaluation during the stage)")
+    for section, total in (("trainer", "total_steps"), ("sft", "steps"), ("reward_model", "steps")):
         warmup, steps = OmegaConf.select(cfg, f"{section}.warmup_steps"), OmegaConf.select(cfg, f"{section}.{total}")
         if not 0 <= warmup <= steps:
             raise ConfigError(

@@ -6,7 +6,7 @@ import torch
 
 from rltk.batch import Experience, collate
 from rltk.models.logprobs import response_logprobs
-from rltk.training.micro_batches import micro_batches
+from rltk.training.micro_batches import micro_batches, run_logprobs
 
 
 def sft_batch(examples: list[tuple[list[int], ...]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -27,7 +27,8 @@ def sft_batch(examples: list[tuple[list[int], ...]], pad_token_id: int) -> dict[
 
 
 def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int, impl: str = "auto",
-             chunk_size: int | None = None) -> dict[str, float]:
+             chunk_size: int | None = None, max_tokens_per_micro_batch: int | None = None,
+             pack_sequences: bool = False) -> dict[str, float]:
     """One optimizer step of token-level cross-entropy on the completion tokens.
 
         L = - sum_{i,t} m_{i,t} log pi(y_{i,t} | x_i, y_{i,<t}) / sum_{i,t} m_{i,t}
@@ -40,6 +41,11 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     ``entropy`` (the mean entropy of the next-token distributions over the same
     tokens, before the update) and the strategy's step info (``grad_norm``,
     ``lr``, ``skipped``).
+
+    ``max_tokens_per_micro_batch`` and ``pack_sequences`` cut and run the
+    micro-batches as ``trainer.*`` of the same names do in RL (a token budget;
+    each micro-batch's real tokens packed into one row, no padding computed).
+    They change how the forward runs, not the loss.
     """
     T = batch["response_mask"].shape[1]
     global_tokens = strategy.all_reduce_sum(
@@ -47,14 +53,19 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     ).item()
     total_nll = total_entropy = 0.0
     # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
-    for micro in micro_batches(strategy, batch, micro_batch_size=micro_batch_size):
+    for micro in micro_batches(strategy, batch, micro_batch_size=micro_batch_size,
+                               max_tokens=max_tokens_per_micro_batch, packed=pack_sequences):
         mb, padding = {k: v.to(strategy.device) for k, v in micro.data.items()}, micro.padding
         with strategy.accumulate(micro.is_last):
             with strategy.autocast():
                 # the fused kernel computes the entropy beside the log-probs anyway; the divergence
                 # guard reads it (a collapse to uniform or to one token)
-                logprobs, entropy = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
-                                                      impl=impl, chunk_size=chunk_size, with_entropy=True)
+                if pack_sequences or max_tokens_per_micro_batch is not None:
+                    logprobs, entropy = run_logprobs(strategy.model, mb, T, trim=True, pack=pack_sequences,
+                                                     impl=impl, chunk_size=chunk_size, with_entropy=True)
+                else:
+                    logprobs, entropy = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
+                                                          impl=impl, chunk_size=chunk_size, with_entropy=True)
                 loss = -(logprobs * mb["response_mask"]).sum() / max(global_tokens, 1.0)
             strategy.backward(loss * 0.0 if padding else loss)
         if not padding:

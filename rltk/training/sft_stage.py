@@ -1,4 +1,8 @@
-"""The supervised warm-up stage: cross-entropy on solved examples before RL (the step is :mod:`rltk.training.sft`)."""
+"""The supervised stage: cross-entropy on solved examples (the step is :mod:`rltk.training.sft`).
+
+Both the warm-up before RL (``type: sft`` in a GRPO/PPO run's ``stages``) and
+``rltk run sft`` (recipes/sft.py, a run of this one stage) run it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from rltk.config.env_checks import check_demonstrations
 from rltk.data.sampler import RowSampler
 from rltk.distributed import process_rank
 from rltk.training.engine_weights import connect_rollout_engine
-from rltk.training.evaluation import probe
+from rltk.training.evaluation import evaluate, probe
 from rltk.training.loop_state import LoopState
 from rltk.training.run import Stage, require_rows_per_rank
 from rltk.training.rows import sft_pairs, tool_schemas
@@ -36,18 +40,29 @@ def run_sft_stage(stage: Stage) -> None:
     # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     probe_rows = run.train_rows[: s.probe_size]
     pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
-    check_demonstrations(cfg, run.train_rows, pairs)  # before the first step: tools and turn caps fit the rollout
+    if any(st.type == "rl" for st in run.cfg.stages):  # before the first step: tools and turn caps fit the rollout
+        check_demonstrations(cfg, run.train_rows, pairs)  # (`rltk run sft` samples only to evaluate)
     sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     loop = LoopState(sampler)
     loop.resume(stage, strategy)
+    evaluating = bool(s.eval_every)  # held-out accuracy during the stage (`rltk run sft`); off in a warm-up
+    if evaluating:  # generation reads the weights being trained (a whole copy under ZeRO-3)
+        if not probing:
+            connect_rollout_engine(run.workflow.engine, strategy)
+        if loop.step == 0:
+            run.metric_log.log(evaluate(run.workflow, run.eval_rows, cfg), stage.first_step)
 
     for step in range(loop.step + 1, s.steps + 1):
         # every rank draws the same global batch and trains on its share of the rows
         batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
-        metrics = {f"sft/{k}": v for k, v in sft_step(strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size,
-                                                      impl=cfg.model.logprob_impl,
-                                                      chunk_size=cfg.model.logprob_chunk_size).items()}
+        metrics = {f"sft/{k}": v for k, v in sft_step(
+            strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size, impl=cfg.model.logprob_impl,
+            chunk_size=cfg.model.logprob_chunk_size, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
+            pack_sequences=cfg.trainer.pack_sequences).items()}
         reached = False
+        if evaluating and (step % s.eval_every == 0 or step == s.steps):
+            run.workflow.engine.update_weights(strategy.unwrap())
+            metrics.update(evaluate(run.workflow, run.eval_rows, cfg))
         if probing and step % s.probe_every == 0:
             run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
             probed = probe(run.workflow, probe_rows, cfg, sampled=s.probe == "sampled")

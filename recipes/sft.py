@@ -1,0 +1,41 @@
+"""Supervised fine-tuning: token-level cross-entropy on demonstrations, as a run of its own.
+
+    rltk run sft                                            # embedded tiny default: two-digit addition
+    rltk run sft data.path=train.jsonl sft.completion_key=completion      # prompt / completion columns
+    rltk run sft data.path=chats.jsonl data.messages_key=messages        # chat transcripts
+    rltk run sft model.lora.r=8 trainer.pack_sequences=true strategy=fsdp2
+
+The loop (the stage is the very one a GRPO or PPO run warms up with, rltk/training/sft_stage.py):
+
+    for step in 1..N:
+        batch <- next demonstrations: (prompt, response, loss mask); the mask covers a completion
+                 and its eos, or only the assistant turns of a chat transcript (never user or tool turns)
+        loss  <- - sum m * log pi(y_t | x, y_<t) / sum m   (micro-batched, padded, token-budgeted or packed)
+        update; every sft.eval_every steps: held-out accuracy (greedy and sampled)
+        guard <- stop if the run diverged; checkpoint
+
+Chain it before RL with `stages` in a GRPO config (type: sft), or start a GRPO run from its last
+checkpoint (checkpoint.start_from). This file is a script, not a module: copy it to change the loop.
+"""
+
+from __future__ import annotations
+
+from rltk.config.errors import ConfigError
+from rltk.recipe_utils import parse_recipe_args
+from rltk.training.run import finish_run, open_run, run_stages
+from rltk.training.sft_stage import run_sft_stage
+
+
+def main():
+    cfg = parse_recipe_args()
+    others = [f"stages[{i}] ('{st.name}', type {st.type})" for i, st in enumerate(cfg.stages) if st.type != "sft"]
+    if others:  # RL stages need a recipe with an RL loop: grpo or ppo run sft stages too
+        raise ConfigError(f"'stages': the sft recipe runs stages of type sft only, got {', '.join(others)}; "
+                          f"chain SFT before RL in `rltk run grpo` (or ppo) with a type: sft stage")
+    run = open_run(cfg)  # run folder, model, data, rollout workflow (held-out evaluation), loggers, resume point
+    run_stages(run, {"sft": run_sft_stage})
+    finish_run(run)  # held-out evaluation, curves.png, summary.json
+
+
+if __name__ == "__main__":
+    main()
