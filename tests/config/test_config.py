@@ -210,7 +210,7 @@ def test_shipped_recipes_declare_what_they_serve():
     grpo, ppo = recipe_spec(REPO / "recipes" / "grpo.py"), recipe_spec(REPO / "recipes" / "ppo.py")
     assert "values" not in grpo.batch_fields and "values" in ppo.batch_fields
     assert grpo.buffer_sources == ppo.buffer_sources == {"policy"}
-    assert [r.name for r in grpo.others] == ["dpo", "ppo"]  # dpo declares nothing: never suggested
+    assert [r.name for r in grpo.others] == ["ppo"]  # dpo, sft, reward_model declare no PROVIDES: never suggested
     load_config([REPO / "recipes" / "configs" / "ppo.yaml"], recipe=ppo)
 
 
