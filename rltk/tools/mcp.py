@@ -115,7 +115,9 @@ class McpConnection:
         from mcp import Client
 
         try:
-            async with Client(self._target(), read_timeout_seconds=self.timeout_s) as client:
+            # the client's own read timeout is a backstop only: the caller's wait of timeout_s ends first and
+            # says what was waited for (at equal limits a loaded machine let either fire first)
+            async with Client(self._target(), read_timeout_seconds=self.timeout_s + 5.0) as client:
                 self._closing = asyncio.Event()
                 ready.set_result(client)
                 await self._closing.wait()
