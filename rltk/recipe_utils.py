@@ -117,8 +117,12 @@ def _is_yaml(arg: str) -> bool:
     return Path(arg).suffix in (".yaml", ".yml")
 
 
+#: Other names of shipped recipes: ``rltk run rm`` is ``rltk run reward_model`` (its script and its config).
+RECIPE_ALIASES = {"rm": "reward_model"}
+
+
 def resolve_recipe(recipe: str) -> Path:
-    """A shipped recipe name or a path to a recipe script."""
+    """A shipped recipe name (or an alias of one, :data:`RECIPE_ALIASES`) or a path to a recipe script."""
     path = Path(recipe)
     if _is_yaml(recipe):
         # A config file where the recipe belongs: the recipe cannot be guessed safely (a YAML
@@ -133,9 +137,10 @@ def resolve_recipe(recipe: str) -> Path:
             raise UsageError(f"recipe script '{recipe}' does not exist")
         return path
     recipes = shipped_recipes()
-    if recipe not in recipes:
+    name = RECIPE_ALIASES.get(recipe, recipe)
+    if name not in recipes:
         raise UsageError(unknown_name_message("recipe", recipe, list(recipes)) + ", or a path to a .py file")
-    return recipes[recipe]
+    return recipes[name]
 
 
 def default_config_for(recipe_path: Path) -> Path | None:

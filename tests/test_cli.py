@@ -79,6 +79,17 @@ def test_shipped_recipes_come_from_the_package():
     assert recipes["grpo"].read_text() == (REPO / "recipes" / "grpo.py").read_text()
 
 
+
+def test_rm_is_another_name_for_the_reward_model_recipe():
+    # `rltk run rm` (issue 32's name) runs the reward_model script with its config: one recipe, two names.
+    from rltk.recipe_utils import default_config_for, resolve_recipe, validate
+
+    assert resolve_recipe("rm") == resolve_recipe("reward_model") == shipped_recipes()["reward_model"]
+    assert default_config_for(resolve_recipe("rm")).name == "reward_model.yaml"
+    cfg, line = validate("rm", [], ["reward_model.steps=70"])
+    assert cfg.reward_model.steps == 70 and cfg.name == "rm-tiny" and "for recipe reward_model" in line
+    assert "rm" not in shipped_recipes()  # listed once, under its own name
+
 # ---------------------------------------------------------------- first hour of a new user (issue 10)
 
 def one_line_error(out) -> str:

@@ -205,7 +205,8 @@ def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_st
 
 def finish_run(run: Run) -> dict:
     """Final held-out evaluation, the plot (warm-up loss, reward, held-out accuracy), and summary.json."""
-    final = evaluate(run.workflow, run.eval_rows, run.stages[-1])
+    # No stages (`rltk run sft model.path=M 'stages=[]'`): the held-out evaluation of the model as given.
+    final = evaluate(run.workflow, run.eval_rows, run.stages[-1] if run.stages else run.cfg)
     # The reward's worker processes, if it started any. A run stopped early (an error, Ctrl-C) has
     # them stopped at interpreter exit instead, or at once when Ctrl-C lands while they score.
     close_reward = getattr(run.workflow.reward, "close", None)

@@ -115,3 +115,13 @@ def test_rl_stages_are_refused_with_exit_2(tmp_path, capsys):
                  "stages=[{name: warm, type: sft}, {name: grpo, type: rl}]", *FEW]) == 2
     err = capsys.readouterr().err
     assert "'stages'" in err and "stages[1] ('grpo', type rl)" in err
+
+
+def test_no_stages_evaluates_the_model_as_given(tmp_path):
+    # `rltk run sft model.path=M 'stages=[]'` is a held-out evaluation of M, nothing trained
+    # (benchmarks/rm_then_grpo.py measures its policies so); here M is the fresh tiny model.
+    run_dir = tmp_path / "run"
+    assert main(["run", "sft", f"output_dir={run_dir}", "stages=[]", *FEW]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["final"]["eval/num_responses"] == 4.0
+    assert summary["final"]["eval/accuracy"] == 0.0  # the fresh model answers nothing
