@@ -279,6 +279,9 @@ class RewardModelTrainingConfig:
     chosen_key: str = "chosen"  # data.path: the column of the preferred response (text)
     rejected_key: str = "rejected"  # data.path: the column of the dispreferred response (text)
     wrong_offset: int = 20  # synthetic task: the rejected answer is the right one moved by +-1..this
+    # synthetic task: this fraction of rejected answers is instead the right one with a digit dropped or added
+    # (an answer of the wrong length, which a policy trained against the model otherwise learns to give)
+    wrong_length: float = 0.0
     steps: int = 300
     batch_size: int = 32  # pairs per optimizer step
     lr: float = 1.0e-3

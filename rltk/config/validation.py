@@ -101,6 +101,9 @@ def _check_positive(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value < minimum:
             raise ConfigError(f"bad value {value!r} for '{key}': must be >= {minimum}")
+    if not 0 <= cfg.reward_model.wrong_length <= 1:
+        raise ConfigError(f"bad value {cfg.reward_model.wrong_length!r} for 'reward_model.wrong_length': must be in "
+                          f"[0, 1], the fraction of synthetic pairs whose rejected answer has a wrong length")
     if cfg.sft.eval_every is not None and cfg.sft.eval_every < 0:
         raise ConfigError(f"bad value {cfg.sft.eval_every!r} for 'sft.eval_every': must be >= 0 (0 or null: no "
                           f"held-out evaluation during the stage)")

@@ -30,7 +30,10 @@ def preference_pairs(rows: list[dict], cfg: DictConfig, *, split: str) -> list[P
     ``reward_model.rejected_key`` (text responses). A synthetic task has none: its pairs
     are the right answer (chosen) against a wrong one (rejected), the right one moved
     by a nonzero offset in ``[-reward_model.wrong_offset, +reward_model.wrong_offset]``
-    (near misses, the errors a policy makes), drawn from ``seed`` and ``split``.
+    (near misses, the errors a policy makes), drawn from ``seed`` and ``split``; with
+    ``reward_model.wrong_length`` that fraction of rejected answers is the right one with one
+    digit dropped or one added (a wrong length: unseen, a policy trained against the model
+    learns to drop a digit, see benchmarks/rm_then_grpo.py).
     """
     r = cfg.reward_model
     if cfg.data.path:
@@ -57,6 +60,12 @@ def preference_pairs(rows: list[dict], cfg: DictConfig, *, split: str) -> list[P
             raise ConfigError(f"data.task='{cfg.data.task}': its answers are not integers ('{answer}'), so no wrong "
                               f"answer can be made for a synthetic pair; give preference data with data.path "
                               f"and reward_model.chosen_key / rejected_key") from None
+        if r.wrong_length and rng.random() < r.wrong_length:
+            at = rng.randrange(len(answer))  # drop that digit, or (one-digit answers, or half the time) add one
+            wrong = (answer[:at] + answer[at + 1:] if len(answer) > 1 and rng.random() < 0.5
+                     else answer[:at] + str(rng.randrange(10)) + answer[at:])
+            pairs.append((row["prompt"], answer, wrong))
+            continue
         offsets = [o for o in range(-r.wrong_offset, r.wrong_offset + 1) if o != 0 and value + o >= 0]
         pairs.append((row["prompt"], answer, str(value + rng.choice(offsets))))
     return pairs

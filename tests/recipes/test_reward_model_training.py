@@ -89,6 +89,24 @@ def test_synthetic_pairs_are_a_right_answer_against_a_near_miss():
     assert len({r for _, c, r in pairs if c == "42"}) > 10  # near misses of every size, not one
 
 
+
+def test_wrong_length_pairs_drop_or_add_one_digit():
+    cfg = load_config([CONFIG], ["reward_model.wrong_length=0.5"])
+    rows = [{"prompt": "60+65=", "ground_truth": "125"}, {"prompt": "1+2=", "ground_truth": "3"}] * 100
+    pairs = preference_pairs(rows, cfg, split="train")
+    by_length = [(c, r) for _, c, r in pairs if len(r) != len(c)]
+    # about half of 125's 100 rejected answers (its near misses 105..145 all have 3 digits; 3's can have 2)
+    assert 35 < len([c for c, _ in by_length if c == "125"]) < 65
+    for chosen, rejected in by_length:
+        assert abs(len(rejected) - len(chosen)) == 1 and rejected != chosen
+        if len(rejected) < len(chosen):  # a dropped digit: the others in order
+            assert any(chosen[:i] + chosen[i + 1:] == rejected for i in range(len(chosen)))
+    assert {len(r) for c, r in by_length if c == "125"} == {2, 4} and {len(r) for c, r in by_length if c == "3"} == {2}
+    assert preference_pairs(rows, load_config([CONFIG], []), split="train") == preference_pairs(
+        rows, load_config([CONFIG], ["reward_model.wrong_length=0"]), split="train")  # 0: the near misses alone
+    with pytest.raises(Exception, match="reward_model.wrong_length"):
+        load_config([CONFIG], ["reward_model.wrong_length=1.5"])
+
 def test_the_reward_model_starts_from_the_policy_backbone_with_a_zero_head():
     from rltk.models.tiny import build_tiny_from_config
 
