@@ -32,8 +32,9 @@ def preference_pairs(rows: list[dict], cfg: DictConfig, *, split: str) -> list[P
     by a nonzero offset in ``[-reward_model.wrong_offset, +reward_model.wrong_offset]``
     (near misses, the errors a policy makes), drawn from ``seed`` and ``split``; with
     ``reward_model.wrong_length`` that fraction of rejected answers is the right one with one
-    digit dropped or one added (a wrong length: unseen, a policy trained against the model
-    learns to drop a digit, see benchmarks/rm_then_grpo.py).
+    digit dropped or one added: a wrong length, an error a policy trained against the model
+    makes (benchmarks/rm_then_grpo.py), and easy pairs that start the backbone learning
+    before the near misses do.
     """
     r = cfg.reward_model
     if cfg.data.path:

@@ -24,8 +24,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def trained(tmp_path_factory):
     """A short run from the fresh tiny model (no SFT stage): 30 steps, enough to move the head off zero.
 
-    Not a learning claim: the shipped default's gains are in the README ("Learning, measured"), and they
-    are not yet positive on every seed and kernel level, so no test asserts one.
+    Not a learning claim: tests/recipes/test_reward_model_learning.py runs the shipped default.
     """
     run_dir = tmp_path_factory.mktemp("rm") / "run"
     assert main(["run", "reward_model", f"output_dir={run_dir}", *FEW, "reward_model.steps=30",
@@ -79,7 +78,7 @@ def test_the_reward_model_reward_function_scores_with_it(trained):
 
 
 def test_synthetic_pairs_are_a_right_answer_against_a_near_miss():
-    cfg = load_config([CONFIG], [])
+    cfg = load_config([CONFIG], ["reward_model.wrong_length=0"])  # near misses alone
     rows = [{"prompt": "12+30=", "ground_truth": "42"}, {"prompt": "0+0=", "ground_truth": "0"}] * 50
     pairs = preference_pairs(rows, cfg, split="train")
     assert pairs == preference_pairs(rows, cfg, split="train")  # seeded
@@ -102,8 +101,6 @@ def test_wrong_length_pairs_drop_or_add_one_digit():
         if len(rejected) < len(chosen):  # a dropped digit: the others in order
             assert any(chosen[:i] + chosen[i + 1:] == rejected for i in range(len(chosen)))
     assert {len(r) for c, r in by_length if c == "125"} == {2, 4} and {len(r) for c, r in by_length if c == "3"} == {2}
-    assert preference_pairs(rows, load_config([CONFIG], []), split="train") == preference_pairs(
-        rows, load_config([CONFIG], ["reward_model.wrong_length=0"]), split="train")  # 0: the near misses alone
     with pytest.raises(Exception, match="reward_model.wrong_length"):
         load_config([CONFIG], ["reward_model.wrong_length=1.5"])
 
