@@ -238,6 +238,9 @@ class TrainerConfig:
     max_staleness: int = 1  # async: the oldest policy version a trained token may come from, counted back
     stale_policy: str = "drop"  # drop (counted in staleness/dropped) | wait (for fresher data, buffer.queue_timeout_s)
     sync_every: int = 1  # RL steps between weight syncs to the producer; at most max_staleness + 1
+    # Local producer processes (one_step_off / async). Each samples its own share of the prompts
+    # (train rows k, k + N, ...); one that keeps dying is reported and training goes on with the others.
+    producers: int = 1
 
 
 @dataclass

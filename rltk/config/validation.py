@@ -169,6 +169,7 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
     """The asynchronous-training keys, and the modes the loop runs.
 
     ``trainer.max_staleness`` is an int >= 0, ``trainer.sync_every`` an int >= 1,
+    ``trainer.producers`` an int >= 1 (more than one only in an asynchronous mode),
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
     are plain choices). ``one_step_off`` and ``async`` run in a recipe that
     declares them (``PROVIDES["trainer_modes"]``: grpo), with a local producer
@@ -189,6 +190,15 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
             f"bad value {t.sync_every!r} for 'trainer.sync_every': must be an integer >= 1 (RL steps "
             f"between weight syncs to the producers)"
         )
+    producers = t.get("producers", 1)
+    if not (_is_int(producers) and producers >= 1):
+        raise ConfigError(
+            f"bad value {producers!r} for 'trainer.producers': must be an integer >= 1 (local rollout producer "
+            f"processes of trainer.mode=one_step_off or async)")
+    if producers > 1 and t.mode == "sync":
+        raise ConfigError(
+            f"bad value {producers!r} for 'trainer.producers' with trainer.mode=sync: producers run beside the "
+            f"trainer only in trainer.mode=one_step_off or async; set one of those, or trainer.producers=1")
     timeout = cfg.buffer.queue_timeout_s
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
             and timeout > 0):
