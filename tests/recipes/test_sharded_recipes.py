@@ -200,28 +200,39 @@ DPO_COMPARED = ("dpo_loss", "nll_loss", "rewards/margins", "rewards/accuracies",
 
 @pytest.fixture(scope="module")
 def dpo_one_process_metrics(tmp_path_factory):
-    single = tmp_path_factory.mktemp("dpo_single")
-    assert main(["run", "dpo", f"output_dir={single}", *DPO]) == 0
-    return read_metrics(single)
+    """One process's metrics of the DPO config with the given extra arguments (each run once)."""
+    done = {}
+
+    def get(*extra: str) -> list[dict]:
+        if extra not in done:
+            single = tmp_path_factory.mktemp("dpo_single")
+            assert main(["run", "dpo", f"output_dir={single}", *DPO, *extra]) == 0
+            done[extra] = read_metrics(single)
+        return done[extra]
+
+    return get
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy, precompute, sharded", [
+@pytest.mark.parametrize("strategy, precompute, lora, sharded", [
     # FSDP2: the reference copy is gathered from the shards
-    (["strategy_args.fsdp=true"], "false", {"fsdp": True}),
+    (["strategy_args.fsdp=true"], "false", (), {"fsdp": True}),
     # ZeRO-3: the reference's log-probs from a gathered copy, once, before the copy goes
-    (ZERO3, "true", {"zero_stage": 3}),
-], ids=["fsdp2", "zero3"])
+    (ZERO3, "true", (), {"zero_stage": 3}),
+    # LoRA on ZeRO-3: the reference is the partitioned base with adapters off, so the one-off pass over
+    # every pair is collective (each rank runs all of them, in step)
+    (ZERO3, "true", ("model.lora.r=4",), {"zero_stage": 3}),
+], ids=["fsdp2", "zero3", "zero3-lora"])
 def test_dpo_sharded_under_torchrun_with_two_processes_matches_one_process(tmp_path, dpo_one_process_metrics,
-                                                                          strategy, precompute, sharded):
+                                                                          strategy, precompute, lora, sharded):
     """Each rank trains on its half of every global batch of pairs: the losses, margins and gradient norm of
     each step must be one process's (with DDP: tests/recipes/test_dpo_learning.py)."""
     run_dir = tmp_path / "sharded"
-    out = torchrun("dpo", f"output_dir={run_dir}", *strategy, f"dpo.precompute_reference={precompute}", *DPO)
+    out = torchrun("dpo", f"output_dir={run_dir}", *strategy, f"dpo.precompute_reference={precompute}", *DPO, *lora)
     assert out.stdout.count("rltk: final held-out") == 1
     meta = json.loads((run_dir / "checkpoints" / "step_000003" / "strategy.json").read_text())
     assert meta["world_size"] == 2 and sharded.items() <= meta.items()
-    ours, theirs = read_metrics(run_dir), dpo_one_process_metrics
+    ours, theirs = read_metrics(run_dir), dpo_one_process_metrics(*lora)
     assert [m["step"] for m in ours] == [m["step"] for m in theirs]
     steps = [m for m in ours if "dpo_loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and all(m["pairs"] == 16 for m in steps)
