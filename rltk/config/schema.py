@@ -390,7 +390,9 @@ class LoggingConfig:
 @dataclass
 class StageConfig:
     name: str = "rl"
-    type: str = "rl"  # sft | rl | dpo (the dpo recipe)
+    # sft | dpo | grpo | ppo (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
+    # recipe run: grpo's or ppo's)
+    type: str = "rl"
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
 
 
@@ -453,4 +455,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
 }
 
-STAGE_TYPES = ("sft", "rl", "dpo")
+# Stage types of the shipped recipes, for a config validated without a recipe (a recipe declares its own:
+# RecipeSpec.stage_types). RL_STAGE_TYPES sample from the rollout workflow every step.
+STAGE_TYPES = ("sft", "rl", "dpo", "grpo", "ppo")
+RL_STAGE_TYPES = ("rl", "grpo", "ppo")

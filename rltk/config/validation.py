@@ -71,17 +71,23 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
     if "values" in needs or has_critic:  # a critic-based run: check its section too
         check_critic_config(cfg)
+    valid = sorted(recipe.stage_types) if recipe is not None and recipe.stage_types is not None else list(STAGE_TYPES)
+    lent = dict(recipe.stage_recipes) if recipe is not None else {}
     for i, stage in enumerate(cfg.stages):
-        if stage.type not in STAGE_TYPES:
+        if stage.type not in valid:
+            runs = f" for recipe '{recipe.name}'" if recipe is not None and recipe.stage_types is not None else ""
+            rl = "" if "rl" in valid else (" (rl is the RL loop of `rltk run grpo` or `rltk run ppo`; name it grpo or "
+                                           "ppo here)")
             raise ConfigError(
-                f"bad value {stage.type!r} for 'stages[{i}].type' (stage '{stage.name}'). "
-                f"Valid: {', '.join(STAGE_TYPES)}"
+                f"bad value {stage.type!r} for 'stages[{i}].type' (stage '{stage.name}')."
+                f"{did_you_mean(stage.type, valid)} Valid{runs}: {', '.join(valid)}{rl}"
             )
-        if stage.overrides:
-            check_no_stage_lora(i, stage.name, stage.overrides)
-            staged = apply_overrides(cfg, dict(stage.overrides), f"stages[{i}].overrides (stage '{stage.name}')")
+        # a stage another recipe lends is checked against what that recipe's loop serves
+        if stage.overrides or stage.type in lent:
+            check_no_stage_lora(i, stage.name, stage.overrides or {})
+            staged = apply_overrides(cfg, dict(stage.overrides or {}), f"stages[{i}].overrides (stage '{stage.name}')")
             staged.stages = []
-            validate_config(staged, recipe)
+            validate_config(staged, lent.get(stage.type, recipe))
     try:
         OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
     except OmegaConfBaseException as exc:
