@@ -315,6 +315,24 @@ class DPOConfig:
 
 
 @dataclass
+class DistillConfig:
+    """The teacher of the ``distill`` recipe (``type: distill`` in ``stages``): on-policy distillation.
+
+    The student is ``model.path`` (or the tiny model); steps, learning rate, sampling and the policy
+    loss come from ``trainer``, ``rollout`` and ``algorithm`` as in GRPO, with
+    ``algorithm.advantage_fn: on_policy_distill``.
+    """
+
+    # A Hugging Face causal-LM folder, or an rltk checkpoint (a step_XXXXXX folder of full weights; its
+    # run's tokenizer is read from <output_dir>/tokenizer). Its tokenizer must be the student's.
+    teacher_path: Optional[str] = None
+    teacher_dtype: str = "float32"
+    # Weight of the task reward's group-relative advantage added to the distillation advantage (0: pure
+    # distillation). The shipped config hands it to algorithm.advantage_fn_args.task_coef.
+    task_coef: float = 0.0
+
+
+@dataclass
 class CriticConfig:
     """The value model of recipes with a critic (``ppo``); other recipes ignore this section.
 
@@ -387,7 +405,7 @@ class LoggingConfig:
 @dataclass
 class StageConfig:
     name: str = "rl"
-    type: str = "rl"  # sft | rl | dpo (the dpo recipe)
+    type: str = "rl"  # sft | rl | dpo (the dpo recipe) | distill (the distill recipe)
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
 
 
@@ -409,6 +427,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -448,6 +467,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sft.probe": ("greedy", "sampled"),
     "reward_model.lr_schedule": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
+    "distill.teacher_dtype": ("float32", "bfloat16", "float16"),
 }
 
-STAGE_TYPES = ("sft", "rl", "dpo")
+STAGE_TYPES = ("sft", "rl", "dpo", "distill")
