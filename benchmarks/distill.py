@@ -15,7 +15,7 @@ Each run is a fresh one-thread process; `--jobs` run at a time. Prints held-out 
 accuracy (200 sums never trained on) at each evaluation of every run, the gains, and the teacher's
 accuracy, and writes everything as JSON.
 
-    python benchmarks/distill.py                                   # seeds 0 1, 200 steps
+    python benchmarks/distill.py                                   # seeds 0 1, 300 steps
     python benchmarks/distill.py --seeds 0 1 2 --steps 100 --jobs 2
     python benchmarks/distill.py --teacher runs/sft-tiny/checkpoints/step_001500   # reuse a teacher
     python benchmarks/distill.py --student-sft-steps 300          # a briefly warmed-up student instead
@@ -58,6 +58,19 @@ def evaluations(run_dir: Path, first_step: int = 0) -> list[dict]:
             for r in rows if "eval/accuracy" in r and r["step"] >= first_step]
 
 
+def step_means(run_dir: Path, first_step: int = 0, window: int = 10) -> dict:
+    """Mean of the per-step metrics over the first and the last ``window`` steps: the reverse KL to the
+    teacher of the student's own samples, the teacher's log-prob of them, and the task reward."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "distill/reverse_kl" in r and r["step"] > first_step]
+    out = {}
+    for key, name in (("distill/reverse_kl", "reverse_kl"), ("distill/teacher_logprob", "teacher_logprob"),
+                      ("reward", "reward")):
+        out[name] = {"first": statistics.mean(r[key] for r in steps[:window]),
+                     "last": statistics.mean(r[key] for r in steps[-window:])}
+    return out
+
+
 def build_teacher(workdir: Path) -> tuple[Path, dict]:
     """`rltk run sft` (the shipped default, seed 0): its last checkpoint and final held-out accuracy."""
     run_dir = workdir / "teacher"
@@ -79,11 +92,12 @@ def teacher_accuracy(teacher: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=200, help="distillation / GRPO steps per run")
+    parser.add_argument("--steps", type=int, default=300, help="distillation / GRPO steps per run")
     parser.add_argument("--eval-every", type=int, default=None, help="default: steps / 4")
     parser.add_argument("--student-sft-steps", type=int, default=0,
                         help="an SFT warm-up of the student before both methods (0: a fresh student)")
     parser.add_argument("--teacher", type=Path, default=None, help="a teacher checkpoint to reuse (default: build one)")
+    parser.add_argument("--window", type=int, default=25, help="steps averaged at the start and the end")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS / "distill.json")
@@ -113,7 +127,10 @@ def main() -> None:
         seconds = run_rltk(["run", "distill", f"seed={seed}", *common, *METHODS[method]], run_dir,
                            workdir / f"{method}_seed{seed}.log")
         evals = evaluations(run_dir, first_step=args.student_sft_steps)
-        return {"seed": seed, "method": method, "seconds": seconds, "evals": evals,
+        means = step_means(run_dir, first_step=args.student_sft_steps, window=args.window)
+        return {"seed": seed, "method": method, "seconds": seconds, "evals": evals, "step_means": means,
+                "kl_drop": means["reverse_kl"]["first"] - means["reverse_kl"]["last"],
+                "reward_rise": means["reward"]["last"] - means["reward"]["first"],
                 "greedy_gain": evals[-1]["greedy"] - evals[0]["greedy"],
                 "sampled_gain": evals[-1]["sampled"] - evals[0]["sampled"]}
 
@@ -124,17 +141,24 @@ def main() -> None:
           f"{[e['step'] for e in runs[0]['evals']]}")
     for r in runs:
         curve = "  ".join(f"{e['greedy']:.3f}/{e['sampled']:.3f}" for e in r["evals"])
-        print(f"{r['method']:8} {r['seed']:>4}  {curve}   ({r['seconds']:.0f} s)")
+        m = r["step_means"]
+        print(f"{r['method']:8} {r['seed']:>4}  {curve}   ({r['seconds']:.0f} s)\n{'':14}reverse KL "
+              f"{m['reverse_kl']['first']:.3f} -> {m['reverse_kl']['last']:.3f}, teacher log-prob "
+              f"{m['teacher_logprob']['first']:.3f} -> {m['teacher_logprob']['last']:.3f}, train reward "
+              f"{m['reward']['first']:.3f} -> {m['reward']['last']:.3f} (first / last {args.window} steps)")
     summary = {}
     for method in METHODS:
         mine = [r for r in runs if r["method"] == method]
-        summary[method] = {kind: {"min": min(r[f"{kind}_gain"] for r in mine),
-                                  "median": statistics.median(r[f"{kind}_gain"] for r in mine),
-                                  "max": max(r[f"{kind}_gain"] for r in mine)} for kind in ("greedy", "sampled")}
+        value = {kind: [r[f"{kind}_gain" if kind in ("greedy", "sampled") else kind] for r in mine]
+                 for kind in ("greedy", "sampled", "kl_drop", "reward_rise")}
+        summary[method] = {kind: {"min": min(v), "median": statistics.median(v), "max": max(v)}
+                           for kind, v in value.items()}
         s = summary[method]
         print(f"{method:8} gain greedy min/median/max {s['greedy']['min']:+.3f} / {s['greedy']['median']:+.3f} / "
               f"{s['greedy']['max']:+.3f}   sampled {s['sampled']['min']:+.3f} / {s['sampled']['median']:+.3f} / "
-              f"{s['sampled']['max']:+.3f}")
+              f"{s['sampled']['max']:+.3f}   reverse-KL drop {s['kl_drop']['min']:+.3f} / "
+              f"{s['kl_drop']['median']:+.3f} / {s['kl_drop']['max']:+.3f}   train-reward rise "
+              f"{s['reward_rise']['min']:+.3f} / {s['reward_rise']['median']:+.3f} / {s['reward_rise']['max']:+.3f}")
     ahead = [next(r for r in runs if r["seed"] == s and r["method"] == "distill")["sampled_gain"]
              - next(r for r in runs if r["seed"] == s and r["method"] == "grpo")["sampled_gain"] for s in args.seeds]
     print(f"distill - grpo sampled gain per seed: {[round(x, 3) for x in ahead]}")

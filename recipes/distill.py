@@ -2,7 +2,7 @@
 
     rltk run distill distill.teacher_path=runs/sft-tiny/checkpoints/step_001500   # embedded tiny student
     rltk run distill distill.teacher_path=/models/teacher model.path=/models/student data.path=prompts.jsonl
-    rltk run distill distill.teacher_path=... distill.task_coef=0.5               # + the task reward's GRPO advantage
+    rltk run distill distill.teacher_path=... algorithm.advantage_fn_args.task_coef=0.5   # + the reward's GRPO advantage
 
 The loop, as in the algorithm box of GKD with lambda = 1 (Agarwal et al. 2024, arXiv:2306.13649) and of
 Thinking Machines' "On-Policy Distillation" (2025):
@@ -20,7 +20,7 @@ Thinking Machines' "On-Policy Distillation" (2025):
             guard, checkpoint
 
 No reward is needed to learn: the teacher's log-probs are the dense per-token signal (the reward fns still
-score the samples, for the task-reward metric and for distill.task_coef). This file is a script, not a
+score the samples, for the task-reward metric and for task_coef). This file is a script, not a
 module: copy it to change the loop itself.
 """
 

@@ -320,16 +320,14 @@ class DistillConfig:
 
     The student is ``model.path`` (or the tiny model); steps, learning rate, sampling and the policy
     loss come from ``trainer``, ``rollout`` and ``algorithm`` as in GRPO, with
-    ``algorithm.advantage_fn: on_policy_distill``.
+    ``algorithm.advantage_fn: on_policy_distill`` (its ``algorithm.advantage_fn_args.task_coef`` mixes in
+    the task reward's group advantage).
     """
 
     # A Hugging Face causal-LM folder, or an rltk checkpoint (a step_XXXXXX folder of full weights; its
     # run's tokenizer is read from <output_dir>/tokenizer). Its tokenizer must be the student's.
     teacher_path: Optional[str] = None
     teacher_dtype: str = "float32"
-    # Weight of the task reward's group-relative advantage added to the distillation advantage (0: pure
-    # distillation). The shipped config hands it to algorithm.advantage_fn_args.task_coef.
-    task_coef: float = 0.0
 
 
 @dataclass

@@ -48,19 +48,6 @@ def test_two_steps_from_an_sft_checkpoint_teacher(tmp_path):
     assert "eval/accuracy" in read_metrics(run_dir)[-1]
 
 
-def test_task_coef_reaches_the_estimator(tmp_path):
-    # distill.task_coef is handed to algorithm.advantage_fn_args by the shipped config's interpolation
-    from omegaconf import OmegaConf
-
-    from rltk.config.loader import load_config
-    from rltk.recipe_utils import default_config_for, resolve_recipe
-
-    cfg = load_config([default_config_for(resolve_recipe("distill"))], ["distill.task_coef=0.5"], warn=False)
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    assert cfg.algorithm.advantage_fn == "on_policy_distill"
-    assert cfg.algorithm.advantage_fn_args.task_coef == 0.5
-
-
 def test_a_missing_teacher_path_is_exit_2_naming_the_key(tmp_path, capsys):
     assert main(["run", "distill", f"output_dir={tmp_path / 'run'}", *FEW]) == 2
     err = capsys.readouterr().err
