@@ -2,9 +2,10 @@
 
 The setting of benchmarks/distill.py, unchanged: the teacher is `rltk run sft` (the shipped default,
 seed 0), the student the shipped distill default (a fresh tiny model of hidden size 32), seed 0. The test
-asks for half the smallest reverse-KL drop the benchmark measured over its seeds, and for GRPO's same
-start to show why a teacher is needed: its reward is 0 on every sample of a fresh student, so its
-advantages, and its updates, are 0.
+asks for half the smallest reverse-KL drop the benchmark measured over its seeds (seed 0 reproduces the
+benchmark's 5.829 -> 2.955 here, bit for bit) and a rising teacher log-prob. Held-out accuracy is not
+asserted: from a fresh student it moves by at most two of 200 sums in 300 steps (README). About 35 s of
+teacher SFT and 300 distillation steps: ~1 min on a quiet 2-core machine, 108 s under a load of 15.
 """
 
 import json
