@@ -264,7 +264,9 @@ def what_runs(cfg, recipe: str | None) -> str:
     parts = []
     for i, stage in enumerate(cfg.stages):
         staged = stage_config(cfg, i)
-        if stage.type in RL_STAGE_TYPES:
+        if stage.type == "distill":
+            detail = f", advantage {staged.algorithm.advantage_fn}"
+        elif stage.type in RL_STAGE_TYPES:
             detail = f", algorithm {staged.algorithm.name}"
         elif stage.type == "dpo":
             detail = f", loss {staged.dpo.loss}{', online' if staged.dpo.online else ''}"

@@ -318,6 +318,22 @@ class DPOConfig:
 
 
 @dataclass
+class DistillConfig:
+    """The teacher of the ``distill`` recipe (``type: distill`` in ``stages``): on-policy distillation.
+
+    The student is ``model.path`` (or the tiny model); steps, learning rate, sampling and the policy
+    loss come from ``trainer``, ``rollout`` and ``algorithm`` as in GRPO, with
+    ``algorithm.advantage_fn: on_policy_distill`` (its ``algorithm.advantage_fn_args.task_coef`` mixes in
+    the task reward's group advantage).
+    """
+
+    # A Hugging Face causal-LM folder, or an rltk checkpoint (a step_XXXXXX folder of full weights; its
+    # run's tokenizer is read from <output_dir>/tokenizer). Its tokenizer must be the student's.
+    teacher_path: Optional[str] = None
+    teacher_dtype: str = "float32"
+
+
+@dataclass
 class CriticConfig:
     """The value model of recipes with a critic (``ppo``); other recipes ignore this section.
 
@@ -390,7 +406,7 @@ class LoggingConfig:
 @dataclass
 class StageConfig:
     name: str = "rl"
-    # sft | dpo | grpo | ppo (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
+    # sft | dpo | grpo | ppo | distill (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
     # recipe run: grpo's or ppo's)
     type: str = "rl"
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
@@ -414,6 +430,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -453,9 +470,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sft.probe": ("greedy", "sampled"),
     "reward_model.lr_schedule": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
+    "distill.teacher_dtype": ("float32", "bfloat16", "float16"),
 }
 
 # Stage types of the shipped recipes, for a config validated without a recipe (a recipe declares its own:
 # RecipeSpec.stage_types). RL_STAGE_TYPES sample from the rollout workflow every step.
-STAGE_TYPES = ("sft", "rl", "dpo", "grpo", "ppo")
-RL_STAGE_TYPES = ("rl", "grpo", "ppo")
+STAGE_TYPES = ("sft", "rl", "dpo", "grpo", "ppo", "distill")
+RL_STAGE_TYPES = ("rl", "grpo", "ppo", "distill")
