@@ -28,7 +28,8 @@ column per reward function of the rubric (weight not 0), in the rubric's order.
 Rows. A row from the data task ``verifiers`` carries the environment's dataset
 row in ``extras["verifiers"]``, handed to the rollout unchanged. Any other row
 becomes ``{"prompt": its messages (or prompt as a user message), "answer":
-ground_truth, "info": extras}``, so rltk's own tasks and data files can be
+ground_truth, "info": extras}`` (without ``extras["task"]``, which verifiers
+would read as a task to route to), so rltk's own tasks and data files can be
 played by an environment too.
 
 Failures. An episode whose rollout raises, ends with ``state["error"]`` set, or
@@ -242,8 +243,11 @@ class VerifiersWorkflow(AgenticWorkflow):
             messages = row.get("messages")
             if not messages:
                 messages = [{"role": "user", "content": row.get("prompt", "")}]
+            # verifiers reads info["task"] as a task payload to route; rltk's extras["task"] only names the
+            # synthetic task the row came from, so it stays out
+            info = {k: v for k, v in extras.items() if k != "task"} if isinstance(extras, Mapping) else {}
             given = {"prompt": [dict(m) for m in messages], "answer": row.get("ground_truth", ""),
-                     "info": copy.deepcopy(dict(extras)) if isinstance(extras, Mapping) else {}}
+                     "info": copy.deepcopy(info)}
         given.setdefault("example_id", row_index)
         given.setdefault("answer", row.get("ground_truth", ""))
         return given

@@ -130,8 +130,9 @@ def test_a_single_turn_env_is_scored_by_its_rubric_on_the_policys_own_tokens(env
 def test_rltk_rows_are_played_by_the_env_with_their_ground_truth_as_answer(envs):
     tokenizer = build_char_tokenizer()
     engine = ScriptedEngine(tokenizer, sums_right_for_even)
-    rows = [{"id": "q", "prompt": "4+5=", "ground_truth": "9", "extras": {}},
-            {"id": "r", "prompt": "4+5=", "ground_truth": "8", "extras": {}}]
+    # as rltk's synthetic tasks make them: extras["task"] names the task (verifiers would route on it)
+    rows = [{"id": "q", "prompt": "4+5=", "ground_truth": "9", "extras": {"task": "arithmetic", "a": 4}},
+            {"id": "r", "prompt": "4+5=", "ground_truth": "8", "extras": {"task": "arithmetic", "a": 4}}]
     workflow = VerifiersWorkflow(engine=engine, tokenizer=tokenizer, reward=None, env_id="vf_test_sum",
                                  sampling=SamplingParams(n=1, max_new_tokens=10))
     try:
