@@ -15,6 +15,8 @@
 #   3. grpo: benchmarks/gpu_grpo_step.py, one GRPO update of a random-init Qwen2 with Qwen2.5-0.5B's
 #      shapes on 64 x 512 tokens, fused op against naive;
 #   4. sweep: forward and forward+backward times of a few Triton block configurations (bf16, V=151936).
+# PARTS="tests" (default "tests logprobs grpo sweep") runs only those parts: a check of the code paths alone
+# after the figures were taken.
 # Every part appends to $OUT/log.txt; $OUT/summary.md gets the versions, each part's exit status and
 # time, and the tables. At most 8 files land in $OUT (the device tool brings back no more).
 set -u
@@ -31,6 +33,8 @@ START=$(date +%s)
 # Every part ends by START + BUDGET seconds whatever the others did (the device call's own limit is
 # larger by the machine's start-up and the transfers).
 DEADLINE=$((START + ${BUDGET:-440}))
+PARTS=" ${PARTS:-tests logprobs grpo sweep} "
+wanted() { [[ "$PARTS" == *" $1 "* ]]; }
 TMP=$(mktemp -d)
 
 # part NAME SECONDS CMD...: run CMD under `timeout` (its limit, cut to what is left before DEADLINE),
@@ -87,32 +91,34 @@ cat "$SUMMARY" | tee -a "$LOG"
 # 1. tests. The kernel tests that need no GPU (CPU tensors, the Triton-interpreter cases: CPU-bound)
 # run in the background on 4 of the CPUs while the GPU parts run; the gpu-marked tests run alone first,
 # so their timing assertions have the GPU to themselves.
-(
+wanted tests && (
     LOG="$TMP/kernels.log" DEADLINE=$DEADLINE
     part tests-kernels 300 $PY -m pytest -p no:cacheprovider -q -rfE -n 4 -m "not gpu" tests/kernels \
         --junitxml="$OUT/tests-kernels.xml"
 ) &
 KERNELS=$!
 GPU_TESTS="tests/kernels tests/strategies/test_accelerate_strategy.py tests/rollout/test_hf.py tests/rollout/test_vllm_engine.py
-    tests/rollout/test_vllm_lora.py"
-part tests-gpu 120 $PY -m pytest -p no:cacheprovider -q -rA -m gpu $GPU_TESTS --junitxml="$OUT/tests-gpu.xml"
+    tests/rollout/test_vllm_lora.py tests/recipes/test_recipes_on_cuda.py"
+wanted tests && part tests-gpu 300 $PY -m pytest -p no:cacheprovider -q -rA -m gpu $GPU_TESTS --junitxml="$OUT/tests-gpu.xml"
 
 # 2. the fused op against naive and the bare matmul (~3 min on an H100 by the sizes; see the README)
-part logprobs 240 $PY benchmarks/logprobs.py --device cuda --repeats 3 --n 16384 --d 4096 \
+wanted logprobs && part logprobs 240 $PY benchmarks/logprobs.py --device cuda --repeats 3 --n 16384 --d 4096 \
     --vocab 151936 151665 --dtypes bfloat16 float16 float32 --cases matmul triton naive \
     --out "$OUT/logprobs.json" --table "$TMP/logprobs.md"
 
 # 3. a GRPO update step, fused against naive
-part grpo 110 $PY benchmarks/gpu_grpo_step.py --precisions bf16-weights amp-bf16 --steps 3 --micro-batch 16 \
+wanted grpo && part grpo 110 $PY benchmarks/gpu_grpo_step.py --precisions bf16-weights amp-bf16 --steps 3 --micro-batch 16 \
     --out "$OUT/grpo.json" --table "$TMP/grpo.md"
 
 # 4. Triton block sizes (data for tuning the default TritonConfig)
-part sweep 60 $PY benchmarks/logprobs.py --device cuda --triton-configs --repeats 3 --n 16384 --d 4096 \
+wanted sweep && part sweep 60 $PY benchmarks/logprobs.py --device cuda --triton-configs --repeats 3 --n 16384 --d 4096 \
     --vocab 151936 --dtypes bfloat16 --out "$OUT/sweep.json" --table "$TMP/sweep.md"
 
-wait "$KERNELS"
-cat "$TMP/kernels.log" >>"$LOG"
-grep -E "^(FAILED|ERROR)|passed|failed" "$TMP/kernels.log" | tail -20
+if wanted tests; then
+    wait "$KERNELS"
+    cat "$TMP/kernels.log" >>"$LOG"
+    grep -E "^(FAILED|ERROR)|passed|failed" "$TMP/kernels.log" | tail -20
+fi
 
 {
     echo

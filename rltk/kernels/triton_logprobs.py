@@ -70,8 +70,18 @@ class TritonConfig:
 
 
 def config_for(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | Sequence[int] | None) -> TritonConfig:
-    """The :class:`TritonConfig` the public op uses: ``chunk_size`` sets ``(block_n, block_v)``."""
-    config = TritonConfig(block_d=min(64, max(16, triton.next_power_of_2(hidden.shape[1]))))
+    """The :class:`TritonConfig` the public op uses: ``chunk_size`` sets ``(block_n, block_v)``.
+
+    On a GPU with Hopper-class shared memory (H100: 227 KiB a block) and a hidden size of at least 32,
+    128 x 256 x 32 tiles with 3 pipeline stages: on an H100 (bf16, N=16384, D=4096, V=151936) they ran
+    forward+backward 1.9x faster than the 64 x 128 x 64 default, which is 1.5x slower than naive
+    (``benchmarks/gpu_check.sh``'s sweep; ``benchmarks/README.md``). Their three fp32 stages need ~144 KiB,
+    more than older GPUs give, so those keep the small default.
+    """
+    if hidden.is_cuda and hidden.shape[1] >= 32 and _shared_memory_per_block(hidden.device) >= 200 * 1024:
+        config = TritonConfig(block_n=128, block_v=256, block_d=32, num_warps=8, num_stages=3)
+    else:
+        config = TritonConfig(block_d=min(64, max(16, triton.next_power_of_2(hidden.shape[1]))))
     if chunk_size is None:
         return config
     block_n, block_v = _logprobs._parse_chunk_size(chunk_size, default_vocab=config.block_v)
@@ -82,6 +92,11 @@ def config_for(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | Seq
                 f"power of two >= 16; got {value}"
             )
     return replace(config, block_n=block_n, block_v=block_v)
+
+
+def _shared_memory_per_block(device: torch.device) -> int:
+    """The most shared memory (bytes) one block may opt in to on ``device`` (0 where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
 
 
 def triton_token_logprobs_and_entropy(

@@ -109,23 +109,31 @@ def batched_logprobs(
     was_training = model.training
     model.eval()  # no dropout: old and reference log-probs must be deterministic
     B, T = batch["response_mask"].shape
+    # the batch stays where the trainer keeps it (the CPU on a GPU machine); each micro-batch goes to the model
+    batch_device, model_device = batch["response_mask"].device, _device_of(model)
     # logprobs, entropy, sum_pi_squared; a token-budget plan reorders rows, so each lands at its index
     outputs: list[torch.Tensor | None] = [None, None, None]
     for mb in settings.micro_batches(strategy, batch):
-        parts = settings.logprobs(model, mb.data, T, with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared)
+        data = {k: v.to(model_device) for k, v in mb.data.items()}
+        parts = settings.logprobs(model, data, T, with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared)
         if mb.padding:
             continue
         for i, part in enumerate(parts):
             if part is not None:
                 if outputs[i] is None:
-                    outputs[i] = torch.zeros(B, T, dtype=torch.float32, device=part.device)
-                outputs[i][mb.rows.to(part.device)] = part.float()
+                    outputs[i] = torch.zeros(B, T, dtype=torch.float32, device=batch_device)
+                outputs[i][mb.rows] = part.float().to(batch_device)
     model.train(was_training)
-    logprobs = outputs[0] if outputs[0] is not None else torch.zeros(B, T)
+    logprobs = outputs[0] if outputs[0] is not None else torch.zeros(B, T, device=batch_device)
     entropy = outputs[1] if with_entropy else None
     if with_sum_pi_squared:
         return logprobs, entropy, outputs[2]
     return logprobs, entropy
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (the CPU for a module without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def old_logprobs_pass(policy: torch.nn.Module, batch: dict[str, torch.Tensor], settings: ForwardSettings, *,
