@@ -61,17 +61,26 @@ from rltk.workflows.agentic import AgenticWorkflow, _positive_int
 logger = logging.getLogger(__name__)
 
 
-class RubricNames:
-    """The ``reward`` a run's loop reads ``names`` from (gdpo's columns): the rubric's reward functions.
+class RubricReward:
+    """The run's ``reward`` as this workflow exposes it: ``names`` are the rubric's reward functions (gdpo's
+    columns, in the rubric's order); counters and checkpoint state are the configured composer's, which is never
+    called, because the environment's rubric scores every episode."""
 
-    Calling it is an error: in this workflow the environment's rubric scores every episode.
-    """
-
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], composer: Any = None):
         self.names = list(names)
+        self.composer = composer
 
     def __call__(self, **_):
         raise RuntimeError("verifiers: the environment's rubric scores the episodes; reward.reward_fn is not called")
+
+    def stats(self) -> dict[str, float]:
+        return self.composer.stats() if hasattr(self.composer, "stats") else {}
+
+    def __getattr__(self, name: str):  # reset_stats, state_dict, load_state_dict ... of the composer
+        composer = self.__dict__.get("composer")
+        if composer is None:
+            raise AttributeError(name)
+        return getattr(composer, name)
 
 
 def rubric_reward_names(rubric: Any) -> list[str]:
@@ -161,7 +170,7 @@ class VerifiersWorkflow(AgenticWorkflow):
         # what the endpoint machinery of AgenticWorkflow reads (its __init__ would also want an agent)
         self.engine = engine
         self.tokenizer = tokenizer
-        self.reward = RubricNames(rubric_reward_names(self.vf_env.rubric))
+        self.reward = RubricReward(rubric_reward_names(self.vf_env.rubric), reward)
         self.sampling = sampling
         self.agent = f"verifiers environment {env_id!r}"
         self.agent_args = {}

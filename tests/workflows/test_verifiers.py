@@ -210,3 +210,42 @@ def test_without_verifiers_installed_the_error_says_how_to_install_it(monkeypatc
     monkeypatch.setitem(sys.modules, "verifiers", None)  # `import verifiers` raises ImportError
     with pytest.raises(ConfigError, match=r"pip install 'rltk\[verifiers\]'"):
         import_verifiers()
+
+
+# ------------------------------------------------------------------ from the command line
+
+TINY = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "trainer.total_steps=2",
+        "trainer.warmup_steps=0", "trainer.eval_every=0", "data.train_size=4", "data.eval_size=2",
+        "trainer.prompts_per_step=2", "rollout.n=2", "checkpoint.resume=never", "checkpoint.every=0",
+        "logging.logger=[jsonl]", "logging.plot=false", "rollout.max_new_tokens=4", "data.use_chat_template=true",
+        "data.max_prompt_tokens=32", "rollout.workflow=verifiers"]
+
+
+def test_cli_exits_2_naming_the_key_for_an_env_that_is_not_installed(tmp_path, capsys, envs):
+    from rltk.cli import main
+
+    assert main(["run", "grpo", f"output_dir={tmp_path / 'a'}", *TINY,
+                 "rollout.workflow_args.env_id=no_such_env"]) == 2
+    err = capsys.readouterr().err
+    assert "'rollout.workflow_args.env_id': no module 'no_such_env' is installed" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two warm-up steps and two GDPO steps of the tiny model on the env's own rows (~15 s)
+def test_gdpo_trains_on_a_verifiers_env_through_the_recipe(tmp_path, envs):
+    import json
+
+    from rltk.cli import main
+
+    run_dir = tmp_path / "run"
+    config = tmp_path / "verifiers.yaml"  # a file of its own: the grpo default's data.task_args are arithmetic's
+    config.write_text("data:\n  task: verifiers\n  task_args: {env_id: vf_test_sum, env_args: {count: 6}}\n")
+    assert main(["run", "grpo", "--config", str(config), f"output_dir={run_dir}", *TINY,
+                 "rollout.workflow_args.env_id=vf_test_sum",
+                 "algorithm.advantage_fn=gdpo"]) == 0  # gdpo's columns: the rubric's correct and short
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl_lines = [m for m in lines if "agentic/episodes" in m]
+    assert len(rl_lines) == 2
+    for m in rl_lines:
+        # an episode whose completion is empty text is one verifiers refuses (EmptyModelResponseError): dropped
+        assert m["agentic/episodes"] == 4.0 and m["agentic/agent_errors"] < 4.0
+        assert {"reward/correct", "reward/short", "reward/length"} <= set(m)
