@@ -185,7 +185,7 @@ def test_an_episode_past_its_timeout_is_dropped_and_a_step_with_none_left_names_
                                  episode_timeout_s=0.5, sampling=SamplingParams(n=2, max_new_tokens=100),
                                  env={"max_new_tokens_per_turn": 100})
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)all 2 episodes .*did not finish in 0.5 s \(rollout.workflow_args.episode_timeout_s\)"):
+        with pytest.raises(RuntimeError, match=r"(?s)verifiers: all 2 episodes .*did not finish in 0.5 s \(rollout.workflow_args.episode_timeout_s\)"):
             workflow.run(rows)
     finally:
         vf_test_tool.DELAY_S[0] = 0.0
