@@ -41,14 +41,14 @@ def load_environment(count=4):
 '''
 
 TOOL = '''
-import time
+import asyncio
 import verifiers.legacy as vf
 from datasets import Dataset
 
 CALLS = []
 DELAY_S = [0.0]
 
-def add(a: int, b: int) -> int:
+async def add(a: int, b: int) -> int:
     """Adds two integers.
 
     Args:
@@ -56,7 +56,7 @@ def add(a: int, b: int) -> int:
         b: the second
     """
     CALLS.append((a, b))
-    time.sleep(DELAY_S[0])
+    await asyncio.sleep(DELAY_S[0])
     return a + b
 
 def correct(completion, answer) -> float:
@@ -177,7 +177,7 @@ def test_a_tool_env_stays_one_trajectory_with_its_tool_results_masked(envs):
 def test_an_episode_past_its_timeout_is_dropped_and_a_step_with_none_left_names_the_wait(envs):
     import vf_test_tool
 
-    vf_test_tool.DELAY_S[0] = 2.0
+    vf_test_tool.DELAY_S[0] = 30.0  # the tool hangs; the episode timeout ends it
     tokenizer = build_char_tokenizer(tool_role=True)
     engine = ScriptedEngine(tokenizer, calls_add_then_copies_the_result)
     rows = format_prompts(verifiers_task("train", 1, 0, env_id="vf_test_tool"), tokenizer, use_chat_template=True)
