@@ -41,7 +41,8 @@ INSTALL_HINT = "pip install 'rltk[verifiers]'"
 
 
 def import_verifiers(feature: str = "the verifiers workflow"):
-    """The classic ``verifiers`` API module (``verifiers.legacy`` where it exists), or ConfigError saying how to install it."""
+    """The classic ``verifiers`` API module (``verifiers.legacy`` where it exists), or ConfigError saying how to
+    install it."""
     try:
         module = importlib.import_module("verifiers")
     except ImportError as exc:

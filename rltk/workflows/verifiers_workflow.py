@@ -95,7 +95,8 @@ def rubric_reward_names(rubric: Any) -> list[str]:
 
 
 class VerifiersWorkflow(AgenticWorkflow):
-    """Rows -> ``n`` episodes each of a verifiers environment over the OpenAI endpoint -> stitched, rubric-scored experiences.
+    """Rows -> ``n`` episodes each of a verifiers environment over the OpenAI endpoint -> stitched, rubric-scored
+    experiences (registered ``verifiers``).
 
     Args (``rollout.workflow_args.*``):
         env_id: the installed environment (a module with ``load_environment``; ``owner/name`` Hub ids

@@ -175,7 +175,8 @@ def test_a_tool_env_stays_one_trajectory_with_its_tool_results_masked(envs):
             assert e.reward_details["correct"] == 1.0 and e.reward_details["total_tool_calls"] == 1.0
             assert e.info["segments"] == 1 and e.info["requests"] == 2
             call = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": %d}}</tool_call>' % (a, a + 1)
-            assert tokenizer.decode(e.response_ids) == f"{call}<|eos|><|tool|>{result}<|eos|><|assistant|>{result}<|eos|>"
+            transcript = f"{call}<|eos|><|tool|>{result}<|eos|><|assistant|>{result}<|eos|>"
+            assert tokenizer.decode(e.response_ids) == transcript
             # only the tool's message and the next generation prompt are the env's; the rest is sampled
             inserted = tokenizer(f"<|tool|>{result}<|eos|><|assistant|>", add_special_tokens=False)["input_ids"]
             zeros = [i for i, m in enumerate(e.response_mask) if m == 0]
@@ -199,7 +200,8 @@ def test_an_episode_past_its_timeout_is_dropped_and_a_step_with_none_left_names_
                                  episode_timeout_s=0.5, sampling=SamplingParams(n=2, max_new_tokens=100),
                                  env={"max_new_tokens_per_turn": 100})
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)verifiers: all 2 episodes .*did not finish in 0.5 s \(rollout.workflow_args.episode_timeout_s\)"):
+        waited = r"did not finish in 0.5 s \(rollout.workflow_args.episode_timeout_s\)"
+        with pytest.raises(RuntimeError, match=r"(?s)verifiers: all 2 episodes .*" + waited):
             workflow.run(rows)
     finally:
         vf_test_tool.DELAY_S[0] = 0.0
