@@ -238,6 +238,9 @@ class TrainerConfig:
     max_staleness: int = 1  # async: the oldest policy version a trained token may come from, counted back
     stale_policy: str = "drop"  # drop (counted in staleness/dropped) | wait (for fresher data, buffer.queue_timeout_s)
     sync_every: int = 1  # RL steps between weight syncs to the producer; at most max_staleness + 1
+    # Local producer processes (one_step_off / async). Each samples its own share of the prompts
+    # (train rows k, k + N, ...); one that keeps dying is reported and training goes on with the others.
+    producers: int = 1
 
 
 @dataclass
@@ -387,7 +390,9 @@ class LoggingConfig:
 @dataclass
 class StageConfig:
     name: str = "rl"
-    type: str = "rl"  # sft | rl | dpo (the dpo recipe)
+    # sft | dpo | grpo | ppo (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
+    # recipe run: grpo's or ppo's)
+    type: str = "rl"
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
 
 
@@ -450,4 +455,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
 }
 
-STAGE_TYPES = ("sft", "rl", "dpo")
+# Stage types of the shipped recipes, for a config validated without a recipe (a recipe declares its own:
+# RecipeSpec.stage_types). RL_STAGE_TYPES sample from the rollout workflow every step.
+STAGE_TYPES = ("sft", "rl", "dpo", "grpo", "ppo")
+RL_STAGE_TYPES = ("rl", "grpo", "ppo")
