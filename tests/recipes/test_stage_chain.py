@@ -98,10 +98,10 @@ def test_a_run_killed_in_the_grpo_stage_resumes_from_the_dpo_stage_s_end(straigh
     # a typo: the valid types, the closest first
     ("grpo", "[{name: warmup, type: sft}, {name: prefs, type: dpoo}]",
      "bad value 'dpoo' for 'stages[1].type' (stage 'prefs'). Did you mean: 'dpo'"),
-    ("grpo", "[{name: prefs, type: dpoo}]", "Valid for recipe 'grpo': dpo, grpo, ppo, rl, sft"),
+    ("grpo", "[{name: prefs, type: dpoo}]", "Valid for recipe 'grpo': distill, dpo, grpo, ppo, rl, sft"),
     # rl is the RL loop of the recipe run; the dpo recipe has none
     ("dpo", "[{name: rl, type: rl}]",
-     "bad value 'rl' for 'stages[0].type' (stage 'rl'). Valid for recipe 'dpo': dpo, grpo, ppo, sft "
+     "bad value 'rl' for 'stages[0].type' (stage 'rl'). Valid for recipe 'dpo': distill, dpo, grpo, ppo, sft "
      "(rl is the RL loop of `rltk run grpo` or `rltk run ppo`; name it grpo or ppo here)"),
 ])
 def test_validate_refuses_an_unknown_stage_type_with_exit_2(capsys, recipe, stages, named):
