@@ -12,6 +12,7 @@ writes everything as JSON.
     python benchmarks/learning.py --recipes multi_turn agentic   # the multi-turn defaults (issue #11)
     python benchmarks/learning.py --recipes agentic --seeds 0 1 2 --levels default avx2 --at-step 100
     python benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2 --levels default avx2
+    python benchmarks/learning.py --recipes verifiers --seeds 0 1 2 --levels avx2   # a verifiers env (issue 31)
     python benchmarks/learning.py --recipes grpo_head32 grpo_vllm --seeds 0 1 2   # hf vs vLLM sampling
     python benchmarks/learning.py --lr-sweep                      # GRPO stability over learning rates
 
@@ -66,7 +67,18 @@ RUNS = {
     # reward model (held-out pairwise accuracy P(r_right > r_wrong), reported in the greedy columns)
     "sft": ["run", "sft"],
     "reward_model": ["run", "reward_model"],
+    # issue 31: the grpo default played and scored by a verifiers environment (benchmarks/verifiers_envs/
+    # vf_addition.py, its rubric: exact answer 1.0 + a number at all 0.2) through rltk's endpoint; the rows are the
+    # grpo default's (their demonstrations feed the warm-up), rendered with the chat template as the env's client
+    # sends them. Needs the verifiers extra.
+    "verifiers": ["run", "grpo", "rollout.workflow=verifiers", "rollout.workflow_args.env_id=vf_addition",
+                  "rollout.workflow_args.concurrency=128", "rollout.workflow_args.max_batch=128",
+                  "rollout.workflow_args.batch_max_wait_s=30", "data.use_chat_template=true",
+                  "data.max_prompt_tokens=32"],
 }
+
+#: Environments of the `verifiers` runs, importable by name as installed ones are (on PYTHONPATH of every run).
+VERIFIERS_ENVS = Path(__file__).resolve().parent / "verifiers_envs"
 
 # The 0.6M-parameter model and the step shape of the lr sweep (issue: learning that holds on any machine).
 SWEEP_MODEL = ["model.tiny.hidden_size=128", "model.tiny.num_layers=4", "model.tiny.num_heads=4",
@@ -96,7 +108,8 @@ def cpu_levels() -> list[str]:
 def run_rltk(args: list[str], run_dir: Path, level: str, log: Path) -> float:
     """One `rltk` command in a fresh single-threaded process at kernel level ``level``; its wall time."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
+           "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(VERIFIERS_ENVS), os.environ.get("PYTHONPATH")) if p)}
     command = [sys.executable, "-m", "rltk.cli", *args, f"output_dir={run_dir}", "logging.logger=[jsonl]",
                "logging.plot=false", "checkpoint.resume=never"]
     tick = time.perf_counter()

@@ -34,7 +34,7 @@ import torch
 from rltk.config.errors import ConfigError
 from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
-from rltk.recipe_utils import parse_recipe_args
+from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.collect import RolloutPlan, collect_experiences
 from rltk.training.evaluation import evaluate
 from rltk.training.forward import ForwardSettings
@@ -145,10 +145,14 @@ def run_dpo_stage(stage: Stage) -> None:
             save_checkpoint(stage, strategy, loop, last_step=t.total_steps)
 
 
+# The stage types this script runs; `dpo` also in any other recipe's `stages` (see grpo.py).
+STAGES = {"sft": run_sft_stage, "dpo": run_dpo_stage}
+
+
 def main():
     cfg = parse_recipe_args()
     run = open_run(cfg)  # run folder, model, data, workflow, loggers, resume point
-    run_stages(run, {"sft": run_sft_stage, "dpo": run_dpo_stage})
+    run_stages(run, stage_runners(STAGES))  # each stage starts from the weights the one before ended with
     finish_run(run)  # held-out evaluation, curves.png, summary.json
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 
 from rltk.algorithms.kl import apply_kl_penalty
-from rltk.recipe_utils import parse_recipe_args
+from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.async_rollout import start_producer
 from rltk.training.collect import collect_experiences, produced_metrics
 from rltk.training.batch_metrics import rollout_metrics
@@ -169,10 +169,15 @@ def train_steps(stage: Stage, strategy, parts: RLParts, loop, rollouts) -> None:
                 rollouts.commit(step)  # the queue's leases of steps <= step are consumed, exactly once
 
 
+# The stage types this script runs: `rl` in its own runs, `grpo` in any recipe's `stages` (a config may chain
+# sft, dpo, grpo, ppo: each type is the loop of the recipe of that name, see rltk.recipe_utils.stage_runners).
+STAGES = {"sft": run_sft_stage, "rl": run_rl_stage, "grpo": run_rl_stage}
+
+
 def main():
     cfg = parse_recipe_args()
     run = open_run(cfg)  # run folder, model, data, workflow, loggers, resume point
-    run_stages(run, {"sft": run_sft_stage, "rl": run_rl_stage})
+    run_stages(run, stage_runners(STAGES))  # each stage starts from the weights the one before ended with
     finish_run(run)  # held-out evaluation, curves.png, summary.json
 
 

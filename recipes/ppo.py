@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 
 from rltk.algorithms.kl import apply_kl_penalty
-from rltk.recipe_utils import parse_recipe_args
+from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.collect import collect_experiences
 from rltk.training.batch_metrics import rollout_metrics
 from rltk.training.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
@@ -156,10 +156,14 @@ def run_ppo_stage(stage: Stage) -> None:
             save_checkpoint(stage, strategies, loop, last_step=t.total_steps)
 
 
+# The stage types this script runs: `rl` in its own runs, `ppo` in any recipe's `stages` (see grpo.py).
+STAGES = {"sft": run_sft_stage, "rl": run_ppo_stage, "ppo": run_ppo_stage}
+
+
 def main():
     cfg = parse_recipe_args()  # validation has checked the rules spanning the critic and trainer sections
     run = open_run(cfg)  # run folder, model, data, workflow, loggers, resume point
-    run_stages(run, {"sft": run_sft_stage, "rl": run_ppo_stage})
+    run_stages(run, stage_runners(STAGES))  # each stage starts from the weights the one before ended with
     finish_run(run)  # held-out evaluation, curves.png, summary.json
 
 

@@ -14,26 +14,24 @@ The loop (the stage is the very one a GRPO or PPO run warms up with, rltk/traini
         update; every sft.eval_every steps: held-out accuracy (greedy and sampled)
         guard <- stop if the run diverged; checkpoint
 
-Chain it before RL with `stages` in a GRPO config (type: sft), or start a GRPO run from its last
-checkpoint (checkpoint.start_from). This file is a script, not a module: copy it to change the loop.
+Chain it before DPO or RL with `stages` (type: sft, then dpo, grpo or ppo), or start a GRPO run from its
+last checkpoint (checkpoint.start_from). This file is a script, not a module: copy it to change the loop.
 """
 
 from __future__ import annotations
 
-from rltk.config.errors import ConfigError
-from rltk.recipe_utils import parse_recipe_args
+from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.run import finish_run, open_run, run_stages
 from rltk.training.sft_stage import run_sft_stage
+
+# The stage type this script runs; a config's `stages` may chain dpo, grpo or ppo after it (see grpo.py).
+STAGES = {"sft": run_sft_stage}
 
 
 def main():
     cfg = parse_recipe_args()
-    others = [f"stages[{i}] ('{st.name}', type {st.type})" for i, st in enumerate(cfg.stages) if st.type != "sft"]
-    if others:  # RL stages need a recipe with an RL loop: grpo or ppo run sft stages too
-        raise ConfigError(f"'stages': the sft recipe runs stages of type sft only, got {', '.join(others)}; "
-                          f"chain SFT before RL in `rltk run grpo` (or ppo) with a type: sft stage")
     run = open_run(cfg)  # run folder, model, data, rollout workflow (held-out evaluation), loggers, resume point
-    run_stages(run, {"sft": run_sft_stage})
+    run_stages(run, stage_runners(STAGES))
     finish_run(run)  # held-out evaluation, curves.png, summary.json
 
 

@@ -46,6 +46,7 @@ class TrainingBatch(TypedDict, total=False):
     old_logprobs: Annotated[Tensor, "[B, T]", "float32", "old-log-prob pass: the behaviour policy's"]
     sum_pi_squared: Annotated[Tensor, "[B, T]", "float32", "old-log-prob pass: sum_v pi_old(v)^2"]
     ref_logprobs: Annotated[Tensor, "[B, T]", "float32", "reference pass (kl_coef > 0)"]
+    teacher_logprobs: Annotated[Tensor, "[B, T]", "float32", "teacher pass (distill recipe)"]
     values: Annotated[Tensor, "[B, T]", "float32", "critic pass (ppo recipe)"]
     advantages: Annotated[Tensor, "[B, T]", "float32", "advantage pass"]
     returns: Annotated[Tensor, "[B, T]", "float32", "advantage pass"]

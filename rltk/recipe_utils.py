@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import sys
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -62,14 +66,46 @@ def _declared_provides(script: Path) -> dict | None:
     return None
 
 
+def _declared_stages(script: Path) -> tuple[str, ...] | None:
+    """The stage types of a recipe script's top-level ``STAGES = {"type": runner, ...}``, read without running it."""
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "STAGES" for t in node.targets)
+                and isinstance(node.value, ast.Dict)):
+            return tuple(k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return None
+
+
 def _spec_of(script: Path) -> RecipeSpec:
     provides = _declared_provides(script) or {}
 
     def field(key: str) -> frozenset[str] | None:
         return frozenset(provides[key]) if key in provides else None
 
+    stages = _declared_stages(script)
     return RecipeSpec(script.stem, batch_fields=field("batch_fields"), buffer_sources=field("buffer_sources"),
-                      expert_data=bool(provides.get("expert_data", False)), trainer_modes=field("trainer_modes"))
+                      expert_data=bool(provides.get("expert_data", False)), trainer_modes=field("trainer_modes"),
+                      stage_types=frozenset(stages) if stages is not None else None)
+
+
+def _stage_recipes(script: Path) -> dict[str, Path]:
+    """Stage type -> the recipe script whose stage it is, for the types a config may chain besides the recipe's own.
+
+    A recipe that declares ``STAGES`` with a type of its own name (``dpo.py``: ``"dpo"``) lends that stage to
+    every other recipe's ``stages``. Scripts beside ``script`` come first (a copied folder of recipes uses its
+    own copies), then the shipped ones.
+    """
+    found: dict[str, Path] = {}
+    folders = [script.parent] if script.parent.is_dir() else []
+    for path in [p for folder in folders for p in sorted(folder.glob("*.py"))] + list(shipped_recipes().values()):
+        if path.name.startswith("_") or path.stem in found:
+            continue
+        if path.stem in (_declared_stages(path) or ()):
+            found[path.stem] = path
+    return found
 
 
 def recipe_spec(script: str | Path) -> RecipeSpec:
@@ -93,8 +129,59 @@ def recipe_spec(script: str | Path) -> RecipeSpec:
         if p.resolve() != script.resolve() and not p.name.startswith("_") and _declared_provides(p) is not None
     ) if script.parent.is_dir() else ()
     spec = _spec_of(script)
+    own = spec.stage_types
+    lent = {t: _spec_of(p) for t, p in _stage_recipes(script).items() if own is None or t not in own}
+    stage_types = None if own is None else own | frozenset(lent)
     return RecipeSpec(spec.name, spec.batch_fields, spec.buffer_sources, others, spec.expert_data,
-                      spec.trainer_modes)
+                      spec.trainer_modes, stage_types=stage_types,
+                      stage_recipes=tuple(sorted(lent.items())) if own is not None else ())
+
+
+class StageRunners(Mapping):
+    """A recipe's stage runners by type: its own ``STAGES``, then the stage of every recipe that lends one.
+
+    ``type: dpo`` in any recipe's ``stages`` runs ``recipes/dpo.py``'s ``STAGES["dpo"]``: the script is
+    loaded (not run as ``__main__``) the first time a config names it, so each stage's loop exists once,
+    in its own recipe. The stages hand weights on through ``run.policy`` (:func:`rltk.training.run.run_stages`).
+    """
+
+    def __init__(self, own: dict[str, Callable], script: Path):
+        self.own, self.lent = dict(own), {t: p for t, p in _stage_recipes(script).items() if t not in own}
+
+    def __getitem__(self, stage_type: str) -> Callable:
+        if stage_type in self.own:
+            return self.own[stage_type]
+        if stage_type not in self.lent:
+            raise KeyError(stage_type)
+        return _load_recipe(self.lent[stage_type]).STAGES[stage_type]
+
+    def __iter__(self):
+        return iter(sorted(set(self.own) | set(self.lent)))
+
+    def __len__(self) -> int:
+        return len(set(self.own) | set(self.lent))
+
+
+_LOADED: dict[Path, ModuleType] = {}
+
+
+def _load_recipe(script: Path) -> ModuleType:
+    """A recipe script as a module (its ``main`` not run), loaded once per process."""
+    script = script.resolve()
+    if script not in _LOADED:
+        name = f"rltk_recipe_{script.stem}"
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # what dataclasses and pickling look a module up by
+        spec.loader.exec_module(module)
+        _LOADED[script] = module
+    return _LOADED[script]
+
+
+def stage_runners(own: dict[str, Callable], recipe_file: str | None = None) -> StageRunners:
+    """The runners of every stage type a recipe's config may name: ``own`` (the recipe's ``STAGES``) and the
+    stage each other recipe lends (see :class:`StageRunners`). ``recipe_file``: the script (default ``sys.argv[0]``)."""
+    return StageRunners(own, Path(recipe_file or sys.argv[0]))
 
 
 # ---------------------------------------------------------------- finding recipes, validating a config
@@ -168,9 +255,33 @@ def validate(recipe: str | None, files: list[Path], overrides: list[str], *, war
     return cfg, (f"ok: {', '.join(map(str, files)) or 'defaults'}"
                  f"{' with ' + ' '.join(overrides) if overrides else ''}"
                  f"{' for recipe ' + spec.name if spec else ''} "
-                 f"(algorithm {cfg.algorithm.name}, {len(cfg.stages)} stage(s))"
+                 f"({what_runs(cfg, spec.name if spec else None)})"
                  f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}"
                  f"{f'; the first {checked} warm-up examples fit the rollout' if checked else ''}")
+
+
+def what_runs(cfg, recipe: str | None) -> str:
+    """What a run of ``cfg`` trains, stage by stage, for ``rltk validate``'s ok line: e.g. ``2 stages: warmup
+    (sft), dpo (dpo, loss sigmoid)``; an RL stage names its algorithm, the reward_model recipe its loss."""
+    from rltk.config.schema import RL_STAGE_TYPES
+    from rltk.training.setup import stage_config
+
+    parts = []
+    for i, stage in enumerate(cfg.stages):
+        staged = stage_config(cfg, i)
+        if stage.type == "distill":
+            detail = f", advantage {staged.algorithm.advantage_fn}"
+        elif stage.type in RL_STAGE_TYPES:
+            detail = f", algorithm {staged.algorithm.name}"
+        elif stage.type == "dpo":
+            detail = f", loss {staged.dpo.loss}{', online' if staged.dpo.online else ''}"
+        else:
+            detail = ""
+        parts.append(f"{stage.name} ({stage.type}{detail})")
+    text = f"{len(parts)} stage{'' if len(parts) == 1 else 's'}{': ' + ', '.join(parts) if parts else ''}"
+    if recipe == "reward_model":  # the recipe trains a reward model after its stages
+        text += f"{', then' if parts else ';'} a reward model (loss {cfg.reward_model.loss})"
+    return text
 
 
 #: ``rltk validate`` tokenizes this many training rows of a warm-up; a run checks them all before its first step.

@@ -28,6 +28,8 @@ Batch fields an estimator may declare (``T`` is the response width):
                                  token's distribution under the behaviour policy;
                                  the recipes fill it only for an estimator that
                                  names it
+``teacher_logprobs``   ``[B,T]`` on_policy_distill: a teacher's log-probs of the
+                                 sampled tokens (the distill recipe's teacher pass)
 ``sequence_rewards``   ``[B]``   optional, outcome estimators: ``token_rewards.sum(-1)``
                                  in float32, the return ``R_i`` (see below)
 ``policy_lengths``     ``[B]``   optional, opo / REINFORCE++-baseline / gdpo:
@@ -123,6 +125,7 @@ __all__ = [
     "gdpo",
     "gpg",
     "optimal_token_baseline",
+    "on_policy_distill",
     "masked_whiten",
     "discounted_returns",
 ]
@@ -1126,6 +1129,66 @@ def optimal_token_baseline(
     return advantages.to(torch.float32), returns.to(torch.float32)
 
 
+def on_policy_distill(
+    *,
+    old_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    sequence_rewards: torch.Tensor | None = None,
+    task_coef: float = 0.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: each sampled token's advantage is minus the student's reverse-KL term against a teacher.
+
+    For response ``i`` sampled from the student ``pi_old`` and policy token ``t``::
+
+        A_it = -(log pi_old(y_it | x, y_i<t) - log pi_teacher(y_it | x, y_i<t))
+               + task_coef * A^grpo_i                   (A^grpo: :func:`grpo` of the task reward)
+        returns = A (the per-token return: the advantage is not discounted over later tokens)
+
+    ``log pi_old - log pi_teacher`` at the sampled token is the one-sample
+    estimate of the per-token reverse KL ``KL(pi_student || pi_teacher)``;
+    the policy gradient with this advantage, ``E[A_t grad log pi(y_t)]``,
+    is the gradient of the reverse KL of the student's own samples with each
+    token's term taken alone (discount 0), which is the dense teacher signal
+    of on-policy distillation. It is GKD with the student-data fraction
+    ``lambda = 1`` and the reverse-KL divergence, estimated from the sampled
+    token instead of summed over the vocabulary. Where the teacher rates a
+    sampled token higher than the student does, ``A > 0``: the student moves
+    toward the teacher. ``task_coef > 0`` adds the group-relative advantage
+    of the task reward (0, the default, is pure distillation; ``token_rewards``
+    and ``group_ids`` are read only then).
+
+    Papers: Agarwal et al. 2024, "On-Policy Distillation of Language Models:
+    Learning from Self-Generated Mistakes" (GKD), arXiv:2306.13649; Lu and
+    Thinking Machines Lab 2025, "On-Policy Distillation" (Connectionism),
+    the per-token ``-reverse KL`` advantage with discount 0 that tinker-cookbook
+    and the peers' OPD recipes use.
+
+    Shape: (B, T) x4, (B,)[, (B,)] -> (B, T), (B, T).
+    """
+    _check_inputs(
+        "on_policy_distill",
+        {"old_logprobs": old_logprobs, "teacher_logprobs": teacher_logprobs, "response_mask": response_mask,
+         "token_rewards": token_rewards},
+        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
+    )
+    if task_coef is None or not math.isfinite(float(task_coef)) or task_coef < 0:
+        raise ValueError(f"advantage_fn 'on_policy_distill': task_coef must be a number >= 0, got {task_coef!r}")
+    on = _policy_weights(response_mask)
+    # float64 difference: two log-probs near -20 differ in their last float32 bits
+    advantages = (teacher_logprobs.detach().to(torch.float64) - old_logprobs.detach().to(torch.float64))
+    advantages = (advantages * on).to(torch.float32)
+    if task_coef > 0:
+        task, _ = grpo(token_rewards=token_rewards, response_mask=response_mask, group_ids=group_ids,
+                       sequence_rewards=sequence_rewards, norm_by_std=norm_by_std, eps=eps)
+        advantages.add_(task, alpha=float(task_coef))
+    return advantages, advantages.clone()
+
+
 @rltk.hookimpl
 def rltk_advantage_fns():
     """Register the builtin advantage estimators."""
@@ -1142,4 +1205,5 @@ def rltk_advantage_fns():
         "gdpo": gdpo,
         "gpg": gpg,
         "optimal_token_baseline": optimal_token_baseline,
+        "on_policy_distill": on_policy_distill,
     }

@@ -102,6 +102,12 @@ CREATE TABLE IF NOT EXISTS leases (
     take_time REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS producer_counters (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    producer TEXT NOT NULL,
+    counters TEXT NOT NULL,                  -- JSON {name: number} of the put that stored them
+    reported INTEGER NOT NULL DEFAULT 0      -- 1 once a take has handed them to the trainer
+);
 """
 
 
@@ -119,7 +125,8 @@ class Lease:
     ``group_keys[i]`` describe ``experiences[i]``. ``metrics`` are the
     ``staleness/*`` numbers of this take: ``mean`` and ``max`` over the taken
     experiences (trainer version minus oldest token version), ``dropped``
-    (experiences dropped as too stale by this take) and ``waited_s``.
+    (experiences dropped as too stale by this take) and ``waited_s``, and the
+    sum of the ``counters`` producers put since the last take (``put``).
     """
 
     id: int
@@ -238,7 +245,8 @@ class ExperienceQueue:
     # producers
 
     def put(self, experiences: Iterable[Experience], *, ids: Sequence[str],
-            versions: int | Sequence[int | Sequence[int]], producer: str = "producer") -> int:
+            versions: int | Sequence[int | Sequence[int]], producer: str = "producer",
+            counters: dict[str, float] | None = None) -> int:
         """Store ``experiences`` in one transaction; returns how many were new (ids already stored are skipped).
 
         ``ids`` are unique strings, one per experience. ``versions`` is the policy
@@ -248,6 +256,11 @@ class ExperienceQueue:
         in one call form one group (workflows number groups afresh for every
         batch, so equal ids in two calls are two groups): put a group whole, in
         one call. Experiences must be JSON-able (``info`` included).
+
+        ``counters`` (``{name: number}``, e.g. the producer's ``reward_fn/*``
+        counts while it made this batch) are stored with the put, unless every
+        id was stored before (a restarted producer's repeat), and summed into
+        the metrics of the next :meth:`take`.
         """
         experiences = list(experiences)
         ids = list(ids)
@@ -289,12 +302,21 @@ class ExperienceQueue:
             rows.append((exp_id, producer, f"{producer}/{ids[0]}/{exp.group_id}", low, high,
                          None if token_versions is None else json.dumps(token_versions), payload, now))
 
+        if counters is not None and not all(isinstance(k, str) and isinstance(v, (int, float))
+                                            and not isinstance(v, bool) and math.isfinite(v)
+                                            for k, v in counters.items()):
+            raise ValueError(f"ExperienceQueue.put: counters must map names to finite numbers, got {counters!r}")
+
         def insert() -> int:
             before = self._db.total_changes
             self._db.executemany(
                 "INSERT OR IGNORE INTO experiences (id, producer, group_key, min_version, max_version, versions, "
                 "payload, put_time) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            return self._db.total_changes - before
+            new = self._db.total_changes - before
+            if counters and new:
+                self._db.execute("INSERT INTO producer_counters (producer, counters) VALUES (?, ?)",
+                                 (producer, json.dumps(counters)))
+            return new
 
         return self._execute_locked("put experiences", insert)
 
@@ -400,7 +422,19 @@ class ExperienceQueue:
                              [(lease_id, r[0]) for r in taken])
         stored = {seq: (token_versions, payload) for seq, token_versions, payload in self._db.execute(
             "SELECT seq, versions, payload FROM experiences WHERE lease = ?", (lease_id,))}
-        return self._lease(lease_id, step, version, chosen, stored), dropped, seen
+        lease = self._lease(lease_id, step, version, chosen, stored)
+        lease.metrics.update(self._unreported_counters())
+        return lease, dropped, seen
+
+    def _unreported_counters(self) -> dict[str, float]:
+        """The sum of the counters put since the last take's, each name on its own; marks them reported."""
+        total: dict[str, float] = {}
+        rows = self._db.execute("SELECT seq, counters FROM producer_counters WHERE reported = 0").fetchall()
+        for _, counters in rows:
+            for name, value in json.loads(counters).items():
+                total[name] = total.get(name, 0.0) + float(value)
+        self._db.executemany("UPDATE producer_counters SET reported = 1 WHERE seq = ?", [(r[0],) for r in rows])
+        return total
 
     def _lease(self, lease_id: int, step: int, version: int, groups: list[list[tuple]],
                stored: dict[int, tuple]) -> Lease:

@@ -38,6 +38,10 @@ class RecipeSpec:
             buffer under ``buffer.expert.source`` (when a path is set).
         others: the specs of sibling recipes, to suggest one that serves what is missing.
         trainer_modes: the ``trainer.mode`` values its loop runs (``None``: ``sync`` only).
+        stage_types: the ``stages[i].type`` values it runs: its own ``STAGES`` and those other recipes lend
+            (``None``: not declared, checked against :data:`rltk.config.schema.STAGE_TYPES`).
+        stage_recipes: ``(type, spec)`` of each stage type another recipe lends, so a stage is checked
+            against what its own loop serves.
     """
 
     name: str
@@ -46,6 +50,8 @@ class RecipeSpec:
     others: tuple["RecipeSpec", ...] = ()
     expert_data: bool = False
     trainer_modes: frozenset[str] | None = None
+    stage_types: frozenset[str] | None = None
+    stage_recipes: tuple[tuple[str, "RecipeSpec"], ...] = ()
 
 
 def required_batch_fields(advantage_fn: Any) -> frozenset[str]:

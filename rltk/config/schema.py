@@ -238,6 +238,9 @@ class TrainerConfig:
     max_staleness: int = 1  # async: the oldest policy version a trained token may come from, counted back
     stale_policy: str = "drop"  # drop (counted in staleness/dropped) | wait (for fresher data, buffer.queue_timeout_s)
     sync_every: int = 1  # RL steps between weight syncs to the producer; at most max_staleness + 1
+    # Local producer processes (one_step_off / async). Each samples its own share of the prompts
+    # (train rows k, k + N, ...); one that keeps dying is reported and training goes on with the others.
+    producers: int = 1
 
 
 @dataclass
@@ -318,6 +321,22 @@ class DPOConfig:
 
 
 @dataclass
+class DistillConfig:
+    """The teacher of the ``distill`` recipe (``type: distill`` in ``stages``): on-policy distillation.
+
+    The student is ``model.path`` (or the tiny model); steps, learning rate, sampling and the policy
+    loss come from ``trainer``, ``rollout`` and ``algorithm`` as in GRPO, with
+    ``algorithm.advantage_fn: on_policy_distill`` (its ``algorithm.advantage_fn_args.task_coef`` mixes in
+    the task reward's group advantage).
+    """
+
+    # A Hugging Face causal-LM folder, or an rltk checkpoint (a step_XXXXXX folder of full weights; its
+    # run's tokenizer is read from <output_dir>/tokenizer). Its tokenizer must be the student's.
+    teacher_path: Optional[str] = None
+    teacher_dtype: str = "float32"
+
+
+@dataclass
 class CriticConfig:
     """The value model of recipes with a critic (``ppo``); other recipes ignore this section.
 
@@ -390,7 +409,9 @@ class LoggingConfig:
 @dataclass
 class StageConfig:
     name: str = "rl"
-    type: str = "rl"  # sft | rl | dpo (the dpo recipe)
+    # sft | dpo | grpo | ppo | distill (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
+    # recipe run: grpo's or ppo's)
+    type: str = "rl"
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
 
 
@@ -412,6 +433,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -451,6 +473,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sft.probe": ("greedy", "sampled"),
     "reward_model.lr_schedule": ("constant", "linear", "cosine"),
     "device": ("auto", "cpu", "cuda"),
+    "distill.teacher_dtype": ("float32", "bfloat16", "float16"),
 }
 
-STAGE_TYPES = ("sft", "rl", "dpo")
+# Stage types of the shipped recipes, for a config validated without a recipe (a recipe declares its own:
+# RecipeSpec.stage_types). RL_STAGE_TYPES sample from the rollout workflow every step.
+STAGE_TYPES = ("sft", "rl", "dpo", "grpo", "ppo", "distill")
+RL_STAGE_TYPES = ("rl", "grpo", "ppo", "distill")

@@ -71,17 +71,23 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
     if "values" in needs or has_critic:  # a critic-based run: check its section too
         check_critic_config(cfg)
+    valid = sorted(recipe.stage_types) if recipe is not None and recipe.stage_types is not None else list(STAGE_TYPES)
+    lent = dict(recipe.stage_recipes) if recipe is not None else {}
     for i, stage in enumerate(cfg.stages):
-        if stage.type not in STAGE_TYPES:
+        if stage.type not in valid:
+            runs = f" for recipe '{recipe.name}'" if recipe is not None and recipe.stage_types is not None else ""
+            rl = "" if "rl" in valid else (" (rl is the RL loop of `rltk run grpo` or `rltk run ppo`; name it grpo or "
+                                           "ppo here)")
             raise ConfigError(
-                f"bad value {stage.type!r} for 'stages[{i}].type' (stage '{stage.name}'). "
-                f"Valid: {', '.join(STAGE_TYPES)}"
+                f"bad value {stage.type!r} for 'stages[{i}].type' (stage '{stage.name}')."
+                f"{did_you_mean(stage.type, valid)} Valid{runs}: {', '.join(valid)}{rl}"
             )
-        if stage.overrides:
-            check_no_stage_lora(i, stage.name, stage.overrides)
-            staged = apply_overrides(cfg, dict(stage.overrides), f"stages[{i}].overrides (stage '{stage.name}')")
+        # a stage another recipe lends is checked against what that recipe's loop serves
+        if stage.overrides or stage.type in lent:
+            check_no_stage_lora(i, stage.name, stage.overrides or {})
+            staged = apply_overrides(cfg, dict(stage.overrides or {}), f"stages[{i}].overrides (stage '{stage.name}')")
             staged.stages = []
-            validate_config(staged, recipe)
+            validate_config(staged, lent.get(stage.type, recipe))
     try:
         OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
     except OmegaConfBaseException as exc:
@@ -172,6 +178,7 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
     """The asynchronous-training keys, and the modes the loop runs.
 
     ``trainer.max_staleness`` is an int >= 0, ``trainer.sync_every`` an int >= 1,
+    ``trainer.producers`` an int >= 1 (more than one only in an asynchronous mode),
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
     are plain choices). ``one_step_off`` and ``async`` run in a recipe that
     declares them (``PROVIDES["trainer_modes"]``: grpo), with a local producer
@@ -192,6 +199,15 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
             f"bad value {t.sync_every!r} for 'trainer.sync_every': must be an integer >= 1 (RL steps "
             f"between weight syncs to the producers)"
         )
+    producers = t.get("producers", 1)
+    if not (_is_int(producers) and producers >= 1):
+        raise ConfigError(
+            f"bad value {producers!r} for 'trainer.producers': must be an integer >= 1 (local rollout producer "
+            f"processes of trainer.mode=one_step_off or async)")
+    if producers > 1 and t.mode == "sync":
+        raise ConfigError(
+            f"bad value {producers!r} for 'trainer.producers' with trainer.mode=sync: producers run beside the "
+            f"trainer only in trainer.mode=one_step_off or async; set one of those, or trainer.producers=1")
     timeout = cfg.buffer.queue_timeout_s
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
             and timeout > 0):

@@ -1,5 +1,6 @@
-"""The trainer's side of asynchronous RL (``trainer.mode`` ``one_step_off`` or ``async``): one producer
-process, the experience queue between them, and the weights file it follows.
+"""The trainer's side of asynchronous RL (``trainer.mode`` ``one_step_off`` or ``async``): the producer
+processes (``trainer.producers``, one by default), the experience queue between them and the trainer, and
+the weights file they follow.
 
 :class:`AsyncRollouts` is what the RL loop calls instead of generating::
 
@@ -18,10 +19,12 @@ step). The producer (:mod:`rltk.training.producer`) never runs more than
 anything staler, so every trained token lags the trainer by at most that.
 
 Nothing hangs: a take waits at most ``buffer.queue_timeout_s`` in total, and
-between short polls checks the producer. A producer that exits is started
+between short polls checks the producers. A producer that exits is started
 again once (its log says why it stopped; a restarted producer goes on where
-its last put ended); a second exit stops the run with an error naming the
-producer, its exit status and its log, with the log's last lines.
+its last put ended); a second exit is reported, naming the producer, its exit
+status and its log, with the log's last lines, and training goes on with the
+other producers (``producers/alive`` counts them); when none is left the run
+stops with that report.
 
 Exactly once: the queue's leases are committed with each checkpoint and
 settled on resume (:meth:`rltk.buffer.queue.ExperienceQueue.recover`).
@@ -118,10 +121,11 @@ def start_producer(stage, strategy, *, resumed_step: int) -> "AsyncRollouts | No
 
 
 class AsyncRollouts:
-    """The experience queue, the weights file and the producer of one asynchronous RL stage."""
+    """The experience queue, the weights file and the producers of one asynchronous RL stage."""
 
-    def __init__(self, stage, strategy, queue: ExperienceQueue, producer: ProducerProcess, weights: Path):
-        self.stage, self.strategy, self.queue, self.producer, self.weights = stage, strategy, queue, producer, weights
+    def __init__(self, stage, strategy, queue: ExperienceQueue, producers: list[ProducerProcess], weights: Path):
+        self.stage, self.strategy, self.queue, self.weights = stage, strategy, queue, weights
+        self.producers = list(producers)  # the ones still running; a failed one is reported and removed
         t = stage.cfg.trainer
         self.sync_every = int(t.sync_every)
         self.count = batch_size(stage.cfg)
@@ -150,12 +154,27 @@ class AsyncRollouts:
         queue.publish_version(resumed_step)
         config = folder / "producer_config.yaml"
         OmegaConf.save(cfg, config, resolve=True)
-        producer = ProducerProcess(
-            "producer-0", ["--config", str(config), "--stage", str(stage.index), "--queue", str(queue_path),
-                           "--weights", str(weights), "--timeout", str(cfg.buffer.queue_timeout_s)],
-            folder / "producer-0.log")
-        producer.start()
-        return cls(stage, strategy, queue, producer, weights)
+        count = int(t.producers)
+        producers = [ProducerProcess(
+            f"producer-{k}", ["--config", str(config), "--stage", str(stage.index), "--queue", str(queue_path),
+                              "--weights", str(weights), "--timeout", str(cfg.buffer.queue_timeout_s),
+                              "--index", str(k), "--count", str(count)],
+            folder / f"producer-{k}.log") for k in range(count)]
+        for producer in producers:
+            producer.start()
+        return cls(stage, strategy, queue, producers, weights)
+
+    def check_producers(self) -> None:
+        """Restart or report each producer that exited; raise :class:`ProducerFailed` when none is left."""
+        for producer in list(self.producers):
+            try:
+                producer.check()
+            except ProducerFailed as exc:
+                self.producers.remove(producer)
+                if not self.producers:
+                    raise
+                print(f"rltk: {exc}\nrltk: training goes on with {len(self.producers)} producer(s): "
+                      f"{', '.join(p.name for p in self.producers)}", file=sys.stderr, flush=True)
 
     def take(self, step: int) -> Lease:
         """The experiences of training step ``step`` (trainer version ``step - 1``), with ``staleness/*``
@@ -163,19 +182,21 @@ class AsyncRollouts:
         start = time.monotonic()
         dropped_before = self.queue.counts()["dropped"]
         while True:
-            self.producer.check()
+            self.check_producers()
             left = self.timeout_s - (time.monotonic() - start)
             try:
                 lease = self.queue.take(self.count, step=step, version=step - 1,
                                         timeout_s=max(min(CHECK_S, left), 1e-3))
             except QueueTimeout as exc:
                 if time.monotonic() - start >= self.timeout_s:
+                    names = ", ".join(f"'{p.name}' (log {p.log})" for p in self.producers)
                     raise TrainerWaitTimeout(
-                        f"waited {self.timeout_s:g} s (buffer.queue_timeout_s) for rollout producer "
-                        f"'{self.producer.name}' (log {self.producer.log}): {exc}") from None
+                        f"waited {self.timeout_s:g} s (buffer.queue_timeout_s) for rollout producer(s) {names}: "
+                        f"{exc}") from None
                 continue
             lease.metrics["staleness/dropped"] = float(self.queue.counts()["dropped"] - dropped_before)
             lease.metrics["staleness/waited_s"] = time.monotonic() - start
+            lease.metrics["producers/alive"] = float(len(self.producers))
             return lease
 
     def after_update(self, step: int) -> None:
@@ -189,5 +210,6 @@ class AsyncRollouts:
         self.queue.commit(step)
 
     def close(self) -> None:
-        self.producer.stop()
+        for producer in self.producers:
+            producer.stop()
         self.queue.close()

@@ -196,8 +196,11 @@ def sampled_batch(stage, loop: LoopState, parts: RLParts, experiences: list, col
     run = stage.run
     loop.buffer.put(experiences, step)
     stored = {id(item.experience): item for item in loop.buffer.items()}
+    # a strategy may hand back a changed copy (mix_expert regroups demonstrations with
+    # dataclasses.replace); the copy keeps the original's info dict, which finds its buffer item
+    stored_by_info = {id(item.experience.info): item for item in loop.buffer.items()}
     experiences = parts.sample_strategy.sample(loop.buffer, step) if experiences else []
-    loop.batch_items = [stored.get(id(e)) for e in experiences]
+    loop.batch_items = [stored.get(id(e)) or stored_by_info.get(id(e.info)) for e in experiences]
     if any_rank(strategy, not experiences):
         run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics, **parts.sample_strategy.metrics()},
                            stage.first_step + step)

@@ -3,7 +3,10 @@
 The trainer (:mod:`rltk.training.async_rollout`) starts it beside itself::
 
     python -m rltk.training.producer --config STAGE.yaml --stage I --queue Q.sqlite \\
-        --weights policy.safetensors --name producer-0
+        --weights policy.safetensors --name producer-0 [--index 0 --count 1]
+
+With ``trainer.producers`` = N, producer ``k`` samples only the rows ``k, k + N, ...``
+(:func:`producer_rows`) and seeds its batches apart from the others'.
 
 It builds the stage's tokenizer, policy, rows and workflow exactly as the
 trainer does (:func:`rltk.training.setup.build_workflow`; any workflow:
@@ -78,8 +81,14 @@ class _Parent:
         return os.getppid() == self.pid
 
 
+def producer_rows(rows: list, index: int, count: int) -> list:
+    """Producer ``index`` of ``count``'s share of the training rows: rows ``index, index + count, ...``
+    (all of them for a lone producer), so two producers never sample the same prompt in one epoch."""
+    return rows[index::count]
+
+
 def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, name: str, timeout_s: float,
-                 poll_s: float = 0.05) -> int:
+                 index: int = 0, count: int = 1, poll_s: float = 0.05) -> int:
     import rltk
     from rltk.buffer.queue import ExperienceQueue
     from rltk.data.sampler import RowSampler
@@ -93,7 +102,7 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     limit_torch_threads()
     seed_everything(cfg.seed)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
-    train_rows, _ = build_rows(cfg, tokenizer)
+    train_rows = producer_rows(build_rows(cfg, tokenizer)[0], index, count)
     workflow = build_workflow(cfg, policy, tokenizer)
     plan = RolloutPlan.from_config(cfg, rltk.get_component("advantage_fn", cfg.algorithm.advantage_fn))
     t = cfg.trainer
@@ -137,11 +146,14 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
         wait(f"the trainer to take experiences or publish weights newer than version {version} (a batch "
              f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)
         # the same batch is sampled the same way by a restarted producer with the same weights
-        seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + batch)
+        seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch)
         experiences, _ = collect_experiences(workflow, sampler, plan)
+        # the reward functions' calls, failures and timeouts while making this batch: the trainer logs them
+        counters = {f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()}
+        workflow.reward.reset_stats()
         if experiences:
             ids = [f"{name}-b{batch}-{i}" for i in range(len(experiences))]
-            queue.put(experiences, ids=ids, versions=version, producer=name)
+            queue.put(experiences, ids=ids, versions=version, producer=name, counters=counters)
         batch += 1
 
 
@@ -156,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", required=True, help="the weights file the trainer publishes")
     parser.add_argument("--name", required=True, help="this producer's name (a prefix of its experience ids)")
     parser.add_argument("--timeout", type=float, required=True, help="seconds any wait may last")
+    parser.add_argument("--index", type=int, default=0, help="this producer's index among --count (its rows)")
+    parser.add_argument("--count", type=int, default=1, help="how many producers share the training rows")
     args = parser.parse_args(argv)
     cfg = OmegaConf.load(Path(args.config))
     return run_producer(cfg, stage_index=args.stage, queue_path=args.queue, weights_path=args.weights,
-                        name=args.name, timeout_s=args.timeout)
+                        name=args.name, timeout_s=args.timeout, index=args.index, count=args.count)
 
 
 if __name__ == "__main__":

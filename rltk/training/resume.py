@@ -32,10 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 
 import rltk
 from rltk.checkpoint import (
+    RNG_DIR,
     STATE_FILE,
     CheckpointManager,
     damage_summary,
     read_state_file,
+    restore_rng_state,
     strategy_checkpoint_globals,
 )
 from rltk.config.errors import ConfigError
@@ -43,7 +45,7 @@ from rltk.config.saved import config_to_record
 from rltk.config.schema import RunConfig
 from rltk.io import give_default_mode
 from rltk.models.folders import load_full_state_into, load_model_folder
-from rltk.serialization import check_safetensors
+from rltk.serialization import check_safetensors, torch_load
 from rltk.strategies.base import MODEL_SUBDIR
 
 
@@ -94,6 +96,19 @@ def load_model_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
     """Copy only the model weights of a checkpoint into ``model`` (a new stage starts from them)."""
     folder = Path(checkpoint) / MODEL_SUBDIR
     load_full_state_into(model, load_model_folder(folder), folder)
+
+
+def load_rng_state(checkpoint: str | Path, rank: int) -> bool:
+    """Restore this rank's global RNG (python, numpy, torch) as ``checkpoint`` saved it; False when it holds none.
+
+    A run resumed at a stage boundary starts the next stage from here, so its draws (sampling, a sampled
+    evaluation) are those of the uninterrupted run, whatever the stages before drew.
+    """
+    rng_file = Path(checkpoint) / RNG_DIR / f"rank_{rank:05d}.pt"
+    if not rng_file.is_file():
+        return False
+    restore_rng_state(torch_load(rng_file))
+    return True
 
 
 def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: str | Path) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from omegaconf import DictConfig
@@ -37,7 +38,7 @@ from rltk.training.engine_weights import connect_rollout_engine, engine_follows
 from rltk.training.evaluation import evaluate
 from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
 from rltk.training.resume import (
-    is_stage_end, load_model_weights, resume_or_start_over, run_is_finished, start_point,
+    is_stage_end, load_model_weights, load_rng_state, resume_or_start_over, run_is_finished, start_point,
 )
 from rltk.training.rows import build_rows
 from rltk.training.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
@@ -134,14 +135,18 @@ def open_run(cfg: DictConfig) -> Run:
                stage_steps, resume, finished, traces)
 
 
-def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
-    """Run each configured stage with the runner of its type, skipping what a checkpoint already holds."""
+def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], None]]) -> None:
+    """Run each configured stage with the runner of its type, skipping what a checkpoint already holds.
+
+    ``runners`` maps a stage type to its loop: a recipe's own, and those other recipes lend
+    (:func:`rltk.recipe_utils.stage_runners`). Each stage starts from the weights the one before ended with.
+    """
     unknown = [f"stages[{i}] ('{st.name}', type {st.type})" for i, st in enumerate(run.cfg.stages)
                if st.type not in runners]
     if unknown:
         raise ConfigError(f"this recipe runs stages of type {', '.join(sorted(runners))}; it cannot run "
-                          f"{', '.join(unknown)} (rl stages run under `rltk run grpo` or `rltk run ppo`, dpo stages under "
-                          f"`rltk run dpo`)")
+                          f"{', '.join(unknown)} (rl is the RL loop of `rltk run grpo` or `rltk run ppo`: name it "
+                          f"grpo or ppo in another recipe's stages)")
     rltk.call_lifecycle_hook("rltk_on_train_start", config=run.cfg, run_dir=run.run_dir)
     resume, first_step = run.resume, 0
     for i, (scfg, stage) in enumerate(zip(run.stages, run.cfg.stages)):
@@ -155,6 +160,10 @@ def run_stages(run: Run, runners: dict[str, Callable[[Stage], None]]) -> None:
             else:
                 load_model_weights(resume["path"], run.policy)  # start from where the last stage ended
                 engine_follows(run.workflow.engine, run.policy)
+                if "started_from" not in resume:
+                    # and draw what the uninterrupted run drew next: a stage before (a DPO stage's sampled
+                    # evaluation) may have used the global RNG after the run's start
+                    load_rng_state(resume["path"], process_rank())
             resume = None
         current = Stage(run, scfg, i, first_step, stage_resume)
         current.guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,

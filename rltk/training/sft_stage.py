@@ -7,6 +7,7 @@ Both the warm-up before RL (``type: sft`` in a GRPO/PPO run's ``stages``) and
 from __future__ import annotations
 
 from rltk.config.env_checks import check_demonstrations
+from rltk.config.schema import RL_STAGE_TYPES
 from rltk.data.sampler import RowSampler
 from rltk.distributed import process_rank
 from rltk.training.engine_weights import connect_rollout_engine
@@ -40,7 +41,8 @@ def run_sft_stage(stage: Stage) -> None:
     # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     probe_rows = run.train_rows[: s.probe_size]
     pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
-    if any(st.type == "rl" for st in run.cfg.stages):  # before the first step: tools and turn caps fit the rollout
+    # before the first step of a run with RL: tools and turn caps fit the rollout
+    if any(st.type in RL_STAGE_TYPES for st in run.cfg.stages):
         check_demonstrations(cfg, run.train_rows, pairs)  # (`rltk run sft` samples only to evaluate)
     sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     loop = LoopState(sampler)

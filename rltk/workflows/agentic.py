@@ -427,10 +427,10 @@ class AgenticWorkflow(GroupNumbering, Workflow):
             first = (errors or empty or [None])[0]
             why = (f"the first agent error was:\n{first['traceback']}" if first is not None and first["error"]
                    else "no agent sent a single request to the endpoint")
-            raise RuntimeError(f"agentic: all {len(episodes)} episodes of agent {self.agent!r} failed or made no "
-                               f"request, so there is nothing to train on; {why}")
+            raise RuntimeError(f"{self.workflow_name}: all {len(episodes)} episodes of agent {self.agent!r} failed or "
+                               f"made no request, so there is nothing to train on; {why}")
         if errors:  # counted in the metrics; the first message says why, once per step
-            logger.warning("agentic: %d of %d episodes dropped because agent %r failed; the first: %s",
+            logger.warning("%s: %d of %d episodes dropped because agent %r failed; the first: %s", self.workflow_name,
                            len(errors), len(episodes), self.agent, errors[0]["error"])
         reward_s = time.perf_counter() - tick
         self._metrics = _metrics(experiences, episodes, errors, empty, segments, requests, generate_s, reward_s,

@@ -56,6 +56,21 @@ def test_take_leases_whole_groups_oldest_first_and_renumbers_them(tmp_path):
         assert q.take(1, step=3, version=0).ids == ["c-0-0", "c-0-1", "c-0-2"]
 
 
+def test_producer_counters_reach_the_next_take_once_and_a_repeated_put_adds_none(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        calls = {"reward_fn/calls": 2.0, "reward_fn/failures/exact_match": 1.0}
+        q.put(group(0), ids=["a-0", "a-1"], versions=0, producer="a", counters=calls)
+        q.put(group(0), ids=["b-0", "b-1"], versions=0, producer="b", counters={"reward_fn/calls": 2.0})
+        # a restarted producer puts its last batch again: nothing new, so its counters are not counted twice
+        q.put(group(0), ids=["a-0", "a-1"], versions=0, producer="a", counters=calls)
+        first = q.take(2, step=1, version=0).metrics
+        assert first["reward_fn/calls"] == 4.0 and first["reward_fn/failures/exact_match"] == 1.0
+        second = q.take(2, step=2, version=0).metrics  # the second batch was already there: nothing new
+        assert "reward_fn/calls" not in second
+        with pytest.raises(ValueError, match="counters must map names to finite numbers"):
+            q.put(group(1), ids=["c-0", "c-1"], versions=0, producer="c", counters={"reward_fn/calls": float("nan")})
+
+
 def test_put_is_idempotent_by_id(tmp_path):
     with ExperienceQueue(tmp_path / "q.sqlite") as q:
         assert put_group(q, "a", 0, 0) == 2

@@ -12,7 +12,7 @@ from rltk.config import ConfigError, load_config
 def test_defaults_are_the_synchronous_loop():
     cfg = load_config([], [])
     t = cfg.trainer
-    assert (t.mode, t.max_staleness, t.stale_policy, t.sync_every) == ("sync", 1, "drop", 1)
+    assert (t.mode, t.max_staleness, t.stale_policy, t.sync_every, t.producers) == ("sync", 1, "drop", 1, 1)
     assert (cfg.buffer.queue_path, cfg.buffer.queue_timeout_s) == (None, 600.0)
     cfg = load_config([], ["trainer.max_staleness=0", "trainer.stale_policy=wait", "trainer.sync_every=4",
                            "buffer.queue_path=/tmp/q.sqlite", "buffer.queue_timeout_s=30"])
@@ -26,6 +26,7 @@ def test_defaults_are_the_synchronous_loop():
     (["trainer.max_staleness=-1"], r"bad value -1 for 'trainer\.max_staleness': must be an integer >= 0"),
     (["trainer.sync_every=0"], r"bad value 0 for 'trainer\.sync_every': must be an integer >= 1"),
     (["buffer.queue_timeout_s=0"], r"bad value 0\.0 for 'buffer\.queue_timeout_s': must be a number of seconds > 0"),
+    (["trainer.mode=async", "trainer.producers=0"], r"bad value 0 for 'trainer\.producers': must be an integer >= 1"),
 ])
 def test_bad_values_name_the_key_and_what_is_valid(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -49,6 +50,8 @@ def test_grpo_runs_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_the
     # a producer may not sample with weights older than max_staleness, and gets them every sync_every steps
     (["trainer.mode=async", "trainer.max_staleness=1", "trainer.sync_every=3"],
      r"bad value 3 for 'trainer\.sync_every': with trainer\.max_staleness=1 it must be at most 2"),
+    # producers run beside the trainer only in the asynchronous modes
+    (["trainer.producers=2"], r"bad value 2 for 'trainer\.producers' with trainer\.mode=sync"),
     (["trainer.mode=async", "rollout.engine=vllm"],
      r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: the producer is a local process with "
      r"the hf engine"),

@@ -210,8 +210,12 @@ def test_shipped_recipes_declare_what_they_serve():
     grpo, ppo = recipe_spec(REPO / "recipes" / "grpo.py"), recipe_spec(REPO / "recipes" / "ppo.py")
     assert "values" not in grpo.batch_fields and "values" in ppo.batch_fields
     assert grpo.buffer_sources == ppo.buffer_sources == {"policy"}
-    assert [r.name for r in grpo.others] == ["ppo"]  # dpo, sft, reward_model declare no PROVIDES: never suggested
+    # dpo, sft, reward_model declare no PROVIDES: never suggested
+    assert [r.name for r in grpo.others] == ["distill", "ppo"]
     load_config([REPO / "recipes" / "configs" / "ppo.yaml"], recipe=ppo)
+    # the distillation advantage needs the teacher's log-probs: only the distill recipe serves them
+    with pytest.raises(ConfigError, match="Use `rltk run distill`"):
+        load_config([], ["algorithm.advantage_fn=on_policy_distill"], recipe=grpo)
 
 
 def test_critic_checks_live_in_config_and_follow_the_recipe():

@@ -69,7 +69,8 @@ def test_build_validates_like_rltk_validate_and_save_writes_a_yaml_the_cli_accep
                  "reward.reward_fn_args.overlong_penalty.max_length=8"]
     status, result = client.post("/api/build", {"recipe": "grpo", "overrides": overrides})
     assert result["ok"] is True, result["error"]
-    assert result["message"].startswith("ok: <this file> for recipe grpo (algorithm dapo")
+    assert result["message"].startswith(
+        "ok: <this file> for recipe grpo (2 stages: warmup (sft), grpo (rl, algorithm dapo))")
     assert result["command"] == "rltk run grpo " + " ".join(f"'{o}'" if "[" in o else o for o in overrides)
     values = result["values"]
     assert values["algorithm.advantage_fn"] == "rloo" and values["trainer.total_steps"] == 20

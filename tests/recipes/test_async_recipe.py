@@ -13,6 +13,7 @@ import random
 import re
 import signal
 import sqlite3
+import time
 import types
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 import rltk
 from rltk.cli import main
 from rltk.rewards import bounded
+from rltk.training.producer import producer_rows
 from tests.crash import crash_at_step
 
 pytestmark = pytest.mark.slow
@@ -65,6 +67,14 @@ def test_each_step_trains_one_batch_within_the_staleness_bound(straight):
     assert all(m["staleness/max"] <= 1 and m["staleness/dropped"] == 0 for m in rows)
     assert rows[0]["staleness/max"] == 0  # the first batch is the starting weights'
     assert "rollout/reward" in rows[0] and "reward" in rows[0]
+    # the producer's reward calls reach the trainer's log: whole batches of 16, each counted once
+    calls = [m.get("reward_fn/calls", 0.0) for m in rows]
+    with sqlite3.connect(straight / QUEUE) as db:
+        put = db.execute("SELECT COUNT(*) FROM experiences").fetchone()[0]
+        unreported = sum(json.loads(c).get("reward_fn/calls", 0) for (c,) in db.execute(
+            "SELECT counters FROM producer_counters WHERE reported = 0"))
+    assert all(c % 16 == 0 for c in calls) and sum(calls) + unreported == put
+    assert sum(m.get("reward_fn/failures/exact_match", 0.0) for m in rows) == 0
 
 
 def test_a_trainer_killed_mid_stage_resumes_training_the_same_experiences_once(tmp_path, straight):
@@ -101,6 +111,52 @@ def test_a_producer_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(
     log = (run_dir / LOG).read_text()
     assert log.count("--- start") == 2, log  # started again once, going on from the batch after its last put
     assert trained(run_dir) == trained(straight)
+
+
+def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while_training_goes_on(tmp_path,
+                                                                                                   capsys):
+    run_dir = tmp_path / "two"
+    log = run_dir / "async" / "stage_1" / "producer-1.log"
+    kills = {SFT_STEPS + 3: 1, SFT_STEPS + 5: 2}  # step -> which start of producer-1 to kill
+
+    @rltk.hookimpl
+    def rltk_on_step_end(step: int) -> None:
+        if step in kills:
+            deadline = time.monotonic() + 600  # a restarted producer prints its pid once its model is built
+            while len(pids := re.findall(r"pid (\d+), starting", log.read_text())) < kills[step]:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            os.kill(int(pids[kills[step] - 1]), signal.SIGKILL)
+
+    plugin = types.ModuleType("second_producer_killer")
+    plugin.rltk_on_step_end = rltk_on_step_end
+    rltk.register_plugin(plugin, name="second_producer_killer")
+    try:
+        assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC, "trainer.producers=2"]) == 0
+    finally:
+        rltk.unregister_plugin("second_producer_killer")
+    err = capsys.readouterr().err
+    assert re.search(r"rollout producer 'producer-1' \(pid \d+\) exited with status -9 after 2 starts; its log "
+                     r"is .*producer-1\.log", err), err[-3000:]
+    assert "training goes on with 1 producer(s): producer-0" in err
+    ids = trained(run_dir)
+    by_step = {s: sorted(i for i, t in ids.items() if t == s) for s in set(ids.values())}
+    assert sorted(by_step) == list(range(1, RL_STEPS + 1))
+    assert all(len(batch) == 16 for batch in by_step.values())  # one whole batch a step, each id once
+    assert {i.rsplit("-b", 1)[0] for i in ids} == {"producer-0", "producer-1"}
+    # killed after step 5, producer-1 sampled with version 5 at the newest: staler than 1 from step 8 on
+    assert {i.rsplit("-b", 1)[0] for i in by_step[RL_STEPS]} == {"producer-0"}
+    rows = [m for m in metrics(run_dir) if "staleness/max" in m]
+    assert all(m["staleness/max"] <= 1 for m in rows)
+    alive = [m["producers/alive"] for m in rows]
+    assert alive[0] == 2 and alive[-1] == 1 and alive == sorted(alive, reverse=True)
+
+
+def test_producers_share_the_rows_without_overlap():
+    rows = list(range(10))
+    shares = [producer_rows(rows, k, 3) for k in range(3)]
+    assert shares == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert producer_rows(rows, 0, 1) == rows
 
 
 @bounded

@@ -78,11 +78,14 @@ def test_a_wrong_column_name_exits_2_naming_the_key(tmp_path, capsys, keys, name
     assert named in err and "is not a column of row" in err and "['bad', 'good']" in err
 
 
-def test_a_dpo_stage_under_the_grpo_recipe_is_refused(tmp_path, capsys):
-    code = main(["run", "grpo", f"output_dir={tmp_path / 'run'}", "stages=[{name: dpo, type: dpo}]",
+def test_an_rl_stage_under_the_dpo_recipe_is_refused_before_anything_runs(tmp_path, capsys):
+    # rl is the RL loop of the recipe run (grpo's or ppo's); in a dpo run the stage names it: type grpo
+    # (dpo, grpo and ppo stages chain under any recipe: tests/recipes/test_stage_chain.py)
+    code = main(["run", "dpo", f"output_dir={tmp_path / 'run'}", "stages=[{name: rl, type: rl}]",
                  "logging.logger=[jsonl]"])
     assert code == 2
-    assert "cannot run stages[0] ('dpo', type dpo)" in capsys.readouterr().err
+    assert "bad value 'rl' for 'stages[0].type'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -49,3 +49,11 @@ def test_expert_responses_from_a_file_join_the_groups_of_their_prompts(tmp_path,
             group = batch["group_ids"] == batch["group_ids"][row]
             if batch["scores"][group].min() < 1.0:
                 assert batch["advantages"][row][batch["response_mask"][row] > 0].min() > 0
+
+    # the demonstrations' traces say what they were: their prompt, response, score and source
+    by_prompt = {r["prompt"]: r["ground_truth"] for r in rows}
+    traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+    expert_traces = [t for t in traces if t["source"] == "expert"]
+    assert expert_traces and {t["source"] for t in traces} == {"policy", "expert"}
+    for t in expert_traces:
+        assert t["response"] == by_prompt[t["prompt"]] and t["score"] == 1.0 and t["staleness"] is None

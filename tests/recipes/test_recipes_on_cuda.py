@@ -71,3 +71,14 @@ def test_reward_model_scores_on_cuda_equal_the_cpu(tmp_path):
                                                   micro_batch_size=4)]
           for device in ("cpu", "cuda")}
     assert on["cuda"] == pytest.approx(on["cpu"], abs=1e-3)
+
+
+def test_a_chain_of_sft_dpo_and_grpo_stages(tmp_path):
+    # each stage hands its CUDA-resident policy to the next (tests/recipes/test_stage_chain.py checks the weights)
+    chain = ("stages=[{name: warmup, type: sft}, {name: prefs, type: dpo}, "
+             "{name: rl, type: grpo, overrides: {algorithm.kl_coef: 0.05}}]")
+    assert main(["run", "dpo", f"output_dir={tmp_path}", *SMALL, *SFT, *RL, chain]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "dpo_loss" in r] == [7, 8, 9]
+    assert [r["step"] for r in rows if "pg_loss" in r] == [10, 11, 12]
+    finite_losses(tmp_path)

@@ -110,11 +110,13 @@ def test_lora_trains_only_the_adapters(tmp_path):
     assert model_names and all("lora" in n for n in model_names if "optim" not in n), model_names[:10]
 
 
-def test_rl_stages_are_refused_with_exit_2(tmp_path, capsys):
+def test_an_rl_stage_is_refused_with_exit_2(tmp_path, capsys):
+    # rl is the RL loop of the recipe run, and sft has none; `type: grpo` chains GRPO after it
+    # (tests/recipes/test_stage_chain.py)
     assert main(["run", "sft", f"output_dir={tmp_path / 'run'}",
                  "stages=[{name: warm, type: sft}, {name: grpo, type: rl}]", *FEW]) == 2
     err = capsys.readouterr().err
-    assert "'stages'" in err and "stages[1] ('grpo', type rl)" in err
+    assert "bad value 'rl' for 'stages[1].type' (stage 'grpo')" in err and "name it grpo or ppo here" in err
 
 
 def test_no_stages_evaluates_the_model_as_given(tmp_path):

@@ -187,3 +187,61 @@ def test_ppo_zero3_one_process_matches_the_default_strategy(tmp_path):
     assert [m["step"] for m in metrics if "critic/vf_loss" in m] == [11, 12, 13, 14]
     assert (zero3 / "checkpoints" / "step_000014" / "critic" / "strategy.json").is_file()
     assert_same_metrics(metrics, read_metrics(default), rel=1e-4)
+
+
+# Offline DPO with the frozen reference (a whole copy, gathered from the shards) or with the reference's
+# log-probs precomputed once; a learning rate that moves the margins within three steps.
+DPO = ["stages=[{name: dpo, type: dpo}]", "trainer.total_steps=3", "trainer.warmup_steps=0", "trainer.eval_every=3",
+       "trainer.lr=3e-3", "data.train_size=64", "data.eval_size=16", "checkpoint.every=2",
+       "logging.logger=[jsonl]", "logging.plot=false"]
+DPO_COMPARED = ("dpo_loss", "nll_loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
+                "grad_norm", "eval/accuracy", "eval/mean_response_length")
+
+
+@pytest.fixture(scope="module")
+def dpo_one_process_metrics(tmp_path_factory):
+    """One process's metrics of the DPO config with the given extra arguments (each run once)."""
+    done = {}
+
+    def get(*extra: str) -> list[dict]:
+        if extra not in done:
+            single = tmp_path_factory.mktemp("dpo_single")
+            assert main(["run", "dpo", f"output_dir={single}", *DPO, *extra]) == 0
+            done[extra] = read_metrics(single)
+        return done[extra]
+
+    return get
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy, precompute, lora, sharded", [
+    # FSDP2: the reference copy is gathered from the shards
+    (["strategy_args.fsdp=true"], "false", (), {"fsdp": True}),
+    # ZeRO-3: the reference's log-probs from a gathered copy, once, before the copy goes
+    (ZERO3, "true", (), {"zero_stage": 3}),
+    # LoRA on ZeRO-3: the reference is the partitioned base with adapters off, so the one-off pass over
+    # every pair is collective (each rank runs all of them, in step)
+    (ZERO3, "true", ("model.lora.r=4",), {"zero_stage": 3}),
+], ids=["fsdp2", "zero3", "zero3-lora"])
+def test_dpo_sharded_under_torchrun_with_two_processes_matches_one_process(tmp_path, dpo_one_process_metrics,
+                                                                          strategy, precompute, lora, sharded):
+    """Each rank trains on its half of every global batch of pairs: the losses, margins and gradient norm of
+    each step must be one process's (with DDP: tests/recipes/test_dpo_learning.py)."""
+    run_dir = tmp_path / "sharded"
+    out = torchrun("dpo", f"output_dir={run_dir}", *strategy, f"dpo.precompute_reference={precompute}", *DPO, *lora)
+    assert out.stdout.count("rltk: final held-out") == 1
+    meta = json.loads((run_dir / "checkpoints" / "step_000003" / "strategy.json").read_text())
+    assert meta["world_size"] == 2 and sharded.items() <= meta.items()
+    ours, theirs = read_metrics(run_dir), dpo_one_process_metrics(*lora)
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    steps = [m for m in ours if "dpo_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["pairs"] == 16 for m in steps)
+    assert steps[0]["dpo_loss"] == pytest.approx(0.693147, abs=1e-5)  # the reference is the starting policy
+    assert steps[-1]["rewards/margins"] > steps[0]["rewards/margins"] + 1e-3  # the steps moved the weights
+    compared = 0
+    for a, b in zip(ours, theirs):
+        for key in DPO_COMPARED:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+                compared += 1
+    assert compared >= 20

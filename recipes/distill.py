@@ -1,0 +1,136 @@
+"""On-policy distillation: the student samples, a frozen teacher scores every sampled token.
+
+    rltk run distill distill.teacher_path=runs/sft-tiny/checkpoints/step_001500   # embedded tiny student
+    rltk run distill distill.teacher_path=/models/teacher model.path=/models/student data.path=prompts.jsonl
+    rltk run distill distill.teacher_path=... algorithm.advantage_fn_args.task_coef=0.5   # + the reward's GRPO advantage
+
+The loop, as in the algorithm box of GKD with lambda = 1 (Agarwal et al. 2024, arXiv:2306.13649) and of
+Thinking Machines' "On-Policy Distillation" (2025):
+
+    pi_T        <- the teacher (distill.teacher_path), frozen; it must share the student's tokenizer
+    for each stage (e.g. a supervised warm-up of the student, then distillation):
+        for step in 1..N:
+            rows        <- next prompts from the dataset
+            y ~ pi_S    <- workflow(rows): n samples per prompt from the student, scored by the reward fns
+            log pi_S_old(y_t), log pi_T(y_t)   of every sampled token
+            A_t         <- -(log pi_S_old(y_t) - log pi_T(y_t))  [+ task_coef * GRPO advantage of the reward]
+            update      <- policy_loss(A) (one on-policy step: the ratio is 1, the gradient is
+                           -A_t grad log pi_S(y_t), the reverse KL's)
+            log reverse KL per token, teacher log-prob, task reward; evaluate on held-out prompts
+            guard, checkpoint
+
+No reward is needed to learn: the teacher's log-probs are the dense per-token signal (the reward fns still
+score the samples, for the task-reward metric and for task_coef). This file is a script, not a
+module: copy it to change the loop itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rltk.recipe_utils import parse_recipe_args, stage_runners
+from rltk.training.batch_metrics import rollout_metrics
+from rltk.training.collect import collect_experiences
+from rltk.training.distill import load_teacher, teacher_folders
+from rltk.training.evaluation import evaluate
+from rltk.training.forward import old_logprobs_pass
+from rltk.training.loop_state import RLParts, sampled_batch, start_rl_stage
+from rltk.training.ranks import global_masked_mean
+from rltk.training.rl import policy_update
+from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.sft_stage import run_sft_stage
+from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+
+# What this loop serves its components (read by `rltk run` / `rltk validate` without running the script):
+# the teacher's log-probs besides what collate and the old-log-prob pass give. No KL reference, no
+# greedy baseline, no expert data, no producer process.
+PROVIDES = {
+    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
+                     "token_rewards", "scores", "group_ids", "response_lengths", "old_logprobs",
+                     "sequence_rewards", "policy_lengths", "teacher_logprobs"],
+    "buffer_sources": ["policy"],
+    "expert_data": False,
+    "trainer_modes": ["sync"],
+}
+
+
+def run_distill_stage(stage: Stage) -> None:
+    run, cfg = stage.run, stage.cfg
+    a, t = cfg.algorithm, cfg.trainer
+    per_step = t.mini_batches * t.ppo_epochs
+    strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps * per_step,
+                                    warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    workflow = run.workflow
+    require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)
+
+    # The teacher: loaded once, refused (exit 2) when its tokenizer is not the student's
+    teacher = load_teacher(cfg.distill.teacher_path, run.tokenizer, strategy, dtype=cfg.distill.teacher_dtype)
+    parts = RLParts.from_config(cfg, strategy)  # estimator (on_policy_distill), policy loss, sampling, forward
+    loop = start_rl_stage(stage, strategy)  # sampler, buffer, mini-batch order; restored when resumed
+    fwd = parts.forward
+    if loop.step == 0:
+        run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
+
+    for step in range(loop.step + 1, t.total_steps + 1):
+        tick = time.perf_counter()
+        # rollout: the student samples n responses per prompt, scored by the reward fns
+        experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
+        batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+        if batch is None:
+            continue
+
+        # log-probs of the sampled tokens under the student that sampled them and under the teacher
+        batch["old_logprobs"], _ = old_logprobs_pass(strategy.unwrap(), batch, fwd,
+                                                     use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy)
+        batch["teacher_logprobs"] = teacher.logprobs(batch, fwd)
+
+        # advantages: minus the per-token reverse KL (+ task_coef x the reward's group advantage)
+        batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
+        run.trace(stage, step, batch, loop.batch_items)
+
+        # update
+        update_metrics, batch["old_logprobs"] = policy_update(strategy, batch, parts.loss, fwd,
+                                                              kl_coef=0.0, mini_batches=t.mini_batches,
+                                                              ppo_epochs=t.ppo_epochs, generator=loop.generator)
+        workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+
+        # log: the reverse KL the student started this step at (its sampled-token estimate), the teacher's
+        # log-prob of the student's tokens, and the task reward (rollout_metrics' reward / accuracy)
+        mask = batch["response_mask"]
+        metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, time.perf_counter() - tick, strategy),
+                   **collect_metrics,
+                   "distill/reverse_kl": global_masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"], mask,
+                                                            strategy),
+                   "distill/teacher_logprob": global_masked_mean(batch["teacher_logprobs"], mask, strategy),
+                   "distill/student_logprob": global_masked_mean(batch["old_logprobs"], mask, strategy),
+                   **update_metrics}
+        if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
+            metrics.update(evaluate(workflow, run.eval_rows, cfg))
+        run.metric_log.log(metrics, stage.first_step + step)
+
+        # guard: stop with a clear message if the run has diverged
+        stage.guard.observe(metrics, step, strategy)
+
+        # checkpoint
+        loop.step = step
+        if should_checkpoint(cfg, step, t.total_steps):
+            save_checkpoint(stage, strategy, loop, last_step=t.total_steps)
+
+
+# The stage types this script runs; `distill` also in any other recipe's `stages` (see grpo.py).
+STAGES = {"sft": run_sft_stage, "distill": run_distill_stage}
+
+
+def main():
+    cfg = parse_recipe_args()
+    # a missing or unreadable teacher stops the run before its folder is made (the tokenizer check
+    # needs the student's tokenizer: load_teacher makes it when the stage starts)
+    if any(st.type == "distill" for st in cfg.stages):
+        teacher_folders(cfg.distill.teacher_path)
+    run = open_run(cfg)  # run folder, student model, data, workflow, loggers, resume point
+    run_stages(run, stage_runners(STAGES))  # each stage starts from the weights the one before ended with
+    finish_run(run)  # held-out evaluation, curves.png, summary.json
+
+
+if __name__ == "__main__":
+    main()
