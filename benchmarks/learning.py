@@ -162,6 +162,28 @@ def learning_curve(run_dir: Path, at_step: int | None = None) -> dict:
     }
 
 
+def near_miss_accuracy(run_dir: Path) -> float | None:
+    """A reward-model run's saved model scored on held-out near misses alone (``wrong_length=0``), the hard
+    pairs its own figure mixes with wrong-length ones; ``None`` for other runs."""
+    if not (run_dir / "reward_model").is_dir():
+        return None
+    import torch
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+    from rltk.config.loader import load_config
+    from rltk.training.reward_model import pair_rewards, preference_pairs, tokenize_pairs
+    from rltk.training.rows import build_rows
+
+    model = AutoModelForSequenceClassification.from_pretrained(run_dir / "reward_model").eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(run_dir / "reward_model")
+    cfg = load_config([run_dir / "config.yaml"], ["reward_model.wrong_length=0"])
+    _, held_out = build_rows(cfg, tokenizer)
+    pairs = tokenize_pairs(preference_pairs(held_out, cfg, split="heldout"), tokenizer, cfg.reward_model.max_length)
+    with torch.no_grad():
+        chosen, rejected = pair_rewards(model, pairs, tokenizer.pad_token_id, "cpu")
+    return ((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean().item()
+
+
 def spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -183,12 +205,13 @@ def default_runs(args, workdir: Path) -> list[dict]:
                 print(f"{recipe:<13} seed {seed} {level:<8} FAILED: {exc}\n" + "\n".join(tail), flush=True)
                 return {"recipe": recipe, "seed": seed, "level": level, "failed": str(exc)}
         row = {"recipe": recipe, "seed": seed, "level": level, "wall_s": wall,
-               **learning_curve(run_dir, args.at_step)}
+               **learning_curve(run_dir, args.at_step), "near_miss_end": near_miss_accuracy(run_dir)}
         print(f"{recipe:<13} seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>5}  "
               f"greedy {row['greedy_start']:.3f} -> {row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  "
               f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
               f"train reward {'n/a' if row['reward_rise'] is None else format(row['reward_rise'], '+.3f')}  "
-              f"{wall:.0f}s", flush=True)
+              f"{wall:.0f}s" + ("" if row["near_miss_end"] is None else
+                                f"  near misses alone at end {row['near_miss_end']:.3f}"), flush=True)
         return row
 
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -228,6 +251,12 @@ def default_runs(args, workdir: Path) -> list[dict]:
             print(f"| {recipe} | {g['min']:+.3f} / {g['median']:+.3f} / {g['max']:+.3f} | "
                   f"{s['min']:+.3f} / {s['median']:+.3f} / {s['max']:+.3f} | "
                   f"{rise['min']:+.3f} / {rise['median']:+.3f} / {rise['max']:+.3f} |")
+    for recipe in args.recipes:
+        near = [r["near_miss_end"] for r in rows if r["recipe"] == recipe and r["near_miss_end"] is not None]
+        if near:
+            n = spread(near)
+            summary[recipe]["near_miss_end"] = n
+            print(f"{recipe}: held-out near misses alone at the end {n['min']:.3f} / {n['median']:.3f} / {n['max']:.3f}")
     for r in failed:
         print(f"FAILED: {r['recipe']} seed {r['seed']} {r['level']} (left out of the table)")
     return [{"runs": rows, "failed": failed, "summary": summary}]
