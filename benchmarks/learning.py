@@ -176,7 +176,7 @@ def near_miss_accuracy(run_dir: Path) -> float | None:
 
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "reward_model").eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(run_dir / "reward_model")
-    cfg = load_config([run_dir / "config.yaml"], ["reward_model.wrong_length=0"])
+    cfg = load_config([run_dir / "config.yaml"], ["reward_model.wrong_length=0"], warn=False)
     _, held_out = build_rows(cfg, tokenizer)
     pairs = tokenize_pairs(preference_pairs(held_out, cfg, split="heldout"), tokenizer, cfg.reward_model.max_length)
     with torch.no_grad():
