@@ -10,7 +10,9 @@ Reported per run, from its metrics.jsonl:
 * ``steps_per_hour``: RL steps / the RL stage's time, the sum of ``time/step_s`` (each step's sampling or
   waiting for the producer, plus its update; held-out evaluations are outside it);
 * ``gain``: held-out greedy accuracy at the end of the run minus at the start of the RL stage;
-* ``staleness``: the mean of ``staleness/mean`` over the steps (0 for sync).
+* ``staleness``: the mean of ``staleness/mean`` over the steps (0 for sync);
+* ``rollout_s`` / ``train_s``: the median step's sampling (sync) or wait for the producer (async), from
+  ``time/rollout_s``, and the rest of its ``time/step_s`` (scoring the batch's advantages, the update).
 
 and per mode: median steps per hour, its ratio to sync's, min / median / max gain.
 
@@ -62,6 +64,9 @@ def run_one(mode: str, seed: int, extra: list[str], folder: Path) -> dict:
     return {"mode": mode, "seed": seed, "rl_steps": len(steps), "rl_seconds": seconds,
             "steps_per_hour": 3600 * len(steps) / seconds, "start": start, "end": evals[-1][1],
             "gain": evals[-1][1] - start,
+            # of each step: sampling (sync) or waiting for the producer (async), and the rest (training)
+            "rollout_s": statistics.median(r["time/rollout_s"] for r in steps),
+            "train_s": statistics.median(r["time/step_s"] - r["time/rollout_s"] for r in steps),
             "staleness": statistics.mean(r.get("staleness/mean", 0.0) for r in steps)}
 
 
@@ -81,7 +86,8 @@ def main() -> None:
             for mode in order:
                 r = run_one(mode, seed, extra, Path(tmp))
                 results.append(r)
-                print(f"{mode:>13} seed {seed}: {r['steps_per_hour']:8.0f} RL steps/h, held-out "
+                print(f"{mode:>13} seed {seed}: {r['steps_per_hour']:8.0f} RL steps/h (median step: "
+                      f"{r['rollout_s']:.2f} s sampling or waiting, {r['train_s']:.2f} s training), held-out "
                       f"{r['start']:.3f} -> {r['end']:.3f} (gain {r['gain']:+.3f}), mean staleness "
                       f"{r['staleness']:.2f}", flush=True)
     sync = [r["steps_per_hour"] for r in results if r["mode"] == "sync"]
