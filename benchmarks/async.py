@@ -9,8 +9,12 @@ Reported per run, from its metrics.jsonl:
 
 * ``steps_per_hour``: RL steps / the RL stage's time, the sum of ``time/step_s`` (each step's sampling or
   waiting for the producer, plus its update; held-out evaluations are outside it);
+* ``steps_per_hour_after_first``: the same without the first step, whose wait includes the producers'
+  start-up (building the model in a new process: seconds, paid once per stage);
 * ``gain``: held-out greedy accuracy at the end of the run minus at the start of the RL stage;
-* ``staleness``: the mean of ``staleness/mean`` over the steps (0 for sync).
+* ``staleness``: the mean of ``staleness/mean`` over the steps (0 for sync);
+* ``rollout_s`` / ``train_s``: the median step's sampling (sync) or wait for the producer (async), from
+  ``time/rollout_s``, and the rest of its ``time/step_s`` (scoring the batch's advantages, the update).
 
 and per mode: median steps per hour, its ratio to sync's, min / median / max gain.
 
@@ -59,9 +63,15 @@ def run_one(mode: str, seed: int, extra: list[str], folder: Path) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     start = [a for s, a in evals if s < first_rl][-1]  # the RL stage's opening evaluation
     seconds = sum(r["time/step_s"] for r in steps)
+    later = sum(r["time/step_s"] for r in steps[1:])  # without the first step, which waits for producers to start
     return {"mode": mode, "seed": seed, "rl_steps": len(steps), "rl_seconds": seconds,
-            "steps_per_hour": 3600 * len(steps) / seconds, "start": start, "end": evals[-1][1],
+            "steps_per_hour": 3600 * len(steps) / seconds,
+            "steps_per_hour_after_first": 3600 * (len(steps) - 1) / later if later else float("nan"),
+            "first_step_s": steps[0]["time/step_s"], "start": start, "end": evals[-1][1],
             "gain": evals[-1][1] - start,
+            # of each step: sampling (sync) or waiting for the producer (async), and the rest (training)
+            "rollout_s": statistics.median(r["time/rollout_s"] for r in steps),
+            "train_s": statistics.median(r["time/step_s"] - r["time/rollout_s"] for r in steps),
             "staleness": statistics.mean(r.get("staleness/mean", 0.0) for r in steps)}
 
 
@@ -81,17 +91,21 @@ def main() -> None:
             for mode in order:
                 r = run_one(mode, seed, extra, Path(tmp))
                 results.append(r)
-                print(f"{mode:>13} seed {seed}: {r['steps_per_hour']:8.0f} RL steps/h, held-out "
+                print(f"{mode:>13} seed {seed}: {r['steps_per_hour']:8.0f} RL steps/h (median step: "
+                      f"{r['rollout_s']:.2f} s sampling or waiting, {r['train_s']:.2f} s training), held-out "
                       f"{r['start']:.3f} -> {r['end']:.3f} (gain {r['gain']:+.3f}), mean staleness "
                       f"{r['staleness']:.2f}", flush=True)
-    sync = [r["steps_per_hour"] for r in results if r["mode"] == "sync"]
-    print("\nmode          steps/h (median)  x sync  gain min / median / max")
+    sync = [r for r in results if r["mode"] == "sync"]
+    print("\nmode          steps/h (median)  x sync  after step 1  x sync  gain min / median / max")
     for mode in args.modes:
         mine = [r for r in results if r["mode"] == mode]
-        speed = statistics.median(r["steps_per_hour"] for r in mine)
+        ratios = []
+        for key in ("steps_per_hour", "steps_per_hour_after_first"):
+            speed = statistics.median(r[key] for r in mine)
+            ratio = f"{speed / statistics.median(r[key] for r in sync):6.2f}" if sync else "     -"
+            ratios.append(f"{speed:12.0f}  {ratio}")
         gains = sorted(r["gain"] for r in mine)
-        ratio = f"{speed / statistics.median(sync):6.2f}" if sync else "     -"
-        print(f"{mode:<13} {speed:16.0f}  {ratio}  {gains[0]:+.3f} / {statistics.median(gains):+.3f} / "
+        print(f"{mode:<13} {ratios[0]}  {ratios[1]}  {gains[0]:+.3f} / {statistics.median(gains):+.3f} / "
               f"{gains[-1]:+.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"overrides": extra, "runs": results}, indent=1))

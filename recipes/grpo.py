@@ -107,6 +107,8 @@ def train_steps(stage: Stage, strategy, parts: RLParts, loop, rollouts) -> None:
             # the producer's oldest batch within the staleness bound (staleness/* says how old)
             lease = rollouts.take(step)
             experiences, collect_metrics = lease.experiences, {**produced_metrics(lease.experiences), **lease.metrics}
+        # sampling (sync), or waiting for a producer's batch (async): the rest of time/step_s is training
+        collect_metrics["time/rollout_s"] = time.perf_counter() - tick
         # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
         batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
         if batch is None:

@@ -119,6 +119,20 @@ def limit_torch_threads() -> int:
     return torch.get_num_threads()
 
 
+def share_cores(processes: int) -> int | None:
+    """Torch threads for each of ``processes`` processes that run side by side on this process's cores
+    (the trainer and its rollout producers), or None when ``OMP_NUM_THREADS`` is set (the user's choice).
+
+    Each taking every core would put ``processes`` times more threads than cores to work: the
+    oversubscription :func:`limit_torch_threads` exists to avoid, which made an asynchronous step on
+    2 cores several times slower than a synchronous one.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, available_cores() // local // max(1, processes))
+
+
 def ensure_single_process_environment() -> None:
     """Fill in the rendezvous variables for a process started without a launcher.
 

@@ -32,15 +32,18 @@ settled on resume (:meth:`rltk.buffer.queue.ExperienceQueue.recover`).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from rltk.buffer.queue import ExperienceQueue, Lease, QueueTimeout
 from rltk.config.errors import ConfigError
+from rltk.distributed import share_cores
 from rltk.errors import ProcessWaitError
 from rltk.training.engine_weights import write_weights_file
 from rltk.training.producer import EXIT_TIMEOUT, batch_size
@@ -70,8 +73,10 @@ def _tail(path: Path, lines: int = 15) -> str:
 class ProducerProcess:
     """One local rollout worker process (:mod:`rltk.training.producer`), its log, and its restarts."""
 
-    def __init__(self, name: str, args: list[str], log: Path):
+    def __init__(self, name: str, args: list[str], log: Path, threads: int | None = None):
         self.name, self.args, self.log = name, args, log
+        # its share of the cores (None: OMP_NUM_THREADS as the user set it)
+        self.env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -81,7 +86,8 @@ class ProducerProcess:
             out.write(f"--- start {self.starts} ---\n")
             out.flush()
             self.proc = subprocess.Popen([sys.executable, "-m", "rltk.training.producer", *self.args,
-                                          "--name", self.name], stdout=out, stderr=subprocess.STDOUT)
+                                          "--name", self.name], stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.env)
 
     def check(self) -> None:
         """Restart the producer if it exited (once); raise :class:`ProducerFailed` the next time."""
@@ -123,8 +129,12 @@ def start_producer(stage, strategy, *, resumed_step: int) -> "AsyncRollouts | No
 class AsyncRollouts:
     """The experience queue, the weights file and the producers of one asynchronous RL stage."""
 
-    def __init__(self, stage, strategy, queue: ExperienceQueue, producers: list[ProducerProcess], weights: Path):
+    def __init__(self, stage, strategy, queue: ExperienceQueue, producers: list[ProducerProcess], weights: Path,
+                 trainer_threads: int | None = None):
         self.stage, self.strategy, self.queue, self.weights = stage, strategy, queue, weights
+        self.threads_before = torch.get_num_threads()
+        if trainer_threads is not None:  # the trainer's share while the producers run (restored by close)
+            torch.set_num_threads(trainer_threads)
         self.producers = list(producers)  # the ones still running; a failed one is reported and removed
         t = stage.cfg.trainer
         self.sync_every = int(t.sync_every)
@@ -155,14 +165,15 @@ class AsyncRollouts:
         config = folder / "producer_config.yaml"
         OmegaConf.save(cfg, config, resolve=True)
         count = int(t.producers)
+        threads = share_cores(count + 1)
         producers = [ProducerProcess(
             f"producer-{k}", ["--config", str(config), "--stage", str(stage.index), "--queue", str(queue_path),
                               "--weights", str(weights), "--timeout", str(cfg.buffer.queue_timeout_s),
                               "--index", str(k), "--count", str(count)],
-            folder / f"producer-{k}.log") for k in range(count)]
+            folder / f"producer-{k}.log", threads) for k in range(count)]
         for producer in producers:
             producer.start()
-        return cls(stage, strategy, queue, producers, weights)
+        return cls(stage, strategy, queue, producers, weights, trainer_threads=threads)
 
     def check_producers(self) -> None:
         """Restart or report each producer that exited; raise :class:`ProducerFailed` when none is left."""
@@ -213,3 +224,4 @@ class AsyncRollouts:
         for producer in self.producers:
             producer.stop()
         self.queue.close()
+        torch.set_num_threads(self.threads_before)
