@@ -14,6 +14,7 @@ config), and ``key=value`` overrides. ``validate`` also takes a bare YAML file.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 import traceback
@@ -267,5 +268,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> None:
+    """The ``rltk`` command (and ``python -m rltk.cli``): :func:`main`'s status as the exit status.
+
+    A process of a multi-process launch (torchrun, accelerate, deepspeed: ``WORLD_SIZE`` > 1) leaves
+    through ``os._exit`` once its output is flushed: its process group is already ended, and under CPU
+    contention a gloo thread's C++ destructor at interpreter exit can still abort ("terminate called
+    without an active exception", exit -6) a run that finished, failing the whole launch.
+    """
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -56,6 +56,8 @@ from rltk.rewards.http import ServerError, call_all, post_json, with_retries
 from rltk.rewards.marks import batched
 
 TRUNCATION_SIDES = ("left", "right")
+#: Seconds before a failed request to ``url`` is tried again (doubling each retry).
+RETRY_BACKOFF_S = 0.5
 DTYPES = ("float32", "bfloat16", "float16")
 # Arguments that configure a local model; with `url` they belong to the server (`rltk serve-reward` flags).
 LOCAL_ONLY = {"max_length": "--max-length", "truncation_side": "--truncation-side", "device": "--device",
@@ -285,7 +287,7 @@ def _score_remote(url: str, prompts: list[str], responses: list[str], *, timeout
                   retries: int) -> list[float]:
     answer = with_retries(
         lambda: post_json(url, {"prompts": prompts, "responses": responses}, timeout_s=timeout_s),
-        retries=retries, backoff_s=0.5, retry_on=(TimeoutError, ConnectionError, ServerError))
+        retries=retries, backoff_s=RETRY_BACKOFF_S, retry_on=(TimeoutError, ConnectionError, ServerError))
     scores = answer.get("scores") if isinstance(answer, dict) else None
     if (not isinstance(scores, list) or len(scores) != len(prompts)
             or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores)):

@@ -208,6 +208,9 @@ class AsyncRollouts:
             lease.metrics["staleness/dropped"] = float(self.queue.counts()["dropped"] - dropped_before)
             lease.metrics["staleness/waited_s"] = time.monotonic() - start
             lease.metrics["producers/alive"] = float(len(self.producers))
+            # reward_fn/*: the producers' counts (put with their batches) plus the trainer's own (evaluations)
+            for name, value in self.stage.run.workflow.reward.stats().items():
+                lease.metrics[f"reward_fn/{name}"] = lease.metrics.get(f"reward_fn/{name}", 0.0) + value
             return lease
 
     def after_update(self, step: int) -> None:

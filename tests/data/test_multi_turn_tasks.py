@@ -16,8 +16,9 @@ from rltk.data.synthetic import arithmetic, make_task, sft_examples
 def test_builtin_tasks_come_from_the_rltk_entry_point():
     # installed plugins (the wordle example in CI) add their own tasks; only rltk's are checked here
     entries = {e.name: e.plugin for e in rltk.list_components("task") if e.plugin.startswith("rltk:")}
-    assert entries == {name: "rltk:tasks" for name in
-                       ("arithmetic", "countdown", "guess_number", "calculator_arithmetic")}
+    assert entries == {**{name: "rltk:tasks" for name in
+                          ("arithmetic", "countdown", "guess_number", "calculator_arithmetic")},
+                       "verifiers": "rltk:verifiers_environments"}  # a verifiers env's own datasets
 
 
 def test_unknown_task_names_the_key_and_the_closest_tasks():

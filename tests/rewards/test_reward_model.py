@@ -157,7 +157,9 @@ def test_the_url_form_scores_like_the_local_model_through_rltk_serve_reward(rm_f
         proc.wait(timeout=30)
 
 
-def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly():
+def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly(monkeypatch):
+    # a long backoff, so that one round of retries and four differ by far more than a loaded machine's delays
+    monkeypatch.setattr("rltk.rewards.reward_model.RETRY_BACKOFF_S", 3.0)
     with socket.socket() as sock:  # a port nothing listens on: bound, then closed
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -167,8 +169,8 @@ def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly():
     start = time.monotonic()
     with pytest.warns(RuntimeWarning, match="reward 'reward_model' failed on a sample \\(ConnectionError"):
         results = composer.score_batch([{"prompt": "1+1=", "response": "2", "ground_truth": "2"}] * 200)
-    # 13 requests of 16: the first round of 4 spends one 0.5 s backoff, the other 9 are not sent (4 rounds: 2 s)
-    assert time.monotonic() - start < 1.5
+    # 13 requests of 16: the first round of 4 spends one 3 s backoff, the other 9 are not sent (4 rounds: 12 s)
+    assert time.monotonic() - start < 8.0
     assert [r[1]["reward_model"] for r in results] == [-1.0] * 200 and [r[0] for r in results] == [0.0] * 200
     assert composer.stats()["failures/reward_model"] == 200
 
