@@ -22,7 +22,7 @@ and per mode: median steps per hour, its ratio to sync's, min / median / max gai
 
     python benchmarks/async.py                                # embedded default, seeds 0-2
     python benchmarks/async.py --seeds 0 --quick              # tiny settings: checks that every mode runs
-    python benchmarks/async.py --set model.tiny.hidden_size=256 model.tiny.num_layers=4   # a larger model
+    python benchmarks/async.py --warm-start --set model.tiny.hidden_size=256 model.tiny.num_layers=4   # larger
 
 Times depend on what else the machine runs: compare ratios from one invocation, not figures across runs.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,26 @@ def run_one(mode: str, seed: int, extra: list[str], folder: Path) -> dict:
                for k in ("sample_s", "gate_wait_s", "put_s", "weights_s") if any(f"producer/{k}" in r for r in steps)}}
 
 
+def warm_start(seed: int, extra: list[str], folder: Path) -> list[str]:
+    """Run the config's warm-up alone for ``seed`` once, and return the overrides that start an RL-only run
+    from its weights (a model folder: the warm-up's last checkpoint and the run's tokenizer).
+
+    Every mode of a seed would run this same warm-up (same seed, same config, same steps); running it once
+    keeps a benchmark of a larger model to the RL stages it compares.
+    """
+    run_dir = folder / f"warmup_seed{seed}"
+    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", f"seed={seed}",
+               "logging.logger=[jsonl]", "logging.plot=false", *extra, "stages=[{name: warmup, type: sft}]"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"warm-up seed {seed} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    model = run_dir / "warm_model"
+    shutil.copytree(sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "model", model)
+    for file in (run_dir / "tokenizer").iterdir():
+        shutil.copy(file, model / file.name)
+    return [f"model.path={model}", "stages=[{name: rl, type: rl}]"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -87,14 +108,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check every mode runs")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every run")
     parser.add_argument("--out", type=Path, default=RESULTS / "async.json")
+    parser.add_argument("--warm-start", action="store_true",
+                        help="run each seed's warm-up once and start every mode's RL stage from it")
     args = parser.parse_args()
     extra = [*(QUICK if args.quick else []), *args.set]
     results = []
     with tempfile.TemporaryDirectory(prefix="rltk_async_bench_") as tmp:
         for i, seed in enumerate(args.seeds):
             order = args.modes[i % len(args.modes):] + args.modes[:i % len(args.modes)]
+            start = warm_start(seed, extra, Path(tmp)) if args.warm_start else []
             for mode in order:
-                r = run_one(mode, seed, extra, Path(tmp))
+                r = run_one(mode, seed, [*extra, *start], Path(tmp))
                 results.append(r)
                 print(f"{mode:>13} seed {seed}: {r['steps_per_hour']:8.0f} RL steps/h (median step: "
                       f"{r['rollout_s']:.2f} s sampling or waiting, {r['train_s']:.2f} s training), held-out "

@@ -162,7 +162,7 @@ class ExperienceQueue:
     """
 
     def __init__(self, path: str | os.PathLike, *, max_staleness: int | None = None, stale_policy: str = "drop",
-                 timeout_s: float = 600.0, poll_s: float = 0.02, busy_timeout_s: float = 30.0):
+                 timeout_s: float = 600.0, poll_s: float = 0.005, busy_timeout_s: float = 30.0):
         if max_staleness is not None and not (_is_int(max_staleness) and max_staleness >= 0):
             raise ValueError(f"ExperienceQueue: max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
         if stale_policy not in STALE_POLICIES:
