@@ -145,6 +145,9 @@ def find_stage(run_dir: Path, stage: int | None, timeout_s: float, poll_s: float
                 rendezvous = json.loads(path.read_text(encoding="utf-8"))
                 if stage is not None or not _finished(rendezvous):
                     return rendezvous
+        if (run_dir / "summary.json").is_file():
+            raise ConfigError(f"rltk produce: the run in {run_dir} has finished (summary.json): no asynchronous "
+                              f"stage is left to produce for; pass the output_dir of a run that is to train")
         waited = time.monotonic() - start
         if waited > timeout_s:
             where = (str(stage_folder(run_dir, stage) / RENDEZVOUS) if stage is not None

@@ -30,6 +30,12 @@ def test_a_synchronous_run_is_refused_naming_its_mode(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+def test_a_finished_run_is_refused(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text("{}")
+    assert main(["produce", str(tmp_path), "--timeout", "30"]) == 2
+    assert "has finished (summary.json): no asynchronous stage is left" in capsys.readouterr().err
+
+
 def test_a_file_where_the_run_folder_belongs_is_refused(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text("")
