@@ -26,6 +26,7 @@ def test_defaults_are_the_synchronous_loop():
     (["trainer.max_staleness=-1"], r"bad value -1 for 'trainer\.max_staleness': must be an integer >= 0"),
     (["trainer.sync_every=0"], r"bad value 0 for 'trainer\.sync_every': must be an integer >= 1"),
     (["buffer.queue_timeout_s=0"], r"bad value 0\.0 for 'buffer\.queue_timeout_s': must be a number of seconds > 0"),
+    (["buffer.queue_journal=memory"], r"bad value 'memory' for 'buffer\.queue_journal'\..*Valid: wal, delete"),
     (["trainer.mode=async", "trainer.producers=-1"],
      r"bad value -1 for 'trainer\.producers': must be an integer >= 0 .*`rltk produce`"),
 ])
