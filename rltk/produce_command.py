@@ -166,7 +166,10 @@ def _apply_overrides(cfg, overrides: list[str]):
         if "=" not in item:
             raise ConfigError(f"rltk produce: '{item}' is not a key=value override")
         key = item.split("=", 1)[0]
-        if OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        # a component's arguments (rollout.engine_args, ...) take any name the component accepts
+        free = parent.endswith("_args") and OmegaConf.select(cfg, parent, default=None) is not None
+        if not free and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
             raise ConfigError(f"rltk produce: unknown config key '{key}' in override '{item}' (the stage's config "
                               f"has no such key)")
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides)) if overrides else cfg

@@ -79,3 +79,17 @@ def test_the_newest_stage_is_found_and_a_name_in_use_is_refused(tmp_path, capsys
         assert "give each producer its own --name" in err
     finally:
         held.close()
+
+
+def test_overrides_change_known_keys_and_a_components_arguments_and_refuse_typos():
+    from omegaconf import OmegaConf
+
+    from rltk.produce_command import _apply_overrides
+
+    cfg = OmegaConf.create({"rollout": {"engine": "hf", "engine_args": {}}, "seed": 1})
+    got = _apply_overrides(cfg, ["rollout.engine=vllm_server", "rollout.engine_args.servers=[http://h:8000]"])
+    assert got.rollout.engine == "vllm_server" and list(got.rollout.engine_args.servers) == ["http://h:8000"]
+    from rltk.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.engin' in override 'rollout.engin=hf'"):
+        _apply_overrides(cfg, ["rollout.engin=hf"])
