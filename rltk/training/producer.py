@@ -92,7 +92,7 @@ def producer_rows(rows: list, index: int, count: int) -> list:
 
 
 def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, name: str, timeout_s: float,
-                 index: int = 0, count: int = 1, poll_s: float = 0.05, trainer: bool = True,
+                 index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True,
                  seed_salt: int = 0) -> int:
     """Produce batches until the trainer ends the stage (returns :data:`EXIT_DONE`) or a wait runs out.
 
@@ -138,13 +138,17 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
             version = read_weights_file(policy, weights_path)
             weights_s += time.perf_counter() - tick
 
+    next_end_check = [0.0]  # when wait() next asks the queue whether the trainer ended the stage
+
     def wait(what: str, done) -> bool:
         start = time.monotonic()
         while not done():
-            if queue.finished_step is not None:
-                print(f"rltk producer {name}: the trainer ended the stage at step {queue.finished_step}; "
-                      f"stopping", flush=True)
-                raise SystemExit(EXIT_DONE)
+            if time.monotonic() >= next_end_check[0]:  # every half second, not at every 5 ms poll
+                next_end_check[0] = time.monotonic() + 0.5
+                if queue.finished_step is not None:
+                    print(f"rltk producer {name}: the trainer ended the stage at step {queue.finished_step}; "
+                          f"stopping", flush=True)
+                    raise SystemExit(EXIT_DONE)
             if parent is not None and not parent.alive():
                 print(f"rltk producer {name}: the trainer (pid {parent.pid}) is gone; stopping", flush=True)
                 raise SystemExit(EXIT_ORPHANED)
