@@ -577,6 +577,16 @@ class ExperienceQueue:
         """Experiences put so far, by producer name (any status): who has shown up."""
         return dict(self._db.execute("SELECT producer, COUNT(*) FROM experiences GROUP BY producer"))
 
+    def progress(self) -> tuple[int, int]:
+        """``(taken_step, ready experiences)`` read in one snapshot, for a producer's staleness gate: read
+        apart, a take between them is half seen (the old step with the new, smaller ready count)."""
+        self._db.execute("BEGIN")
+        try:
+            ready = self._db.execute("SELECT COUNT(*) FROM experiences WHERE status = 'ready'").fetchone()[0]
+            return self.taken_step, int(ready)
+        finally:
+            self._db.execute("COMMIT")
+
     def last_id(self, producer: str) -> str | None:
         """The id of ``producer``'s most recent put (any status), or None: where a restarted producer goes on."""
         row = self._db.execute("SELECT id FROM experiences WHERE producer = ? ORDER BY seq DESC LIMIT 1",

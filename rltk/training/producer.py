@@ -167,7 +167,10 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
 
         def may_sample() -> bool:
             load_newest()
-            return gate_open(queue.taken_step, queue.counts()["ready"], per_batch, version, max_staleness)
+            # one snapshot: a take between two separate reads made the gate underestimate the step the batch
+            # trains at, so it sampled a batch one version too stale, which the queue then dropped
+            taken, ready = queue.progress()
+            return gate_open(taken, ready, per_batch, version, max_staleness)
 
         wait(f"the trainer to take experiences or publish weights newer than version {version} (a batch "
              f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)

@@ -55,6 +55,18 @@ def test_the_rollback_journal_for_a_queue_on_a_network_file_system_leases_and_co
         ExperienceQueue(path, journal_mode="memory")
 
 
+def test_progress_reads_the_taken_step_and_the_ready_count_together(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        assert q.progress() == (0, 0)
+        for g in range(3):
+            put_group(q, "w", g, version=0)
+        assert q.progress() == (0, 6)
+        q.take(2, step=1, version=0)
+        assert q.progress() == (1, 4)  # the take moved both: the step it took and what is left
+        q.commit(1)
+        assert q.progress() == (1, 4)
+
+
 def test_take_leases_whole_groups_oldest_first_and_renumbers_them(tmp_path):
     with ExperienceQueue(tmp_path / "q.sqlite") as q:
         put_group(q, "a", 0, 0)
