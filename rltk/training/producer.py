@@ -94,7 +94,7 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     from rltk.data.sampler import RowSampler
     from rltk.distributed import limit_torch_threads, seed_everything
     from rltk.training.collect import RolloutPlan, collect_experiences
-    from rltk.training.engine_weights import read_weights_file, weights_file_version
+    from rltk.training.engine_weights import weights_file_version
     from rltk.training.rows import build_rows
     from rltk.training.setup import build_tokenizer_and_policy, build_workflow
 
@@ -114,7 +114,6 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     batch = 0 if last is None else batch_of(last) + 1
     for _ in range(batch):  # the prompts of the batches already put
         sampler.next_batch()
-    version = -1
 
     def wait(what: str, done) -> bool:
         start = time.monotonic()
@@ -130,31 +129,139 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
         return True
 
     wait(f"the trainer's first weights in {weights_path}", lambda: weights_file_version(weights_path) is not None)
+    follower = WeightsFollower(workflow.engine, policy, weights_path)
     print(f"rltk producer {name}: pid {os.getpid()}, starting at batch {batch}", flush=True)
     while True:
-        published = weights_file_version(weights_path)
-        if published is not None and published > version:
-            version = read_weights_file(policy, weights_path)
+        follower.follow()
 
         def may_sample() -> bool:
-            nonlocal version
-            newest = weights_file_version(weights_path)
-            if newest is not None and newest > version:
-                version = read_weights_file(policy, weights_path)
-            return gate_open(queue.taken_step, queue.counts()["ready"], per_batch, version, max_staleness)
+            follower.follow()
+            return gate_open(queue.taken_step, queue.counts()["ready"], per_batch, follower.version, max_staleness)
 
-        wait(f"the trainer to take experiences or publish weights newer than version {version} (a batch "
+        wait(f"the trainer to take experiences or publish weights newer than version {follower.version} (a batch "
              f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)
+        version = follower.version
         # the same batch is sampled the same way by a restarted producer with the same weights
         seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch)
-        experiences, _ = collect_experiences(workflow, sampler, plan)
+        with follower.during_generation(poll_s=max(poll_s, 0.05)):
+            experiences, _ = collect_experiences(workflow, sampler, plan)
         # the reward functions' calls, failures and timeouts while making this batch: the trainer logs them
         counters = {f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()}
+        counters.update(follower.take_counters())
         workflow.reward.reset_stats()
         if experiences:
             ids = [f"{name}-b{batch}-{i}" for i in range(len(experiences))]
-            queue.put(experiences, ids=ids, versions=version, producer=name, counters=counters)
+            queue.put(experiences, ids=ids, versions=experience_versions(experiences, version), producer=name,
+                      counters=counters)
         batch += 1
+
+
+def experience_versions(experiences: list, version: int) -> list[list[int]]:
+    """Per experience, the policy version of each response token: the engine's record where the workflow
+    kept it (``info["policy_versions"]``, moved out of the experience), else ``version``, the weights the
+    batch started with, which is the oldest any of its tokens can have (a workflow that does not keep them
+    under an engine that loads weights mid-batch is counted as old as possible: the bound still holds)."""
+    from rltk.rollout.base import POLICY_VERSIONS
+
+    out = []
+    for exp in experiences:
+        recorded = exp.info.pop(POLICY_VERSIONS, None)
+        if recorded is None or len(recorded) != len(exp.response_ids):
+            recorded = [version] * len(exp.response_ids)
+        out.append([int(v) for v in recorded])
+    return out
+
+
+class WeightsFollower:
+    """Keeps the producer's rollout engine on the newest weights the trainer published.
+
+    The ``hf`` engine samples from the producer's own module, which reads the
+    file between batches. An engine with :meth:`load_weights_file`
+    (``vllm_server``) has its servers load the trainer's file itself (through a
+    hard link: the trainer renames newer files over the path, and a link keeps
+    the one whose version was read), and does so also *during* a batch
+    (:meth:`during_generation`): the servers pause with ``mode=abort``, load,
+    resume, and the engine continues the interrupted samples under the new
+    weights, each token labelled with the version that sampled it.
+    """
+
+    def __init__(self, engine, policy, path):
+        import threading
+
+        self.engine, self.policy, self.path = engine, policy, str(path)
+        self.servers = hasattr(engine, "load_weights_file")
+        if self.servers:
+            engine.track_versions = True
+        self.version = -1
+        self.loads_during_generation = 0
+        self._continued_before = getattr(engine, "continued", 0)
+        self._lock = threading.Lock()
+
+    def follow(self, *, interrupt: bool = False) -> bool:
+        """Load the published weights if they are newer than the engine's; True if it loaded."""
+        from rltk.training.engine_weights import read_weights_file, weights_file_version
+
+        with self._lock:
+            newest = weights_file_version(self.path)
+            if newest is None or newest <= self.version:
+                return False
+            if not self.servers:
+                self.version = read_weights_file(self.policy, self.path)
+                return True
+            link = f"{self.path}.{os.getpid()}.load"
+            if os.path.lexists(link):
+                os.unlink(link)
+            os.link(self.path, link)
+            try:
+                version = weights_file_version(link)
+                if not self.engine.load_weights_file(link, version, interrupt=interrupt):
+                    # names the servers cannot load as they are (a LoRA policy): merged through the module
+                    read_weights_file(self.policy, link)
+                    self.engine.update_weights(self.policy, version=version, interrupt=interrupt)
+            finally:
+                os.unlink(link)
+            self.version = version
+            return True
+
+    def during_generation(self, poll_s: float):
+        """A context in which a thread loads newer weights as soon as they are published, interrupting the
+        generation in flight (engines with servers only; a no-op for the others)."""
+        import contextlib
+        import threading
+
+        if not self.servers:
+            return contextlib.nullcontext()
+        follower = self
+
+        class _Watch:
+            def __enter__(self):
+                self.stop, self.error = threading.Event(), None
+                self.thread = threading.Thread(target=self.run, name="rltk-weights-follower", daemon=True)
+                self.thread.start()
+
+            def run(self):
+                try:
+                    while not self.stop.wait(poll_s):
+                        if follower.follow(interrupt=True):
+                            follower.loads_during_generation += 1
+                except BaseException as exc:  # raised in the producer's main thread, below
+                    self.error = exc
+
+            def __exit__(self, *exc_info):
+                self.stop.set()
+                self.thread.join()  # a load under way ends within the engine's HTTP timeout
+                if self.error is not None and exc_info[0] is None:
+                    raise self.error
+
+        return _Watch()
+
+    def take_counters(self) -> dict[str, float]:
+        """``async/weight_loads_mid_batch`` and ``async/continued_samples`` since the last call."""
+        continued = getattr(self.engine, "continued", 0)
+        out = {"async/weight_loads_mid_batch": float(self.loads_during_generation),
+               "async/continued_samples": float(continued - self._continued_before)} if self.servers else {}
+        self.loads_during_generation, self._continued_before = 0, continued
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:
