@@ -126,6 +126,8 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     batch = 0 if last is None else batch_of(last) + 1
     for _ in range(batch):  # the prompts of the batches already put
         sampler.next_batch()
+    weights_s = 0.0  # loading published weights since the last put, outside sampling (producer/weights_s)
+    put_s = 0.0  # the last put's own time (producer/put_s of the next batch: a put cannot carry its own)
 
     def wait(what: str, done) -> bool:
         start = time.monotonic()
@@ -144,27 +146,42 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     follower = WeightsFollower(workflow.engine, policy, weights_path)
     print(f"rltk producer {name}: pid {os.getpid()}, starting at batch {batch}", flush=True)
     while True:
-        follower.follow()
+        tick = time.perf_counter()
+
+        def load_newest() -> None:
+            nonlocal weights_s
+            started = time.perf_counter()
+            if follower.follow():
+                weights_s += time.perf_counter() - started
+
+        load_newest()
 
         def may_sample() -> bool:
-            follower.follow()
+            load_newest()
             return gate_open(queue.taken_step, queue.counts()["ready"], per_batch, follower.version, max_staleness)
 
         wait(f"the trainer to take experiences or publish weights newer than version {follower.version} (a batch "
              f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)
         version = follower.version
+        sampling = time.perf_counter()
         # the same batch is sampled the same way by a restarted producer with the same weights
         seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch)
-        with follower.during_generation(poll_s=max(poll_s, 0.05)):
+        with follower.during_generation(poll_s=max(poll_s, 0.05)):  # vllm_server: newer weights interrupt it
             experiences, _ = collect_experiences(workflow, sampler, plan)
-        # the reward functions' calls, failures and timeouts while making this batch: the trainer logs them
+        sampled = time.perf_counter()
+        # the reward functions' calls, failures and timeouts while making this batch, and where the
+        # producer's time went: the trainer logs them with the step that takes the batch
         counters = {f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()}
         counters.update(follower.take_counters())
         workflow.reward.reset_stats()
+        counters.update({"producer/weights_s": weights_s, "producer/sample_s": sampled - sampling,
+                         "producer/gate_wait_s": sampling - tick - weights_s, "producer/put_s": put_s})
+        weights_s = 0.0
         if experiences:
             ids = [f"{name}-b{batch}-{i}" for i in range(len(experiences))]
             queue.put(experiences, ids=ids, versions=experience_versions(experiences, version), producer=name,
                       counters=counters)
+        put_s = time.perf_counter() - sampled
         batch += 1
 
 
