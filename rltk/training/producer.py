@@ -278,7 +278,14 @@ class WeightsFollower:
 
             def __exit__(self, *exc_info):
                 self.stop.set()
-                self.thread.join()  # a load under way ends within the engine's HTTP timeout
+                # a load under way is 5 HTTP calls per server (pause, start, update, finish, resume), each
+                # bounded by the engine's timeout_s
+                limit = 8 * float(getattr(follower.engine, "timeout_s", 120.0))
+                self.thread.join(limit)
+                if self.thread.is_alive() and exc_info[0] is None:
+                    raise TimeoutError(f"waited {limit:g} s for the weights follower to finish loading a version "
+                                       f"newer than {follower.version} from {follower.path} into the rollout "
+                                       f"servers (rollout.engine_args.timeout_s each call)")
                 if self.error is not None and exc_info[0] is None:
                     raise self.error
 

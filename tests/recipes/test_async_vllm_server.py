@@ -91,6 +91,16 @@ def _logprobs(model, prompt: list[int], tokens: list[list[int]]) -> torch.Tensor
     return torch.log_softmax(logits, -1).gather(2, torch.tensor(tokens)[:, :, None])[:, :, 0]
 
 
+def _generated_tokens(engine) -> float:
+    """The server's count of tokens generated so far (its Prometheus ``vllm:generation_tokens_total``)."""
+    import httpx
+
+    [url] = engine.servers
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(server, tmp_path):
     engine, policy, tokenizer = server
     old, new = policy, type(policy)(policy.config)
@@ -103,15 +113,19 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
     assert engine.load_weights_file(str(path), 10)
     engine.track_versions, continued = True, engine.continued
     prompt = tokenizer("12+3=", add_special_tokens=False)["input_ids"]
+    # a fresh server's first generation compiles for a while: warm it up so the timed one runs at speed
+    engine.generate([prompt], SamplingParams(n=SAMPLES, max_new_tokens=4, stop_token_ids=[]))
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_new_tokens=LONG, stop_token_ids=[], seed=7)
+    before = _generated_tokens(engine)
     result = {}
     worker = threading.Thread(target=lambda: result.setdefault("out", engine.generate([prompt], params)))
     worker.start()
     deadline = time.monotonic() + 120
-    while sum(s.in_flight for s in engine._servers) < SAMPLES:  # every sample is on the server
-        assert time.monotonic() < deadline, "the samples never reached the server"
-        time.sleep(0.01)
-    time.sleep(0.5)  # some tokens under version 10
+    # some tokens under version 10 on every sample (they advance together): the server counts them as its
+    # engine produces them, while the answers come back only at the end
+    while _generated_tokens(engine) - before < SAMPLES * 50:
+        assert time.monotonic() < deadline and worker.is_alive(), "the server never generated the samples"
+        time.sleep(0.02)
     write_weights_file(new, path, 11)
     assert engine.load_weights_file(str(path), 11, interrupt=True)
     worker.join(timeout=300)
