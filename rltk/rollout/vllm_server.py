@@ -252,6 +252,9 @@ class VLLMServerEngine(RolloutEngine):
                                 f"'{{\"backend\": \"{FILE}\"}}' (rltk installed next to vLLM)")
                 # the label of the tokens it samples (weight_versions spans) until the first update
                 self._post(server, "/update_weight_version", {"new_version": str(self.weight_version)})
+                # a client that died between /pause and /resume (a killed producer) leaves the server paused:
+                # every request would wait in its queue until timeout_s
+                self._post(server, "/resume")
         except BaseException:
             self.close()
             raise

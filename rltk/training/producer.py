@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,10 @@ class _Parent:
         return os.getppid() == self.pid
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def producer_rows(rows: list, index: int, count: int) -> list:
     """Producer ``index`` of ``count``'s share of the training rows: rows ``index, index + count, ...``
     (all of them for a lone producer), so two producers never sample the same prompt in one epoch."""
@@ -111,6 +116,9 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     from rltk.training.setup import build_tokenizer_and_policy, build_workflow
 
     parent = _Parent()
+    # SIGTERM (the trainer stopping it) unwinds like an exception: a weight load under way finishes, and its
+    # servers are resumed, before the process exits (a server left paused would hold every later request)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     limit_torch_threads()
     seed_everything(cfg.seed)
     tokenizer, policy = build_tokenizer_and_policy(cfg)

