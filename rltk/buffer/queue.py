@@ -83,7 +83,7 @@ from typing import Iterable, Sequence
 
 from rltk.batch import Experience
 
-__all__ = ["ExperienceQueue", "JOURNAL_MODES", "Lease", "QueueTimeout", "STALE_POLICIES"]
+__all__ = ["ExperienceQueue", "JOURNAL_MODES", "Lease", "QueueTimeout", "STALE_POLICIES", "token_staleness"]
 
 STALE_POLICIES = ("drop", "wait")
 #: SQLite journal modes the queue runs in: ``wal`` (one machine) or ``delete`` (a network file system).
@@ -134,7 +134,8 @@ class Lease:
     ``ids[i]``, ``versions[i]`` (per token, a list as long as the response) and
     ``group_keys[i]`` describe ``experiences[i]``. ``metrics`` are the
     ``staleness/*`` numbers of this take: ``mean`` and ``max`` over the taken
-    experiences (trainer version minus oldest token version), ``dropped``
+    experiences (trainer version minus oldest token version), the per-token
+    ones of :func:`token_staleness` (``token_mean``, ``mixed``), ``dropped``
     (experiences dropped as too stale by this take) and ``waited_s``, and the
     sum of the ``counters`` producers put since the last take (``put``).
     """
@@ -156,6 +157,17 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def token_staleness(version: int, versions: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Per-token ``staleness/*`` of a batch trained by trainer ``version``: ``token_mean`` (trainer version
+    minus the version that sampled the token, averaged over every response token) and ``mixed`` (the
+    fraction of experiences whose tokens span a weight update: a rollout interrupted and continued)."""
+    tokens = [version - v for token_versions in versions for v in token_versions]
+    spans = [token_versions for token_versions in versions if token_versions]
+    return {
+        "staleness/token_mean": sum(tokens) / len(tokens) if tokens else 0.0,
+        "staleness/mixed": (sum(min(v) != max(v) for v in spans) / len(versions)) if versions else 0.0,
+    }
+
 
 def _payload(exp: Experience) -> str:
     """``exp`` as JSON: its fields as they are (the JSON ``dataclasses.asdict`` would give, without the deep
@@ -165,6 +177,7 @@ def _payload(exp: Experience) -> str:
         return json.dumps({name: getattr(exp, name) for name in exp.__dataclass_fields__})
     except TypeError:
         return json.dumps(dataclasses.asdict(exp))
+
 
 class ExperienceQueue:
     """The persistent experience queue at ``path`` (created when missing); see the module docstring.
@@ -481,7 +494,8 @@ class ExperienceQueue:
                                 else [low] * len(exp.response_ids))
                 keys.append(key)
                 staleness.append(version - low)
-        metrics = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness))}
+        metrics = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness)),
+                   **token_staleness(version, versions)}
         return Lease(lease_id, step, version, experiences, ids, versions, keys, metrics)
 
     def _timeout_message(self, count, step, version, waited, dropped, seen) -> str:

@@ -174,6 +174,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: The rollout engines an asynchronous run's producer process samples with.
+ASYNC_ENGINES = ("hf", "vllm_server")
+
+
 def check_async_config(cfg: DictConfig, recipe=None) -> None:
     """The asynchronous-training keys, and the modes the loop runs.
 
@@ -182,8 +186,10 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
     started by the user, ``rltk produce``),
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
     are plain choices). ``one_step_off`` and ``async`` run in a recipe that
-    declares them (``PROVIDES["trainer_modes"]``: grpo), with a local producer
-    process on the ``hf`` engine; ``one_step_off`` is ``max_staleness=1``. The
+    declares them (``PROVIDES["trainer_modes"]``: grpo), with local producer
+    processes on the ``hf`` or ``vllm_server`` engine (the colocated ``vllm``
+    lives in the trainer's process; given ``servers`` take one producer);
+    ``one_step_off`` is ``max_staleness=1``. The
     producer may sample only with weights at most ``max_staleness`` versions
     behind the step that will train on them, and it gets weights every
     ``sync_every`` steps, so ``sync_every`` must be at most ``max_staleness + 1``
@@ -222,10 +228,18 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
         raise ConfigError(
             f"bad value {t.mode!r} for 'trainer.mode': the {recipe.name} recipe runs "
             f"{', '.join(sorted(modes or ['sync']))}" + (f"; {', '.join(runs)} runs {t.mode}" if runs else ""))
-    if cfg.rollout.engine != "hf":
+    if cfg.rollout.engine not in ASYNC_ENGINES:
+        why = (" (the colocated vllm engine lives in the trainer's process; vllm_server runs vLLM in servers the "
+               "producer launches or reaches at rollout.engine_args.servers)" if cfg.rollout.engine == "vllm" else "")
         raise ConfigError(
-            f"bad value {cfg.rollout.engine!r} for 'rollout.engine' with trainer.mode={t.mode}: the producer is a "
-            f"local process with the hf engine so far (issue 30); set rollout.engine=hf or trainer.mode=sync")
+            f"bad value {cfg.rollout.engine!r} for 'rollout.engine' with trainer.mode={t.mode}: a producer process "
+            f"samples with {' or '.join(ASYNC_ENGINES)}{why}; set one of those or trainer.mode=sync")
+    servers = OmegaConf.select(cfg, "rollout.engine_args.servers")
+    if cfg.rollout.engine == "vllm_server" and servers and producers > 1:
+        raise ConfigError(
+            f"bad value {producers!r} for 'trainer.producers' with rollout.engine_args.servers: every producer "
+            f"loads each weight version into its servers, so {producers} producers would load into the same "
+            f"servers at once; use trainer.producers=1, or rollout.engine_args.launch (each producer its own)")
     if t.mode == "one_step_off" and t.max_staleness != 1:
         raise ConfigError(
             f"bad value {t.max_staleness!r} for 'trainer.max_staleness' with trainer.mode=one_step_off: that mode "

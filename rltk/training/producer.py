@@ -24,8 +24,20 @@ and loops:
    trains;
 3. draw the next prompts, run the workflow (:func:`rltk.training.collect.collect_experiences`,
    so greedy baselines and dynamic sampling work as in the synchronous loop),
-   and put the batch, each experience with its id and version ``v``, in one
-   transaction.
+   and put the batch, each experience with its id and per-token versions, in
+   one transaction.
+
+On the ``hf`` engine the producer's own module samples and reads the file
+between batches, so a batch is version ``v`` throughout. On ``vllm_server``
+(:class:`WeightsFollower`) the servers (launched by the producer, or the
+addresses in ``rollout.engine_args.servers``) load the trainer's file itself,
+and a version published *during* a batch is loaded at once: the servers pause
+with ``mode=abort``, load it and resume, and the engine continues the
+interrupted samples under it. Each token then carries the version that
+sampled it (single-turn workflows; the others count a batch's tokens as
+``v``, the oldest they can be), the queue bounds the oldest token's staleness,
+and ``async/weight_loads_mid_batch`` / ``async/continued_samples`` count the
+interruptions.
 
 Ids are ``<name>-b<batch>-<index>``; a restarted producer reads its last
 put id from the queue and goes on with the next batch (its prompt sampler
@@ -43,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -85,6 +98,10 @@ class _Parent:
         return os.getppid() == self.pid
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def producer_rows(rows: list, index: int, count: int) -> list:
     """Producer ``index`` of ``count``'s share of the training rows: rows ``index, index + count, ...``
     (all of them for a lone producer), so two producers never sample the same prompt in one epoch."""
@@ -105,11 +122,14 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     from rltk.data.sampler import RowSampler
     from rltk.distributed import limit_torch_threads, seed_everything
     from rltk.training.collect import RolloutPlan, collect_experiences
-    from rltk.training.engine_weights import read_weights_file, weights_file_version
+    from rltk.training.engine_weights import weights_file_version
     from rltk.training.rows import build_rows
     from rltk.training.setup import build_tokenizer_and_policy, build_workflow
 
     parent = _Parent() if trainer else None
+    # SIGTERM (the trainer stopping it) unwinds like an exception: a weight load under way finishes, and its
+    # servers are resumed, before the process exits (a server left paused would hold every later request)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     limit_torch_threads()
     seed_everything(cfg.seed)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
@@ -126,17 +146,15 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     batch = 0 if last is None else batch_of(last) + 1
     for _ in range(batch):  # the prompts of the batches already put
         sampler.next_batch()
-    version = -1
-    weights_s = 0.0  # loading published weights since the last put (producer/weights_s)
+    weights_s = 0.0  # loading published weights since the last put, outside sampling (producer/weights_s)
     put_s = 0.0  # the last put's own time (producer/put_s of the next batch: a put cannot carry its own)
+    follower = None  # keeps the engine on the newest published weights (WeightsFollower, below)
 
     def load_newest() -> None:
-        nonlocal version, weights_s
-        newest = weights_file_version(weights_path)
-        if newest is not None and newest > version:
-            tick = time.perf_counter()
-            version = read_weights_file(policy, weights_path)
-            weights_s += time.perf_counter() - tick
+        nonlocal weights_s
+        started = time.perf_counter()
+        if follower.follow():
+            weights_s += time.perf_counter() - started
 
     next_end_check = [0.0]  # when wait() next asks the queue whether the trainer ended the stage
 
@@ -160,6 +178,7 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
         return True
 
     wait(f"the trainer's first weights in {weights_path}", lambda: weights_file_version(weights_path) is not None)
+    follower = WeightsFollower(workflow.engine, policy, weights_path)
     print(f"rltk producer {name}: pid {os.getpid()}, starting at batch {batch}", flush=True)
     while True:
         tick = time.perf_counter()
@@ -170,27 +189,146 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
             # one snapshot: a take between two separate reads made the gate underestimate the step the batch
             # trains at, so it sampled a batch one version too stale, which the queue then dropped
             taken, ready = queue.progress()
-            return gate_open(taken, ready, per_batch, version, max_staleness)
+            return gate_open(taken, ready, per_batch, follower.version, max_staleness)
 
-        wait(f"the trainer to take experiences or publish weights newer than version {version} (a batch "
+        wait(f"the trainer to take experiences or publish weights newer than version {follower.version} (a batch "
              f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)
+        version = follower.version
         sampling = time.perf_counter()
         # the same batch is sampled the same way by a restarted producer with the same weights
         seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch + seed_salt)
-        experiences, _ = collect_experiences(workflow, sampler, plan)
+        with follower.during_generation(poll_s=max(poll_s, 0.05)):  # vllm_server: newer weights interrupt it
+            experiences, _ = collect_experiences(workflow, sampler, plan)
         sampled = time.perf_counter()
         # the reward functions' calls, failures and timeouts while making this batch, and where the
         # producer's time went: the trainer logs them with the step that takes the batch
         counters = {f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()}
+        counters.update(follower.take_counters())
         workflow.reward.reset_stats()
         counters.update({"producer/weights_s": weights_s, "producer/sample_s": sampled - sampling,
                          "producer/gate_wait_s": sampling - tick - weights_s, "producer/put_s": put_s})
         weights_s = 0.0
         if experiences:
             ids = [f"{name}-b{batch}-{i}" for i in range(len(experiences))]
-            queue.put(experiences, ids=ids, versions=version, producer=name, counters=counters)
+            queue.put(experiences, ids=ids, versions=experience_versions(experiences, version), producer=name,
+                      counters=counters)
         put_s = time.perf_counter() - sampled
         batch += 1
+
+
+def experience_versions(experiences: list, version: int) -> list[list[int]]:
+    """Per experience, the policy version of each response token: the engine's record where the workflow
+    kept it (``info["policy_versions"]``, moved out of the experience), else ``version``, the weights the
+    batch started with, which is the oldest any of its tokens can have (a workflow that does not keep them
+    under an engine that loads weights mid-batch is counted as old as possible: the bound still holds)."""
+    from rltk.rollout.base import POLICY_VERSIONS
+
+    out = []
+    for exp in experiences:
+        recorded = exp.info.pop(POLICY_VERSIONS, None)
+        if recorded is None or len(recorded) != len(exp.response_ids):
+            recorded = [version] * len(exp.response_ids)
+        out.append([int(v) for v in recorded])
+    return out
+
+
+class WeightsFollower:
+    """Keeps the producer's rollout engine on the newest weights the trainer published.
+
+    The ``hf`` engine samples from the producer's own module, which reads the
+    file between batches. An engine with :meth:`load_weights_file`
+    (``vllm_server``) has its servers load the trainer's file itself (through a
+    hard link: the trainer renames newer files over the path, and a link keeps
+    the one whose version was read), and does so also *during* a batch
+    (:meth:`during_generation`): the servers pause with ``mode=abort``, load,
+    resume, and the engine continues the interrupted samples under the new
+    weights, each token labelled with the version that sampled it.
+    """
+
+    def __init__(self, engine, policy, path):
+        import threading
+
+        self.engine, self.policy, self.path = engine, policy, str(path)
+        self.servers = hasattr(engine, "load_weights_file")
+        if self.servers:
+            engine.track_versions = True
+        self.version = -1
+        self.loads_during_generation = 0
+        self._continued_before = getattr(engine, "continued", 0)
+        self._lock = threading.Lock()
+
+    def follow(self, *, interrupt: bool = False) -> bool:
+        """Load the published weights if they are newer than the engine's; True if it loaded."""
+        from rltk.training.engine_weights import read_weights_file, weights_file_version
+
+        with self._lock:
+            newest = weights_file_version(self.path)
+            if newest is None or newest <= self.version:
+                return False
+            if not self.servers:
+                self.version = read_weights_file(self.policy, self.path)
+                return True
+            link = f"{self.path}.{os.getpid()}.load"
+            if os.path.lexists(link):
+                os.unlink(link)
+            os.link(self.path, link)
+            try:
+                version = weights_file_version(link)
+                if not self.engine.load_weights_file(link, version, interrupt=interrupt):
+                    # names the servers cannot load as they are (a LoRA policy): merged through the module
+                    read_weights_file(self.policy, link)
+                    self.engine.update_weights(self.policy, version=version, interrupt=interrupt)
+            finally:
+                os.unlink(link)
+            self.version = version
+            return True
+
+    def during_generation(self, poll_s: float):
+        """A context in which a thread loads newer weights as soon as they are published, interrupting the
+        generation in flight (engines with servers only; a no-op for the others)."""
+        import contextlib
+        import threading
+
+        if not self.servers:
+            return contextlib.nullcontext()
+        follower = self
+
+        class _Watch:
+            def __enter__(self):
+                self.stop, self.error = threading.Event(), None
+                self.thread = threading.Thread(target=self.run, name="rltk-weights-follower", daemon=True)
+                self.thread.start()
+
+            def run(self):
+                try:
+                    while not self.stop.wait(poll_s):
+                        if follower.follow(interrupt=True):
+                            follower.loads_during_generation += 1
+                except BaseException as exc:  # raised in the producer's main thread, below
+                    self.error = exc
+
+            def __exit__(self, *exc_info):
+                self.stop.set()
+                # a load under way is 5 HTTP calls per server (pause, start, update, finish, resume), each
+                # bounded by the engine's timeout_s
+                limit = 8 * float(getattr(follower.engine, "timeout_s", 120.0))
+                self.thread.join(limit)
+                if self.thread.is_alive() and exc_info[0] is None:
+                    raise TimeoutError(f"waited {limit:g} s for the weights follower to finish loading a version "
+                                       f"newer than {follower.version} from {follower.path} into the rollout "
+                                       f"servers (rollout.engine_args.timeout_s each call)")
+                if self.error is not None and exc_info[0] is None:
+                    raise self.error
+
+        return _Watch()
+
+    def take_counters(self) -> dict[str, float]:
+        """``async/weight_loads_mid_batch`` and ``async/continued_samples`` since the last call."""
+        continued = getattr(self.engine, "continued", 0)
+        out = {"async/weight_loads_mid_batch": float(self.loads_during_generation),
+               "async/continued_samples": float(continued - self._continued_before)} if self.servers else {}
+        self.loads_during_generation, self._continued_before = 0, continued
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:

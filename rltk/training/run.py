@@ -42,7 +42,9 @@ from rltk.training.resume import (
 )
 from rltk.training.rows import build_rows
 from rltk.training.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
-from rltk.training.setup import build_strategy, build_tokenizer_and_policy, build_workflow, stage_config
+from rltk.training.setup import (
+    build_strategy, build_tokenizer_and_policy, build_workflow, stage_config, trainer_workflow_config,
+)
 from rltk.training.stage_checkpoint import LOG_ROWS_KEY, restore_rollout_state
 from rltk.training.traces import TraceWriter
 
@@ -109,7 +111,8 @@ def open_run(cfg: DictConfig) -> Run:
     train_rows, eval_rows = build_rows(cfg, tokenizer)
 
     # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
-    workflow = build_workflow(cfg, policy, tokenizer)
+    # (an asynchronous run on vllm_server: the servers are the producer's, the trainer evaluates with hf)
+    workflow = build_workflow(trainer_workflow_config(cfg), policy, tokenizer)
     if resume is not None:
         restore_rollout_state(workflow, resume)
 

@@ -107,6 +107,23 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
         **env, **args_of(cfg, "rollout.workflow"))
 
 
+def trainer_workflow_config(cfg: DictConfig) -> DictConfig:
+    """The config the trainer builds its own workflow from (its evaluations; all rollouts in ``sync``).
+
+    In ``trainer.mode`` ``one_step_off`` / ``async`` with ``rollout.engine=vllm_server`` the servers
+    belong to the producer process, which loads every published version into them (their weight
+    labels are the trainer's versions); a second set launched for the trainer, or the same addresses
+    loaded by both, would cost a server start or mix two version counts. The trainer evaluates with the
+    ``hf`` engine on its own module instead (the same weights, sampled in its process).
+    """
+    if cfg.trainer.mode == "sync" or cfg.rollout.engine != "vllm_server":
+        return cfg
+    out = cfg.copy()
+    out.rollout.engine = "hf"
+    out.rollout.engine_args = {}
+    return out
+
+
 def sampling_params(cfg: DictConfig, *, greedy: bool = False) -> SamplingParams:
     r = cfg.rollout
     if greedy:

@@ -17,7 +17,7 @@ from typing import Any
 
 import rltk
 from rltk.batch import Experience
-from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
+from rltk.rollout.base import POLICY_VERSIONS, Completion, RolloutEngine, SamplingParams
 from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means, score_samples
 
 
@@ -130,6 +130,9 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
                             "ground_truth": row.get("ground_truth", ""),
                             "row_id": row.get("id", str(index)),
                             "sample_index": sample_index,
+                            # an engine that tracks them (an asynchronous run's vllm_server): the policy
+                            # version of each token, for the experience queue
+                            **({} if completion.versions is None else {POLICY_VERSIONS: list(completion.versions)}),
                         },
                         baseline_score=baseline,
                     )

@@ -39,6 +39,33 @@ def test_wal_mode_and_a_round_trip_of_every_field(tmp_path):
     assert lease.metrics["staleness/mean"] == 1.0 and lease.metrics["staleness/max"] == 1.0
 
 
+def test_an_interrupted_rollout_is_as_stale_as_its_oldest_token_and_counted_per_token(tmp_path):
+    """Versions per token (a rollout a weight update interrupted): the bound applies to the oldest token, the
+    per-token metrics to every token."""
+    with ExperienceQueue(tmp_path / "q.sqlite", max_staleness=1) as q:
+        # trainer version 3: the mixed one's oldest token (1) is 2 versions old, though most of it is fresh
+        q.put(group(0, 1, tokens=4), ids=["old"], versions=[[1, 3, 3, 3]], producer="p")
+        q.put(group(1, 1, tokens=4), ids=["mixed"], versions=[[2, 2, 3, 3]], producer="p")
+        q.put(group(2, 1, tokens=2), ids=["fresh"], versions=[[3, 3]], producer="p")
+        lease = q.take(2, step=4, version=3)
+        assert lease.ids == ["mixed", "fresh"] and q.ids("dropped") == ["old"]
+        assert lease.versions == [[2, 2, 3, 3], [3, 3]]
+        # per experience: oldest tokens 2 and 3 -> staleness 1 and 0
+        assert lease.metrics["staleness/mean"] == 0.5 and lease.metrics["staleness/max"] == 1.0
+        # per token: (1 + 1 + 0 + 0) + (0 + 0) over 6 tokens; one of the two spans an update
+        assert lease.metrics["staleness/token_mean"] == pytest.approx(2 / 6)
+        assert lease.metrics["staleness/mixed"] == 0.5
+        assert lease.metrics["staleness/dropped"] == 1.0
+
+
+def test_token_staleness_by_hand():
+    from rltk.buffer.queue import token_staleness
+
+    assert token_staleness(5, [[5, 5], [3, 4, 5], [4]]) == {
+        "staleness/token_mean": (0 + 0 + 2 + 1 + 0 + 1) / 6, "staleness/mixed": 1 / 3}
+    assert token_staleness(2, [[]]) == {"staleness/token_mean": 0.0, "staleness/mixed": 0.0}
+
+
 def test_the_rollback_journal_for_a_queue_on_a_network_file_system_leases_and_commits_alike(tmp_path):
     # producers on other machines: no WAL (its shared-memory index does not cross machines)
     path = tmp_path / "q.sqlite"

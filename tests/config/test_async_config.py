@@ -61,13 +61,31 @@ def test_grpo_runs_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_the
     # producers=0 (all started with `rltk produce`) is an asynchronous setting too: a sync run reads no queue
     (["trainer.producers=0"], r"bad value 0 for 'trainer\.producers' with trainer\.mode=sync: producers \(local or "
                               r"started with `rltk produce`\) run only in trainer\.mode=one_step_off or async"),
+    # the colocated engine lives in the trainer's process; the producers sample with hf or vllm_server
     (["trainer.mode=async", "rollout.engine=vllm"],
-     r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: the producer is a local process with "
-     r"the hf engine"),
+     r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: a producer process samples with hf or "
+     r"vllm_server \(the colocated vllm engine lives in the trainer's process"),
+    # two producers would load their weights into the same given servers at once
+    (["trainer.mode=async", "rollout.engine=vllm_server", "trainer.producers=2",
+      "rollout.engine_args={servers: ['http://127.0.0.1:8000']}"],
+     r"bad value 2 for 'trainer\.producers' with rollout\.engine_args\.servers: every producer loads"),
 ])
 def test_asynchronous_settings_the_loop_cannot_run_are_refused(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config([], overrides)
+
+
+def test_vllm_server_producers_are_accepted_and_the_trainer_evaluates_with_hf():
+    from rltk.training.setup import trainer_workflow_config
+
+    cfg = load_config([], ["trainer.mode=async", "rollout.engine=vllm_server", "trainer.producers=2",
+                           "rollout.engine_args={launch: 1}"])
+    assert cfg.rollout.engine == "vllm_server"  # what the producers build
+    trainer = trainer_workflow_config(cfg)  # the servers are the producers': the trainer's evaluations run on hf
+    assert trainer.rollout.engine == "hf" and dict(trainer.rollout.engine_args) == {}
+    assert cfg.rollout.engine == "vllm_server" and dict(cfg.rollout.engine_args) == {"launch": 1}
+    sync = load_config([], ["rollout.engine=vllm_server"])
+    assert trainer_workflow_config(sync) is sync  # a synchronous run samples on its servers itself
 
 
 def test_the_decoupled_loss_is_accepted_now_that_the_loop_passes_behaviour_logprobs():
