@@ -13,6 +13,8 @@ Reported per run, from its metrics.jsonl:
   start-up (building the model in a new process: seconds, paid once per stage);
 * ``gain``: held-out greedy accuracy at the end of the run minus at the start of the RL stage;
 * ``staleness``: the mean of ``staleness/mean`` over the steps (0 for sync);
+* ``producer_*`` (async modes): the producer's median batch, from ``producer/*``: sampling, held back by the
+  staleness gate, writing to the queue, loading weights;
 * ``rollout_s`` / ``train_s``: the median step's sampling (sync) or wait for the producer (async), from
   ``time/rollout_s``, and the rest of its ``time/step_s`` (scoring the batch's advantages, the update).
 
@@ -72,7 +74,10 @@ def run_one(mode: str, seed: int, extra: list[str], folder: Path) -> dict:
             # of each step: sampling (sync) or waiting for the producer (async), and the rest (training)
             "rollout_s": statistics.median(r["time/rollout_s"] for r in steps),
             "train_s": statistics.median(r["time/step_s"] - r["time/rollout_s"] for r in steps),
-            "staleness": statistics.mean(r.get("staleness/mean", 0.0) for r in steps)}
+            "staleness": statistics.mean(r.get("staleness/mean", 0.0) for r in steps),
+            # the producer's side (async modes): its batch's sampling, and its wait at the staleness gate
+            **{f"producer_{k}": statistics.median(r[f"producer/{k}"] for r in steps if f"producer/{k}" in r)
+               for k in ("sample_s", "gate_wait_s", "put_s", "weights_s") if any(f"producer/{k}" in r for r in steps)}}
 
 
 def main() -> None:
@@ -95,6 +100,10 @@ def main() -> None:
                       f"{r['rollout_s']:.2f} s sampling or waiting, {r['train_s']:.2f} s training), held-out "
                       f"{r['start']:.3f} -> {r['end']:.3f} (gain {r['gain']:+.3f}), mean staleness "
                       f"{r['staleness']:.2f}", flush=True)
+                if "producer_sample_s" in r:
+                    print(f"{'':>13} producer's median batch: {r['producer_sample_s']:.2f} s sampling, "
+                          f"{r['producer_gate_wait_s']:.2f} s held by the staleness gate, {r['producer_put_s']:.2f} s "
+                          f"putting, {r['producer_weights_s']:.3f} s loading weights", flush=True)
     sync = [r for r in results if r["mode"] == "sync"]
     print("\nmode          steps/h (median)  x sync  after step 1  x sync  gain min / median / max")
     for mode in args.modes:

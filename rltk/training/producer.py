@@ -115,6 +115,16 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     for _ in range(batch):  # the prompts of the batches already put
         sampler.next_batch()
     version = -1
+    weights_s = 0.0  # loading published weights since the last put (producer/weights_s)
+    put_s = 0.0  # the last put's own time (producer/put_s of the next batch: a put cannot carry its own)
+
+    def load_newest() -> None:
+        nonlocal version, weights_s
+        newest = weights_file_version(weights_path)
+        if newest is not None and newest > version:
+            tick = time.perf_counter()
+            version = read_weights_file(policy, weights_path)
+            weights_s += time.perf_counter() - tick
 
     def wait(what: str, done) -> bool:
         start = time.monotonic()
@@ -132,28 +142,31 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     wait(f"the trainer's first weights in {weights_path}", lambda: weights_file_version(weights_path) is not None)
     print(f"rltk producer {name}: pid {os.getpid()}, starting at batch {batch}", flush=True)
     while True:
-        published = weights_file_version(weights_path)
-        if published is not None and published > version:
-            version = read_weights_file(policy, weights_path)
+        tick = time.perf_counter()
+        load_newest()
 
         def may_sample() -> bool:
-            nonlocal version
-            newest = weights_file_version(weights_path)
-            if newest is not None and newest > version:
-                version = read_weights_file(policy, weights_path)
+            load_newest()
             return gate_open(queue.taken_step, queue.counts()["ready"], per_batch, version, max_staleness)
 
         wait(f"the trainer to take experiences or publish weights newer than version {version} (a batch "
              f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)
+        sampling = time.perf_counter()
         # the same batch is sampled the same way by a restarted producer with the same weights
         seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch)
         experiences, _ = collect_experiences(workflow, sampler, plan)
-        # the reward functions' calls, failures and timeouts while making this batch: the trainer logs them
+        sampled = time.perf_counter()
+        # the reward functions' calls, failures and timeouts while making this batch, and where the
+        # producer's time went: the trainer logs them with the step that takes the batch
         counters = {f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()}
         workflow.reward.reset_stats()
+        counters.update({"producer/weights_s": weights_s, "producer/sample_s": sampled - sampling,
+                         "producer/gate_wait_s": sampling - tick - weights_s, "producer/put_s": put_s})
+        weights_s = 0.0
         if experiences:
             ids = [f"{name}-b{batch}-{i}" for i in range(len(experiences))]
             queue.put(experiences, ids=ids, versions=version, producer=name, counters=counters)
+        put_s = time.perf_counter() - sampled
         batch += 1
 
 

@@ -76,6 +76,14 @@ def test_each_step_trains_one_batch_within_the_staleness_bound(straight):
     assert [c["reward_fn/calls"] for c, _ in counters] == [16.0] * (put // 16)
     reported = sum(c["reward_fn/calls"] for c, r in counters if r)
     assert 16 * RL_STEPS <= reported <= sum(m["reward_fn/calls"] for m in rows)
+    # where each batch's producer time went, logged with the step that took it: every batch was sampled
+    # (sample_s > 0), the first one after loading the starting weights; the rest are waits and puts
+    assert all(c["producer/sample_s"] > 0 and min(c["producer/weights_s"], c["producer/gate_wait_s"],
+                                                  c["producer/put_s"]) >= 0 for c, _ in counters)
+    assert counters[0][0]["producer/weights_s"] > 0 and counters[0][0]["producer/put_s"] == 0
+    # a take logs what was put since the previous take (one batch, or two, or none), each put once
+    assert sum(m.get("producer/sample_s", 0.0) for m in rows) == pytest.approx(
+        sum(c["producer/sample_s"] for c, r in counters if r))
 
 
 def test_a_trainer_killed_mid_stage_resumes_training_the_same_experiences_once(tmp_path, straight):
