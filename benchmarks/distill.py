@@ -5,7 +5,7 @@ The setting of issue 32, item 4, on the embedded task (two-digit addition):
 * the teacher is the tiny default model (hidden 64) after `rltk run sft` (the shipped sft default,
   1500 steps, seed 0, built once at the machine's best kernel level), its last checkpoint passed as
   `distill.teacher_path`;
-* the student is a smaller tiny model (`--student-hidden`, default the shipped distill default's), fresh
+* the student is a smaller tiny model (`--student-hidden`, default 48: 75k parameters to 130k), fresh
   (random init, seed S), given a short SFT warm-up of its own (`--student-sft-steps`: `rltk run sft` with
   a constant learning rate) so that it emits answers at all, exported, and passed as `model.path` to both
   arms, so both start from the very same weights;
@@ -16,12 +16,15 @@ The setting of issue 32, item 4, on the embedded task (two-digit addition):
 
 Each (seed, kernel level) is one job: the student's warm-up, then every arm, each a fresh one-thread
 process at that `ATEN_CPU_CAPABILITY`; `--jobs` jobs at a time. Prints held-out greedy and sampled
-accuracy (200 sums never trained on) at each evaluation of every arm, the gains, distillation's gain
-minus every GRPO arm's, and the teacher's accuracy, and writes everything as JSON.
+accuracy (200 sums never trained on) at each evaluation of every arm, the gains, distillation's greedy
+accuracy minus every GRPO arm's, and the teacher's accuracy, and writes everything as JSON. Trailing
+`key=value` arguments override the distillation runs only.
 
-    python benchmarks/distill.py --seeds 0 --levels avx2 --jobs 1                   # one job, ~10 min
-    python benchmarks/distill.py --seeds 0 1 2 --jobs 2 --teacher runs/teacher/checkpoints/step_001500
-    python benchmarks/distill.py --student-sft-steps 0                # a fresh student (GRPO has no reward)
+    # the README's table (seeds 0-2 x every level, ~1 h on 2 busy cores); --teacher reuses a teacher
+    python benchmarks/distill.py --jobs 2 trainer.lr=3e-4 rollout.n=8
+    python benchmarks/distill.py --seeds 0 --levels avx512 --steps 300 --grpo-lrs 1e-3 trainer.lr=3e-4 rollout.n=8
+    # the shipped default as it is: a fresh hidden-32 student (GRPO has no reward to learn from)
+    python benchmarks/distill.py --student-hidden 32 --student-sft-steps 0 --steps 300 --levels avx512
 """
 
 from __future__ import annotations
@@ -84,12 +87,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--levels", nargs="+", default=None, help="ATEN_CPU_CAPABILITY levels (default: all)")
-    parser.add_argument("--steps", type=int, default=300, help="distillation / GRPO steps per run")
+    parser.add_argument("--steps", type=int, default=200, help="distillation / GRPO steps per run")
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--student-hidden", type=int, default=None,
-                        help="the student's hidden size (intermediate 4x; default: the shipped distill student)")
-    parser.add_argument("--student-sft-steps", type=int, default=400, help="the student's own SFT warm-up")
-    parser.add_argument("--grpo-lrs", type=float, nargs="*", default=[1e-3],
+    parser.add_argument("--student-hidden", type=int, default=48,
+                        help="the student's hidden size (intermediate 4x; the teacher's is 64)")
+    parser.add_argument("--student-sft-steps", type=int, default=500, help="the student's own SFT warm-up (0: fresh)")
+    parser.add_argument("--grpo-lrs", type=float, nargs="*", default=[],
                         help="GRPO arms besides the shipped default's learning rate")
     parser.add_argument("--teacher", type=Path, default=None, help="a teacher checkpoint to reuse (default: build one)")
     parser.add_argument("--window", type=int, default=25, help="steps averaged at the start and the end")
@@ -112,8 +115,8 @@ def main() -> None:
     print(f"teacher {teacher}: held-out greedy {teacher_acc['greedy']:.3f}, sampled {teacher_acc['sampled']:.3f}",
           flush=True)
 
-    student = [] if args.student_hidden is None else [
-        f"model.tiny.hidden_size={args.student_hidden}", f"model.tiny.intermediate_size={4 * args.student_hidden}"]
+    # the layers, heads and context of the tiny default (the same in the sft, grpo and distill configs)
+    student = [f"model.tiny.hidden_size={args.student_hidden}", f"model.tiny.intermediate_size={4 * args.student_hidden}"]
     steps = [f"trainer.total_steps={args.steps}", f"trainer.eval_every={args.eval_every}", "checkpoint.every=0", *QUIET]
     arms = {"distill": ["run", "distill", f"distill.teacher_path={teacher}", *steps, *args.overrides],
             "grpo": ["run", "grpo", "stages=[{name: grpo, type: rl}]", *steps]}
@@ -125,9 +128,8 @@ def main() -> None:
         w = workdir / f"s{seed}-{level}"
         w.mkdir(parents=True, exist_ok=True)
         if args.student_sft_steps:
-            # the student's own warm-up: the distill default's model (or --student-hidden) under `rltk run sft`
-            shape = student or [f"model.tiny.{k}={v}" for k, v in distill_tiny().items()]
-            run_rltk(["run", "sft", f"seed={seed}", *shape, f"sft.steps={args.student_sft_steps}",
+            # the student's own warm-up under `rltk run sft`, exported as the start of every arm
+            run_rltk(["run", "sft", f"seed={seed}", *student, f"sft.steps={args.student_sft_steps}",
                       "sft.lr_schedule=constant", f"sft.eval_every={args.student_sft_steps}",
                       f"checkpoint.every={args.student_sft_steps}", *QUIET], w / "student", level, w / "student.log")
             start = ["model.path=" + str(export(last_checkpoint(w / "student"), w / "student_model"))]
@@ -182,13 +184,6 @@ def main() -> None:
         "levels": levels, "runs": rows, "summary": summary, "distill_minus": ahead,
         "total_wall_s": time.perf_counter() - tick}, indent=2))
     print(f"wrote {args.out} ({(time.perf_counter() - tick) / 60:.1f} min)")
-
-
-def distill_tiny() -> dict:
-    """The shipped distill default's student shape (model.tiny of recipes/configs/distill.yaml)."""
-    from omegaconf import OmegaConf
-
-    return dict(OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "distill.yaml").model.tiny)
 
 
 if __name__ == "__main__":
