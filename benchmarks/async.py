@@ -22,7 +22,7 @@ and per mode: median steps per hour, its ratio to sync's, min / median / max gai
 
     python benchmarks/async.py                                # embedded default, seeds 0-2
     python benchmarks/async.py --seeds 0 --quick              # tiny settings: checks that every mode runs
-    python benchmarks/async.py --set model.tiny.hidden_size=256 model.tiny.num_layers=4   # a larger model
+    python benchmarks/async.py --warm-start --set model.tiny.hidden_size=256 model.tiny.num_layers=4   # larger
 
 Times depend on what else the machine runs: compare ratios from one invocation, not figures across runs.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,10 +53,15 @@ QUICK = ["data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=24
          "trainer.prompts_per_step=4", "rollout.n=4"]
 
 
-def run_one(mode: str, seed: int, extra: list[str], folder: Path) -> dict:
+def grpo_command(config: Path | None, run_dir: Path, seed: int) -> list[str]:
+    """``rltk run grpo`` (with ``--config``, a config other than the embedded default) into ``run_dir``."""
+    return [sys.executable, "-m", "rltk.cli", "run", "grpo", *(["--config", str(config)] if config else []),
+            f"output_dir={run_dir}", f"seed={seed}", "logging.logger=[jsonl]", "logging.plot=false"]
+
+
+def run_one(mode: str, seed: int, extra: list[str], folder: Path, config: Path | None = None) -> dict:
     run_dir = folder / f"{mode}_seed{seed}"
-    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", f"seed={seed}",
-               "logging.logger=[jsonl]", "logging.plot=false", *MODES[mode], *extra]
+    command = [*grpo_command(config, run_dir, seed), *MODES[mode], *extra]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{mode} seed {seed} exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -80,21 +86,45 @@ def run_one(mode: str, seed: int, extra: list[str], folder: Path) -> dict:
                for k in ("sample_s", "gate_wait_s", "put_s", "weights_s") if any(f"producer/{k}" in r for r in steps)}}
 
 
+def warm_start(seed: int, extra: list[str], folder: Path, config: Path | None = None) -> list[str]:
+    """Run the config's warm-up alone for ``seed`` once, and return the overrides that start an RL-only run
+    from its weights (a model folder: the warm-up's last checkpoint and the run's tokenizer).
+
+    Every mode of a seed would run this same warm-up (same seed, same config, same steps); running it once
+    keeps a benchmark of a larger model to the RL stages it compares.
+    """
+    run_dir = folder / f"warmup_seed{seed}"
+    command = [*grpo_command(config, run_dir, seed), *extra, "stages=[{name: warmup, type: sft}]"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"warm-up seed {seed} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    model = run_dir / "warm_model"
+    shutil.copytree(sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "model", model)
+    for file in (run_dir / "tokenizer").iterdir():
+        shutil.copy(file, model / file.name)
+    return [f"model.path={model}", "stages=[{name: rl, type: rl}]"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--config", type=Path, help="a GRPO config (default: the embedded default), e.g. "
+                        "recipes/configs/multi_turn.yaml")
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check every mode runs")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every run")
     parser.add_argument("--out", type=Path, default=RESULTS / "async.json")
+    parser.add_argument("--warm-start", action="store_true",
+                        help="run each seed's warm-up once and start every mode's RL stage from it")
     args = parser.parse_args()
     extra = [*(QUICK if args.quick else []), *args.set]
     results = []
     with tempfile.TemporaryDirectory(prefix="rltk_async_bench_") as tmp:
         for i, seed in enumerate(args.seeds):
             order = args.modes[i % len(args.modes):] + args.modes[:i % len(args.modes)]
+            start = warm_start(seed, extra, Path(tmp), args.config) if args.warm_start else []
             for mode in order:
-                r = run_one(mode, seed, extra, Path(tmp))
+                r = run_one(mode, seed, [*extra, *start], Path(tmp), args.config)
                 results.append(r)
                 print(f"{mode:>13} seed {seed}: {r['steps_per_hour']:8.0f} RL steps/h (median step: "
                       f"{r['rollout_s']:.2f} s sampling or waiting, {r['train_s']:.2f} s training), held-out "
@@ -117,7 +147,8 @@ def main() -> None:
         print(f"{mode:<13} {ratios[0]}  {ratios[1]}  {gains[0]:+.3f} / {statistics.median(gains):+.3f} / "
               f"{gains[-1]:+.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"overrides": extra, "runs": results}, indent=1))
+    args.out.write_text(json.dumps({"config": str(args.config) if args.config else None, "overrides": extra,
+                                    "runs": results}, indent=1))
     print(f"\nwrote {args.out}")
 
 

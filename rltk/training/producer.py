@@ -88,7 +88,7 @@ def producer_rows(rows: list, index: int, count: int) -> list:
 
 
 def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, name: str, timeout_s: float,
-                 index: int = 0, count: int = 1, poll_s: float = 0.05) -> int:
+                 index: int = 0, count: int = 1, poll_s: float = 0.005) -> int:
     import rltk
     from rltk.buffer.queue import ExperienceQueue
     from rltk.data.sampler import RowSampler
