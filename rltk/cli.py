@@ -1,4 +1,4 @@
-"""The ``rltk`` command line: list, plugins, validate, run, export, serve.
+"""The ``rltk`` command line: list, plugins, validate, run, export, serve, produce.
 
 Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors,
 3 a run stopped by the divergence guard (``guard.*``: entropy collapse,
@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rltk.serve_command import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from rltk.produce_command import add_parser as add_produce_parser
+
+    add_produce_parser(sub)
     from rltk.rewards.reward_server import add_arguments as add_reward_server_arguments
 
     p = sub.add_parser("serve-reward", help="a reward model (sequence classification, num_labels=1) over HTTP, "
@@ -243,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             from rltk.serve_command import cmd_serve
 
             return cmd_serve(args)
+        if args.command == "produce":
+            from rltk.produce_command import cmd_produce
+
+            return cmd_produce(args)
         return cmd_run(args, extra)
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)

@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.strategies", "rltk.checkpoint"),
     ("rltk.config",),
     ("rltk.training",),
-    ("rltk.recipe_utils", "rltk.cli", "rltk.serve_command", "rltk._recipes", "rltk.dashboard"),
+    ("rltk.recipe_utils", "rltk.cli", "rltk.serve_command", "rltk.produce_command", "rltk._recipes",
+     "rltk.dashboard"),
 ]
 
 #: (importing module, imported module): why it is still allowed. Each entry names who removes it;

@@ -58,7 +58,15 @@ Any take waits at most ``timeout_s`` for producers to supply ``count``
 experiences, then raises :class:`QueueTimeout` (never a silent hang).
 
 Only one process should take and commit (the trainer's rank 0; it then
-broadcasts the batch); any number may put.
+hands each rank its share); any number may put.
+
+**Across machines.** WAL mode keeps its index in shared memory, which works
+only between processes of one machine: SQLite's documentation says WAL "does
+not work over a network filesystem". A queue that producers on other machines
+write through a shared file system (NFS, Lustre) uses ``journal_mode="delete"``
+(SQLite's rollback journal; every process that opens the file must use the
+same mode), which relies on the file system's POSIX locks (NFSv3+ with its
+lock manager, NFSv4, Lustre mounted with ``flock``).
 """
 
 from __future__ import annotations
@@ -75,9 +83,11 @@ from typing import Iterable, Sequence
 
 from rltk.batch import Experience
 
-__all__ = ["ExperienceQueue", "Lease", "QueueTimeout", "STALE_POLICIES"]
+__all__ = ["ExperienceQueue", "JOURNAL_MODES", "Lease", "QueueTimeout", "STALE_POLICIES"]
 
 STALE_POLICIES = ("drop", "wait")
+#: SQLite journal modes the queue runs in: ``wal`` (one machine) or ``delete`` (a network file system).
+JOURNAL_MODES = ("wal", "delete")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
@@ -169,15 +179,22 @@ class ExperienceQueue:
         poll_s: how often a waiting take looks again.
         busy_timeout_s: how long one statement waits for another process's
             write lock before failing with :class:`QueueTimeout`.
+        journal_mode: ``wal`` (processes of one machine) or ``delete`` (a
+            file on a network file system shared by machines); module docstring.
     """
 
     def __init__(self, path: str | os.PathLike, *, max_staleness: int | None = None, stale_policy: str = "drop",
-                 timeout_s: float = 600.0, poll_s: float = 0.005, busy_timeout_s: float = 30.0):
+                 timeout_s: float = 600.0, poll_s: float = 0.005, busy_timeout_s: float = 30.0,
+                 journal_mode: str = "wal"):
         if max_staleness is not None and not (_is_int(max_staleness) and max_staleness >= 0):
             raise ValueError(f"ExperienceQueue: max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"ExperienceQueue: stale_policy must be one of {', '.join(STALE_POLICIES)}, "
                              f"got {stale_policy!r}")
+        if journal_mode not in JOURNAL_MODES:
+            raise ValueError(f"ExperienceQueue: journal_mode must be one of {', '.join(JOURNAL_MODES)}, "
+                             f"got {journal_mode!r}")
+        self.journal_mode = journal_mode
         for name, value in (("timeout_s", timeout_s), ("poll_s", poll_s), ("busy_timeout_s", busy_timeout_s)):
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                     and value > 0):
@@ -203,10 +220,13 @@ class ExperienceQueue:
     def _setup(self) -> None:
         # journal mode and the schema are set outside a transaction (SQLite refuses WAL inside one); each
         # statement is atomic and idempotent, so processes opening the file together do not conflict
-        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode.lower() != "wal":
-            raise RuntimeError(f"ExperienceQueue: {self.path} could not be put in WAL mode (got {mode!r}); "
-                               f"it needs a local file system that supports shared memory")
+        mode = self._db.execute(f"PRAGMA journal_mode={self.journal_mode.upper()}").fetchone()[0]
+        if mode.lower() != self.journal_mode:
+            raise RuntimeError(
+                f"ExperienceQueue: {self.path} could not be put in {self.journal_mode} journal mode (got {mode!r})"
+                + ("; it needs a local file system that supports shared memory (a queue shared by machines "
+                   "over a network file system: buffer.queue_journal=delete)" if self.journal_mode == "wal" else
+                   "; another process may hold it open in WAL mode"))
         # FULL: a commit is on disk when commit() returns, so a checkpoint's commit survives a power cut too
         self._db.execute("PRAGMA synchronous=FULL")
         for statement in _SCHEMA.split(";"):
@@ -542,6 +562,30 @@ class ExperienceQueue:
         step: a producer reads it to know how far ahead of the trainer its next group would train."""
         row = self._db.execute("SELECT MAX(step) FROM leases WHERE state != 'returned'").fetchone()
         return max(int(row[0]) if row[0] is not None else 0, self.committed_step)
+
+    def finish(self, step: int) -> None:
+        """Record that the trainer ended its stage at training step ``step``: producers that read
+        :attr:`finished_step` stop (an external producer exits 0 instead of waiting out its timeout)."""
+        self._execute_locked("record the trainer's end", self._set_meta, "finished_step", int(step))
+
+    @property
+    def finished_step(self) -> int | None:
+        """The step :meth:`finish` recorded, or None while the trainer has not ended its stage."""
+        return self._meta("finished_step")
+
+    def producers(self) -> dict[str, int]:
+        """Experiences put so far, by producer name (any status): who has shown up."""
+        return dict(self._db.execute("SELECT producer, COUNT(*) FROM experiences GROUP BY producer"))
+
+    def progress(self) -> tuple[int, int]:
+        """``(taken_step, ready experiences)`` read in one snapshot, for a producer's staleness gate: read
+        apart, a take between them is half seen (the old step with the new, smaller ready count)."""
+        self._db.execute("BEGIN")
+        try:
+            ready = self._db.execute("SELECT COUNT(*) FROM experiences WHERE status = 'ready'").fetchone()[0]
+            return self.taken_step, int(ready)
+        finally:
+            self._db.execute("COMMIT")
 
     def last_id(self, producer: str) -> str | None:
         """The id of ``producer``'s most recent put (any status), or None: where a restarted producer goes on."""

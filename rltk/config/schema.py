@@ -203,6 +203,9 @@ class BufferConfig:
     # experiences tagged with their policy version, the trainer takes them. null: a file in the run folder.
     queue_path: Optional[str] = None
     queue_timeout_s: float = 600.0  # the longest any wait lasts: trainer for experiences, producer for weights
+    # SQLite journal of the queue: wal (trainer and producers on one machine) | delete (producers on other
+    # machines writing it through a network file system, where WAL's shared memory does not reach)
+    queue_journal: str = "wal"
 
 
 @dataclass
@@ -240,6 +243,8 @@ class TrainerConfig:
     sync_every: int = 1  # RL steps between weight syncs to the producer; at most max_staleness + 1
     # Local producer processes (one_step_off / async). Each samples its own share of the prompts
     # (train rows k, k + N, ...); one that keeps dying is reported and training goes on with the others.
+    # 0: none; producers started by your own launcher, on any machine sharing the run folder, run
+    # `rltk produce RUN_DIR` (README "Several machines").
     producers: int = 1
 
 
@@ -469,6 +474,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.lr_schedule": ("constant", "linear", "cosine"),
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.stale_policy": ("drop", "wait"),
+    "buffer.queue_journal": ("wal", "delete"),
     "sft.lr_schedule": ("constant", "linear", "cosine"),
     "sft.probe": ("greedy", "sampled"),
     "reward_model.lr_schedule": ("constant", "linear", "cosine"),

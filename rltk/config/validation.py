@@ -179,7 +179,8 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
     """The asynchronous-training keys, and the modes the loop runs.
 
     ``trainer.max_staleness`` is an int >= 0, ``trainer.sync_every`` an int >= 1,
-    ``trainer.producers`` an int >= 1 (more than one only in an asynchronous mode),
+    ``trainer.producers`` an int >= 0 (other than 1 only in an asynchronous mode; 0: every producer is
+    started by the user, ``rltk produce``),
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
     are plain choices). ``one_step_off`` and ``async`` run in a recipe that
     declares them (``PROVIDES["trainer_modes"]``: grpo), with a local producer
@@ -201,14 +202,15 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
             f"between weight syncs to the producers)"
         )
     producers = t.get("producers", 1)
-    if not (_is_int(producers) and producers >= 1):
+    if not (_is_int(producers) and producers >= 0):
         raise ConfigError(
-            f"bad value {producers!r} for 'trainer.producers': must be an integer >= 1 (local rollout producer "
-            f"processes of trainer.mode=one_step_off or async)")
-    if producers > 1 and t.mode == "sync":
+            f"bad value {producers!r} for 'trainer.producers': must be an integer >= 0 (local rollout producer "
+            f"processes of trainer.mode=one_step_off or async; 0: only producers you start with `rltk produce`)")
+    if producers != 1 and t.mode == "sync":
         raise ConfigError(
-            f"bad value {producers!r} for 'trainer.producers' with trainer.mode=sync: producers run beside the "
-            f"trainer only in trainer.mode=one_step_off or async; set one of those, or trainer.producers=1")
+            f"bad value {producers!r} for 'trainer.producers' with trainer.mode=sync: producers (local or "
+            f"started with `rltk produce`) run only in trainer.mode=one_step_off or async; set one of those, or "
+            f"trainer.producers=1")
     timeout = cfg.buffer.queue_timeout_s
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
             and timeout > 0):

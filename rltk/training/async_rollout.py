@@ -28,30 +28,58 @@ stops with that report.
 
 Exactly once: the queue's leases are committed with each checkpoint and
 settled on resume (:meth:`rltk.buffer.queue.ExperienceQueue.recover`).
+
+Several trainer ranks (torchrun, accelerate, deepspeed; DDP, FSDP2, ZeRO):
+rank 0 alone opens the queue, starts the producers, takes each step's lease,
+publishes weights and commits. It hands every rank its share of the lease's
+groups as the synchronous loop splits a step's prompts (group ``g`` to rank
+``g % world_size``, whole groups: :func:`rank_shares`), with the lease's
+metrics (computed once, over the whole batch) for every rank. A sharded
+strategy gathers the full weights on every rank (collective) before rank 0
+writes them. The hand-over runs on a gloo group of its own whose timeout is
+``buffer.queue_timeout_s`` plus :data:`HANDOFF_MARGIN_S`, so a rank never
+waits on rank 0 without end, and the error says what it waited for; an error
+on rank 0 (a timeout, a failed producer) is handed to every rank instead of
+a share, so all of them stop with the same message.
+
+Producers the trainer did not start (``trainer.producers: 0``, or more beside
+the local ones): ``rltk produce RUN_DIR`` on any machine that shares the run
+folder (:mod:`rltk.training.produce_command`). The trainer writes
+``async/stage_<i>/producer.json`` (where the config, queue and weights are) for
+them, and when the stage ends records it in the queue, so they exit.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from rltk.buffer.queue import ExperienceQueue, Lease, QueueTimeout
-from rltk.config.errors import ConfigError
 from rltk.distributed import share_cores
 from rltk.errors import ProcessWaitError
-from rltk.training.engine_weights import write_weights_file
+from rltk.training.engine_weights import write_weights_file, write_weights_state
+from rltk.training.collect import produced_metrics
 from rltk.training.producer import EXIT_TIMEOUT, batch_size
 
 #: How often a waiting take looks at the producer process.
 CHECK_S = 2.0
 #: How many times a producer that exited is started again before the run stops.
 RESTARTS = 1
+#: Seconds a rank waits for rank 0's hand-over beyond buffer.queue_timeout_s (rank 0's own wait on the queue):
+#: what rank 0 does between two hand-overs besides waiting (publishing weights, committing) fits in it.
+HANDOFF_MARGIN_S = 120.0
+#: The file in an asynchronous stage's folder that tells ``rltk produce`` where the stage's queue, weights and
+#: config are.
+RENDEZVOUS = "producer.json"
 
 
 class ProducerFailed(ProcessWaitError):
@@ -60,6 +88,32 @@ class ProducerFailed(ProcessWaitError):
 
 class TrainerWaitTimeout(ProcessWaitError, QueueTimeout):
     """The trainer waited ``buffer.queue_timeout_s`` for a step's experiences."""
+
+
+class HandoffTimeout(ProcessWaitError):
+    """A trainer rank waited too long for rank 0 to hand it its share of a step's experiences."""
+
+
+def rank_shares(lease: Lease, world_size: int) -> list[Lease]:
+    """``lease`` cut into one lease per rank: group ``g`` (in batch order) goes to rank ``g % world_size``.
+
+    Whole groups, as the synchronous loop gives rank ``r`` the prompts
+    ``r, r + world_size, ...`` of a step; group ids stay the batch's (the
+    estimator tells ranks' groups apart). Every share carries the whole
+    lease's ``metrics``.
+    """
+    order: dict[int, int] = {}
+    for e in lease.experiences:
+        order.setdefault(e.group_id, len(order))
+    shares = [Lease(lease.id, lease.step, lease.version, [], [], [], [], dict(lease.metrics))
+              for _ in range(world_size)]
+    for i, e in enumerate(lease.experiences):
+        share = shares[order[e.group_id] % world_size]
+        share.experiences.append(e)
+        share.ids.append(lease.ids[i])
+        share.versions.append(lease.versions[i])
+        share.group_keys.append(lease.group_keys[i])
+    return shares
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -115,65 +169,111 @@ class ProducerProcess:
 
 
 def start_producer(stage, strategy, *, resumed_step: int) -> "AsyncRollouts | None":
-    """:meth:`AsyncRollouts.start` when ``trainer.mode`` is ``one_step_off`` or ``async``; None for ``sync``."""
+    """:meth:`AsyncRollouts.start` when ``trainer.mode`` is ``one_step_off`` or ``async``; None for ``sync``.
+    Collective with several ranks."""
     if stage.cfg.trainer.mode == "sync":
         return None
-    if strategy.world_size > 1:
-        raise ConfigError(
-            f"trainer.mode={stage.cfg.trainer.mode} runs one trainer process so far (issue 30: the queue is read "
-            f"by rank 0, which does not yet hand the batch to the other {strategy.world_size - 1}); launch one "
-            f"process or use trainer.mode=sync")
     return AsyncRollouts.start(stage, strategy, resumed_step=resumed_step)
 
 
-class AsyncRollouts:
-    """The experience queue, the weights file and the producers of one asynchronous RL stage."""
+def stage_folder(run_dir: Path, stage_index: int) -> Path:
+    """Where an asynchronous stage keeps its queue (unless ``buffer.queue_path``), weights, logs and
+    :data:`RENDEZVOUS` file."""
+    return Path(run_dir) / "async" / f"stage_{stage_index}"
 
-    def __init__(self, stage, strategy, queue: ExperienceQueue, producers: list[ProducerProcess], weights: Path,
-                 trainer_threads: int | None = None):
+
+def _handoff_group(strategy, timeout_s: float):
+    """A gloo group of every rank for the hand-over (objects on CPU whatever the backend), with its own
+    timeout; None with one process."""
+    if strategy.world_size == 1 or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class AsyncRollouts:
+    """The experience queue, the weights file and the producers of one asynchronous RL stage.
+
+    On ranks other than 0 ``queue`` is None: they only receive their shares and join weight gathers.
+    """
+
+    def __init__(self, stage, strategy, queue: ExperienceQueue | None, producers: list[ProducerProcess],
+                 weights: Path, trainer_threads: int | None = None, group=None):
         self.stage, self.strategy, self.queue, self.weights = stage, strategy, queue, weights
+        self.group = group
         self.threads_before = torch.get_num_threads()
         if trainer_threads is not None:  # the trainer's share while the producers run (restored by close)
             torch.set_num_threads(trainer_threads)
         self.producers = list(producers)  # the ones still running; a failed one is reported and removed
+        self.local = len(self.producers)  # how many rank 0 started (0: every producer is external)
         t = stage.cfg.trainer
         self.sync_every = int(t.sync_every)
+        self.total_steps = int(t.total_steps)
         self.count = batch_size(stage.cfg)
         self.timeout_s = float(stage.cfg.buffer.queue_timeout_s)
+        self.handoff_s = self.timeout_s + HANDOFF_MARGIN_S  # the hand-over group's timeout
 
     @classmethod
     def start(cls, stage, strategy, *, resumed_step: int) -> "AsyncRollouts":
         """Settle the queue for a stage at ``resumed_step`` (0: a fresh stage), publish the weights as that
-        version, and start the producer."""
+        version, and start the producers. Collective: every rank calls it; rank 0 does the file work."""
         run, cfg = stage.run, stage.cfg
         t = cfg.trainer
-        folder = run.run_dir / "async" / f"stage_{stage.index}"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = stage_folder(run.run_dir, stage.index)
         queue_path = Path(cfg.buffer.queue_path) if cfg.buffer.queue_path else folder / "experience_queue.sqlite"
+        weights = folder / "policy.safetensors"
+        group = _handoff_group(strategy, float(cfg.buffer.queue_timeout_s) + HANDOFF_MARGIN_S)
+        if not strategy.is_main:
+            rollouts = cls(stage, strategy, None, [], weights, group=group)
+            rollouts._publish(resumed_step)  # a sharded strategy gathers on every rank
+            return rollouts
+        folder.mkdir(parents=True, exist_ok=True)
         if stage.resume is None and not cfg.buffer.queue_path:
             # a stage started afresh in this folder (checkpoint.resume=never): the old run's queue is not its own
             for old in folder.iterdir():
-                if old.name.startswith("experience_queue.sqlite") or old.suffix == ".log":
+                if (old.name.startswith("experience_queue.sqlite") or old.suffix == ".log"
+                        or old.name == RENDEZVOUS):
                     old.unlink()
         max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
         queue = ExperienceQueue(queue_path, max_staleness=max_staleness, stale_policy=t.stale_policy,
-                                timeout_s=cfg.buffer.queue_timeout_s)
+                                timeout_s=cfg.buffer.queue_timeout_s, journal_mode=cfg.buffer.queue_journal)
         queue.recover(resumed_step)
-        weights = folder / "policy.safetensors"
-        write_weights_file(strategy.unwrap(), weights, resumed_step)
+        count = int(t.producers)
+        threads = share_cores(count + 1) if count else None
+        rollouts = cls(stage, strategy, queue, [], weights, trainer_threads=threads, group=group)
+        rollouts._publish(resumed_step)
         queue.publish_version(resumed_step)
         config = folder / "producer_config.yaml"
         OmegaConf.save(cfg, config, resolve=True)
-        count = int(t.producers)
-        threads = share_cores(count + 1)
-        producers = [ProducerProcess(
+        # what `rltk produce RUN_DIR` reads on another machine: written last, once the weights are there
+        _write_json(folder / RENDEZVOUS, {
+            "stage": stage.index, "config": str(config.resolve()), "queue": str(queue_path.resolve()),
+            "weights": str(weights.resolve()), "timeout_s": float(cfg.buffer.queue_timeout_s),
+            "journal_mode": cfg.buffer.queue_journal, "local_producers": count})
+        rollouts.producers = [ProducerProcess(
             f"producer-{k}", ["--config", str(config), "--stage", str(stage.index), "--queue", str(queue_path),
                               "--weights", str(weights), "--timeout", str(cfg.buffer.queue_timeout_s),
                               "--index", str(k), "--count", str(count)],
             folder / f"producer-{k}.log", threads) for k in range(count)]
-        for producer in producers:
+        rollouts.local = count
+        for producer in rollouts.producers:
             producer.start()
-        return cls(stage, strategy, queue, producers, weights, trainer_threads=threads)
+        return rollouts
+
+    def _publish(self, version: int) -> None:
+        """Write the weights file as ``version`` (rank 0). Collective under a strategy that shards parameters:
+        every rank gathers the full weights, rank 0 writes them."""
+        if self.strategy.shards_parameters:
+            state = self.strategy.full_state_dict()
+            if self.strategy.is_main:
+                write_weights_state(state, self.weights, version)
+        elif self.strategy.is_main:
+            write_weights_file(self.strategy.unwrap(), self.weights, version)
 
     def check_producers(self) -> None:
         """Restart or report each producer that exited; raise :class:`ProducerFailed` when none is left."""
@@ -188,8 +288,41 @@ class AsyncRollouts:
                       f"{', '.join(p.name for p in self.producers)}", file=sys.stderr, flush=True)
 
     def take(self, step: int) -> Lease:
-        """The experiences of training step ``step`` (trainer version ``step - 1``), with ``staleness/*``
-        metrics; waits at most ``buffer.queue_timeout_s``, checking the producer meanwhile."""
+        """The experiences of training step ``step`` (trainer version ``step - 1``) for this rank, with
+        ``staleness/*`` metrics of the whole batch; waits at most ``buffer.queue_timeout_s``, checking the
+        producers meanwhile. Collective with several ranks: rank 0 takes and hands out the shares."""
+        if self.group is None:
+            return self._take(step)
+        world, rank = self.strategy.world_size, self.strategy.rank
+        error = outgoing = None
+        if rank == 0:
+            try:
+                lease = self._take(step)
+                outgoing = rank_shares(lease, world)
+            except Exception as exc:  # every rank stops with rank 0's message, none waits for a share
+                error = exc
+                try:
+                    pickle.dumps(exc)
+                    outgoing = [exc] * world
+                except Exception:
+                    outgoing = [RuntimeError(f"rank 0: {type(exc).__name__}: {exc}")] * world
+        received: list = [None]
+        try:
+            torch.distributed.scatter_object_list(received, outgoing, src=0, group=self.group)
+        except RuntimeError as exc:
+            raise HandoffTimeout(
+                f"trainer rank {rank} waited up to {self.handoff_s:g} s (buffer.queue_timeout_s + "
+                f"{HANDOFF_MARGIN_S:g}) "
+                f"for rank 0 to hand it its share of training step {step}'s experiences from the queue; rank 0 "
+                f"is gone or stuck (its own output says why): {exc}") from None
+        if error is not None:
+            raise error
+        share = received[0]
+        if isinstance(share, BaseException):
+            raise share
+        return share
+
+    def _take(self, step: int) -> Lease:
         start = time.monotonic()
         dropped_before = self.queue.counts()["dropped"]
         while True:
@@ -200,31 +333,54 @@ class AsyncRollouts:
                                         timeout_s=max(min(CHECK_S, left), 1e-3))
             except QueueTimeout as exc:
                 if time.monotonic() - start >= self.timeout_s:
-                    names = ", ".join(f"'{p.name}' (log {p.log})" for p in self.producers)
-                    raise TrainerWaitTimeout(
-                        f"waited {self.timeout_s:g} s (buffer.queue_timeout_s) for rollout producer(s) {names}: "
-                        f"{exc}") from None
+                    raise TrainerWaitTimeout(self._timeout_message(exc)) from None
                 continue
             lease.metrics["staleness/dropped"] = float(self.queue.counts()["dropped"] - dropped_before)
             lease.metrics["staleness/waited_s"] = time.monotonic() - start
             lease.metrics["producers/alive"] = float(len(self.producers))
+            # rollout/*: the whole batch's, once, whatever share each rank trains
+            lease.metrics.update(produced_metrics(lease.experiences))
             # reward_fn/*: the producers' counts (put with their batches) plus the trainer's own (evaluations)
             for name, value in self.stage.run.workflow.reward.stats().items():
                 lease.metrics[f"reward_fn/{name}"] = lease.metrics.get(f"reward_fn/{name}", 0.0) + value
             return lease
 
+    def _timeout_message(self, exc: QueueTimeout) -> str:
+        what = f"waited {self.timeout_s:g} s (buffer.queue_timeout_s) for "
+        if self.producers:
+            names = ", ".join(f"'{p.name}' (log {p.log})" for p in self.producers)
+            return f"{what}rollout producer(s) {names}: {exc}"
+        seen = self.queue.producers()
+        run_dir = self.stage.run.run_dir
+        if self.local == 0 and not seen:
+            return (f"{what}an external rollout producer: none has put an experience into {self.queue.path} "
+                    f"(trainer.producers=0: the producers are yours to start, e.g. `rltk produce {run_dir}` on a "
+                    f"machine that shares this folder): {exc}")
+        names = ", ".join(f"'{name}' ({n} put)" for name, n in sorted(seen.items())) or "none"
+        return (f"{what}rollout producers; the local ones are gone and the producers seen so far are {names} "
+                f"(external ones run `rltk produce {run_dir}`): {exc}")
+
     def after_update(self, step: int) -> None:
-        """After step ``step``'s update: every ``trainer.sync_every`` steps the producer gets version ``step``."""
+        """After step ``step``'s update: every ``trainer.sync_every`` steps the producers get version ``step``.
+        Collective under a strategy that shards parameters."""
         if step % self.sync_every == 0:
-            write_weights_file(self.strategy.unwrap(), self.weights, step)
-            self.queue.publish_version(step)
+            self._publish(step)
+            if self.queue is not None:
+                self.queue.publish_version(step)
 
     def commit(self, step: int) -> None:
-        """Right after the checkpoint of ``step`` is saved: its steps' experiences are consumed."""
-        self.queue.commit(step)
+        """Right after the checkpoint of ``step`` is saved: its steps' experiences are consumed (rank 0)."""
+        if self.queue is not None:
+            self.queue.commit(step)
 
     def close(self) -> None:
         for producer in self.producers:
             producer.stop()
-        self.queue.close()
+        if self.queue is not None:
+            if self.queue.committed_step >= self.total_steps:  # the stage's end: external producers stop
+                self.queue.finish(self.queue.committed_step)
+            self.queue.close()
+        if self.group is not None:
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
         torch.set_num_threads(self.threads_before)

@@ -64,6 +64,29 @@ def write_weights_file(module: nn.Module, path, version: int) -> None:
     os.replace(tmp, path)
 
 
+def write_weights_state(state: dict, path, version: int) -> None:
+    """:func:`write_weights_file` for full weights given as a state dict (a sharded strategy's
+    ``full_state_dict()``): tensors that share storage (tied embeddings) are stored once each as copies."""
+    import os
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().contiguous()
+        if tensor.data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
+    save_file(tensors, str(tmp), metadata={VERSION_KEY: str(int(version))})
+    os.replace(tmp, path)
+
+
 def weights_file_version(path) -> int | None:
     """The policy version of the weights file at ``path``; None when there is none yet."""
     from safetensors import safe_open

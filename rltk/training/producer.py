@@ -34,7 +34,9 @@ skipped to that batch; sampling seeded per batch), so nothing is put twice.
 Every wait has ``--timeout`` seconds (``buffer.queue_timeout_s``) and then
 exits with an error naming what it waited for. It also exits when the
 process that started it is gone (the trainer died), so no producer outlives
-its run.
+its run, and (status 0) when the trainer records in the queue that its stage
+has ended. A producer the trainer did not start (``rltk produce``,
+:mod:`rltk.produce_command`) skips the parent check (``trainer=False``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from pathlib import Path
 EXIT_TIMEOUT = 3
 #: Exit status of a producer whose trainer is gone.
 EXIT_ORPHANED = 4
+#: Exit status of a producer whose trainer ended the stage (nothing more to produce).
+EXIT_DONE = 0
 
 
 def batch_size(cfg) -> int:
@@ -88,7 +92,14 @@ def producer_rows(rows: list, index: int, count: int) -> list:
 
 
 def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, name: str, timeout_s: float,
-                 index: int = 0, count: int = 1, poll_s: float = 0.005) -> int:
+                 index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True,
+                 seed_salt: int = 0) -> int:
+    """Produce batches until the trainer ends the stage (returns :data:`EXIT_DONE`) or a wait runs out.
+
+    ``trainer``: this process was started by the trainer (it stops when that parent is gone).
+    ``seed_salt`` is added to the prompt order's and the sampling's seeds, so producers outside the
+    trainer that share the rows (one ``index``) still sample apart.
+    """
     import rltk
     from rltk.buffer.queue import ExperienceQueue
     from rltk.data.sampler import RowSampler
@@ -98,7 +109,7 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     from rltk.training.rows import build_rows
     from rltk.training.setup import build_tokenizer_and_policy, build_workflow
 
-    parent = _Parent()
+    parent = _Parent() if trainer else None
     limit_torch_threads()
     seed_everything(cfg.seed)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
@@ -108,8 +119,9 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
     t = cfg.trainer
     max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
     per_batch = batch_size(cfg)
-    queue = ExperienceQueue(queue_path, timeout_s=timeout_s)
-    sampler = RowSampler(train_rows, t.prompts_per_step, seed=cfg.seed + stage_index, shuffle=cfg.data.shuffle)
+    queue = ExperienceQueue(queue_path, timeout_s=timeout_s, journal_mode=cfg.buffer.get("queue_journal", "wal"))
+    sampler = RowSampler(train_rows, t.prompts_per_step, seed=cfg.seed + stage_index + seed_salt,
+                         shuffle=cfg.data.shuffle)
     last = queue.last_id(name)
     batch = 0 if last is None else batch_of(last) + 1
     for _ in range(batch):  # the prompts of the batches already put
@@ -126,10 +138,18 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
             version = read_weights_file(policy, weights_path)
             weights_s += time.perf_counter() - tick
 
+    next_end_check = [0.0]  # when wait() next asks the queue whether the trainer ended the stage
+
     def wait(what: str, done) -> bool:
         start = time.monotonic()
         while not done():
-            if not parent.alive():
+            if time.monotonic() >= next_end_check[0]:  # every half second, not at every 5 ms poll
+                next_end_check[0] = time.monotonic() + 0.5
+                if queue.finished_step is not None:
+                    print(f"rltk producer {name}: the trainer ended the stage at step {queue.finished_step}; "
+                          f"stopping", flush=True)
+                    raise SystemExit(EXIT_DONE)
+            if parent is not None and not parent.alive():
                 print(f"rltk producer {name}: the trainer (pid {parent.pid}) is gone; stopping", flush=True)
                 raise SystemExit(EXIT_ORPHANED)
             if time.monotonic() - start > timeout_s:
@@ -147,13 +167,16 @@ def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, n
 
         def may_sample() -> bool:
             load_newest()
-            return gate_open(queue.taken_step, queue.counts()["ready"], per_batch, version, max_staleness)
+            # one snapshot: a take between two separate reads made the gate underestimate the step the batch
+            # trains at, so it sampled a batch one version too stale, which the queue then dropped
+            taken, ready = queue.progress()
+            return gate_open(taken, ready, per_batch, version, max_staleness)
 
         wait(f"the trainer to take experiences or publish weights newer than version {version} (a batch "
              f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)
         sampling = time.perf_counter()
         # the same batch is sampled the same way by a restarted producer with the same weights
-        seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch)
+        seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch + seed_salt)
         experiences, _ = collect_experiences(workflow, sampler, plan)
         sampled = time.perf_counter()
         # the reward functions' calls, failures and timeouts while making this batch, and where the

@@ -39,6 +39,34 @@ def test_wal_mode_and_a_round_trip_of_every_field(tmp_path):
     assert lease.metrics["staleness/mean"] == 1.0 and lease.metrics["staleness/max"] == 1.0
 
 
+def test_the_rollback_journal_for_a_queue_on_a_network_file_system_leases_and_commits_alike(tmp_path):
+    # producers on other machines: no WAL (its shared-memory index does not cross machines)
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path, journal_mode="delete") as producer, \
+            ExperienceQueue(path, max_staleness=1, journal_mode="delete") as trainer:
+        put_group(producer, "m1", 0, version=0)
+        put_group(producer, "m2", 1, version=0)
+        lease = trainer.take(4, step=1, version=0)
+        assert trainer.commit(1) == 4 and producer.committed_step == 1
+    assert sorted(lease.ids) == ["m1-0-0", "m1-0-1", "m2-1-0", "m2-1-1"]
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert not (tmp_path / "q.sqlite-wal").exists()
+    with pytest.raises(ValueError, match="journal_mode must be one of wal, delete, got 'memory'"):
+        ExperienceQueue(path, journal_mode="memory")
+
+
+def test_progress_reads_the_taken_step_and_the_ready_count_together(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        assert q.progress() == (0, 0)
+        for g in range(3):
+            put_group(q, "w", g, version=0)
+        assert q.progress() == (0, 6)
+        q.take(2, step=1, version=0)
+        assert q.progress() == (1, 4)  # the take moved both: the step it took and what is left
+        q.commit(1)
+        assert q.progress() == (1, 4)
+
+
 def test_take_leases_whole_groups_oldest_first_and_renumbers_them(tmp_path):
     with ExperienceQueue(tmp_path / "q.sqlite") as q:
         put_group(q, "a", 0, 0)

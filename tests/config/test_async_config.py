@@ -26,11 +26,17 @@ def test_defaults_are_the_synchronous_loop():
     (["trainer.max_staleness=-1"], r"bad value -1 for 'trainer\.max_staleness': must be an integer >= 0"),
     (["trainer.sync_every=0"], r"bad value 0 for 'trainer\.sync_every': must be an integer >= 1"),
     (["buffer.queue_timeout_s=0"], r"bad value 0\.0 for 'buffer\.queue_timeout_s': must be a number of seconds > 0"),
-    (["trainer.mode=async", "trainer.producers=0"], r"bad value 0 for 'trainer\.producers': must be an integer >= 1"),
+    (["buffer.queue_journal=memory"], r"bad value 'memory' for 'buffer\.queue_journal'\..*Valid: wal, delete"),
+    (["trainer.mode=async", "trainer.producers=-1"],
+     r"bad value -1 for 'trainer\.producers': must be an integer >= 0 .*`rltk produce`"),
 ])
 def test_bad_values_name_the_key_and_what_is_valid(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config([], overrides)
+
+
+def test_no_local_producers_is_valid_in_the_asynchronous_modes():
+    assert load_config([], ["trainer.mode=async", "trainer.producers=0"]).trainer.producers == 0
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
@@ -52,6 +58,9 @@ def test_grpo_runs_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_the
      r"bad value 3 for 'trainer\.sync_every': with trainer\.max_staleness=1 it must be at most 2"),
     # producers run beside the trainer only in the asynchronous modes
     (["trainer.producers=2"], r"bad value 2 for 'trainer\.producers' with trainer\.mode=sync"),
+    # producers=0 (all started with `rltk produce`) is an asynchronous setting too: a sync run reads no queue
+    (["trainer.producers=0"], r"bad value 0 for 'trainer\.producers' with trainer\.mode=sync: producers \(local or "
+                              r"started with `rltk produce`\) run only in trainer\.mode=one_step_off or async"),
     (["trainer.mode=async", "rollout.engine=vllm"],
      r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: the producer is a local process with "
      r"the hf engine"),

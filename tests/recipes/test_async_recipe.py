@@ -13,6 +13,8 @@ import random
 import re
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -24,6 +26,7 @@ from rltk.cli import main
 from rltk.rewards import bounded
 from rltk.training.producer import producer_rows
 from tests.crash import crash_at_step
+from tests.isolated import run_isolated
 
 pytestmark = pytest.mark.slow
 
@@ -126,35 +129,53 @@ def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while
                                                                                                    capsys):
     run_dir = tmp_path / "two"
     log = run_dir / "async" / "stage_1" / "producer-1.log"
-    kills = {SFT_STEPS + 3: 1, SFT_STEPS + 5: 2}  # step -> which start of producer-1 to kill
+    total = 12
+    killed: list[int] = []  # the RL steps after which producer-1's first and second start were killed
+
+    def has_fed_the_trainer(producer: str) -> bool:  # a put batch may still be dropped as too stale
+        with sqlite3.connect(run_dir / QUEUE) as db:
+            return db.execute("SELECT COUNT(*) FROM experiences WHERE producer = ? AND status IN "
+                              "('leased', 'consumed')", (producer,)).fetchone()[0] > 0
 
     @rltk.hookimpl
     def rltk_on_step_end(step: int) -> None:
-        if step in kills:
-            deadline = time.monotonic() + 600  # a restarted producer prints its pid once its model is built
-            while len(pids := re.findall(r"pid (\d+), starting", log.read_text())) < kills[step]:
+        rl_step = step - SFT_STEPS
+        if rl_step < 3 or len(killed) == 2 or (killed and rl_step < killed[-1] + 2):
+            return
+        if not killed:
+            # the first start is killed once it has fed the trainer (on a loaded machine building its model
+            # can take past step 3); waiting here could stall it behind producer-0's batches: try next step
+            pids = re.findall(r"pid (\d+), starting", log.read_text()) if log.exists() else []
+            if not pids or not has_fed_the_trainer("producer-1"):
+                return
+        else:
+            deadline = time.monotonic() + 600  # the restarted producer prints its pid once its model is built
+            while len(pids := re.findall(r"pid (\d+), starting", log.read_text())) < 2:
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-            os.kill(int(pids[kills[step] - 1]), signal.SIGKILL)
+        os.kill(int(pids[len(killed)]), signal.SIGKILL)
+        killed.append(rl_step)
 
     plugin = types.ModuleType("second_producer_killer")
     plugin.rltk_on_step_end = rltk_on_step_end
     rltk.register_plugin(plugin, name="second_producer_killer")
     try:
-        assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC, "trainer.producers=2"]) == 0
+        assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC, "trainer.producers=2",
+                     f"trainer.total_steps={total}"]) == 0
     finally:
         rltk.unregister_plugin("second_producer_killer")
+    assert len(killed) == 2, killed
     err = capsys.readouterr().err
     assert re.search(r"rollout producer 'producer-1' \(pid \d+\) exited with status -9 after 2 starts; its log "
                      r"is .*producer-1\.log", err), err[-3000:]
     assert "training goes on with 1 producer(s): producer-0" in err
     ids = trained(run_dir)
     by_step = {s: sorted(i for i, t in ids.items() if t == s) for s in set(ids.values())}
-    assert sorted(by_step) == list(range(1, RL_STEPS + 1))
+    assert sorted(by_step) == list(range(1, total + 1))
     assert all(len(batch) == 16 for batch in by_step.values())  # one whole batch a step, each id once
     assert {i.rsplit("-b", 1)[0] for i in ids} == {"producer-0", "producer-1"}
-    # killed after step 5, producer-1 sampled with version 5 at the newest: staler than 1 from step 8 on
-    assert {i.rsplit("-b", 1)[0] for i in by_step[RL_STEPS]} == {"producer-0"}
+    # killed after step k, producer-1 sampled with version k at the newest: its batches train by step k + 2
+    assert all({i.rsplit("-b", 1)[0] for i in by_step[s]} == {"producer-0"} for s in range(killed[1] + 3, total + 1))
     rows = [m for m in metrics(run_dir) if "staleness/max" in m]
     assert all(m["staleness/max"] <= 1 for m in rows)
     alive = [m["producers/alive"] for m in rows]
@@ -239,3 +260,156 @@ def test_grpo_async_learns_on_the_embedded_default(tmp_path):
     assert len(evals) == 9  # start of the RL stage, then every 25 steps
     assert evals[-1] > evals[0] + ASYNC_DEFAULT_MIN_GAIN / 2, f"held-out accuracy did not rise: {evals}"
     assert all(m["staleness/max"] <= 1 for m in rows if "staleness/max" in m)
+
+
+# ---------------------------------------------------------------- several trainer ranks
+
+# Records, per rank, the ids of each step's share and a hash of the parameters after each update, then runs
+# `rltk run`; with a step number it also crashes every rank after that step's metrics (before its checkpoint).
+RANKS_DRIVER = """
+import hashlib, json, os, sys, types
+import torch
+import rltk
+import rltk.training.async_rollout as ar
+from rltk.cli import main
+
+out, crash_step = sys.argv[1], int(sys.argv[2])
+rank = int(os.environ["RANK"])
+take, after_update = ar.AsyncRollouts.take, ar.AsyncRollouts.after_update
+
+def record(**row):
+    with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\\n")
+
+def logged_take(self, step):
+    lease = take(self, step)
+    record(step=step, ids=lease.ids)
+    return lease
+
+def logged_update(self, step):
+    after_update(self, step)
+    state = self.strategy.full_state_dict()  # whole weights on every rank (FSDP2: gathered from the shards)
+    flat = torch.cat([state[k].float().flatten() for k in sorted(state)])
+    record(step=step, params=hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+
+ar.AsyncRollouts.take, ar.AsyncRollouts.after_update = logged_take, logged_update
+crasher = types.ModuleType("crasher")
+
+@rltk.hookimpl
+def rltk_on_step_end(step):
+    if step == crash_step:
+        raise SystemExit(3)
+
+crasher.rltk_on_step_end = rltk_on_step_end
+rltk.register_plugin(crasher, name="crasher")
+code = main(sys.argv[3:])
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(code or 0)
+"""
+
+
+def torchrun_async(tmp_path: Path, run_dir: Path, *extra: str, crash_step: int = 0, expect: int = 0):
+    driver = tmp_path / "ranks_driver.py"
+    driver.write_text(RANKS_DRIVER)
+    return run_isolated([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         str(driver), str(tmp_path), str(crash_step), "run", "grpo", f"output_dir={run_dir}",
+                         *ASYNC, *extra], expect=expect, timeout=900)
+
+
+def rank_rows(tmp_path: Path, rank: int, key: str) -> dict[int, object]:
+    """Step -> the rank's recorded ``key``; a step trained again after a resume keeps its last record."""
+    rows = [json.loads(line) for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+@pytest.mark.distributed
+def test_two_trainer_ranks_split_each_lease_train_every_id_once_and_resume_after_a_crash(tmp_path):
+    # DDP over two gloo processes, killed after RL step 5 (one past the checkpoint of step 4) and resumed
+    run_dir = tmp_path / "run"
+    crash = SFT_STEPS + 5
+    torchrun_async(tmp_path, run_dir, crash_step=crash, expect=1)
+    first = {r: rank_rows(tmp_path, r, "ids") for r in (0, 1)}
+    assert sorted(first[0]) == sorted(first[1]) == [1, 2, 3, 4, 5]
+    out = torchrun_async(tmp_path, run_dir)
+    assert "resuming from" in out.stdout
+    committed = trained(run_dir)
+    by_step = {s: sorted(i for i, t in committed.items() if t == s) for s in set(committed.values())}
+    assert sorted(by_step) == list(range(1, RL_STEPS + 1))
+    assert all(len(ids) == 16 for ids in by_step.values())  # one whole batch a step, each id once
+    shares = {r: rank_rows(tmp_path, r, "ids") for r in (0, 1)}
+    for step, ids in by_step.items():
+        # the two ranks' shares of the committed lease: disjoint, together the whole batch, whole groups each
+        assert sorted(shares[0][step] + shares[1][step]) == ids, step
+        assert len(shares[0][step]) == len(shares[1][step]) == 8
+    params = {r: rank_rows(tmp_path, r, "params") for r in (0, 1)}
+    assert sorted(params[0]) == list(range(1, RL_STEPS + 1))
+    assert params[0] == params[1]  # the ranks' weights are identical after every update
+    assert len(set(params[0].values())) == RL_STEPS  # and every update moved them
+    rows = [m for m in metrics(run_dir) if "staleness/max" in m]
+    assert [m["step"] for m in rows] == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))
+    # logged once, over the whole batch: both ranks' rows
+    assert all(m["rollout/samples"] == 16 and m["batch/samples"] == 16 for m in rows)
+    assert all(m["staleness/max"] <= 1 for m in rows)
+
+
+# ---------------------------------------------------------------- producers started outside the trainer
+
+def test_a_run_with_no_local_producers_trains_from_one_started_by_rltk_produce(tmp_path):
+    run_dir = tmp_path / "run"
+    # started first, as a cluster launcher may: it waits for the trainer to start the asynchronous stage
+    producer = subprocess.Popen([sys.executable, "-m", "rltk.cli", "produce", str(run_dir), "--name", "ext-a"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        # the rollback journal, as a queue shared by machines over a network file system needs
+        assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC, "trainer.producers=0",
+                     "buffer.queue_journal=delete"]) == 0
+        out, _ = producer.communicate(timeout=120)
+    finally:
+        producer.kill()
+    assert producer.returncode == 0, out
+    assert "ext-a: the trainer ended the stage at step 8; stopping" in out
+    assert sorted(trained(run_dir).items()) == sorted((f"ext-a-b{s - 1}-{i}", s) for s in range(1, RL_STEPS + 1)
+                                                      for i in range(16))
+    assert not (run_dir / LOG).exists()  # the trainer started no producer of its own
+    rows = [m for m in metrics(run_dir) if "staleness/max" in m]
+    assert len(rows) == RL_STEPS and all(m["producers/alive"] == 0 for m in rows)
+
+
+def test_a_run_with_no_local_producers_that_none_feeds_stops_naming_the_command(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["run", "grpo", f"output_dir={run_dir}", *ASYNC, "trainer.producers=0", "buffer.queue_timeout_s=3",
+                 "stages=[{name: rl, type: rl}]"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert re.search(r"waited 3 s \(buffer\.queue_timeout_s\) for an external rollout producer: none has put an "
+                     r"experience into .*experience_queue\.sqlite \(trainer\.producers=0: the producers are yours "
+                     r"to start, e\.g\. `rltk produce .*run`", err), err[-3000:]
+
+
+# ZeRO-3 runs the same gather (strategy.full_state_dict, one tensor at a time) and passed this test once
+# (2026-11-27, 209 s on this loaded 2-core machine, DeepSpeed's op compile included): too slow for CI, so
+# only FSDP2 is parametrized; add (ZERO3, {"zero_stage": 3}) to check it again.
+ZERO3 = ["strategy=deepspeed", "strategy_args.zero_stage=3",
+         "strategy_args.config={zero_optimization: {stage3_param_persistence_threshold: 0}}"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy, sharded", [(["strategy_args.fsdp=true"], {"fsdp": True})], ids=["fsdp2"])
+def test_two_sharded_ranks_publish_gathered_weights_and_stay_identical(tmp_path, strategy, sharded):
+    # FSDP2 shards the policy: the weights file is gathered from both ranks' shards before rank 0 writes it,
+    # and the producer loads it into its whole model
+    run_dir = tmp_path / "run"
+    torchrun_async(tmp_path, run_dir, *strategy)
+    committed = trained(run_dir)
+    assert sorted(committed.values()) == sorted(s for s in range(1, RL_STEPS + 1) for _ in range(16))
+    shares = {r: rank_rows(tmp_path, r, "ids") for r in (0, 1)}
+    for step in range(1, RL_STEPS + 1):
+        assert sorted(shares[0][step] + shares[1][step]) == sorted(i for i, t in committed.items() if t == step)
+    params = {r: rank_rows(tmp_path, r, "params") for r in (0, 1)}
+    assert params[0] == params[1] and len(set(params[0].values())) == RL_STEPS
+    from rltk.training.engine_weights import weights_file_version
+
+    assert weights_file_version(run_dir / "async" / "stage_1" / "policy.safetensors") == RL_STEPS
+    meta = json.loads((run_dir / "checkpoints" / f"step_{SFT_STEPS + RL_STEPS:06d}" / "strategy.json").read_text())
+    assert meta["world_size"] == 2 and sharded.items() <= meta.items()

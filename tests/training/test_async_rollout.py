@@ -132,3 +132,57 @@ def test_a_producer_waiting_for_weights_stops_after_its_timeout_naming_the_file(
     assert done.returncode == EXIT_TIMEOUT, done.stderr
     assert (f"rltk producer p: error: waited 1 s (buffer.queue_timeout_s) for the trainer's first weights in "
             f"{tmp_path / 'w.safetensors'}") in done.stderr
+
+
+def _lease(groups: list[int]):
+    from rltk.batch import Experience
+    from rltk.buffer.queue import Lease
+
+    experiences, ids = [], []
+    for g, size in enumerate(groups):
+        for i in range(size):
+            experiences.append(Experience(prompt_ids=[1], response_ids=[2, 3], score=float(g), group_id=g))
+            ids.append(f"p-b0-{len(ids)}")
+    return Lease(9, 4, 3, experiences, ids, [[3, 3]] * len(ids), [f"k{e.group_id}" for e in experiences],
+                 {"staleness/max": 1.0})
+
+
+def test_rank_shares_give_whole_groups_round_robin_and_every_id_once():
+    from rltk.training.async_rollout import rank_shares
+
+    lease = _lease([4, 4, 4, 4, 4])  # five groups of four over two ranks: groups 0, 2, 4 and 1, 3
+    shares = rank_shares(lease, 2)
+    assert [sorted({e.group_id for e in s.experiences}) for s in shares] == [[0, 2, 4], [1, 3]]
+    assert [len(s) for s in shares] == [12, 8]
+    assert sorted(i for s in shares for i in s.ids) == sorted(lease.ids)
+    for share in shares:  # each id still describes its experience, and every rank logs the batch's metrics
+        assert all(f"k{e.group_id}" == k for e, k in zip(share.experiences, share.group_keys))
+        assert (share.step, share.version, share.metrics) == (4, 3, {"staleness/max": 1.0})
+    assert rank_shares(lease, 1)[0].ids == lease.ids
+
+
+def test_full_weights_from_a_state_dict_round_trip_with_tied_tensors_stored_apart(tmp_path):
+    from rltk.training.engine_weights import write_weights_state
+
+    trained = worker.shared.tiny_qwen2(seed=0)
+    state = trained.state_dict()  # tied embedding and head share storage, as a gathered state may
+    path = tmp_path / "policy.safetensors"
+    write_weights_state(state, path, 3)
+    fresh = worker.shared.tiny_qwen2(seed=1)
+    assert read_weights_file(fresh, path) == 3
+    for (name, a), b in zip(state.items(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_the_queue_records_the_trainers_end_and_who_put(tmp_path):
+    from rltk.batch import Experience
+    from rltk.buffer.queue import ExperienceQueue
+
+    with ExperienceQueue(tmp_path / "q.sqlite") as queue:
+        assert queue.finished_step is None and queue.producers() == {}
+        group = [Experience(prompt_ids=[1], response_ids=[2], score=0.0, group_id=0)] * 2
+        queue.put(group, ids=["a-b0-0", "a-b0-1"], versions=0, producer="a")
+        queue.put(group[:1], ids=["b-b0-0"], versions=0, producer="b")
+        queue.finish(8)
+    with ExperienceQueue(tmp_path / "q.sqlite") as queue:  # another process sees both
+        assert queue.finished_step == 8 and queue.producers() == {"a": 2, "b": 1}
