@@ -3,22 +3,28 @@
 The setting of issue 32, item 4, on the embedded task (two-digit addition):
 
 * the teacher is the tiny default model (hidden 64) after `rltk run sft` (the shipped sft default,
-  1500 steps, seed 0), its last checkpoint passed as `distill.teacher_path`;
-* the student is the shipped distill default: a smaller tiny model (hidden 32, about a third of the
-  teacher's parameters), fresh (random init, seed S) unless `--student-sft-steps N` first gives it a
-  short SFT warm-up of its own (a `type: sft` stage before distillation, the same for both methods);
-* distill: `rltk run distill` unchanged but for the step count; GRPO: the very same run with
-  `algorithm.advantage_fn=grpo` (same loop, student start, prompts, samples, learning rate and steps:
-  only the advantage differs, the task reward's group advantage instead of the teacher's per-token one).
+  1500 steps, seed 0, built once at the machine's best kernel level), its last checkpoint passed as
+  `distill.teacher_path`;
+* the student is a smaller tiny model (`--student-hidden`, default 48: 75k parameters to 130k), fresh
+  (random init, seed S), given a short SFT warm-up of its own (`--student-sft-steps`: `rltk run sft` with
+  a constant learning rate) so that it emits answers at all, exported, and passed as `model.path` to both
+  arms, so both start from the very same weights;
+* distill: `rltk run distill` at its shipped settings but for the step count;
+* grpo: `rltk run grpo` at its shipped settings (lr 1e-4, k3 KL 0.05 to the start, 8 samples per prompt:
+  twice distillation's 4) with its warm-up stage dropped, and again at each of `--grpo-lrs` (GRPO's
+  best learning rate is not assumed to be its default's).
 
-Each run is a fresh one-thread process; `--jobs` run at a time. Prints held-out greedy and sampled
-accuracy (200 sums never trained on) at each evaluation of every run, the gains, and the teacher's
-accuracy, and writes everything as JSON.
+Each (seed, kernel level) is one job: the student's warm-up, then every arm, each a fresh one-thread
+process at that `ATEN_CPU_CAPABILITY`; `--jobs` jobs at a time. Prints held-out greedy and sampled
+accuracy (200 sums never trained on) at each evaluation of every arm, the gains, distillation's greedy
+accuracy minus every GRPO arm's, and the teacher's accuracy, and writes everything as JSON. Trailing
+`key=value` arguments override the distillation runs only.
 
-    python benchmarks/distill.py                                   # seeds 0 1, 300 steps
-    python benchmarks/distill.py --seeds 0 1 2 --steps 100 --jobs 2
-    python benchmarks/distill.py --teacher runs/sft-tiny/checkpoints/step_001500   # reuse a teacher
-    python benchmarks/distill.py --student-sft-steps 300          # a briefly warmed-up student instead
+    # the README's table (seeds 0-2 x every level, ~1 h on 2 busy cores); --teacher reuses a teacher
+    python benchmarks/distill.py --jobs 2 trainer.lr=3e-4 rollout.n=8
+    python benchmarks/distill.py --seeds 0 --levels avx512 --steps 300 --grpo-lrs 1e-3 trainer.lr=3e-4 rollout.n=8
+    # the shipped default as it is: a fresh hidden-32 student (GRPO has no reward to learn from)
+    python benchmarks/distill.py --student-hidden 32 --student-sft-steps 0 --steps 300 --levels avx512
 """
 
 from __future__ import annotations
@@ -34,140 +40,150 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = {"distill": [], "grpo": ["algorithm.advantage_fn=grpo"]}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning import RESULTS, cpu_levels, run_rltk, spread  # noqa: E402
+
+QUIET = ["logging.traces=false"]
 
 
-def run_rltk(args: list[str], run_dir: Path, log: Path) -> float:
-    """One `rltk` command in a fresh single-threaded process; its wall time."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    command = [sys.executable, "-m", "rltk.cli", *args, f"output_dir={run_dir}", "logging.logger=[jsonl]",
-               "logging.plot=false", "logging.traces=false", "checkpoint.resume=never"]
-    tick = time.perf_counter()
-    with open(log, "w") as out:
-        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}); see {log}")
-    return time.perf_counter() - tick
-
-
-def evaluations(run_dir: Path, first_step: int = 0) -> list[dict]:
-    """``[{step, greedy, sampled}]`` of every held-out evaluation from ``first_step`` on."""
+def evaluations(run_dir: Path) -> list[dict]:
+    """``[{step, greedy, sampled}]`` of every held-out evaluation of a run."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{"step": r["step"] - first_step, "greedy": r["eval/accuracy"], "sampled": r["eval/sampled_accuracy"]}
-            for r in rows if "eval/accuracy" in r and r["step"] >= first_step]
+    return [{"step": r["step"], "greedy": r["eval/accuracy"], "sampled": r["eval/sampled_accuracy"]}
+            for r in rows if "eval/accuracy" in r]
 
 
-def step_means(run_dir: Path, first_step: int = 0, window: int = 10) -> dict:
-    """Mean of the per-step metrics over the first and the last ``window`` steps: the reverse KL to the
-    teacher of the student's own samples, the teacher's log-prob of them, and the task reward."""
+def step_means(run_dir: Path, window: int) -> dict:
+    """Mean of the per-step metrics over the first and the last ``window`` steps: the task reward, and for
+    a distillation run the reverse KL to the teacher of the student's own samples and the teacher's
+    log-prob of them."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "distill/reverse_kl" in r and r["step"] > first_step]
+    steps = [r for r in rows if "reward" in r]
     out = {}
     for key, name in (("distill/reverse_kl", "reverse_kl"), ("distill/teacher_logprob", "teacher_logprob"),
                       ("reward", "reward")):
-        out[name] = {"first": statistics.mean(r[key] for r in steps[:window]),
-                     "last": statistics.mean(r[key] for r in steps[-window:])}
+        if steps and key in steps[0]:
+            out[name] = {"first": statistics.mean(r[key] for r in steps[:window]),
+                         "last": statistics.mean(r[key] for r in steps[-window:])}
     return out
 
 
-def build_teacher(workdir: Path) -> tuple[Path, dict]:
-    """`rltk run sft` (the shipped default, seed 0): its last checkpoint and final held-out accuracy."""
-    run_dir = workdir / "teacher"
-    seconds = run_rltk(["run", "sft", "seed=0"], run_dir, workdir / "teacher.log")
+def last_checkpoint(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+
+
+def export(checkpoint: Path, out: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "rltk.cli", "export", str(checkpoint), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def final_accuracy(run_dir: Path) -> dict:
     final = json.loads((run_dir / "summary.json").read_text())["final"]
-    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    return last, {"greedy": final["eval/accuracy"], "sampled": final["eval/sampled_accuracy"], "seconds": seconds}
-
-
-def teacher_accuracy(teacher: Path) -> dict:
-    """Held-out accuracy of a given teacher checkpoint, from its run's summary.json."""
-    summary = teacher.parent.parent / "summary.json"
-    if not summary.is_file():
-        return {}
-    final = json.loads(summary.read_text())["final"]
     return {"greedy": final["eval/accuracy"], "sampled": final["eval/sampled_accuracy"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=300, help="distillation / GRPO steps per run")
-    parser.add_argument("--eval-every", type=int, default=None, help="default: steps / 4")
-    parser.add_argument("--student-sft-steps", type=int, default=0,
-                        help="an SFT warm-up of the student before both methods (0: a fresh student)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--levels", nargs="+", default=None, help="ATEN_CPU_CAPABILITY levels (default: all)")
+    parser.add_argument("--steps", type=int, default=200, help="distillation / GRPO steps per run")
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--student-hidden", type=int, default=48,
+                        help="the student's hidden size (intermediate 4x; the teacher's is 64)")
+    parser.add_argument("--student-sft-steps", type=int, default=500, help="the student's own SFT warm-up (0: fresh)")
+    parser.add_argument("--grpo-lrs", type=float, nargs="*", default=[],
+                        help="GRPO arms besides the shipped default's learning rate")
     parser.add_argument("--teacher", type=Path, default=None, help="a teacher checkpoint to reuse (default: build one)")
     parser.add_argument("--window", type=int, default=25, help="steps averaged at the start and the end")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS / "distill.json")
-    parser.add_argument("overrides", nargs="*", help="key=value for every student run")
+    parser.add_argument("overrides", nargs="*", help="key=value for every distillation run")
     args = parser.parse_args()
+    levels = args.levels or cpu_levels()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rltk-distill-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    tick = time.perf_counter()
 
     if args.teacher is None:
-        teacher, teacher_acc = build_teacher(workdir)
+        run_rltk(["run", "sft", "seed=0", *QUIET], workdir / "teacher", levels[-1], workdir / "teacher.log")
+        teacher = last_checkpoint(workdir / "teacher")
     else:
-        teacher, teacher_acc = args.teacher, teacher_accuracy(args.teacher)
-    print(f"teacher {teacher}: held-out greedy {teacher_acc.get('greedy')}, sampled {teacher_acc.get('sampled')}",
+        teacher = args.teacher
+    teacher_acc = final_accuracy(teacher.parent.parent)
+    print(f"teacher {teacher}: held-out greedy {teacher_acc['greedy']:.3f}, sampled {teacher_acc['sampled']:.3f}",
           flush=True)
 
-    eval_every = args.eval_every or max(1, args.steps // 4)
-    common = [f"distill.teacher_path={teacher}", f"trainer.total_steps={args.steps}", f"trainer.eval_every={eval_every}",
-              "checkpoint.every=0", *args.overrides]
-    if args.student_sft_steps:
-        common += [f"sft.steps={args.student_sft_steps}", "sft.lr_schedule=constant",
-                   "stages=[{name: warmup, type: sft}, {name: distill, type: distill}]"]
-    jobs = [(seed, method) for seed in args.seeds for method in METHODS]
+    # the layers, heads and context of the tiny default (the same in the sft, grpo and distill configs)
+    student = [f"model.tiny.hidden_size={args.student_hidden}", f"model.tiny.intermediate_size={4 * args.student_hidden}"]
+    steps = [f"trainer.total_steps={args.steps}", f"trainer.eval_every={args.eval_every}", "checkpoint.every=0", *QUIET]
+    arms = {"distill": ["run", "distill", f"distill.teacher_path={teacher}", *steps, *args.overrides],
+            "grpo": ["run", "grpo", "stages=[{name: grpo, type: rl}]", *steps]}
+    for lr in args.grpo_lrs:
+        arms[f"grpo_lr{lr:g}"] = [*arms["grpo"], f"trainer.lr={lr}"]
 
     def one(job):
-        seed, method = job
-        run_dir = workdir / f"{method}_seed{seed}"
-        seconds = run_rltk(["run", "distill", f"seed={seed}", *common, *METHODS[method]], run_dir,
-                           workdir / f"{method}_seed{seed}.log")
-        evals = evaluations(run_dir, first_step=args.student_sft_steps)
-        means = step_means(run_dir, first_step=args.student_sft_steps, window=args.window)
-        return {"seed": seed, "method": method, "seconds": seconds, "evals": evals, "step_means": means,
-                "kl_drop": means["reverse_kl"]["first"] - means["reverse_kl"]["last"],
-                "reward_rise": means["reward"]["last"] - means["reward"]["first"],
-                "greedy_gain": evals[-1]["greedy"] - evals[0]["greedy"],
-                "sampled_gain": evals[-1]["sampled"] - evals[0]["sampled"]}
+        seed, level = job
+        w = workdir / f"s{seed}-{level}"
+        w.mkdir(parents=True, exist_ok=True)
+        if args.student_sft_steps:
+            # the student's own warm-up under `rltk run sft`, exported as the start of every arm
+            run_rltk(["run", "sft", f"seed={seed}", *student, f"sft.steps={args.student_sft_steps}",
+                      "sft.lr_schedule=constant", f"sft.eval_every={args.student_sft_steps}",
+                      f"checkpoint.every={args.student_sft_steps}", *QUIET], w / "student", level, w / "student.log")
+            start = ["model.path=" + str(export(last_checkpoint(w / "student"), w / "student_model"))]
+        else:
+            start = student
+        row = {"seed": seed, "level": level, "arms": {}}
+        for arm, command in arms.items():
+            t0 = time.perf_counter()
+            run_rltk([*command, f"seed={seed}", *start], w / arm, level, w / f"{arm}.log")
+            evals = evaluations(w / arm)
+            row["arms"][arm] = {"seconds": time.perf_counter() - t0, "evals": evals,
+                                "step_means": step_means(w / arm, args.window),
+                                "greedy_gain": evals[-1]["greedy"] - evals[0]["greedy"],
+                                "sampled_gain": evals[-1]["sampled"] - evals[0]["sampled"]}
+        print(f"seed {seed} {level}: held-out greedy/sampled at steps {[e['step'] for e in evals]}")
+        for arm, r in row["arms"].items():
+            curve = "  ".join(f"{e['greedy']:.3f}/{e['sampled']:.3f}" for e in r["evals"])
+            means = "  ".join(f"{k} {v['first']:.3f} -> {v['last']:.3f}" for k, v in r["step_means"].items())
+            print(f"  {arm:14} {curve}  ({r['seconds']:.0f} s)  {means}", flush=True)
+        return row
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        runs = list(pool.map(one, jobs))
+        rows = list(pool.map(one, [(s, lv) for s in args.seeds for lv in levels]))
 
-    print(f"\n{'method':8} {'seed':>4}  held-out greedy / sampled accuracy at steps "
-          f"{[e['step'] for e in runs[0]['evals']]}")
-    for r in runs:
-        curve = "  ".join(f"{e['greedy']:.3f}/{e['sampled']:.3f}" for e in r["evals"])
-        m = r["step_means"]
-        print(f"{r['method']:8} {r['seed']:>4}  {curve}   ({r['seconds']:.0f} s)\n{'':14}reverse KL "
-              f"{m['reverse_kl']['first']:.3f} -> {m['reverse_kl']['last']:.3f}, teacher log-prob "
-              f"{m['teacher_logprob']['first']:.3f} -> {m['teacher_logprob']['last']:.3f}, train reward "
-              f"{m['reward']['first']:.3f} -> {m['reward']['last']:.3f} (first / last {args.window} steps)")
     summary = {}
-    for method in METHODS:
-        mine = [r for r in runs if r["method"] == method]
-        value = {kind: [r[f"{kind}_gain" if kind in ("greedy", "sampled") else kind] for r in mine]
-                 for kind in ("greedy", "sampled", "kl_drop", "reward_rise")}
-        summary[method] = {kind: {"min": min(v), "median": statistics.median(v), "max": max(v)}
-                           for kind, v in value.items()}
-        s = summary[method]
-        print(f"{method:8} gain greedy min/median/max {s['greedy']['min']:+.3f} / {s['greedy']['median']:+.3f} / "
-              f"{s['greedy']['max']:+.3f}   sampled {s['sampled']['min']:+.3f} / {s['sampled']['median']:+.3f} / "
-              f"{s['sampled']['max']:+.3f}   reverse-KL drop {s['kl_drop']['min']:+.3f} / "
-              f"{s['kl_drop']['median']:+.3f} / {s['kl_drop']['max']:+.3f}   train-reward rise "
-              f"{s['reward_rise']['min']:+.3f} / {s['reward_rise']['median']:+.3f} / {s['reward_rise']['max']:+.3f}")
-    ahead = [next(r for r in runs if r["seed"] == s and r["method"] == "distill")["sampled_gain"]
-             - next(r for r in runs if r["seed"] == s and r["method"] == "grpo")["sampled_gain"] for s in args.seeds]
-    print(f"distill - grpo sampled gain per seed: {[round(x, 3) for x in ahead]}")
+    for arm in arms:
+        mine = [r["arms"][arm] for r in rows]
+        summary[arm] = {"greedy_start": spread([m["evals"][0]["greedy"] for m in mine]),
+                        "greedy_end": spread([m["evals"][-1]["greedy"] for m in mine]),
+                        "greedy_gain": spread([m["greedy_gain"] for m in mine]),
+                        "sampled_gain": spread([m["sampled_gain"] for m in mine])}
+        s = summary[arm]
+        print(f"{arm:14} greedy {s['greedy_start']['min']:.3f}-{s['greedy_start']['max']:.3f} -> "
+              f"{s['greedy_end']['min']:.3f}-{s['greedy_end']['max']:.3f}, gain min/median/max "
+              f"{s['greedy_gain']['min']:+.3f} / {s['greedy_gain']['median']:+.3f} / {s['greedy_gain']['max']:+.3f}"
+              f"   sampled gain {s['sampled_gain']['min']:+.3f} / {s['sampled_gain']['median']:+.3f} / "
+              f"{s['sampled_gain']['max']:+.3f}")
+    # per step: distillation's greedy gain at every evaluation minus each GRPO arm's, on the same start
+    ahead = {}
+    for arm in arms:
+        if arm == "distill":
+            continue
+        diffs = [[d["greedy"] - g["greedy"] for d, g in zip(r["arms"]["distill"]["evals"][1:], r["arms"][arm]["evals"][1:])]
+                 for r in rows]
+        ahead[arm] = {"per_job": diffs, "min_at_any_eval": min(min(d) for d in diffs),
+                      "min_at_end": min(d[-1] for d in diffs)}
+        print(f"distill - {arm}: greedy accuracy difference at the last evaluation min "
+              f"{ahead[arm]['min_at_end']:+.3f}, at any evaluation min {ahead[arm]['min_at_any_eval']:+.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"teacher": str(teacher), "teacher_accuracy": teacher_acc, "steps": args.steps,
-                                    "student_sft_steps": args.student_sft_steps, "overrides": args.overrides,
-                                    "runs": runs, "summary": summary, "distill_minus_grpo_sampled": ahead},
-                                   indent=2))
-    print(f"wrote {args.out}")
+    args.out.write_text(json.dumps({
+        "teacher": str(teacher), "teacher_accuracy": teacher_acc, "args": {k: str(v) for k, v in vars(args).items()},
+        "levels": levels, "runs": rows, "summary": summary, "distill_minus": ahead,
+        "total_wall_s": time.perf_counter() - tick}, indent=2))
+    print(f"wrote {args.out} ({(time.perf_counter() - tick) / 60:.1f} min)")
 
 
 if __name__ == "__main__":

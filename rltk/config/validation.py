@@ -66,6 +66,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
     check_workflow_serves(cfg, needs)
     check_reward_components(cfg, needs)
+    check_distill_task_coef(cfg)
     if recipe is not None:
         check_recipe_serves(cfg, recipe, needs)
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
@@ -411,6 +412,22 @@ def check_rollout_correction_config(cfg: DictConfig) -> None:
             f"algorithm.use_rollout_logprobs=true makes them the same (every ratio would be 1). "
             f"Set algorithm.use_rollout_logprobs=false so the trainer recomputes the old log-probs, "
             f"or turn the correction off"
+        )
+
+
+def check_distill_task_coef(cfg: DictConfig) -> None:
+    """``on_policy_distill``'s ``task_coef`` weighs the task reward's GRPO advantage added to the teacher's:
+    a negative one would train away from the reward, so it is refused here, before the teacher and the
+    student load, instead of at the first step."""
+    if cfg.algorithm.advantage_fn != "on_policy_distill":
+        return
+    coef = OmegaConf.select(cfg, "algorithm.advantage_fn_args.task_coef")
+    if coef is None:
+        return
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+        raise ConfigError(
+            f"bad value {coef!r} for 'algorithm.advantage_fn_args.task_coef': must be a number >= 0 (0: the "
+            f"teacher's per-token advantage alone; > 0 adds that many times the task reward's GRPO advantage)"
         )
 
 

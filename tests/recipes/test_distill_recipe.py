@@ -58,6 +58,21 @@ def test_a_missing_teacher_path_is_exit_2_naming_the_key(tmp_path, capsys):
     assert "for 'distill.teacher_path': no such folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("coef", ["-0.5", "abc", ".nan"])
+def test_a_negative_task_coef_is_refused_by_validate_and_run(tmp_path, capsys, coef):
+    # it once passed `rltk validate` and failed at the first step, after the teacher and student had loaded
+    key = f"algorithm.advantage_fn_args.task_coef={coef}"
+    assert main(["validate", "distill", key]) == 2
+    err = capsys.readouterr().err
+    assert "'algorithm.advantage_fn_args.task_coef': must be a number >= 0" in err and "Traceback" not in err
+    teacher = hf_teacher(tmp_path / "teacher")
+    assert main(["run", "distill", f"output_dir={tmp_path / 'run'}", f"distill.teacher_path={teacher}", key,
+                 *FEW]) == 2
+    assert "'algorithm.advantage_fn_args.task_coef'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert main(["validate", "distill", "algorithm.advantage_fn_args.task_coef=0.5"]) == 0
+
+
 def test_a_teacher_with_another_vocabulary_is_exit_2(tmp_path, capsys):
     # the tool-role tokenizer has one token more (<|tool|>): every id past it would mean something else
     teacher = hf_teacher(tmp_path / "teacher", tool_role=True)
