@@ -153,11 +153,15 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
         old_lp, new_lp = under_old[index], under_new[index]
         # Tolerance: vLLM's fp32 CPU kernels and HF's eager fp32 forward sum in different orders; the largest
         # difference measured over 16 x 1500 positions was 7.3e-5 (2.1e-5 before the switch). The weight
-        # change moves the log-probs by ~2.3 on average (asserted below), so 1e-3 tells the two apart.
+        # change moves the log-probs by ~0.4 on average (asserted at the end), so 1e-3 tells the two apart.
         before, after = slice(0, switch), slice(switch, LONG)
         assert (got[before] - old_lp[before]).abs().max() < 1e-3, (got[before] - old_lp[before]).abs().max()
         assert (got[after] - new_lp[after]).abs().max() < 1e-3, (got[after] - new_lp[after]).abs().max()
         # ... and they really are the other version's: the continuation was recomputed under the new weights
-        # (its prefix too)
-        assert (got[after] - old_lp[after]).abs().mean() > 0.1
-        assert (got[before] - new_lp[before]).abs().mean() > 0.1
+        # (its prefix too). Each side is at least 10x the tolerance away from the other weights' log-probs
+        # somewhere (a mean would be too strict where the update lands a few tokens in: 0.087 over 5 tokens
+        # was measured once, against a largest 0.28)
+        assert (got[after] - old_lp[after]).abs().max() > 1e-2
+        assert (got[before] - new_lp[before]).abs().max() > 1e-2
+    # the two weights' log-probs of these tokens differ by ~0.4 on average (0.387 measured)
+    assert (under_old - under_new).abs().mean() > 0.1
