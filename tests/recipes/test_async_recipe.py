@@ -60,14 +60,20 @@ def straight(tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_each_step_trains_one_batch_within_the_staleness_bound(straight):
-    ids = trained(straight)
-    # step s trains the producer's batch s - 1, whole: 4 prompts x 4 samples
+def one_batch_a_step_within_the_bound(run_dir: Path) -> list[dict]:
+    """Assert that RL step s trained the producer's batch s - 1, whole (4 prompts x 4 samples), each experience
+    once, within staleness 1 and nothing dropped; the RL steps' metrics rows."""
+    ids = trained(run_dir)
     assert sorted(ids.items()) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(1, RL_STEPS + 1)
                                          for i in range(16))
-    rows = [m for m in metrics(straight) if "staleness/max" in m]
+    rows = [m for m in metrics(run_dir) if "staleness/max" in m]
     assert [m["step"] for m in rows] == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))
     assert all(m["staleness/max"] <= 1 and m["staleness/dropped"] == 0 for m in rows)
+    return rows
+
+
+def test_each_step_trains_one_batch_within_the_staleness_bound(straight):
+    rows = one_batch_a_step_within_the_bound(straight)
     assert rows[0]["staleness/max"] == 0  # the first batch is the starting weights'
     assert "rollout/reward" in rows[0] and "reward" in rows[0]
     # the producer's reward calls reach the trainer's log: one counter row per batch put (its 16 samples),
