@@ -514,6 +514,8 @@ class VLLMServerEngine(RolloutEngine):
                     try:
                         self._post(server, "/resume")
                     except VLLMServerError:
+                        # the load's own error (if any) is the one to raise; a server that cannot resume
+                        # fails its next request, which names it
                         pass
 
     def _load_on(self, server: _Server, path: str, version: int, aliases: dict[str, str] | None = None) -> None:
