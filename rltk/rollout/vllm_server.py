@@ -47,7 +47,8 @@ machine (rltk starts them, ``launch: N``) or elsewhere (``servers: [url, ...]``)
   server's queue is labelled with the weights that really sampled it.
 * **Timeouts.** Every HTTP call has one (``timeout_s``); a server that hangs,
   refuses or dies is a :class:`VLLMServerError` naming it (and, for a server
-  rltk started, its exit code and log), never a silent wait.
+  rltk started, its exit code and log), never a silent wait. After such an
+  error ``close()`` keeps the launched servers' logs (and warns where).
 
 Start servers by hand (or on other machines) with :func:`server_command`'s
 command line; rltk's own launch runs exactly that and waits for ``/health``.
@@ -65,7 +66,9 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -162,10 +165,10 @@ class _Server:
         self.requests = 0
         self._lock = threading.Lock()
 
-    def describe_death(self) -> str:
+    def where_to_look(self) -> str:
         if self.process is not None and self.process.poll() is not None:
             return f"; its process exited with code {self.process.returncode} (log: {self.log_path})"
-        return ""
+        return f"; its log: {self.log_path}" if self.log_path else ""
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -234,6 +237,7 @@ class VLLMServerEngine(RolloutEngine):
         self._stats_lock = threading.Lock()
         self._weights_lock = threading.Lock()  # one weight update at a time
         self._tmp = tempfile.mkdtemp(prefix="rltk-vllm-server-")
+        self._failed = False  # an error named a server: close() keeps the launched servers' logs
         if weight_dir is None:
             weight_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self._tmp
         self.weight_dir = weight_dir
@@ -303,7 +307,7 @@ class VLLMServerEngine(RolloutEngine):
 
         while True:
             if server.process.poll() is not None:
-                raise VLLMServerError(f"vLLM server {server.url} exited with code {server.process.returncode} "
+                raise self._server_error(f"vLLM server {server.url} exited with code {server.process.returncode} "
                                       f"while starting; its log: {server.log_path}")
             try:
                 if self._client.get(server.url + "/health", timeout=5).status_code == 200:
@@ -311,7 +315,7 @@ class VLLMServerEngine(RolloutEngine):
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise VLLMServerError(f"vLLM server {server.url} did not answer /health within "
+                raise self._server_error(f"vLLM server {server.url} did not answer /health within "
                                       f"{start_timeout_s:.0f} s (rollout.engine_args.start_timeout_s); its log: "
                                       f"{server.log_path}")
             time.sleep(1.0)
@@ -322,14 +326,14 @@ class VLLMServerEngine(RolloutEngine):
         try:
             response = self._client.post(server.url + path, json=body)
         except httpx.TimeoutException:
-            raise VLLMServerError(f"vLLM server {server.url} did not answer {path} within {self.timeout_s:.0f} s "
-                                  f"(rollout.engine_args.timeout_s){server.describe_death()}") from None
+            raise self._server_error(f"vLLM server {server.url} did not answer {path} within {self.timeout_s:.0f} s "
+                                  f"(rollout.engine_args.timeout_s){server.where_to_look()}") from None
         except httpx.HTTPError as exc:
-            raise VLLMServerError(f"vLLM server {server.url} failed on {path}: {type(exc).__name__}: {exc}"
-                                  f"{server.describe_death()}") from None
+            raise self._server_error(f"vLLM server {server.url} failed on {path}: {type(exc).__name__}: {exc}"
+                                  f"{server.where_to_look()}") from None
         if response.status_code != 200:
-            raise VLLMServerError(f"vLLM server {server.url} answered {path} with HTTP {response.status_code}: "
-                                  f"{response.text[:300]}{'; ' + hint if hint else ''}")
+            raise self._server_error(f"vLLM server {server.url} answered {path} with HTTP {response.status_code}: "
+                                     f"{response.text[:300]}{'; ' + hint if hint else ''}{server.where_to_look()}")
         return response.json()
 
     @property
@@ -407,7 +411,7 @@ class VLLMServerEngine(RolloutEngine):
                 tokens, logprobs, versions = tokens + more_tokens, logprobs + more_logprobs, versions + more_versions
                 reason = more.get("finish_reason")
             else:
-                raise VLLMServerError(f"a request was aborted {MAX_CONTINUATIONS} times in a row (weight updates "
+                raise self._server_error(f"a request was aborted {MAX_CONTINUATIONS} times in a row (weight updates "
                                       f"faster than generation, or something else aborting requests on "
                                       f"{', '.join(self.servers)})")
             out.append((tokens, logprobs, versions))
@@ -530,16 +534,22 @@ class VLLMServerEngine(RolloutEngine):
         try:
             answered = self._client.get(server.url + "/weight_info").json().get("weight_version")
         except httpx.HTTPError as exc:
-            raise VLLMServerError(f"vLLM server {server.url} failed on /weight_info: {exc}"
-                                  f"{server.describe_death()}") from None
+            raise self._server_error(f"vLLM server {server.url} failed on /weight_info: {exc}"
+                                  f"{server.where_to_look()}") from None
         if answered != str(version):
-            raise VLLMServerError(f"vLLM server {server.url} reports weight version {answered!r} after loading "
-                                  f"version {version}")
+            raise self._server_error(f"vLLM server {server.url} reports weight version {answered!r} after loading "
+                                     f"version {version}{server.where_to_look()}")
+
+    def _server_error(self, message: str) -> VLLMServerError:
+        self._failed = True
+        return VLLMServerError(message)
 
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Stop the servers rltk started (SIGTERM, then SIGKILL after 30 s) and remove their files."""
+        """Stop the servers rltk started (SIGTERM, then SIGKILL after 30 s) and remove their files: all of
+        them after a clean run; all but the servers' logs once an error named a server, so that the log its
+        message points to is still there to read."""
         for server in getattr(self, "_servers", []):
             process = server.process
             if process is not None and process.poll() is None:
@@ -556,7 +566,21 @@ class VLLMServerEngine(RolloutEngine):
         client = getattr(self, "_client", None)
         if client is not None:
             client.close()
-        shutil.rmtree(getattr(self, "_tmp", ""), ignore_errors=True)
+        tmp = getattr(self, "_tmp", "")
+        logs = sorted(Path(tmp).glob("server*.log")) if tmp and getattr(self, "_failed", False) else []
+        if not logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        for path in Path(tmp).iterdir():  # the weight files go (they can be large), the logs stay
+            if path in logs:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        warnings.warn(f"the vLLM servers rltk started failed; their logs are kept: {', '.join(map(str, logs))}",
+                      RuntimeWarning, stacklevel=2)
+        self._tmp = ""  # the folder is the reader's now
 
     def __del__(self):
         try:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -39,10 +40,18 @@ def test_two_launched_servers_generate_take_weights_and_one_dying_is_named(tok):
     try:
         _generate_spread_within_the_bound(engine, model, tok)
         _weights_reach_every_server_versioned(engine, model, tok)
-        _a_server_that_dies_is_named(engine, tok)
+        log = _a_server_that_dies_is_named(engine, tok)
+        with pytest.warns(RuntimeWarning, match="their logs are kept"):
+            engine.close()
     finally:
         engine.close()
     assert engine.servers == [] and all(p.poll() is not None for p in processes)  # close() stopped them
+    # the error named the dead server's log: close() kept the logs, and only them, for the reader
+    folder = os.path.dirname(log)
+    assert sorted(os.listdir(folder)) == ["server0.log", "server1.log"]
+    with open(log) as f:
+        assert '"POST /inference/v1/generate HTTP/1.1" 200' in f.read()  # the server's own record
+    shutil.rmtree(folder)
 
 
 def _generate_spread_within_the_bound(engine, model, tok):
@@ -88,9 +97,10 @@ def _a_server_that_dies_is_named(engine, tok):
     victim.process.wait(timeout=30)
     prompts = [ids(tok, p) for p in PROMPTS]
     start = time.monotonic()
-    with pytest.raises(VLLMServerError, match=rf"vLLM server {victim.url} .*exited with code -9"):
+    with pytest.raises(VLLMServerError, match=rf"vLLM server {victim.url} .*exited with code -9 \(log: "):
         engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=4, stop_token_ids=[]))
     assert time.monotonic() - start < 30  # an error at once, not a hang
+    return victim.log_path
 
 
 def test_a_server_that_hangs_is_a_timeout_naming_it(tok):
