@@ -9,10 +9,11 @@ The setting of issue 32, item 4, on the embedded task (two-digit addition):
   (random init, seed S), given a short SFT warm-up of its own (`--student-sft-steps`: `rltk run sft` with
   a constant learning rate) so that it emits answers at all, exported, and passed as `model.path` to both
   arms, so both start from the very same weights;
-* distill: `rltk run distill` at its shipped settings but for the step count;
-* grpo: `rltk run grpo` at its shipped settings (lr 1e-4, k3 KL 0.05 to the start, 8 samples per prompt:
-  twice distillation's 4) with its warm-up stage dropped, and again at each of `--grpo-lrs` (GRPO's
-  best learning rate is not assumed to be its default's).
+* distill: `rltk run distill` at its shipped settings (lr 3e-4, 8 samples per prompt) but for the step count,
+  with its own warm-up stage dropped (the student above had it);
+* grpo: `rltk run grpo` at its shipped settings (lr 1e-4, k3 KL 0.05 to the start, 8 samples per prompt)
+  with its warm-up stage dropped, and again at each of `--grpo-lrs` (GRPO's best learning rate is not
+  assumed to be its default's).
 
 Each (seed, kernel level) is one job: the student's warm-up, then every arm, each a fresh one-thread
 process at that `ATEN_CPU_CAPABILITY`; `--jobs` jobs at a time. Prints held-out greedy and sampled
@@ -20,11 +21,13 @@ accuracy (200 sums never trained on) at each evaluation of every arm, the gains,
 accuracy minus every GRPO arm's, and the teacher's accuracy, and writes everything as JSON. Trailing
 `key=value` arguments override the distillation runs only.
 
-    # the README's table (seeds 0-2 x every level, ~1 h on 2 busy cores); --teacher reuses a teacher
-    python benchmarks/distill.py --jobs 2 trainer.lr=3e-4 rollout.n=8
-    python benchmarks/distill.py --seeds 0 --levels avx512 --steps 300 --grpo-lrs 1e-3 trainer.lr=3e-4 rollout.n=8
-    # the shipped default as it is: a fresh hidden-32 student (GRPO has no reward to learn from)
-    python benchmarks/distill.py --student-hidden 32 --student-sft-steps 0 --steps 300 --levels avx512
+    # the README's tables (seeds 0-2 x every level; --teacher reuses a teacher)
+    python benchmarks/distill.py --jobs 2                                   # 200 steps, ~1 h on 2 busy cores
+    python benchmarks/distill.py --jobs 2 --steps 1000 --eval-every 250
+    python benchmarks/distill.py --seeds 0 --levels avx512 --steps 300 --grpo-lrs 1e-3
+    # the earlier default: a fresh hidden-32 student at lr 3e-3, 4 samples (GRPO has no reward to learn from)
+    python benchmarks/distill.py --student-hidden 32 --student-sft-steps 0 --steps 300 --levels avx512 \
+        trainer.lr=3e-3 rollout.n=4
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning import RESULTS, cpu_levels, run_rltk, spread  # noqa: E402
+from learning import RESULTS, build_teacher, cpu_levels, run_rltk, spread  # noqa: E402
 
 QUIET = ["logging.traces=false"]
 
@@ -106,11 +109,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     tick = time.perf_counter()
 
-    if args.teacher is None:
-        run_rltk(["run", "sft", "seed=0", *QUIET], workdir / "teacher", levels[-1], workdir / "teacher.log")
-        teacher = last_checkpoint(workdir / "teacher")
-    else:
-        teacher = args.teacher
+    teacher = args.teacher or build_teacher(levels[-1], workdir)
     teacher_acc = final_accuracy(teacher.parent.parent)
     print(f"teacher {teacher}: held-out greedy {teacher_acc['greedy']:.3f}, sampled {teacher_acc['sampled']:.3f}",
           flush=True)
@@ -118,7 +117,8 @@ def main() -> None:
     # the layers, heads and context of the tiny default (the same in the sft, grpo and distill configs)
     student = [f"model.tiny.hidden_size={args.student_hidden}", f"model.tiny.intermediate_size={4 * args.student_hidden}"]
     steps = [f"trainer.total_steps={args.steps}", f"trainer.eval_every={args.eval_every}", "checkpoint.every=0", *QUIET]
-    arms = {"distill": ["run", "distill", f"distill.teacher_path={teacher}", *steps, *args.overrides],
+    arms = {"distill": ["run", "distill", "stages=[{name: distill, type: distill}]", f"distill.teacher_path={teacher}",
+                        *steps, *args.overrides],
             "grpo": ["run", "grpo", "stages=[{name: grpo, type: rl}]", *steps]}
     for lr in args.grpo_lrs:
         arms[f"grpo_lr{lr:g}"] = [*arms["grpo"], f"trainer.lr={lr}"]

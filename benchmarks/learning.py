@@ -14,6 +14,7 @@ writes everything as JSON.
     python benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2 --levels default avx2
     python benchmarks/learning.py --recipes verifiers --seeds 0 1 2 --levels avx2   # a verifiers env (issue 31)
     python benchmarks/learning.py --recipes grpo_head32 grpo_vllm --seeds 0 1 2   # hf vs vLLM sampling
+    python benchmarks/learning.py --recipes distill --jobs 2      # on-policy distillation (issue 32)
     python benchmarks/learning.py --lr-sweep                      # GRPO stability over learning rates
 
 `--lr-sweep` is the second table of the README: two-digit addition on a 0.6M
@@ -67,6 +68,9 @@ RUNS = {
     # reward model (held-out pairwise accuracy P(r_right > r_wrong), reported in the greedy columns)
     "sft": ["run", "sft"],
     "reward_model": ["run", "reward_model"],
+    # on-policy distillation: the shipped default (a hidden-48 student, its SFT warm-up, then 1000 distillation
+    # steps) from the teacher of TEACHER_RUN built at the run's own kernel level, as the learning test builds it
+    "distill": ["run", "distill"],
     # issue 31: the grpo default played and scored by a verifiers environment (benchmarks/verifiers_envs/
     # vf_addition.py, its rubric: exact answer 1.0 + a number at all 0.2) through rltk's endpoint; the rows are the
     # grpo default's (their demonstrations feed the warm-up), rendered with the chat template as the env's client
@@ -76,6 +80,10 @@ RUNS = {
                   "rollout.workflow_args.batch_max_wait_s=30", "data.use_chat_template=true",
                   "data.max_prompt_tokens=32"],
 }
+
+#: The teacher of the `distill` runs: the shipped sft default, seed 0 (held-out greedy ~0.4).
+TEACHER_RUN = ["run", "sft", "seed=0", "logging.traces=false"]
+NEEDS_TEACHER = {"distill"}
 
 #: Environments of the `verifiers` runs, importable by name as installed ones are (on PYTHONPATH of every run).
 VERIFIERS_ENVS = Path(__file__).resolve().parent / "verifiers_envs"
@@ -120,6 +128,13 @@ def run_rltk(args: list[str], run_dir: Path, level: str, log: Path) -> float:
     return time.perf_counter() - tick
 
 
+def build_teacher(level: str, workdir: Path) -> Path:
+    """A distillation teacher (TEACHER_RUN) trained at kernel level ``level``: its last checkpoint."""
+    run_dir = workdir / f"teacher-{level}"
+    run_rltk(TEACHER_RUN, run_dir, level, workdir / f"{run_dir.name}.log")
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+
+
 def learning_curve(run_dir: Path, at_step: int | None = None) -> dict:
     """Held-out accuracy when RL starts and at the end, and where the warm-up stopped.
 
@@ -136,18 +151,20 @@ def learning_curve(run_dir: Path, at_step: int | None = None) -> dict:
     start, end = evals[0], evals[-1]
     rewards = [m["reward"] for m in metrics if "reward" in m]
     window = max(1, min(25, len(rewards) // 4))
-    prefix = {}
+    # a distillation run: the student's reverse KL to its teacher on its own samples, first vs last steps
+    kls = [m["distill/reverse_kl"] for m in metrics if "distill/reverse_kl" in m]
+    prefix = {"reverse_kl_drop": sum(kls[:window]) / window - sum(kls[-window:]) / window} if kls else {}
     if at_step is not None:
         at = next((m for m in evals if m["step"] == start["step"] + at_step), None)
         if at is None or len(rewards) < at_step:
             raise ValueError(f"{run_dir}: no evaluation at RL step {at_step} (evals at "
                              f"{[m['step'] - start['step'] for m in evals]}); choose a multiple of trainer.eval_every")
-        prefix = {"at_step": {
+        prefix["at_step"] = {
             "rl_steps": at_step,
             "reward_rise": sum(rewards[at_step - window:at_step]) / window - sum(rewards[:window]) / window,
             "greedy_gain": at["eval/accuracy"] - start["eval/accuracy"],
             "sampled_gain": at["eval/sampled_accuracy"] - start["eval/sampled_accuracy"],
-        }}
+        }
     return {
         # the training reward (sampled accuracy on the prompts of each step), first vs last 25 RL steps
         "reward_rise": sum(rewards[-window:]) / window - sum(rewards[:window]) / window if rewards else None,
@@ -190,6 +207,16 @@ def spread(values: list[float]) -> dict:
 
 def default_runs(args, workdir: Path) -> list[dict]:
     jobs = [(recipe, seed, level) for recipe in args.recipes for level in args.levels for seed in args.seeds]
+    teachers = {}
+    if NEEDS_TEACHER & set(args.recipes) and not args.runs_dir:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            teachers = dict(zip(args.levels, pool.map(lambda level: build_teacher(level, workdir), args.levels)))
+    teacher_accuracy = {}
+    for level, checkpoint in teachers.items():  # where the students are heading
+        final = json.loads((checkpoint.parent.parent / "summary.json").read_text())["final"]
+        teacher_accuracy[level] = {"greedy": final["eval/accuracy"], "sampled": final["eval/sampled_accuracy"]}
+        print(f"teacher at {level}: held-out greedy {final['eval/accuracy']:.3f}, "
+              f"sampled {final['eval/sampled_accuracy']:.3f}", flush=True)
 
     def one(job):
         recipe, seed, level = job
@@ -198,7 +225,8 @@ def default_runs(args, workdir: Path) -> list[dict]:
             wall = float("nan")
         else:
             try:
-                wall = run_rltk([*RUNS[recipe], f"seed={seed}", *args.overrides], run_dir, level,
+                teacher = [f"distill.teacher_path={teachers[level]}"] if recipe in NEEDS_TEACHER else []
+                wall = run_rltk([*RUNS[recipe], f"seed={seed}", *teacher, *args.overrides], run_dir, level,
                                 workdir / f"{run_dir.name}.log")
             except RuntimeError as exc:  # the other runs go on; the failure is reported with its log's tail
                 tail = (workdir / f"{run_dir.name}.log").read_text(errors="replace").splitlines()[-15:]
@@ -211,7 +239,8 @@ def default_runs(args, workdir: Path) -> list[dict]:
               f"sampled {row['sampled_start']:.3f} -> {row['sampled_end']:.3f}  "
               f"train reward {'n/a' if row['reward_rise'] is None else format(row['reward_rise'], '+.3f')}  "
               f"{wall:.0f}s" + ("" if row["near_miss_end"] is None else
-                                f"  near misses alone at end {row['near_miss_end']:.3f}"), flush=True)
+                                f"  near misses alone at end {row['near_miss_end']:.3f}")
+              + ("" if "reverse_kl_drop" not in row else f"  reverse KL drop {row['reverse_kl_drop']:+.3f}"), flush=True)
         return row
 
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -257,9 +286,15 @@ def default_runs(args, workdir: Path) -> list[dict]:
             n = spread(near)
             summary[recipe]["near_miss_end"] = n
             print(f"{recipe}: held-out near misses alone at the end {n['min']:.3f} / {n['median']:.3f} / {n['max']:.3f}")
+    for recipe in args.recipes:
+        drops = [r["reverse_kl_drop"] for r in rows if r["recipe"] == recipe and "reverse_kl_drop" in r]
+        if drops:
+            d = summary[recipe]["reverse_kl_drop"] = spread(drops)
+            print(f"{recipe}: reverse KL to the teacher, drop first vs last 25 steps "
+                  f"{d['min']:+.3f} / {d['median']:+.3f} / {d['max']:+.3f}")
     for r in failed:
         print(f"FAILED: {r['recipe']} seed {r['seed']} {r['level']} (left out of the table)")
-    return [{"runs": rows, "failed": failed, "summary": summary}]
+    return [{"runs": rows, "failed": failed, "summary": summary, "teachers": teacher_accuracy}]
 
 
 def lr_sweep(args, workdir: Path) -> list[dict]:

@@ -12,7 +12,8 @@ import pytest
 from rltk.cli import main
 from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
 
-FEW = ["trainer.total_steps=2", "trainer.warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",
+# the default's two stages, the student's SFT warm-up and distillation, for two steps each
+FEW = ["sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=2", "trainer.warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",
        "trainer.eval_every=2", "data.train_size=20", "data.eval_size=4", "logging.logger=[jsonl]",
        "logging.plot=false", "checkpoint.every=0"]
 
@@ -29,7 +30,7 @@ def hf_teacher(folder: Path, *, tool_role: bool = False) -> Path:
 
 def test_two_steps_from_an_sft_checkpoint_teacher(tmp_path):
     # The teacher: 2 steps of `rltk run sft` (hidden 64), passed as its checkpoint folder; the student is the
-    # distill default's smaller tiny model.
+    # distill default's smaller tiny model, after 2 steps of its own warm-up stage.
     teacher_run = tmp_path / "teacher"
     assert main(["run", "sft", f"output_dir={teacher_run}", "sft.steps=2", "sft.warmup_steps=0",
                  "sft.eval_every=null", "data.train_size=20", "data.eval_size=4", "logging.logger=[jsonl]",
@@ -38,7 +39,7 @@ def test_two_steps_from_an_sft_checkpoint_teacher(tmp_path):
     run_dir = tmp_path / "student"
     assert main(["run", "distill", f"output_dir={run_dir}", f"distill.teacher_path={checkpoint}", *FEW]) == 0
     steps = [m for m in read_metrics(run_dir) if "distill/reverse_kl" in m]
-    assert [m["step"] for m in steps] == [1, 2]
+    assert [m["step"] for m in steps] == [3, 4]  # after the warm-up's steps 1 and 2
     for m in steps:
         # one on-policy step: ratio 1, so the token-mean policy loss -A is the mean of log pi_old - log pi_T
         assert m["pg_loss"] == pytest.approx(m["distill/reverse_kl"], abs=1e-5)
