@@ -308,7 +308,7 @@ class VLLMServerEngine(RolloutEngine):
         while True:
             if server.process.poll() is not None:
                 raise self._server_error(f"vLLM server {server.url} exited with code {server.process.returncode} "
-                                      f"while starting; its log: {server.log_path}")
+                                         f"while starting; its log: {server.log_path}")
             try:
                 if self._client.get(server.url + "/health", timeout=5).status_code == 200:
                     return
@@ -316,8 +316,8 @@ class VLLMServerEngine(RolloutEngine):
                 pass
             if time.monotonic() > deadline:
                 raise self._server_error(f"vLLM server {server.url} did not answer /health within "
-                                      f"{start_timeout_s:.0f} s (rollout.engine_args.start_timeout_s); its log: "
-                                      f"{server.log_path}")
+                                         f"{start_timeout_s:.0f} s (rollout.engine_args.start_timeout_s); its log: "
+                                         f"{server.log_path}")
             time.sleep(1.0)
 
     def _post(self, server: _Server, path: str, body: dict | None = None, *, hint: str = "") -> dict:
@@ -327,10 +327,10 @@ class VLLMServerEngine(RolloutEngine):
             response = self._client.post(server.url + path, json=body)
         except httpx.TimeoutException:
             raise self._server_error(f"vLLM server {server.url} did not answer {path} within {self.timeout_s:.0f} s "
-                                  f"(rollout.engine_args.timeout_s){server.where_to_look()}") from None
+                                     f"(rollout.engine_args.timeout_s){server.where_to_look()}") from None
         except httpx.HTTPError as exc:
             raise self._server_error(f"vLLM server {server.url} failed on {path}: {type(exc).__name__}: {exc}"
-                                  f"{server.where_to_look()}") from None
+                                     f"{server.where_to_look()}") from None
         if response.status_code != 200:
             raise self._server_error(f"vLLM server {server.url} answered {path} with HTTP {response.status_code}: "
                                      f"{response.text[:300]}{'; ' + hint if hint else ''}{server.where_to_look()}")
@@ -412,8 +412,8 @@ class VLLMServerEngine(RolloutEngine):
                 reason = more.get("finish_reason")
             else:
                 raise self._server_error(f"a request was aborted {MAX_CONTINUATIONS} times in a row (weight updates "
-                                      f"faster than generation, or something else aborting requests on "
-                                      f"{', '.join(self.servers)})")
+                                         f"faster than generation, or something else aborting requests on "
+                                         f"{', '.join(self.servers)})")
             out.append((tokens, logprobs, versions))
         return out
 
@@ -535,7 +535,7 @@ class VLLMServerEngine(RolloutEngine):
             answered = self._client.get(server.url + "/weight_info").json().get("weight_version")
         except httpx.HTTPError as exc:
             raise self._server_error(f"vLLM server {server.url} failed on /weight_info: {exc}"
-                                  f"{server.where_to_look()}") from None
+                                     f"{server.where_to_look()}") from None
         if answered != str(version):
             raise self._server_error(f"vLLM server {server.url} reports weight version {answered!r} after loading "
                                      f"version {version}{server.where_to_look()}")
