@@ -21,11 +21,12 @@ accuracy (200 sums never trained on) at each evaluation of every arm, the gains,
 accuracy minus every GRPO arm's, and the teacher's accuracy, and writes everything as JSON. Trailing
 `key=value` arguments override the distillation runs only.
 
-    # the README's tables (seeds 0-2 x every level; --teacher reuses a teacher)
+    # the README's tables (every level; --teacher reuses a teacher)
     python benchmarks/distill.py --jobs 2                                   # 200 steps, ~1 h on 2 busy cores
-    python benchmarks/distill.py --jobs 2 --steps 1000 --eval-every 250
+    python benchmarks/distill.py --jobs 2 --steps 1000 --eval-every 250 --seeds 0 1 2 3 4
     python benchmarks/distill.py --seeds 0 --levels avx512 --steps 300 --grpo-lrs 1e-3
-    # the earlier default: a fresh hidden-32 student at lr 3e-3, 4 samples (GRPO has no reward to learn from)
+    # a fresh student (GRPO has no reward to learn from): hidden 48 over 2000 steps; the earlier default, hidden 32
+    python benchmarks/distill.py --student-sft-steps 0 --steps 2000 --eval-every 500 --jobs 2 trainer.lr=3e-3
     python benchmarks/distill.py --student-hidden 32 --student-sft-steps 0 --steps 300 --levels avx512 \
         trainer.lr=3e-3 rollout.n=4
 """
