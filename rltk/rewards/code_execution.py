@@ -10,11 +10,16 @@ which then usually fails to compile (score 0).
 list/dict), in one of two forms:
 
 * assert tests: ``["assert add(1, 2) == 3", "assert add(0, 0) == 0"]`` or
-  ``{"asserts": [...]}``. Each is Python run after the program, in the
-  program's global namespace, in a fresh interpreter; it passes when it
-  raises nothing. The program runs as a module named ``solution`` (its
+  ``{"asserts": [...]}``. Each is one or more ``assert`` statements (after
+  imports of standard modules such as ``math``), judged **outside** the
+  program: only the parts that call the program (``add(1, 2)``) run in the
+  sandbox, in a fresh interpreter after the program, and their values come
+  back as plain data to be compared here with the expected ones, which the
+  program never sees (:mod:`rltk.rewards.assert_tests` says what a test may
+  hold). The program runs as a module named ``solution`` (its
   ``if __name__ == "__main__":`` block does not run; stdin is empty), and a
-  ``sys.exit()`` in it fails the test.
+  ``sys.exit()`` in it fails the test. A value that is not plain data (an
+  object of the program's own class, a generator) makes the test an error.
 * stdin/stdout cases: ``[{"input": "1 2\\n", "output": "3\\n"}, ...]`` or
   ``{"cases": [...]}``. The program runs as ``__main__`` with ``input`` on
   stdin and passes when its stdout equals ``output``, trailing whitespace of
@@ -81,6 +86,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rltk.errors import ConfigError
+from rltk.rewards.assert_tests import compile_test, judge
 from rltk.rewards.sandbox import SandboxLimits, check_sandbox, run_in_sandbox
 
 LIMIT_ARGS = ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "processes", "scratch_mb", "sample_timeout_s")
@@ -124,6 +130,8 @@ def parse_tests(ground_truth: Any) -> tuple[str, list]:
     if not isinstance(data, list) or not data:
         raise ValueError(f"code_execution: ground truth holds no tests ({str(ground_truth)[:80]!r}); {expected}")
     if all(isinstance(t, str) for t in data):
+        for test in data:
+            compile_test(test)  # a test that cannot be judged outside the program is refused here
         return "assert", list(data)
     if all(isinstance(t, Mapping) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)
            for t in data):
@@ -155,7 +163,16 @@ def code_execution(
     mode, tests = parse_tests(ground_truth)
     limits = SandboxLimits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, file_size_mb=file_size_mb,
                            processes=processes, scratch_mb=scratch_mb, sample_timeout_s=sample_timeout_s)
-    results = run_in_sandbox(extract_program(response), mode, tests, limits)
+    program = extract_program(response)
+    if mode == "assert":
+        compiled = [compile_test(test) for test in tests]
+        results = run_in_sandbox(program, "probe", [{"setup": list(t.setup), "probes": list(t.probes)}
+                                                    for t in compiled], limits)
+        for test, result in zip(compiled, results):
+            if result["outcome"] == "evaluated":  # the verdict, outside the program's reach
+                result["outcome"] = judge(test, result["values"])
+    else:
+        results = run_in_sandbox(program, mode, tests, limits)
     details = {"passed": 0.0, "failed": 0.0, "errors": 0.0, "denied": 0.0,
                **{f"killed/{reason}": 0.0 for reason in KILL_REASONS}}
     for result in results:

@@ -55,11 +55,13 @@ What it does **not** protect against:
   system call the kernel lets an unprivileged uid make is allowed.
 * Side channels (timing, cache, CPU load felt by other processes) and reading
   the world-readable files of ``/usr`` and ``/etc``.
-* Reward hacking by introspection: assert tests run in the program's own
-  interpreter, so a program written to find the harness's pass token in its
-  memory can fake a pass. stdin/stdout tests are compared outside the
-  program and cannot be faked that way. Use stdin/stdout tests for an
-  adversarial setting.
+* Reward hacking of the verdict: nothing the program controls takes part in
+  judging it. stdin/stdout cases are compared here, outside; assert tests are
+  split by :mod:`rltk.rewards.assert_tests` so that only their calls into the
+  program run inside, come back as plain data, and are compared outside with
+  expected values the sandbox never sees. A program that exits early, forges
+  the harness's report, patches builtins or returns an object with its own
+  ``__eq__`` scores 0 (``tests/rewards/test_verdict.py`` tries each route).
 * It needs Linux, util-linux's ``unshare``, and root or unprivileged user
   namespaces; on a machine without them :func:`check_sandbox` says why and
   the ``code_execution`` reward refuses to start, rather than run code
@@ -68,24 +70,28 @@ What it does **not** protect against:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+# The encoder of the probes' values, run by the harness inside (read as text: this module imports no rltk).
+PLAIN_DATA = Path(__file__).with_name("plain_data.py")
 # Sandboxed programs run as uid UID_BASE + (parent pid * 16 + a counter) % UID_SPAN: ids no account uses
 # on an ordinary machine, different for sandboxes running at once, so RLIMIT_NPROC counts one sandbox.
 UID_BASE = 1_500_000_000
 UID_SPAN = 1 << 26
 # Seconds the launcher may take beyond its tests' time: namespace and mount setup, interpreter starts.
 STARTUP_SLACK_S = 10.0
-OUTCOMES = ("pass", "failed", "wrong_output", "error", "denied", "timeout", "cpu", "memory", "file_size",
+OUTCOMES = ("pass", "evaluated", "failed", "wrong_output", "error", "denied", "timeout", "cpu", "memory", "file_size",
             "processes", "crashed", "killed")
 
 _counter = itertools.count()
@@ -139,14 +145,38 @@ class SandboxUnavailable(SandboxError):
     """This machine cannot run the sandbox (no ``unshare``, namespaces refused ...)."""
 
 
-def _interpreter() -> tuple[str, list[str]]:
-    """The real interpreter binary and the read-only paths it needs inside the sandbox."""
+# Where the interpreter appears inside the sandbox when it does not live under /usr: a neutral path, so
+# nothing of the host's layout (``/root/.pyenv/...``, a user's home) is visible there.
+SANDBOX_PREFIX = "/opt/python"
+
+
+@functools.cache
+def _interpreter() -> tuple[str, list[tuple[str, str]], dict[str, str]]:
+    """The interpreter's path inside the sandbox, the ``(host, inside)`` read-only mounts it needs, and
+    the environment it needs there.
+
+    An interpreter under ``/usr`` runs from there (``/usr`` is mounted anyway). Any other one (pyenv,
+    conda, a build in a home folder) gets only its binary, its standard library with an empty
+    ``site-packages`` over the host's, and its shared ``libpython`` if it has one, all under
+    :data:`SANDBOX_PREFIX`; Python finds its prefix from the binary's location.
+    """
     python = os.path.realpath(sys.executable)
-    prefix = os.path.realpath(sys.base_prefix)
-    ro = [] if prefix in ("/usr", "/") or prefix.startswith("/usr/") else [prefix]
-    if not (python.startswith("/usr/") or any(python.startswith(p + "/") for p in ro)):
-        ro.append(os.path.dirname(python))
-    return python, ro
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    if python.startswith("/usr/") and stdlib.startswith("/usr/"):
+        return python, [], {}
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    inside = f"{SANDBOX_PREFIX}/bin/{version}"
+    mounts = [(python, inside), (stdlib, f"{SANDBOX_PREFIX}/lib/{version}")]
+    if os.path.isdir(os.path.join(stdlib, "site-packages")):
+        mounts.append(("", f"{SANDBOX_PREFIX}/lib/{version}/site-packages"))  # "": an empty folder
+    env = {}
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        soname = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
+        library = os.path.realpath(os.path.join(sysconfig.get_config_var("LIBDIR") or "", soname or ""))
+        if soname and os.path.isfile(library) and not library.startswith("/usr/"):
+            mounts.append((library, f"{SANDBOX_PREFIX}/lib/{soname}"))
+            env["LD_LIBRARY_PATH"] = f"{SANDBOX_PREFIX}/lib"
+    return inside, mounts, env
 
 
 def _uid() -> int:
@@ -158,11 +188,12 @@ def _uid() -> int:
 def run_in_sandbox(program: str, mode: str, tests: list, limits: SandboxLimits) -> list[dict]:
     """Run ``program`` once per test; return ``[{"outcome": one of OUTCOMES, "wall_s": float}, ...]``.
 
-    ``mode`` is ``"assert"`` (each test is Python source run after the
-    program, in its namespace; it passes when it raises nothing) or ``"io"``
-    (each test is ``{"input": str, "output": str}``: the program reads
-    ``input`` on stdin and passes when its stdout equals ``output``, trailing
-    whitespace of each line and trailing blank lines ignored).
+    ``mode`` is ``"probe"`` (each test is ``{"setup": [import statements], "probes": [expressions]}``:
+    the program runs as module ``solution``, then the setup and each probe run in its namespace; a run
+    that gets that far ends ``"evaluated"`` with ``"values"``, the probes' values as tagged JSON text
+    for :func:`rltk.rewards.assert_tests.judge`, which gives the verdict outside) or ``"io"`` (each
+    test is ``{"input": str, "output": str}``: the program reads ``input`` on stdin and passes when its
+    stdout equals ``output``, trailing whitespace of each line and trailing blank lines ignored).
 
     Raises :class:`SandboxError` when the sandbox gives no result (it could not
     be set up, or overran every test's time plus :data:`STARTUP_SLACK_S`); its
@@ -172,14 +203,15 @@ def run_in_sandbox(program: str, mode: str, tests: list, limits: SandboxLimits) 
     unshare = shutil.which("unshare")
     if unshare is None:
         raise SandboxUnavailable("util-linux's `unshare` is not on PATH")
-    python, ro_paths = _interpreter()
+    python, mounts, python_env = _interpreter()
     # As root: plain namespaces, and the program runs as an unused uid. Otherwise: a user namespace
     # too (uid 0 inside, the caller's uid outside), where the program keeps uid 0 without capabilities.
     as_root = os.geteuid() == 0
     job = {"program": program, "mode": mode, "tests": tests, "uid": _uid() if as_root else None,
-           "python": python, "ro_paths": ro_paths, **asdict(limits)}
+           "python": python, "mounts": mounts, "python_env": python_env, "encoder": PLAIN_DATA.read_text(),
+           **asdict(limits)}
     cmd = [unshare, *([] if as_root else ["--user", "--map-root-user"]), "--net", "--pid", "--mount", "--ipc",
-           "--uts", "--fork", "--kill-child", "--", python, "-I", "-S", "-B", str(LAUNCHER)]
+           "--uts", "--fork", "--kill-child", "--", os.path.realpath(sys.executable), "-I", "-S", "-B", str(LAUNCHER)]
     budget = len(tests) * (limits.timeout_s + 0.5)
     if limits.sample_timeout_s is not None:
         budget = min(budget, limits.sample_timeout_s + 0.5)

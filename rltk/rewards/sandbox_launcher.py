@@ -11,7 +11,9 @@ What it does, in order (as root inside the new mount and PID namespaces):
 1. makes every mount private, so nothing below reaches the host's mount table;
 2. mounts a size-limited tmpfs on ``/tmp`` (this namespace's own) and builds a
    new root in it: read-only, ``nosuid``/``nodev`` bind mounts of ``/usr``,
-   ``/etc`` and the interpreter's prefix, the ``/bin``-style symlinks,
+   ``/etc`` and, for an interpreter outside ``/usr``, its binary, standard
+   library (with an empty ``site-packages``) and ``libpython`` under
+   ``/opt/python`` (never its host path), the ``/bin``-style symlinks,
    ``/dev/null``, ``/dev/zero``, ``/dev/urandom``, a fresh ``/proc`` of the new
    PID namespace, an empty ``/tmp`` and the scratch directory ``/work`` that
    holds the program and nothing else. ``/home``, ``/root``, the host's
@@ -45,36 +47,44 @@ SECBIT_KEEP_CAPS_LOCKED = 32
 ROOT = "/tmp/root"
 
 # What the harness (the program's own interpreter, pid != launcher) reports on fd 3, and how it exits.
+# It never judges a probe test: it evaluates the probes (the parts of the test that call the program)
+# and reports their values as plain data; the supervisor outside compares them with the expected ones,
+# which never enter the sandbox (rltk.rewards.assert_tests).
 HARNESS = r'''
-import errno, os, sys
+import errno, json as _json, os, sys
 _status = os.fdopen(3, "w")
 _nonce = open("/work/.nonce").read(); os.unlink("/work/.nonce")
 _me = os.getpid()
-def _report(word):
+def _report(word, payload=None):
     if os.getpid() == _me:  # a fork of the program never reports for it
-        _status.write(word + " " + _nonce if word == "pass" else word); _status.flush()
+        _status.write(word + " " + _nonce + "\n" + payload if payload is not None else word); _status.flush()
     os._exit(0)
+%(encoder)s
 _mode, _index = sys.argv[1], int(sys.argv[2])
-# Assert tests import the program as a module (its `if __name__ == "__main__":` part does not run);
+# Probe tests import the program as a module (its `if __name__ == "__main__":` part does not run);
 # stdin/stdout cases run it as the main program.
 _ns = {"__name__": "__main__" if _mode == "io" else "solution", "__builtins__": __builtins__}
 try:
     _src = open("/work/solution.py").read()
-    _test = open("/work/test_%d.py" % _index).read() if _mode == "assert" else ""
+    _test = _json.load(open("/work/test_%%d.json" %% _index)) if _mode == "probe" else None
     del sys.argv[1:]
     exec(compile(_src, "solution.py", "exec"), _ns)
-    if _mode == "assert":
-        exec(compile(_test, "test_%d" % _index, "exec"), _ns)
+    if _mode == "probe":
+        for _stmt in _test["setup"]:
+            exec(_stmt, _ns)
+        _values = [encode_value(eval(_probe, _ns)) for _probe in _test["probes"]]
+        sys.stdout.flush(); sys.stderr.flush()
+        _report("evaluated", _json.dumps(_values))
     sys.stdout.flush(); sys.stderr.flush()
 except AssertionError:
     _report("failed")
 except MemoryError:
     _report("memory")
 except SystemExit as e:
-    if _mode == "assert" or e.code not in (None, 0):
+    if _mode == "probe" or e.code not in (None, 0):
         _report("failed")
     sys.stdout.flush()
-    _report("pass")
+    _report("pass", "")
 except OSError as e:
     if e.errno == errno.EFBIG:
         _report("file_size")
@@ -86,7 +96,7 @@ except OSError as e:
     _report("error")
 except BaseException:
     _report("error")
-_report("pass")
+_report("pass", "")
 '''
 
 
@@ -125,9 +135,14 @@ def build_root(job):
             os.symlink(os.readlink(host), os.path.join(ROOT, top))
         elif os.path.isdir(host):
             _bind_ro(libc, host, ROOT + host)
-    for path in ["/usr", "/etc"] + job["ro_paths"]:
+    for path in ["/usr", "/etc"]:
         if not os.path.exists(ROOT + path) or not os.listdir(ROOT + path):
             _bind_ro(libc, path, ROOT + path)
+    # The interpreter, when it does not live under /usr: only its binary, standard library and libpython,
+    # at a neutral path; "" mounts an empty folder (over the standard library's site-packages).
+    os.makedirs("/tmp/empty")
+    for host, inside in job["mounts"]:
+        _bind_ro(libc, host or "/tmp/empty", ROOT + inside)
     for dev in ("null", "zero", "urandom", "random"):  # device nodes: a mount without nodev
         _bind_ro(libc, "/dev/" + dev, ROOT + "/dev/" + dev, nodev=False)
     os.makedirs(ROOT + "/proc")
@@ -139,7 +154,7 @@ def build_root(job):
     with open(ROOT + "/work/solution.py", "w") as f:
         f.write(job["program"])
     with open(ROOT + "/.harness.py", "w") as f:
-        f.write(HARNESS)
+        f.write(HARNESS % {"encoder": job["encoder"]})
     # Only /work and /tmp stay writable, and the program file in /work does not: the root itself
     # becomes a read-only mount. (Under a user namespace the program's uid owns these files, so
     # permissions alone would not protect the harness or the next test's program.)
@@ -199,7 +214,8 @@ def _child(job, mode, index):
         for fd, target in ((stdin, 0), (out, 1), (err, 2), (status, 3)):
             os.dup2(fd, target)
         os.closerange(4, 1 << 16)
-        env = {"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+               **job["python_env"]}
         py = job["python"]
         os.execve(py, [py, "-I", "-S", "-B", "/.harness.py", mode, str(index)], env)
     finally:
@@ -230,9 +246,9 @@ def run_test(job, mode, index, test):
                 os.unlink(path)
     with open("/work/.nonce", "w") as f:
         f.write(nonce)
-    if mode == "assert":
-        with open(f"/work/test_{index}.py", "w") as f:
-            f.write(test)
+    if mode == "probe":
+        with open(f"/work/test_{index}.json", "w") as f:
+            json.dump(test, f)
     else:
         with open("/work/.stdin", "w") as f:
             f.write(test["input"])
@@ -259,8 +275,8 @@ def run_test(job, mode, index, test):
         result["outcome"] = "timeout"
         return result
     try:
-        with open("/work/.status") as f:
-            reported = f.read(200)
+        with open("/work/.status", encoding="utf-8", errors="replace") as f:
+            reported = f.read(job["file_size_mb"] << 20)
     except OSError:
         reported = ""
     if os.WIFSIGNALED(status):
@@ -271,14 +287,14 @@ def run_test(job, mode, index, test):
         elif sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT):
             result["outcome"] = "crashed"
         return result
-    word = reported.split(" ")[0] if reported else ""
-    if word == "pass" and reported == "pass " + nonce:
-        if mode == "io":
-            with open("/work/.stdout", "rb") as f:
-                got = f.read(job["file_size_mb"] << 20).decode("utf-8", "replace")
-            result["outcome"] = "pass" if _same_output(got, test["output"]) else "wrong_output"
-        else:
-            result["outcome"] = "pass"
+    head, _, payload = reported.partition("\n")
+    word = head.split(" ")[0]
+    if word == "pass" and head == "pass " + nonce and mode == "io":
+        with open("/work/.stdout", "rb") as f:
+            got = f.read(job["file_size_mb"] << 20).decode("utf-8", "replace")
+        result["outcome"] = "pass" if _same_output(got, test["output"]) else "wrong_output"
+    elif word == "evaluated" and head == "evaluated " + nonce and mode == "probe":
+        result["outcome"], result["values"] = "evaluated", payload  # judged outside, on plain data
     elif word in ("failed", "memory", "file_size", "processes", "denied", "error"):
         result["outcome"] = word
     else:  # exited without the harness's word: os._exit() in the program, or a forged report

@@ -362,6 +362,7 @@ def test_sample_timeout_must_fit_under_the_composer_timeout(capsys):
 
 
 NOBODY = 65534
+NO_PROBES = {"setup": [], "probes": []}  # a probe test that only runs the program
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 
 
@@ -384,15 +385,15 @@ def test_without_root_a_user_namespace_gives_the_same_protection(tmp_path):
         "probe": None,
         "forks": (fork, "io", [{"input": "", "output": "15"}], "pass"),
         "no capabilities": ("caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n"
-                            "assert set(caps) == {'0000000000000000'}, caps", "assert", ["pass"], "pass"),
-        "harness": ("open('/.harness.py', 'w').write('x')", "assert", ["pass"], "denied"),
-        "program": ("open('/work/solution.py', 'w').write('x')", "assert", ["pass"], "denied"),
-        "escape": (f"open({str(escape)!r}, 'w').write('x')\nopen('/etc/passwd', 'a').write('x')", "assert",
-                   ["pass"], "denied"),
+                            "assert set(caps) == {'0000000000000000'}, caps", "probe", [NO_PROBES], "evaluated"),
+        "harness": ("open('/.harness.py', 'w').write('x')", "probe", [NO_PROBES], "denied"),
+        "program": ("open('/work/solution.py', 'w').write('x')", "probe", [NO_PROBES], "denied"),
+        "escape": (f"open({str(escape)!r}, 'w').write('x')\nopen('/etc/passwd', 'a').write('x')", "probe",
+                   [NO_PROBES], "denied"),
         "mount": ("import ctypes\nassert ctypes.CDLL(None).mount(b'tmpfs', b'/work', b'tmpfs', 0, None) == 0",
-                  "assert", ["pass"], "failed"),
-        "10 GB": ("x = bytearray(10 * 2**30)", "assert", ["pass"], "memory"),
-        "socket": ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)", "assert", ["pass"], "denied"),
+                  "probe", [NO_PROBES], "failed"),
+        "10 GB": ("x = bytearray(10 * 2**30)", "probe", [NO_PROBES], "memory"),
+        "socket": ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)", "probe", [NO_PROBES], "denied"),
         "secret": ("import os\nfound = os.environ.get('RLTK_TEST_SECRET', '')\nfor pid in os.listdir('/proc'):\n"
                    "    try:\n        found += open(f'/proc/{pid}/environ').read()\n    except OSError:\n        pass\n"
                    "print(found)", "io", [{"input": "", "output": secret}], "wrong_output"),
