@@ -30,27 +30,26 @@ import time
 
 from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.batch_metrics import rollout_metrics
-from rltk.training.collect import collect_experiences
 from rltk.training.distill import load_teacher, teacher_folders
-from rltk.training.evaluation import evaluate
 from rltk.training.forward import old_logprobs_pass
 from rltk.training.loop_state import RLParts, sampled_batch, start_rl_stage
 from rltk.training.ranks import global_masked_mean
 from rltk.training.rl import policy_update
+from rltk.training.rollout_source import open_rollout_source
 from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
 from rltk.training.sft_stage import run_sft_stage
-from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+from rltk.training.step_end import end_step, evaluate_at_start
 
 # What this loop serves its components (read by `rltk run` / `rltk validate` without running the script):
 # the teacher's log-probs besides what collate and the old-log-prob pass give. No KL reference, no
-# greedy baseline, no expert data, no producer process.
+# greedy baseline, no expert data.
 PROVIDES = {
     "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
                      "token_rewards", "scores", "group_ids", "response_lengths", "old_logprobs",
                      "sequence_rewards", "policy_lengths", "teacher_logprobs"],
     "buffer_sources": ["policy"],
     "expert_data": False,
-    "trainer_modes": ["sync"],
+    "trainer_modes": ["sync", "one_step_off", "async"],
 }
 
 
@@ -68,53 +67,52 @@ def run_distill_stage(stage: Stage) -> None:
     parts = RLParts.from_config(cfg, strategy)  # estimator (on_policy_distill), policy loss, sampling, forward
     loop = start_rl_stage(stage, strategy)  # sampler, buffer, mini-batch order; restored when resumed
     fwd = parts.forward
-    if loop.step == 0:
-        run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
+    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
 
-    for step in range(loop.step + 1, t.total_steps + 1):
-        tick = time.perf_counter()
-        # rollout: the student samples n responses per prompt, scored by the reward fns
-        experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
-        batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
-        if batch is None:
-            continue
+    # Sampled here (trainer.mode=sync), or by producer processes with weights at most
+    # trainer.max_staleness versions behind (one_step_off, async); the teacher stays with the trainer.
+    rollouts = open_rollout_source(stage, strategy, loop, parts)
+    try:
+        for step in range(loop.step + 1, t.total_steps + 1):
+            tick = time.perf_counter()
+            # rollout: the student samples n responses per prompt, scored by the reward fns
+            experiences, collect_metrics = rollouts.take(step)
+            batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+            if batch is None:
+                rollouts.after_update(step)  # the version counts steps, trained or skipped
+                continue
 
-        # log-probs of the sampled tokens under the student that sampled them and under the teacher
-        batch["old_logprobs"], _ = old_logprobs_pass(strategy.unwrap(), batch, fwd,
-                                                     use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy)
-        batch["teacher_logprobs"] = teacher.logprobs(batch, fwd)
+            # log-probs of the sampled tokens under the student that sampled them and under the teacher
+            batch["old_logprobs"], _ = old_logprobs_pass(strategy.unwrap(), batch, fwd,
+                                                         use_rollout_logprobs=a.use_rollout_logprobs,
+                                                         strategy=strategy)
+            batch["teacher_logprobs"] = teacher.logprobs(batch, fwd)
 
-        # advantages: minus the per-token reverse KL (+ task_coef x the reward's group advantage)
-        batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
-        run.trace(stage, step, batch, loop.batch_items)
+            # advantages: minus the per-token reverse KL (+ task_coef x the reward's group advantage)
+            batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
+            run.trace(stage, step, batch, loop.batch_items)
 
-        # update
-        update_metrics, batch["old_logprobs"] = policy_update(strategy, batch, parts.loss, fwd,
-                                                              kl_coef=0.0, mini_batches=t.mini_batches,
-                                                              ppo_epochs=t.ppo_epochs, generator=loop.generator)
-        workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+            # update
+            update_metrics, batch["old_logprobs"] = policy_update(strategy, batch, parts.loss, fwd,
+                                                                  kl_coef=0.0, mini_batches=t.mini_batches,
+                                                                  ppo_epochs=t.ppo_epochs, generator=loop.generator)
+            workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+            rollouts.after_update(step)  # async: every trainer.sync_every steps, the producers' next weights
 
-        # log: the reverse KL the student started this step at (its sampled-token estimate), the teacher's
-        # log-prob of the student's tokens, and the task reward (rollout_metrics' reward / accuracy)
-        mask = batch["response_mask"]
-        metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, time.perf_counter() - tick, strategy),
-                   **collect_metrics,
-                   "distill/reverse_kl": global_masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"], mask,
-                                                            strategy),
-                   "distill/teacher_logprob": global_masked_mean(batch["teacher_logprobs"], mask, strategy),
-                   "distill/student_logprob": global_masked_mean(batch["old_logprobs"], mask, strategy),
-                   **update_metrics}
-        if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
-            metrics.update(evaluate(workflow, run.eval_rows, cfg))
-        run.metric_log.log(metrics, stage.first_step + step)
-
-        # guard: stop with a clear message if the run has diverged
-        stage.guard.observe(metrics, step, strategy)
-
-        # checkpoint
-        loop.step = step
-        if should_checkpoint(cfg, step, t.total_steps):
-            save_checkpoint(stage, strategy, loop, last_step=t.total_steps)
+            # log (the reverse KL the student started this step at, its sampled-token estimate; the teacher's
+            # log-prob of the student's tokens; the task reward), evaluate, guard, checkpoint
+            mask = batch["response_mask"]
+            metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, time.perf_counter() - tick,
+                                         strategy),
+                       **collect_metrics,
+                       "distill/reverse_kl": global_masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"],
+                                                                mask, strategy),
+                       "distill/teacher_logprob": global_masked_mean(batch["teacher_logprobs"], mask, strategy),
+                       "distill/student_logprob": global_masked_mean(batch["old_logprobs"], mask, strategy),
+                       **update_metrics}
+            end_step(stage, loop, step, metrics, strategy, rollouts)
+    finally:
+        rollouts.close()
 
 
 # The stage types this script runs; `distill` also in any other recipe's `stages` (see grpo.py).

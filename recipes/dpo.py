@@ -36,7 +36,6 @@ from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
 from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.collect import RolloutPlan, collect_experiences
-from rltk.training.evaluation import evaluate
 from rltk.training.forward import ForwardSettings
 from rltk.training.loop_state import LoopState
 from rltk.training.preference import (
@@ -48,7 +47,7 @@ from rltk.training.reference import FrozenReference
 from rltk.training.rows import tool_schemas
 from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
 from rltk.training.sft_stage import run_sft_stage
-from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+from rltk.training.step_end import end_step, evaluate_at_start
 
 # No PROVIDES: DPO trains on pairs, not advantages, so the algorithm.* components (estimator, policy
 # loss, sample strategy) are not used here and there is nothing of theirs to check.
@@ -99,8 +98,7 @@ def run_dpo_stage(stage: Stage) -> None:
                                      fwd)
             for i in range(0, len(pairs), REFERENCE_CHUNK)]).view(-1, 2)  # [P, 2]: chosen, rejected
         reference = loop.reference = None  # the copy's memory goes (its weights stay beside the checkpoints)
-    if loop.step == 0:
-        run.metric_log.log(evaluate(run.workflow, run.eval_rows, cfg), stage.first_step)
+    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
 
     for step in range(loop.step + 1, t.total_steps + 1):
         tick = time.perf_counter()
@@ -130,19 +128,9 @@ def run_dpo_stage(stage: Stage) -> None:
         metrics = preference_step(strategy, batch, ref, loss, fwd, nll_coef=d.nll_coef)
         run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
 
-        # log
+        # log, evaluate, guard, checkpoint
         metrics.update({**collect_metrics, "time/step_s": time.perf_counter() - tick})
-        if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
-            metrics.update(evaluate(run.workflow, run.eval_rows, cfg))
-        run.metric_log.log(metrics, stage.first_step + step)
-
-        # guard: stop with a clear message if the run has diverged
-        stage.guard.observe(metrics, step, strategy)
-
-        # checkpoint
-        loop.step = step
-        if should_checkpoint(cfg, step, t.total_steps):
-            save_checkpoint(stage, strategy, loop, last_step=t.total_steps)
+        end_step(stage, loop, step, metrics, strategy)
 
 
 # The stage types this script runs; `dpo` also in any other recipe's `stages` (see grpo.py).

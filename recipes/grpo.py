@@ -21,7 +21,7 @@ The loop, as in the paper's algorithm box:
             checkpoint
 
 With trainer.mode=one_step_off or async the experiences of a step come instead from a producer process
-that samples with weights at most trainer.max_staleness steps old (rltk.training.async_rollout); the
+that samples with weights at most trainer.max_staleness steps old (rltk.training.rollout_source); the
 rest of the step is the same.
 
 Every named piece comes from the registry, so any of them is one config entry away.
@@ -34,17 +34,15 @@ import time
 
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args, stage_runners
-from rltk.training.async_rollout import start_producer
-from rltk.training.collect import collect_experiences, produced_metrics
 from rltk.training.batch_metrics import rollout_metrics
 from rltk.training.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
 from rltk.training.forward import old_logprobs_pass
 from rltk.training.ranks import global_masked_mean, rows_in
 from rltk.training.rl import policy_update
-from rltk.training.evaluation import evaluate
+from rltk.training.rollout_source import open_rollout_source
 from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
 from rltk.training.sft_stage import run_sft_stage
-from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+from rltk.training.step_end import end_step, evaluate_at_start
 
 
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the
@@ -65,7 +63,7 @@ PROVIDES = {
 
 def run_rl_stage(stage: Stage) -> None:
     run, cfg = stage.run, stage.cfg
-    t = cfg.trainer
+    a, t = cfg.algorithm, cfg.trainer
     per_step = t.mini_batches * t.ppo_epochs  # optimizer steps per RL step: the schedule counts those
     # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
     strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps * per_step,
@@ -80,95 +78,64 @@ def run_rl_stage(stage: Stage) -> None:
     # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
     # from the stage's checkpoint when it resumes.
     loop = start_rl_stage(stage, strategy)
-    if loop.step == 0:
-        run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
-    # trainer.mode one_step_off / async: a producer process samples with weights published every
-    # trainer.sync_every steps, at most trainer.max_staleness versions behind; sync: None, sampled here
-    rollouts = start_producer(stage, strategy, resumed_step=loop.step)
-    try:
-        train_steps(stage, strategy, parts, loop, rollouts)
-    finally:
-        if rollouts is not None:
-            rollouts.close()
-
-
-def train_steps(stage: Stage, strategy, parts: RLParts, loop, rollouts) -> None:
-    run, cfg = stage.run, stage.cfg
-    a, t = cfg.algorithm, cfg.trainer
-    workflow = run.workflow
     reference, fwd = loop.reference, parts.forward
-    for step in range(loop.step + 1, t.total_steps + 1):
-        tick = time.perf_counter()
-        if rollouts is None:
-            # rollout: every rank draws the same global batch of prompts and samples its share of it
-            # (under dynamic sampling more batches, until enough groups have differing scores)
-            experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
-        else:
-            # the producer's oldest batch within the staleness bound (staleness/* says how old)
-            lease = rollouts.take(step)
-            experiences, collect_metrics = lease.experiences, {**produced_metrics(lease.experiences), **lease.metrics}
-        # sampling (sync), or waiting for a producer's batch (async): the rest of time/step_s is training
-        collect_metrics["time/rollout_s"] = time.perf_counter() - tick
-        # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
-        batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
-        if batch is None:
-            if rollouts is not None:
+    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
+    # Sampled here (trainer.mode=sync), or by producer processes with weights published every
+    # trainer.sync_every steps, at most trainer.max_staleness versions behind (one_step_off, async).
+    rollouts = open_rollout_source(stage, strategy, loop, parts)
+    try:
+        for step in range(loop.step + 1, t.total_steps + 1):
+            tick = time.perf_counter()
+            # rollout: this step's experiences (time/rollout_s: sampling, or waiting for a producer's batch)
+            experiences, collect_metrics = rollouts.take(step)
+            # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
+            batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+            if batch is None:
                 rollouts.after_update(step)  # the version counts steps, trained or skipped
-            continue
+                continue
 
-        # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it);
-        # an on-policy update (one epoch, one mini-batch) takes the old ones from its own forward instead
-        if not parts.on_policy:
-            batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
-                strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
-                with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
-            if sum_pi_squared is not None:
-                batch["sum_pi_squared"] = sum_pi_squared
-        kl = None
-        if reference is not None:
-            batch["ref_logprobs"] = reference.logprobs(batch, fwd)
-            if a.kl_in == "reward":  # fold the penalty into the per-token rewards before advantages
-                kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
-                batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, loop.kl_ctl.value,
-                                                          batch["response_mask"])
+            # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it);
+            # an on-policy update (one epoch, one mini-batch) takes the old ones from its own forward instead
+            if not parts.on_policy:
+                batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
+                    strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
+                    with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
+                if sum_pi_squared is not None:
+                    batch["sum_pi_squared"] = sum_pi_squared
+            kl = None
+            if reference is not None:
+                batch["ref_logprobs"] = reference.logprobs(batch, fwd)
+                if a.kl_in == "reward":  # fold the penalty into the per-token rewards before advantages
+                    kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
+                    batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, loop.kl_ctl.value,
+                                                              batch["response_mask"])
 
-        # advantages from the fields the estimator names
-        batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
-        run.trace(stage, step, batch, loop.batch_items)  # a sample of the step's trajectories (logging.traces)
+            # advantages from the fields the estimator names
+            batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
+            run.trace(stage, step, batch, loop.batch_items)  # a sample of the step's trajectories (logging.traces)
 
-        # update: ppo_epochs x mini-batches, one optimizer step each (on-policy, the old log-probs are
-        # its own forward's, and it hands them back)
-        update_metrics, batch["old_logprobs"] = policy_update(strategy, batch, parts.loss, fwd,
-                                                              kl_coef=loop.kl_ctl.value, mini_batches=t.mini_batches,
-                                                              ppo_epochs=t.ppo_epochs, generator=loop.generator)
-        workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
-        if rollouts is not None:
-            rollouts.after_update(step)  # every trainer.sync_every steps, the producer's next weights
-        kl_metrics = {}
-        if reference is not None:  # KL(pi_old || pi_ref) of the sampled tokens, the update's starting point
-            if kl is None:
-                kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
-            kl_metrics["kl"] = global_masked_mean(kl, batch["response_mask"], strategy)
-            loop.kl_ctl.update(kl_metrics["kl"], rows_in(batch, strategy))
+            # update: ppo_epochs x mini-batches, one optimizer step each (on-policy, the old log-probs are
+            # its own forward's, and it hands them back)
+            update_metrics, batch["old_logprobs"] = policy_update(strategy, batch, parts.loss, fwd,
+                                                                  kl_coef=loop.kl_ctl.value,
+                                                                  mini_batches=t.mini_batches,
+                                                                  ppo_epochs=t.ppo_epochs, generator=loop.generator)
+            workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
+            rollouts.after_update(step)  # async: every trainer.sync_every steps, the producers' next weights
+            kl_metrics = {}
+            if reference is not None:  # KL(pi_old || pi_ref) of the sampled tokens, the update's starting point
+                if kl is None:
+                    kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
+                kl_metrics["kl"] = global_masked_mean(kl, batch["response_mask"], strategy)
+                loop.kl_ctl.update(kl_metrics["kl"], rows_in(batch, strategy))
 
-        # log
-        elapsed = time.perf_counter() - tick
-        metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy), **collect_metrics,
-                   "kl_coef": loop.kl_ctl.value,
-                   **kl_metrics, **update_metrics}
-        if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
-            metrics.update(evaluate(workflow, run.eval_rows, cfg))
-        run.metric_log.log(metrics, stage.first_step + step)
-
-        # guard: stop with a clear message if the run has diverged (entropy collapse, nothing trained, nan weights)
-        stage.guard.observe(metrics, step, strategy)
-
-        # checkpoint
-        loop.step = step
-        if should_checkpoint(cfg, step, t.total_steps):
-            save_checkpoint(stage, strategy, loop, last_step=t.total_steps)
-            if rollouts is not None:
-                rollouts.commit(step)  # the queue's leases of steps <= step are consumed, exactly once
+            # log, evaluate, guard, checkpoint
+            elapsed = time.perf_counter() - tick
+            metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy),
+                       **collect_metrics, "kl_coef": loop.kl_ctl.value, **kl_metrics, **update_metrics}
+            end_step(stage, loop, step, metrics, strategy, rollouts)
+    finally:
+        rollouts.close()
 
 
 # The stage types this script runs: `rl` in its own runs, `grpo` in any recipe's `stages` (a config may chain

@@ -24,6 +24,10 @@ arXiv:1707.06347):
             guard       <- stop if the run diverged (entropy collapse, nothing trained, nan weights)
             checkpoint (policy and critic in one folder)
 
+With trainer.mode=one_step_off or async the experiences of a step come from a producer process that
+samples with weights at most trainer.max_staleness steps old (rltk.training.rollout_source); the critic
+and the rest of the step stay with the trainer.
+
 Policy and critic have separate strategies and optimizers. Every named piece
 comes from the registry, so any of them is one config entry away. This file is
 a script, not a module: copy it to change the loop itself.
@@ -35,7 +39,6 @@ import time
 
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args, stage_runners
-from rltk.training.collect import collect_experiences
 from rltk.training.batch_metrics import rollout_metrics
 from rltk.training.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
 from rltk.training.ppo import PolicyAndCritic, batched_values, build_critic, build_critic_strategy, critic_update, \
@@ -43,10 +46,10 @@ from rltk.training.ppo import PolicyAndCritic, batched_values, build_critic, bui
 from rltk.training.forward import old_logprobs_pass
 from rltk.training.ranks import global_masked_mean, rows_in
 from rltk.training.rl import policy_update
-from rltk.training.evaluation import evaluate
+from rltk.training.rollout_source import open_rollout_source
 from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
 from rltk.training.sft_stage import run_sft_stage
-from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+from rltk.training.step_end import end_step, evaluate_at_start
 
 
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the
@@ -61,12 +64,13 @@ PROVIDES = {
                      "ref_logprobs", "values", "reward_components", "sum_pi_squared"],
     "buffer_sources": ["policy"],
     "expert_data": True,
+    "trainer_modes": ["sync", "one_step_off", "async"],
 }
 
 
 def run_ppo_stage(stage: Stage) -> None:
     run, cfg = stage.run, stage.cfg
-    a, t, c = cfg.algorithm, cfg.trainer, cfg.critic
+    t, c = cfg.trainer, cfg.critic
     per_step = updates_per_step(cfg)  # optimizer steps per RL step; schedules count optimizer steps
     policy_steps = t.total_steps - c.warmup_steps  # the policy waits while the critic warms up
     # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
@@ -87,73 +91,77 @@ def run_ppo_stage(stage: Stage) -> None:
     # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
     # (policy and critic) from the stage's checkpoint when it resumes.
     loop = start_rl_stage(stage, strategy, checkpointed=strategies)
+    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
+
+    # Sampled here (trainer.mode=sync), or by producer processes with weights at most
+    # trainer.max_staleness versions behind (one_step_off, async); the critic stays with the trainer.
+    rollouts = open_rollout_source(stage, strategy, loop, parts)
+    try:
+        for step in range(loop.step + 1, t.total_steps + 1):
+            tick = time.perf_counter()
+            # rollout: this step's experiences (time/rollout_s: sampling, or waiting for a producer's batch)
+            experiences, collect_metrics = rollouts.take(step)
+            # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
+            batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+            if batch is None:
+                rollouts.after_update(step)  # the version counts steps, trained or skipped
+                continue
+            metrics = ppo_step(stage, strategies, parts, loop, batch, step)
+            rollouts.after_update(step)  # async: every trainer.sync_every steps, the producers' next weights
+
+            # log, evaluate, guard, checkpoint (policy, critic and the loop's position in one atomic folder)
+            metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, time.perf_counter() - tick,
+                                         strategy),
+                       **collect_metrics, **metrics}
+            end_step(stage, loop, step, metrics, strategies, rollouts)
+    finally:
+        rollouts.close()
+
+
+def ppo_step(stage: Stage, strategies: PolicyAndCritic, parts: RLParts, loop, batch: dict, step: int) -> dict:
+    """One PPO step on a sampled ``batch``: old, reference and critic passes, GAE, then the critic's
+    update and, once the critic has warmed up, the policy's. Returns the step's metrics."""
+    cfg = stage.cfg
+    a, t, c = cfg.algorithm, cfg.trainer, cfg.critic
+    strategy, critic_strategy = strategies.policy, strategies.critic
     reference, fwd = loop.reference, parts.forward
-    if loop.step == 0:
-        run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
 
-    for step in range(loop.step + 1, t.total_steps + 1):
-        tick = time.perf_counter()
-        # rollout: every rank draws the same global batch of prompts and samples its share of it
-        # (under dynamic sampling more batches, until enough groups have differing scores)
-        experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
-        # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
-        batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
-        if batch is None:
-            continue
+    # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it),
+    # and the critic's values
+    batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
+        strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
+        with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
+    if sum_pi_squared is not None:
+        batch["sum_pi_squared"] = sum_pi_squared
+    batch["values"] = batched_values(critic_strategy.unwrap(), batch, fwd, strategy=critic_strategy)
+    mask = batch["response_mask"]
+    kl_metrics = {}
+    if reference is not None:
+        batch["ref_logprobs"] = reference.logprobs(batch, fwd)
+        kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
+        kl_metrics["kl"] = global_masked_mean(kl, mask, strategy)
+        if a.kl_in == "reward":  # PPO's form: a per-token penalty, before advantages
+            batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, loop.kl_ctl.value, mask)
 
-        # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it),
-        # and the critic's values
-        batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
-            strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
-            with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
-        if sum_pi_squared is not None:
-            batch["sum_pi_squared"] = sum_pi_squared
-        batch["values"] = batched_values(critic_strategy.unwrap(), batch, fwd, strategy=critic_strategy)
-        mask = batch["response_mask"]
-        kl_metrics = {}
+    # advantages: GAE over the (penalised) rewards with the critic's values as baseline
+    batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
+    stage.run.trace(stage, step, batch, loop.batch_items)  # a sample of the step's trajectories (logging.traces)
+
+    # update: the critic every step; the policy once the critic has warmed up
+    update_metrics = critic_update(critic_strategy, batch, fwd, loss_agg=parts.loss.loss_agg,
+                                   loss_agg_args=parts.loss.loss_agg_args, clip_range=c.value_clip,
+                                   mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
+                                   generator=loop.generator)
+    policy_updated = step > c.warmup_steps
+    if policy_updated:
+        update_metrics.update(policy_update(strategy, batch, parts.loss, fwd, kl_coef=loop.kl_ctl.value,
+                                            mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
+                                            generator=loop.generator).metrics)
+        stage.run.workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
         if reference is not None:
-            batch["ref_logprobs"] = reference.logprobs(batch, fwd)
-            kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])
-            kl_metrics["kl"] = global_masked_mean(kl, mask, strategy)
-            if a.kl_in == "reward":  # PPO's form: a per-token penalty, before advantages
-                batch["token_rewards"] = apply_kl_penalty(batch["token_rewards"], kl, loop.kl_ctl.value, mask)
-
-        # advantages: GAE over the (penalised) rewards with the critic's values as baseline
-        batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)
-        run.trace(stage, step, batch, loop.batch_items)  # a sample of the step's trajectories (logging.traces)
-
-        # update: the critic every step; the policy once the critic has warmed up
-        update_metrics = critic_update(critic_strategy, batch, fwd, loss_agg=parts.loss.loss_agg,
-                                       loss_agg_args=parts.loss.loss_agg_args, clip_range=c.value_clip,
-                                       mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-                                       generator=loop.generator)
-        policy_updated = step > c.warmup_steps
-        if policy_updated:
-            update_metrics.update(policy_update(strategy, batch, parts.loss, fwd, kl_coef=loop.kl_ctl.value,
-                                                mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-                                                generator=loop.generator).metrics)
-            workflow.engine.update_weights(strategy.unwrap())  # colocated engines share the module: a no-op
-            if reference is not None:
-                loop.kl_ctl.update(kl_metrics["kl"], rows_in(batch, strategy))
-
-        # log
-        elapsed = time.perf_counter() - tick
-        metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy), **collect_metrics,
-                   "kl_coef": loop.kl_ctl.value,
-                   "policy_updated": float(policy_updated),
-                   "returns_mean": global_masked_mean(batch["returns"], mask, strategy),
-                   **kl_metrics, **update_metrics}
-        if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
-            metrics.update(evaluate(workflow, run.eval_rows, cfg))
-        run.metric_log.log(metrics, stage.first_step + step)
-
-        # guard: stop with a clear message if the run has diverged (entropy collapse, nothing trained, nan weights)
-        stage.guard.observe(metrics, step, strategies)
-
-        # checkpoint: policy, critic and the loop's position in one atomic folder
-        loop.step = step
-        if should_checkpoint(cfg, step, t.total_steps):
-            save_checkpoint(stage, strategies, loop, last_step=t.total_steps)
+            loop.kl_ctl.update(kl_metrics["kl"], rows_in(batch, strategy))
+    return {"kl_coef": loop.kl_ctl.value, "policy_updated": float(policy_updated),
+            "returns_mean": global_masked_mean(batch["returns"], mask, strategy), **kl_metrics, **update_metrics}
 
 
 # The stage types this script runs: `rl` in its own runs, `ppo` in any recipe's `stages` (see grpo.py).

@@ -2,7 +2,8 @@
 processes (``trainer.producers``, one by default), the experience queue between them and the trainer, and
 the weights file they follow.
 
-:class:`AsyncRollouts` is what the RL loop calls instead of generating::
+:class:`AsyncRollouts` is the rollout source of such a stage (an RL loop reaches it through
+:func:`rltk.training.rollout_source.open_rollout_source`, as it reaches the synchronous one)::
 
     rollouts = AsyncRollouts.start(stage, strategy, resumed_step=loop.step)
     for step in ...:
@@ -44,7 +45,7 @@ a share, so all of them stop with the same message.
 
 Producers the trainer did not start (``trainer.producers: 0``, or more beside
 the local ones): ``rltk produce RUN_DIR`` on any machine that shares the run
-folder (:mod:`rltk.training.produce_command`). The trainer writes
+folder (:mod:`rltk.produce_command`). The trainer writes
 ``async/stage_<i>/producer.json`` (where the config, queue and weights are) for
 them, and when the stage ends records it in the queue, so they exit.
 """
@@ -166,14 +167,6 @@ class ProducerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def start_producer(stage, strategy, *, resumed_step: int) -> "AsyncRollouts | None":
-    """:meth:`AsyncRollouts.start` when ``trainer.mode`` is ``one_step_off`` or ``async``; None for ``sync``.
-    Collective with several ranks."""
-    if stage.cfg.trainer.mode == "sync":
-        return None
-    return AsyncRollouts.start(stage, strategy, resumed_step=resumed_step)
 
 
 def stage_folder(run_dir: Path, stage_index: int) -> Path:

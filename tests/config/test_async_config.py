@@ -40,13 +40,14 @@ def test_no_local_producers_is_valid_in_the_asynchronous_modes():
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
-def test_grpo_runs_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_them(mode):
+def test_the_rl_recipes_run_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_them(mode):
     from rltk.recipe_utils import recipe_spec, resolve_recipe
 
-    load_config([], [f"trainer.mode={mode}"], recipe=recipe_spec(resolve_recipe("grpo")))
-    with pytest.raises(ConfigError, match=rf"bad value '{mode}' for 'trainer\.mode': the ppo recipe runs sync; "
-                                          rf"grpo runs {mode}"):
-        load_config([], [f"trainer.mode={mode}"], recipe=recipe_spec(resolve_recipe("ppo")))
+    for recipe, stages in [("grpo", []), ("ppo", []), ("distill", ["stages=[{name: d, type: distill}]"])]:
+        load_config([], [f"trainer.mode={mode}", *stages], recipe=recipe_spec(resolve_recipe(recipe)))
+    with pytest.raises(ConfigError, match=rf"bad value '{mode}' for 'trainer\.mode': the dpo recipe runs sync; "
+                                          rf"distill, grpo, ppo runs {mode}"):
+        load_config([], [f"trainer.mode={mode}"], recipe=recipe_spec(resolve_recipe("dpo")))
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -99,6 +100,6 @@ def test_behaviour_logprobs_is_filled_in_by_rltk_not_configured():
 
 
 def test_cli_exits_2_without_traceback(capsys):
-    assert main(["validate", "ppo", "trainer.mode=async", "trainer.max_staleness=1"]) == 2
+    assert main(["validate", "dpo", "trainer.mode=async", "trainer.max_staleness=1"]) == 2
     err = capsys.readouterr().err
-    assert "'trainer.mode'" in err and "ppo recipe runs sync" in err and "Traceback" not in err
+    assert "'trainer.mode'" in err and "dpo recipe runs sync" in err and "Traceback" not in err

@@ -419,3 +419,19 @@ def test_two_sharded_ranks_publish_gathered_weights_and_stay_identical(tmp_path,
     assert weights_file_version(run_dir / "async" / "stage_1" / "policy.safetensors") == RL_STEPS
     meta = json.loads((run_dir / "checkpoints" / f"step_{SFT_STEPS + RL_STEPS:06d}" / "strategy.json").read_text())
     assert meta["world_size"] == 2 and sharded.items() <= meta.items()
+
+
+def test_ppo_and_distill_run_async_through_the_same_rollout_source(tmp_path):
+    """The recipes read their step the same in every mode: PPO (its critic in the trainer) and on-policy
+    distillation (its teacher in the trainer) train one producer batch a step, within the bound, each
+    experience once, as GRPO does."""
+    teacher_run = tmp_path / "teacher"
+    assert main(["run", "sft", f"output_dir={teacher_run}", "sft.steps=2", "sft.warmup_steps=0",
+                 "logging.logger=[jsonl]", "logging.plot=false"]) == 0
+    for recipe, extra in [("ppo", ["critic.warmup_steps=2"]),
+                          ("distill", [f"distill.teacher_path={teacher_run / 'checkpoints' / 'step_000002'}"])]:
+        run_dir = tmp_path / recipe
+        args = [a.replace("type: rl}", f"type: {recipe}}}") if a.startswith("stages=") else a for a in ASYNC]
+        assert main(["run", recipe, f"output_dir={run_dir}", *args, *extra]) == 0, recipe
+        rows = one_batch_a_step_within_the_bound(run_dir)
+        assert rows[-1]["staleness/max"] == 1, recipe  # the producer ran ahead: the bound was used

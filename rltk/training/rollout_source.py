@@ -1,0 +1,103 @@
+"""Where an RL step's experiences come from: one interface, sampled here (sync) or by producers (async).
+
+A recipe's loop reads the same whatever ``trainer.mode`` is::
+
+    rollouts = open_rollout_source(stage, strategy, loop, parts)
+    try:
+        for step in ...:
+            experiences, metrics = rollouts.take(step)   # sampled now, or a producer's batch
+            ... train ...
+            rollouts.after_update(step)                  # async: publish the weights every sync_every steps
+            end_step(..., rollouts=rollouts)             # checkpoint, then rollouts.commit(step)
+    finally:
+        rollouts.close()
+
+:class:`SyncRollouts` samples with the trainer's own engine on every rank
+(``trainer.mode=sync``); :class:`rltk.training.async_rollout.AsyncRollouts`
+takes batches a producer process sampled with older weights (``one_step_off``,
+``async``). Another source (one fed over the network, say) implements
+:class:`RolloutSource` and plugs in the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from rltk.batch import Experience
+from rltk.training.async_rollout import AsyncRollouts
+from rltk.training.collect import collect_experiences, produced_metrics
+
+
+class RolloutSource(Protocol):
+    """What an RL loop asks of where its experiences come from."""
+
+    def take(self, step: int) -> tuple[list[Experience], dict[str, float]]:
+        """Training step ``step``'s experiences for this rank and their metrics (``rollout/*``,
+        ``staleness/*`` ... and ``time/rollout_s``, the time it took or waited)."""
+
+    def after_update(self, step: int) -> None:
+        """Called after step ``step``'s update, trained or skipped (versions count steps)."""
+
+    def commit(self, step: int) -> None:
+        """Called right after the checkpoint of step ``step`` is saved."""
+
+    def close(self) -> None:
+        """Called once when the stage ends, however it ends."""
+
+
+class SyncRollouts:
+    """Sampling on every rank with the trainer's own engine and current weights (``trainer.mode=sync``):
+    every rank draws the same global batch of prompts and samples its share (under dynamic sampling
+    more batches, until enough groups have differing scores)."""
+
+    def __init__(self, workflow, sampler, plan, strategy):
+        self.workflow, self.sampler, self.plan, self.strategy = workflow, sampler, plan, strategy
+
+    def take(self, step: int) -> tuple[list[Experience], dict[str, float]]:
+        tick = time.perf_counter()
+        experiences, metrics = collect_experiences(self.workflow, self.sampler, self.plan, self.strategy)
+        metrics["time/rollout_s"] = time.perf_counter() - tick
+        return experiences, metrics
+
+    def after_update(self, step: int) -> None:
+        """Nothing to send: the engine samples with the module the strategy trains."""
+
+    def commit(self, step: int) -> None:
+        """Nothing to settle: nothing was sampled ahead."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+class ProducedRollouts:
+    """:class:`AsyncRollouts` as a :class:`RolloutSource`: a step's experiences are the producers' oldest
+    batch within the staleness bound (``staleness/*`` says how old; ``time/rollout_s`` is the wait)."""
+
+    def __init__(self, rollouts: AsyncRollouts):
+        self.rollouts = rollouts
+
+    def take(self, step: int) -> tuple[list[Experience], dict[str, float]]:
+        tick = time.perf_counter()
+        lease = self.rollouts.take(step)
+        metrics = {**produced_metrics(lease.experiences), **lease.metrics}
+        metrics["time/rollout_s"] = time.perf_counter() - tick
+        return lease.experiences, metrics
+
+    def after_update(self, step: int) -> None:
+        self.rollouts.after_update(step)  # every trainer.sync_every steps, the producers' next weights
+
+    def commit(self, step: int) -> None:
+        self.rollouts.commit(step)  # the queue's leases of steps <= step are consumed, exactly once
+
+    def close(self) -> None:
+        self.rollouts.close()
+
+
+def open_rollout_source(stage, strategy, loop, parts) -> RolloutSource:
+    """The stage's source by ``trainer.mode``: :class:`SyncRollouts`, or producer processes started now
+    (``one_step_off``/``async``: they sample with weights at most ``trainer.max_staleness`` steps old).
+    Collective with several ranks."""
+    if stage.cfg.trainer.mode == "sync":
+        return SyncRollouts(stage.run.workflow, loop.sampler, parts.plan, strategy)
+    return ProducedRollouts(AsyncRollouts.start(stage, strategy, resumed_step=loop.step))

@@ -1,0 +1,38 @@
+"""What every recipe's stage does around its steps: the opening evaluation, and the end of each step
+(evaluate, log, guard, checkpoint)."""
+
+from __future__ import annotations
+
+from rltk.training.evaluation import evaluate
+from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+
+
+def evaluate_at_start(stage, loop) -> None:
+    """Log the held-out evaluation of the weights the stage starts from (not when it resumes mid-way)."""
+    if loop.step == 0:
+        stage.run.metric_log.log(evaluate(stage.run.workflow, stage.run.eval_rows, stage.cfg), stage.first_step)
+
+
+def end_step(stage, loop, step: int, metrics: dict, checkpointed, rollouts=None) -> None:
+    """Finish stage step ``step`` with its ``metrics``.
+
+    evaluate   held-out accuracy every ``trainer.eval_every`` steps and at the stage's last step
+    log        ``metrics`` at the run's global step
+    guard      stop with a clear message if the run has diverged (entropy collapse, nothing trained,
+               nan weights); ``checkpointed`` is what it checks and what the checkpoint holds (the
+               strategy, or e.g. a policy and its critic)
+    checkpoint every ``checkpoint.every`` steps and at the stage's last step, the loop's position
+               included; then ``rollouts.commit(step)`` (an asynchronous source's experiences up to
+               ``step`` are consumed, exactly once)
+    """
+    run, cfg = stage.run, stage.cfg
+    t = cfg.trainer
+    if t.eval_every and (step % t.eval_every == 0 or step == t.total_steps):
+        metrics.update(evaluate(run.workflow, run.eval_rows, cfg))
+    run.metric_log.log(metrics, stage.first_step + step)
+    stage.guard.observe(metrics, step, checkpointed)
+    loop.step = step
+    if should_checkpoint(cfg, step, t.total_steps):
+        save_checkpoint(stage, checkpointed, loop, last_step=t.total_steps)
+        if rollouts is not None:
+            rollouts.commit(step)
