@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 FINISH_REASONS = ("stop", "length")
 #: The ``Experience.info`` key a workflow puts a completion's per-token ``versions`` under (when the engine
@@ -150,10 +150,31 @@ class RolloutEngine(abc.ABC):
     """Generates completions for prompt token ids and follows the trainer's weights.
 
     Implementations: ``hf`` (:class:`rltk.rollout.hf.HFRolloutEngine`, any
-    device) and ``vllm`` (:class:`rltk.rollout.vllm_engine.VLLMRolloutEngine`,
-    CUDA). A plugin engine subclasses this and registers under
-    ``rltk_rollout_engines``.
+    device), ``vllm`` (:class:`rltk.rollout.vllm_engine.VLLMRolloutEngine`,
+    CUDA) and ``vllm_server`` (:class:`rltk.rollout.vllm_server.VLLMServerEngine`,
+    inference servers over HTTP). A plugin engine subclasses this and registers
+    under ``rltk_rollout_engines``.
+
+    What an engine can do beyond generating is declared here, each with a
+    default the trainer can rely on: the class attributes say which way it
+    follows weights, and the methods below that are not abstract do nothing
+    (or say they cannot) unless the engine overrides them.
     """
+
+    #: The engine samples from a torch module it is pointed at with :meth:`use_model` (``hf``): the trainer
+    #: hands it its own module, so an optimizer step needs no copy. Otherwise it holds weights of its own and
+    #: gets new ones through :meth:`update_weights`.
+    samples_from_module: ClassVar[bool] = False
+    #: The weights live in other processes (inference servers) that can load a weights file themselves
+    #: (:meth:`load_weights_file`), also while generating (``interrupt``): ``vllm_server``.
+    loads_weight_files: ClassVar[bool] = False
+    #: Whether completions carry per-token ``versions`` (set by an asynchronous producer on engines that
+    #: load weights mid-generation; others ignore it).
+    track_versions: bool = False
+    #: Samples continued after a weight load interrupted them (engines that interrupt; else stays 0).
+    continued: int = 0
+    #: Seconds one call to another process may take (engines with servers).
+    timeout_s: float = 120.0
 
     @abc.abstractmethod
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -165,12 +186,27 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_weights(self, state_dict_or_model: Any) -> None:
+    def update_weights(self, state_dict_or_model: Any, *, version: int | None = None,
+                       interrupt: bool = False) -> None:
         """Make the engine sample from new weights.
 
         Accepts the trainer's model (an ``nn.Module``) or a full state dict
-        whose names match the model's ``state_dict()``.
+        whose names match the model's ``state_dict()``. ``version`` labels the
+        weights (per-token ``versions``) and ``interrupt`` lets the load stop
+        generation in flight; both matter only to engines with
+        :attr:`loads_weight_files`, and the trainer passes them only to those.
         """
+
+    def use_model(self, model: Any) -> None:
+        """Sample from ``model`` from now on (engines with :attr:`samples_from_module` only)."""
+        raise NotImplementedError(f"rollout engine {type(self).__name__} holds weights of its own: give it new "
+                                  f"ones with update_weights")
+
+    def load_weights_file(self, path: str, version: int, *, interrupt: bool = False) -> bool:
+        """Have the engine's processes load the safetensors file ``path`` as weights ``version`` themselves;
+        False when it cannot (engines without :attr:`loads_weight_files`, or a file whose names are not the
+        model's): then read the file into a module and call :meth:`update_weights`."""
+        return False
 
     def sleep(self) -> None:
         """Free accelerator memory between rollouts; a no-op where that means nothing."""

@@ -140,6 +140,8 @@ class HFRolloutEngine(RolloutEngine):
     The ``n`` completions of a prompt are generated as ``n`` repeated rows.
     """
 
+    samples_from_module = True  # the trainer's own module: nothing to copy after an optimizer step
+
     def __init__(self, model: nn.Module, tokenizer: Any, *, batch_size: int = 64, device: Any = None):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(
@@ -279,8 +281,9 @@ class HFRolloutEngine(RolloutEngine):
             )
         self.model = model
 
-    def update_weights(self, state_dict_or_model: Any) -> None:
-        """Load new weights into the model the engine samples from.
+    def update_weights(self, state_dict_or_model: Any, *, version: int | None = None,
+                       interrupt: bool = False) -> None:
+        """Load new weights into the model the engine samples from (``version`` and ``interrupt`` do not apply).
 
         The trainer's own module (the usual colocated case) is a no-op, since
         the engine already holds it. Another module, or a state dict with the

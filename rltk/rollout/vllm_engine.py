@@ -567,8 +567,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights and memory
 
-    def update_weights(self, state_dict_or_model: Any) -> None:
-        """Copy the trainer's full weights (a module or an HF-named state dict) into vLLM.
+    def update_weights(self, state_dict_or_model: Any, *, version: int | None = None,
+                       interrupt: bool = False) -> None:
+        """Copy the trainer's full weights (a module or an HF-named state dict) into vLLM (``version`` and
+        ``interrupt`` do not apply: the engine lives in the trainer's process).
 
         Goes through vLLM's weight-transfer API (``start_weight_update``,
         ``update_weights``, ``finish_weight_update`` on the worker) with rltk's

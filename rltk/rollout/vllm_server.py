@@ -193,6 +193,8 @@ class VLLMServerEngine(RolloutEngine):
         seed: launched servers' seed (offset by the server's index).
     """
 
+    loads_weight_files = True  # each server reads the trainer's weights file itself
+
     def __init__(
         self,
         model: nn.Module,
@@ -230,10 +232,8 @@ class VLLMServerEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.timeout_s = float(timeout_s)
         self.weight_version = 0
-        #: whether completions carry per-token ``versions`` (an asynchronous run's producer sets it)
-        self.track_versions = False
-        #: samples continued after a weight update aborted them
-        self.continued = 0
+        self.track_versions = False  # set by an asynchronous run's producer (RolloutEngine.track_versions)
+        self.continued = 0  # samples continued after a weight update aborted them
         self._stats_lock = threading.Lock()
         self._weights_lock = threading.Lock()  # one weight update at a time
         self._tmp = tempfile.mkdtemp(prefix="rltk-vllm-server-")

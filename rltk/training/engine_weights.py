@@ -24,7 +24,7 @@ def connect_rollout_engine(engine, strategy) -> None:
     ``engine.update_weights(strategy.unwrap())`` after each optimizer step.
     Engines with weights of their own (``vllm``) load the full weights.
     """
-    if hasattr(engine, "use_model"):
+    if engine.samples_from_module:
         engine.use_model(strategy.full_model_copy() if strategy.shards_parameters else strategy.unwrap())
     else:
         engine.update_weights(strategy.full_state_dict())
@@ -32,7 +32,7 @@ def connect_rollout_engine(engine, strategy) -> None:
 
 def engine_follows(engine, policy: nn.Module) -> None:
     """Point the rollout ``engine`` at ``policy``, a plain module (between stages)."""
-    if hasattr(engine, "use_model"):
+    if engine.samples_from_module:
         engine.use_model(policy)
     else:
         engine.update_weights(policy)

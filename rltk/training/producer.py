@@ -249,12 +249,12 @@ class WeightsFollower:
         import threading
 
         self.engine, self.policy, self.path = engine, policy, str(path)
-        self.servers = hasattr(engine, "load_weights_file")
+        self.servers = engine.loads_weight_files
         if self.servers:
-            engine.track_versions = True
+            engine.track_versions = True  # each token labelled with the version that sampled it
         self.version = -1
         self.loads_during_generation = 0
-        self._continued_before = getattr(engine, "continued", 0)
+        self._continued_before = engine.continued
         self._lock = threading.Lock()
 
     def follow(self, *, interrupt: bool = False) -> bool:
@@ -311,7 +311,7 @@ class WeightsFollower:
                 self.stop.set()
                 # a load under way is 5 HTTP calls per server (pause, start, update, finish, resume), each
                 # bounded by the engine's timeout_s
-                limit = 8 * float(getattr(follower.engine, "timeout_s", 120.0))
+                limit = 8 * float(follower.engine.timeout_s)
                 self.thread.join(limit)
                 if self.thread.is_alive() and exc_info[0] is None:
                     raise TimeoutError(f"waited {limit:g} s for the weights follower to finish loading a version "
@@ -324,7 +324,7 @@ class WeightsFollower:
 
     def take_counters(self) -> dict[str, float]:
         """``async/weight_loads_mid_batch`` and ``async/continued_samples`` since the last call."""
-        continued = getattr(self.engine, "continued", 0)
+        continued = self.engine.continued
         out = {"async/weight_loads_mid_batch": float(self.loads_during_generation),
                "async/continued_samples": float(continued - self._continued_before)} if self.servers else {}
         self.loads_during_generation, self._continued_before = 0, continued

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rltk.batch import Experience
-from rltk.rollout.base import POLICY_VERSIONS, Completion
+from rltk.rollout.base import POLICY_VERSIONS, Completion, RolloutEngine
 from rltk.rollout.vllm_server import VLLMServerEngine, _choice_tokens, _savable_names, token_versions
 from rltk.training.engine_weights import weights_file_version, write_weights_file
 from rltk.training.producer import WeightsFollower, experience_versions
@@ -64,8 +64,25 @@ def test_the_trainers_file_loads_as_is_with_the_tied_head_named_once():
     assert VLLMServerEngine._aliases(engine, names | {"base_model.model.lora_A.weight"}) is None
 
 
-class _ServerEngine:
+class _ModuleEngine(RolloutEngine):
+    """An engine that samples from the producer's module (as ``hf`` does): the follower loads into the module."""
+
+    samples_from_module = True
+
+    def generate(self, prompt_ids, params):
+        raise AssertionError("the follower never generates")
+
+    def update_weights(self, state_dict_or_model, *, version=None, interrupt=False):
+        raise AssertionError("the module is the engine's: nothing to send")
+
+
+class _ServerEngine(RolloutEngine):
     """Records what a vllm_server engine was asked to load; ``loadable`` False plays a LoRA policy's file."""
+
+    loads_weight_files = True
+
+    def generate(self, prompt_ids, params):
+        raise AssertionError("the follower never generates")
 
     def __init__(self, loadable=True):
         self.loadable, self.calls, self.continued = loadable, [], 0
@@ -110,7 +127,7 @@ def test_the_hf_engine_samples_from_the_module_the_follower_loads(tmp_path):
     path = tmp_path / "policy.safetensors"
     trained, policy = build_model(50, seed=1), build_model(50, seed=0)
     write_weights_file(trained, path, 3)
-    follower = WeightsFollower(types.SimpleNamespace(), policy, path)
+    follower = WeightsFollower(_ModuleEngine(), policy, path)
     assert follower.follow() and follower.version == 3
     for a, b in zip(trained.parameters(), policy.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
