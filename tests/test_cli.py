@@ -43,6 +43,24 @@ def test_validate_ok_and_errors(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
 
 
+def test_validate_loads_no_model_code():
+    """`rltk validate grpo` stays a couple of seconds: it never imports a model's code (transformers' modelling
+    and generation, torch's compiler, which they pull in). Two heavy imports remain, each for a check: torch,
+    which the registry's components are written in (their names and arguments are checked), and transformers'
+    tokenizer, which the check of the warm-up examples against the rollout's caps tokenizes with."""
+    import os
+
+    heavy = ["transformers.modeling_utils", "transformers.generation", "transformers.models.qwen2.modeling_qwen2",
+             "torch._dynamo"]
+    code = (f"import sys; from rltk.cli import main; code = main(['validate', 'grpo']); "
+            f"print('loaded:', [m for m in {heavy!r} if m in sys.modules]); sys.exit(code)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok: ") and "the first 256 warm-up examples fit the rollout" in out.stdout
+    assert out.stdout.splitlines()[-1] == "loaded: []"
+
+
 def test_unknown_plugin_name_suggests_when_plugin_absent():
     import os
 
