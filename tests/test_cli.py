@@ -61,6 +61,30 @@ def test_validate_loads_no_model_code():
     assert out.stdout.splitlines()[-1] == "loaded: []"
 
 
+def test_a_short_run_cuts_the_recipes_warmup_to_fit_and_a_warmup_you_set_must_fit(tmp_path, capsys):
+    from rltk.config import ConfigError
+    from rltk.recipe_utils import validate
+
+    cfg, _ = validate("grpo", [], [])
+    assert (cfg.trainer.warmup_steps, cfg.sft.warmup_steps) == (10, 20)  # the shipped length trains as before
+    assert "rltk: note" not in capsys.readouterr().err
+    cfg, _ = validate("grpo", [], ["trainer.total_steps=2", "sft.steps=4"])
+    assert (cfg.trainer.warmup_steps, cfg.sft.warmup_steps) == (2, 4)
+    err = capsys.readouterr().err
+    assert ("rltk: note: trainer.warmup_steps=10 (a default; you did not set it) is longer than this run's "
+            "trainer.total_steps=2: using 2 (set trainer.warmup_steps to choose)") in err
+    cfg, _ = validate("ppo", [], ["trainer.total_steps=2"])  # the critic's warm-up leaves the policy one step
+    assert (cfg.critic.warmup_steps, cfg.trainer.warmup_steps) == (1, 1)
+    # set on the command line, or in the user's own file: refused, naming the key
+    with pytest.raises(ConfigError, match=r"bad value 10 for 'trainer.warmup_steps': must be in \[0, "
+                                          r"trainer.total_steps=2\]"):
+        validate("grpo", [], ["trainer.total_steps=2", "trainer.warmup_steps=10"])
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("trainer:\n  warmup_steps: 10\n")
+    with pytest.raises(ConfigError, match=r"bad value 10 for 'trainer.warmup_steps'"):
+        validate("grpo", [mine], ["trainer.total_steps=2"])
+
+
 def test_unknown_plugin_name_suggests_when_plugin_absent():
     import os
 
