@@ -103,14 +103,16 @@ def train_steps(stage: Stage, strategy, parts: RLParts, loop, rollouts) -> None:
             # rollout: every rank draws the same global batch of prompts and samples its share of it
             # (under dynamic sampling more batches, until enough groups have differing scores)
             experiences, collect_metrics = collect_experiences(workflow, loop.sampler, parts.plan, strategy)
+            versions = None  # sampled by this step's weights
         else:
             # the producer's oldest batch within the staleness bound (staleness/* says how old)
             lease = rollouts.take(step)
             experiences, collect_metrics = lease.experiences, {**produced_metrics(lease.experiences), **lease.metrics}
+            versions = lease.sampled_versions  # the producer's policy versions, which the traces' staleness counts from
         # sampling (sync), or waiting for a producer's batch (async): the rest of time/step_s is training
         collect_metrics["time/rollout_s"] = time.perf_counter() - tick
         # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
-        batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+        batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy, versions)
         if batch is None:
             if rollouts is not None:
                 rollouts.after_update(step)  # the version counts steps, trained or skipped

@@ -61,7 +61,7 @@ class LoopState:
     kl_ctl: Any = None
     generator: torch.Generator | None = None
     reference: FrozenReference | None = None
-    # the buffer items (experience, step put, source) of the current batch's rows, in row order: what the
+    # the buffer items (experience, step put, source, sampling version) of the current batch's rows, in row order: what the
     # rollout traces read (not checkpointed; rebuilt every step by sampled_batch)
     batch_items: list | None = None
 
@@ -187,14 +187,16 @@ def start_rl_stage(stage, strategy, *, checkpointed=None) -> LoopState:
 
 
 def sampled_batch(stage, loop: LoopState, parts: RLParts, experiences: list, collect_metrics: dict, step: int,
-                  strategy) -> dict[str, torch.Tensor] | None:
+                  strategy, versions: list[int] | None = None) -> dict[str, torch.Tensor] | None:
     """The step's training batch: the sample strategy's pick from the buffer, padded to tensors.
 
-    None when any rank has nothing to train on (e.g. every group filtered out as all-equal): ranks stay
-    in lockstep, so every rank skips the step, and the skip is logged.
+    ``versions[i]``: the policy version that sampled ``experiences[i]`` (an asynchronous run's lease,
+    ``Lease.sampled_versions``); None when this step's weights sampled them. None when any rank has
+    nothing to train on (e.g. every group filtered out as all-equal): ranks stay in lockstep, so every
+    rank skips the step, and the skip is logged.
     """
     run = stage.run
-    loop.buffer.put(experiences, step)
+    loop.buffer.put(experiences, step, versions=versions)
     stored = {id(item.experience): item for item in loop.buffer.items()}
     # a strategy may hand back a changed copy (mix_expert regroups demonstrations with
     # dataclasses.replace); the copy keeps the original's info dict, which finds its buffer item
