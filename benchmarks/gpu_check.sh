@@ -14,9 +14,26 @@
 #      naive path, time against the bare matmul and naive, peak memory;
 #   3. grpo: benchmarks/gpu_grpo_step.py, one GRPO update of a random-init Qwen2 with Qwen2.5-0.5B's
 #      shapes on 64 x 512 tokens, fused op against naive;
-#   4. sweep: forward and forward+backward times of a few Triton block configurations (bf16, V=151936).
+#   4. sweep: forward and forward+backward times of a few Triton block configurations (bf16, V=151936);
+#   5. peers (issue 47, item 3): benchmarks/grpo_head_loss.py at the issue's shapes (32768 x 896 x 151936 and
+#      16384 x 3584 x 152064, bf16): rltk triton, naive, CCE, Liger; ms, TFLOPS = 8 N H V / time, peak, error;
+#   6. trl (issue 47, item 4): benchmarks/step_vs_trl.py --device cuda --model-size 0.5B: rltk's GRPO step
+#      against TRL's, 8 x 8 samples x 256 new tokens, bf16; step time and peak, rltk / TRL.
 # PARTS="tests" (default "tests logprobs grpo sweep") runs only those parts: a check of the code paths alone
-# after the figures were taken.
+# after the figures were taken. "gpu-tests" is the gpu-marked tests alone (no CPU interpreter tests beside).
+#
+# Issue 47 in one run of ~8 minutes (15 minutes of device time: start-up, this, one rerun in reserve):
+#
+#   WHEELS=.gpu-carry PARTS="gpu-tests peers trl grpo" BUDGET=480 bash benchmarks/gpu_check.sh
+#
+# .gpu-carry holds Python 3.12 wheels the image lacks (the machine reaches no registry), fetched here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .gpu-carry omegaconf==2.4.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5 trl==1.16.0 \
+#       datasets dill multiprocess xxhash pyarrow
+# (omegaconf for rltk; CCE and Liger are pure Python + Triton; TRL imports datasets, which needs the rest
+# unless the image has them: pyarrow alone is ~40 MB of the 64 MiB a call carries, so leave out what the
+# image has). The preflight below prints which of them import; a part whose packages are missing says so in
+# its rows (peers: "skipped: not installed") or fails at once (trl), and the other parts still run.
 # Every part appends to $OUT/log.txt; $OUT/summary.md gets the versions, each part's exit status and
 # time, and the tables. At most 8 files land in $OUT (the device tool brings back no more).
 set -u
@@ -87,6 +104,20 @@ EOF
     echo '```'
 } >>"$SUMMARY"
 cat "$SUMMARY" | tee -a "$LOG"
+# Which optional packages import here (the peers' and TRL's), so a skipped row is explained in the summary.
+{
+    echo '```'
+    timeout 120 $PY - <<'EOF' 2>&1
+import importlib
+for name in ("omegaconf", "cut_cross_entropy", "liger_kernel", "trl", "datasets", "pyarrow", "pandas"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name}: {getattr(module, '__version__', 'imported')}")
+    except Exception as err:
+        print(f"{name}: MISSING ({type(err).__name__}: {err})")
+EOF
+    echo '```'
+} >>"$SUMMARY"
 
 # 1. tests. The kernel tests that need no GPU (CPU tensors, the Triton-interpreter cases: CPU-bound)
 # run in the background on 4 of the CPUs while the GPU parts run; the gpu-marked tests run alone first,
@@ -99,6 +130,8 @@ wanted tests && (
 KERNELS=$!
 GPU_TESTS="tests/kernels tests/strategies/test_accelerate_strategy.py tests/rollout/test_hf.py tests/rollout/test_vllm_engine.py
     tests/rollout/test_vllm_lora.py tests/recipes/test_recipes_on_cuda.py"
+wanted gpu-tests && part tests-gpu 200 $PY -m pytest -p no:cacheprovider -q -rA -m gpu $GPU_TESTS \
+    --junitxml="$OUT/tests-gpu.xml"
 wanted tests && part tests-gpu 300 $PY -m pytest -p no:cacheprovider -q -rA -m gpu $GPU_TESTS --junitxml="$OUT/tests-gpu.xml"
 
 # 2. the fused op against naive and the bare matmul (~3 min on an H100 by the sizes; see the README)
@@ -114,6 +147,27 @@ wanted grpo && part grpo 110 $PY benchmarks/gpu_grpo_step.py --precisions bf16-w
 wanted sweep && part sweep 60 $PY benchmarks/logprobs.py --device cuda --triton-configs --repeats 3 --n 16384 --d 4096 \
     --vocab 151936 --dtypes bfloat16 --out "$OUT/sweep.json" --table "$TMP/sweep.md"
 
+# 5. issue 47, item 3: the GRPO head loss against the peers at the issue's shapes (~2-3 min: the float64
+# reference, Triton and torch.compile warm-ups, 2 warm-ups + 5 timed runs of each method)
+wanted peers && part peers 240 $PY benchmarks/grpo_head_loss.py --device cuda --out "$OUT/peers.json" \
+    --table "$TMP/peers.md"
+
+# 6. issue 47, item 4: rltk's GRPO step against TRL's on a Qwen2.5-0.5B-shaped model (one round: rltk, then
+# TRL, 4 steps each with the first left out; generation of 64 x 256 tokens dominates a step)
+wanted trl && part trl 240 $PY benchmarks/step_vs_trl.py --device cuda --model-size 0.5B --rounds 1 --steps 4 \
+    --threads 0 --out "$OUT/trl.json"
+if wanted trl && [ -f "$OUT/trl.json" ]; then
+    $PY - "$OUT/trl.json" >"$TMP/trl.md" 2>&1 <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+s = r["summary"]
+print("| side | median step (s) | peak MiB | answer tokens |\n|---|---|---|---|")
+for side in ("rltk", "trl"):
+    print(f"| {side} | {s[side]['median_step_s']:.3f} | {s[side]['peak_mib']:.0f} | {s[side]['mean_answer_tokens']:.1f} |")
+print(f"\nrltk / TRL: step {r['ratio_rltk_over_trl']:.2f}x, peak {r['peak_ratio_rltk_over_trl']:.2f}x; {r['versions']}")
+EOF
+fi
+
 if wanted tests; then
     wait "$KERNELS"
     cat "$TMP/kernels.log" >>"$LOG"
@@ -125,7 +179,7 @@ fi
     echo "| part | result | time |"
     echo "|---|---|---|"
     cat "$TMP/parts"
-    for t in logprobs grpo sweep; do
+    for t in logprobs grpo sweep peers trl; do
         if [ -f "$TMP/$t.md" ]; then
             echo
             echo "## $t"

@@ -76,8 +76,8 @@ def run_distill_stage(stage: Stage) -> None:
         for step in range(loop.step + 1, t.total_steps + 1):
             tick = time.perf_counter()
             # rollout: the student samples n responses per prompt, scored by the reward fns
-            experiences, collect_metrics = rollouts.take(step)
-            batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+            rollout = rollouts.take(step)
+            batch = sampled_batch(stage, loop, parts, rollout, step, strategy)
             if batch is None:
                 rollouts.after_update(step)  # the version counts steps, trained or skipped
                 continue
@@ -104,7 +104,7 @@ def run_distill_stage(stage: Stage) -> None:
             mask = batch["response_mask"]
             metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, time.perf_counter() - tick,
                                          strategy),
-                       **collect_metrics,
+                       **rollout.metrics,
                        "distill/reverse_kl": global_masked_mean(batch["old_logprobs"] - batch["teacher_logprobs"],
                                                                 mask, strategy),
                        "distill/teacher_logprob": global_masked_mean(batch["teacher_logprobs"], mask, strategy),

@@ -87,9 +87,9 @@ def run_rl_stage(stage: Stage) -> None:
         for step in range(loop.step + 1, t.total_steps + 1):
             tick = time.perf_counter()
             # rollout: this step's experiences (time/rollout_s: sampling, or waiting for a producer's batch)
-            experiences, collect_metrics = rollouts.take(step)
+            rollout = rollouts.take(step)
             # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
-            batch = sampled_batch(stage, loop, parts, experiences, collect_metrics, step, strategy)
+            batch = sampled_batch(stage, loop, parts, rollout, step, strategy)
             if batch is None:
                 rollouts.after_update(step)  # the version counts steps, trained or skipped
                 continue
@@ -132,7 +132,7 @@ def run_rl_stage(stage: Stage) -> None:
             # log, evaluate, guard, checkpoint
             elapsed = time.perf_counter() - tick
             metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy),
-                       **collect_metrics, "kl_coef": loop.kl_ctl.value, **kl_metrics, **update_metrics}
+                       **rollout.metrics, "kl_coef": loop.kl_ctl.value, **kl_metrics, **update_metrics}
             end_step(stage, loop, step, metrics, strategy, rollouts)
     finally:
         rollouts.close()

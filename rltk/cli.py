@@ -24,8 +24,8 @@ import rltk
 from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.recipe_utils import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
-    VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, default_config_for, recipe_spec, resolve_recipe, shipped_recipes,
-    validate,
+    VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, config_layers, default_config_for, recipe_spec, resolve_recipe,
+    shipped_recipes, validate,
 )
 from rltk.registry import (
     KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
@@ -114,7 +114,8 @@ def cmd_run(args, extra: list[str]) -> int:
             raise UsageError(f"'{arg}' looks like a config file: pass it as `rltk run {args.recipe} --config {arg}`")
     # Validate before handing over, so a typo never costs a model load. The recipe validates
     # again as it starts (it can also run without this command) and prints the warnings then.
-    load_config(files, overrides, recipe=recipe_spec(recipe), warn=False)
+    defaults, chosen = config_layers(recipe, files)
+    load_config(chosen, overrides, recipe=recipe_spec(recipe), warn=False, defaults=defaults)
     argv = [str(recipe)]
     for f in files:
         argv += ["--config", str(f)]

@@ -38,13 +38,9 @@ def parse_recipe_args(argv: list[str] | None = None, recipe_file: str | None = N
     parser.add_argument("--config", action="append", default=[])
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    files = [Path(f) for f in args.config]
-    if not files:
-        default = recipe.parent / "configs" / f"{recipe.stem}.yaml"
-        if default.is_file():
-            files = [default]
+    defaults, files = config_layers(recipe, [Path(f) for f in args.config])
     try:
-        return load_config(files, args.overrides, recipe=recipe_spec(recipe))
+        return load_config(files, args.overrides, recipe=recipe_spec(recipe), defaults=defaults)
     except (ConfigError, RegistryError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -236,6 +232,19 @@ def default_config_for(recipe_path: Path) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
+def config_layers(recipe_path: Path, files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """``(the recipe's own config, the user's config files)`` of a run of ``recipe_path`` given ``--config files``.
+
+    Without ``files`` the recipe's own :func:`default_config_for` is the config (also when it is named as the
+    first ``--config``, as ``rltk run`` hands it on); it is read as the recipe's defaults, not as the user's
+    settings (``load_config(defaults=...)``: e.g. its LR warm-up is cut to fit a run shortened on the command line).
+    """
+    own = default_config_for(recipe_path)
+    if own is not None and (not files or Path(files[0]).resolve() == own.resolve()):
+        return [own], list(files[1:])
+    return [], list(files)
+
+
 # ---------------------------------------------------------------- commands
 
 def validate(recipe: str | None, files: list[Path], overrides: list[str], *, warn: bool = True):
@@ -243,16 +252,15 @@ def validate(recipe: str | None, files: list[Path], overrides: list[str], *, war
 
     Raises ConfigError (or RegistryError / UsageError) naming the key, the value and what is valid.
     """
-    spec = None
+    spec, defaults = None, []
     if recipe is not None:
         script = resolve_recipe(recipe)
         spec = recipe_spec(script)
-        if not files:  # as `rltk run`: the recipe's own config unless --config replaces it
-            default = default_config_for(script)
-            files = [default] if default is not None else []
-    cfg = load_config(files, overrides, recipe=spec, warn=warn)
+        # as `rltk run`: the recipe's own config unless --config replaces it
+        defaults, files = config_layers(script, list(files))
+    cfg = load_config(files, overrides, recipe=spec, warn=warn, defaults=defaults)
     checked = _check_warmup_demonstrations(cfg)
-    return cfg, (f"ok: {', '.join(map(str, files)) or 'defaults'}"
+    return cfg, (f"ok: {', '.join(map(str, defaults + files)) or 'defaults'}"
                  f"{' with ' + ' '.join(overrides) if overrides else ''}"
                  f"{' for recipe ' + spec.name if spec else ''} "
                  f"({what_runs(cfg, spec.name if spec else None)})"

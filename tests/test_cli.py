@@ -43,6 +43,48 @@ def test_validate_ok_and_errors(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
 
 
+def test_validate_loads_no_model_code():
+    """`rltk validate grpo` stays a couple of seconds: it never imports a model's code (transformers' modelling
+    and generation, torch's compiler, which they pull in). Two heavy imports remain, each for a check: torch,
+    which the registry's components are written in (their names and arguments are checked), and transformers'
+    tokenizer, which the check of the warm-up examples against the rollout's caps tokenizes with."""
+    import os
+
+    heavy = ["transformers.modeling_utils", "transformers.generation", "transformers.models.qwen2.modeling_qwen2",
+             "torch._dynamo"]
+    code = (f"import sys; from rltk.cli import main; code = main(['validate', 'grpo']); "
+            f"print('loaded:', [m for m in {heavy!r} if m in sys.modules]); sys.exit(code)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok: ") and "the first 256 warm-up examples fit the rollout" in out.stdout
+    assert out.stdout.splitlines()[-1] == "loaded: []"
+
+
+def test_a_short_run_cuts_the_recipes_warmup_to_fit_and_a_warmup_you_set_must_fit(tmp_path, capsys):
+    from rltk.config import ConfigError
+    from rltk.recipe_utils import validate
+
+    cfg, _ = validate("grpo", [], [])
+    assert (cfg.trainer.warmup_steps, cfg.sft.warmup_steps) == (10, 20)  # the shipped length trains as before
+    assert "rltk: note" not in capsys.readouterr().err
+    cfg, _ = validate("grpo", [], ["trainer.total_steps=2", "sft.steps=4"])
+    assert (cfg.trainer.warmup_steps, cfg.sft.warmup_steps) == (2, 4)
+    err = capsys.readouterr().err
+    assert ("rltk: note: trainer.warmup_steps=10 (a default; you did not set it) is longer than this run's "
+            "trainer.total_steps=2: using 2 (set trainer.warmup_steps to choose)") in err
+    cfg, _ = validate("ppo", [], ["trainer.total_steps=2"])  # the critic's warm-up leaves the policy one step
+    assert (cfg.critic.warmup_steps, cfg.trainer.warmup_steps) == (1, 1)
+    # set on the command line, or in the user's own file: refused, naming the key
+    with pytest.raises(ConfigError, match=r"bad value 10 for 'trainer.warmup_steps': must be in \[0, "
+                                          r"trainer.total_steps=2\]"):
+        validate("grpo", [], ["trainer.total_steps=2", "trainer.warmup_steps=10"])
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("trainer:\n  warmup_steps: 10\n")
+    with pytest.raises(ConfigError, match=r"bad value 10 for 'trainer.warmup_steps'"):
+        validate("grpo", [mine], ["trainer.total_steps=2"])
+
+
 def test_unknown_plugin_name_suggests_when_plugin_absent():
     import os
 

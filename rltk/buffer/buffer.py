@@ -1,33 +1,61 @@
-"""The experience buffer: experiences in arrival order, each tagged with its step and source.
+"""The experience buffer: experiences in arrival order, each tagged with its step, source and policy version.
 
 Workflows' experiences go in with :meth:`ExperienceBuffer.put`; a sample
 strategy (:mod:`rltk.buffer.strategies`) decides which come out for the
 trainer, and removes them. The buffer itself has no policy: it stores, finds
 and removes, oldest first.
+
+**Policy versions and staleness**, one definition for the whole package (the
+experience queue's bound and ``staleness/*`` metrics, the rollout traces):
+versions count an RL stage's steps, the weights before step ``s`` being
+version :func:`trainer_version` ``(s) = s - 1`` (the stage's starting weights
+are version 0, after a resume the resumed step); an experience's
+:func:`staleness` is the version of the trainer that trains it minus the
+version that sampled its oldest token (0 on-policy).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from rltk.batch import Experience
 
 POLICY = "policy"
 
 
+def trainer_version(step: int) -> int:
+    """The policy version RL step ``step`` (of a stage, counted from 1) trains: the weights before its update."""
+    return step - 1
+
+
+def staleness(version: int, sampled_version: int) -> int:
+    """How many policy versions an experience lags the trainer: ``version`` (the trainer's, the weights the step
+    updates) minus ``sampled_version`` (the policy that sampled the experience's oldest token). 0 on-policy."""
+    return version - sampled_version
+
+
 @dataclass(frozen=True)
 class BufferItem:
-    """One stored experience, the training step it was produced at, and where it came from.
+    """One stored experience, the training step it was put in at, where it came from, and which policy sampled it.
 
     ``source`` is ``"policy"`` for the policy's own rollouts; other names mark
     other streams (``"expert"`` demonstrations for the ``mix_expert`` strategy).
+    ``version`` is the policy version that sampled its oldest token; ``None``
+    means the weights of step ``step`` (``trainer_version(step)``, as a
+    synchronous run samples). See :attr:`sampled_version`.
     """
 
     experience: Experience
     step: int
     source: str = POLICY
+    version: int | None = None
+
+    @property
+    def sampled_version(self) -> int:
+        """The policy version that sampled it (its oldest token's)."""
+        return trainer_version(self.step) if self.version is None else self.version
 
 
 class ExperienceBuffer:
@@ -46,12 +74,21 @@ class ExperienceBuffer:
         self.evicted = 0
         self._items: list[BufferItem] = []
 
-    def put(self, experiences: Iterable[Experience], step: int, source: str = POLICY) -> None:
-        """Append ``experiences`` produced at training step ``step``, in their order."""
+    def put(self, experiences: Iterable[Experience], step: int, source: str = POLICY,
+            versions: Sequence[int] | None = None) -> None:
+        """Append ``experiences`` produced at training step ``step``, in their order.
+
+        ``versions[i]`` is the policy version that sampled ``experiences[i]``'s oldest token (an asynchronous run's
+        producer); ``None``: the weights of step ``step`` sampled them all.
+        """
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"ExperienceBuffer.put: step must be an integer training step, got {step!r}")
         if not isinstance(source, str) or not source:
             raise TypeError(f"ExperienceBuffer.put: source must be a non-empty string, got {source!r}")
+        experiences = list(experiences)
+        if versions is not None and len(versions) != len(experiences):
+            raise ValueError(f"ExperienceBuffer.put: {len(versions)} versions for {len(experiences)} experiences; "
+                             f"give one per experience (the version of its oldest token), or None")
         new = []
         for index, experience in enumerate(experiences):
             if not isinstance(experience, Experience):
@@ -59,7 +96,7 @@ class ExperienceBuffer:
                     f"ExperienceBuffer.put: item {index} is a {type(experience).__name__}, "
                     f"not a rltk.batch.Experience"
                 )
-            new.append(BufferItem(experience, step, source))
+            new.append(BufferItem(experience, step, source, None if versions is None else int(versions[index])))
         self._items.extend(new)
         if self.capacity is not None and len(self._items) > self.capacity:
             overflow = len(self._items) - self.capacity
@@ -117,17 +154,19 @@ class ExperienceBuffer:
     def state_dict(self) -> dict[str, Any]:
         """The stored items and the eviction count, JSON-able, for a checkpoint.
 
-        ``{"evicted": int, "items": [{"step", "source", "experience": {field: value}}, ...]}``,
-        oldest first. A sample strategy that leaves experiences for later steps
-        (``staleness`` with a ``batch_size``) trains a resumed run on exactly
-        what the uninterrupted run would have; on-policy strategies empty the
-        buffer every step, so their state is an empty list. Floats survive JSON
-        exactly; an experience's ``info`` must hold JSON-able values.
+        ``{"evicted": int, "items": [{"step", "source", "version", "experience": {field: value}}, ...]}``,
+        oldest first (``version`` ``None``: the weights of ``step``; a state
+        without it, saved before versions were kept, loads so). A sample
+        strategy that leaves experiences for later steps (``staleness`` with a
+        ``batch_size``) trains a resumed run on exactly what the uninterrupted
+        run would have; on-policy strategies empty the buffer every step, so
+        their state is an empty list. Floats survive JSON exactly; an
+        experience's ``info`` must hold JSON-able values.
         """
         return {
             "evicted": self.evicted,
-            "items": [{"step": item.step, "source": item.source, "experience": dataclasses.asdict(item.experience)}
-                      for item in self._items],
+            "items": [{"step": item.step, "source": item.source, "version": item.version,
+                       "experience": dataclasses.asdict(item.experience)} for item in self._items],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -150,7 +189,8 @@ class ExperienceBuffer:
         items = []
         for index, entry in enumerate(state["items"]):
             try:
-                items.append(BufferItem(Experience(**entry["experience"]), entry["step"], entry["source"]))
+                items.append(BufferItem(Experience(**entry["experience"]), entry["step"], entry["source"],
+                                        entry.get("version")))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"ExperienceBuffer.load_state_dict: state['items'][{index}] is not a stored "
                                  f"experience ({type(exc).__name__}: {exc})") from exc

@@ -44,7 +44,8 @@ splits a group (group advantages need every member in one batch).
 **Staleness.** Each experience carries the policy version that sampled it,
 per token where a rollout spans a weight update (``versions`` a list as long
 as the response); its staleness at take time is the trainer's ``version``
-minus its *oldest* token's version, and a group's is its stalest member's.
+minus its *oldest* token's version (:func:`rltk.buffer.buffer.staleness`),
+and a group's is its stalest member's.
 With ``max_staleness = k``, groups staler than ``k`` are never trained:
 
 * ``stale_policy="drop"``: they are marked ``dropped`` (kept in the file,
@@ -82,6 +83,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from rltk.batch import Experience
+from rltk.buffer.buffer import staleness
 
 __all__ = ["ExperienceQueue", "JOURNAL_MODES", "Lease", "QueueTimeout", "STALE_POLICIES", "token_staleness"]
 
@@ -138,6 +140,9 @@ class Lease:
     ones of :func:`token_staleness` (``token_mean``, ``mixed``), ``dropped``
     (experiences dropped as too stale by this take) and ``waited_s``, and the
     sum of the ``counters`` producers put since the last take (``put``).
+    ``sampled_versions[i]`` is the version of ``experiences[i]``'s oldest
+    token, the one its staleness counts from (the trainer's buffer keeps it,
+    and the rollout traces report it).
     """
 
     id: int
@@ -148,6 +153,7 @@ class Lease:
     versions: list[list[int]]
     group_keys: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
+    sampled_versions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.experiences)
@@ -161,7 +167,7 @@ def token_staleness(version: int, versions: Sequence[Sequence[int]]) -> dict[str
     """Per-token ``staleness/*`` of a batch trained by trainer ``version``: ``token_mean`` (trainer version
     minus the version that sampled the token, averaged over every response token) and ``mixed`` (the
     fraction of experiences whose tokens span a weight update: a rollout interrupted and continued)."""
-    tokens = [version - v for token_versions in versions for v in token_versions]
+    tokens = [staleness(version, v) for token_versions in versions for v in token_versions]
     spans = [token_versions for token_versions in versions if token_versions]
     return {
         "staleness/token_mean": sum(tokens) / len(tokens) if tokens else 0.0,
@@ -437,8 +443,8 @@ class ExperienceQueue:
         bound = self.max_staleness
         fresh, stale = [], []
         for members in groups.values():
-            staleness = version - min(r[3] for r in members)
-            (stale if bound is not None and staleness > bound else fresh).append(members)
+            lag = staleness(version, min(r[3] for r in members))
+            (stale if bound is not None and lag > bound else fresh).append(members)
         dropped = 0
         if stale and self.stale_policy == "drop":
             seqs = [(r[0],) for members in stale for r in members]
@@ -481,7 +487,7 @@ class ExperienceQueue:
 
     def _lease(self, lease_id: int, step: int, version: int, groups: list[list[tuple]],
                stored: dict[int, tuple]) -> Lease:
-        experiences, ids, versions, keys, staleness = [], [], [], [], []
+        experiences, ids, versions, keys, oldest, lags = [], [], [], [], [], []
         for new_group_id, members in enumerate(groups):
             for seq, exp_id, key, low in members:
                 token_versions, payload = stored[seq]
@@ -493,10 +499,11 @@ class ExperienceQueue:
                 versions.append(json.loads(token_versions) if token_versions is not None
                                 else [low] * len(exp.response_ids))
                 keys.append(key)
-                staleness.append(version - low)
-        metrics = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness)),
+                oldest.append(low)
+                lags.append(staleness(version, low))
+        metrics = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags)),
                    **token_staleness(version, versions)}
-        return Lease(lease_id, step, version, experiences, ids, versions, keys, metrics)
+        return Lease(lease_id, step, version, experiences, ids, versions, keys, metrics, oldest)
 
     def _timeout_message(self, count, step, version, waited, dropped, seen) -> str:
         bound = "no staleness bound" if self.max_staleness is None else (

@@ -67,6 +67,40 @@ def _preset(name: str, source: str) -> dict:
     return {k: v for k, v in dict(preset).items() if k != "description"}
 
 
+#: Each warm-up, the run's length it must fit in, and what a warm-up nobody set is cut to (see :func:`fit_warmups`).
+WARMUPS = (
+    ("critic.warmup_steps", "trainer.total_steps", lambda cfg: cfg.trainer.total_steps - 1),  # the policy trains too
+    ("trainer.warmup_steps", "trainer.total_steps", lambda cfg: cfg.trainer.total_steps - cfg.critic.warmup_steps),
+    ("critic.lr_warmup_steps", "trainer.total_steps", lambda cfg: cfg.trainer.total_steps),
+    ("sft.warmup_steps", "sft.steps", lambda cfg: cfg.sft.steps),
+    ("reward_model.warmup_steps", "reward_model.steps", lambda cfg: cfg.reward_model.steps),
+)
+
+
+def fit_warmups(cfg: DictConfig, chosen: Iterable[DictConfig]) -> list[str]:
+    """Cut each warm-up that none of the ``chosen`` nodes (the user's files and overrides) sets, and that is longer
+    than its run, to the run's length; returns one line per warm-up cut.
+
+    A shipped config's warm-up (``trainer.warmup_steps: 10`` in grpo.yaml) is sized for its run's length: a run
+    shortened with ``trainer.total_steps=2`` warms its LR up over those 2 steps instead of being refused for a
+    setting its user never made. A warm-up the user set stays as it is, and a bad one is an error naming the key
+    (:mod:`rltk.config.validation`). A run of the shipped length trains exactly as before.
+    """
+    chosen = list(chosen)
+    lines = []
+    for key, total, limit in WARMUPS:
+        value, steps = OmegaConf.select(cfg, key), OmegaConf.select(cfg, total)
+        if any(OmegaConf.select(node, key) is not None for node in chosen) or not (
+                isinstance(value, int) and isinstance(steps, int) and steps >= 1):
+            continue
+        fitted = max(0, limit(cfg))
+        if value > fitted:
+            OmegaConf.update(cfg, key, fitted)
+            lines.append(f"{key}={value} (a default; you did not set it) is longer than this run's {total}={steps}: "
+                         f"using {fitted} (set {key} to choose)")
+    return lines
+
+
 def load_config(
     files: Iterable[str | Path] = (),
     overrides: Iterable[str] = (),
@@ -74,8 +108,9 @@ def load_config(
     validate: bool = True,
     recipe: RecipeSpec | None = None,
     warn: bool = True,
+    defaults: Iterable[str | Path] = (),
 ) -> DictConfig:
-    """Build a run config: schema < preset < YAML ``files`` < ``overrides``.
+    """Build a run config: schema < preset < YAML ``defaults`` < YAML ``files`` < ``overrides``.
 
     The preset is the one named by ``algorithm.name`` after the files and
     overrides are read, so ``algorithm.name=ppo`` on the command line switches
@@ -86,9 +121,18 @@ def load_config(
     settings that take no effect (e.g. a KL estimator with ``kl_coef`` 0) and
     YAML settings that override a preset chosen on the command line (e.g.
     grpo.yaml's ``kl_coef`` under ``algorithm.name=dapo``) to stderr, one line each.
+
+    ``defaults`` are a recipe's own config (``configs/<recipe>.yaml``, read
+    when no ``--config`` replaces it): read before ``files``, and what they set
+    is the recipe's choice, not the user's. So a warm-up they set longer than a
+    run the user shortened is cut to fit it (:func:`fit_warmups`, a note on
+    stderr), where the same value from the user's ``files`` or ``overrides``
+    is refused.
     """
+    defaults = [Path(f) for f in defaults]
     files = [Path(f) for f in files]
-    file_nodes = [(str(f), one_name_as_list(load_yaml(f))) for f in files]
+    file_nodes = [(str(f), one_name_as_list(load_yaml(f))) for f in defaults + files]
+    chosen_files = [node for _, node in file_nodes[len(defaults):]]
     user = OmegaConf.create({})
     for _, node in file_nodes:
         user = OmegaConf.merge(user, node)
@@ -116,9 +160,12 @@ def load_config(
     cfg = checked_merge(schema, OmegaConf.create({"algorithm": preset}), f"preset '{preset_name}'")
     cfg = checked_merge(cfg, user, source)
     cfg = checked_merge(cfg, cli, "command line")
+    fitted = fit_warmups(cfg, [*chosen_files, cli])
     if validate:
         validate_config(cfg, recipe=recipe)
     if warn:
+        for line in fitted:
+            print(f"rltk: note: {line}", file=sys.stderr)
         messages = preset_override_warnings(cli, file_nodes, preset_name, preset, schema.algorithm.name)
         messages += kl_warnings(cfg, [("command line", cli), *reversed(file_nodes)], preset_name, preset)
         for message in messages:

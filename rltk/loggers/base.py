@@ -39,13 +39,17 @@ class StageSpan:
     """One stage of a run as loggers see it: it owns global steps ``first_step + 1 .. last_step``.
 
     ``name`` is the stage's name in the config (``stages[i].name``, e.g.
-    ``warmup``) and ``type`` its runner (``sft`` or ``rl``).
+    ``warmup``) and ``type`` its runner (``sft`` or ``rl``). ``cap``: ``steps``
+    is the most the stage runs, and it may stop before (a warm-up that ends on
+    reaching ``sft.stop_at_accuracy``); the next stage's steps still start
+    after ``last_step``.
     """
 
     name: str
     type: str
     first_step: int
     steps: int
+    cap: bool = False
 
     @property
     def last_step(self) -> int:
@@ -53,11 +57,11 @@ class StageSpan:
         return self.first_step + self.steps
 
 
-def stage_spans(stages: Sequence[tuple[str, str, int]]) -> list[StageSpan]:
-    """``(name, type, steps)`` of consecutive stages as spans of global steps."""
+def stage_spans(stages: Sequence[tuple]) -> list[StageSpan]:
+    """``(name, type, steps)`` or ``(name, type, steps, cap)`` of consecutive stages as spans of global steps."""
     spans, first = [], 0
-    for name, kind, steps in stages:
-        spans.append(StageSpan(str(name), str(kind), first, int(steps)))
+    for name, kind, steps, *cap in stages:
+        spans.append(StageSpan(str(name), str(kind), first, int(steps), bool(cap and cap[0])))
         first += int(steps)
     return spans
 

@@ -3,6 +3,14 @@
     [warmup 40/1200] step 40/1400 (3%) | sft loss 0.5312 | 0.05s/step | warmup ETA 58s, then grpo ?
     [grpo 25/200] step 1225/1400 (88%) | train reward 0.4 acc 0.31 | held-out greedy 0.52 sampled 0.31 | kl 0.0012 | ...
 
+A warm-up that stops once it reaches an accuracy target (``sft.stop_at_accuracy``)
+has a cap, not a length: it usually stops long before. Its line says so, with
+the time to the cap as an upper bound, and a run with such a stage counts each
+stage's steps on their own (the run's total is not known):
+
+    [warmup 40, up to 6000] | sft loss 0.5312 probe acc 0.1 | 0.05s/step | warmup at most 4m58s, then grpo ?
+    [grpo 1/200] (0%) | train reward 0.4 acc 0.31 | ... | 2.00s/step | ETA 6m38s
+
 On a terminal the line is redrawn in place as a bar; elsewhere (CI, a log file)
 one plain line is printed every ``every`` steps, plus the first and last step
 of the run and of each stage. Values stick: the held-out numbers keep showing
@@ -136,7 +144,8 @@ class ConsoleLogger:
         """Remember ``metrics`` and print or redraw the progress line when due."""
         values = scalar_metrics(metrics)
         now = self._clock()
-        self._follow_stage(step)
+        opening = self._opens_next_stage(step)
+        self._follow_stage(step, self.stage_index(step) + 1 if opening else None)
         if step <= self._clock_step:  # logged before the stage's first step: its steps start after this
             self._clock_time = now
         self._last_log_time = now
@@ -144,10 +153,21 @@ class ConsoleLogger:
         self._tokens_since_print += values.get("tokens", 0.0)
         is_new_step = step != self._last_step
         self._last_step = step
+        if opening:  # not a step of the stage that owns the number: nothing to show until the next one's first
+            return
         if self.tty:
             self._draw(step)
         elif is_new_step and self._due(step):
             self._print(step)
+
+    def _opens_next_stage(self, step: int) -> bool:
+        """Whether ``step`` is the last step of a stage that stopped before its cap, logged by the next stage (its
+        opening evaluation, at the global step before its first): the stage itself never ran it."""
+        index = self.stage_index(step)
+        if index is None or index + 1 >= len(self.stages) or self._last_step is None:
+            return False
+        stage = self.stages[index]
+        return stage.cap and step == stage.last_step and self._last_step < step - 1
 
     def _due(self, step: int) -> bool:
         if step % self.every == 0 or step >= self.total_steps or step == self.start_step + 1:
@@ -163,8 +183,8 @@ class ConsoleLogger:
                 return i
         return len(self.stages) - 1
 
-    def _follow_stage(self, step: int) -> None:
-        index = self.stage_index(step)
+    def _follow_stage(self, step: int, index: int | None = None) -> None:
+        index = self.stage_index(step) if index is None else index
         if index is None or index == self._stage:
             return
         stage = self.stages[index]
@@ -184,8 +204,14 @@ class ConsoleLogger:
         head = f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%)"
         if stage is not None:
             counted = [s for s in self.stages if s.steps > 0]
-            where = stage.name if len(counted) <= 1 else f"{stage.name} {max(0, step - stage.first_step)}/{stage.steps}"
-            head = f"[{where}] {head}"
+            done = max(0, step - stage.first_step)
+            if stage.cap:
+                head = f"[{stage.name} {done}, up to {stage.steps}]"
+            elif any(s.cap for s in counted):  # the run's length is unknown: the stage's own count
+                head = f"[{stage.name} {done}/{stage.steps}] ({100 * done / max(1, stage.steps):.0f}%)"
+            else:
+                where = stage.name if len(counted) <= 1 else f"{stage.name} {done}/{stage.steps}"
+                head = f"[{where}] {head}"
         parts = [head]
         for label, keys in self.fields.items():
             if isinstance(keys, dict):
@@ -220,17 +246,25 @@ class ConsoleLogger:
         stage = self.stages[index]
         left = format_duration(per_step * max(0, stage.last_step - step))
         later = [s.name for s in self.stages[index + 1:] if s.steps > 0]
+        # a stage that may stop early: the time to its cap is all that is known, an upper bound
+        eta = f"at most {left}" if stage.cap else f"ETA {left}"
         if not later:  # the last stage: its time left is the run's
-            return f"ETA {left}"
+            return f"{stage.name} {eta}" if stage.cap else eta
         # later stages run at their own, not yet measured, speed
-        return f"{stage.name} ETA {left}, then {', '.join(name + ' ?' for name in later)}"
+        return f"{stage.name} {eta}, then {', '.join(name + ' ?' for name in later)}"
 
     def _print(self, step: int) -> None:
         self.stream.write(self.line(step) + "\n")
         self.stream.flush()
 
     def _draw(self, step: int) -> None:
-        filled = min(self.bar_width, int(self.bar_width * step / self.total_steps))
+        index = self.stage_index(step)
+        if index is not None and any(s.cap for s in self.stages):  # the stage's share; the run's is unknown
+            stage = self.stages[index]
+            fraction = (step - stage.first_step) / max(1, stage.steps)
+        else:
+            fraction = step / self.total_steps
+        filled = max(0, min(self.bar_width, int(self.bar_width * fraction)))
         bar = "#" * filled + "." * (self.bar_width - filled)
         # \r returns to the line start, \x1b[K clears what a longer previous line left behind.
         self.stream.write(f"\r[{bar}] {self.line(step)}\x1b[K")

@@ -25,9 +25,14 @@ import os
 import string
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
+
 from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import Qwen2ForCausalLM
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|eos|>"
@@ -246,6 +251,11 @@ def build_tiny_model(
         )
     if tokenizer.eos_token_id is None:
         raise ValueError("build_tiny_model: the tokenizer has no eos token; generation could never stop")
+    # here, not at the top: the tokenizer alone (`rltk validate` checks warm-up examples with it) needs neither
+    # torch nor transformers' modelling code, whose import is most of a validate's time
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -276,6 +286,7 @@ def build_tiny_reward_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0
     weights are the ones it would give for ``seed``), with a linear score head on the last token.
     ``save_pretrained_dir`` writes the folder ``reward_model``'s ``path`` loads.
     """
+    import torch
     from transformers import Qwen2ForSequenceClassification
 
     lm = build_tiny_model(tokenizer, seed=seed, **sizes)

@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from rltk.buffer.buffer import trainer_version
 from rltk.buffer.queue import ExperienceQueue, Lease, QueueTimeout
 from rltk.distributed import share_cores
 from rltk.errors import ProcessWaitError
@@ -114,6 +115,7 @@ def rank_shares(lease: Lease, world_size: int) -> list[Lease]:
         share.ids.append(lease.ids[i])
         share.versions.append(lease.versions[i])
         share.group_keys.append(lease.group_keys[i])
+        share.sampled_versions.append(lease.sampled_versions[i])
     return shares
 
 
@@ -322,7 +324,7 @@ class AsyncRollouts:
             self.check_producers()
             left = self.timeout_s - (time.monotonic() - start)
             try:
-                lease = self.queue.take(self.count, step=step, version=step - 1,
+                lease = self.queue.take(self.count, step=step, version=trainer_version(step),
                                         timeout_s=max(min(CHECK_S, left), 1e-3))
             except QueueTimeout as exc:
                 if time.monotonic() - start >= self.timeout_s:

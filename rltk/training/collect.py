@@ -28,6 +28,16 @@ from rltk.training.ranks import any_rank
 EQUAL_SCORES_ATOL = 1e-6
 
 
+@dataclass
+class Rollout:
+    """One step's experiences for this rank, as a rollout source gives them
+    (:mod:`rltk.training.rollout_source`)."""
+
+    experiences: list[Experience]
+    metrics: dict[str, float]  # rollout/*, staleness/* ... and time/rollout_s (the time it took or waited)
+    versions: list[int] | None = None  # the policy version that sampled each; None: this step's weights
+
+
 @dataclass(frozen=True)
 class RolloutPlan:
     """How a step's rollouts are gathered, from the config and the chosen estimator.

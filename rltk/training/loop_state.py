@@ -26,7 +26,7 @@ import torch
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
-from rltk.training.collect import RolloutPlan, expert_experiences
+from rltk.training.collect import Rollout, RolloutPlan, expert_experiences
 from rltk.training.estimator import Estimator
 from rltk.training.forward import ForwardSettings
 from rltk.training.loss_components import LossComponents
@@ -61,7 +61,7 @@ class LoopState:
     kl_ctl: Any = None
     generator: torch.Generator | None = None
     reference: FrozenReference | None = None
-    # the buffer items (experience, step put, source) of the current batch's rows, in row order: what the
+    # the buffer items (experience, step put, source, sampling version) of the current batch's rows, in row order: what the
     # rollout traces read (not checkpointed; rebuilt every step by sampled_batch)
     batch_items: list | None = None
 
@@ -186,15 +186,18 @@ def start_rl_stage(stage, strategy, *, checkpointed=None) -> LoopState:
     return loop
 
 
-def sampled_batch(stage, loop: LoopState, parts: RLParts, experiences: list, collect_metrics: dict, step: int,
+def sampled_batch(stage, loop: LoopState, parts: RLParts, rollout: Rollout, step: int,
                   strategy) -> dict[str, torch.Tensor] | None:
     """The step's training batch: the sample strategy's pick from the buffer, padded to tensors.
 
-    None when any rank has nothing to train on (e.g. every group filtered out as all-equal): ranks stay
-    in lockstep, so every rank skips the step, and the skip is logged.
+    ``rollout`` is what the rollout source gave for the step: its experiences, their metrics, and the
+    policy version that sampled each (None when this step's weights sampled them). None when any rank
+    has nothing to train on (e.g. every group filtered out as all-equal): ranks stay in lockstep, so
+    every rank skips the step, and the skip is logged.
     """
     run = stage.run
-    loop.buffer.put(experiences, step)
+    experiences, collect_metrics = rollout.experiences, rollout.metrics
+    loop.buffer.put(experiences, step, versions=rollout.versions)
     stored = {id(item.experience): item for item in loop.buffer.items()}
     # a strategy may hand back a changed copy (mix_expert regroups demonstrations with
     # dataclasses.replace); the copy keeps the original's info dict, which finds its buffer item

@@ -5,7 +5,7 @@ A recipe's loop reads the same whatever ``trainer.mode`` is::
     rollouts = open_rollout_source(stage, strategy, loop, parts)
     try:
         for step in ...:
-            experiences, metrics = rollouts.take(step)   # sampled now, or a producer's batch
+            rollout = rollouts.take(step)                # sampled now, or a producer's batch
             ... train ...
             rollouts.after_update(step)                  # async: publish the weights every sync_every steps
             end_step(..., rollouts=rollouts)             # checkpoint, then rollouts.commit(step)
@@ -24,17 +24,15 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from rltk.batch import Experience
 from rltk.training.async_rollout import AsyncRollouts
-from rltk.training.collect import collect_experiences, produced_metrics
+from rltk.training.collect import Rollout, collect_experiences, produced_metrics
 
 
 class RolloutSource(Protocol):
     """What an RL loop asks of where its experiences come from."""
 
-    def take(self, step: int) -> tuple[list[Experience], dict[str, float]]:
-        """Training step ``step``'s experiences for this rank and their metrics (``rollout/*``,
-        ``staleness/*`` ... and ``time/rollout_s``, the time it took or waited)."""
+    def take(self, step: int) -> Rollout:
+        """Training step ``step``'s experiences for this rank."""
 
     def after_update(self, step: int) -> None:
         """Called after step ``step``'s update, trained or skipped (versions count steps)."""
@@ -54,11 +52,11 @@ class SyncRollouts:
     def __init__(self, workflow, sampler, plan, strategy):
         self.workflow, self.sampler, self.plan, self.strategy = workflow, sampler, plan, strategy
 
-    def take(self, step: int) -> tuple[list[Experience], dict[str, float]]:
+    def take(self, step: int) -> Rollout:
         tick = time.perf_counter()
         experiences, metrics = collect_experiences(self.workflow, self.sampler, self.plan, self.strategy)
         metrics["time/rollout_s"] = time.perf_counter() - tick
-        return experiences, metrics
+        return Rollout(experiences, metrics)
 
     def after_update(self, step: int) -> None:
         """Nothing to send: the engine samples with the module the strategy trains."""
@@ -77,12 +75,13 @@ class ProducedRollouts:
     def __init__(self, rollouts: AsyncRollouts):
         self.rollouts = rollouts
 
-    def take(self, step: int) -> tuple[list[Experience], dict[str, float]]:
+    def take(self, step: int) -> Rollout:
         tick = time.perf_counter()
         lease = self.rollouts.take(step)
         metrics = {**produced_metrics(lease.experiences), **lease.metrics}
         metrics["time/rollout_s"] = time.perf_counter() - tick
-        return lease.experiences, metrics
+        # the producers' policy versions, which staleness (the traces' too) counts from
+        return Rollout(lease.experiences, metrics, lease.sampled_versions)
 
     def after_update(self, step: int) -> None:
         self.rollouts.after_update(step)  # every trainer.sync_every steps, the producers' next weights

@@ -117,7 +117,10 @@ def open_run(cfg: DictConfig) -> Run:
         restore_rollout_state(workflow, resume)
 
     resume_step = resume["global_step"] if resume is not None else 0
-    spans = stage_spans([(st.name, st.type, n) for st, n in zip(cfg.stages, stage_steps)])
+    # a warm-up that may stop on reaching sft.stop_at_accuracy (at a probe before its last step): its sft.steps
+    # are a cap, not its length
+    spans = stage_spans([(st.name, st.type, n, st.type == "sft" and s.sft.stop_at_accuracy is not None
+                          and s.sft.probe_every < n) for s, st, n in zip(stages, cfg.stages, stage_steps)])
     metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step, stages=spans))
     if resume is not None and LOG_ROWS_KEY in resume:
         # Rows logged at the checkpoint's own step after it was saved (the next stage's opening

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rltk.buffer.buffer import POLICY, staleness, trainer_version
 from rltk.loggers.jsonl import read_jsonl_metrics
 
 TRACES_FILE = "traces.jsonl"
@@ -159,8 +160,10 @@ class TraceWriter:
                 else None,
                 "finish_reason": getattr(experience, "finish_reason", None),
                 "source": getattr(item, "source", None),
-                # steps between sampling and training (0 on-policy); none for expert data
-                "staleness": step - item.step if item is not None and item.source == "policy" else None,
+                # policy versions between the one that sampled it and the one it trains (0 on-policy; the
+                # queue's staleness/* in an asynchronous run); none for expert data
+                "staleness": staleness(trainer_version(step), item.sampled_version)
+                if item is not None and item.source == POLICY else None,
                 "response_tokens": n, "policy_tokens": int(policy_tokens),
                 "tokens": self._pieces(ids),
                 "token_ids": ids,

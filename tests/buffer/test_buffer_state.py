@@ -69,6 +69,23 @@ def test_staleness_trains_a_resumed_run_on_what_it_had_left():
     assert resumed.items() == straight.items()
 
 
+def test_the_sampling_policy_versions_survive_and_a_state_saved_without_them_loads_as_the_steps_weights():
+    buffer = ExperienceBuffer()
+    buffer.put([exp(1, 0), exp(2, 0)], 5, versions=[3, 4])  # an asynchronous producer's, lagging 1 and 0
+    buffer.put([exp(3, 1)], 5)  # sampled by step 5's own weights: version 4
+    state = json.loads(json.dumps(buffer.state_dict()))
+    restored = ExperienceBuffer()
+    restored.load_state_dict(state)
+    assert restored.items() == buffer.items()
+    assert [item.sampled_version for item in restored.items()] == [3, 4, 4]
+    for entry in state["items"]:  # a checkpoint from before versions were kept
+        del entry["version"]
+    restored.load_state_dict(state)
+    assert [item.sampled_version for item in restored.items()] == [4, 4, 4]
+    with pytest.raises(ValueError, match="1 versions for 2 experiences"):
+        buffer.put([exp(1, 0), exp(2, 0)], 6, versions=[5])
+
+
 def test_loading_replaces_what_was_there():
     buffer = ExperienceBuffer()
     buffer.put([exp(1, 0)], 1)

@@ -198,3 +198,38 @@ def test_the_warm_up_probe_shows_the_truncated_fraction_beside_its_accuracy():
     logger.log({"sft/sft_loss": 0.02, "sft/train_accuracy": 0.0, "sft/probe_truncated_fraction": 1.0}, 1)
     assert stream.getvalue().splitlines()[0].startswith(
         "[warmup 1/10] step 1/15 (7%) | sft loss 0.02 probe acc 0 truncated 1 |")
+
+
+def test_a_warm_up_that_may_stop_early_shows_its_cap_and_the_rl_stage_counts_its_own_steps():
+    # sft.steps=6000 with sft.stop_at_accuracy: a cap. The warm-up stops at its probe of step 2; the RL stage's
+    # opening evaluation is logged at global step 6000, and its steps are 6001.. (the cap stays reserved)
+    from rltk.loggers.base import stage_spans
+
+    logger, stream, clock = make(total_steps=6200, every=10)
+    logger.set_stages(stage_spans([("warmup", "sft", 6000, True), ("grpo", "rl", 200)]))
+    for step in (1, 2):  # 0.1 s a step
+        clock.now = 0.1 * step
+        logger.log({"sft/sft_loss": 0.5 / step, "sft/train_accuracy": 0.45}, step)
+    clock.now = 5.0  # 4.8 s of evaluation before the first RL step
+    logger.log({"eval/accuracy": 0.52}, 6000)
+    for step in (6001, 6002):  # 2 s a step
+        clock.now = 5.0 + 2.0 * (step - 6000)
+        logger.log({"reward": 0.4}, step)
+    lines = stream.getvalue().splitlines()
+    # the warm-up's time to its cap is an upper bound (5999 steps left x 0.1 s), not an ETA
+    assert lines[0] == ("[warmup 1, up to 6000] | sft loss 0.5 probe acc 0.45 | 0.10s/step | "
+                        "warmup at most 10m00s, then grpo ?")
+    # no line for step 6000, which the warm-up never ran; RL counts its own steps: 1 of 200, not 6001 of 6200
+    assert lines[1] == "[grpo 1/200] (0%) | train reward 0.4 | held-out greedy 0.52 | 2.00s/step | ETA 6m38s"
+    assert len(lines) == 2  # steps 2 and 6002 are neither a stage's first or last nor a multiple of every=10
+
+
+def test_the_bar_of_a_run_with_a_capped_warm_up_fills_with_the_stage():
+    from rltk.loggers.base import stage_spans
+
+    logger, stream, clock = make(total_steps=120, tty=True, bar_width=10)
+    logger.set_stages(stage_spans([("warmup", "sft", 100, True), ("grpo", "rl", 20)]))
+    logger.log({"sft/sft_loss": 0.5}, 1)
+    logger.log({"eval/accuracy": 0.5}, 100)
+    logger.log({"reward": 0.4}, 110)
+    assert stream.getvalue().rsplit("\r", 1)[-1].startswith("[#####.....] [grpo 10/20] (50%)")

@@ -95,6 +95,26 @@ def test_each_step_trains_one_batch_within_the_staleness_bound(straight):
         sum(c["producer/sample_s"] for c, r in counters if r))
 
 
+def test_traces_count_staleness_from_the_version_the_queue_recorded(straight):
+    from rltk.training.traces import TRACES_FILE, read_traces
+
+    # (training step, row, sample) -> the policy version of the sample's oldest token, as the queue stored it
+    with sqlite3.connect(straight / QUEUE) as db:
+        stored = [(step, json.loads(payload)["info"], low) for step, low, payload in db.execute(
+            "SELECT l.step, e.min_version, e.payload FROM experiences e JOIN leases l ON e.lease = l.id "
+            "WHERE e.status = 'consumed' AND l.state = 'committed'")]
+    sampled = {(step, info["row_id"], info["sample_index"]): low for step, info, low in stored}
+    assert len(sampled) == len(stored) == 16 * RL_STEPS
+    traces = read_traces(straight / TRACES_FILE)
+    assert len(traces) == 16 * RL_STEPS  # logging.traces_per_step=16: every sample of every step
+    for r in traces:  # trainer version (step - 1) minus the sampler's
+        assert r["staleness"] == r["stage_step"] - 1 - sampled[(r["stage_step"], r["row_id"], r["sample_index"])]
+    for m in metrics(straight):
+        if "staleness/mean" in m:
+            lags = [r["staleness"] for r in traces if r["step"] == m["step"]]
+            assert sum(lags) / len(lags) == pytest.approx(m["staleness/mean"])
+
+
 def test_a_trainer_killed_mid_stage_resumes_training_the_same_experiences_once(tmp_path, straight):
     rl_step = random.Random("async-trainer-crash").randint(3, RL_STEPS)
     crashing = tmp_path / "crashing"

@@ -28,7 +28,7 @@ def lease() -> Lease:
     experiences = [Experience(prompt_ids=[1], response_ids=[2], score=float(g), group_id=g)
                    for g in range(3) for _ in range(2)]
     ids = [f"p-b0-{i}" for i in range(6)]
-    return Lease(1, 5, 4, experiences, ids, [[4]] * 6, ["k"] * 6, {"staleness/max": 0.0})
+    return Lease(1, 5, 4, experiences, ids, [[4]] * 6, ["k"] * 6, {"staleness/max": 0.0}, [4] * 6)
 
 
 def main() -> None:

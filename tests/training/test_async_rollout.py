@@ -144,7 +144,7 @@ def _lease(groups: list[int]):
             experiences.append(Experience(prompt_ids=[1], response_ids=[2, 3], score=float(g), group_id=g))
             ids.append(f"p-b0-{len(ids)}")
     return Lease(9, 4, 3, experiences, ids, [[3, 3]] * len(ids), [f"k{e.group_id}" for e in experiences],
-                 {"staleness/max": 1.0})
+                 {"staleness/max": 1.0}, [3] * len(ids))
 
 
 def test_rank_shares_give_whole_groups_round_robin_and_every_id_once():
@@ -157,6 +157,7 @@ def test_rank_shares_give_whole_groups_round_robin_and_every_id_once():
     assert sorted(i for s in shares for i in s.ids) == sorted(lease.ids)
     for share in shares:  # each id still describes its experience, and every rank logs the batch's metrics
         assert all(f"k{e.group_id}" == k for e, k in zip(share.experiences, share.group_keys))
+        assert share.sampled_versions == [3] * len(share)
         assert (share.step, share.version, share.metrics) == (4, 3, {"staleness/max": 1.0})
     assert rank_shares(lease, 1)[0].ids == lease.ids
 

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rltk.batch import Experience, collate
-from rltk.buffer.buffer import BufferItem
+from rltk.buffer.buffer import BufferItem, ExperienceBuffer
 from rltk.training.traces import TRACES_FILE, TraceWriter, pick_rows, read_traces
 
 
@@ -78,6 +78,39 @@ def test_records_hold_prompt_rewards_advantage_and_the_per_token_view():
     assert r2["source"] == "expert" and r2["staleness"] is None
     assert r2["info"]["messages"][1] == {"role": "tool", "content": "fg"} and r2["info"]["tool_calls"] == 1
     assert "prompt" not in r2["info"]  # written once, at the top level
+
+
+def test_an_async_steps_traces_count_staleness_from_the_policy_version_the_queue_recorded(tmp_path):
+    """Queue -> lease -> the step's buffer -> trace records, as recipes/grpo.py runs them: each trace's
+    staleness is the trainer's version minus the version of the sample's oldest token, the queue's
+    staleness/* (not 0 because the lease and the training step are the same step)."""
+    from rltk.buffer.buffer import trainer_version
+    from rltk.buffer.queue import ExperienceQueue
+    from rltk.buffer.strategies import OnPolicy
+    from rltk.training.collect import Rollout
+    from rltk.training.loop_state import LoopState, sampled_batch
+
+    def group(g, prompt):
+        return [Experience([1, prompt], [2 + i, 3], float(i), g, info={"prompt": f"P{prompt}", "sample_index": i})
+                for i in range(2)]
+
+    with ExperienceQueue(tmp_path / "q.sqlite", max_staleness=1) as queue:
+        queue.put(group(0, 10), ids=["p-b0-0", "p-b0-1"], versions=2, producer="p")  # sampled by version 2
+        queue.put(group(0, 11), ids=["p-b1-0", "p-b1-1"], versions=3, producer="p")  # by the trainer's version
+        # a rollout continued across a weight update: its oldest token is version 2's
+        queue.put(group(0, 12), ids=["p-b1-2", "p-b1-3"], versions=[[2, 3], [3, 3]], producer="p")
+        step = 4
+        lease = queue.take(6, step=step, version=trainer_version(step))
+    assert lease.sampled_versions == [2, 2, 3, 3, 2, 3]
+    run = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0), cfg=stage().run.cfg)
+    loop = LoopState(sampler=None, buffer=ExperienceBuffer())
+    parts = SimpleNamespace(sample_strategy=OnPolicy(), plan=SimpleNamespace(reward_components=False))
+    the_stage = SimpleNamespace(first_step=20, index=1, run=run)
+    batch = sampled_batch(the_stage, loop, parts, Rollout(lease.experiences, {}, lease.sampled_versions), step, None)
+    records = TraceWriter(tmp_path, CharTokenizer()).records(the_stage, step, batch, loop.batch_items)
+    assert [r["staleness"] for r in records] == [1, 1, 0, 0, 1, 0]  # trainer version 3 minus 2, 2, 3, 3, 2, 3
+    assert sum(r["staleness"] for r in records) / 6 == pytest.approx(lease.metrics["staleness/mean"])
+    assert max(r["staleness"] for r in records) == lease.metrics["staleness/max"] == 1
 
 
 def test_every_and_the_size_cap(tmp_path, capsys):
