@@ -84,7 +84,8 @@ def run_rl_stage(stage: Stage) -> None:
         run.metric_log.log(evaluate(workflow, run.eval_rows, cfg), stage.first_step)
     # trainer.mode one_step_off / async: a producer process samples with weights published every
     # trainer.sync_every steps, at most trainer.max_staleness versions behind; sync: None, sampled here
-    rollouts = start_producer(stage, strategy, resumed_step=loop.step)
+    # (a resumed stage goes on only from the queue its checkpoint trained from: see loop.queue_cursor)
+    rollouts = start_producer(stage, strategy, resumed_step=loop.step, cursor=loop.queue_cursor)
     try:
         train_steps(stage, strategy, parts, loop, rollouts)
     finally:
@@ -168,6 +169,8 @@ def train_steps(stage: Stage, strategy, parts: RLParts, loop, rollouts) -> None:
         # checkpoint
         loop.step = step
         if should_checkpoint(cfg, step, t.total_steps):
+            if rollouts is not None:
+                loop.queue_cursor = rollouts.cursor(step)  # what it trained from the queue, checked on resume
             save_checkpoint(stage, strategy, loop, last_step=t.total_steps)
             if rollouts is not None:
                 rollouts.commit(step)  # the queue's leases of steps <= step are consumed, exactly once
