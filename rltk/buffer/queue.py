@@ -61,6 +61,21 @@ experiences, then raises :class:`QueueTimeout` (never a silent hang).
 Only one process should take and commit (the trainer's rank 0; it then
 hands each rank its share); any number may put.
 
+**A lost or damaged file.** Exactly once holds only while the checkpoint and
+the queue it trained from go together. Each queue file has an id of its own
+(random, set when the file is created); :meth:`cursor` is what the steps up
+to a checkpoint's took from it (that id, how many experiences, the last one's
+arrival number, each producer's last id), saved in the checkpoint, and
+:meth:`check_cursor` refuses a queue that does not hold it: another (or a new,
+empty) file, missing rows, a cursor past the queue's end. A file SQLite
+cannot read (truncated, overwritten) or that is not an experience queue is
+refused when opened, or by whichever call first reads the damage, with
+:class:`QueueFileError` naming it, never a raw ``sqlite3`` error. A queue
+that replaces a lost one is told, with :meth:`carry_over`, each producer's
+last id the checkpoint trained: :meth:`last_id` hands it to a producer that
+has put nothing into the new file yet, so it goes on after it and nothing
+already trained is put (and trained) again.
+
 **Across machines.** WAL mode keeps its index in shared memory, which works
 only between processes of one machine: SQLite's documentation says WAL "does
 not work over a network filesystem". A queue that producers on other machines
@@ -73,9 +88,11 @@ lock manager, NFSv4, Lustre mounted with ``flock``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
+import secrets
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -84,8 +101,10 @@ from typing import Iterable, Sequence
 
 from rltk.batch import Experience
 from rltk.buffer.buffer import staleness
+from rltk.errors import ConfigError
 
-__all__ = ["ExperienceQueue", "JOURNAL_MODES", "Lease", "QueueTimeout", "STALE_POLICIES", "token_staleness"]
+__all__ = ["ExperienceQueue", "JOURNAL_MODES", "Lease", "QueueFileError", "QueueTimeout", "STALE_POLICIES",
+           "token_staleness"]
 
 STALE_POLICIES = ("drop", "wait")
 #: SQLite journal modes the queue runs in: ``wal`` (one machine) or ``delete`` (a network file system).
@@ -106,6 +125,8 @@ CREATE TABLE IF NOT EXISTS experiences (
     put_time REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS experiences_status ON experiences (status, seq);
+-- a lease's rows, and the cursor's count of what the steps up to a checkpoint took, without reading payloads
+CREATE INDEX IF NOT EXISTS experiences_lease ON experiences (lease, producer);
 CREATE TABLE IF NOT EXISTS leases (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     step INTEGER NOT NULL,
@@ -120,11 +141,59 @@ CREATE TABLE IF NOT EXISTS producer_counters (
     counters TEXT NOT NULL,                  -- JSON {name: number} of the put that stored them
     reported INTEGER NOT NULL DEFAULT 0      -- 1 once a take has handed them to the trainer
 );
+CREATE TABLE IF NOT EXISTS carried_ids (    -- a queue that replaced a lost one: where each producer goes on
+    producer TEXT PRIMARY KEY,
+    last_id TEXT NOT NULL                    -- its last id the resumed checkpoint trained (carry_over)
+);
 """
+
+#: The columns this version reads of each table; a file whose tables lack them is not (this version's) queue.
+_COLUMNS = {
+    "experiences": {"seq", "id", "producer", "group_key", "min_version", "max_version", "versions", "payload",
+                    "status", "lease", "put_time"},
+    "leases": {"id", "step", "version", "state", "take_time"},
+    "meta": {"key", "value"},
+    "producer_counters": {"seq", "producer", "counters", "reported"},
+    "carried_ids": {"producer", "last_id"},
+}
+#: The meta key of the queue file's own random id (see ExperienceQueue.queue_id).
+QUEUE_ID = "queue_id"
 
 
 class QueueTimeout(TimeoutError):
     """A wait on the experience queue ran out; the message says what was waited for and what was there."""
+
+
+class QueueFileError(ConfigError):
+    """The queue's file cannot be trained from: damaged, not an experience queue, or not holding what a
+    checkpoint took from it. The message names the file and what is wrong with it (``rltk run`` exits 2)."""
+
+
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite's error says the file is damaged or no database (not a lock, a full disk, a bug)."""
+    name = getattr(exc, "sqlite_errorname", None)  # Python 3.11+
+    if name is not None:
+        return name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
+    return type(exc) is sqlite3.DatabaseError
+
+
+def _damage_message(path: Path, exc: sqlite3.DatabaseError) -> str:
+    return (f"experience queue {path} is damaged: SQLite cannot read it ({exc}); the file was truncated or "
+            f"overwritten, or is no SQLite database")
+
+
+def _reads_the_file(method):
+    """Wrap a public method: a damaged file found by any of its statements is a :class:`QueueFileError`
+    naming the file, not a raw ``sqlite3.DatabaseError``."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as exc:
+            if _damaged(exc):
+                raise QueueFileError(_damage_message(self.path, exc)) from None
+            raise
+    return wrapper
 
 
 @dataclass
@@ -235,8 +304,37 @@ class ExperienceQueue:
             self._db.close()
             raise QueueTimeout(f"experience queue {self.path}: could not open it within {self.busy_timeout_s:g} s "
                                f"(another process holds its lock?): {exc}") from exc
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            if _damaged(exc):
+                raise QueueFileError(_damage_message(self.path, exc)) from None
+            raise
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _check_schema(self) -> None:
+        """Refuse, before writing anything, a database that holds tables but no experiences (a file of
+        another program), or queue tables without the columns this version reads."""
+        tables = {name for (name,) in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+        if tables and "experiences" not in tables:
+            raise QueueFileError(
+                f"experience queue {self.path} is an SQLite database but no experience queue: it holds the tables "
+                f"{', '.join(sorted(tables))} and no 'experiences'. Give the queue a file of its own "
+                f"(buffer.queue_path)")
+        for table in sorted(tables & set(_COLUMNS)):
+            columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            missing = _COLUMNS[table] - columns
+            if missing:
+                raise QueueFileError(
+                    f"experience queue {self.path} is not a queue this rltk can read: its table '{table}' lacks "
+                    f"the column(s) {', '.join(sorted(missing))} (written by another rltk version, or another "
+                    f"program)")
 
     def _setup(self) -> None:
+        # a damaged file fails here, at its first read, and a foreign database is refused untouched
+        self._check_schema()
         # journal mode and the schema are set outside a transaction (SQLite refuses WAL inside one); each
         # statement is atomic and idempotent, so processes opening the file together do not conflict
         mode = self._db.execute(f"PRAGMA journal_mode={self.journal_mode.upper()}").fetchone()[0]
@@ -251,6 +349,9 @@ class ExperienceQueue:
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 self._db.execute(statement)
+        if self._meta(QUEUE_ID) is None:  # a new file (or one an older rltk made): its own id, set once
+            self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
+                             (QUEUE_ID, secrets.randbits(62) + 1))
 
     def close(self) -> None:
         self._db.close()
@@ -293,6 +394,7 @@ class ExperienceQueue:
     # ------------------------------------------------------------------
     # producers
 
+    @_reads_the_file
     def put(self, experiences: Iterable[Experience], *, ids: Sequence[str],
             versions: int | Sequence[int | Sequence[int]], producer: str = "producer",
             counters: dict[str, float] | None = None) -> int:
@@ -369,6 +471,7 @@ class ExperienceQueue:
 
         return self._execute_locked("put experiences", insert)
 
+    @_reads_the_file
     def publish_version(self, version: int) -> None:
         """Record the trainer's current policy version, for producers to read with :attr:`policy_version`."""
         if not _is_int(version) or version < 0:
@@ -376,6 +479,7 @@ class ExperienceQueue:
         self._execute_locked("publish the policy version", self._set_meta, "policy_version", version)
 
     @property
+    @_reads_the_file
     def policy_version(self) -> int:
         """The last version :meth:`publish_version` recorded (0 before any)."""
         return self._meta("policy_version", 0)
@@ -383,6 +487,7 @@ class ExperienceQueue:
     # ------------------------------------------------------------------
     # the trainer
 
+    @_reads_the_file
     def take(self, count: int, *, step: int, version: int, timeout_s: float | None = None) -> Lease:
         """Lease whole groups, oldest first, totalling ``count`` experiences, for training step ``step``.
 
@@ -518,6 +623,7 @@ class ExperienceQueue:
             msg += f"; {dropped} were dropped as too stale while waiting"
         return msg + ". Are the producers running, and syncing weights often enough?"
 
+    @_reads_the_file
     def commit(self, step: int) -> int:
         """Mark every open lease of steps ``<= step`` consumed, and ``step`` the committed step, atomically.
 
@@ -541,6 +647,7 @@ class ExperienceQueue:
         self._set_meta("committed_step", step)
         return consumed
 
+    @_reads_the_file
     def recover(self, resumed_step: int) -> dict[str, int]:
         """After a (re)start from the checkpoint of ``resumed_step`` (0: none): settle the open leases.
 
@@ -558,7 +665,7 @@ class ExperienceQueue:
         def settle() -> dict[str, int]:
             committed = self._meta("committed_step", 0)
             if committed > resumed_step:
-                raise ValueError(
+                raise QueueFileError(
                     f"experience queue {self.path}: its experiences are committed up to training step {committed}, "
                     f"but the run resumes from step {resumed_step}; the experiences of steps {resumed_step + 1}.."
                     f"{committed} were consumed by a checkpoint this run does not start from. Resume from the "
@@ -573,31 +680,37 @@ class ExperienceQueue:
         return self._execute_locked("recover open leases", settle)
 
     @property
+    @_reads_the_file
     def committed_step(self) -> int:
         """The last step :meth:`commit` (or :meth:`recover`) recorded; 0 before any."""
         return self._meta("committed_step", 0)
 
     @property
+    @_reads_the_file
     def taken_step(self) -> int:
         """The last training step that took a lease still standing (open or committed), else the committed
         step: a producer reads it to know how far ahead of the trainer its next group would train."""
         row = self._db.execute("SELECT MAX(step) FROM leases WHERE state != 'returned'").fetchone()
         return max(int(row[0]) if row[0] is not None else 0, self.committed_step)
 
+    @_reads_the_file
     def finish(self, step: int) -> None:
         """Record that the trainer ended its stage at training step ``step``: producers that read
         :attr:`finished_step` stop (an external producer exits 0 instead of waiting out its timeout)."""
         self._execute_locked("record the trainer's end", self._set_meta, "finished_step", int(step))
 
     @property
+    @_reads_the_file
     def finished_step(self) -> int | None:
         """The step :meth:`finish` recorded, or None while the trainer has not ended its stage."""
         return self._meta("finished_step")
 
+    @_reads_the_file
     def producers(self) -> dict[str, int]:
         """Experiences put so far, by producer name (any status): who has shown up."""
         return dict(self._db.execute("SELECT producer, COUNT(*) FROM experiences GROUP BY producer"))
 
+    @_reads_the_file
     def progress(self) -> tuple[int, int]:
         """``(taken_step, ready experiences)`` read in one snapshot, for a producer's staleness gate: read
         apart, a take between them is half seen (the old step with the new, smaller ready count)."""
@@ -608,15 +721,92 @@ class ExperienceQueue:
         finally:
             self._db.execute("COMMIT")
 
+    @_reads_the_file
     def last_id(self, producer: str) -> str | None:
-        """The id of ``producer``'s most recent put (any status), or None: where a restarted producer goes on."""
+        """The id of ``producer``'s most recent put (any status), or None: where a restarted producer goes on.
+
+        A producer that has put nothing into a queue that replaced a lost one gets its last id the resumed
+        checkpoint trained (:meth:`carry_over`), so it goes on after that.
+        """
         row = self._db.execute("SELECT id FROM experiences WHERE producer = ? ORDER BY seq DESC LIMIT 1",
                                (producer,)).fetchone()
+        if row is None:
+            row = self._db.execute("SELECT last_id FROM carried_ids WHERE producer = ?", (producer,)).fetchone()
         return None if row is None else row[0]
+
+    # ------------------------------------------------------------------
+    # the checkpoint's cursor
+
+    @property
+    @_reads_the_file
+    def queue_id(self) -> int:
+        """This file's own id, random, set when it was created: a cursor names the queue it was taken from."""
+        return self._meta(QUEUE_ID)
+
+    @_reads_the_file
+    def cursor(self, step: int) -> dict:
+        """What training steps ``1..step`` took from this queue, for the checkpoint of ``step`` to keep.
+
+        ``{"queue_id", "step", "experiences", "last_seq", "last_ids"}``: the file's id, how many
+        experiences the standing (open or committed) leases of those steps hold, the arrival number of the
+        last of them (0 for none), and per producer the last id they took (or the one carried over into
+        this queue, see :meth:`carry_over`). JSON-able; :meth:`check_cursor` compares a queue against it.
+        """
+        if not _is_int(step) or step < 0:
+            raise ValueError(f"ExperienceQueue.cursor: step must be an integer >= 0, got {step!r}")
+        taken = "SELECT id FROM leases WHERE step <= ? AND state IN ('open', 'committed')"
+        count, last_seq = self._db.execute(
+            f"SELECT COUNT(*), COALESCE(MAX(seq), 0) FROM experiences WHERE lease IN ({taken})", (step,)).fetchone()
+        last_ids = dict(self._db.execute("SELECT producer, last_id FROM carried_ids"))
+        last_ids.update(self._db.execute(
+            f"SELECT producer, id FROM experiences WHERE seq IN (SELECT MAX(seq) FROM experiences WHERE lease IN "
+            f"({taken}) GROUP BY producer)", (step,)))
+        return {"queue_id": self.queue_id, "step": step, "experiences": int(count), "last_seq": int(last_seq),
+                "last_ids": dict(sorted(last_ids.items()))}
+
+    @_reads_the_file
+    def check_cursor(self, cursor: dict) -> None:
+        """Raise :class:`QueueFileError` unless this queue holds what ``cursor`` (:meth:`cursor` of a
+        checkpoint's step) says those steps took from it: the same file (its id), every one of those
+        experiences, and none of them beyond the queue's end. Reads only."""
+        step = int(cursor["step"])
+        what = (f"the checkpoint of training step {step} trained {cursor['experiences']} experiences from it "
+                f"(the last one arrival number {cursor['last_seq']})")
+        if self.queue_id != cursor["queue_id"]:
+            stored = self._db.execute("SELECT COUNT(*) FROM experiences").fetchone()[0]
+            leases = self._db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
+            which = ("is a new, empty queue" if not stored and not leases else
+                     f"is another queue (id {self.queue_id:x}, not the checkpoint's {int(cursor['queue_id']):x}: "
+                     f"a replaced file, or another run's or stage's queue)")
+            raise QueueFileError(f"experience queue {self.path} {which}, but {what}")
+        now = self.cursor(step)
+        if (now["experiences"], now["last_seq"]) != (cursor["experiences"], cursor["last_seq"]):
+            end = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM experiences").fetchone()[0]
+            beyond = (f"; the queue ends at arrival number {end}, before the checkpoint's cursor"
+                      if end < cursor["last_seq"] else "")
+            raise QueueFileError(
+                f"experience queue {self.path} does not hold what the checkpoint trained from it: it holds "
+                f"{now['experiences']} experiences taken by steps 1..{step} (the last one arrival number "
+                f"{now['last_seq']}), but {what}{beyond}. Rows are missing: the file was replaced by an older "
+                f"copy, or damaged")
+
+    @_reads_the_file
+    def carry_over(self, last_ids: dict[str, str]) -> None:
+        """Record, in a queue that replaces a lost one, each producer's last id the resumed checkpoint trained
+        (a cursor's ``last_ids``): :meth:`last_id` hands it to a producer that has put nothing here yet."""
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in last_ids.items()):
+            raise ValueError(f"ExperienceQueue.carry_over: last_ids must map producer names to ids, got {last_ids!r}")
+
+        def record() -> None:
+            self._db.executemany("INSERT INTO carried_ids (producer, last_id) VALUES (?, ?) ON CONFLICT(producer) "
+                                 "DO UPDATE SET last_id = excluded.last_id", sorted(last_ids.items()))
+
+        self._execute_locked("record where the producers go on", record)
 
     # ------------------------------------------------------------------
     # inspection
 
+    @_reads_the_file
     def counts(self) -> dict[str, int]:
         """Experiences per status: ``ready``, ``leased``, ``consumed``, ``dropped``."""
         out = {s: 0 for s in ("ready", "leased", "consumed", "dropped")}
@@ -624,6 +814,7 @@ class ExperienceQueue:
             out[status] = n
         return out
 
+    @_reads_the_file
     def ids(self, status: str) -> list[str]:
         """The ids with ``status``, in arrival order."""
         return [r[0] for r in self._db.execute("SELECT id FROM experiences WHERE status = ? ORDER BY seq", (status,))]

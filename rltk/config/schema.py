@@ -206,6 +206,12 @@ class BufferConfig:
     # SQLite journal of the queue: wal (trainer and producers on one machine) | delete (producers on other
     # machines writing it through a network file system, where WAL's shared memory does not reach)
     queue_journal: str = "wal"
+    # What a resumed asynchronous stage does with its queue. keep: train on from it, after checking it holds
+    # what the checkpoint trained from it (a queue deleted, emptied, damaged or replaced is refused, exit 2).
+    # fresh: a new queue (the old file renamed to <name>.discarded); what the old one held untrained is lost
+    # and sampled anew, and the producers go on after the last experiences the checkpoint trained, so none is
+    # trained twice. Give it for the resume that needs it; it changes nothing for a stage that starts afresh.
+    queue_resume: str = "keep"
 
 
 @dataclass
@@ -475,6 +481,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.stale_policy": ("drop", "wait"),
     "buffer.queue_journal": ("wal", "delete"),
+    "buffer.queue_resume": ("keep", "fresh"),
     "sft.lr_schedule": ("constant", "linear", "cosine"),
     "sft.probe": ("greedy", "sampled"),
     "reward_model.lr_schedule": ("constant", "linear", "cosine"),

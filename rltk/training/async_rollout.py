@@ -28,7 +28,15 @@ other producers (``producers/alive`` counts them); when none is left the run
 stops with that report.
 
 Exactly once: the queue's leases are committed with each checkpoint and
-settled on resume (:meth:`rltk.buffer.queue.ExperienceQueue.recover`).
+settled on resume (:meth:`rltk.buffer.queue.ExperienceQueue.recover`). Each
+checkpoint also keeps the queue's cursor (what its steps took from the queue,
+:meth:`AsyncRollouts.cursor`, in the loop state), and a resume refuses a queue
+that does not hold it: deleted, empty, damaged, another file, rows missing
+(:func:`open_stage_queue`; ``rltk run`` exits 2 naming the file). The two ways
+on are in the message: start the stage over, or ``buffer.queue_resume=fresh``,
+which resumes from the checkpoint with a new queue whose producers go on after
+the last experiences the checkpoint trained, so none is trained twice (what
+the old queue held untrained is lost and sampled anew).
 
 Several trainer ranks (torchrun, accelerate, deepspeed; DDP, FSDP2, ZeRO):
 rank 0 alone opens the queue, starts the producers, takes each step's lease,
@@ -65,9 +73,9 @@ import torch
 from omegaconf import OmegaConf
 
 from rltk.buffer.buffer import trainer_version
-from rltk.buffer.queue import ExperienceQueue, Lease, QueueTimeout
+from rltk.buffer.queue import ExperienceQueue, Lease, QueueFileError, QueueTimeout
 from rltk.distributed import share_cores
-from rltk.errors import ProcessWaitError
+from rltk.errors import ConfigError, ProcessWaitError
 from rltk.training.engine_weights import write_weights_file, write_weights_state
 from rltk.training.collect import produced_metrics
 from rltk.training.producer import EXIT_TIMEOUT, batch_size
@@ -82,6 +90,9 @@ HANDOFF_MARGIN_S = 120.0
 #: The file in an asynchronous stage's folder that tells ``rltk produce`` where the stage's queue, weights and
 #: config are.
 RENDEZVOUS = "producer.json"
+#: ``buffer.queue_resume=fresh`` renames the replaced queue's file to its name plus this (SQLite's ``-wal`` or
+#: ``-journal`` beside it keeps its own suffix, so the pair still opens), replacing an earlier one.
+DISCARDED = ".discarded"
 
 
 class ProducerFailed(ProcessWaitError):
@@ -171,6 +182,110 @@ class ProducerProcess:
             self.proc.wait()
 
 
+def _queue_files(path: Path, suffixes=("", "-wal", "-journal")) -> list[Path]:
+    """The queue's file and SQLite's files beside it (a write-ahead log, a rollback journal) that exist."""
+    return [Path(f"{path}{suffix}") for suffix in suffixes if Path(f"{path}{suffix}").exists()]
+
+
+def _discard(path: Path) -> list[Path]:
+    """Rename the queue's file and its journal to ``<name>`` + :data:`DISCARDED` (an earlier discarded one is
+    removed first, so no stale journal pairs with it); remove the shared-memory index. Returns the new names."""
+    target = path.with_name(path.name + DISCARDED)
+    for old in _queue_files(target, ("", "-wal", "-journal", "-shm")):
+        old.unlink()
+    moved = []
+    for file in _queue_files(path):
+        new = Path(f"{target}{file.name[len(path.name):]}")
+        os.replace(file, new)
+        moved.append(new)
+    Path(f"{path}-shm").unlink(missing_ok=True)
+    return moved
+
+
+def open_stage_queue(path: Path, *, resumed_step: int, cursor: dict | None, queue_resume: str = "keep",
+                     start_over: str = "checkpoint.resume=never", **queue_args) -> ExperienceQueue:
+    """The experience queue of an asynchronous stage that starts at ``resumed_step`` (0: afresh), its open
+    leases settled (:meth:`ExperienceQueue.recover`).
+
+    ``cursor`` is what the resumed checkpoint took from the queue (:meth:`ExperienceQueue.cursor`; None for
+    a fresh stage, or a checkpoint of an rltk that saved none, which is not checked). With
+    ``queue_resume="keep"`` (``buffer.queue_resume``) a resumed stage trains on from the queue only if it
+    holds that cursor; a queue deleted, empty, damaged, another file or missing rows raises
+    :class:`QueueFileError` (a ``ConfigError``: ``rltk run`` exits 2) naming the file and the two ways on:
+    start the stage over (``start_over`` says how), or ``fresh``, which renames the old files aside
+    (:data:`DISCARDED`) and opens a new queue that carries the cursor's last ids over (its producers go on
+    after them: nothing the checkpoint trained is trained again). ``queue_args`` go to the queue.
+    """
+    if not resumed_step:
+        try:
+            queue = ExperienceQueue(path, **queue_args)
+        except QueueFileError as exc:
+            raise QueueFileError(f"{exc}. The stage starts afresh: remove the file, or give buffer.queue_path "
+                                 f"another one") from None
+        return _recovered(queue, 0)
+    if queue_resume == "fresh":
+        if cursor is None:
+            raise ConfigError(
+                f"buffer.queue_resume=fresh: the checkpoint this stage resumes from (training step {resumed_step}) "
+                f"keeps no cursor of the experience queue {path} (an older rltk wrote it), so where the producers "
+                f"would go on without retraining what it trained is unknown. Resume from the queue as it is "
+                f"(buffer.queue_resume=keep), or start the stage over ({start_over})")
+        moved = _discard(path)
+        queue = ExperienceQueue(path, **queue_args)
+        queue.carry_over(cursor["last_ids"])
+        queue = _recovered(queue, resumed_step)
+        old = f"the old one renamed to {moved[0]}" if moved else "there was no old one"
+        goes_on = ", ".join(f"{name} after {last}" for name, last in cursor["last_ids"].items()) or "from the start"
+        print(f"rltk: buffer.queue_resume=fresh: a new experience queue {path} ({old}); training goes on after "
+              f"step {resumed_step} without the old queue's untrained experiences, the producers going on "
+              f"where the checkpoint's trained ones end ({goes_on})", file=sys.stderr, flush=True)
+        return queue
+    ways = (f"Either start the stage over ({start_over}), or resume from this checkpoint without the queue's "
+            f"leftovers with buffer.queue_resume=fresh: a new queue whose producers go on after the last "
+            f"experiences the checkpoint trained, so none is trained twice (what the old queue held untrained "
+            f"is sampled anew)")
+    if cursor is not None:
+        # refused before SQLite opens it: an empty file would become a new queue (its write-ahead log,
+        # if a killed trainer left one, reset)
+        lost = ("does not exist (deleted?)" if not path.exists() else
+                "is empty (0 bytes)" if path.stat().st_size == 0 else None)
+        if lost:
+            raise QueueFileError(
+                f"experience queue {path} {lost}, but the checkpoint this run resumes from (training step "
+                f"{cursor['step']}) trained {cursor['experiences']} experiences from it; resuming with it "
+                f"would train them again. {ways}")
+    try:
+        queue = ExperienceQueue(path, **queue_args)
+        try:
+            if cursor is not None:
+                queue.check_cursor(cursor)
+        except BaseException:
+            queue.close()
+            raise
+        return _recovered(queue, resumed_step)
+    except QueueFileError as exc:
+        raise QueueFileError(f"{exc}. {ways}") from None
+
+
+def _recovered(queue: ExperienceQueue, resumed_step: int) -> ExperienceQueue:
+    try:
+        queue.recover(resumed_step)
+    except BaseException:
+        queue.close()
+        raise
+    return queue
+
+
+def start_over_hint(stage) -> str:
+    """How ``stage`` starts over, for messages: from the previous stage's last checkpoint when it has one
+    (kept whatever ``checkpoint.keep_last``), else the whole run."""
+    if stage.index > 0:
+        before = stage.run.ckpt.path_for(stage.first_step)
+        if before.is_dir():
+            return f"checkpoint.resume={before}, the end of the stage before it"
+    return "checkpoint.resume=never: the run starts over, its checkpoints deleted"
+
+
 def stage_folder(run_dir: Path, stage_index: int) -> Path:
     """Where an asynchronous stage keeps its queue (unless ``buffer.queue_path``), weights, logs and
     :data:`RENDEZVOUS` file."""
@@ -214,9 +329,10 @@ class AsyncRollouts:
         self.handoff_s = self.timeout_s + HANDOFF_MARGIN_S  # the hand-over group's timeout
 
     @classmethod
-    def start(cls, stage, strategy, *, resumed_step: int) -> "AsyncRollouts":
+    def start(cls, stage, strategy, *, resumed_step: int, cursor: dict | None = None) -> "AsyncRollouts":
         """Settle the queue for a stage at ``resumed_step`` (0: a fresh stage), publish the weights as that
-        version, and start the producers. Collective: every rank calls it; rank 0 does the file work."""
+        version, and start the producers. ``cursor``: what the resumed checkpoint took from the queue (see
+        :func:`open_stage_queue`). Collective: every rank calls it; rank 0 does the file work."""
         run, cfg = stage.run, stage.cfg
         t = cfg.trainer
         folder = stage_folder(run.run_dir, stage.index)
@@ -235,9 +351,11 @@ class AsyncRollouts:
                         or old.name == RENDEZVOUS):
                     old.unlink()
         max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
-        queue = ExperienceQueue(queue_path, max_staleness=max_staleness, stale_policy=t.stale_policy,
-                                timeout_s=cfg.buffer.queue_timeout_s, journal_mode=cfg.buffer.queue_journal)
-        queue.recover(resumed_step)
+        queue = open_stage_queue(queue_path, resumed_step=resumed_step,
+                                 cursor=cursor, queue_resume=cfg.buffer.queue_resume,
+                                 start_over=start_over_hint(stage), max_staleness=max_staleness,
+                                 stale_policy=t.stale_policy, timeout_s=cfg.buffer.queue_timeout_s,
+                                 journal_mode=cfg.buffer.queue_journal)
         count = int(t.producers)
         threads = share_cores(count + 1) if count else None
         rollouts = cls(stage, strategy, queue, [], weights, trainer_threads=threads, group=group)
@@ -362,6 +480,11 @@ class AsyncRollouts:
             self._publish(step)
             if self.queue is not None:
                 self.queue.publish_version(step)
+
+    def cursor(self, step: int) -> dict | None:
+        """Right before the checkpoint of ``step`` is saved: what steps ``1..step`` took from the queue, for
+        the loop state to keep (:meth:`ExperienceQueue.cursor`); None on ranks other than 0."""
+        return self.queue.cursor(step) if self.queue is not None else None
 
     def commit(self, step: int) -> None:
         """Right after the checkpoint of ``step`` is saved: its steps' experiences are consumed (rank 0)."""

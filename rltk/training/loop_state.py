@@ -8,7 +8,8 @@ remember between steps lives here, in :class:`LoopState`:
 * the KL controller's coefficient;
 * the generator that shuffles rows into mini-batches;
 * the frozen reference policy (its weights beside the checkpoints);
-* the stage step reached.
+* the stage step reached;
+* in an asynchronous stage, the experience queue's cursor: what the steps took from it.
 
 :func:`start_rl_stage` builds it for an RL stage, fresh or restored from the
 stage's checkpoint; :func:`rltk.training.stage_checkpoint.save_checkpoint` saves it. What
@@ -40,6 +41,8 @@ from rltk.training.stage_checkpoint import rank_state
 MINIBATCH_GENERATOR = "minibatch_order"
 #: In each rank's checkpoint entry: its buffer's state_dict.
 BUFFER_KEY = "buffer"
+#: In the checkpoint's state of an asynchronous stage: the experience queue's cursor (:attr:`LoopState.queue_cursor`).
+QUEUE_CURSOR_KEY = "experience_queue"
 
 
 @dataclass
@@ -53,6 +56,9 @@ class LoopState:
         kl_ctl: the KL controller; its ``value`` is the coefficient of the next step.
         generator: shuffles rows into mini-batches; each rank's own.
         reference: the frozen reference policy (None without a KL penalty).
+        queue_cursor: an asynchronous stage's :meth:`rltk.buffer.queue.ExperienceQueue.cursor` at ``step``,
+            set before each checkpoint (main rank): what the checkpoint trained from the queue, which a
+            resume checks the queue still holds (None in a synchronous stage).
     """
 
     sampler: RowSampler
@@ -61,6 +67,7 @@ class LoopState:
     kl_ctl: Any = None
     generator: torch.Generator | None = None
     reference: FrozenReference | None = None
+    queue_cursor: dict | None = None
     # the buffer items (experience, step put, source, sampling version) of the current batch's rows, in row order: what the
     # rollout traces read (not checkpointed; rebuilt every step by sampled_batch)
     batch_items: list | None = None
@@ -70,6 +77,8 @@ class LoopState:
         state: dict = {"stage_step": self.step, "sampler": self.sampler.state_dict()}
         if self.kl_ctl is not None:
             state["kl_coef"] = self.kl_ctl.value
+        if self.queue_cursor is not None:
+            state[QUEUE_CURSOR_KEY] = self.queue_cursor
         return state
 
     def rank_state_dict(self) -> dict:
@@ -90,6 +99,7 @@ class LoopState:
         self.sampler.load_state_dict(state["sampler"])
         if self.kl_ctl is not None:
             self.kl_ctl.value = state["kl_coef"]
+        self.queue_cursor = state.get(QUEUE_CURSOR_KEY)  # None from a synchronous stage, or an older rltk
         if self.buffer is not None and BUFFER_KEY in (rank_state or {}):
             self.buffer.load_state_dict(rank_state[BUFFER_KEY])
 

@@ -166,6 +166,7 @@ RESUME_SAFE_KEYS = (
     "checkpoint.",  # how often to save and how many to keep; `resume` is how this run was chosen
     "logging.",  # where metrics go
     "guard.",  # when a diverged run stops: loosen it and resume, and the run trains as it would have
+    "buffer.queue_resume",  # given for the resume that replaces a lost experience queue
     "algorithm.rollout_correction.log_metrics",  # only logs the mismatch; the update is the same
 )
 

@@ -8,7 +8,7 @@ A recipe's loop reads the same whatever ``trainer.mode`` is::
             rollout = rollouts.take(step)                # sampled now, or a producer's batch
             ... train ...
             rollouts.after_update(step)                  # async: publish the weights every sync_every steps
-            end_step(..., rollouts=rollouts)             # checkpoint, then rollouts.commit(step)
+            end_step(..., rollouts=rollouts)             # rollouts.cursor, checkpoint, rollouts.commit
     finally:
         rollouts.close()
 
@@ -37,6 +37,11 @@ class RolloutSource(Protocol):
     def after_update(self, step: int) -> None:
         """Called after step ``step``'s update, trained or skipped (versions count steps)."""
 
+    def cursor(self, step: int) -> dict | None:
+        """Called right before the checkpoint of step ``step`` is saved: what steps ``1..step`` took from
+        the source, kept in the checkpoint (``LoopState.queue_cursor``) and checked by the source a resume
+        opens (None: nothing to check)."""
+
     def commit(self, step: int) -> None:
         """Called right after the checkpoint of step ``step`` is saved."""
 
@@ -60,6 +65,10 @@ class SyncRollouts:
 
     def after_update(self, step: int) -> None:
         """Nothing to send: the engine samples with the module the strategy trains."""
+
+    def cursor(self, step: int) -> dict | None:
+        """Nothing to check on resume: the prompt sampler's position is in the loop state already."""
+        return None
 
     def commit(self, step: int) -> None:
         """Nothing to settle: nothing was sampled ahead."""
@@ -86,6 +95,9 @@ class ProducedRollouts:
     def after_update(self, step: int) -> None:
         self.rollouts.after_update(step)  # every trainer.sync_every steps, the producers' next weights
 
+    def cursor(self, step: int) -> dict | None:
+        return self.rollouts.cursor(step)  # a resume refuses a queue that does not hold it
+
     def commit(self, step: int) -> None:
         self.rollouts.commit(step)  # the queue's leases of steps <= step are consumed, exactly once
 
@@ -99,4 +111,5 @@ def open_rollout_source(stage, strategy, loop, parts) -> RolloutSource:
     Collective with several ranks."""
     if stage.cfg.trainer.mode == "sync":
         return SyncRollouts(stage.run.workflow, loop.sampler, parts.plan, strategy)
-    return ProducedRollouts(AsyncRollouts.start(stage, strategy, resumed_step=loop.step))
+    # a resumed stage goes on only from the queue its checkpoint trained from (loop.queue_cursor)
+    return ProducedRollouts(AsyncRollouts.start(stage, strategy, resumed_step=loop.step, cursor=loop.queue_cursor))

@@ -22,8 +22,9 @@ def end_step(stage, loop, step: int, metrics: dict, checkpointed, rollouts=None)
                nan weights); ``checkpointed`` is what it checks and what the checkpoint holds (the
                strategy, or e.g. a policy and its critic)
     checkpoint every ``checkpoint.every`` steps and at the stage's last step, the loop's position
-               included; then ``rollouts.commit(step)`` (an asynchronous source's experiences up to
-               ``step`` are consumed, exactly once)
+               included (and the rollout source's cursor, which a resume checks); then
+               ``rollouts.commit(step)`` (an asynchronous source's experiences up to ``step`` are
+               consumed, exactly once)
     """
     run, cfg = stage.run, stage.cfg
     t = cfg.trainer
@@ -33,6 +34,8 @@ def end_step(stage, loop, step: int, metrics: dict, checkpointed, rollouts=None)
     stage.guard.observe(metrics, step, checkpointed)
     loop.step = step
     if should_checkpoint(cfg, step, t.total_steps):
+        if rollouts is not None:
+            loop.queue_cursor = rollouts.cursor(step)
         save_checkpoint(stage, checkpointed, loop, last_step=t.total_steps)
         if rollouts is not None:
             rollouts.commit(step)

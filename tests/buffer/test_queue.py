@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rltk.batch import Experience
-from rltk.buffer.queue import ExperienceQueue, QueueTimeout
+from rltk.buffer.queue import ExperienceQueue, QueueFileError, QueueTimeout
 
 
 def group(group_id, size=2, tokens=3, score=1.0):
@@ -305,3 +305,110 @@ def test_several_producer_processes_write_at_once(tmp_path):
         lease = q.take(4 * 40 * 2, step=1, version=0)
         # every group arrived whole: its two members are adjacent
         assert all(lease.group_keys[i] == lease.group_keys[i + 1] for i in range(0, len(lease), 2))
+
+
+# ---------------------------------------------------------------- the checkpoint's cursor, a damaged file
+
+def test_the_cursor_counts_what_the_checkpointed_steps_took_open_or_committed(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        for g in range(4):
+            put_group(q, "a", g, 0)
+        put_group(q, "b", 0, 0)
+        q.take(4, step=1, version=0)  # a-0, a-1: arrival numbers 1..4
+        q.take(2, step=2, version=1)  # a-2: 5, 6
+        q.commit(1)
+        cursor = q.cursor(2)  # step 2's lease is still open (a crash before its commit): it counts
+        q.take(2, step=3, version=2)  # after the checkpoint: not in its cursor
+    assert cursor == {"queue_id": cursor["queue_id"], "step": 2, "experiences": 6, "last_seq": 6,
+                      "last_ids": {"a": "a-2-1"}}
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:  # reopened: the same file, the same id
+        assert q.queue_id == cursor["queue_id"]
+        q.check_cursor(cursor)
+        q.recover(2)  # step 3's lease goes back to the queue; it was never in the cursor
+        q.check_cursor(cursor)
+        assert q.cursor(2) == cursor
+        assert q.cursor(3)["experiences"] == 6  # a returned lease is not taken
+
+
+def test_a_queue_that_does_not_hold_the_cursor_is_refused_naming_it(tmp_path):
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path) as q:
+        for g in range(3):
+            put_group(q, "a", g, 0)
+        q.take(2, step=1, version=0)
+        q.take(2, step=2, version=1)
+        cursor = q.cursor(2)
+        q.commit(2)
+    with ExperienceQueue(tmp_path / "new.sqlite") as q:
+        with pytest.raises(QueueFileError, match=r"new\.sqlite is a new, empty queue, but the checkpoint of "
+                                                 r"training step 2 trained 4 experiences from it"):
+            q.check_cursor(cursor)
+        put_group(q, "a", 0, 0)
+        with pytest.raises(QueueFileError, match=r"new\.sqlite is another queue \(id [0-9a-f]+, not the "
+                                                 r"checkpoint's [0-9a-f]+: a replaced file, or another run's"):
+            q.check_cursor(cursor)
+    # a row gone: the count and the last arrival number say so
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM experiences WHERE id = 'a-1-1'")
+    with ExperienceQueue(path) as q, pytest.raises(
+            QueueFileError, match=r"q\.sqlite does not hold what the checkpoint trained from it: it holds 3 "
+                                  r"experiences taken by steps 1\.\.2 \(the last one arrival number 3\), but the "
+                                  r"checkpoint of training step 2 trained 4 experiences from it \(the last one "
+                                  r"arrival number 4\)\. Rows are missing"):
+        q.check_cursor(cursor)
+    # the queue's end before the cursor's (an older copy of the file put back)
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM experiences WHERE seq > 3")
+    with ExperienceQueue(path) as q, pytest.raises(
+            QueueFileError, match=r"\(the last one arrival number 4\); the queue ends at arrival number 3, before "
+                                  r"the checkpoint's cursor\. Rows are missing"):
+        q.check_cursor(cursor)
+
+
+def test_a_damaged_file_is_refused_naming_it_when_opened_or_at_the_first_read(tmp_path):
+    path = tmp_path / "q.sqlite"
+    with ExperienceQueue(path) as q:
+        for g in range(40):
+            put_group(q, "a", g, 0, tokens=200)
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # truncated halfway
+    with pytest.raises(QueueFileError, match=rf"experience queue {path} is damaged: SQLite cannot read it "
+                                             rf"\(database disk image is malformed\)"):
+        ExperienceQueue(path)
+    path.write_bytes(b"not a database" * 500)
+    with pytest.raises(QueueFileError, match=r"q\.sqlite is damaged: SQLite cannot read it \(file is not a "):
+        ExperienceQueue(path)
+    # garbage over the experiences table's first page: the file opens, and the first read of it names it
+    path.write_bytes(good)
+    with sqlite3.connect(path) as db:
+        (root,) = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'experiences'").fetchone()
+        (page,) = db.execute("PRAGMA page_size").fetchone()
+    path.write_bytes(good[: (root - 1) * page] + b"\xff" * page + good[root * page:])
+    with ExperienceQueue(path) as q, pytest.raises(QueueFileError, match=r"q\.sqlite is damaged"):
+        q.ids("ready")
+
+
+def test_a_database_that_is_no_queue_is_refused_untouched(tmp_path):
+    path = tmp_path / "other.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE results (name TEXT)")
+    with pytest.raises(QueueFileError, match=r"other\.sqlite is an SQLite database but no experience queue: it "
+                                             r"holds the tables results and no 'experiences'"):
+        ExperienceQueue(path)
+    with sqlite3.connect(path) as db:  # nothing was added to it
+        assert db.execute("SELECT name FROM sqlite_master").fetchall() == [("results",)]
+        db.execute("CREATE TABLE experiences (seq INTEGER, id TEXT)")
+    with pytest.raises(QueueFileError, match=r"its table 'experiences' lacks the column\(s\) group_key, lease, "):
+        ExperienceQueue(path)
+
+
+def test_a_new_queue_carries_the_producers_last_ids_over(tmp_path):
+    with ExperienceQueue(tmp_path / "q.sqlite") as q:
+        q.carry_over({"a": "a-b3-1", "b": "b-b1-0"})
+        assert (q.last_id("a"), q.last_id("c")) == ("a-b3-1", None)
+        q.put(group(0), ids=["a-b4-0", "a-b4-1"], versions=0, producer="a")
+        assert q.last_id("a") == "a-b4-1"  # its own put, once it has one
+        q.recover(2)
+        assert q.take(2, step=3, version=2).ids == ["a-b4-0", "a-b4-1"]
+        # the next checkpoint's cursor keeps a producer that has put nothing here yet
+        assert q.cursor(3)["last_ids"] == {"a": "a-b4-1", "b": "b-b1-0"}

@@ -13,7 +13,7 @@ def test_defaults_are_the_synchronous_loop():
     cfg = load_config([], [])
     t = cfg.trainer
     assert (t.mode, t.max_staleness, t.stale_policy, t.sync_every, t.producers) == ("sync", 1, "drop", 1, 1)
-    assert (cfg.buffer.queue_path, cfg.buffer.queue_timeout_s) == (None, 600.0)
+    assert (cfg.buffer.queue_path, cfg.buffer.queue_timeout_s, cfg.buffer.queue_resume) == (None, 600.0, "keep")
     cfg = load_config([], ["trainer.max_staleness=0", "trainer.stale_policy=wait", "trainer.sync_every=4",
                            "buffer.queue_path=/tmp/q.sqlite", "buffer.queue_timeout_s=30"])
     assert (cfg.trainer.max_staleness, cfg.trainer.stale_policy, cfg.trainer.sync_every) == (0, "wait", 4)
@@ -27,6 +27,7 @@ def test_defaults_are_the_synchronous_loop():
     (["trainer.sync_every=0"], r"bad value 0 for 'trainer\.sync_every': must be an integer >= 1"),
     (["buffer.queue_timeout_s=0"], r"bad value 0\.0 for 'buffer\.queue_timeout_s': must be a number of seconds > 0"),
     (["buffer.queue_journal=memory"], r"bad value 'memory' for 'buffer\.queue_journal'\..*Valid: wal, delete"),
+    (["buffer.queue_resume=new"], r"bad value 'new' for 'buffer\.queue_resume'\..*Valid: keep, fresh"),
     (["trainer.mode=async", "trainer.producers=-1"],
      r"bad value -1 for 'trainer\.producers': must be an integer >= 0 .*`rltk produce`"),
 ])

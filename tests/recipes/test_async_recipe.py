@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -123,6 +124,41 @@ def test_a_trainer_killed_mid_stage_resumes_training_the_same_experiences_once(t
     assert main(["run", "grpo", f"output_dir={crashing}", *ASYNC]) == 0
     assert trained(crashing) == trained(straight), f"crash at RL step {rl_step}"
     rows = [m["step"] for m in metrics(crashing) if "staleness/max" in m]
+    assert rows == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))  # nothing logged twice
+
+
+def test_a_queue_lost_after_a_crash_stops_the_resume_and_a_fresh_queue_trains_nothing_twice(tmp_path, capsys):
+    # the trainer dies at RL step 5, after the checkpoint of step 4; then its queue is emptied, cut in half
+    # or deleted before the resume (an outside harness found the emptied one retrained steps 1-4 silently)
+    crashed = tmp_path / "crashed"
+    with crash_at_step(SFT_STEPS + 5):
+        main(["run", "grpo", f"output_dir={crashed}", *ASYNC])
+    checkpointed = trained(crashed)
+    assert sorted(set(checkpointed.values())) == [1, 2, 3, 4]
+    capsys.readouterr()
+    for how in ("empty", "halved", "deleted"):
+        run_dir = tmp_path / how
+        shutil.copytree(crashed, run_dir)
+        queue = run_dir / QUEUE
+        if how == "deleted":
+            queue.unlink()
+        else:
+            queue.write_bytes(queue.read_bytes()[: queue.stat().st_size // 2] if how == "halved" else b"")
+        assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC]) == 2, how
+        err = capsys.readouterr().err
+        assert f"rltk: error: experience queue {queue} " in err and "Traceback" not in err, err[-3000:]
+        start = run_dir / "checkpoints" / f"step_{SFT_STEPS:06d}"
+        assert (f"Either start the stage over (checkpoint.resume={start}, the end of the stage before it), or resume "
+                f"from this checkpoint without the queue's leftovers with buffer.queue_resume=fresh") in err
+        assert (run_dir / LOG).read_text() == (crashed / LOG).read_text()  # refused before any producer started
+    # resumed on request: the producer goes on after the checkpoint's last batch (3), step s trains batch s - 1
+    run_dir = tmp_path / "empty"
+    assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC, "buffer.queue_resume=fresh"]) == 0
+    resumed = trained(run_dir)
+    assert not set(resumed) & set(checkpointed), "an experience the checkpoint trained was trained again"
+    assert sorted(resumed.items()) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(5, RL_STEPS + 1)
+                                             for i in range(16))
+    rows = [m["step"] for m in metrics(run_dir) if "staleness/max" in m]
     assert rows == list(range(SFT_STEPS + 1, SFT_STEPS + RL_STEPS + 1))  # nothing logged twice
 
 

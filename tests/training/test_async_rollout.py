@@ -1,17 +1,21 @@
 """The pieces of asynchronous RL below the recipe: the producer's staleness gate, the weights file it follows,
-the decoupled loss fed the sampler's log-probs by the update, and a producer that dies being reported."""
+the decoupled loss fed the sampler's log-probs by the update, a producer that dies being reported, and a resume
+whose experience queue was lost or damaged after the checkpoint: refused, or resumed with a fresh queue on request."""
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
 import torch
 
 import rltk
-from rltk.batch import collate
-from rltk.training.async_rollout import ProducerFailed, ProducerProcess
+from rltk.batch import Experience, collate
+from rltk.buffer.queue import ExperienceQueue, QueueFileError
+from rltk.config import ConfigError
+from rltk.training.async_rollout import ProducerFailed, ProducerProcess, open_stage_queue
 from rltk.training.engine_weights import read_weights_file, weights_file_version, write_weights_file
 from rltk.training.estimator import compute_advantages
 from rltk.training.forward import ForwardSettings, batched_logprobs
@@ -187,3 +191,105 @@ def test_the_queue_records_the_trainers_end_and_who_put(tmp_path):
         queue.finish(8)
     with ExperienceQueue(tmp_path / "q.sqlite") as queue:  # another process sees both
         assert queue.finished_step == 8 and queue.producers() == {"a": 2, "b": 1}
+
+
+# ---------------------------------------------------------------- a queue lost between a crash and the resume
+
+def _produce(queue, batches: int, name: str = "p") -> None:
+    """Put ``batches`` batches of two groups of two, going on after the producer's last id as
+    :func:`rltk.training.producer.run_producer` does (ids ``<name>-b<batch>-<i>``)."""
+
+    last = queue.last_id(name)
+    start = 0 if last is None else batch_of(last) + 1
+    for b in range(start, start + batches):
+        queue.put([Experience(prompt_ids=[b], response_ids=[1, 2], score=float(i), group_id=i // 2)
+                   for i in range(4)], ids=[f"{name}-b{b}-{i}" for i in range(4)], versions=b, producer=name)
+
+
+def _train(queue, steps: range) -> list[str]:
+    """The trainer's side: one batch a step, every 2nd step the cursor into the checkpoint, then the commit."""
+    trained, cursor = [], None
+    for step in steps:
+        trained += queue.take(4, step=step, version=step - 1).ids
+        if step % 2 == 0:
+            cursor = queue.cursor(step)
+            queue.commit(step)
+    return trained, cursor
+
+
+def _crashed_after_a_checkpoint(path):
+    """A trainer dead at step 5 holding its lease, after the checkpoint of step 4: that checkpoint's cursor and
+    the ids it trained."""
+    with ExperienceQueue(path) as queue:
+        queue.recover(0)
+        _produce(queue, 6)
+        trained, cursor = _train(queue, range(1, 6))
+    return cursor, trained[:16]
+
+
+def _damage(path, how: str) -> None:
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "halved":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "deleted":
+        path.unlink()
+    elif how == "replaced":  # another run's queue in its place
+        path.unlink()
+        with ExperienceQueue(path) as other:
+            _produce(other, 1, name="q")
+
+
+@pytest.mark.parametrize("how, what", [
+    ("empty", r"is empty \(0 bytes\), but the checkpoint this run resumes from \(training step 4\) trained 16 "
+              r"experiences from it; resuming with it would train them again"),
+    ("halved", r"is damaged: SQLite cannot read it \(database disk image is malformed\)"),
+    ("deleted", r"does not exist \(deleted\?\), but the checkpoint this run resumes from \(training step 4\)"),
+    ("replaced", r"is another queue \(id [0-9a-f]+, not the checkpoint's [0-9a-f]+: a replaced file, or another "
+                 r"run's or stage's queue\), but the checkpoint of training step 4 trained 16 experiences"),
+])
+def test_a_queue_lost_after_a_checkpoint_is_refused_and_resumed_fresh_only_when_asked(tmp_path, capsys, how, what):
+    path = tmp_path / "experience_queue.sqlite"
+    cursor, checkpointed = _crashed_after_a_checkpoint(path)
+    _damage(path, how)
+    before = path.read_bytes() if path.exists() else None
+    hint = "checkpoint.resume=never: the run starts over"
+    with pytest.raises(QueueFileError) as refused:
+        open_stage_queue(path, resumed_step=4, cursor=cursor, start_over=hint)
+    assert isinstance(refused.value, ConfigError)  # `rltk run` exits 2 with the message, no traceback
+    message = str(refused.value)
+    assert message.startswith(f"experience queue {path} ") and re.search(what, message), message
+    assert (f"Either start the stage over ({hint}), or resume from this checkpoint without the queue's leftovers "
+            f"with buffer.queue_resume=fresh") in message
+    assert (path.read_bytes() if path.exists() else None) == before  # the refusal changed nothing
+
+    # resumed without the leftovers: a new queue, the producer going on after the checkpoint's last batch (3)
+    queue = open_stage_queue(path, resumed_step=4, cursor=cursor, queue_resume="fresh", start_over=hint)
+    with queue:
+        _produce(queue, 4)
+        resumed, _ = _train(queue, range(5, 9))
+    assert not set(resumed) & set(checkpointed), "an experience the checkpoint trained was trained again"
+    assert resumed == [f"p-b{b}-{i}" for b in range(4, 8) for i in range(4)]
+    discarded = tmp_path / "experience_queue.sqlite.discarded"
+    assert discarded.exists() == (how != "deleted")
+    if before is not None:
+        assert discarded.read_bytes() == before  # kept as it was, beside the new one
+    err = capsys.readouterr().err
+    assert (f"rltk: buffer.queue_resume=fresh: a new experience queue {path} (the old one renamed to {discarded})"
+            if how != "deleted" else "(there was no old one)") in err
+    assert "the producers going on where the checkpoint's trained ones end (p after p-b3-3)" in err
+
+
+def test_an_intact_queue_resumes_and_a_fresh_one_needs_a_checkpoint_with_a_cursor(tmp_path):
+    path = tmp_path / "q.sqlite"
+    cursor, checkpointed = _crashed_after_a_checkpoint(path)
+    with open_stage_queue(path, resumed_step=4, cursor=cursor) as queue:  # the crashed step 5's lease is back
+        assert queue.counts() == {"ready": 8, "leased": 0, "consumed": 16, "dropped": 0}
+        resumed, _ = _train(queue, range(5, 7))
+    assert resumed == [f"p-b{b}-{i}" for b in (4, 5) for i in range(4)]
+    # a checkpoint of an rltk that kept no cursor: the queue is taken as it is, but it cannot be replaced
+    with open_stage_queue(path, resumed_step=6, cursor=None):
+        pass
+    with pytest.raises(ConfigError, match=r"buffer\.queue_resume=fresh: the checkpoint this stage resumes from "
+                                          r"\(training step 6\) keeps no cursor of the experience queue .*q\.sqlite"):
+        open_stage_queue(path, resumed_step=6, cursor=None, queue_resume="fresh")

@@ -71,7 +71,8 @@ def test_safe_keys_may_change_on_resume(tmp_path):
     run_dir = tmp_path / "run"
     finished_run(run_dir)
     cfg = load_config([GRPO_YAML], [f"output_dir={run_dir}", "trainer.total_steps=300", "trainer.eval_every=5",
-                                    "checkpoint.keep_last=5", "logging.logger=[jsonl]", "trainer.micro_batch_size=8"],
+                                    "checkpoint.keep_last=5", "logging.logger=[jsonl]", "trainer.micro_batch_size=8",
+                                    "buffer.queue_resume=fresh"],
                       warn=False)
     resume = resume_or_start_over(cfg, CheckpointManager(run_dir / "checkpoints"))
     assert resume is not None and resume["stage_done"] and resume["stage"] == 1
