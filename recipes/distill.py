@@ -53,7 +53,7 @@ PROVIDES = {
 }
 
 
-def run_distill_stage(stage: Stage) -> None:
+def run_distill_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     a, t = cfg.algorithm, cfg.trainer
     per_step = t.mini_batches * t.ppo_epochs
@@ -113,6 +113,7 @@ def run_distill_stage(stage: Stage) -> None:
             end_step(stage, loop, step, metrics, strategy, rollouts)
     finally:
         rollouts.close()
+    return strategy  # the trained policy, for the next stage
 
 
 # The stage types this script runs; `distill` also in any other recipe's `stages` (see grpo.py).

@@ -56,7 +56,7 @@ from rltk.training.step_end import end_step, evaluate_at_start
 REFERENCE_CHUNK = 256
 
 
-def run_dpo_stage(stage: Stage) -> None:
+def run_dpo_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     d, t = cfg.dpo, cfg.trainer
     if d.online and d.precompute_reference:
@@ -84,13 +84,10 @@ def run_dpo_stage(stage: Stage) -> None:
     # The reference: the policy as this stage starts, frozen (its weights kept beside the checkpoints, so
     # a resumed stage compares against the same one); with LoRA the same module with its adapters off.
     loop = LoopState(sampler, reference=FrozenReference.for_stage(strategy, kl_coef=1.0))
-    reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
-    loop.resume(stage, strategy)
+    stage.checkpoint.restore(strategy, loop)
     if stage.resume is not None:
-        run.workflow.engine.update_weights(strategy.unwrap())
-        loop.reference.load(reference_file)
-    else:
-        loop.reference.save(reference_file)
+        run.workflow.engine.update_weights(strategy.unwrap())  # an engine with a copy of its own takes them
+    stage.checkpoint.keep_reference(loop.reference)
     reference, precomputed = loop.reference, None
     if d.precompute_reference:  # one pass over the data now, then no reference forward (or copy) per step
         precomputed = torch.cat([
@@ -131,6 +128,7 @@ def run_dpo_stage(stage: Stage) -> None:
         # log, evaluate, guard, checkpoint
         metrics.update({**collect_metrics, "time/step_s": time.perf_counter() - tick})
         end_step(stage, loop, step, metrics, strategy)
+    return strategy  # the trained policy, for the next stage
 
 
 # The stage types this script runs; `dpo` also in any other recipe's `stages` (see grpo.py).

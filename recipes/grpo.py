@@ -61,7 +61,7 @@ PROVIDES = {
 }
 
 
-def run_rl_stage(stage: Stage) -> None:
+def run_rl_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     a, t = cfg.algorithm, cfg.trainer
     per_step = t.mini_batches * t.ppo_epochs  # optimizer steps per RL step: the schedule counts those
@@ -136,6 +136,7 @@ def run_rl_stage(stage: Stage) -> None:
             end_step(stage, loop, step, metrics, strategy, rollouts)
     finally:
         rollouts.close()
+    return strategy  # the trained policy, for the next stage
 
 
 # The stage types this script runs: `rl` in its own runs, `grpo` in any recipe's `stages` (a config may chain

@@ -68,7 +68,7 @@ PROVIDES = {
 }
 
 
-def run_ppo_stage(stage: Stage) -> None:
+def run_ppo_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     t, c = cfg.trainer, cfg.critic
     per_step = updates_per_step(cfg)  # optimizer steps per RL step; schedules count optimizer steps
@@ -116,6 +116,7 @@ def run_ppo_stage(stage: Stage) -> None:
             end_step(stage, loop, step, metrics, strategies, rollouts)
     finally:
         rollouts.close()
+    return strategy  # the trained policy, for the next stage
 
 
 def ppo_step(stage: Stage, strategies: PolicyAndCritic, parts: RLParts, loop, batch: dict, step: int) -> dict:

@@ -158,7 +158,7 @@ class DivergenceGuard:
     """Watches one stage's metrics and weights; raises :class:`TrainingDiverged` on a symptom (module doc).
 
     Call :meth:`observe` after logging each step's metrics, :meth:`check_weights`
-    before each checkpoint (``save_checkpoint`` does), and :meth:`end_stage`
+    before each checkpoint (``StageCheckpoint.save`` does), and :meth:`end_stage`
     when the stage's loop returns (``run_stages`` does). Its counters travel in
     every checkpoint (:meth:`state_dict`), so a resumed run counts on.
     """

@@ -12,7 +12,7 @@ remember between steps lives here, in :class:`LoopState`:
 * in an asynchronous stage, the experience queue's cursor: what the steps took from it.
 
 :func:`start_rl_stage` builds it for an RL stage, fresh or restored from the
-stage's checkpoint; :func:`rltk.training.stage_checkpoint.save_checkpoint` saves it. What
+stage's checkpoint (:class:`rltk.training.stage_checkpoint.StageCheckpoint` saves and restores it). What
 the components of a step are (estimator, losses, sample strategy, rollout plan,
 forward settings) is :class:`RLParts`, chosen once from the config.
 """
@@ -35,7 +35,6 @@ from rltk.training.ranks import any_rank
 from rltk.training.reference import FrozenReference
 from rltk.training.rl import old_logprobs_from_update
 from rltk.training.setup import args_of
-from rltk.training.stage_checkpoint import rank_state
 
 #: The name of the mini-batch generator in a checkpoint's RNG files (see :meth:`LoopState.generators`).
 MINIBATCH_GENERATOR = "minibatch_order"
@@ -90,8 +89,9 @@ class LoopState:
         """This rank's private generators by name: saved with the rank's RNG state, restored by name."""
         return {MINIBATCH_GENERATOR: self.generator} if self.generator is not None else {}
 
-    def load_state_dict(self, state: dict, rank_state: dict | None = None) -> None:
-        """Continue from :meth:`state_dict` (and this rank's :meth:`rank_state_dict`) of a checkpoint.
+    def load_state_dict(self, state: dict, rank_state: dict | None = None) -> bool:
+        """Continue from :meth:`state_dict` (and this rank's :meth:`rank_state_dict`) of a checkpoint;
+        returns whether this rank's buffer came back.
 
         A rank entry without a buffer (an older rltk, or fewer processes then) leaves the buffer as built.
         """
@@ -102,20 +102,8 @@ class LoopState:
         self.queue_cursor = state.get(QUEUE_CURSOR_KEY)  # None from a synchronous stage, or an older rltk
         if self.buffer is not None and BUFFER_KEY in (rank_state or {}):
             self.buffer.load_state_dict(rank_state[BUFFER_KEY])
-
-    def resume(self, stage, strategy) -> bool:
-        """Restore ``strategy`` (or strategies), the RNG and this state from ``stage``'s checkpoint.
-
-        Returns whether the checkpoint held this rank's buffer. A no-op returning False for a stage
-        that starts afresh.
-        """
-        if stage.resume is None:
-            return False
-        # the generators continue where they stopped: seeding them again would replay their draws
-        state = stage.run.ckpt.load(stage.resume["path"], strategy, generators=self.generators)
-        mine = rank_state(state)
-        self.load_state_dict(state, mine)
-        return BUFFER_KEY in mine
+            return True
+        return False
 
 
 @dataclass
@@ -182,14 +170,10 @@ def start_rl_stage(stage, strategy, *, checkpointed=None) -> LoopState:
         buffer=ExperienceBuffer(), kl_ctl=build_kl_controller(cfg), generator=torch.Generator().manual_seed(cfg.seed),
         reference=FrozenReference.for_stage(strategy, cfg.algorithm.kl_coef),
     )
-    reference_file = run.run_dir / "stage_weights" / f"stage_{stage.index}_reference.safetensors"
-    buffer_restored = loop.resume(stage, checkpointed if checkpointed is not None else strategy)
+    buffer_restored = stage.checkpoint.restore(checkpointed if checkpointed is not None else strategy, loop)
     if stage.resume is not None:
         run.workflow.engine.update_weights(strategy.unwrap())  # an engine with a copy of its own takes them
-        if loop.reference is not None:
-            loop.reference.load(reference_file)
-    elif loop.reference is not None:
-        loop.reference.save(reference_file)
+    stage.checkpoint.keep_reference(loop.reference)
     if not buffer_restored:
         loop.buffer.put(expert_experiences(cfg, run.tokenizer, run.workflow.reward), 0,
                         source=cfg.buffer.expert.source)

@@ -8,10 +8,11 @@ recipes never copy it.
 Weights across stages. ``run.policy`` is the policy between stages: a plain
 module. A stage builds its strategy on it with :func:`build_stage_strategy`,
 which also points the rollout engine at the weights the stage trains
-(:mod:`rltk.training.engine_weights`). When the stage ends, :func:`run_stages`
-takes the trained model back from the strategy (``strategy.release_model()``,
-a new plain module under ZeRO-3, which partitioned the old one in place) so
-the next stage can build its own strategy, and the engine follows it.
+(:mod:`rltk.training.engine_weights`), and its runner returns that strategy.
+When the stage ends, :func:`run_stages` takes the trained model back from it
+(``strategy.release_model()``, a new plain module under ZeRO-3, which
+partitioned the old one in place) so the next stage can build its own
+strategy, and the engine follows it.
 
 The stages' other pieces have modules of their own: held-out evaluation
 (:mod:`rltk.training.evaluation`), what a checkpoint holds
@@ -21,12 +22,13 @@ The stages' other pieces have modules of their own: held-out evaluation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Callable
 
 from omegaconf import DictConfig
+from torch import nn
 
 import rltk
 from rltk.checkpoint import CheckpointManager
@@ -45,8 +47,9 @@ from rltk.training.run_outputs import MetricLog, build_loggers, prepare_run_dir,
 from rltk.training.setup import (
     build_strategy, build_tokenizer_and_policy, build_workflow, stage_config, trainer_workflow_config,
 )
-from rltk.training.stage_checkpoint import LOG_ROWS_KEY, restore_rollout_state
+from rltk.training.stage_checkpoint import LOG_ROWS_KEY, StageCheckpoint, restore_rollout_state
 from rltk.training.traces import TraceWriter
+from rltk.workflows.base import Workflow
 
 
 @dataclass
@@ -55,11 +58,11 @@ class Run:
 
     cfg: DictConfig
     run_dir: Path
-    tokenizer: Any
-    policy: Any
+    tokenizer: Any  # a transformers tokenizer
+    policy: nn.Module  # the policy between stages: a plain module
     train_rows: list[dict]
     eval_rows: list[dict]
-    workflow: Any
+    workflow: Workflow
     ckpt: CheckpointManager
     metric_log: MetricLog
     stages: list[DictConfig]  # the config of each stage, its overrides applied
@@ -76,15 +79,19 @@ class Run:
 
 @dataclass
 class Stage:
-    """One stage as its runner sees it."""
+    """One stage as its runner sees it. A runner (``Callable[[Stage], strategy]``) trains it and returns the
+    policy's strategy, whose model :func:`run_stages` takes back when the stage ends."""
 
     run: Run
     cfg: DictConfig  # this stage's config
     index: int
     first_step: int  # global step before this stage's first step
     resume: dict | None  # set when this stage continues from one of its own checkpoints
-    strategy: Any = None  # the policy's strategy, released by run_stages when the stage ends
     guard: DivergenceGuard | None = None  # stops the run on divergence; the loop calls guard.observe each step
+    checkpoint: StageCheckpoint = field(init=False, repr=False)  # save() and restore() of this stage
+
+    def __post_init__(self):
+        self.checkpoint = StageCheckpoint(self)
 
 
 def open_run(cfg: DictConfig) -> Run:
@@ -171,24 +178,22 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], None]]) -> None
                     # evaluation) may have used the global RNG after the run's start
                     load_rng_state(resume["path"], process_rank())
             resume = None
-        current = Stage(run, scfg, i, first_step, stage_resume)
-        current.guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,
-                                        vocab_size=vocab_size_of(run.policy), checkpoints=run.ckpt)
-        if stage_resume is not None:
-            current.guard.load_state_dict(stage_resume.get("guard", {}))  # count on from where it stopped
+        guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,
+                                vocab_size=vocab_size_of(run.policy), checkpoints=run.ckpt)
+        current = Stage(run, scfg, i, first_step, stage_resume, guard)  # its checkpoint restores the guard too
         try:
-            runners[stage.type](current)
-            current.guard.end_stage(current.strategy)
+            strategy = runners[stage.type](current)
+            guard.end_stage(strategy)
         except TrainingDiverged:
             # What was logged up to the divergence is what the reader needs: flush it, and let every
             # rank (all stop at the same step) leave the process group together.
             run.metric_log.close()
             end_process_group()
             raise
-        if current.strategy is not None:
+        if strategy is not None:  # (a runner written for an older rltk returns None: its module is run.policy)
             # The next stage (and the final evaluation) starts from a plain module with the trained
             # weights: a ZeRO-3 engine leaves the module it trained partitioned.
-            run.policy = current.strategy.release_model()
+            run.policy = strategy.release_model()
             engine_follows(run.workflow.engine, run.policy)
         first_step += run.stage_steps[i]
     if resume is not None:  # the checkpoint was the run's last: nothing left to train
@@ -204,16 +209,13 @@ def require_rows_per_rank(strategy, key: str, rows: int) -> None:
 
 
 def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_steps: int, lr_schedule: str):
-    """The training strategy of ``stage`` on ``run.policy``, with the rollout engine following its weights.
-
-    Recorded as ``stage.strategy``, so :func:`run_stages` takes the trained
-    model back when the stage ends. Collective under a strategy that shards
-    parameters (see :func:`connect_rollout_engine`).
+    """The training strategy of ``stage`` on ``run.policy``, with the rollout engine following its weights
+    (the stage's runner returns it, so :func:`run_stages` takes the trained model back when the stage ends).
+    Collective under a strategy that shards parameters (see :func:`connect_rollout_engine`).
     """
     run = stage.run
     strategy = build_strategy(stage.cfg, run.policy, lr=lr, total_steps=total_steps, warmup_steps=warmup_steps,
                               lr_schedule=lr_schedule)
-    stage.strategy = strategy
     connect_rollout_engine(run.workflow.engine, strategy)
     return strategy
 

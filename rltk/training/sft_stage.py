@@ -17,10 +17,10 @@ from rltk.training.run import Stage, require_rows_per_rank
 from rltk.training.rows import sft_pairs, tool_schemas
 from rltk.training.setup import build_strategy
 from rltk.training.sft import sft_batch, sft_step
-from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+from rltk.training.stage_checkpoint import should_checkpoint
 
 
-def run_sft_stage(stage: Stage) -> None:
+def run_sft_stage(stage: Stage):
     """Supervised warm-up: cross-entropy on solved examples, so the RL stage starts with some accuracy.
 
     With ``sft.stop_at_accuracy`` the stage ends at the first probe (every
@@ -32,7 +32,6 @@ def run_sft_stage(stage: Stage) -> None:
     run, cfg, s = stage.run, stage.cfg, stage.cfg.sft
     strategy = build_strategy(cfg, run.policy, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps,
                               lr_schedule=s.lr_schedule)
-    stage.strategy = strategy
     require_rows_per_rank(strategy, "sft.batch_size", s.batch_size)
     probing = s.stop_at_accuracy is not None
     if probing:  # the probe samples from the weights being trained (a whole copy under ZeRO-3)
@@ -46,7 +45,7 @@ def run_sft_stage(stage: Stage) -> None:
         check_demonstrations(cfg, run.train_rows, pairs)  # (`rltk run sft` samples only to evaluate)
     sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     loop = LoopState(sampler)
-    loop.resume(stage, strategy)
+    stage.checkpoint.restore(strategy, loop)
     evaluating = bool(s.eval_every)  # held-out accuracy during the stage (`rltk run sft`); off in a warm-up
     if evaluating:  # generation reads the weights being trained (a whole copy under ZeRO-3)
         if not probing:
@@ -77,9 +76,10 @@ def run_sft_stage(stage: Stage) -> None:
         last = step if reached else s.steps
         loop.step = step
         if should_checkpoint(cfg, step, last):
-            save_checkpoint(stage, strategy, loop, last_step=last)
+            stage.checkpoint.save(strategy, loop, last_step=last)
         if reached:
             if process_rank() == 0:
                 print(f"rltk: warm-up reached sft.stop_at_accuracy={s.stop_at_accuracy} "
                       f"(train accuracy {metrics['sft/train_accuracy']:.3f}) at step {step} of {s.steps}")
             break
+    return strategy

@@ -1,11 +1,5 @@
-"""A stage's checkpoints: when to write one, what goes in beside the weights, and how a rank gets its own back.
-
-Beside the strategy's state (weights, optimizer, RNG), a checkpoint holds the
-loop's :meth:`~rltk.training.loop_state.LoopState.state_dict` (the same on every
-rank), the divergence guard's counters, one entry per rank (its buffer, its
-workflow's state, its reward counters) and how many metric rows were logged at
-its step.
-"""
+"""A stage's checkpoints: when to write one (:func:`should_checkpoint`), and what goes in and comes back
+out (:class:`StageCheckpoint`, save and restore side by side)."""
 
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ from omegaconf import DictConfig
 import rltk
 from rltk.distributed import every_rank, process_rank
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the loop state and the stage are built above this module; only their types are named here
     from rltk.training.loop_state import LoopState
     from rltk.training.run import Stage
 
@@ -25,6 +19,7 @@ PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in r
 REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
 WORKFLOW_STATE_KEY = "workflow"  # in each rank's dict: its workflow's state_dict()
 LOG_ROWS_KEY = "log_rows_at_step"  # checkpoint state: metric rows logged at its step before it was saved
+GUARD_KEY = "guard"  # checkpoint state: the divergence guard's counters
 
 
 def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
@@ -39,40 +34,71 @@ def should_checkpoint(cfg: DictConfig, step: int, last: int) -> bool:
     return every > 0 and (step == last or step % every == 0)
 
 
-def save_checkpoint(stage: Stage, strategy, loop: LoopState, *, last_step: int) -> Path:
-    """Checkpoint the stage's strategy (or strategies) and its loop state at ``loop.step``, then call the hook.
+class StageCheckpoint:
+    """A stage's checkpoint, written by :meth:`save` and read back by :meth:`restore`, side by side.
 
-    The divergence guard first checks the weights are finite (no checkpoint ever holds nan) and
-    its counters go into the checkpoint, so a resumed run counts on.
-
-    The loop's :meth:`~rltk.training.loop_state.LoopState.state_dict` is the
-    same on every rank (the main rank's is saved); its ``rank_state_dict``
-    (e.g. the experience buffer) differs per rank: every rank's is saved,
-    beside its workflow's state and cumulative reward counters (see
-    :func:`restore_rollout_state`), and :func:`rank_state` of the loaded state
-    gives a rank its own back. The loop's generators go into the rank's RNG
-    file by name (:meth:`LoopState.resume` restores them). The checkpoint also
-    counts the metric rows already logged at its step, so a run resumed from
-    it drops the rows logged there after the save (see :func:`rltk.training.run.open_run`).
-    Collective: every rank calls it.
+    What it holds beside the strategy's state (weights, optimizer, RNG): the loop's
+    :meth:`~rltk.training.loop_state.LoopState.state_dict` (the same on every rank; the main rank's is
+    saved), the divergence guard's counters, one entry per rank (its buffer, its workflow's state, its
+    reward counters: :func:`rank_state` gives a rank its own back) and how many metric rows were logged
+    at its step. The loop's generators go into the rank's RNG file by name. The workflow's state and
+    the reward counters are restored when the run opens (:func:`restore_rollout_state`), since a run
+    may resume at the end of an earlier stage; the rest when the stage itself resumes (:meth:`restore`).
     """
-    stage_step = loop.step
-    state = {"stage": stage.index, "stage_done": stage_step == last_step, **loop.state_dict()}
-    if stage.guard is not None:
-        stage.guard.check_weights(strategy, stage_step)
-        state["guard"] = stage.guard.state_dict()
-    mine = loop.rank_state_dict()
-    workflow = stage.run.workflow
-    if hasattr(workflow, "state_dict"):
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def save(self, checkpointed, loop: LoopState, *, last_step: int) -> Path:
+        """Checkpoint ``checkpointed`` (the strategy, or e.g. a policy and its critic) and ``loop`` at
+        ``loop.step`` of ``last_step``, then call the ``rltk_on_checkpoint`` hook. Collective: every rank
+        calls it.
+
+        The divergence guard first checks the weights are finite (no checkpoint ever holds nan). The
+        count of metric rows already logged at its step lets a run resumed from it drop the rows
+        logged there after the save (see :func:`rltk.training.run.open_run`).
+        """
+        stage, stage_step = self.stage, loop.step
+        state = {"stage": stage.index, "stage_done": stage_step == last_step, **loop.state_dict()}
+        if stage.guard is not None:
+            stage.guard.check_weights(checkpointed, stage_step)
+            state[GUARD_KEY] = stage.guard.state_dict()
+        mine = loop.rank_state_dict()
+        workflow = stage.run.workflow
         mine[WORKFLOW_STATE_KEY] = workflow.state_dict()
-    if hasattr(workflow.reward, "state_dict"):
-        mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
-    state[PER_RANK_KEY] = every_rank(mine)
-    global_step = stage.first_step + stage_step
-    state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
-    path = stage.run.ckpt.save(global_step, strategy, state, generators=loop.generators)
-    rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
-    return path
+        if hasattr(workflow.reward, "state_dict"):  # a reward is any callable; the composer keeps counters
+            mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
+        state[PER_RANK_KEY] = every_rank(mine)
+        global_step = stage.first_step + stage_step
+        state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
+        path = stage.run.ckpt.save(global_step, checkpointed, state, generators=loop.generators)
+        rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
+        return path
+
+    def restore(self, checkpointed, loop: LoopState) -> bool:
+        """Continue from the stage's checkpoint: ``checkpointed``'s state, the RNG, ``loop``'s state and this
+        rank's buffer, and the guard's counters. Returns whether the checkpoint held this rank's buffer;
+        a no-op returning False for a stage that starts afresh."""
+        stage = self.stage
+        if stage.resume is None:
+            return False
+        # the generators continue where they stopped: seeding them again would replay their draws
+        state = stage.run.ckpt.load(stage.resume["path"], checkpointed, generators=loop.generators)
+        buffer_restored = loop.load_state_dict(state, rank_state(state))
+        if stage.guard is not None:
+            stage.guard.load_state_dict(state.get(GUARD_KEY, {}))  # count on from where it stopped
+        return buffer_restored
+
+    def keep_reference(self, reference) -> None:
+        """The stage's frozen reference beside its checkpoints: saved as the stage starts afresh, loaded
+        back when it resumes, so a resumed stage compares against the same one (None: no reference)."""
+        if reference is None:
+            return
+        path = self.stage.run.run_dir / "stage_weights" / f"stage_{self.stage.index}_reference.safetensors"
+        if self.stage.resume is not None:
+            reference.load(path)
+        else:
+            reference.save(path)
 
 
 def rank_state(state: dict) -> dict:
@@ -99,5 +125,5 @@ def restore_rollout_state(workflow, resume: dict) -> None:
     """
     saved = rank_state(resume)
     for component, key in ((workflow, WORKFLOW_STATE_KEY), (workflow.reward, REWARD_STATE_KEY)):
-        if key in saved and hasattr(component, "load_state_dict"):
+        if key in saved and hasattr(component, "load_state_dict"):  # a plugin's reward may keep none
             component.load_state_dict(saved[key])

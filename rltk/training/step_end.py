@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from rltk.training.evaluation import evaluate
-from rltk.training.stage_checkpoint import save_checkpoint, should_checkpoint
+from rltk.training.stage_checkpoint import should_checkpoint
 
 
 def evaluate_at_start(stage, loop) -> None:
@@ -36,6 +36,6 @@ def end_step(stage, loop, step: int, metrics: dict, checkpointed, rollouts=None)
     if should_checkpoint(cfg, step, t.total_steps):
         if rollouts is not None:
             loop.queue_cursor = rollouts.cursor(step)
-        save_checkpoint(stage, checkpointed, loop, last_step=t.total_steps)
+        stage.checkpoint.save(checkpointed, loop, last_step=t.total_steps)
         if rollouts is not None:
             rollouts.commit(step)
