@@ -108,112 +108,138 @@ def producer_rows(rows: list, index: int, count: int) -> list:
     return rows[index::count]
 
 
-def run_producer(cfg, *, stage_index: int, queue_path: str, weights_path: str, name: str, timeout_s: float,
-                 index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True,
-                 seed_salt: int = 0) -> int:
-    """Produce batches until the trainer ends the stage (returns :data:`EXIT_DONE`) or a wait runs out.
+def run_producer(cfg, **settings) -> int:
+    """Produce batches until the trainer ends the stage (:data:`EXIT_DONE`) or a wait runs out: :class:`Producer`
+    built from ``cfg`` and ``settings`` (its keyword arguments), then run."""
+    return Producer(cfg, **settings).run()
+
+
+class Producer:
+    """One producer process: sample a batch with the newest published weights whenever the staleness gate
+    allows, put it into the queue, repeat.
 
     ``trainer``: this process was started by the trainer (it stops when that parent is gone).
     ``seed_salt`` is added to the prompt order's and the sampling's seeds, so producers outside the
-    trainer that share the rows (one ``index``) still sample apart.
+    trainer that share the rows (one ``index``) still sample apart. A restarted producer goes on at the
+    batch after its last put (the queue knows it), with the prompts the batches before it drew skipped.
     """
-    import rltk
-    from rltk.buffer.queue import ExperienceQueue
-    from rltk.data.sampler import RowSampler
-    from rltk.distributed import limit_torch_threads, seed_everything
-    from rltk.training.collect import RolloutPlan, collect_experiences
-    from rltk.training.engine_weights import weights_file_version
-    from rltk.training.rows import build_rows
-    from rltk.training.setup import build_tokenizer_and_policy, build_workflow
 
-    parent = _Parent() if trainer else None
-    # SIGTERM (the trainer stopping it) unwinds like an exception: a weight load under way finishes, and its
-    # servers are resumed, before the process exits (a server left paused would hold every later request)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    limit_torch_threads()
-    seed_everything(cfg.seed)
-    tokenizer, policy = build_tokenizer_and_policy(cfg)
-    train_rows = producer_rows(build_rows(cfg, tokenizer)[0], index, count)
-    workflow = build_workflow(cfg, policy, tokenizer)
-    plan = RolloutPlan.from_config(cfg, rltk.get_component("advantage_fn", cfg.algorithm.advantage_fn))
-    t = cfg.trainer
-    max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
-    per_batch = batch_size(cfg)
-    queue = ExperienceQueue(queue_path, timeout_s=timeout_s, journal_mode=cfg.buffer.get("queue_journal", "wal"))
-    sampler = RowSampler(train_rows, t.prompts_per_step, seed=cfg.seed + stage_index + seed_salt,
-                         shuffle=cfg.data.shuffle)
-    last = queue.last_id(name)
-    batch = 0 if last is None else batch_of(last) + 1
-    for _ in range(batch):  # the prompts of the batches already put
-        sampler.next_batch()
-    weights_s = 0.0  # loading published weights since the last put, outside sampling (producer/weights_s)
-    put_s = 0.0  # the last put's own time (producer/put_s of the next batch: a put cannot carry its own)
-    follower = None  # keeps the engine on the newest published weights (WeightsFollower, below)
+    def __init__(self, cfg, *, stage_index: int, queue_path: str, weights_path: str, name: str, timeout_s: float,
+                 index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True, seed_salt: int = 0):
+        import rltk
+        from rltk.buffer.queue import ExperienceQueue
+        from rltk.data.sampler import RowSampler
+        from rltk.distributed import limit_torch_threads, seed_everything
+        from rltk.training.collect import RolloutPlan
+        from rltk.training.rows import build_rows
+        from rltk.training.setup import build_tokenizer_and_policy, build_workflow
 
-    def load_newest() -> None:
-        nonlocal weights_s
+        self.cfg, self.stage_index, self.weights_path, self.name = cfg, stage_index, weights_path, name
+        self.timeout_s, self.index, self.poll_s, self.seed_salt = timeout_s, index, poll_s, seed_salt
+        self.parent = _Parent() if trainer else None
+        # SIGTERM (the trainer stopping it) unwinds like an exception: a weight load under way finishes, and its
+        # servers are resumed, before the process exits (a server left paused would hold every later request)
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        limit_torch_threads()
+        seed_everything(cfg.seed)
+        tokenizer, self.policy = build_tokenizer_and_policy(cfg)
+        train_rows = producer_rows(build_rows(cfg, tokenizer)[0], index, count)
+        self.workflow = build_workflow(cfg, self.policy, tokenizer)
+        self.plan = RolloutPlan.from_config(cfg, rltk.get_component("advantage_fn", cfg.algorithm.advantage_fn))
+        t = cfg.trainer
+        self.max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
+        self.per_batch = batch_size(cfg)
+        self.queue = ExperienceQueue(queue_path, timeout_s=timeout_s,
+                                     journal_mode=cfg.buffer.get("queue_journal", "wal"))
+        self.sampler = RowSampler(train_rows, t.prompts_per_step, seed=cfg.seed + stage_index + seed_salt,
+                                  shuffle=cfg.data.shuffle)
+        last = self.queue.last_id(name)
+        self.batch = 0 if last is None else batch_of(last) + 1
+        for _ in range(self.batch):  # the prompts of the batches already put
+            self.sampler.next_batch()
+        self.weights_s = 0.0  # loading published weights since the last put, outside sampling (producer/weights_s)
+        self.put_s = 0.0  # the last put's own time (producer/put_s of the next batch: a put cannot carry its own)
+        self.follower: WeightsFollower | None = None  # keeps the engine on the newest published weights
+        self.next_end_check = 0.0  # when wait() next asks the queue whether the trainer ended the stage
+
+    def run(self) -> int:
+        from rltk.training.engine_weights import weights_file_version
+
+        self.wait(f"the trainer's first weights in {self.weights_path}",
+                  lambda: weights_file_version(self.weights_path) is not None)
+        self.follower = WeightsFollower(self.workflow.engine, self.policy, self.weights_path)
+        print(f"rltk producer {self.name}: pid {os.getpid()}, starting at batch {self.batch}", flush=True)
+        while True:
+            self.produce_batch()
+
+    def load_newest(self) -> None:
         started = time.perf_counter()
-        if follower.follow():
-            weights_s += time.perf_counter() - started
+        if self.follower.follow():
+            self.weights_s += time.perf_counter() - started
 
-    next_end_check = [0.0]  # when wait() next asks the queue whether the trainer ended the stage
-
-    def wait(what: str, done) -> bool:
+    def wait(self, what: str, done) -> bool:
+        """Poll ``done`` until it is true; stop the process (exit status says why) if the trainer ended the
+        stage or is gone, or after ``timeout_s``."""
         start = time.monotonic()
         while not done():
-            if time.monotonic() >= next_end_check[0]:  # every half second, not at every 5 ms poll
-                next_end_check[0] = time.monotonic() + 0.5
-                if queue.finished_step is not None:
-                    print(f"rltk producer {name}: the trainer ended the stage at step {queue.finished_step}; "
+            if time.monotonic() >= self.next_end_check:  # every half second, not at every 5 ms poll
+                self.next_end_check = time.monotonic() + 0.5
+                if self.queue.finished_step is not None:
+                    print(f"rltk producer {self.name}: the trainer ended the stage at step {self.queue.finished_step}; "
                           f"stopping", flush=True)
                     raise SystemExit(EXIT_DONE)
-            if parent is not None and not parent.alive():
-                print(f"rltk producer {name}: the trainer (pid {parent.pid}) is gone; stopping", flush=True)
+            if self.parent is not None and not self.parent.alive():
+                print(f"rltk producer {self.name}: the trainer (pid {self.parent.pid}) is gone; stopping", flush=True)
                 raise SystemExit(EXIT_ORPHANED)
-            if time.monotonic() - start > timeout_s:
-                print(f"rltk producer {name}: error: waited {timeout_s:g} s (buffer.queue_timeout_s) for {what}",
-                      file=sys.stderr, flush=True)
+            if time.monotonic() - start > self.timeout_s:
+                print(f"rltk producer {self.name}: error: waited {self.timeout_s:g} s (buffer.queue_timeout_s) for "
+                      f"{what}", file=sys.stderr, flush=True)
                 raise SystemExit(EXIT_TIMEOUT)
-            time.sleep(poll_s)
+            time.sleep(self.poll_s)
         return True
 
-    wait(f"the trainer's first weights in {weights_path}", lambda: weights_file_version(weights_path) is not None)
-    follower = WeightsFollower(workflow.engine, policy, weights_path)
-    print(f"rltk producer {name}: pid {os.getpid()}, starting at batch {batch}", flush=True)
-    while True:
+    def may_sample(self) -> bool:
+        """Whether a batch sampled now would be within the staleness bound when the trainer takes it."""
+        self.load_newest()
+        # one snapshot: a take between two separate reads made the gate underestimate the step the batch
+        # trains at, so it sampled a batch one version too stale, which the queue then dropped
+        taken, ready = self.queue.progress()
+        return gate_open(taken, ready, self.per_batch, self.follower.version, self.max_staleness)
+
+    def produce_batch(self) -> None:
+        """Wait for the gate, sample one batch, put it with its versions and counters."""
+        from rltk.distributed import seed_everything
+        from rltk.training.collect import collect_experiences
+
+        cfg, follower = self.cfg, self.follower
         tick = time.perf_counter()
-        load_newest()
-
-        def may_sample() -> bool:
-            load_newest()
-            # one snapshot: a take between two separate reads made the gate underestimate the step the batch
-            # trains at, so it sampled a batch one version too stale, which the queue then dropped
-            taken, ready = queue.progress()
-            return gate_open(taken, ready, per_batch, follower.version, max_staleness)
-
-        wait(f"the trainer to take experiences or publish weights newer than version {follower.version} (a batch "
-             f"sampled now would be more than trainer.max_staleness={max_staleness} versions old)", may_sample)
+        self.load_newest()
+        self.wait(f"the trainer to take experiences or publish weights newer than version {follower.version} (a "
+                  f"batch sampled now would be more than trainer.max_staleness={self.max_staleness} versions old)",
+                  self.may_sample)
         version = follower.version
         sampling = time.perf_counter()
         # the same batch is sampled the same way by a restarted producer with the same weights
-        seed_everything(cfg.seed + 1_000_003 * (stage_index + 1) + 7_919 * index + batch + seed_salt)
-        with follower.during_generation(poll_s=max(poll_s, 0.05)):  # vllm_server: newer weights interrupt it
-            experiences, _ = collect_experiences(workflow, sampler, plan)
+        seed_everything(cfg.seed + 1_000_003 * (self.stage_index + 1) + 7_919 * self.index + self.batch
+                        + self.seed_salt)
+        with follower.during_generation(poll_s=max(self.poll_s, 0.05)):  # vllm_server: newer weights interrupt it
+            experiences, _ = collect_experiences(self.workflow, self.sampler, self.plan)
         sampled = time.perf_counter()
         # the reward functions' calls, failures and timeouts while making this batch, and where the
         # producer's time went: the trainer logs them with the step that takes the batch
-        counters = {f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()}
+        reward = self.workflow.reward
+        counters = {f"reward_fn/{k}": v for k, v in reward.stats().items()}
         counters.update(follower.take_counters())
-        workflow.reward.reset_stats()
-        counters.update({"producer/weights_s": weights_s, "producer/sample_s": sampled - sampling,
-                         "producer/gate_wait_s": sampling - tick - weights_s, "producer/put_s": put_s})
-        weights_s = 0.0
+        reward.reset_stats()
+        counters.update({"producer/weights_s": self.weights_s, "producer/sample_s": sampled - sampling,
+                         "producer/gate_wait_s": sampling - tick - self.weights_s, "producer/put_s": self.put_s})
+        self.weights_s = 0.0
         if experiences:
-            ids = [f"{name}-b{batch}-{i}" for i in range(len(experiences))]
-            queue.put(experiences, ids=ids, versions=experience_versions(experiences, version), producer=name,
-                      counters=counters)
-        put_s = time.perf_counter() - sampled
-        batch += 1
+            ids = [f"{self.name}-b{self.batch}-{i}" for i in range(len(experiences))]
+            self.queue.put(experiences, ids=ids, versions=experience_versions(experiences, version),
+                           producer=self.name, counters=counters)
+        self.put_s = time.perf_counter() - sampled
+        self.batch += 1
 
 
 def experience_versions(experiences: list, version: int) -> list[list[int]]:
