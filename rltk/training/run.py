@@ -229,12 +229,8 @@ def finish_run(run: Run) -> dict:
     close_reward = getattr(run.workflow.reward, "close", None)
     if callable(close_reward):
         close_reward()
-    close_workflow = getattr(run.workflow, "close", None)  # its own resources (agentic: the endpoint's threads)
-    if callable(close_workflow):
-        close_workflow()
-    close_engine = getattr(run.workflow.engine, "close", None)  # vllm: its worker and the process group it made
-    if callable(close_engine):
-        close_engine()
+    run.workflow.close()  # its own resources (agentic: the endpoint's threads)
+    run.workflow.engine.close()  # vllm: its worker and the process group it made
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))

@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 import rltk
 from rltk.config.errors import ConfigError
 from rltk.config.merge import apply_overrides
-from rltk.rollout.base import SamplingParams
+from rltk.rollout.base import RolloutEngine, SamplingParams
+from rltk.workflows.base import Workflow
 
 def args_of(cfg: DictConfig, key: str) -> dict:
     """The ``<key>_args`` mapping of a component key as a plain dict."""
@@ -102,9 +103,16 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
     workflow_cls = rltk.get_component("workflow", cfg.rollout.workflow)
     # A workflow that names `env` in its signature (multi_turn, agentic) gets the env section.
     env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in signature_params(workflow_cls)[0] else {}
-    return workflow_cls(
+    workflow = workflow_cls(
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
         **env, **args_of(cfg, "rollout.workflow"))
+    # The trainer relies on what the base classes declare (state_dict, close, samples_from_module ...).
+    for key, built, base in (("rollout.engine", engine, RolloutEngine), ("rollout.workflow", workflow, Workflow)):
+        if not isinstance(built, base):
+            raise ConfigError(f"'{key}': {type(built).__module__}.{type(built).__name__} does not subclass "
+                              f"{base.__module__}.{base.__name__}; a registered {key.split('.')[1]} must, so the "
+                              f"trainer can rely on what the base class declares")
+    return workflow
 
 
 def trainer_workflow_config(cfg: DictConfig) -> DictConfig:

@@ -124,6 +124,7 @@ def restore_rollout_state(workflow, resume: dict) -> None:
     ``state_dict``) leaves them where they start.
     """
     saved = rank_state(resume)
-    for component, key in ((workflow, WORKFLOW_STATE_KEY), (workflow.reward, REWARD_STATE_KEY)):
-        if key in saved and hasattr(component, "load_state_dict"):  # a plugin's reward may keep none
-            component.load_state_dict(saved[key])
+    if WORKFLOW_STATE_KEY in saved:
+        workflow.load_state_dict(saved[WORKFLOW_STATE_KEY])
+    if REWARD_STATE_KEY in saved and hasattr(workflow.reward, "load_state_dict"):  # a reward is any callable
+        workflow.reward.load_state_dict(saved[REWARD_STATE_KEY])

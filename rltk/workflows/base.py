@@ -77,6 +77,9 @@ class Workflow(abc.ABC):
             raise ValueError(f"{type(self).__name__}.load_state_dict: this workflow keeps no state, got keys "
                              f"{sorted(state)}; a workflow that saves state must override load_state_dict")
 
+    def close(self) -> None:
+        """Release what the workflow holds beside its engine (threads, an endpoint); a no-op by default."""
+
 
 class GroupNumbering:
     """Mixin for workflows that number groups: ids unique across calls and across a resume.
