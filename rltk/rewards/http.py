@@ -2,13 +2,16 @@
 
 The standard library's ``urllib`` rather than ``httpx``: these rewards then work in a base install,
 without the ``serve`` extra. Errors come out as three kinds a caller can count apart:
-``TimeoutError`` (no answer within ``timeout_s``), ``ConnectionError`` (nothing listens, the
+``TimeoutError`` (no whole answer within ``timeout_s``), ``ConnectionError`` (nothing listens, the
 connection broke) and ``ValueError`` (an HTTP error status or a body that is not the JSON expected;
 :class:`ServerError`, a subclass, for the statuses worth retrying: 5xx and 429).
 """
 
 from __future__ import annotations
 
+import functools
+import http.client
+import io
 import json
 import socket
 import time
@@ -18,20 +21,28 @@ from typing import Any
 
 
 def post_json(url: str, body: Any, *, timeout_s: float, headers: dict[str, str] | None = None) -> Any:
-    """POST ``body`` as JSON to ``url`` and return the decoded JSON answer.
+    """POST ``body`` as JSON to ``url`` and return the decoded JSON answer, all within ``timeout_s``.
 
-    ``timeout_s`` bounds connecting and each wait for bytes from the server (a server that
-    accepts and never answers costs ``timeout_s``; one that trickles a byte per ``timeout_s``
-    could hold a call longer, which callers that must bound a step wrap in their own deadline).
+    ``timeout_s`` is a deadline for the whole request: connecting, sending, and reading the status,
+    the headers and the full body (redirects included). A server that accepts and never answers,
+    or that trickles its answer a byte at a time, costs ``timeout_s`` and a ``TimeoutError``, not
+    a score. (Looking up the host's name is the one step the deadline does not bound: the
+    system's resolver has its own timeouts; give an IP address to avoid it.)
     """
     data = json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="POST",
                                      headers={"Content-Type": "application/json", **(headers or {})})
+    deadline = time.monotonic() + timeout_s
+    # urllib's own opener (proxies, redirects, HTTP errors as before), with connections that keep the deadline
+    opener = urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        with opener.open(request, timeout=timeout_s) as reply:
             raw = reply.read()
     except urllib.error.HTTPError as exc:
-        detail = exc.read()[:300].decode(errors="replace")
+        try:
+            detail = exc.read()[:300].decode(errors="replace")
+        except OSError as read_error:  # a body that ran past the deadline, or broke off: the status still says it
+            detail = f"(body not read: {read_error})"
         kind = ServerError if exc.code >= 500 or exc.code == 429 else ValueError
         raise kind(f"{url} answered HTTP {exc.code}: {detail}") from None
     except urllib.error.URLError as exc:
@@ -66,6 +77,96 @@ def with_retries(call, *, retries: int, backoff_s: float, retry_on: tuple[type[B
 
 class ServerError(ValueError):
     """A server answered with an error status worth retrying (HTTP 5xx, 429)."""
+
+
+# ---------------------------------------------------------------------------- the deadline of one request
+# A socket timeout bounds one wait for bytes, not a request: a server sending a byte a second meets any
+# timeout over 1 s forever. So each step of the request gets the time left before the deadline as its
+# timeout, and each read of the answer (status line, headers, body) does too, just before it blocks: no
+# read can wait past the deadline, and one that starts after it fails at once. (Connecting, the TLS
+# handshake and ``sendall`` are each bounded as a whole by the timeout they start with.)
+
+def _time_left(deadline: float) -> float:
+    """Seconds to ``deadline``; ``TimeoutError`` once it has passed (a timeout of 0 would mean non-blocking)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request's deadline passed")
+    return left
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The raw bytes of a response, each read waiting at most until ``deadline``.
+
+    Reads through the buffered file ``http.client`` made of the socket (``inner``), so the socket's
+    lifetime stays that file's: kept open while the response is, closed with it.
+    """
+
+    def __init__(self, sock: socket.socket, inner: io.BufferedReader, deadline: float):
+        super().__init__()
+        self._sock, self._inner, self._deadline = sock, inner, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self._sock.settimeout(_time_left(self._deadline))
+        return self._inner.readinto1(buffer)  # one receive, at most
+
+    def close(self) -> None:
+        if not self.closed:
+            self._inner.close()
+        super().close()
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    def __init__(self, sock: socket.socket, *args: Any, deadline: float, **kwargs: Any):
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_DeadlineReader(sock, self.fp, deadline))
+
+
+class _DeadlineConnection:
+    """Mixed into ``http.client``'s connections: connect and send with the time left, answer by the deadline."""
+
+    def __init__(self, *args: Any, deadline: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+        self.response_class = functools.partial(_DeadlineResponse, deadline=deadline)
+
+    def connect(self) -> None:
+        self.timeout = _time_left(self._deadline)
+        super().connect()
+
+    def send(self, data) -> None:
+        if self.sock is not None:  # without one, send() connects first (with the time left, above)
+            self.sock.settimeout(_time_left(self._deadline))
+        super().send(data)
+
+
+class _DeadlineHTTPConnection(_DeadlineConnection, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
+    pass
+
+
+class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: float):
+        super().__init__()
+        self._deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(functools.partial(_DeadlineHTTPConnection, deadline=self._deadline), req)
+
+
+class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: float):
+        super().__init__()
+        self._deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(functools.partial(_DeadlineHTTPSConnection, deadline=self._deadline), req,
+                            context=self._context)
 
 
 def call_all(jobs: list, *, concurrency: int, unreachable: tuple[type[BaseException], ...] = (TimeoutError,

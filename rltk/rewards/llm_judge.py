@@ -14,14 +14,15 @@ is parsed into a score:
 
 The endpoint may be another ``rltk serve``, a vLLM or SGLang server, or a hosted API
 (``api_key``). Requests run ``concurrency`` at a time; each waits at most ``timeout_s`` for the
-server and is tried ``retries`` more times on a timeout, a refused or broken connection, or an
-HTTP 5xx/429, after ``backoff_s``, then twice that ... Once one request has spent its tries on a
-timeout or a connection error, the step's requests not yet sent are not sent (the judge is down or
-hangs), so such a step waits about ``(retries + 1) * timeout_s`` plus the backoff, whatever its
-number of samples. A sample whose judge call fails, or whose verdict does not parse, gets the
-composer's ``reward.fallback`` and is counted: in ``reward_fn/failures/llm_judge`` (every fallback)
-and ``reward_fn/timeouts/llm_judge`` (the requests that timed out), with one warning naming the
-first reason.
+server's whole answer (a deadline on connecting, sending and reading it all, so a server trickling
+it byte by byte times out too) and is tried ``retries`` more times on a timeout, a refused or
+broken connection, or an HTTP 5xx/429, after ``backoff_s``, then twice that ... Once one request
+has spent its tries on a timeout or a connection error, the step's requests not yet sent are not
+sent (the judge is down or hangs), so such a step waits about ``(retries + 1) * timeout_s`` plus
+the backoff, whatever its number of samples. A sample whose judge call fails, or whose verdict
+does not parse, gets the composer's ``reward.fallback`` and is counted: in
+``reward_fn/failures/llm_judge`` (every fallback) and ``reward_fn/timeouts/llm_judge`` (the
+requests that timed out), with one warning naming the first reason.
 
 Example::
 

@@ -25,9 +25,10 @@ Two ways to reach the model (exactly one of ``path`` and ``url``):
   :mod:`rltk.rewards.reward_server`: ``POST {"prompts": [...], "responses": [...]}`` ->
   ``{"scores": [raw, ...]}``. Truncation, micro-batching and the device are the server's then
   (its flags); here ``micro_batch_size`` texts go in each request, ``concurrency`` requests at
-  once, each under ``timeout_s``, retried ``retries`` times with exponential backoff. A request
-  that still fails gives its samples the composer's ``reward.fallback``, counted in
-  ``reward_fn/failures/reward_model``, and stops the step's unsent requests (the server is down).
+  once, each given at most ``timeout_s`` in all (connecting, sending, reading the whole answer),
+  retried ``retries`` times with exponential backoff. A request that still fails gives its samples
+  the composer's ``reward.fallback``, counted in ``reward_fn/failures/reward_model``, and stops the
+  step's unsent requests (the server is down).
 
 Config keys, mirroring verl's ``reward_model`` section where one exists (``model.path`` ->
 ``path``, ``micro_batch_size_per_gpu`` -> ``micro_batch_size``, ``max_length``)::
@@ -253,9 +254,11 @@ def reward_model(
             (default 1024), the side cut from a longer one (``left``, default: keep the end),
             device (``cpu``) and dtype (``float32``); a server has its own.
         sigmoid, scale, offset: ``score = scale * (sigmoid(r) if sigmoid else r) + offset``.
-        timeout_s, retries, concurrency: per request to ``url``; retried with exponential backoff
-            (0.5 s, 1 s ...); ``concurrency`` requests at once. Once one has spent its tries on a
-            timeout or a refused connection, the rest of the step's are not sent (counted failures).
+        timeout_s, retries, concurrency: per request to ``url``, ``timeout_s`` the most it may take in all
+            (connecting, sending, reading the whole answer: a trickling server times out too); retried
+            with exponential backoff (0.5 s, 1 s ...); ``concurrency`` requests at once. Once one has
+            spent its tries on a timeout or a refused connection, the rest of the step's are not sent
+            (counted failures).
     """
     if url is None:
         scorer = load_scorer(path, device=device or "cpu", dtype=dtype, max_length=max_length or 1024,

@@ -22,7 +22,10 @@ stdio server is started again).
 Each process keeps one connection per server (:func:`mcp_connection`), opened
 on first use and closed at exit. The connection lives in a background thread's
 event loop, since the MCP client is asynchronous and the workflows call tools
-from ordinary threads; every wait on it is bounded.
+from ordinary threads; every wait on it is bounded. A stdio server ends with its
+connection on every way out, a handshake that ran out of ``connect_timeout_s``
+included (:meth:`McpConnection._end_session`): none outlives rltk, holding its
+stderr open.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from rltk.tools.base import Tool
 
 #: keys of one ``env.mcp_servers.<name>`` entry
 SERVER_KEYS = ("command", "url", "env", "cwd", "timeout_s", "connect_timeout_s")
+#: seconds a stdio server's shutdown may take: the SDK's 2 s for it to exit once its stdin closes, 2 s after
+#: SIGTERM before SIGKILL, 2 s to reap, and slack
+SERVER_STOP_S = 10.0
 
 
 class McpError(RuntimeError):
@@ -135,11 +141,18 @@ class McpConnection:
         try:
             self._client = future.result(timeout=self.connect_timeout_s)
         except TimeoutError:
+            # The session task is still in the handshake, holding a live server: end it (and the server with it)
+            # before saying so, or the server outlives rltk, holding rltk's stderr open.
             future.cancel()
+            self._end_session(self._session_task, grace_s=0.0)
             raise McpError(f"{self._describe()} did not finish connecting within connect_timeout_s="
                            f"{self.connect_timeout_s:g} s") from None
         except Exception as exc:
             raise McpError(f"{self._describe()}: could not connect: {_reason(exc)}") from exc
+        except BaseException:  # Ctrl-C while connecting: the server must not outlive us either
+            future.cancel()
+            self._end_session(self._session_task, grace_s=0.0)
+            raise
 
     def _run(self, what: str, coroutine_fn) -> Any:
         """``coroutine_fn(client)`` on the loop, connecting first if needed; bounded by ``timeout_s``."""
@@ -166,15 +179,35 @@ class McpConnection:
                 self._loop.call_soon_threadsafe(self._closing.set)
             self._client, self._closing = None, None
 
+    def _end_session(self, task: asyncio.Future | None, grace_s: float) -> None:
+        """Wait ``grace_s`` for the session ``task`` to end on its own, then cancel it, and wait for it to end.
+
+        Ending the task is what ends a stdio server: the SDK's client, left by cancellation too, closes the
+        server's stdin, waits 2 s, then SIGTERMs the server's process group (the server runs in a session of
+        its own, so its children go too), SIGKILLs it 2 s later and reaps it; shielded, and bounded by about
+        7 s. This waits for that, so no server process outlives the call (nor rltk, holding its stderr).
+        """
+        if task is None or not self._loop.is_running():
+            return
+
+        async def end():
+            if not task.done() and grace_s > 0:
+                await asyncio.wait([task], timeout=grace_s)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=SERVER_STOP_S)
+
+        try:
+            asyncio.run_coroutine_threadsafe(end(), self._loop).result(timeout=grace_s + SERVER_STOP_S + 5)
+        except Exception:  # noqa: BLE001  (ending a session that failed: its failure is already reported)
+            pass
+
     def close(self) -> None:
-        """End the session (a stdio server process exits with it) and stop the loop's thread."""
+        """End the session (a stdio server process exits with it, or is killed) and stop the loop's thread."""
         task = self._session_task
         self._drop()
-        if task is not None and self._loop.is_running():
-            try:
-                asyncio.run_coroutine_threadsafe(asyncio.wait([task], timeout=5), self._loop).result(timeout=10)
-            except Exception:  # noqa: BLE001  (closing at exit: nothing left to report to)
-                pass
+        # a session that is still connecting has no `_closing` to set: `_end_session` cancels it
+        self._end_session(task, grace_s=SERVER_STOP_S)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)

@@ -15,6 +15,7 @@ from rltk.rewards.llm_judge import UnparsedVerdict, llm_judge, parse_verdict
 from rltk.rollout.base import SamplingParams
 from rltk.serve.app import BackgroundServer, create_app
 from rltk.serve.sessions import SessionStore
+from tests.rewards.slow_http import SlowServer, chat_completion, timed
 from tests.serve.helpers import ScriptedEngine
 
 TEMPLATE = "Q: {prompt} | ref: {ground_truth} | A: {response} | grade?"
@@ -141,6 +142,24 @@ def test_a_judge_that_hangs_times_out_each_try_and_the_step_waits_a_bounded_time
         for conn in held:
             conn.close()
         listener.close()
+
+
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "status-headers-and-body"])
+def test_a_judge_that_trickles_its_answer_times_out_each_try_at_timeout_s_and_is_not_scored(headers_too):
+    # A byte every 0.2 s meets any socket timeout over 0.2 s: before, each try lasted as long as the answer
+    # (70 bytes of body: 14 s) and the verdict "Score: 10" was scored 1.0. The deadline holds each try to
+    # timeout_s, connecting, sending and reading the whole answer together.
+    with SlowServer(chat_completion("Score: 10"), byte_every_s=0.2, headers_too=headers_too) as server:
+        composer = build_reward_composer(["llm_judge"], args={"llm_judge": {
+            "url": server.url + "/v1", "model": "m", "timeout_s": 1, "retries": 1, "backoff_s": 0.1}}, fallback=-1.0)
+        with pytest.warns(RuntimeWarning, match="TimeoutError: .* did not answer within 1 s"):
+            results, elapsed = timed(lambda: composer.score_batch([{"prompt": "p", "response": "r",
+                                                                    "ground_truth": "g"}]))
+        # (retries + 1) * timeout_s + backoff = 2 * 1 + 0.1 s
+        assert 2.1 <= elapsed < 2.1 + 1.0, elapsed
+        assert server.accepted == 2  # the try and its retry, each cut off at its deadline
+    assert [score for score, _ in results] == [-1.0]
+    assert composer.stats()["failures/llm_judge"] == 1 and composer.stats()["timeouts/llm_judge"] == 1
 
 
 def test_config_errors_name_the_key_and_what_is_valid(capsys):

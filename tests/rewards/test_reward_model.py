@@ -21,6 +21,7 @@ from rltk.cli import main
 from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save_pretrained_dir
 from rltk.rewards.compose import build_reward_composer
 from rltk.rewards.reward_model import load_scorer, reward_model
+from tests.rewards.slow_http import SlowServer, timed
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -173,6 +174,24 @@ def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly(monkeyp
     assert time.monotonic() - start < 8.0
     assert [r[1]["reward_model"] for r in results] == [-1.0] * 200 and [r[0] for r in results] == [0.0] * 200
     assert composer.stats()["failures/reward_model"] == 200
+
+
+@pytest.mark.parametrize("byte_every_s", [0.2, None], ids=["trickles", "never-answers"])
+def test_a_reward_server_that_trickles_or_never_answers_costs_timeout_s_a_try_and_the_fallback(monkeypatch,
+                                                                                                byte_every_s):
+    # a trickle of a byte every 0.2 s, under any socket timeout over 0.2 s, used to hold a request as long as
+    # the answer (24 bytes: ~5 s of body here) and then score it; each try now ends at its timeout_s
+    monkeypatch.setattr("rltk.rewards.reward_model.RETRY_BACKOFF_S", 0.1)
+    with SlowServer({"scores": [3.0, 3.0]}, byte_every_s=byte_every_s) as server:
+        composer = build_reward_composer(["reward_model"], args={"reward_model": {
+            "url": server.url + "/score", "timeout_s": 1, "retries": 1}}, fallback=-1.0)
+        with pytest.warns(RuntimeWarning, match="TimeoutError: .* did not answer within 1 s"):
+            results, elapsed = timed(lambda: composer.score_batch([{"prompt": "p", "response": "r",
+                                                                    "ground_truth": "g"}] * 2))
+        assert 2.1 <= elapsed < 2.1 + 1.0, elapsed  # (retries + 1) * timeout_s + backoff
+        assert server.accepted == 2
+    assert [score for score, _ in results] == [-1.0, -1.0]
+    assert composer.stats()["failures/reward_model"] == 2 and composer.stats()["timeouts/reward_model"] == 2
 
 
 def test_config_errors_name_the_key_and_what_is_valid(rm_folder, capsys):

@@ -4,6 +4,9 @@ Streamable HTTP; errors, timeouts and a dying server become counted tool errors;
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,8 +42,6 @@ def env(tools, server=None, **settings):
 
 
 def call(name, **arguments):
-    import json
-
     return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
 
@@ -160,3 +161,45 @@ MULTI_TURN = ["rollout.workflow=multi_turn", "model.tiny.tool_role=true"]
 def test_bad_mcp_config_exits_2_naming_the_key(capsys, overrides, message):
     assert main(["validate", "grpo", *MULTI_TURN, *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+def dead(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie (ended, not yet reaped by whoever adopted it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_server_hanging_in_its_handshake_is_killed_and_does_not_hold_rltks_output_open(tmp_path):
+    # the server (and a child of it) would sleep 60 s; before, it outlived `rltk validate`, holding the stderr
+    # pipe, so a caller reading rltk's output to its end waited the whole 60 s
+    pid_file = tmp_path / "pids"
+    server = {"command": [sys.executable, str(Path(__file__).with_name("mcp_hang_server.py")), str(pid_file)],
+              "connect_timeout_s": 2}
+    command = [sys.executable, "-m", "rltk.cli", "validate", "grpo", *MULTI_TURN, "env.tools=[hang.*]",
+               f"env.mcp_servers={{hang: {json.dumps(server)}}}"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[2])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120  # rltk's own start: imports, the config
+        while not pid_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the hang server never started"
+            time.sleep(0.05)
+        started = time.monotonic()
+        pids = [int(p) for p in pid_file.read_text().split()]
+        out, err = proc.communicate(timeout=30)  # end of output: every writer of both pipes has closed them
+        # 2 s of handshake, the SDK's 2 s for the server to leave once its stdin closes, then SIGTERM (SIGKILL
+        # 2 s later), and rltk's own exit: about 6 s here; 60 s when the server outlived rltk
+        assert time.monotonic() - started < 2 + 10, time.monotonic() - started
+        assert proc.returncode == 2, (out, err)
+        assert b"did not finish connecting within connect_timeout_s=2 s" in err
+        assert all(dead(pid) for pid in pids), [Path(f"/proc/{p}/stat").read_text() for p in pids if not dead(p)]
+    finally:
+        for pid in pids:  # only when the test failed: leave nothing running
+            if not dead(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
