@@ -410,10 +410,6 @@ def discounted_returns(
     return _gae_any_layout(rewards, None, on, gamma, 1.0)
 
 
-# The old private name of the group numbering (rltk.algorithms.groups.group_index).
-_group_index = group_index
-
-
 def _sequence_returns(token_rewards: torch.Tensor, sequence_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """``R_i = sum_t token_rewards[i, t]``, summed in float32, or the caller's ``sequence_rewards``.
 
