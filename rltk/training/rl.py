@@ -1,8 +1,9 @@
 """The policy-gradient update shared by the RL recipes (:func:`policy_update`), and when it may take the
 old log-probs from its own forward (:func:`old_logprobs_from_update`).
 
-Pure mechanics (micro-batching, global normalisers, loss assembly); every
-algorithmic choice arrives as a component from the registry:
+Pure mechanics: the assembly of one micro-batch's loss, run by the update loop every
+update shares (:func:`rltk.training.update_loop.optimizer_epochs`: epochs, mini-batches,
+micro-batches, global normalisers). Every algorithmic choice arrives as a component from the registry:
 :class:`~rltk.training.loss_components.LossComponents` (policy loss,
 aggregation, KL, entropy) and :class:`~rltk.training.estimator.Estimator`
 (the advantage function, its signature read once). The no-gradient passes
