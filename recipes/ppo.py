@@ -152,7 +152,7 @@ def ppo_step(stage: Stage, strategies: PolicyAndCritic, parts: RLParts, loop, ba
     update_metrics = critic_update(critic_strategy, batch, fwd, loss_agg=parts.loss.loss_agg,
                                    loss_agg_args=parts.loss.loss_agg_args, clip_range=c.value_clip,
                                    mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-                                   generator=loop.generator)
+                                   generator=loop.generator).metrics
     policy_updated = step > c.warmup_steps
     if policy_updated:
         update_metrics.update(policy_update(strategy, batch, parts.loss, fwd, kl_coef=loop.kl_ctl.value,

@@ -1,6 +1,7 @@
 """rltk: composable reinforcement-learning components for LLM post-training."""
 
 from rltk.registry import (
+    ComponentTable,
     LifecycleHookError,
     RegistryError,
     PluginLoadError,
@@ -17,6 +18,7 @@ from rltk.registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ComponentTable",
     "LifecycleHookError",
     "RegistryError",
     "PluginLoadError",

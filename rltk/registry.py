@@ -121,6 +121,51 @@ def override(component: Any) -> Override:
     return Override(component)
 
 
+class ComponentTable(dict):
+    """A plugin module's ``{name: component}`` of one kind, filled by a decorator on each definition.
+
+    ::
+
+        ADVANTAGE_FNS = rltk.ComponentTable("advantage_fn")
+
+        @ADVANTAGE_FNS.register("median_baseline")
+        def median_baseline(*, token_rewards, response_mask, group_ids): ...
+
+        @rltk.hookimpl
+        def rltk_advantage_fns():
+            return ADVANTAGE_FNS
+
+    The registration hook still returns the table, so the module registers through its entry point like
+    any plugin (two plugins claiming one name stay an error); the decorator only puts each name beside the
+    function it names, and returns the function unchanged. One function may take several names (aliases).
+    """
+
+    def __init__(self, kind: str):
+        if kind not in KINDS:
+            raise RegistryError(unknown_name_message("component kind", kind, list(KINDS)))
+        super().__init__()
+        self.kind = kind
+
+    def register(self, *names: str):
+        """Decorator: enter the decorated component under each of ``names``."""
+
+        def enter(component):
+            for name in names:
+                if not isinstance(name, str) or not name:
+                    raise RegistryError(f"{self.kind} {component!r}: a name is a non-empty string, got {name!r}")
+                if name in self:
+                    raise RegistryError(f"{self.kind} '{name}' is entered twice in one table: for "
+                                        f"{_label(self[name])} and for {_label(component)}")
+                self[name] = component
+            return component
+
+        return enter
+
+
+def _label(component: Any) -> str:
+    return getattr(component, "__qualname__", None) or repr(component)
+
+
 @dataclass
 class Entry:
     """One registered component."""

@@ -61,6 +61,46 @@ def test_duplicate_name_names_both_plugins(fresh_registry):
     assert "rltk.override" in str(info.value)
 
 
+def test_a_component_table_is_filled_beside_each_definition_and_registers_through_its_hook(fresh_registry):
+    table = rltk.ComponentTable("kl_penalty_fn")
+
+    @table.register("my_k1", "my_k1_alias")
+    def my_k1(logprobs, ref_logprobs):
+        return logprobs - ref_logprobs
+
+    assert my_k1(3.0, 1.0) == 2.0  # the decorator returns the function itself
+    assert table == {"my_k1": my_k1, "my_k1_alias": my_k1}
+    rltk.register_plugin(_plugin("table_plugin", "rltk_kl_penalty_fns", table))
+    entries = {e.name: e for e in rltk.list_components("kl_penalty_fn") if e.plugin == "table_plugin"}
+    assert set(entries) == {"my_k1", "my_k1_alias"} and entries["my_k1"].obj is my_k1
+
+
+def test_a_component_table_refuses_a_name_twice_and_an_unknown_kind():
+    table = rltk.ComponentTable("policy_loss")
+    table.register("twice")(lambda **_: None)
+    with pytest.raises(RegistryError, match=r"policy_loss 'twice' is entered twice in one table: .*<lambda>.*second"):
+        @table.register("twice")
+        def second(**_):
+            return None
+    with pytest.raises(RegistryError, match=r"unknown component kind 'policy_losses'.*'policy_loss'"):
+        rltk.ComponentTable("policy_losses")
+
+
+@pytest.mark.parametrize("module, table, kind", [
+    ("advantages", "ADVANTAGE_FNS", "advantage_fn"), ("policy_losses", "POLICY_LOSSES", "policy_loss"),
+    ("kl", "KL_PENALTY_FNS", "kl_penalty_fn"), ("aggregation", "LOSS_AGGS", "loss_agg"),
+    ("preference_losses", "PREFERENCE_LOSSES", "preference_loss"),
+    ("reward_model_losses", "REWARD_MODEL_LOSSES", "reward_model_loss"),
+])
+def test_builtin_tables_are_what_their_entry_points_register(module, table, kind):
+    import importlib
+
+    filled = getattr(importlib.import_module(f"rltk.algorithms.{module}"), table)
+    registered = {e.name: e for e in rltk.list_components(kind) if e.plugin == f"rltk:{module}"}
+    assert filled and set(registered) == set(filled)
+    assert all(registered[name].obj is component for name, component in filled.items())
+
+
 def test_explicit_override_replaces_and_is_recorded(fresh_registry):
     preset = {"description": "my grpo", "advantage_fn": "rloo"}
     rltk.register_plugin(_plugin("my_presets", "rltk_algorithms", {"grpo": rltk.override(preset)}))

@@ -136,12 +136,19 @@ __all__ = [
 # --------------------------------------------------------------------------
 
 
-def _check_inputs(
-    where: str,
-    token_tensors: dict[str, torch.Tensor],
-    seq_tensors: dict[str, torch.Tensor] | None = None,
-) -> tuple[int, int]:
-    """Check that token tensors share one ``[B, T]`` shape and seq tensors are ``[B]``."""
+#: The ``[B]`` fields an estimator may take (one entry per response); every other checked tensor is ``[B, T]``.
+PER_RESPONSE_FIELDS = frozenset({"group_ids", "baseline_scores", "sequence_rewards", "policy_lengths"})
+
+
+def _check_inputs(where: str, **tensors: torch.Tensor | None) -> tuple[int, int]:
+    """The input check every estimator opens with: the token tensors share one ``[B, T]`` shape, the
+    per-response ones (:data:`PER_RESPONSE_FIELDS`) are ``[B]`` and ``group_ids`` are integers.
+
+    Token tensors are checked first, then the per-response ones, each in the order given; ``B, T`` are
+    those of the first token tensor. ``None`` is an optional field that was not given.
+    """
+    given = {name: tensor for name, tensor in tensors.items() if tensor is not None}
+    token_tensors = {name: t for name, t in given.items() if name not in PER_RESPONSE_FIELDS}
     first_name, first = next(iter(token_tensors.items()))
     if first.dim() != 2:
         raise ValueError(
@@ -155,7 +162,7 @@ def _check_inputs(
                 f"{where}: {name} has shape {tuple(tensor.shape)} but {first_name} has "
                 f"{(B, T)}; every token tensor must be [B, T] over the same responses"
             )
-    for name, tensor in (seq_tensors or {}).items():
+    for name, tensor in ((n, t) for n, t in given.items() if n in PER_RESPONSE_FIELDS):
         if tuple(tensor.shape) != (B,):
             raise ValueError(
                 f"{where}: {name} has shape {tuple(tensor.shape)} but must be [B] = ({B},), "
@@ -394,17 +401,13 @@ def discounted_returns(
 
     Shape: (B, T), (B, T) -> (B, T) float32, zero outside the mask.
     """
-    _check_inputs("discounted_returns", {"token_rewards": token_rewards, "response_mask": response_mask})
+    _check_inputs("discounted_returns", token_rewards=token_rewards, response_mask=response_mask)
     _check_unit_interval("discounted_returns", gamma=gamma)
     policy = response_mask > 0
     on = policy.to(torch.float32)
     rewards = token_rewards.detach().to(torch.float32)
     # With zero values and lam = 1 the GAE recursion is the return recursion.
     return _gae_any_layout(rewards, None, on, gamma, 1.0)
-
-
-# The old private name of the group numbering (rltk.algorithms.groups.group_index).
-_group_index = group_index
 
 
 def _sequence_returns(token_rewards: torch.Tensor, sequence_rewards: torch.Tensor | None = None) -> torch.Tensor:
@@ -434,11 +437,6 @@ def _policy_lengths(weights: torch.Tensor, policy_lengths: torch.Tensor | None =
     if policy_lengths is None:
         return weights.sum(-1).to(torch.float64)
     return policy_lengths.detach().to(torch.float64)
-
-
-def _optional(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The optional ``[B]`` inputs that were given, for :func:`_check_inputs`."""
-    return {name: tensor for name, tensor in tensors.items() if tensor is not None}
 
 
 def _policy_weights(response_mask: torch.Tensor) -> torch.Tensor:
@@ -485,11 +483,32 @@ def _sequence_level(
     return out, returns.to(torch.float32)[:, None].expand(B, T)
 
 
+def _outcome_inputs(where: str, token_rewards: torch.Tensor, response_mask: torch.Tensor,
+                    sequence_rewards: torch.Tensor | None = None, policy_lengths: torch.Tensor | None = None,
+                    **per_response: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The opening of an outcome estimator: :func:`_check_inputs`, then its output allocated (first: see
+    :func:`_output`) and the returns ``R_i`` (:func:`_sequence_returns`).
+
+    ``per_response``: the ``[B]`` fields it reads (``group_ids``, ``baseline_scores``).
+
+    Shape: (B, T), (B, T)[, (B,), (B,)], (B,) each -> (B, T) uninitialised, (B,) float32.
+    """
+    _check_inputs(where, token_rewards=token_rewards, response_mask=response_mask, **per_response,
+                  sequence_rewards=sequence_rewards, policy_lengths=policy_lengths)
+    return _output(response_mask), _sequence_returns(token_rewards, sequence_rewards)
+
+
 # --------------------------------------------------------------------------
 # Estimators
 # --------------------------------------------------------------------------
 
+#: The builtin estimators by config name, filled by ``@register_advantage_fn(name)`` on each definition and
+#: returned by this module's ``rltk_advantage_fns`` hook (the entry point ``advantages``).
+ADVANTAGE_FNS = rltk.ComponentTable("advantage_fn")
+register_advantage_fn = ADVANTAGE_FNS.register
 
+
+@register_advantage_fn("gae")
 def gae(
     *,
     token_rewards: torch.Tensor,
@@ -524,9 +543,7 @@ def gae(
 
     Shape: ``token_rewards``, ``values``, ``response_mask`` (B, T) -> (B, T), (B, T).
     """
-    _check_inputs(
-        "gae", {"token_rewards": token_rewards, "values": values, "response_mask": response_mask}
-    )
+    _check_inputs("gae", token_rewards=token_rewards, values=values, response_mask=response_mask)
     _check_unit_interval("gae", gamma=gamma, lam=lam)
     policy = response_mask > 0
     on = policy.to(torch.float32)
@@ -540,6 +557,7 @@ def gae(
     return advantages, returns
 
 
+@register_advantage_fn("grpo")
 def grpo(
     *,
     token_rewards: torch.Tensor,
@@ -571,12 +589,7 @@ def grpo(
 
     Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "grpo", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
-    )
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
+    out, returns = _outcome_inputs("grpo", token_rewards, response_mask, sequence_rewards, group_ids=group_ids)
     groups = Groups.of(group_ids)
     advantage = groups.centred(returns.to(torch.float64))
     if norm_by_std:
@@ -584,6 +597,7 @@ def grpo(
     return _sequence_level(advantage, returns, response_mask, out)
 
 
+@register_advantage_fn("opmd")
 def opmd(
     *,
     token_rewards: torch.Tensor,
@@ -617,16 +631,11 @@ def opmd(
 
     Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "opmd", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
-    )
+    out, returns = _outcome_inputs("opmd", token_rewards, response_mask, sequence_rewards, group_ids=group_ids)
     if baseline not in ("mean", "logavgexp"):
         raise ValueError(f"advantage_fn 'opmd': baseline must be 'mean' or 'logavgexp', got {baseline!r}")
     if tau is None or not (math.isfinite(float(tau)) and tau > 0):
         raise ValueError(f"advantage_fn 'opmd': tau must be a number > 0 (Trinity-RFT uses 1.0), got {tau!r}")
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
     groups = Groups.of(group_ids)
     r = returns.to(torch.float64)
     if baseline == "mean":
@@ -641,6 +650,7 @@ def opmd(
     return _sequence_level(advantage, returns, response_mask, out)
 
 
+@register_advantage_fn("rloo")
 def rloo(
     *,
     token_rewards: torch.Tensor,
@@ -667,12 +677,7 @@ def rloo(
 
     Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "rloo", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
-    )
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
+    out, returns = _outcome_inputs("rloo", token_rewards, response_mask, sequence_rewards, group_ids=group_ids)
     groups = Groups.of(group_ids)
     sizes = groups.expand(groups.sizes())
     # Groups of one already have centred == 0; the clamp only avoids 0 / 0.
@@ -680,6 +685,7 @@ def rloo(
     return _sequence_level(advantage, returns, response_mask, out)
 
 
+@register_advantage_fn("reinforce_plus_plus")
 def reinforce_plus_plus(
     *,
     token_rewards: torch.Tensor,
@@ -712,6 +718,7 @@ def reinforce_plus_plus(
     return advantages, returns
 
 
+@register_advantage_fn("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(
     *,
     token_rewards: torch.Tensor,
@@ -744,13 +751,8 @@ def reinforce_plus_plus_baseline(
 
     Shape: (B, T), (B, T), (B,)[, (B,), (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "reinforce_plus_plus_baseline",
-        {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards, policy_lengths=policy_lengths)},
-    )
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
+    out, returns = _outcome_inputs("reinforce_plus_plus_baseline", token_rewards, response_mask, sequence_rewards,
+                                   policy_lengths=policy_lengths, group_ids=group_ids)
     centred = Groups.of(group_ids).centred(returns.to(torch.float64))
     if whiten:
         # a_i repeated on its l_i policy tokens: the token statistics from [B] values and lengths
@@ -758,6 +760,7 @@ def reinforce_plus_plus_baseline(
     return _sequence_level(centred, returns, response_mask, out)
 
 
+@register_advantage_fn("remax")
 def remax(
     *,
     token_rewards: torch.Tensor,
@@ -785,16 +788,13 @@ def remax(
 
     Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "remax", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"baseline_scores": baseline_scores, **_optional(sequence_rewards=sequence_rewards)},
-    )
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
+    out, returns = _outcome_inputs("remax", token_rewards, response_mask, sequence_rewards,
+                                   baseline_scores=baseline_scores)
     advantage = returns.to(torch.float64) - baseline_scores.detach().to(torch.float64)
     return _sequence_level(advantage, returns, response_mask, out)
 
 
+@register_advantage_fn("opo")
 def opo(
     *,
     token_rewards: torch.Tensor,
@@ -824,12 +824,8 @@ def opo(
 
     Shape: (B, T), (B, T), (B,)[, (B,), (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "opo", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards, policy_lengths=policy_lengths)},
-    )
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
+    out, returns = _outcome_inputs("opo", token_rewards, response_mask, sequence_rewards,
+                                   policy_lengths=policy_lengths, group_ids=group_ids)
     R = returns.to(torch.float64)
     weights = _policy_weights(response_mask)
     lengths = _policy_lengths(weights, policy_lengths)
@@ -839,6 +835,7 @@ def opo(
     return _sequence_level(advantage, returns, weights, out)
 
 
+@register_advantage_fn("grpo_passk")
 def grpo_passk(
     *,
     token_rewards: torch.Tensor,
@@ -873,12 +870,7 @@ def grpo_passk(
 
     Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "grpo_passk", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
-    )
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
+    out, returns = _outcome_inputs("grpo_passk", token_rewards, response_mask, sequence_rewards, group_ids=group_ids)
     R = returns.to(torch.float64)
     groups = Groups.of(group_ids)
     best = groups.expand(groups.max(R))
@@ -895,6 +887,7 @@ def grpo_passk(
     return _sequence_level(advantage, returns, response_mask, out)
 
 
+@register_advantage_fn("gdpo")
 def gdpo(
     *,
     reward_components: torch.Tensor,
@@ -949,8 +942,7 @@ def gdpo(
             f"(column k = the k-th reward of reward.reward_fn), got shape {tuple(reward_components.shape)}"
         )
     B, K = reward_components.shape
-    _check_inputs("gdpo", {"response_mask": response_mask},
-                  {"group_ids": group_ids, **_optional(policy_lengths=policy_lengths)})
+    _check_inputs("gdpo", response_mask=response_mask, group_ids=group_ids, policy_lengths=policy_lengths)
     if response_mask.shape[0] != B:
         raise ValueError(
             f"gdpo: reward_components has {B} rows but response_mask {tuple(response_mask.shape)} has "
@@ -977,6 +969,7 @@ def gdpo(
     return _sequence_level(combined, rewards @ weights, response_mask, out)
 
 
+@register_advantage_fn("gpg")
 def gpg(
     *,
     token_rewards: torch.Tensor,
@@ -1014,14 +1007,9 @@ def gpg(
 
     Shape: (B, T), (B, T), (B,)[, (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "gpg", {"token_rewards": token_rewards, "response_mask": response_mask},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
-    )
+    out, returns = _outcome_inputs("gpg", token_rewards, response_mask, sequence_rewards, group_ids=group_ids)
     if not (isinstance(f_norm, (int, float)) and f_norm > 0 and f_norm != float("inf")):
         raise ValueError(f"gpg: f_norm must be a number > 0 (the paper uses 1), got {f_norm!r}")
-    out = _output(response_mask)  # first: see _output
-    returns = _sequence_returns(token_rewards, sequence_rewards)
     R = returns.to(torch.float64)
     groups = Groups.of(group_ids)
     constant = groups.all_equal(R)  # [G]
@@ -1032,6 +1020,7 @@ def gpg(
     return _sequence_level(alpha * centred / f_norm, returns, response_mask, out)
 
 
+@register_advantage_fn("optimal_token_baseline")
 def optimal_token_baseline(
     *,
     token_rewards: torch.Tensor,
@@ -1083,12 +1072,8 @@ def optimal_token_baseline(
 
     Shape: (B, T) x4, (B,) -> (B, T), (B, T).
     """
-    _check_inputs(
-        "optimal_token_baseline",
-        {"token_rewards": token_rewards, "response_mask": response_mask, "old_logprobs": old_logprobs,
-         "sum_pi_squared": sum_pi_squared},
-        {"group_ids": group_ids},
-    )
+    _check_inputs("optimal_token_baseline", token_rewards=token_rewards, response_mask=response_mask,
+                  old_logprobs=old_logprobs, sum_pi_squared=sum_pi_squared, group_ids=group_ids)
     B, T = response_mask.shape
     policy = response_mask > 0
     on = policy.to(torch.float64)
@@ -1129,6 +1114,7 @@ def optimal_token_baseline(
     return advantages.to(torch.float32), returns.to(torch.float32)
 
 
+@register_advantage_fn("on_policy_distill")
 def on_policy_distill(
     *,
     old_logprobs: torch.Tensor,
@@ -1170,12 +1156,9 @@ def on_policy_distill(
 
     Shape: (B, T) x4, (B,)[, (B,)] -> (B, T), (B, T).
     """
-    _check_inputs(
-        "on_policy_distill",
-        {"old_logprobs": old_logprobs, "teacher_logprobs": teacher_logprobs, "response_mask": response_mask,
-         "token_rewards": token_rewards},
-        {"group_ids": group_ids, **_optional(sequence_rewards=sequence_rewards)},
-    )
+    _check_inputs("on_policy_distill", old_logprobs=old_logprobs, teacher_logprobs=teacher_logprobs,
+                  response_mask=response_mask, token_rewards=token_rewards, group_ids=group_ids,
+                  sequence_rewards=sequence_rewards)
     if task_coef is None or not math.isfinite(float(task_coef)) or task_coef < 0:
         raise ValueError(f"advantage_fn 'on_policy_distill': task_coef must be a number >= 0, got {task_coef!r}")
     on = _policy_weights(response_mask)
@@ -1191,19 +1174,5 @@ def on_policy_distill(
 
 @rltk.hookimpl
 def rltk_advantage_fns():
-    """Register the builtin advantage estimators."""
-    return {
-        "gae": gae,
-        "grpo": grpo,
-        "opmd": opmd,
-        "rloo": rloo,
-        "reinforce_plus_plus": reinforce_plus_plus,
-        "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
-        "remax": remax,
-        "opo": opo,
-        "grpo_passk": grpo_passk,
-        "gdpo": gdpo,
-        "gpg": gpg,
-        "optimal_token_baseline": optimal_token_baseline,
-        "on_policy_distill": on_policy_distill,
-    }
+    """Register the builtin advantage estimators (each marked ``@register_advantage_fn`` where it is defined)."""
+    return ADVANTAGE_FNS

@@ -59,6 +59,11 @@ __all__ = [
 
 Count = int | float | torch.Tensor | None
 
+#: The builtin loss aggregations by config name, filled by ``@register_loss_agg(name)`` on each definition and
+#: returned by this module's ``rltk_loss_aggs`` hook (the entry point ``aggregation``).
+LOSS_AGGS = rltk.ComponentTable("loss_agg")
+register_loss_agg = LOSS_AGGS.register
+
 
 def _check(where: str, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Validate shapes and return the mask as a bool tensor."""
@@ -95,6 +100,7 @@ def _masked_row_sums(loss_mat: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
     return torch.where(on, loss_mat, 0.0).sum(-1)
 
 
+@register_loss_agg("token-mean")
 def token_mean(
     loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Count = None, global_seqs: Count = None
 ) -> torch.Tensor:
@@ -112,6 +118,7 @@ def token_mean(
     )
 
 
+@register_loss_agg("seq-mean-token-sum")
 def seq_mean_token_sum(
     loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Count = None, global_seqs: Count = None
 ) -> torch.Tensor:
@@ -129,6 +136,7 @@ def seq_mean_token_sum(
     )
 
 
+@register_loss_agg("seq-mean-token-mean")
 def seq_mean_token_mean(
     loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Count = None, global_seqs: Count = None
 ) -> torch.Tensor:
@@ -152,6 +160,7 @@ def seq_mean_token_mean(
     )
 
 
+@register_loss_agg("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
@@ -219,10 +228,5 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 @rltk.hookimpl
 def rltk_loss_aggs():
-    """Register the builtin loss aggregations."""
-    return {
-        "token-mean": token_mean,
-        "seq-mean-token-sum": seq_mean_token_sum,
-        "seq-mean-token-mean": seq_mean_token_mean,
-        "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
-    }
+    """Register the builtin loss aggregations (each marked ``@register_loss_agg`` where it is defined)."""
+    return LOSS_AGGS

@@ -66,6 +66,11 @@ __all__ = [
 # a policy this far from the reference is already diverged.
 _LOG_RATIO_LIMIT = 20.0
 
+#: The builtin KL estimators by config name, filled by ``@register_kl_penalty_fn(name)`` on each definition and
+#: returned by this module's ``rltk_kl_penalty_fns`` hook (the entry point ``kl``).
+KL_PENALTY_FNS = rltk.ComponentTable("kl_penalty_fn")
+register_kl_penalty_fn = KL_PENALTY_FNS.register
+
 
 def _check_pair(where: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> None:
     if logprobs.shape != ref_logprobs.shape:
@@ -75,6 +80,7 @@ def _check_pair(where: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) 
         )
 
 
+@register_kl_penalty_fn("k1")
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k1 = log pi - log pi_ref: the plain log-ratio (unbiased, high variance, can be negative).
 
@@ -86,6 +92,7 @@ def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return logprobs - ref_logprobs.detach()
 
 
+@register_kl_penalty_fn("k2")
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k2 = (log pi - log pi_ref)^2 / 2: biased, low variance, non-negative.
 
@@ -99,6 +106,7 @@ def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logprobs - ref_logprobs.detach()).square()
 
 
+@register_kl_penalty_fn("k3", "low_var_kl")
 def kl_k3(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, max_value: float | None = 10.0
 ) -> torch.Tensor:
@@ -124,6 +132,7 @@ def kl_k3(
     return kl.clamp(min=0.0, max=max_value)
 
 
+@register_kl_penalty_fn("k3_unbiased")
 def kl_k3_unbiased(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
@@ -170,6 +179,7 @@ def kl_k3_unbiased(
     return ratio * kl_k3(logprobs, ref_logprobs, max_value=max_value)
 
 
+@register_kl_penalty_fn("abs")
 def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """abs = |log pi - log pi_ref|.
 
@@ -187,6 +197,7 @@ def _with_k2_gradient(
     return value.detach() + (k2 - k2.detach())
 
 
+@register_kl_penalty_fn("k1+")
 def kl_k1_straight_through(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k1+: the value of k1 with the gradient of k2 (straight-through).
 
@@ -195,6 +206,7 @@ def kl_k1_straight_through(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -
     return _with_k2_gradient(kl_k1(logprobs, ref_logprobs), logprobs, ref_logprobs)
 
 
+@register_kl_penalty_fn("k3+", "low_var_kl+")
 def kl_k3_straight_through(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, max_value: float | None = 10.0
 ) -> torch.Tensor:
@@ -210,6 +222,7 @@ def kl_k3_straight_through(
     return _with_k2_gradient(kl_k3(logprobs, ref_logprobs, max_value=max_value), logprobs, ref_logprobs)
 
 
+@register_kl_penalty_fn("abs+")
 def kl_abs_straight_through(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """abs+: the value of abs with the gradient of k2 (straight-through).
 
@@ -326,16 +339,5 @@ def apply_kl_penalty(
 
 @rltk.hookimpl
 def rltk_kl_penalty_fns():
-    """Register the builtin KL estimators."""
-    return {
-        "k1": kl_k1,
-        "k2": kl_k2,
-        "k3": kl_k3,
-        "low_var_kl": kl_k3,
-        "k3_unbiased": kl_k3_unbiased,
-        "abs": kl_abs,
-        "k1+": kl_k1_straight_through,
-        "k3+": kl_k3_straight_through,
-        "low_var_kl+": kl_k3_straight_through,
-        "abs+": kl_abs_straight_through,
-    }
+    """Register the builtin KL estimators (each marked ``@register_kl_penalty_fn`` where it is defined)."""
+    return KL_PENALTY_FNS

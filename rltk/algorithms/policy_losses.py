@@ -68,6 +68,11 @@ __all__ = [
 
 LossAgg = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: The builtin losses by config name, filled by ``@register_policy_loss(name)`` on each definition and
+#: returned by this module's ``rltk_policy_losses`` hook (the entry point ``policy_losses``).
+POLICY_LOSSES = rltk.ComponentTable("policy_loss")
+register_policy_loss = POLICY_LOSSES.register
+
 
 # --------------------------------------------------------------------------
 # Shared checks and metrics
@@ -170,11 +175,31 @@ def _fraction(condition: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
     return masked_mean(condition.to(torch.float32), on).detach()
 
 
+def _clip_fractions(on: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                    also: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``clip_frac`` (tokens clipped at either bound, or marked in ``also``), ``clip_frac_low`` and
+    ``clip_frac_high``, over the policy tokens ``on``."""
+    clipped = low | high if also is None else low | high | also
+    return {"clip_frac": _fraction(clipped, on), "clip_frac_low": _fraction(low, on),
+            "clip_frac_high": _fraction(high, on)}
+
+
+def _clip_range(where: str, clip_eps_low: float, clip_eps_high: float | None, *,
+                below_one: bool) -> tuple[float, float]:
+    """``(eps_low, eps_high)`` of a two-sided clip, ``clip_eps_high=None`` meaning ``clip_eps_low``; both
+    checked (``eps_low < 1`` too where ``below_one``: a ratio bound ``1 - eps_low`` must stay positive)."""
+    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    _check_eps(where, "clip_eps_low", clip_eps_low, below_one=below_one)
+    _check_eps(where, "clip_eps_high", eps_high)
+    return clip_eps_low, eps_high
+
+
 # --------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------
 
 
+@register_policy_loss("ppo_clip")
 def ppo_clip(
     *,
     logprobs: torch.Tensor,
@@ -225,10 +250,7 @@ def ppo_clip(
     """
     on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
         "ppo_clip", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
-    eps_low = clip_eps_low
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _check_eps("ppo_clip", "clip_eps_low", eps_low, below_one=True)
-    _check_eps("ppo_clip", "clip_eps_high", eps_high)
+    eps_low, eps_high = _clip_range("ppo_clip", clip_eps_low, clip_eps_high, below_one=True)
     if dual_clip_c is not None and not (math.isfinite(float(dual_clip_c)) and dual_clip_c > 1):
         raise ValueError(
             f"policy_loss 'ppo_clip': dual_clip_c must be > 1 (it caps a negative-advantage "
@@ -261,9 +283,7 @@ def ppo_clip(
         metrics = _ratio_metrics(log_ratio, on)
         low = negative & (ratio < 1.0 - eps_low)
         high = (advantages > 0) & (ratio > 1.0 + eps_high)
-        metrics["clip_frac"] = _fraction(low | high, on)
-        metrics["clip_frac_low"] = _fraction(low, on)
-        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics.update(_clip_fractions(on, low, high))
         if dual_clip_c is not None:
             metrics["dual_clip_frac"] = _fraction(negative & (ratio > dual_clip_c), on)
         if clip_delta is not None:
@@ -271,6 +291,7 @@ def ppo_clip(
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("gspo")
 def gspo(
     *,
     logprobs: torch.Tensor,
@@ -324,12 +345,11 @@ def gspo(
         ).detach()
         low = (advantages < 0) & (ratio < 1.0 - clip_eps_low)
         high = (advantages > 0) & (ratio > 1.0 + clip_eps_high)
-        metrics["clip_frac"] = _fraction(low | high, on)
-        metrics["clip_frac_low"] = _fraction(low, on)
-        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics.update(_clip_fractions(on, low, high))
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("cispo")
 def cispo(
     *,
     logprobs: torch.Tensor,
@@ -376,12 +396,11 @@ def cispo(
         metrics = _ratio_metrics(log_ratio, on)
         high = ratio > 1.0 + clip_eps_high
         low = ratio < lower if lower is not None else torch.zeros_like(high)
-        metrics["clip_frac"] = _fraction(low | high, on)
-        metrics["clip_frac_low"] = _fraction(low, on)
-        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics.update(_clip_fractions(on, low, high))
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("reinforce")
 def reinforce(
     *,
     logprobs: torch.Tensor,
@@ -460,6 +479,7 @@ def _check_positive(where: str, name: str, value: float, example: str) -> None:
         raise ValueError(f"policy_loss '{where}': {name} must be a number > 0 ({example}), got {value!r}")
 
 
+@register_policy_loss("sapo")
 def sapo(
     *,
     logprobs: torch.Tensor,
@@ -517,6 +537,7 @@ def sapo(
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("gpg")
 def gpg(
     *,
     logprobs: torch.Tensor,
@@ -561,6 +582,7 @@ def _centred_covariance(advantages: torch.Tensor, logprobs: torch.Tensor, on: to
     return (a - masked_mean(a, on)) * (lp - masked_mean(lp, on))
 
 
+@register_policy_loss("clip_cov")
 def clip_cov(
     *,
     logprobs: torch.Tensor,
@@ -609,10 +631,7 @@ def clip_cov(
     """
     on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
         "clip_cov", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
-    eps_low = clip_eps_low
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _check_eps("clip_cov", "clip_eps_low", eps_low, below_one=True)
-    _check_eps("clip_cov", "clip_eps_high", eps_high)
+    eps_low, eps_high = _clip_range("clip_cov", clip_eps_low, clip_eps_high, below_one=True)
     _check_fraction("clip_cov", "clip_cov_ratio", clip_cov_ratio, "the paper uses 2e-4")
     if not clip_cov_lb < clip_cov_ub:
         raise ValueError(
@@ -644,13 +663,12 @@ def clip_cov(
         metrics = _ratio_metrics(log_ratio, on)
         low = (advantages < 0) & (ratio < 1.0 - eps_low)
         high = (advantages > 0) & (ratio > 1.0 + eps_high)
-        metrics["clip_frac"] = _fraction(low | high | chosen, on)
-        metrics["clip_frac_low"] = _fraction(low, on)
-        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics.update(_clip_fractions(on, low, high, also=chosen))
         metrics["cov_clip_frac"] = _fraction(chosen, on)
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("kl_cov")
 def kl_cov(
     *,
     logprobs: torch.Tensor,
@@ -707,6 +725,7 @@ def kl_cov(
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("geo_mean")
 def geo_mean(
     *,
     logprobs: torch.Tensor,
@@ -753,10 +772,7 @@ def geo_mean(
     """
     on, logprobs, old_logprobs, advantages, clamped_log_ratio = _policy_tokens(
         "geo_mean", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
-    eps_low = clip_eps_low
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _check_eps("geo_mean", "clip_eps_low", eps_low)
-    _check_eps("geo_mean", "clip_eps_high", eps_high)
+    eps_low, eps_high = _clip_range("geo_mean", clip_eps_low, clip_eps_high, below_one=False)
     log_ratio = logprobs - old_logprobs
     bounded = log_ratio.clamp(-eps_low, eps_high)
     positive, negative = advantages > 0, advantages < 0
@@ -774,9 +790,7 @@ def geo_mean(
         metrics["seq_ratio_mean"] = masked_mean(torch.exp(sequence_log_ratio), on.any(-1)).detach()
         low = negative & (log_ratio < -eps_low)
         high = positive & (log_ratio > eps_high)
-        metrics["clip_frac"] = _fraction(low | high, on)
-        metrics["clip_frac_low"] = _fraction(low, on)
-        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics.update(_clip_fractions(on, low, high))
     return loss_agg(loss_mat, response_mask), metrics
 
 
@@ -796,10 +810,7 @@ def _dppo(
     """The shared body of dppo_tv and dppo_kl: only the divergence test differs."""
     on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
         where, logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
-    delta_low = clip_eps_low
-    delta_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _check_eps(where, "clip_eps_low", delta_low)
-    _check_eps(where, "clip_eps_high", delta_high)
+    delta_low, delta_high = _clip_range(where, clip_eps_low, clip_eps_high, below_one=False)
     if max_importance_weight is not None:
         _check_positive(where, "max_importance_weight", max_importance_weight, "the paper uses a large one, e.g. 20")
     positive = advantages > 0
@@ -825,14 +836,13 @@ def _dppo(
         metrics = _ratio_metrics(log_ratio, on)
         high = positive & ~keep
         low = (advantages < 0) & ~keep
-        metrics["clip_frac"] = _fraction(low | high, on)
-        metrics["clip_frac_low"] = _fraction(low, on)
-        metrics["clip_frac_high"] = _fraction(high, on)
+        metrics.update(_clip_fractions(on, low, high))
         metrics["truncated_frac"] = _fraction(keep & (ratio > max_importance_weight), on) if (
             max_importance_weight is not None) else torch.zeros((), device=ratio.device)
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("dppo_tv")
 def dppo_tv(
     *,
     logprobs: torch.Tensor,
@@ -880,6 +890,7 @@ def dppo_tv(
                  clip_eps_low, clip_eps_high, max_importance_weight, log_ratio_clamp, binary_kl=False)
 
 
+@register_policy_loss("dppo_kl")
 def dppo_kl(
     *,
     logprobs: torch.Tensor,
@@ -920,6 +931,7 @@ def dppo_kl(
                  clip_eps_low, clip_eps_high, max_importance_weight, log_ratio_clamp, binary_kl=True)
 
 
+@register_policy_loss("dro")
 def dro(
     *,
     logprobs: torch.Tensor,
@@ -963,6 +975,7 @@ def dro(
     return loss_agg(loss_mat, response_mask), metrics
 
 
+@register_policy_loss("opmd")
 def opmd(
     *,
     logprobs: torch.Tensor,
@@ -1105,6 +1118,7 @@ def decoupled_loss(
     return loss, metrics
 
 
+@register_policy_loss("decoupled_ppo")
 def decoupled_ppo(
     *,
     logprobs: torch.Tensor,
@@ -1164,20 +1178,5 @@ def decoupled_ppo(
 
 @rltk.hookimpl
 def rltk_policy_losses():
-    """Register the builtin policy losses."""
-    return {
-        "ppo_clip": ppo_clip,
-        "gspo": gspo,
-        "cispo": cispo,
-        "reinforce": reinforce,
-        "sapo": sapo,
-        "gpg": gpg,
-        "clip_cov": clip_cov,
-        "kl_cov": kl_cov,
-        "geo_mean": geo_mean,
-        "dppo_tv": dppo_tv,
-        "dppo_kl": dppo_kl,
-        "dro": dro,
-        "opmd": opmd,
-        "decoupled_ppo": decoupled_ppo,
-    }
+    """Register the builtin policy losses (each marked ``@register_policy_loss`` where it is defined)."""
+    return POLICY_LOSSES

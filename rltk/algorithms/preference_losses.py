@@ -36,6 +36,11 @@ import rltk
 
 __all__ = ["sigmoid", "ipo", "hinge", "logratio_margin"]
 
+#: The builtin preference losses by config name, filled by ``@register_preference_loss(name)`` on each definition and
+#: returned by this module's ``rltk_preference_losses`` hook (the entry point ``preference_losses``).
+PREFERENCE_LOSSES = rltk.ComponentTable("preference_loss")
+register_preference_loss = PREFERENCE_LOSSES.register
+
 
 def logratio_margin(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
                     ref_rejected_logps: torch.Tensor, where: str = "preference_loss") -> torch.Tensor:
@@ -62,6 +67,7 @@ def _check_beta(where: str, beta: float) -> None:
                          f"got {beta!r}")
 
 
+@register_preference_loss("sigmoid")
 def sigmoid(*, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
             ref_rejected_logps: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
     """DPO's loss, the Bradley-Terry likelihood of the preference under the implicit reward; cDPO with smoothing.
@@ -92,6 +98,7 @@ def sigmoid(*, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_cho
     return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
 
 
+@register_preference_loss("ipo")
 def ipo(*, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
         ref_rejected_logps: torch.Tensor, beta: float) -> torch.Tensor:
     """IPO: a squared loss that regresses the log-ratio margin onto ``1 / (2 beta)`` instead of pushing it to infinity.
@@ -116,6 +123,7 @@ def ipo(*, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_
     return (h - 1.0 / (2.0 * beta)).square()
 
 
+@register_preference_loss("hinge")
 def hinge(*, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
           ref_rejected_logps: torch.Tensor, beta: float) -> torch.Tensor:
     """SLiC's calibration loss: a hinge on the log-ratio margin, ``max(0, 1 - beta * h)``.
@@ -141,5 +149,5 @@ def hinge(*, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
 
 @rltk.hookimpl
 def rltk_preference_losses():
-    """Register the builtin preference losses."""
-    return {"sigmoid": sigmoid, "ipo": ipo, "hinge": hinge}
+    """Register the builtin preference losses (each marked ``@register_preference_loss`` where it is defined)."""
+    return PREFERENCE_LOSSES

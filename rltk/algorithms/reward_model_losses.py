@@ -15,7 +15,14 @@ import rltk
 
 __all__ = ["bradley_terry_loss", "pairwise_wins"]
 
+#: The builtin reward-model losses by config name, filled by ``@register_reward_model_loss(name)`` on each
+#: definition and returned by this module's ``rltk_reward_model_losses`` hook (the entry point
+#: ``reward_model_losses``).
+REWARD_MODEL_LOSSES = rltk.ComponentTable("reward_model_loss")
+register_reward_model_loss = REWARD_MODEL_LOSSES.register
 
+
+@register_reward_model_loss("bradley_terry")
 def bradley_terry_loss(*, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
                        margin: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Bradley-Terry pairwise loss: the negative log-likelihood that the chosen response is preferred.
@@ -53,4 +60,5 @@ def pairwise_wins(diff: torch.Tensor) -> torch.Tensor:
 
 @rltk.hookimpl
 def rltk_reward_model_losses():
-    return {"bradley_terry": bradley_terry_loss}
+    """Register the builtin reward-model losses (each marked ``@register_reward_model_loss`` where it is defined)."""
+    return REWARD_MODEL_LOSSES

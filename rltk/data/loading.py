@@ -97,49 +97,16 @@ def load_rows(
             f"such files (for the built-in synthetic tasks see rltk.data.synthetic.make_task)."
         )
     records, source = _read_records(path, split, config_prefix)
-    if not records:
-        raise DataError(f"{config_prefix}.path='{source}' holds no rows (empty dataset)")
-    for index, record in enumerate(records):
-        if not isinstance(record, dict):
-            raise DataError(f"{source}: row {index} is a {type(record).__name__}, expected an object with named fields")
-    columns = list(records[0].keys())
+    columns = _columns_of(records, source, config_prefix)
     has_messages = messages_key in columns
-    if not (has_messages and prompt_key not in columns):
-        _require_key(prompt_key, f"{config_prefix}.prompt_key", columns, source,
-                     f"; or give a '{messages_key}' column of chat messages ({config_prefix}.messages_key)")
-    if answer_key is not None:
-        _require_key(answer_key, f"{config_prefix}.answer_key", columns, source)
-    if extras_keys is None:
-        extras_keys = [c for c in columns if c not in (prompt_key, answer_key, id_key, messages_key)]
-    else:
-        extras_keys = list(extras_keys)
-        for key in extras_keys:
-            _require_key(key, f"{config_prefix}.extras_keys", columns, source)
+    extras_keys = _checked_keys(columns, source, prompt_key, answer_key, extras_keys, id_key, messages_key,
+                                has_messages, config_prefix)
     stem = Path(source).stem or "row"
     rows, seen_ids = [], set()
     for index, record in enumerate(records):
         where = f"{source}: row {index}"
-        prompt_keys = [prompt_key] if prompt_key in columns or not has_messages else [messages_key]
-        for key in [*prompt_keys, *([answer_key] if answer_key else []), *extras_keys]:
-            if key not in record:
-                raise DataError(f"{where} has no '{key}' (columns of that row: {sorted(record)})")
-        chat: dict[str, list[dict]] = {}
-        if has_messages and record.get(messages_key) is not None:
-            chat = _chat_columns(record[messages_key], f"{where} (column '{messages_key}', "
-                                                       f"{config_prefix}.messages_key)")
-        if prompt_key in record:
-            prompt = _check_prompt(record[prompt_key], where, f"{config_prefix}.prompt_key={prompt_key!r}")
-        elif chat:
-            prompt = chat["messages"]
-        else:
-            raise DataError(f"{where} has neither a prompt ('{prompt_key}', {config_prefix}.prompt_key) nor chat "
-                            f"messages ('{messages_key}', {config_prefix}.messages_key)")
-        if answer_key is not None and record[answer_key] is None:
-            raise DataError(
-                f"{where}: the answer (column '{answer_key}', {config_prefix}.answer_key) is null. A reward would "
-                f"compare responses with an empty answer and score them 0; drop rows without an answer, or set "
-                f"{config_prefix}.answer_key=null if the dataset has no answers"
-            )
+        prompt, chat = _prompt_and_chat(record, where, columns, has_messages, prompt_key, answer_key, extras_keys,
+                                        messages_key, config_prefix)
         row_id = str(record[id_key]) if record.get(id_key) is not None else f"{stem}-{index}"
         if row_id in seen_ids:
             raise DataError(f"{where}: id '{row_id}' (column '{id_key}') appears more than once; ids must be unique")
@@ -152,6 +119,61 @@ def load_rows(
             **chat,
         })
     return rows
+
+
+def _columns_of(records: list, source: str, config_prefix: str) -> list[str]:
+    """The column names, taken from the first row, once every row is known to be an object."""
+    if not records:
+        raise DataError(f"{config_prefix}.path='{source}' holds no rows (empty dataset)")
+    for index, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise DataError(f"{source}: row {index} is a {type(record).__name__}, expected an object with named fields")
+    return list(records[0].keys())
+
+
+def _checked_keys(columns: list[str], source: str, prompt_key: str, answer_key: str | None,
+                  extras_keys: Sequence[str] | None, id_key: str, messages_key: str, has_messages: bool,
+                  config_prefix: str) -> list[str]:
+    """The extras columns, once the configured keys are known to be columns (checked before any row is read)."""
+    if not (has_messages and prompt_key not in columns):
+        _require_key(prompt_key, f"{config_prefix}.prompt_key", columns, source,
+                     f"; or give a '{messages_key}' column of chat messages ({config_prefix}.messages_key)")
+    if answer_key is not None:
+        _require_key(answer_key, f"{config_prefix}.answer_key", columns, source)
+    if extras_keys is None:
+        return [c for c in columns if c not in (prompt_key, answer_key, id_key, messages_key)]
+    extras_keys = list(extras_keys)
+    for key in extras_keys:
+        _require_key(key, f"{config_prefix}.extras_keys", columns, source)
+    return extras_keys
+
+
+def _prompt_and_chat(record: dict, where: str, columns: list[str], has_messages: bool, prompt_key: str,
+                     answer_key: str | None, extras_keys: list[str], messages_key: str,
+                     config_prefix: str) -> tuple[str | list[dict], dict[str, list[dict]]]:
+    """One row's prompt and chat columns, once its keys are present and its answer is not null."""
+    prompt_keys = [prompt_key] if prompt_key in columns or not has_messages else [messages_key]
+    for key in [*prompt_keys, *([answer_key] if answer_key else []), *extras_keys]:
+        if key not in record:
+            raise DataError(f"{where} has no '{key}' (columns of that row: {sorted(record)})")
+    chat: dict[str, list[dict]] = {}
+    if has_messages and record.get(messages_key) is not None:
+        chat = _chat_columns(record[messages_key], f"{where} (column '{messages_key}', "
+                                                   f"{config_prefix}.messages_key)")
+    if prompt_key in record:
+        prompt = _check_prompt(record[prompt_key], where, f"{config_prefix}.prompt_key={prompt_key!r}")
+    elif chat:
+        prompt = chat["messages"]
+    else:
+        raise DataError(f"{where} has neither a prompt ('{prompt_key}', {config_prefix}.prompt_key) nor chat "
+                        f"messages ('{messages_key}', {config_prefix}.messages_key)")
+    if answer_key is not None and record[answer_key] is None:
+        raise DataError(
+            f"{where}: the answer (column '{answer_key}', {config_prefix}.answer_key) is null. A reward would "
+            f"compare responses with an empty answer and score them 0; drop rows without an answer, or set "
+            f"{config_prefix}.answer_key=null if the dataset has no answers"
+        )
+    return prompt, chat
 
 
 def _chat_columns(messages: Any, where: str) -> dict[str, list[dict]]:
@@ -345,6 +367,24 @@ def format_prompts(
 
     Returns new row dicts; the input rows are not modified.
     """
+    _check_format_args(tokenizer, use_chat_template=use_chat_template, prompt_template=prompt_template,
+                       max_prompt_tokens=max_prompt_tokens, on_too_long=on_too_long, tools=tools,
+                       config_prefix=config_prefix)
+    bos_prefix = "" if use_chat_template else _default_bos(tokenizer)
+    texts, chats = [], []
+    for row in rows:
+        text, chat = _render_row(row, tokenizer, bos_prefix, system_prompt=system_prompt,
+                                 use_chat_template=use_chat_template, prompt_template=prompt_template, tools=tools,
+                                 config_prefix=config_prefix)
+        texts.append(text)
+        chats.append(chat)
+    return _within_length(rows, texts, chats, tokenizer, max_prompt_tokens=max_prompt_tokens,
+                          on_too_long=on_too_long, config_prefix=config_prefix)
+
+
+def _check_format_args(tokenizer, *, use_chat_template: bool, prompt_template: str, max_prompt_tokens: int | None,
+                       on_too_long: str, tools: list[dict] | None, config_prefix: str) -> None:
+    """Refuse a bad setting of :func:`format_prompts` before any row is rendered."""
     if on_too_long not in ON_TOO_LONG:
         raise ValueError(f"{config_prefix}.on_too_long='{on_too_long}' is not valid. Valid: {', '.join(ON_TOO_LONG)}")
     if max_prompt_tokens is not None and (not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1):
@@ -357,42 +397,48 @@ def format_prompts(
     template_fields(prompt_template, f"{config_prefix}.prompt_template")  # refused before any row is read
     if tools and not use_chat_template:
         raise ValueError(f"tools are rendered by the chat template: they need {config_prefix}.use_chat_template=true")
-    bos_prefix = "" if use_chat_template else _default_bos(tokenizer)
-    texts, chats = [], []
-    for row in rows:
-        prompt, given = row["prompt"], row.get("messages")
-        chat: dict[str, list[dict]] = {}
-        if not use_chat_template:
-            if isinstance(prompt, list):
-                raise ValueError(
-                    f"row '{row['id']}': the prompt is a list of chat messages, which needs "
-                    f"{config_prefix}.use_chat_template=true"
-                )
-            if row.get("sft_messages"):
-                raise ValueError(
-                    f"row '{row['id']}' has a demonstration transcript (sft_messages), which is rendered by the chat "
-                    f"template: set {config_prefix}.use_chat_template=true"
-                )
-        if use_chat_template and (isinstance(given, list) or isinstance(prompt, list)):
-            original = given if isinstance(given, list) else prompt
-            messages = _format_opening(original, row, system_prompt, prompt_template, config_prefix)
-        else:
-            text = _fill(prompt_template, prompt, row, config_prefix)
-            original = None
-            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-                {"role": "user", "content": text}
-            ]
-        if use_chat_template:
-            texts.append(tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                       add_generation_prompt=True))
-            chat["messages"] = messages
-            if row.get("sft_messages"):
-                chat["sft_messages"] = _format_transcript(row["sft_messages"], original, messages, row,
-                                                          system_prompt, prompt_template, config_prefix)
-        else:
-            body = messages[-1]["content"]
-            texts.append(bos_prefix + (f"{system_prompt}\n{body}" if system_prompt else body))
-        chats.append(chat)
+
+
+def _render_row(row: dict, tokenizer, bos_prefix: str, *, system_prompt: str | None, use_chat_template: bool,
+                prompt_template: str, tools: list[dict] | None, config_prefix: str) -> tuple[str, dict]:
+    """One row's prompt text, and the chat columns (``messages``, ``sft_messages``) the formatted row keeps."""
+    prompt, given = row["prompt"], row.get("messages")
+    chat: dict[str, list[dict]] = {}
+    if not use_chat_template:
+        if isinstance(prompt, list):
+            raise ValueError(
+                f"row '{row['id']}': the prompt is a list of chat messages, which needs "
+                f"{config_prefix}.use_chat_template=true"
+            )
+        if row.get("sft_messages"):
+            raise ValueError(
+                f"row '{row['id']}' has a demonstration transcript (sft_messages), which is rendered by the chat "
+                f"template: set {config_prefix}.use_chat_template=true"
+            )
+    if use_chat_template and (isinstance(given, list) or isinstance(prompt, list)):
+        original = given if isinstance(given, list) else prompt
+        messages = _format_opening(original, row, system_prompt, prompt_template, config_prefix)
+    else:
+        text = _fill(prompt_template, prompt, row, config_prefix)
+        original = None
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": text}
+        ]
+    if not use_chat_template:
+        body = messages[-1]["content"]
+        return bos_prefix + (f"{system_prompt}\n{body}" if system_prompt else body), chat
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    chat["messages"] = messages
+    if row.get("sft_messages"):
+        chat["sft_messages"] = _format_transcript(row["sft_messages"], original, messages, row,
+                                                  system_prompt, prompt_template, config_prefix)
+    return text, chat
+
+
+def _within_length(rows: list[dict], texts: list[str], chats: list[dict], tokenizer, *,
+                   max_prompt_tokens: int | None, on_too_long: str, config_prefix: str) -> list[dict]:
+    """The formatted rows whose prompt fits ``max_prompt_tokens``; the others dropped with a logged count or
+    refused, as ``on_too_long`` says. All prompts are tokenized in one call."""
     if max_prompt_tokens is None:
         lengths = [0] * len(texts)
     else:

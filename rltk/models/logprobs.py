@@ -115,9 +115,7 @@ def response_logprobs(
     """
     batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
     if width == 0:
-        empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
-        return _outputs(empty, empty.clone() if with_entropy else None,
-                        empty.clone() if with_sum_pi_squared else None, with_sum_pi_squared)
+        return _empty_outputs(batch_size, input_ids.device, with_entropy, with_sum_pi_squared)
     if pack:
         head = output_head_module(model)
         # A head sharded outside its own forward (the root module of an FSDP2 model: a DTensor here)
@@ -136,33 +134,14 @@ def response_logprobs(
     head = output_head_module(model)
     gather_in_forward = _whole_only_in_forward(head)
     if not gather_in_forward and _is_dtensor(head.weight):
-        if impl != "auto":
-            raise NotImplementedError(
-                f"the LM head weight of {type(unwrap_model(model)).__name__} is a sharded DTensor after the "
-                f"forward pass (an FSDP wrapper that does not unshard the head), so the fused op (impl='{impl}') "
-                "cannot see the full [V, D] matrix. Use impl='auto' (computes the logits through the model's "
-                "forward then), or shard the model with FSDP2 with the head in the root module or in a unit "
-                "of its own."
-            )
-        notice_once(logger, "the fused log-prob op is off",
-                    f"the LM head weight of {type(unwrap_model(model)).__name__} stays a sharded DTensor after the "
-                    "forward (an FSDP wrapper that does not unshard the head), so logits come from a second "
-                    "forward of the model; shard the head in the root module or a unit of its own to fuse")
+        _refuse_or_note_sharded_head(model, impl)
         return _response_logprobs_through_forward(model, input_ids, attention_mask, width,
                                                   temperature=temperature, with_entropy=with_entropy,
                                                   with_sum_pi_squared=with_sum_pi_squared)
     response_valid = attention_mask[:, prompt_len:].bool()  # [B, T]
     labels = input_ids[:, prompt_len:].masked_fill(~response_valid, IGNORE_INDEX).reshape(-1)
-    temperature = temperature * logit_temperature_factor(model)
-
-    def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weight, bias = output_head(model)
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        return token_logprobs_and_entropy(
-            hidden.to(dtype), weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
-            temperature=temperature, impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
-        )
-
+    fused = _head_op(model, labels, temperature=temperature * logit_temperature_factor(model), impl=impl,
+                     chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
     hidden = hidden.reshape(batch_size * width, -1)
     outputs = run_as_forward(head, fused, hidden) if gather_in_forward else fused(hidden)
     logprobs = outputs[0].view(batch_size, width)
@@ -181,22 +160,57 @@ def _packed_response_logprobs(model, input_ids, attention_mask, width, *, temper
     hidden = last_hidden_states(model, packed.input_ids, None, position_ids=packed.position_ids)  # [1, L, D]
     hidden = hidden[0, packed.predictors]  # [N, D]
     head = output_head_module(model)
-    temperature = temperature * logit_temperature_factor(model)
-
-    def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weight, bias = output_head(model)
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        return token_logprobs_and_entropy(
-            hidden.to(dtype), weight.to(dtype), packed.labels, bias=None if bias is None else bias.to(dtype),
-            temperature=temperature, impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
-        )
-
+    fused = _head_op(model, packed.labels, temperature=temperature * logit_temperature_factor(model), impl=impl,
+                     chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
     outputs = run_as_forward(head, fused, hidden) if _whole_only_in_forward(head) else fused(hidden)
     batch_size = input_ids.shape[0]
     logprobs = packed.scatter(outputs[0].float(), batch_size, width)
     entropy = packed.scatter(outputs[1].float(), batch_size, width) if with_entropy else None
     sum_pi_squared = packed.scatter(outputs[2].float(), batch_size, width) if with_sum_pi_squared else None
     return _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared)
+
+
+def _refuse_or_note_sharded_head(model: nn.Module, impl: str) -> None:
+    """A head weight still a sharded DTensor after the forward: an error for an explicit ``impl`` (the fused
+    op cannot see the full ``[V, D]`` matrix), else a one-time notice that logits come from a second forward."""
+    if impl != "auto":
+        raise NotImplementedError(
+            f"the LM head weight of {type(unwrap_model(model)).__name__} is a sharded DTensor after the "
+            f"forward pass (an FSDP wrapper that does not unshard the head), so the fused op (impl='{impl}') "
+            "cannot see the full [V, D] matrix. Use impl='auto' (computes the logits through the model's "
+            "forward then), or shard the model with FSDP2 with the head in the root module or in a unit "
+            "of its own."
+        )
+    notice_once(logger, "the fused log-prob op is off",
+                f"the LM head weight of {type(unwrap_model(model)).__name__} stays a sharded DTensor after the "
+                "forward (an FSDP wrapper that does not unshard the head), so logits come from a second "
+                "forward of the model; shard the head in the root module or a unit of its own to fuse")
+
+
+def _head_op(model: nn.Module, labels: torch.Tensor, *, temperature: float, impl: str,
+             chunk_size: int | tuple[int, int] | None, with_sum_pi_squared: bool):
+    """The fused head op over ``hidden`` [N, D] for ``labels`` [N], as a function of ``hidden`` alone so it can
+    run as the head module's forward (:func:`run_as_forward`). The head weight is read inside it: under
+    ZeRO-3 or an FSDP2 unit of its own it is whole only there. ``temperature`` includes the model's own
+    logit scaling."""
+
+    def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weight, bias = output_head(model)
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        return token_logprobs_and_entropy(
+            hidden.to(dtype), weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
+            temperature=temperature, impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
+        )
+
+    return fused
+
+
+def _empty_outputs(batch_size: int, device: torch.device, with_entropy: bool,
+                   with_sum_pi_squared: bool) -> tuple[torch.Tensor, ...]:
+    """The outputs for a batch with no response columns: fp32 tensors of shape (B, 0), each its own."""
+    empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=device)
+    return _outputs(empty, empty.clone() if with_entropy else None,
+                    empty.clone() if with_sum_pi_squared else None, with_sum_pi_squared)
 
 
 def _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared: bool) -> tuple[torch.Tensor, ...]:
@@ -238,9 +252,7 @@ def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, t
                           with_sum_pi_squared, keep_response_only):
     batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
     if width == 0:
-        empty = torch.zeros(batch_size, 0, dtype=torch.float32, device=input_ids.device)
-        return _outputs(empty, empty.clone() if with_entropy else None,
-                        empty.clone() if with_sum_pi_squared else None, with_sum_pi_squared)
+        return _empty_outputs(batch_size, input_ids.device, with_entropy, with_sum_pi_squared)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                   position_ids=positions_from_mask(attention_mask), use_cache=False)
     keep = _logits_to_keep_argument(unwrap_model(model)) if keep_response_only else None

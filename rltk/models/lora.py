@@ -483,16 +483,6 @@ def merge_lora_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], scalin
                        f"{sorted(pending)[:4]}")
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s weights with its adapters merged, under the plain base model's names (CPU copies)."""
-    peft_model = peft_model_of(model)
-    from rltk.models.sharding import iter_full_state
-
-    scalings = lora_scalings(peft_model)
-    return {name: tensor.detach().to("cpu", copy=True)
-            for name, tensor in merge_lora_weights(iter_full_state(peft_model), scalings)}
-
-
 def merged_copy(model: nn.Module) -> nn.Module:
     """A plain (peft-free) copy of ``model`` with its adapters merged into the weights.
 

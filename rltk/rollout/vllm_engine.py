@@ -362,6 +362,59 @@ def _write_model_skeleton(model: nn.Module, tokenizer: Any, path: str) -> None:
         tokenizer.save_pretrained(path)
 
 
+def _check_engine_args(*, lora_sync: str, tensor_parallel_size: int, gpu_memory_utilization: float | None,
+                       kv_cache_memory_bytes: int | None, sleep_level: int) -> int:
+    """Refuse engine arguments out of range before vLLM is imported; returns ``WORLD_SIZE``."""
+    if lora_sync not in ("adapter", "merged"):
+        raise ConfigError(f"rollout.engine_args.lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ConfigError(
+            f"rollout.engine_args.tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}"
+        )
+    if gpu_memory_utilization is not None and (
+            not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0):
+        raise ConfigError(
+            f"rollout.engine_args.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+        )
+    if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
+                                              or kv_cache_memory_bytes <= 0):
+        raise ConfigError(f"rollout.engine_args.kv_cache_memory_bytes must be a positive integer (bytes), got "
+                          f"{kv_cache_memory_bytes!r}")
+    if sleep_level not in (1, 2):
+        raise ConfigError(f"rollout.engine_args.sleep_level must be 1 or 2, got {sleep_level!r}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % tensor_parallel_size != 0:
+        raise ConfigError(
+            f"rollout.engine_args.tensor_parallel_size={tensor_parallel_size} must divide the number of "
+            f"training processes (WORLD_SIZE={world_size}); each group of ranks shares one vLLM model"
+        )
+    return world_size
+
+
+def _sleep_mode(enable_sleep_mode: bool | None, platform: str) -> bool:
+    """``enable_sleep_mode`` where the platform has sleep mode; default on there. Asked for where it has none
+    (CPU), it is switched off with a warning."""
+    from vllm.platforms import current_platform
+
+    if enable_sleep_mode is None:
+        return current_platform.is_sleep_mode_available()
+    if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+        # stacklevel 3: the warning names the caller of VLLMRolloutEngine(...), as it did inline in __init__
+        warnings.warn(f"rollout.engine_args.enable_sleep_mode: vLLM has no sleep mode on {platform}; "
+                      f"switched off (the engine keeps its memory while the trainer runs)", stacklevel=3)
+        return False
+    return enable_sleep_mode
+
+
+def _lora_kwargs(rank: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments to serve a LoRA adapter of ``rank``: the smallest rank vLLM has at least as large."""
+    ranks = [r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank]
+    if not ranks:
+        raise ConfigError(f"rollout.engine_args.lora_sync=adapter: vLLM serves LoRA ranks up to 512, the "
+                          f"policy's is {rank}; set rollout.engine_args.lora_sync=merged")
+    return dict(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Rollouts with an in-process ``vllm.LLM`` next to the trainer (registered as ``vllm``).
 
@@ -425,42 +478,14 @@ class VLLMRolloutEngine(RolloutEngine):
         lora_sync: str = "adapter",
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
-        if lora_sync not in ("adapter", "merged"):
-            raise ConfigError(f"rollout.engine_args.lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ConfigError(
-                f"rollout.engine_args.tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}"
-            )
-        if gpu_memory_utilization is not None and (
-                not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0):
-            raise ConfigError(
-                f"rollout.engine_args.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
-            )
-        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
-                                                  or kv_cache_memory_bytes <= 0):
-            raise ConfigError(f"rollout.engine_args.kv_cache_memory_bytes must be a positive integer (bytes), got "
-                              f"{kv_cache_memory_bytes!r}")
-        if sleep_level not in (1, 2):
-            raise ConfigError(f"rollout.engine_args.sleep_level must be 1 or 2, got {sleep_level!r}")
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size % tensor_parallel_size != 0:
-            raise ConfigError(
-                f"rollout.engine_args.tensor_parallel_size={tensor_parallel_size} must divide the number of "
-                f"training processes (WORLD_SIZE={world_size}); each group of ranks shares one vLLM model"
-            )
+        world_size = _check_engine_args(lora_sync=lora_sync, tensor_parallel_size=tensor_parallel_size,
+                                        gpu_memory_utilization=gpu_memory_utilization,
+                                        kv_cache_memory_bytes=kv_cache_memory_bytes, sleep_level=sleep_level)
         vllm = _import_vllm()
         self.platform = vllm_platform()
         unwrapped = unwrap_model(model, through_peft=False)
         check_head_size(unwrapped.config, self.platform)
-
-        from vllm.platforms import current_platform
-
-        if enable_sleep_mode is None:
-            enable_sleep_mode = current_platform.is_sleep_mode_available()
-        elif enable_sleep_mode and not current_platform.is_sleep_mode_available():
-            warnings.warn(f"rollout.engine_args.enable_sleep_mode: vLLM has no sleep mode on {self.platform}; "
-                          f"switched off (the engine keeps its memory while the trainer runs)", stacklevel=2)
-            enable_sleep_mode = False
+        enable_sleep_mode = _sleep_mode(enable_sleep_mode, self.platform)
         if enforce_eager is None:
             enforce_eager = self.platform == "cpu"
         if dtype is None:
@@ -503,11 +528,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._lora_rank = _adapter_rank(model) if lora_sync == "adapter" else None
         self._lora_request = None
         if self._lora_rank is not None:
-            ranks = [r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self._lora_rank]
-            if not ranks:
-                raise ConfigError(f"rollout.engine_args.lora_sync=adapter: vLLM serves LoRA ranks up to 512, the "
-                                  f"policy's is {self._lora_rank}; set rollout.engine_args.lora_sync=merged")
-            kwargs.update(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
+            kwargs.update(_lora_kwargs(self._lora_rank))
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if world_size > 1:
@@ -520,6 +541,12 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = _build_llm(vllm, kwargs)
         self.logprobs_are_processed = True  # logprobs_mode=processed_logprobs: those of the distribution sampled
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+        self._load_first_weights(model, load_format)
+
+    def _load_first_weights(self, model: nn.Module, load_format: str) -> None:
+        """Bring the trainer's weights into a freshly built engine where it does not have them: one built with
+        dummy weights, or a LoRA policy (whose adapter vLLM only gets through a sync). The weight version stays 0,
+        these being the weights it was built for."""
         if self._lora_rank is not None:
             if load_format == "dummy":
                 self._push(_base_weights(model))  # the frozen base, once; adapters follow each update

@@ -161,6 +161,35 @@ def create_app(
 
     The batcher thread is closed on the app's shutdown (``app.state.rltk.batcher.close()``).
     """
+    state = _serve_state(engine, tokenizer, model_name=model_name, defaults=defaults,
+                         max_tokens_limit=max_tokens_limit, max_model_len=max_model_len, tool_parser=tool_parser,
+                         tool_parser_args=tool_parser_args, store=store,
+                         max_requests_per_session=max_requests_per_session, window_s=window_s, max_batch=max_batch,
+                         max_wait_s=max_wait_s, api_keys=api_keys, limits=limits, slice_tokens=slice_tokens,
+                         max_batch_tokens=max_batch_tokens, max_share_tokens=max_share_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        state.batcher.close()  # under uvicorn's lifespan (rltk serve); BackgroundServer.stop closes it too
+
+    app = FastAPI(title="rltk", description="OpenAI-compatible endpoint over an rltk rollout engine",
+                  lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    app.state.rltk = state
+    app.add_middleware(APIKeyMiddleware, keys=state.api_keys)
+    install_error_handlers(app, state.counters)
+    _add_routes(app, state)
+    return app
+
+
+def _serve_state(engine: RolloutEngine, tokenizer: Any, *, model_name: str, defaults: SamplingParams | None,
+                 max_tokens_limit: int | None, max_model_len: int | None, tool_parser: str,
+                 tool_parser_args: dict | None, store: SessionStore | None, max_requests_per_session: int | None,
+                 window_s: float, max_batch: int, max_wait_s: float | None, api_keys: list[str] | None,
+                 limits: Limits | None, slice_tokens: int | None, max_batch_tokens: int | None,
+                 max_share_tokens: int | None) -> ServeState:
+    """:func:`create_app`'s arguments checked and resolved into the routes' shared state (its batcher started)."""
     defaults = defaults or SamplingParams()
     limit = max_tokens_limit if max_tokens_limit is not None else defaults.max_new_tokens
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
@@ -172,21 +201,13 @@ def create_app(
                       slice_tokens=slice_tokens, max_batch_tokens=max_batch_tokens,
                       max_share_tokens=max_share_tokens)
     keys = list(api_keys or [])
-    state = ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser, batcher,
-                       store, parse_tool_calls=parse_tool_calls, max_requests_per_session=max_requests_per_session,
-                       limits=limits or Limits(), api_keys=keys)
+    return ServeState(engine, tokenizer, model_name, defaults, limit, max_model_len, tool_parser, batcher,
+                      store, parse_tool_calls=parse_tool_calls, max_requests_per_session=max_requests_per_session,
+                      limits=limits or Limits(), api_keys=keys)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        state.batcher.close()  # under uvicorn's lifespan (rltk serve); BackgroundServer.stop closes it too
 
-    app = FastAPI(title="rltk", description="OpenAI-compatible endpoint over an rltk rollout engine",
-                  lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
-                  openapi_url="/openapi.json" if docs else None)
-    app.state.rltk = state
-    app.add_middleware(APIKeyMiddleware, keys=keys)
-    install_error_handlers(app, state.counters)
+def _add_routes(app: FastAPI, state: ServeState) -> None:
+    """The routes, in the order FastAPI matches them; each reads ``state``."""
 
     @app.get("/health")
     async def health():
@@ -218,8 +239,6 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _serve(state, request, prepare_completion, completion_result)
-
-    return app
 
 
 def _session_chunks(session_id: str, records: list, per_chunk: int = 64):

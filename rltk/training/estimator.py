@@ -17,12 +17,6 @@ from rltk.batch import ROW_SUMS, refresh_row_sums
 from rltk.training.setup import args_of
 
 
-def needs_sum_pi_squared(advantage_fn: Callable) -> bool:
-    """Whether the estimator names ``sum_pi_squared`` (the optimal token baseline): only then does the
-    old-log-prob pass compute it."""
-    return Estimator.of(advantage_fn).names("sum_pi_squared")
-
-
 @dataclass(frozen=True)
 class Estimator:
     """An advantage estimator, its configured arguments, and the parameters of its signature, read once.

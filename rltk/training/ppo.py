@@ -7,7 +7,8 @@ adds what a learned value function needs:
   rollout batch, without gradients (the ``values`` batch field GAE reads);
 * :func:`critic_update` — epochs over mini-batches of PPO's clipped value loss
   (:func:`rltk.algorithms.value.clipped_value_loss`), normalised by global
-  counts exactly like the policy update;
+  counts exactly like the policy update (both run
+  :func:`rltk.training.update_loop.optimizer_epochs`);
 * :func:`explained_variance` — how much of the returns' variance the critic
   explains, over the whole (all-rank) batch;
 * :class:`PolicyAndCritic` — two training strategies saved into, and restored
@@ -22,23 +23,23 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from omegaconf import DictConfig
 
 import rltk
-from rltk.algorithms.aggregation import loss_agg_normalisers
 from rltk.algorithms.value import clipped_value_loss
-from rltk.batch import slice_batch
 # The critic section is checked by config validation (a lower layer); re-exported for recipes.
 from rltk.config.validation import check_critic_config
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model
 from rltk.training.forward import ForwardSettings
-from rltk.training.ranks import check_mini_batches
+from rltk.training.micro_batches import MicroBatch
+from rltk.training.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares
 
 __all__ = [
     "CRITIC_SUBDIR",
+    "CriticUpdate",
     "PolicyAndCritic",
     "batched_values",
     "build_critic",
@@ -109,6 +110,15 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return 1.0 - var_e / max(var_r, 1e-8)
 
 
+class CriticUpdate(NamedTuple):
+    """What :func:`critic_update` returns: its metrics, and how much of the returns' variance the critic explained."""
+
+    #: ``critic/*``: the loss, clip fraction and mean value, the step info, and ``critic/explained_var``
+    metrics: dict[str, float]
+    #: :func:`explained_variance` of the batch's ``values`` (the critic as it was when the batch was collected)
+    explained_var: float
+
+
 def critic_update(
     strategy,
     batch: dict[str, torch.Tensor],
@@ -120,7 +130,7 @@ def critic_update(
     ppo_epochs: int,
     generator: torch.Generator | None = None,
     loss_agg_args: dict[str, Any] | None = None,
-) -> dict[str, float]:
+) -> CriticUpdate:
     """PPO epochs over mini-batches of the clipped value loss; one critic optimizer step per mini-batch.
 
     Per micro-batch, with ``V`` the critic's current values, ``V_old =
@@ -131,7 +141,8 @@ def critic_update(
 
     ``global_tokens`` / ``global_seqs`` are the mini-batch's counts summed over
     micro-batches and ranks, so the summed gradient equals that of one large
-    batch whatever the micro-batch size and process count (the convention of
+    batch whatever the micro-batch size and process count (the loop of
+    :func:`rltk.training.update_loop.optimizer_epochs`, as in
     :func:`rltk.training.rl.policy_update`). ``clip_range=None`` is the plain
     squared error.
 
@@ -149,71 +160,46 @@ def critic_update(
         generator: shuffles the sequences into mini-batches each epoch.
 
     Returns:
-        ``critic/vf_loss`` (mini-batch loss, averaged over optimizer steps),
-        ``critic/vf_clip_frac``, ``critic/values_mean`` (token-weighted),
-        ``critic/grad_norm``, ``critic/lr``, ``critic/skipped`` (means over
-        steps) and ``critic/explained_var`` of ``batch["values"]`` against
-        the returns (the critic as it was when the batch was collected).
+        :class:`CriticUpdate`, whose metrics are ``critic/vf_loss`` (mini-batch loss, averaged over
+        optimizer steps), ``critic/vf_clip_frac``, ``critic/values_mean`` (token-weighted),
+        ``critic/grad_norm``, ``critic/lr``, ``critic/skipped`` (means over steps) and
+        ``critic/explained_var`` of ``batch["values"]`` against the returns (the critic as it was
+        when the batch was collected).
 
-    Shape: (B, T) fields -> {name: float}.
+    Shape: (B, T) fields -> ({name: float}, float).
     """
-    B = batch["input_ids"].shape[0]
-    T = batch["response_mask"].shape[1]
-    if mini_batches < 1:
-        raise ValueError(f"critic_update: mini_batches must be at least 1, got {mini_batches} (trainer.mini_batches)")
     missing = [k for k in ("input_ids", "attention_mask", "response_mask", "values", "returns") if k not in batch]
     if missing:
         raise KeyError(
             f"critic_update: the batch lacks {missing} (has {sorted(batch)}); fill 'values' with batched_values() "
             "and 'returns' with the advantage estimator before updating the critic"
         )
-    loss_agg_args = dict(loss_agg_args or {})
-    check_mini_batches(strategy, B, mini_batches)
-    totals: dict[str, float] = {}
-    n_updates = 0
-    for _ in range(ppo_epochs):
-        order = torch.randperm(B, generator=generator)
-        for rows in order.tensor_split(mini_batches):  # sizes may differ by one row (see check_mini_batches)
-            mini = slice_batch(batch, rows)
-            local = loss_agg_normalisers(mini["response_mask"])
-            counts = torch.tensor([float(local["global_tokens"]), float(local["global_seqs"])], dtype=torch.float64)
-            global_tokens, global_seqs = strategy.all_reduce_sum(counts).tolist()
-            agg = functools.partial(loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **loss_agg_args)
-            step = {"critic/vf_loss": 0.0, "critic/vf_clip_frac": 0.0, "critic/values_mean": 0.0}
-            # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
-            for micro in settings.micro_batches(strategy, mini, fallback=batch):
-                is_last, padding = micro.is_last, micro.padding
-                mb = {k: v.to(strategy.device) for k, v in micro.data.items()}
-                # token-weighted so per-micro means add up to the mini-batch mean
-                weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
-                with strategy.accumulate(is_last):
-                    with strategy.autocast():
-                        values = settings.values(strategy.model, mb, T)
-                        loss, metrics = clipped_value_loss(
-                            values=values, old_values=mb["values"], returns=mb["returns"],
-                            response_mask=mb["response_mask"], loss_agg=agg, clip_range=clip_range,
-                        )
-                    # backward outside autocast but inside accumulate, whose no-sync must cover it
-                    strategy.backward(loss * 0.0 if padding else loss)
-                if padding:
-                    continue
-                step["critic/vf_loss"] += loss.item()  # already this micro-batch's share of the mini-batch loss
-                step["critic/vf_clip_frac"] += metrics["vf_clip_frac"].item() * weight
-                step["critic/values_mean"] += metrics["values_mean"].item() * weight
-            if strategy.world_size > 1:  # every rank's shares add up to the global numbers
-                names = sorted(step)
-                summed = strategy.all_reduce_sum(torch.tensor([step[k] for k in names], dtype=torch.float64))
-                step = dict(zip(names, summed.tolist()))
-            info = strategy.step()
-            for key, value in info.items():
-                step[f"critic/{key}"] = float(value)
-            for key, value in step.items():
-                totals[key] = totals.get(key, 0.0) + value
-            n_updates += 1
-    result = {k: v / n_updates for k, v in totals.items()}
-    result["critic/explained_var"] = explained_variance(batch["values"], batch["returns"], batch["response_mask"],
-                                                        strategy)
-    return result
+    micro_loss = functools.partial(_micro_value_loss, strategy=strategy, settings=settings,
+                                   loss_agg=loss_agg, loss_agg_args=dict(loss_agg_args or {}), clip_range=clip_range,
+                                   width=batch["response_mask"].shape[1])
+    metrics = optimizer_epochs(strategy, batch, micro_loss, settings, epochs=ppo_epochs, mini_batches=mini_batches,
+                               generator=generator)
+    explained = explained_variance(batch["values"], batch["returns"], batch["response_mask"], strategy)
+    return CriticUpdate({**{f"critic/{k}": v for k, v in metrics.items()}, "critic/explained_var": explained},
+                        explained)
+
+
+def _micro_value_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, mini: MiniBatch, strategy,
+                      settings: ForwardSettings, loss_agg: Callable, loss_agg_args: dict, clip_range: float | None,
+                      width: int) -> MicroLoss:
+    """One micro-batch's share of :func:`critic_update`'s loss, and its shares of the metrics."""
+    values = settings.values(strategy.model, mb, width)
+    loss, metrics = clipped_value_loss(
+        values=values, old_values=mb["values"], returns=mb["returns"],
+        response_mask=mb["response_mask"], loss_agg=mini.loss_agg(loss_agg, **loss_agg_args), clip_range=clip_range,
+    )
+
+    def read_shares() -> dict[str, float]:
+        # the loss is already this micro-batch's share; the means are token-weighted to add up to the mini-batch's
+        weight = mini.token_share(mb["response_mask"])
+        return {**shares({"vf_loss": loss}), **shares({k: metrics[k] for k in ("vf_clip_frac", "values_mean")}, weight)}
+
+    return MicroLoss(loss, read_shares)
 
 
 def updates_per_step(cfg: DictConfig) -> int:

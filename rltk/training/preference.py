@@ -14,6 +14,7 @@ a sampling temperature).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,9 @@ from rltk.batch import Experience, collate
 from rltk.config.errors import ConfigError
 from rltk.training.collect import scores_differ
 from rltk.training.forward import ForwardSettings
+from rltk.training.micro_batches import MicroBatch
 from rltk.training.setup import args_of
+from rltk.training.update_loop import MicroLoss, optimizer_step
 
 
 class PairExample(NamedTuple):
@@ -163,7 +166,8 @@ def reference_sequence_logps(reference, batch: dict[str, torch.Tensor], settings
 
 def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.Tensor, loss: PreferenceLoss,
                     settings: ForwardSettings, *, nll_coef: float = 0.0) -> dict[str, float]:
-    """One optimizer step of ``loss`` on a :func:`pair_batch`, averaged over the pairs of every rank.
+    """One optimizer step of ``loss`` on a :func:`pair_batch`, averaged over the pairs of every rank
+    (:func:`rltk.training.update_loop.optimizer_step`).
 
     ::
 
@@ -193,34 +197,39 @@ def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.T
     counts = strategy.all_reduce_sum(torch.tensor([B / 2, float(batch["response_mask"].sum()),
                                                    float(batch["response_mask"][0::2].sum())], dtype=torch.float64))
     global_pairs, global_tokens, chosen_tokens = (max(float(c), 1.0) for c in counts.tolist())
-    names = ("dpo_loss", "nll_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-             "logps/chosen", "logps/rejected", "entropy")
-    sums = torch.zeros(len(names), dtype=torch.float64)
-    for micro in settings.micro_batches(strategy, batch):
-        mb = {k: v.to(strategy.device) for k, v in micro.data.items()}
-        with strategy.accumulate(micro.is_last):
-            with strategy.autocast():
-                logprobs, entropy = settings.logprobs(strategy.model, mb, T, with_entropy=True)
-                seq = sequence_logps(logprobs, mb["response_mask"])  # [b]: chosen at even rows, rejected at odd
-                ref = ref_logps[micro.rows].to(seq.device)
-                losses = loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2])  # [b / 2]
-                total = losses.sum() / global_pairs
-                nll = -torch.where(mb["response_mask"][0::2] > 0, logprobs[0::2].float(), 0.0).sum() / chosen_tokens
-                if nll_coef:
-                    total = total + nll_coef * nll
-            strategy.backward(total * 0.0 if micro.padding else total)
-        if micro.padding:
-            continue
-        with torch.no_grad():
-            reward = loss.beta * (seq.detach() - ref)
-            chosen, rejected = reward[0::2], reward[1::2]
-            sums += torch.tensor([
-                losses.detach().sum().item(), nll.detach().item() * global_pairs, chosen.sum().item(), rejected.sum().item(),
-                (chosen - rejected).sum().item(), (chosen > rejected).float().sum().item(),
-                seq.detach()[0::2].sum().item(), seq.detach()[1::2].sum().item(),
-                torch.where(mb["response_mask"] > 0, entropy.detach().float(), 0.0).sum().item() * global_pairs
-                / global_tokens,
-            ], dtype=torch.float64)
-    info = strategy.step()
-    means = (strategy.all_reduce_sum(sums) / global_pairs).tolist()
-    return {**dict(zip(names, means)), "pairs": global_pairs if B else 0.0, **{k: float(v) for k, v in info.items()}}
+    micro_loss = functools.partial(_micro_preference_loss, strategy=strategy, settings=settings, width=T,
+                                   ref_logps=ref_logps, loss=loss, nll_coef=nll_coef, global_pairs=global_pairs,
+                                   global_tokens=global_tokens, chosen_tokens=chosen_tokens)
+    sums, info = optimizer_step(strategy, settings.micro_batches(strategy, batch), micro_loss)
+    return {**{k: v / global_pairs for k, v in sums.items()}, "pairs": global_pairs if B else 0.0, **info}
+
+
+def _micro_preference_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, strategy, settings: ForwardSettings,
+                           width: int, ref_logps: torch.Tensor, loss: PreferenceLoss, nll_coef: float,
+                           global_pairs: float, global_tokens: float, chosen_tokens: float) -> MicroLoss:
+    """One micro-batch's share of :func:`preference_step`'s loss (whole pairs), and its sums of the metrics
+    (divided by the global pairs once summed)."""
+    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True)
+    seq = sequence_logps(logprobs, mb["response_mask"])  # [b]: chosen at even rows, rejected at odd
+    ref = ref_logps[micro.rows].to(seq.device)
+    losses = loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2])  # [b / 2]
+    total = losses.sum() / global_pairs
+    nll = -torch.where(mb["response_mask"][0::2] > 0, logprobs[0::2].float(), 0.0).sum() / chosen_tokens
+    if nll_coef:
+        total = total + nll_coef * nll
+
+    @torch.no_grad()
+    def read_sums() -> dict[str, float]:
+        reward = loss.beta * (seq.detach() - ref)
+        chosen, rejected = reward[0::2], reward[1::2]
+        return {
+            "dpo_loss": losses.detach().sum().item(), "nll_loss": nll.detach().item() * global_pairs,
+            "rewards/chosen": chosen.sum().item(), "rewards/rejected": rejected.sum().item(),
+            "rewards/margins": (chosen - rejected).sum().item(),
+            "rewards/accuracies": (chosen > rejected).float().sum().item(),
+            "logps/chosen": seq.detach()[0::2].sum().item(), "logps/rejected": seq.detach()[1::2].sum().item(),
+            "entropy": torch.where(mb["response_mask"] > 0, entropy.detach().float(), 0.0).sum().item()
+            * global_pairs / global_tokens,
+        }
+
+    return MicroLoss(total, read_sums)

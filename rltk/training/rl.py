@@ -1,8 +1,9 @@
 """The policy-gradient update shared by the RL recipes (:func:`policy_update`), and when it may take the
 old log-probs from its own forward (:func:`old_logprobs_from_update`).
 
-Pure mechanics (micro-batching, global normalisers, loss assembly); every
-algorithmic choice arrives as a component from the registry:
+Pure mechanics: the assembly of one micro-batch's loss, run by the update loop every
+update shares (:func:`rltk.training.update_loop.optimizer_epochs`: epochs, mini-batches,
+micro-batches, global normalisers). Every algorithmic choice arrives as a component from the registry:
 :class:`~rltk.training.loss_components.LossComponents` (policy loss,
 aggregation, KL, entropy) and :class:`~rltk.training.estimator.Estimator`
 (the advantage function, its signature read once). The no-gradient passes
@@ -12,19 +13,18 @@ before the update are :mod:`rltk.training.forward`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
-from rltk.algorithms.aggregation import loss_agg_normalisers, masked_mean
-from rltk.algorithms.mismatch import correction_active
-from rltk.batch import slice_batch
+from rltk.algorithms.aggregation import masked_mean
+from rltk.algorithms.mismatch import correction_active, weighted_loss_agg
 from rltk.training.estimator import Estimator
 from rltk.training.forward import ForwardSettings
 from rltk.training.loss_components import LossComponents
-from rltk.training.ranks import check_mini_batches
-from rltk.algorithms.mismatch import weighted_loss_agg
+from rltk.training.micro_batches import MicroBatch
 from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction
+from rltk.training.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares
 
 
 #: The policy-loss argument of the behaviour policy's log-probs per token (:func:`behaviour_logprobs`).
@@ -87,12 +87,6 @@ def old_logprobs_from_update(loss: LossComponents, advantage_fn: "Callable | Est
     return not (kl_coef > 0 and loss.kl_in == "reward")
 
 
-def _mean_metrics(acc: dict[str, float], new: dict[str, Any], weight: float) -> None:
-    for k, v in new.items():
-        v = float(v.detach().item() if isinstance(v, torch.Tensor) else v)
-        acc[k] = acc.get(k, 0.0) + v * weight
-
-
 class PolicyUpdate(NamedTuple):
     """What :func:`policy_update` returns: its metrics, and the old log-probs it trained against."""
 
@@ -149,82 +143,61 @@ def policy_update(
             f"(rltk.training.forward.old_logprobs_pass)"
         )
     given_old = batch.get("old_logprobs")
-    decoupled = takes_behaviour_logprobs(loss.policy_loss)
     # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs
     batch, correction_metrics = apply_rollout_correction(
         batch, loss.rollout_correction, log_metrics=loss.log_mismatch_metrics, strategy=strategy)
-    B = batch["input_ids"].shape[0]
-    T = batch["response_mask"].shape[1]
-    check_mini_batches(strategy, B, mini_batches)
-    metrics: dict[str, float] = {}
-    n_updates = 0
+    B, T = batch["response_mask"].shape
     # on-policy: each real micro-batch's detached training-forward log-probs, with its rows' indices in
-    # the mini-batch (a token budget groups rows by length, so micro-batches are not runs of `order`)
+    # the batch (a token budget groups rows by length, so micro-batches are not runs of the mini-batch)
     taken: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for _ in range(ppo_epochs):
-        order = torch.randperm(B, generator=generator)
-        for rows in order.tensor_split(mini_batches):
-            mini = slice_batch(batch, rows)
-            local = loss_agg_normalisers(mini["response_mask"])
-            counts = torch.tensor([float(local["global_tokens"]), float(local["global_seqs"])], dtype=torch.float64)
-            global_tokens, global_seqs = strategy.all_reduce_sum(counts).tolist()
-            agg = functools.partial(
-                loss.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs, **loss.loss_agg_args
-            )
-            shares: dict[str, float] = {}
-            # Every rank runs as many micro-batches as the busiest (sharded engines gather parameters
-            # in each forward; DDP all-reduces in the last backward); padding ones have zero weight.
-            for micro in settings.micro_batches(strategy, mini, fallback=batch):
-                is_last, padding = micro.is_last, micro.padding
-                mb = {k: v.to(strategy.device) for k, v in micro.data.items()}
-                weight = mb["response_mask"].sum().item() / max(global_tokens, 1.0)
-                with strategy.accumulate(is_last):
-                    with strategy.autocast():
-                        logprobs, entropy = settings.logprobs(strategy.model, mb, T, with_entropy=True)
-                        # on-policy, pi_old is the policy this forward evaluates (no step has run yet)
-                        old_logprobs = logprobs.detach() if on_policy else mb["old_logprobs"]
-                        if on_policy and not padding:
-                            taken.append((micro.rows, old_logprobs.float()))
-                        pg_agg = agg if WEIGHTS_KEY not in mb else weighted_loss_agg(agg, mb[WEIGHTS_KEY])
-                        # a decoupled loss (decoupled_ppo) weighs by pi_prox / pi_behav: the sampler's log-probs
-                        behaviour = ({BEHAVIOUR_KEY: behaviour_logprobs(mb, old_logprobs)} if decoupled else {})
-                        pg_loss, pg_metrics = loss.policy_loss(
-                            logprobs=logprobs, old_logprobs=old_logprobs, advantages=mb["advantages"],
-                            response_mask=mb["response_mask"], loss_agg=pg_agg, **behaviour, **loss.policy_loss_args,
-                        )
-                        total = pg_loss
-                        entropy_term = agg(entropy, mb["response_mask"])
-                        if loss.entropy_coef:
-                            total = total - loss.entropy_coef * entropy_term
-                        mask = mb["response_mask"]
-                        mean_entropy = masked_mean(entropy.detach(), mask)
-                        parts = {"pg_loss": pg_loss.detach(), "entropy": mean_entropy}
-                        if kl_coef > 0 and loss.kl_in == "loss":
-                            kl_old = {"old_logprobs": old_logprobs} if loss.kl_takes_old else {}
-                            kl = loss.kl_penalty(logprobs, mb["ref_logprobs"], **kl_old, **loss.kl_penalty_args)
-                            kl_term = agg(kl, mb["response_mask"])
-                            total = total + kl_coef * kl_term
-                            parts["kl_loss"] = kl_term.detach()
-                    # backward outside autocast (torch's advice) but inside accumulate,
-                    # whose no-sync must cover it
-                    strategy.backward(total * 0.0 if padding else total)
-                if padding:
-                    continue
-                # pg_loss and kl_loss are this micro-batch's share of the global mini-batch sum
-                # already; per-micro ratios (clip fraction, approx KL) are weighted by its share
-                # of the global tokens. Summed over micro-batches and ranks, both are global.
-                _mean_metrics(shares, {k: v for k, v in parts.items() if k != "entropy"}, 1.0)
-                _mean_metrics(shares, {"entropy": parts["entropy"]}, weight)
-                _mean_metrics(shares, pg_metrics, weight)
-            step_info = strategy.step()
-            if strategy.world_size > 1:
-                names = sorted(shares)
-                summed = strategy.all_reduce_sum(torch.tensor([shares[k] for k in names], dtype=torch.float64))
-                shares = dict(zip(names, summed.tolist()))
-            _mean_metrics(metrics, {**shares, **step_info}, 1.0)
-            n_updates += 1
+    micro_loss = functools.partial(_micro_policy_loss, strategy=strategy, loss=loss, settings=settings,
+                                   kl_coef=kl_coef, width=T, decoupled=takes_behaviour_logprobs(loss.policy_loss),
+                                   taken=taken if on_policy else None)
+    metrics = optimizer_epochs(strategy, batch, micro_loss, settings, epochs=ppo_epochs, mini_batches=mini_batches,
+                               generator=generator)
     if on_policy:
         given_old = torch.empty(B, T, dtype=torch.float32, device=batch["response_mask"].device)
-        for rows_in_mini, values in taken:  # a rank with no rows of its own ran padding passes only
-            given_old[order[rows_in_mini]] = values.to(given_old.device)  # one mini-batch: row i is order[i]
-    return PolicyUpdate({**{k: v / n_updates for k, v in metrics.items()}, **correction_metrics}, given_old)
+        for rows, values in taken:  # a rank with no rows of its own ran padding passes only
+            given_old[rows] = values.to(given_old.device)
+    return PolicyUpdate({**metrics, **correction_metrics}, given_old)
+
+
+def _micro_policy_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, mini: MiniBatch, strategy,
+                       loss: LossComponents, settings: ForwardSettings, kl_coef: float, width: int, decoupled: bool,
+                       taken: list | None) -> MicroLoss:
+    """One micro-batch's share of :func:`policy_update`'s loss (its docstring has the formula), and its
+    shares of the metrics. ``taken`` (on-policy only) collects the training forward's detached log-probs."""
+    agg = mini.loss_agg(loss.loss_agg, **loss.loss_agg_args)
+    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True)
+    # on-policy, pi_old is the policy this forward evaluates (no step has run yet)
+    on_policy = taken is not None
+    old_logprobs = logprobs.detach() if on_policy else mb["old_logprobs"]
+    if on_policy and not micro.padding:
+        taken.append((mini.rows[micro.rows], old_logprobs.float()))
+    pg_agg = agg if WEIGHTS_KEY not in mb else weighted_loss_agg(agg, mb[WEIGHTS_KEY])
+    # a decoupled loss (decoupled_ppo) weighs by pi_prox / pi_behav: the sampler's log-probs
+    behaviour = ({BEHAVIOUR_KEY: behaviour_logprobs(mb, old_logprobs)} if decoupled else {})
+    pg_loss, pg_metrics = loss.policy_loss(
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=mb["advantages"],
+        response_mask=mb["response_mask"], loss_agg=pg_agg, **behaviour, **loss.policy_loss_args,
+    )
+    total = pg_loss
+    entropy_term = agg(entropy, mb["response_mask"])
+    if loss.entropy_coef:
+        total = total - loss.entropy_coef * entropy_term
+    mean_entropy = masked_mean(entropy.detach(), mb["response_mask"])
+    summed = {"pg_loss": pg_loss.detach()}
+    if kl_coef > 0 and loss.kl_in == "loss":
+        kl_old = {"old_logprobs": old_logprobs} if loss.kl_takes_old else {}
+        kl = loss.kl_penalty(logprobs, mb["ref_logprobs"], **kl_old, **loss.kl_penalty_args)
+        kl_term = agg(kl, mb["response_mask"])
+        total = total + kl_coef * kl_term
+        summed["kl_loss"] = kl_term.detach()
+
+    def read_shares() -> dict[str, float]:
+        # pg_loss and kl_loss are this micro-batch's share of the global mini-batch sum already;
+        # per-micro ratios (clip fraction, approx KL) are weighted by its share of the global tokens
+        weight = mini.token_share(mb["response_mask"])
+        return {**shares(summed), **shares({"entropy": mean_entropy}, weight), **shares(pg_metrics, weight)}
+
+    return MicroLoss(total, read_shares)

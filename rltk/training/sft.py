@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rltk.batch import Experience, collate
 from rltk.models.logprobs import response_logprobs
-from rltk.training.micro_batches import micro_batches, run_logprobs
+from rltk.training.micro_batches import MicroBatch, micro_batches, run_logprobs
+from rltk.training.update_loop import MicroLoss, optimizer_step
 
 
 def sft_batch(examples: list[tuple[list[int], ...]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -37,7 +40,8 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     assistant tokens (tool results and user turns are read, never taught).
 
     normalised by the global token count so micro-batching and data parallelism
-    give the gradient of one large batch. Returns ``sft_loss`` (that L),
+    give the gradient of one large batch
+    (:func:`rltk.training.update_loop.optimizer_step`). Returns ``sft_loss`` (that L),
     ``entropy`` (the mean entropy of the next-token distributions over the same
     tokens, before the update) and the strategy's step info (``grad_norm``,
     ``lr``, ``skipped``).
@@ -51,28 +55,34 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     global_tokens = strategy.all_reduce_sum(
         torch.tensor([batch["response_mask"].sum().item()], dtype=torch.float64)
     ).item()
-    total_nll = total_entropy = 0.0
-    # as many micro-batches as the busiest rank; padding ones have zero weight (see policy_update)
-    for micro in micro_batches(strategy, batch, micro_batch_size=micro_batch_size,
-                               max_tokens=max_tokens_per_micro_batch, packed=pack_sequences):
-        mb, padding = {k: v.to(strategy.device) for k, v in micro.data.items()}, micro.padding
-        with strategy.accumulate(micro.is_last):
-            with strategy.autocast():
-                # the fused kernel computes the entropy beside the log-probs anyway; the divergence
-                # guard reads it (a collapse to uniform or to one token)
-                if pack_sequences or max_tokens_per_micro_batch is not None:
-                    logprobs, entropy = run_logprobs(strategy.model, mb, T, trim=True, pack=pack_sequences,
-                                                     impl=impl, chunk_size=chunk_size, with_entropy=True)
-                else:
-                    logprobs, entropy = response_logprobs(strategy.model, mb["input_ids"], mb["attention_mask"], T,
-                                                          impl=impl, chunk_size=chunk_size, with_entropy=True)
-                loss = -(logprobs * mb["response_mask"]).sum() / max(global_tokens, 1.0)
-            strategy.backward(loss * 0.0 if padding else loss)
-        if not padding:
-            total_nll += loss.item()
-            total_entropy += (entropy.detach() * mb["response_mask"]).sum().item() / max(global_tokens, 1.0)
-    info = strategy.step()
-    # ranks' shares of the global means
-    total_nll, total_entropy = strategy.all_reduce_sum(
-        torch.tensor([total_nll, total_entropy], dtype=torch.float64)).tolist()
-    return {"sft_loss": total_nll, "entropy": total_entropy, **{k: float(v) for k, v in info.items()}}
+    if pack_sequences or max_tokens_per_micro_batch is not None:
+        forward = functools.partial(run_logprobs, trim=True, pack=pack_sequences)
+    else:
+        forward = _padded_logprobs
+    micro_loss = functools.partial(_micro_nll, strategy=strategy, width=T, global_tokens=global_tokens,
+                                   forward=forward, impl=impl, chunk_size=chunk_size)
+    # as many micro-batches as the busiest rank; padding ones have zero weight (see optimizer_step)
+    micro = micro_batches(strategy, batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens_per_micro_batch,
+                          packed=pack_sequences)
+    sums, info = optimizer_step(strategy, micro, micro_loss)
+    return {"sft_loss": sums["sft_loss"], "entropy": sums["entropy"], **info}
+
+
+def _padded_logprobs(model, mb: dict[str, torch.Tensor], width: int, **kwargs) -> tuple[torch.Tensor, ...]:
+    """The micro-batch's log-probs at the batch's full widths (rows cut by count: nothing to trim)."""
+    return response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, **kwargs)
+
+
+def _micro_nll(mb: dict[str, torch.Tensor], micro: MicroBatch, *, strategy, width: int, global_tokens: float,
+               forward, impl: str, chunk_size: int | None) -> MicroLoss:
+    """One micro-batch's share of :func:`sft_step`'s loss, and its shares of the loss and the entropy."""
+    # the fused kernel computes the entropy beside the log-probs anyway; the divergence
+    # guard reads it (a collapse to uniform or to one token)
+    logprobs, entropy = forward(strategy.model, mb, width, impl=impl, chunk_size=chunk_size, with_entropy=True)
+    loss = -(logprobs * mb["response_mask"]).sum() / max(global_tokens, 1.0)
+
+    def read_shares() -> dict[str, float]:
+        return {"sft_loss": loss.item(),
+                "entropy": (entropy.detach() * mb["response_mask"]).sum().item() / max(global_tokens, 1.0)}
+
+    return MicroLoss(loss, read_shares)

@@ -134,6 +134,20 @@ def test_the_offset_numbering_groups_like_the_dense_one(data):
     assert int((groups.counts > 0).sum()) == counts.numel()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(-50, 50), min_size=1, max_size=40),
+    scale=st.sampled_from([1, 1000, 2**40]),
+)
+def test_group_index_numbers_groups_like_torch_unique(ids, scale):
+    # scale 1 takes the presence-table path, huge ids the sort path: both must agree.
+    group_ids = torch.tensor(ids, dtype=torch.int64) * scale
+    inverse, counts = group_index(group_ids)
+    _, expected_inverse, expected_counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    assert torch.equal(inverse, expected_inverse)
+    assert torch.equal(counts, expected_counts)
+
+
 def test_group_index_takes_the_histogram_path_without_the_slow_index_put():
     # 0 .. G-1 all present: the offsets are the dense index itself.
     ids = torch.tensor([3, 0, 2, 1, 3, 0])

@@ -22,7 +22,6 @@ from rltk.models.lora import (
     lora_scalings,
     merge_lora_weights,
     merged_copy,
-    merged_state_dict,
     save_adapter_folder,
 )
 from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
@@ -232,12 +231,13 @@ def test_merge_lora_weights_by_hand():
         list(merge_lora_weights(state[:4], {"base_model.model.layer.proj": 0.5}))  # lora_B never came
 
 
-def test_merged_state_dict_matches_peft_merge_and_loads_into_the_plain_model():
+def test_merging_a_peft_models_weights_matches_peft_merge_and_loads_into_the_plain_model():
+    # what the vLLM engine receives from a LoRA policy (rltk.rollout.vllm_engine.engine_weights)
     _, model = tiny(seed=4)
     model = lora(model, r=4, alpha=12.0)
     randomise_adapters(model)
     assert set(lora_scalings(model).values()) == {3.0}  # alpha / r
-    merged = merged_state_dict(model)
+    merged = dict(merge_lora_weights(model.state_dict().items(), lora_scalings(model)))
     plain = merged_copy(model)
     assert not is_lora_model(plain) and is_lora_model(model)  # the original keeps its adapters
     reference = plain.state_dict()

@@ -97,7 +97,7 @@ def run_steps(strategy, micro: dict | None = None) -> dict:
     import rltk
     from rltk.batch import collate
     from rltk.training.forward import ForwardSettings, old_logprobs_pass
-    from rltk.training.estimator import compute_advantages, needs_sum_pi_squared
+    from rltk.training.estimator import Estimator, compute_advantages
     from rltk.training.loss_components import LossComponents
     from rltk.training.rl import policy_update
 
@@ -112,7 +112,7 @@ def run_steps(strategy, micro: dict | None = None) -> dict:
         settings = ForwardSettings(micro_batch_size=MICRO_BATCH, temperature=1.0, **(micro or {}))
         batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
             strategy.unwrap(), batch, settings, use_rollout_logprobs=False,
-            with_sum_pi_squared=needs_sum_pi_squared(adv_fn), strategy=strategy)
+            with_sum_pi_squared=Estimator.of(adv_fn).names("sum_pi_squared"), strategy=strategy)
         if sum_pi_squared is not None:
             batch["sum_pi_squared"] = sum_pi_squared
         compute_advantages(adv_fn, batch, {}, strategy)

@@ -10,7 +10,7 @@ import rltk
 from rltk.batch import collate
 from rltk.models.logprobs import positions_from_mask
 from rltk.training.forward import ForwardSettings, batched_logprobs, old_logprobs_pass
-from rltk.training.estimator import compute_advantages, needs_sum_pi_squared
+from rltk.training.estimator import Estimator, compute_advantages
 from tests.training.rl_step_helpers import worker
 
 
@@ -20,7 +20,7 @@ SETTINGS = ForwardSettings(micro_batch_size=3, temperature=0.8)
 def fill_old_logprobs(policy, batch, adv_fn, **kwargs):
     """The pass's tensors written into the batch, under the names the loop gives them."""
     batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
-        policy, batch, SETTINGS, with_sum_pi_squared=needs_sum_pi_squared(adv_fn), **kwargs)
+        policy, batch, SETTINGS, with_sum_pi_squared=Estimator.of(adv_fn).names("sum_pi_squared"), **kwargs)
     if sum_pi_squared is not None:
         batch["sum_pi_squared"] = sum_pi_squared
 
@@ -37,9 +37,11 @@ class _NoForward(torch.nn.Module):
 
 
 def test_only_an_estimator_that_names_the_field_asks_for_it():
-    assert needs_sum_pi_squared(rltk.get_component("advantage_fn", "optimal_token_baseline"))
-    assert not needs_sum_pi_squared(rltk.get_component("advantage_fn", "grpo"))
-    assert not needs_sum_pi_squared(rltk.get_component("advantage_fn", "gdpo"))
+    def asks(name):
+        return Estimator.of(rltk.get_component("advantage_fn", name)).names("sum_pi_squared")
+
+    assert asks("optimal_token_baseline")
+    assert not asks("grpo") and not asks("gdpo")
 
 
 def test_sum_pi_squared_is_that_of_the_logits_at_the_sampling_temperature():
