@@ -479,7 +479,8 @@ def cuda_config_sweep(n, d, v, dtype_name, repeats, out_path: Path) -> dict:
     """Forward and forward+backward time and peak of each TRITON_SWEEP config (one shape, one dtype)."""
     import torch
 
-    from rltk.kernels.triton_logprobs import TritonConfig, triton_token_logprobs_and_entropy
+    from rltk.kernels.logprobs import triton_token_logprobs_and_entropy
+    from rltk.kernels.triton_logprobs import TritonConfig
 
     hidden, weight, labels = _cuda_inputs(n, d, v, getattr(torch, dtype_name), seed=0)
     report = {"shape": {"N": n, "D": d, "V": v}, "dtype": dtype_name, "repeats": repeats,

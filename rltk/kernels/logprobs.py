@@ -52,6 +52,8 @@ from typing import Sequence
 
 import torch
 
+from rltk.kernels.chunks import parse_chunk_size
+
 IMPLS = ("auto", "triton", "torch", "naive")
 IGNORE_INDEX = -100
 
@@ -151,6 +153,35 @@ def _apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore
 
 
 @lru_cache(maxsize=1)
+def triton_token_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    config=None,
+    ignore_index: int = IGNORE_INDEX,
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`token_logprobs_and_entropy` on the Triton backend with an explicit ``config``
+    (:class:`rltk.kernels.triton_logprobs.TritonConfig`).
+
+    For tuning and tests (every block size and split count); the public op is
+    the normal entry point. Shapes as there: hidden (N, D), weight (V, D),
+    labels (N,) -> logprobs (N,), entropy (N,) (and sum_pi_squared (N,) with
+    ``with_sum_pi_squared``).
+    """
+    _check_inputs(hidden, weight, labels, bias, temperature)
+    resolve_impl("triton", hidden)
+    _check_label_range(labels, weight.shape[0], ignore_index)
+    from rltk.kernels import triton_logprobs
+
+    config = config or triton_logprobs.config_for(hidden, weight, None)
+    return _apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index,
+                              with_sum_pi_squared)
+
+
 def triton_available() -> bool:
     """Whether ``import triton`` works in this process."""
     try:
@@ -251,25 +282,8 @@ def torch_tiling(num_tokens: int, vocab_size: int, chunk_size: int | Sequence[in
         vocab_chunk = min(vocab_size, DEFAULT_MAX_VOCAB_CHUNK)
         token_chunk = max(16, DEFAULT_TILE_ELEMENTS // vocab_chunk)
     else:
-        token_chunk, vocab_chunk = _parse_chunk_size(chunk_size, default_vocab=vocab_size)
+        token_chunk, vocab_chunk = parse_chunk_size(chunk_size, default_vocab=vocab_size)
     return max(1, min(token_chunk, num_tokens)), min(vocab_chunk, vocab_size)
-
-
-def _parse_chunk_size(chunk_size, default_vocab: int) -> tuple[int, int]:
-    if isinstance(chunk_size, bool):
-        raise ValueError(f"chunk_size must be an int or a (tokens, vocab) pair; got {chunk_size!r}")
-    if isinstance(chunk_size, int):
-        sizes = (chunk_size, default_vocab)
-    else:
-        try:
-            sizes = tuple(chunk_size)
-        except TypeError:
-            sizes = ()
-        if len(sizes) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
-            raise ValueError(f"chunk_size must be an int or a (tokens, vocab) pair of ints; got {chunk_size!r}")
-    if sizes[0] < 1 or sizes[1] < 1:
-        raise ValueError(f"chunk_size entries must be >= 1; got {chunk_size!r}")
-    return sizes
 
 
 # --------------------------------------------------------------------------

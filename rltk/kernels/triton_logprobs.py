@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rltk.kernels import logprobs as _logprobs
+from rltk.kernels.chunks import parse_chunk_size
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def config_for(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | Seq
         config = TritonConfig(block_d=min(64, max(16, triton.next_power_of_2(hidden.shape[1]))))
     if chunk_size is None:
         return config
-    block_n, block_v = _logprobs._parse_chunk_size(chunk_size, default_vocab=config.block_v)
+    block_n, block_v = parse_chunk_size(chunk_size, default_vocab=config.block_v)
     for name, value in (("tokens", block_n), ("vocab", block_v)):
         if value < 16 or value & (value - 1):
             raise ValueError(
@@ -97,32 +97,6 @@ def config_for(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | Seq
 def _shared_memory_per_block(device: torch.device) -> int:
     """The most shared memory (bytes) one block may opt in to on ``device`` (0 where torch does not say)."""
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-
-
-def triton_token_logprobs_and_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    config: TritonConfig | None = None,
-    ignore_index: int = _logprobs.IGNORE_INDEX,
-    with_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """:func:`rltk.kernels.token_logprobs_and_entropy` on the Triton backend with an explicit ``config``.
-
-    For tuning and tests (every block size and split count); the public op is
-    the normal entry point. Shapes as there: hidden (N, D), weight (V, D),
-    labels (N,) -> logprobs (N,), entropy (N,) (and sum_pi_squared (N,) with
-    ``with_sum_pi_squared``).
-    """
-    _logprobs._check_inputs(hidden, weight, labels, bias, temperature)
-    _logprobs.resolve_impl("triton", hidden)
-    _logprobs._check_label_range(labels, weight.shape[0], ignore_index)
-    config = config or config_for(hidden, weight, None)
-    return _logprobs._apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index,
-                              with_sum_pi_squared)
 
 
 # --------------------------------------------------------------------------

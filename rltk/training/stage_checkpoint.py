@@ -11,9 +11,8 @@ from omegaconf import DictConfig
 import rltk
 from rltk.distributed import every_rank, process_rank
 
-if TYPE_CHECKING:  # the loop state and the stage are built above this module; only their types are named here
+if TYPE_CHECKING:  # the loop state is built above this module; only its type is named here
     from rltk.training.loop_state import LoopState
-    from rltk.training.run import Stage
 
 PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
 REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
@@ -46,8 +45,8 @@ class StageCheckpoint:
     may resume at the end of an earlier stage; the rest when the stage itself resumes (:meth:`restore`).
     """
 
-    def __init__(self, stage: Stage):
-        self.stage = stage
+    def __init__(self, stage):
+        self.stage = stage  # the rltk.training.run.Stage it belongs to (which holds it: no import back up)
 
     def save(self, checkpointed, loop: LoopState, *, last_step: int) -> Path:
         """Checkpoint ``checkpointed`` (the strategy, or e.g. a policy and its critic) and ``loop`` at

@@ -21,12 +21,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from rltk.kernels import naive_token_logprobs_and_entropy, token_logprobs_and_entropy  # noqa: E402
-from rltk.kernels.triton_logprobs import (  # noqa: E402
-    TritonConfig,
-    triton_backward,
-    triton_forward,
-    triton_token_logprobs_and_entropy,
-)
+from rltk.kernels.logprobs import triton_token_logprobs_and_entropy  # noqa: E402
+from rltk.kernels.triton_logprobs import TritonConfig, triton_backward, triton_forward  # noqa: E402
 
 IGNORE = -100
 
