@@ -4,7 +4,7 @@
 One run, one batch (default B = 8192, T = 512, groups of 8, group ids shuffled):
 each round times every contender once, in a fresh random order, and the table
 reports medians over rounds and ratios of those medians. The estimators are
-called the way the trainer calls them (:func:`rltk.training.estimator.compute_advantages`):
+called the way the trainer calls them (:func:`rltk.training.step.estimator.compute_advantages`):
 with the batch fields their signatures name, which include the ``[B]`` row sums
 ``sequence_rewards`` and ``policy_lengths`` that :func:`rltk.batch.collate`
 takes once per batch. Those sums are built with the batch, outside the timing,

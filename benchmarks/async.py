@@ -1,7 +1,7 @@
 """RL steps per hour and held-out gain of GRPO in each trainer.mode: sync, one_step_off, async (staleness 1, 4).
 
 Each (mode, seed) is one `rltk run grpo` in a fresh process, one producer process beside the trainer in the
-asynchronous modes (`rltk.training.producer`). Modes run one after another within a seed, their order rotated
+asynchronous modes (`rltk.training.rollouts.producer`). Modes run one after another within a seed, their order rotated
 from seed to seed, so a load that drifts over the benchmark is spread over the modes. Same seed, same
 warm-up: the modes differ only in the RL stage.
 
@@ -55,7 +55,7 @@ QUICK = ["data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=24
 
 def grpo_command(config: Path | None, run_dir: Path, seed: int) -> list[str]:
     """``rltk run grpo`` (with ``--config``, a config other than the embedded default) into ``run_dir``."""
-    return [sys.executable, "-m", "rltk.cli", "run", "grpo", *(["--config", str(config)] if config else []),
+    return [sys.executable, "-m", "rltk.commands.cli", "run", "grpo", *(["--config", str(config)] if config else []),
             f"output_dir={run_dir}", f"seed={seed}", "logging.logger=[jsonl]", "logging.plot=false"]
 
 

@@ -77,7 +77,7 @@ def last_checkpoint(run_dir: Path) -> Path:
 
 
 def export(checkpoint: Path, out: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "rltk.cli", "export", str(checkpoint), str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "rltk.commands.cli", "export", str(checkpoint), str(out)], check=True,
                    capture_output=True)
     return out
 

@@ -10,7 +10,7 @@ vocabulary 151936, tied embeddings): the step's cost does not depend on the
 weights' values, and no checkpoint needs to travel. The batch is 8 prompts x 8
 samples, each row 64 prompt + 448 response tokens (64 x 512 = 32768 tokens),
 random token ids and advantages. The update is rltk's own
-:func:`rltk.training.rl.policy_update` through :class:`AccelerateStrategy`
+:func:`rltk.training.updates.rl.policy_update` through :class:`AccelerateStrategy`
 (``ppo_clip``, ``token-mean``, one mini-batch, on-policy, entropy computed as
 in training), so it is the step a recipe runs, micro-batches included.
 
@@ -79,7 +79,7 @@ class Variant:
     def __init__(self, precision: str, impl: str, shape: dict, device: str, seed: int):
         from rltk import get_component
         from rltk.strategies.accelerate_strategy import AccelerateStrategy
-        from rltk.training.loss_components import LossComponents
+        from rltk.training.step.loss_components import LossComponents
 
         self.precision, self.impl = precision, impl
         self.strategy = AccelerateStrategy(cpu=device == "cpu",
@@ -90,8 +90,8 @@ class Variant:
         self.steps: list[dict] = []
 
     def step(self, batch: dict, micro_batch: int) -> dict:
-        from rltk.training.forward import ForwardSettings
-        from rltk.training.rl import policy_update
+        from rltk.training.step.forward import ForwardSettings
+        from rltk.training.updates.rl import policy_update
 
         cuda = self.strategy.device.type == "cuda"
         if cuda:

@@ -118,7 +118,7 @@ def run_rltk(args: list[str], run_dir: Path, level: str, log: Path) -> float:
     env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(VERIFIERS_ENVS), os.environ.get("PYTHONPATH")) if p)}
-    command = [sys.executable, "-m", "rltk.cli", *args, f"output_dir={run_dir}", "logging.logger=[jsonl]",
+    command = [sys.executable, "-m", "rltk.commands.cli", *args, f"output_dir={run_dir}", "logging.logger=[jsonl]",
                "logging.plot=false", "checkpoint.resume=never"]
     tick = time.perf_counter()
     with open(log, "w") as out:
@@ -188,8 +188,8 @@ def near_miss_accuracy(run_dir: Path) -> float | None:
     from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
     from rltk.config.loader import load_config
-    from rltk.training.reward_model import pair_rewards, preference_pairs, tokenize_pairs
-    from rltk.training.rows import build_rows
+    from rltk.training.updates.reward_model import pair_rewards, preference_pairs, tokenize_pairs
+    from rltk.training.scaffold.rows import build_rows
 
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "reward_model").eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(run_dir / "reward_model")
@@ -305,7 +305,7 @@ def lr_sweep(args, workdir: Path) -> list[dict]:
         run_dir = workdir / f"warmup-s{seed}"
         run_rltk(["run", "grpo", f"seed={seed}", *SWEEP_WARMUP], run_dir, level, workdir / f"{run_dir.name}.log")
         last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-        subprocess.run([sys.executable, "-m", "rltk.cli", "export", str(last), str(workdir / f"model-s{seed}")],
+        subprocess.run([sys.executable, "-m", "rltk.commands.cli", "export", str(last), str(workdir / f"model-s{seed}")],
                        check=True, capture_output=True)
         models[seed] = workdir / f"model-s{seed}"
 

@@ -106,12 +106,12 @@ def run_child(case: str, args) -> dict:
     from rltk.config.loader import load_config
     from rltk.models.activation_checkpointing import enable_activation_checkpointing
     from rltk.models.lora import apply_lora
-    from rltk.training.reference import FrozenReference
-    from rltk.training.forward import ForwardSettings, old_logprobs_pass
-    from rltk.training.estimator import compute_advantages
-    from rltk.training.loss_components import LossComponents
-    from rltk.training.rl import policy_update
-    from rltk.training.setup import args_of, build_strategy
+    from rltk.training.step.reference import FrozenReference
+    from rltk.training.step.forward import ForwardSettings, old_logprobs_pass
+    from rltk.training.step.estimator import compute_advantages
+    from rltk.training.step.loss_components import LossComponents
+    from rltk.training.updates.rl import policy_update
+    from rltk.training.scaffold.setup import args_of, build_strategy
 
     torch.set_num_threads(args.threads)
     lora = case.startswith("lora")
@@ -132,7 +132,7 @@ def run_child(case: str, args) -> dict:
     base = memory_kib()["VmRSS"]
     reset_peak()
     torch.manual_seed(args.seed)
-    # what rltk.training.setup.build_tokenizer_and_policy does to a model loaded from model.path
+    # what rltk.training.scaffold.setup.build_tokenizer_and_policy does to a model loaded from model.path
     model = transformers.Qwen2ForCausalLM(build_config(args.layers, args.vocab))
     if cfg.model.gradient_checkpointing:
         enable_activation_checkpointing(model)

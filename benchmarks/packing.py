@@ -3,7 +3,7 @@
     python benchmarks/packing.py                 # 32 rows, 2 rounds (~3-5 min on 2 shared cores)
     python benchmarks/packing.py --rows 16 --rounds 1
 
-One policy update (:func:`rltk.training.rl.policy_update`, PPO-clip, token-mean,
+One policy update (:func:`rltk.training.updates.rl.policy_update`, PPO-clip, token-mean,
 entropy bonus) on a random-init Qwen2 of ~20M parameters (hidden 256, 12 layers,
 4 heads / 2 KV heads, MLP 1024, vocabulary 32000 tied; sdpa attention), fp32, over
 one rollout batch whose prompts are 32 tokens and whose response lengths are
@@ -105,9 +105,9 @@ def main() -> None:
 
     import rltk
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
-    from rltk.training.forward import ForwardSettings
-    from rltk.training.loss_components import LossComponents
-    from rltk.training.rl import policy_update
+    from rltk.training.step.forward import ForwardSettings
+    from rltk.training.step.loss_components import LossComponents
+    from rltk.training.updates.rl import policy_update
 
     torch.set_num_threads(args.threads)
     Strategy = type("KeepGradsStrategy", (_KeepGrads, AccelerateStrategy), {})

@@ -53,7 +53,7 @@ def export_last(run_dir: Path, out: Path) -> Path:
     """The run's last checkpoint as a model folder (a reward-model run's is the end of its SFT stage: the
     reward-model loop itself saves none)."""
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    subprocess.run([sys.executable, "-m", "rltk.cli", "export", str(last), str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "rltk.commands.cli", "export", str(last), str(out)], check=True,
                    capture_output=True)
     return out
 

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def start_server(slice_tokens: int, max_share_tokens: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "rltk.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "rltk.commands.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                              "--log-level", "warning", "--slice-tokens", str(slice_tokens),
                              "--max-share-tokens", str(max_share_tokens)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.max_share_tokens is None:
-        from rltk.cli import build_parser
+        from rltk.commands.cli import build_parser
 
         args.max_share_tokens = build_parser().parse_args(["serve"]).max_share_tokens
     proc, url = start_server(args.slice_tokens, args.max_share_tokens)

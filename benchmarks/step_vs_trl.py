@@ -90,12 +90,12 @@ def bench_env(threads: int) -> dict[str, str]:
 def warm_up(workdir: Path, seed: int, env: dict[str, str]) -> Path:
     """The shared starting point: rltk's SFT warm-up of the lr sweep, exported as an HF model folder."""
     run_dir = workdir / "warmup"
-    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", f"seed={seed}", *SWEEP_WARMUP,
+    command = [sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"seed={seed}", *SWEEP_WARMUP,
                f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never"]
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     model = workdir / "model"
-    subprocess.run([sys.executable, "-m", "rltk.cli", "export", str(last), str(model)], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "rltk.commands.cli", "export", str(last), str(model)], env=env, check=True,
                    stdout=subprocess.DEVNULL)
     return model
 
@@ -176,7 +176,7 @@ def process_peak() -> dict:
 
 def rltk_worker(peak_path: str, cli_args: list[str]) -> None:
     """rltk's side: its CLI in this process, then the process's peak memory into ``peak_path``."""
-    from rltk.cli import main as rltk_main
+    from rltk.commands.cli import main as rltk_main
 
     code = rltk_main(cli_args)
     Path(peak_path).write_text(json.dumps(process_peak()))
@@ -209,7 +209,7 @@ def trl_worker(args) -> None:
 
     from rltk.config.loader import load_config
     from rltk.rewards.math import exact_match
-    from rltk.training.rows import build_rows
+    from rltk.training.scaffold.rows import build_rows
 
     overrides = rl_overrides(Path(args.model), *run_settings(args))
     cfg = load_config([ROOT / "recipes" / "configs" / "grpo.yaml"], overrides, warn=False)

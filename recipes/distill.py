@@ -29,16 +29,16 @@ from __future__ import annotations
 import time
 
 from rltk.recipe_utils import parse_recipe_args, stage_runners
-from rltk.training.batch_metrics import rollout_metrics
-from rltk.training.distill import load_teacher, teacher_folders
-from rltk.training.forward import old_logprobs_pass
-from rltk.training.loop_state import RLParts, sampled_batch, start_rl_stage
-from rltk.training.ranks import global_masked_mean
-from rltk.training.rl import policy_update
-from rltk.training.rollout_source import open_rollout_source
-from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
-from rltk.training.sft_stage import run_sft_stage
-from rltk.training.step_end import end_step, evaluate_at_start
+from rltk.training.step.batch_metrics import rollout_metrics
+from rltk.training.updates.distill import load_teacher, teacher_folders
+from rltk.training.step.forward import old_logprobs_pass
+from rltk.training.stages.loop_state import RLParts, sampled_batch, start_rl_stage
+from rltk.training.step.ranks import global_masked_mean
+from rltk.training.updates.rl import policy_update
+from rltk.training.rollouts.rollout_source import open_rollout_source
+from rltk.training.stages.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.stages.sft_stage import run_sft_stage
+from rltk.training.stages.step_end import end_step, evaluate_at_start
 
 # What this loop serves its components (read by `rltk run` / `rltk validate` without running the script):
 # the teacher's log-probs besides what collate and the old-log-prob pass give. No KL reference, no

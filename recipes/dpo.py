@@ -35,19 +35,19 @@ from rltk.config.errors import ConfigError
 from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
 from rltk.recipe_utils import parse_recipe_args, stage_runners
-from rltk.training.collect import RolloutPlan, collect_experiences
-from rltk.training.forward import ForwardSettings
-from rltk.training.loop_state import LoopState
-from rltk.training.preference import (
+from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.stages.loop_state import LoopState
+from rltk.training.updates.preference import (
     PreferenceLoss, online_pairs, pair_batch, pair_settings, preference_examples, preference_step,
     reference_sequence_logps,
 )
-from rltk.training.ranks import any_rank
-from rltk.training.reference import FrozenReference
-from rltk.training.rows import tool_schemas
-from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
-from rltk.training.sft_stage import run_sft_stage
-from rltk.training.step_end import end_step, evaluate_at_start
+from rltk.training.step.ranks import any_rank
+from rltk.training.step.reference import FrozenReference
+from rltk.training.scaffold.rows import tool_schemas
+from rltk.training.stages.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.stages.sft_stage import run_sft_stage
+from rltk.training.stages.step_end import end_step, evaluate_at_start
 
 # No PROVIDES: DPO trains on pairs, not advantages, so the algorithm.* components (estimator, policy
 # loss, sample strategy) are not used here and there is nothing of theirs to check.

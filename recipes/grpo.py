@@ -21,7 +21,7 @@ The loop, as in the paper's algorithm box:
             checkpoint
 
 With trainer.mode=one_step_off or async the experiences of a step come instead from a producer process
-that samples with weights at most trainer.max_staleness steps old (rltk.training.rollout_source); the
+that samples with weights at most trainer.max_staleness steps old (rltk.training.rollouts.rollout_source); the
 rest of the step is the same.
 
 Every named piece comes from the registry, so any of them is one config entry away.
@@ -34,15 +34,15 @@ import time
 
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args, stage_runners
-from rltk.training.batch_metrics import rollout_metrics
-from rltk.training.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
-from rltk.training.forward import old_logprobs_pass
-from rltk.training.ranks import global_masked_mean, rows_in
-from rltk.training.rl import policy_update
-from rltk.training.rollout_source import open_rollout_source
-from rltk.training.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
-from rltk.training.sft_stage import run_sft_stage
-from rltk.training.step_end import end_step, evaluate_at_start
+from rltk.training.step.batch_metrics import rollout_metrics
+from rltk.training.stages.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
+from rltk.training.step.forward import old_logprobs_pass
+from rltk.training.step.ranks import global_masked_mean, rows_in
+from rltk.training.updates.rl import policy_update
+from rltk.training.rollouts.rollout_source import open_rollout_source
+from rltk.training.stages.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.stages.sft_stage import run_sft_stage
+from rltk.training.stages.step_end import end_step, evaluate_at_start
 
 
 # What this loop serves its components. `rltk run` and `rltk validate` read it without running the

@@ -31,13 +31,13 @@ from rltk.data.sampler import RowSampler
 from rltk.distributed import end_process_group, process_rank
 from rltk.config.errors import ConfigError
 from rltk.recipe_utils import parse_recipe_args
-from rltk.training.reward_model import (
+from rltk.training.updates.reward_model import (
     build_reward_model, pair_rewards, pairwise_accuracy, preference_pairs, save_reward_model, tokenize_pairs,
 )
-from rltk.training.run import open_run, run_stages
-from rltk.training.run_outputs import write_summary
-from rltk.training.setup import args_of, build_strategy
-from rltk.training.sft_stage import run_sft_stage
+from rltk.training.stages.run import open_run, run_stages
+from rltk.training.scaffold.run_outputs import write_summary
+from rltk.training.scaffold.setup import args_of, build_strategy
+from rltk.training.stages.sft_stage import run_sft_stage
 
 
 def main():

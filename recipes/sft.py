@@ -5,7 +5,7 @@
     rltk run sft data.path=chats.jsonl data.messages_key=messages        # chat transcripts
     rltk run sft model.lora.r=8 trainer.pack_sequences=true strategy=fsdp2
 
-The loop (the stage is the very one a GRPO or PPO run warms up with, rltk/training/sft_stage.py):
+The loop (the stage is the very one a GRPO or PPO run warms up with, rltk/training/stages/sft_stage.py):
 
     for step in 1..N:
         batch <- next demonstrations: (prompt, response, loss mask); the mask covers a completion
@@ -21,8 +21,8 @@ last checkpoint (checkpoint.start_from). This file is a script, not a module: co
 from __future__ import annotations
 
 from rltk.recipe_utils import parse_recipe_args, stage_runners
-from rltk.training.run import finish_run, open_run, run_stages
-from rltk.training.sft_stage import run_sft_stage
+from rltk.training.stages.run import finish_run, open_run, run_stages
+from rltk.training.stages.sft_stage import run_sft_stage
 
 # The stage type this script runs; a config's `stages` may chain dpo, grpo or ppo after it (see grpo.py).
 STAGES = {"sft": run_sft_stage}

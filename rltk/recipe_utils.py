@@ -138,7 +138,7 @@ class StageRunners(Mapping):
 
     ``type: dpo`` in any recipe's ``stages`` runs ``recipes/dpo.py``'s ``STAGES["dpo"]``: the script is
     loaded (not run as ``__main__``) the first time a config names it, so each stage's loop exists once,
-    in its own recipe. The stages hand weights on through ``run.policy`` (:func:`rltk.training.run.run_stages`).
+    in its own recipe. The stages hand weights on through ``run.policy`` (:func:`rltk.training.stages.run.run_stages`).
     """
 
     def __init__(self, own: dict[str, Callable], script: Path):
@@ -272,7 +272,7 @@ def what_runs(cfg, recipe: str | None) -> str:
     """What a run of ``cfg`` trains, stage by stage, for ``rltk validate``'s ok line: e.g. ``2 stages: warmup
     (sft), dpo (dpo, loss sigmoid)``; an RL stage names its algorithm, the reward_model recipe its loss."""
     from rltk.config.schema import RL_STAGE_TYPES
-    from rltk.training.setup import stage_config
+    from rltk.training.scaffold.setup import stage_config
 
     parts = []
     for i, stage in enumerate(cfg.stages):
@@ -302,8 +302,8 @@ def _check_warmup_demonstrations(cfg) -> int:
 
     Loads the tokenizer (not the model) and the data; each ``sft`` stage is checked with its overrides."""
     from rltk.config.env_checks import check_demonstrations
-    from rltk.training.rows import build_rows, sft_pairs, tool_schemas
-    from rltk.training.setup import stage_config
+    from rltk.training.scaffold.rows import build_rows, sft_pairs, tool_schemas
+    from rltk.training.scaffold.setup import stage_config
 
     stages = [i for i, stage in enumerate(cfg.stages) if stage.type == "sft"]
     if not stages:

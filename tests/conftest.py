@@ -44,9 +44,9 @@ def fresh_registry():
 def batches(monkeypatch):
     """Every batch a recipe run hands to the advantage estimator, as it was after the estimator ran.
 
-    Patches ``rltk.training.estimator.Estimator.__call__``, the advantage pass every recipe runs.
+    Patches ``rltk.training.step.estimator.Estimator.__call__``, the advantage pass every recipe runs.
     """
-    import rltk.training.estimator as estimator
+    import rltk.training.step.estimator as estimator
 
     seen = []
     estimate = estimator.Estimator.__call__

@@ -16,7 +16,7 @@ class Crash(RuntimeError):
 def crash_at_step(step: int):
     """Run the body with a plugin whose ``rltk_on_step_end`` raises :class:`Crash` at global ``step``.
 
-    The body must crash there: ``rltk.cli.main`` reports the hook's error and
+    The body must crash there: ``rltk.commands.cli.main`` reports the hook's error and
     returns 1, a recipe called directly raises :class:`rltk.LifecycleHookError`
     with the Crash as its cause, naming the plugin.
     """

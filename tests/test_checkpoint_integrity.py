@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from rltk.checkpoint import CheckpointManager
 from rltk.config import ConfigError, load_config
 from rltk.serialization import CheckpointFileError, DamagedCheckpointError, UnsafeCheckpointError
-from rltk.training.export import export_checkpoint
-from rltk.training.resume import load_weights, resume_or_start_over, save_weights_atomically
-from rltk.training.run_outputs import prepare_run_dir
+from rltk.training.scaffold.export import export_checkpoint
+from rltk.training.scaffold.resume import load_weights, resume_or_start_over, save_weights_atomically
+from rltk.training.scaffold.run_outputs import prepare_run_dir
 from tests.test_checkpoint import new_strategy, train_step
 from tests.test_serialization import Payload, plant
 
@@ -271,7 +271,7 @@ def test_a_damaged_frozen_reference_file_is_named(tmp_path):
 
 
 # --------------------------------------------------------------------------
-# Through the run's resume decision (rltk.training.resume)
+# Through the run's resume decision (rltk.training.scaffold.resume)
 # --------------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main, shipped_recipes
+from rltk.commands.cli import main, shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_validate_loads_no_model_code():
 
     heavy = ["transformers.modeling_utils", "transformers.generation", "transformers.models.qwen2.modeling_qwen2",
              "torch._dynamo"]
-    code = (f"import sys; from rltk.cli import main; code = main(['validate', 'grpo']); "
+    code = (f"import sys; from rltk.commands.cli import main; code = main(['validate', 'grpo']); "
             f"print('loaded:', [m for m in {heavy!r} if m in sys.modules]); sys.exit(code)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

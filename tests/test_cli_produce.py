@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
-from rltk.produce_command import _claim, find_stage
+from rltk.commands.cli import main
+from rltk.commands.produce import _claim, find_stage
 
 
 def rendezvous(run_dir: Path, stage: int = 1, local: int = 0) -> Path:
@@ -84,7 +84,7 @@ def test_the_newest_stage_is_found_and_a_name_in_use_is_refused(tmp_path, capsys
 def test_overrides_change_known_keys_and_a_components_arguments_and_refuse_typos():
     from omegaconf import OmegaConf
 
-    from rltk.produce_command import _apply_overrides
+    from rltk.commands.produce import _apply_overrides
 
     cfg = OmegaConf.create({"rollout": {"engine": "hf", "engine_args": {}}, "seed": 1})
     got = _apply_overrides(cfg, ["rollout.engine=vllm_server", "rollout.engine_args.servers=[http://h:8000]"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.serve.helpers import ScriptedEngine, ensure_serve_builtins
 
 CONTRIBUTING = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
@@ -48,8 +48,8 @@ def test_the_pyproject_points_its_entry_point_at_the_module(plugin, tmp_path):
 def test_the_config_validates_and_the_agent_converts_through_its_tool(plugin, tmp_path, capsys):
     from rltk.config.loader import load_config
     from rltk.rollout.base import SamplingParams
-    from rltk.training.rows import build_rows
-    from rltk.training.setup import build_reward, build_tokenizer_and_policy
+    from rltk.training.scaffold.rows import build_rows
+    from rltk.training.scaffold.setup import build_reward, build_tokenizer_and_policy
     from rltk.workflows.agentic import AgenticWorkflow
 
     assert main(["validate", "grpo", "--config", "convert.yaml"]) == 0

@@ -14,12 +14,12 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_loading_every_plugin_and_the_cli_does_not_import_deepspeed():
-    out = run_python("import sys, rltk; from rltk.registry import get_registry; get_registry(); import rltk.cli; "
+    out = run_python("import sys, rltk; from rltk.registry import get_registry; get_registry(); import rltk.commands.cli; "
                      "import rltk.strategies.deepspeed_strategy; print('deepspeed' in sys.modules)")
     assert out.stdout.strip() == "False"
 
 
 def test_rltk_list_prints_no_deepspeed_warning():
-    out = run_python("import sys; from rltk.cli import main; sys.exit(main(['list', 'training_strategy']))")
+    out = run_python("import sys; from rltk.commands.cli import main; sys.exit(main(['list', 'training_strategy']))")
     assert "deepspeed" in out.stdout  # listed as a strategy, without being imported
     assert "Setting accelerator" not in out.stdout + out.stderr

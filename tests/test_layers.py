@@ -8,8 +8,8 @@ under ``if TYPE_CHECKING:`` do not run and are left out.
 The layers, bottom to top (``../shared/DESIGN.md``, "The next rooms"): errors, batch types, I/O
 and distributed helpers -> algorithms, kernels -> models, data, rewards, tools, environments,
 loggers -> rollout engines, the OpenAI-compatible endpoint, workflows, buffer -> strategies,
-checkpoints -> config (loading and validation of a whole config) -> the training loop -> recipes,
-cli, the ``rltk serve`` command, dashboard.
+checkpoints -> config (loading and validation of a whole config) -> the training loop (its rooms:
+scaffold -> step -> rollouts -> updates -> stages) -> recipes, the commands, dashboard.
 """
 
 from __future__ import annotations
@@ -28,13 +28,19 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.algorithms", "rltk.kernels"),
     ("rltk.models", "rltk.data", "rltk.rewards", "rltk.tools", "rltk.environments", "rltk.loggers"),
     # the OpenAI-compatible endpoint over a rollout engine is a peer of the workflows (agentic runs one);
-    # the `rltk serve` command, which loads checkpoints, is rltk.serve_command at the top
+    # the `rltk serve` command, which loads checkpoints, is rltk.commands.serve at the top
     ("rltk.rollout", "rltk.serve", "rltk.workflows", "rltk.buffer"),
     ("rltk.strategies", "rltk.checkpoint"),
     ("rltk.config",),
-    ("rltk.training",),
-    ("rltk.recipe_utils", "rltk.cli", "rltk.serve_command", "rltk.produce_command", "rltk._recipes",
-     "rltk.dashboard"),
+    # the training loop's rooms, each on the ones below (rltk.training's __init__ is a map and imports none)
+    ("rltk.training", "rltk.training.scaffold"),
+    ("rltk.training.step",),
+    ("rltk.training.rollouts",),
+    ("rltk.training.updates",),
+    ("rltk.training.stages",),
+    # rltk.cli, rltk.serve_command and rltk.produce_command: the commands' old names, for one release
+    ("rltk.recipe_utils", "rltk.commands", "rltk.cli", "rltk.serve_command", "rltk.produce_command",
+     "rltk._recipes", "rltk.dashboard"),
 ]
 
 #: (importing module, imported module): why it is still allowed. Each entry names who removes it;
@@ -102,9 +108,10 @@ def layer_of(name: str) -> int:
 
 
 def room_of(name: str) -> str:
-    """The package a module lives in (``rltk.training``), or the module itself at the top (``rltk.cli``)."""
+    """The package a module lives in (``rltk.models``; in the training loop its room, ``rltk.training.step``), or
+    the module itself at the top (``rltk.recipe_utils``)."""
     parts = name.split(".")
-    return ".".join(parts[:2])
+    return ".".join(parts[:3] if parts[:2] == ["rltk", "training"] and len(parts) > 2 else parts[:2])
 
 
 @functools.cache
@@ -149,7 +156,7 @@ def test_no_two_packages_import_each_other():
 def test_the_walk_sees_lazy_imports_and_parent_packages(tmp_path):
     source = tmp_path / "rltk" / "models" / "m.py"
     source.parent.mkdir(parents=True)
-    source.write_text("def f():\n    from rltk.training.run import open_run\n")
-    known = {"rltk", "rltk.models", "rltk.models.m", "rltk.training", "rltk.training.run"}
-    assert imports_of("rltk.models.m", source, known) == {"rltk", "rltk.training", "rltk.training.run"}
-    assert layer_of("rltk.training.run") > layer_of("rltk.models.m")
+    source.write_text("def f():\n    from rltk.training.stages.run import open_run\n")
+    known = {"rltk", "rltk.models", "rltk.models.m", "rltk.training", "rltk.training.stages.run"}
+    assert imports_of("rltk.models.m", source, known) == {"rltk", "rltk.training", "rltk.training.stages.run"}
+    assert layer_of("rltk.training.stages.run") > layer_of("rltk.models.m")

@@ -7,7 +7,7 @@ import types
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.registry import LifecycleHookError, PluginLoadError, get_registry
 
 
@@ -227,7 +227,7 @@ def test_rltk_run_reports_the_hook_and_exits_1(fresh_registry, tmp_path, monkeyp
             rltk.call_lifecycle_hook("rltk_on_step_end", step=step, metrics={})
         return 0
 
-    monkeypatch.setattr("rltk.cli.cmd_run", fake_run)
+    monkeypatch.setattr("rltk.commands.cli.cmd_run", fake_run)
     assert main(["run", "grpo"]) == 1
     err = capsys.readouterr().err
     lines = err.rstrip().splitlines()

@@ -2,7 +2,7 @@
 
 Every estimator is a pure function called with keyword arguments only. It names
 in its signature the batch fields it needs (the recipe passes exactly those,
-see :class:`rltk.training.estimator.Estimator`) plus its own configured arguments,
+see :class:`rltk.training.step.estimator.Estimator`) plus its own configured arguments,
 and returns ``(advantages, returns)``, both ``[B, T]`` float32 (what the
 outcome estimators' ``returns`` hold off the mask: see "What consumers may rely
 on" below).

@@ -34,7 +34,7 @@ no lower bound.
 
 A dropped token is removed from the update: its weight is 0 and the caller
 takes it out of the response mask, so it counts in no loss normaliser either
-(see :mod:`rltk.training.rollout_correction`).
+(see :mod:`rltk.training.step.rollout_correction`).
 
 The same weights are the behaviour-policy correction of the decoupled PPO
 objective (:func:`rltk.algorithms.policy_losses.decoupled_loss`): with

@@ -129,7 +129,7 @@ def check_demonstrations(cfg: DictConfig, rows: list[dict], pairs: list[tuple[li
     """The warm-up's demonstrations are episodes the rollout can play: the tools they call reach the chat
     template, and no demonstrated turn is longer than the cap the rollout puts on it.
 
-    ``rows`` are the training rows and ``pairs`` their warm-up examples (``rltk.training.rows.sft_pairs``:
+    ``rows`` are the training rows and ``pairs`` their warm-up examples (``rltk.training.scaffold.rows.sft_pairs``:
     ``(prompt ids, response ids, loss mask)``, the mask 1 on each assistant turn and its eos). A
     demonstration that calls a tool while ``env.tools`` is empty was rendered without the tools block
     the rollout's prompts carry, so the warm-up teaches a prompt the policy is never served; a turn

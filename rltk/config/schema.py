@@ -371,13 +371,13 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a checkpoint folder
     # A stage's last checkpoint of another run (its step_XXXXXX folder, kept whatever keep_last): a new run
-    # starts after that stage, from its weights, and trains the stages after it (see rltk/training/resume.py).
+    # starts after that stage, from its weights, and trains the stages after it (see rltk/training/scaffold/resume.py).
     start_from: str | None = None
 
 
 @dataclass
 class GuardConfig:
-    """The divergence guard (rltk/training/guard.py): stops a run that has stopped learning, exit status 3.
+    """The divergence guard (rltk/training/scaffold/guard.py): stops a run that has stopped learning, exit status 3.
 
     Entropy bounds are fractions of log(V), V the LM head's size: 1.0 is the
     uniform distribution, 0 a single token. The defaults sit far from a
@@ -408,7 +408,7 @@ class LoggingConfig:
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     logger_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
     plot: bool = True  # a PNG of reward and held-out accuracy in the run folder at the end
-    # Rollout traces (traces.jsonl, rltk/training/traces.py): a sample of each RL step's trajectories with
+    # Rollout traces (traces.jsonl, rltk/training/scaffold/traces.py): a sample of each RL step's trajectories with
     # prompt, response, rewards, advantages and per-token masks, for `rltk dashboard` or jq. On by default:
     # the samples of a step cannot be had back once the run is over, and the cap bounds what they cost.
     traces: bool = True

@@ -310,7 +310,7 @@ def check_prompt_template(cfg: DictConfig) -> None:
 
 
 # --------------------------------------------------------------------------
-# guard: the divergence guard (rltk/training/guard.py)
+# guard: the divergence guard (rltk/training/scaffold/guard.py)
 # --------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rltk.loggers.jsonl import METRICS_FILE, read_jsonl_metrics
 from rltk.loggers.plot import training_curves
-from rltk.training.traces import TRACES_FILE, read_traces
+from rltk.training.scaffold.traces import TRACES_FILE, read_traces
 
 #: Columns of the step table, when logged (the rest of a step's metrics show on demand).
 TABLE_KEYS = ("reward", "accuracy", "eval/accuracy", "eval/sampled_accuracy", "kl", "entropy", "pg_loss",

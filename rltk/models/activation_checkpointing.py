@@ -14,7 +14,7 @@ What rltk relies on, each tested in ``tests/models/test_activation_checkpointing
   draws the same masks twice; on CPU the gradients come out bit for bit equal.
 * Transformers checkpoints a layer only while the model is in train mode, and
   then drops any KV cache passed to it (``use_cache`` off). So a policy must
-  train in train mode (:func:`rltk.training.setup.build_tokenizer_and_policy`
+  train in train mode (:func:`rltk.training.scaffold.setup.build_tokenizer_and_policy`
   puts it there: ``from_pretrained`` returns eval mode), and every pass that
   runs on a cache (generation, a prompt shared by a group's rows) runs in eval
   mode or outside checkpointing.

@@ -462,7 +462,7 @@ class VLLMServerEngine(RolloutEngine):
         """Have every server load the safetensors file ``path`` itself as weights ``version``: no copy.
 
         For a file with the model's own parameter names (an asynchronous run's
-        policy file, :func:`rltk.training.engine_weights.write_weights_file`),
+        policy file, :func:`rltk.training.rollouts.engine_weights.write_weights_file`),
         tied tensors stored once included (loaded under both names). Returns
         False, loading nothing, when the names are not the model's (a LoRA
         policy's adapters): then read the file into the module and call

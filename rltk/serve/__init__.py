@@ -17,7 +17,7 @@
 
 The endpoint sits beside the rollout engines and workflows (the ``agentic`` workflow runs one in its
 own process) and imports nothing above them; the ``rltk serve`` command, which finds and checks a
-run's weights first, is :mod:`rltk.serve_command`.
+run's weights first, is :mod:`rltk.commands.serve`.
 
 The web stack (FastAPI, uvicorn, and the ``openai`` client agents use) is an optional
 dependency: ``import rltk`` never needs it, and :func:`require_serve_dependencies`

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import rltk
 from rltk.algorithms import advantages as adv
-from rltk.training.estimator import Estimator
+from rltk.training.step.estimator import Estimator
 from tests.algorithms.calls import call_with_fields
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None)

@@ -242,9 +242,9 @@ CORRECTIONS = [
 @pytest.mark.parametrize("correction", CORRECTIONS, ids=lambda c: "+".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "geo_mean", "dppo_tv"])
 def test_is_the_loops_batch_level_rollout_correction_not_a_second_mechanism(name, correction):
-    """The loop's path today (rltk.training.rollout_correction: old log-probs recomputed, rollout log-probs
+    """The loop's path today (rltk.training.step.rollout_correction: old log-probs recomputed, rollout log-probs
     as the behaviour) and the decoupled loss give one loss and one gradient for every correction mode."""
-    from rltk.training.rollout_correction import apply_rollout_correction
+    from rltk.training.step.rollout_correction import apply_rollout_correction
 
     fn, required = BASE_LOSSES[name]
     logprobs, proximal, behaviour, advantages, mask = random_batch(11)

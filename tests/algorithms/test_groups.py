@@ -15,7 +15,7 @@ from rltk.algorithms.aggregation import masked_mean, token_mean
 from rltk.algorithms.groups import EQUAL_WITHIN_ULPS, Groups, group_index
 from rltk.algorithms.value import clipped_value_loss
 from tests.algorithms.calls import call_with_fields
-from rltk.training.ppo import explained_variance
+from rltk.training.updates.ppo import explained_variance
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.config import ConfigError, load_config
 from rltk.recipe_utils import recipe_spec
 from rltk.workflows.base import Workflow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.config import ConfigError, load_config
 
 
@@ -78,7 +78,7 @@ def test_asynchronous_settings_the_loop_cannot_run_are_refused(overrides, match)
 
 
 def test_vllm_server_producers_are_accepted_and_the_trainer_evaluates_with_hf():
-    from rltk.training.setup import trainer_workflow_config
+    from rltk.training.scaffold.setup import trainer_workflow_config
 
     cfg = load_config([], ["trainer.mode=async", "rollout.engine=vllm_server", "trainer.producers=2",
                            "rollout.engine_args={launch: 1}"])

@@ -60,7 +60,7 @@ AGENTIC_TOOLS = ["rollout.workflow=agentic", "rollout.workflow_args.agent=arithm
 
 
 def validate(capsys, *overrides):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     ensure_registered("agentic", "agents")
     code = main(["validate", "grpo", *overrides])

@@ -6,8 +6,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from rltk.config import ConfigError, load_config
-from rltk.training.guard import GuardSettings
-from rltk.training.resume import config_differences
+from rltk.training.scaffold.guard import GuardSettings
+from rltk.training.scaffold.resume import config_differences
 
 
 def test_defaults_are_the_schema_documented_ones():

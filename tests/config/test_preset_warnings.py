@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[2]

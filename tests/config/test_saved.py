@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 import rltk
 from rltk.config import load_config
 from rltk.config.saved import config_to_record, config_yaml_to_record
-from rltk.training.resume import check_compatible
-from rltk.training.run_outputs import build_loggers, prepare_run_dir
+from rltk.training.scaffold.resume import check_compatible
+from rltk.training.scaffold.run_outputs import build_loggers, prepare_run_dir
 
 SECRET = "sk-do-not-write-me-0123456789"
 

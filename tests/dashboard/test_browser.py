@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -173,7 +173,7 @@ def test_read_a_real_runs_trajectories_in_the_browser(browser, dashboard, tmp_pa
     row = driver.find_element(By.CSS_SELECTOR, f'#steps tr.has-traces[data-step="{step}"]')
     row.click()
     cards = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .trajectory"), "the trajectories")
-    from rltk.training.traces import read_traces
+    from rltk.training.scaffold.traces import read_traces
 
     expected = read_traces(real_run / "traces.jsonl", step=step)
     assert len(cards) == len(expected)

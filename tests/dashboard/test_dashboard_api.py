@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.dashboard.builder import error_key, leaf_values
 from rltk.dashboard.schema import form_description
 from tests.dashboard.conftest import write_run

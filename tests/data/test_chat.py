@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from rltk.data.chat import check_messages, render_text, split_transcript, tokenize_transcript
 from rltk.data.multi_turn_tasks import calculator_arithmetic, guess_number
 from rltk.models.tiny import build_char_tokenizer
-from rltk.training.sft import sft_batch
+from rltk.training.updates.sft import sft_batch
 
 CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
                                                "parameters": {"properties": {"expression": {"type": "string"}}}}}
@@ -204,7 +204,7 @@ def test_sft_batch_masks_everything_but_the_assistant_tokens(tokenizer):
 def test_the_sft_step_loss_is_the_mean_nll_of_the_assistant_tokens_only(tokenizer):
     from rltk.models.tiny import build_tiny_model
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
-    from rltk.training.sft import sft_step
+    from rltk.training.updates.sft import sft_step
 
     model = build_tiny_model(tokenizer, seed=0)
     rows = guess_number("train", 2, 0)
@@ -229,7 +229,7 @@ def test_the_sft_step_loss_is_the_mean_nll_of_the_assistant_tokens_only(tokenize
 
 def test_sft_pairs_tokenize_demonstrations_and_plain_rows(tokenizer):
     from rltk.config.errors import ConfigError
-    from rltk.training.rows import sft_pairs
+    from rltk.training.scaffold.rows import sft_pairs
 
     demo = guess_number("train", 1, 0)[0]
     plain = {"prompt": "1+2=", "ground_truth": "3", "extras": {}, "id": "p"}

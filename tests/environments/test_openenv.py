@@ -211,7 +211,7 @@ TINY = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "train
 
 
 def test_cli_exits_2_naming_the_key_for_a_bad_argument_and_a_server_that_is_down(tmp_path, capsys):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     assert main(["run", "grpo", f"output_dir={tmp_path / 'a'}", *TINY, "env.environment_args.url=http://x",
                  "env.environment_args.observation_fild=text"]) == 2
@@ -231,7 +231,7 @@ def test_cli_exits_2_naming_the_key_for_a_bad_argument_and_a_server_that_is_down
 def test_grpo_trains_on_an_openenv_server(tmp_path, server):
     import json
 
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", *TINY, f"env.environment_args.url={server.url}",

@@ -63,7 +63,7 @@ def test_a_run_in_a_local_file_store_holds_params_metrics_and_artifacts(tmp_path
 
 @pytest.mark.slow
 def test_rltk_run_with_the_mlflow_logger(tmp_path):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl,mlflow]",

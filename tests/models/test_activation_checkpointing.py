@@ -172,10 +172,10 @@ def grpo_update(lora: bool, checkpointing: bool):
     """One GRPO update (PPO-clip, k3 KL in the loss, entropy bonus, 3 micro-batches) as the recipe
     runs it: old and reference log-probs without gradients, then one optimizer step."""
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
-    from rltk.training.reference import FrozenReference
-    from rltk.training.forward import ForwardSettings, batched_logprobs
-    from rltk.training.loss_components import LossComponents
-    from rltk.training.rl import policy_update
+    from rltk.training.step.reference import FrozenReference
+    from rltk.training.step.forward import ForwardSettings, batched_logprobs
+    from rltk.training.step.loss_components import LossComponents
+    from rltk.training.updates.rl import policy_update
 
     class Recording(AccelerateStrategy):
         def backward(self, loss):
@@ -290,7 +290,7 @@ def test_policy_from_a_folder_trains_in_train_mode_so_checkpointing_runs(tmp_pat
     hand the recipes a train-mode model, or model.gradient_checkpointing=true would save nothing."""
     from rltk.config.loader import load_config
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
-    from rltk.training.setup import build_tokenizer_and_policy
+    from rltk.training.scaffold.setup import build_tokenizer_and_policy
 
     tokenizer = build_char_tokenizer()
     save_pretrained_dir(build_tiny_model(tokenizer, hidden_size=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2,

@@ -100,8 +100,8 @@ def test_lora_off_returns_the_model_itself():
 
 def test_reference_logprobs_equal_a_separately_loaded_base_model(tmp_path):
     from rltk.models.loading import load_model
-    from rltk.training.forward import ForwardSettings
-    from rltk.training.reference import FrozenReference
+    from rltk.training.step.forward import ForwardSettings
+    from rltk.training.step.reference import FrozenReference
 
     tokenizer, model = tiny(seed=3)
     folder = save_pretrained_dir(model, tokenizer, tmp_path / "base")
@@ -136,8 +136,8 @@ def test_reference_logprobs_equal_a_separately_loaded_base_model(tmp_path):
 
 
 def test_reference_without_lora_is_a_frozen_copy():
-    from rltk.training.forward import ForwardSettings
-    from rltk.training.reference import FrozenReference
+    from rltk.training.step.forward import ForwardSettings
+    from rltk.training.step.reference import FrozenReference
 
     _, model = tiny()
 
@@ -346,7 +346,7 @@ def test_a_folder_that_is_no_adapter_names_the_key(tmp_path):
      "stages[1].overrides (stage 'b') sets 'model.lora.r'"),
 ])
 def test_validate_and_run_exit_2_naming_the_key(overrides, expected, capsys, tmp_path):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     assert main(["validate", "grpo", *overrides]) == 2
     assert expected in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.recipes.guessing_game import assert_the_game_was_learned
 from tests.serve.helpers import ensure_serve_builtins
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.serve.helpers import ensure_serve_builtins
 
 TINY_RUN = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "trainer.total_steps=2",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.serve.helpers import ensure_serve_builtins
 
 pytestmark = pytest.mark.slow

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.rewards import bounded
-from rltk.training.producer import producer_rows
+from rltk.training.rollouts.producer import producer_rows
 from tests.crash import crash_at_step
 from tests.isolated import run_isolated
 
@@ -97,7 +97,7 @@ def test_each_step_trains_one_batch_within_the_staleness_bound(straight):
 
 
 def test_traces_count_staleness_from_the_version_the_queue_recorded(straight):
-    from rltk.training.traces import TRACES_FILE, read_traces
+    from rltk.training.scaffold.traces import TRACES_FILE, read_traces
 
     # (training step, row, sample) -> the policy version of the sample's oldest token, as the queue stored it
     with sqlite3.connect(straight / QUEUE) as db:
@@ -332,8 +332,8 @@ RANKS_DRIVER = """
 import hashlib, json, os, sys, types
 import torch
 import rltk
-import rltk.training.async_rollout as ar
-from rltk.cli import main
+import rltk.training.rollouts.async_rollout as ar
+from rltk.commands.cli import main
 
 out, crash_step = sys.argv[1], int(sys.argv[2])
 rank = int(os.environ["RANK"])
@@ -419,7 +419,7 @@ def test_two_trainer_ranks_split_each_lease_train_every_id_once_and_resume_after
 def test_a_run_with_no_local_producers_trains_from_one_started_by_rltk_produce(tmp_path):
     run_dir = tmp_path / "run"
     # started first, as a cluster launcher may: it waits for the trainer to start the asynchronous stage
-    producer = subprocess.Popen([sys.executable, "-m", "rltk.cli", "produce", str(run_dir), "--name", "ext-a"],
+    producer = subprocess.Popen([sys.executable, "-m", "rltk.commands.cli", "produce", str(run_dir), "--name", "ext-a"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -470,7 +470,7 @@ def test_two_sharded_ranks_publish_gathered_weights_and_stay_identical(tmp_path,
         assert sorted(shares[0][step] + shares[1][step]) == sorted(i for i, t in committed.items() if t == step)
     params = {r: rank_rows(tmp_path, r, "params") for r in (0, 1)}
     assert params[0] == params[1] and len(set(params[0].values())) == RL_STEPS
-    from rltk.training.engine_weights import weights_file_version
+    from rltk.training.rollouts.engine_weights import weights_file_version
 
     assert weights_file_version(run_dir / "async" / "stage_1" / "policy.safetensors") == RL_STEPS
     meta = json.loads((run_dir / "checkpoints" / f"step_{SFT_STEPS + RL_STEPS:06d}" / "strategy.json").read_text())

@@ -20,11 +20,11 @@ import time
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.config.loader import load_config
 from rltk.rollout.base import SamplingParams
-from rltk.training.engine_weights import write_weights_file
-from rltk.training.setup import build_tokenizer_and_policy
+from rltk.training.rollouts.engine_weights import write_weights_file
+from rltk.training.scaffold.setup import build_tokenizer_and_policy
 
 from .test_async_recipe import QUEUE, RL_STEPS, TINY, one_batch_a_step_within_the_bound
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.isolated import run_isolated
 from tests.test_serialization import plant
 
@@ -63,7 +63,7 @@ def test_the_reported_deepspeed_case_a_planted_model_states_file_is_refused_on_r
     """The report: a pickle in checkpoints/step_N/deepspeed/state/mp_rank_00_model_states.pt ran a shell
     command when the same `rltk run` started again with checkpoint.resume=auto."""
     run_dir = tmp_path / "ds"
-    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", "strategy=deepspeed",
+    command = [sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", "strategy=deepspeed",
                "strategy_args.zero_stage=2", *TINY]
     run_isolated(command, timeout=900)
     shard = run_dir / "checkpoints" / "step_000004" / "deepspeed" / "state" / "mp_rank_00_model_states.pt"

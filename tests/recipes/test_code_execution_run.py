@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 pytestmark = [
     pytest.mark.slow,
@@ -67,7 +67,7 @@ def test_grpo_run_scores_hostile_programs_in_the_sandbox_and_finishes(tmp_path):
     for m in steps:
         assert m["reward/code_execution/tests"] == 3.0  # the policy's own samples ran too
         assert m["reward_fn/failures/code_execution"] == 0.0 and m["reward_fn/timeouts/code_execution"] == 0.0
-    from rltk.training.traces import read_traces
+    from rltk.training.scaffold.traces import read_traces
 
     # Expert samples trained on carry the sandbox's score: 2/3 for the one program, 0 for the hostile ones.
     expert_scores = [t["score"] for t in read_traces(run_dir / "traces.jsonl") if t["source"] != "policy"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 # python benchmarks/learning.py --recipes distill --jobs 2 (README, "Learning, measured"; 15 runs): the smallest,
 # over seeds 0-4 and the kernel levels default / avx2 / avx512, of the held-out greedy and sampled accuracy

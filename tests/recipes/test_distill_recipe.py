@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
 
 # the default's two stages, the student's SFT warm-up and distillation, for two steps each
@@ -86,7 +86,7 @@ def test_a_teacher_with_another_vocabulary_is_exit_2(tmp_path, capsys):
 def test_a_tokenizer_mapping_the_same_text_to_other_ids_is_refused(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from rltk.training.distill import tokenizer_mismatch
+    from rltk.training.updates.distill import tokenizer_mismatch
 
     student = build_char_tokenizer()
     assert tokenizer_mismatch(student, build_char_tokenizer()) is None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 # What benchmarks/learning.py measured for the shipped dpo default (SFT warm-up to a 0.4 probe, then 200
 # steps of DPO with the RPO term on the task's synthetic pairs): every run's held-out greedy accuracy
@@ -114,7 +114,7 @@ def test_two_processes_train_as_one(tmp_path):
             "trainer.eval_every=3", "data.train_size=64", "data.eval_size=16", "dpo.precompute_reference=true",
             "logging.logger=[jsonl]", "logging.plot=false"]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "rltk.cli", "run", "dpo", f"output_dir={tmp_path / 'ddp'}", *args],
+                          "-m", "rltk.commands.cli", "run", "dpo", f"output_dir={tmp_path / 'ddp'}", *args],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-6000:]
     assert main(["run", "dpo", f"output_dir={tmp_path / 'single'}", *args]) == 0

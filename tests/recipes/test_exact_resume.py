@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.data.synthetic import make_task
 from tests.crash import crash_at_step
 

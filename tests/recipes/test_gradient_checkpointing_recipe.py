@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 pytestmark = pytest.mark.slow
 

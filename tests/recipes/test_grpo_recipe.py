@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.crash import crash_at_step
 from tests.isolated import run_isolated
 
@@ -86,7 +86,7 @@ def test_grpo_learns_with_the_baseline_cpu_kernels(tmp_path):
     # Another rounding, another trajectory: the claim must hold with torch's portable kernels too,
     # not only with whatever this CPU dispatches to. The level is fixed when torch loads: a new process.
     run_dir = tmp_path / "run"
-    run_isolated([sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]",
+    run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]",
                   "logging.plot=false"], timeout=1200, extra_env={"ATEN_CPU_CAPABILITY": "default"})
     assert_learned(run_dir)
 
@@ -106,7 +106,7 @@ def test_crash_mid_run_resumes_from_last_checkpoint_and_matches(tmp_path):
     resumed, reference = read_metrics(crashing), read_metrics(straight)
     assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # nothing logged twice
     # rollout traces too: the lines the crashed run wrote after its checkpoint are gone, the rest as if uninterrupted
-    from rltk.training.traces import read_traces
+    from rltk.training.scaffold.traces import read_traces
 
     traces = read_traces(crashing / "traces.jsonl")
     assert [t["step"] for t in traces] == [s for s in range(21, 29) for _ in range(16)]
@@ -149,7 +149,7 @@ def test_grpo_recipe_under_torchrun_with_two_processes(tmp_path):
             "trainer.eval_every=2", "checkpoint.every=2", "logging.plot=false"]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", *args],
+         "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *args],
         capture_output=True, text=True, timeout=600,
     )
     errors = "\n".join(line for line in out.stderr.splitlines() if "Writing model shards" not in line)

@@ -35,7 +35,7 @@ WARMUP_STOP_ACCURACY = 0.4  # the default's sft.stop_at_accuracy
 def test_grpo_sampling_with_vllm_learns_on_the_embedded_default(tmp_path):
     run_dir = tmp_path / "run"
     # a process of its own: one thread, as the benchmark ran it, and vLLM's process-wide state goes with it
-    run_isolated([sys.executable, "-m", "rltk.cli", "run", "grpo", "rollout.engine=vllm", *HEAD_SIZE_32,
+    run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", "rollout.engine=vllm", *HEAD_SIZE_32,
                   f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=0"],
                  timeout=1800)
     metrics = read_metrics(run_dir)

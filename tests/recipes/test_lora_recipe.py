@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.crash import crash_at_step
 
 pytestmark = pytest.mark.slow

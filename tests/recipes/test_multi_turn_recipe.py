@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.builtin_plugins import ensure_registered
 from tests.recipes.guessing_game import assert_the_game_was_learned
 

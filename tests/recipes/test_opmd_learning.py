@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 pytestmark = pytest.mark.slow
 

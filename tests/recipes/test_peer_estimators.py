@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.recipes.test_presets import TINY, calls, parity_reward  # noqa: F401  (fixtures)
 
 BASE = [o for o in TINY if not o.startswith("reward.")]

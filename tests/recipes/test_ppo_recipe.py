@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.crash import crash_at_step
 
 pytestmark = pytest.mark.slow

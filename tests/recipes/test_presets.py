@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.config.recipe_capabilities import required_batch_fields
 from rltk.registry import get_registry
 
@@ -55,8 +55,8 @@ def parity_reward():
 @pytest.fixture
 def calls(monkeypatch):
     """What the recipe hands the shared training functions, step by step."""
-    import rltk.training.estimator as estimator
-    import rltk.training.rl as rl
+    import rltk.training.step.estimator as estimator
+    import rltk.training.updates.rl as rl
 
     seen = {"advantages": [], "updates": []}
     estimate, policy_update = estimator.Estimator.__call__, rl.policy_update

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save_pretrained_dir
 from rltk.rewards.reward_model import reward_model
 

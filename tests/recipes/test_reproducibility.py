@@ -35,7 +35,7 @@ def test_the_same_run_in_two_processes_logs_identical_numbers(tmp_path, recipe):
     runs = []
     for attempt in ("first", "second"):
         run_dir = tmp_path / attempt
-        run_isolated([sys.executable, "-m", "rltk.cli", "run", recipe, f"output_dir={run_dir}", *SHORT, *extra])
+        run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", recipe, f"output_dir={run_dir}", *SHORT, *extra])
         runs.append(numbers(run_dir))
     first, second = runs
     assert [r["step"] for r in first] == [r["step"] for r in second]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.config.loader import load_config
-from rltk.training.reward_model import pair_rewards, preference_pairs, tokenize_pairs
-from rltk.training.rows import build_rows
+from rltk.training.updates.reward_model import pair_rewards, preference_pairs, tokenize_pairs
+from rltk.training.scaffold.rows import build_rows
 
 CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "reward_model.yaml"
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.config.loader import load_config
-from rltk.training.reward_model import build_reward_model, pair_rewards, preference_pairs, tokenize_pairs
+from rltk.training.updates.reward_model import build_reward_model, pair_rewards, preference_pairs, tokenize_pairs
 
 CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "reward_model.yaml"
 
@@ -49,7 +49,7 @@ def test_the_saved_folder_is_a_standard_sequence_classifier(trained):
     assert model.config.num_labels == 1 and type(model).__name__ == "Qwen2ForSequenceClassification"
     # Reload -> the same held-out accuracy the run reported last.
     cfg = load_config([CONFIG], ["stages=[]", "data.train_size=200", "data.eval_size=50"])
-    from rltk.training.rows import build_rows
+    from rltk.training.scaffold.rows import build_rows
 
     _, held_out = build_rows(cfg, tokenizer)
     pairs = tokenize_pairs(preference_pairs(held_out, cfg, split="heldout"), tokenizer, cfg.reward_model.max_length)
@@ -66,7 +66,7 @@ def test_the_reward_model_reward_function_scores_with_it(trained):
 
     scorer = reward_model.load_scorer(str(trained / "reward_model"))
     cfg = load_config([CONFIG], ["stages=[]", "data.train_size=200", "data.eval_size=50"])
-    from rltk.training.rows import build_rows
+    from rltk.training.scaffold.rows import build_rows
 
     _, held_out = build_rows(cfg, scorer.tokenizer)
     pairs = preference_pairs(held_out, cfg, split="heldout")

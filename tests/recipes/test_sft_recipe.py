@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 # benchmarks/learning.py --recipes sft --seeds 0 1 2 (every CPU kernel level; README, "Learning"):
 # the smallest held-out greedy gain over those 9 runs of the shipped default. The test asks for half.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.isolated import run_isolated
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ COMPARED = ("sft/sft_loss", "reward", "response_length", "pg_loss", "kl", "entro
 CRASH_DRIVER = '''
 import sys, types
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 
 crash_step = int(sys.argv[1])
 crasher = types.ModuleType("crasher")
@@ -67,12 +67,12 @@ def launch(command: list[str], *, expect: int = 0):
 
 
 def rltk_run(*args: str, expect: int = 0):
-    return launch([sys.executable, "-m", "rltk.cli", "run", *args], expect=expect)
+    return launch([sys.executable, "-m", "rltk.commands.cli", "run", *args], expect=expect)
 
 
 def torchrun(*args: str):
     return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   "-m", "rltk.cli", "run", *args])
+                   "-m", "rltk.commands.cli", "run", *args])
 
 
 def assert_same_metrics(ours: list[dict], theirs: list[dict], *, rel: float, reference_is_policy: bool = True) -> None:

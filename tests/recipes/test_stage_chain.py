@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.crash import crash_at_step
 
 SFT_STEPS, DPO_STEPS, GRPO_STEPS = 6, 3, 3

@@ -110,7 +110,7 @@ def test_ground_truth_formats_and_errors():
 
 
 def test_bad_limits_are_config_errors_naming_the_key(capsys):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     with pytest.raises(ConfigError) as err:
         check_args({"timeout_s": 0, "memory_mb": "lots", "all_or_nothing": "yes"})
@@ -134,7 +134,7 @@ def test_a_machine_without_the_sandbox_is_refused_at_build(monkeypatch):
 
 
 def test_cli_refuses_a_machine_without_unshare_with_exit_2(tmp_path, monkeypatch, capsys):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     # PATH without util-linux: `unshare` cannot be found, so the probe fails and validation stops.
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -353,7 +353,7 @@ def test_sample_timeout_caps_all_tests_together(unharmed):
 
 @needs_sandbox  # else the machine's refusal comes first
 def test_sample_timeout_must_fit_under_the_composer_timeout(capsys):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     assert main(["validate", "grpo", "reward.reward_fn=[code_execution]", "reward.timeout_s=5",
                  "reward.reward_fn_args.code_execution.sample_timeout_s=4"]) == 2

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.rewards.compose import build_reward_composer
 from rltk.rewards.llm_judge import UnparsedVerdict, llm_judge, parse_verdict
 from rltk.rollout.base import SamplingParams

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save_pretrained_dir
 from rltk.rewards.compose import build_reward_composer
 from rltk.rewards.reward_model import load_scorer, reward_model
@@ -115,7 +115,7 @@ def test_combines_with_exact_match_through_the_composer_with_weights(rm_folder):
 def start_reward_server(folder, *extra, timeout_s: float = 120):
     """`rltk serve-reward FOLDER --port 0` in a subprocess; returns it and the /score URL it printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "rltk.cli", "serve-reward", str(folder), "--port", "0", *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "rltk.commands.cli", "serve-reward", str(folder), "--port", "0", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -15,7 +15,7 @@ SHORT = ["sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=2", "trainer.
 
 
 def test_the_default_tiny_models_head_size_is_refused_on_cpu_in_one_line(tmp_path, capsys):
-    from rltk.cli import main
+    from rltk.commands.cli import main
     from rltk.rollout.vllm_engine import vllm_platform
 
     if vllm_platform() != "cpu":
@@ -31,7 +31,7 @@ def test_the_default_tiny_models_head_size_is_refused_on_cpu_in_one_line(tmp_pat
 def test_a_short_grpo_run_samples_with_vllm_from_the_trainers_weights(tmp_path):
     import torch
 
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     run_dir = tmp_path / "run"
     # head size 64 / 2 = 32, which vLLM's CPU attention has; rollout log-prob metrics on
@@ -57,7 +57,7 @@ def test_a_short_run_at_torchs_baseline_cpu_kernels(tmp_path):
 
     from tests.isolated import run_isolated
 
-    run_isolated([sys.executable, "-m", "rltk.cli", "run", "grpo", "rollout.engine=vllm", "model.tiny.num_heads=2",
+    run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", "rollout.engine=vllm", "model.tiny.num_heads=2",
                   "model.tiny.num_kv_heads=1", f"output_dir={tmp_path / 'run'}", *SHORT],
                  timeout=900, extra_env={"ATEN_CPU_CAPABILITY": "default"})
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

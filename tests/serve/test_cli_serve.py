@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def start_serving(path, *extra, timeout_s: float = 120):
     """`rltk serve PATH --port 0` in a subprocess; returns the process and the base URL it printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "rltk.cli", "serve", str(path), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "rltk.commands.cli", "serve", str(path), "--port", "0",
                              "--log-level", "warning", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + timeout_s
@@ -68,7 +68,7 @@ def test_rltk_serve_answers_the_openai_client_from_a_checkpoint_and_resolves_a_r
     # a run folder means its newest checkpoint, exported (weights and the run's tokenizer) to a temporary folder
     import contextlib
 
-    from rltk.serve_command import resolve_model_dir
+    from rltk.commands.serve import resolve_model_dir
 
     with contextlib.ExitStack() as stack:
         model_dir, found_run = resolve_model_dir(str(run_dir), stack)
@@ -93,7 +93,7 @@ def test_a_model_folder_is_served_as_it_is(tmp_path):
     import contextlib
 
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
-    from rltk.serve_command import resolve_model_dir
+    from rltk.commands.serve import resolve_model_dir
 
     tokenizer = build_char_tokenizer()
     folder = save_pretrained_dir(build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2,
@@ -112,11 +112,11 @@ def test_rltk_imports_and_builds_the_agentic_workflow_without_the_serve_extra_an
                 if name.split(".")[0] in ("fastapi", "uvicorn", "openai", "starlette"):
                     raise ImportError(f"No module named {name!r} (blocked)")
         sys.meta_path.insert(0, Block())
-        import rltk, rltk.cli
+        import rltk, rltk.commands.cli
         from rltk.serve.sessions import stitch
         from rltk.workflows.agentic import AgenticWorkflow
         from rltk.rollout.base import SamplingParams
-        rltk.cli.build_parser().parse_args(["serve", "--port", "0"])
+        rltk.commands.cli.build_parser().parse_args(["serve", "--port", "0"])
         wf = AgenticWorkflow(engine=None, tokenizer=None, reward=lambda **k: 0.0, sampling=SamplingParams(),
                              agent="arithmetic_chat")
         try:
@@ -127,7 +127,7 @@ def test_rltk_imports_and_builds_the_agentic_workflow_without_the_serve_extra_an
             import rltk.serve.app
         except ImportError as exc:
             print("APP:", exc)
-        sys.exit(rltk.cli.main(["serve"]))
+        sys.exit(rltk.commands.cli.main(["serve"]))
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     setup = "from tests.serve.helpers import ensure_serve_builtins; ensure_serve_builtins()\n"
@@ -152,8 +152,8 @@ def test_listening_beyond_loopback_without_a_key_is_warned_about_before_binding(
 
 
 def test_rltk_serve_records_nothing_by_default_and_says_when_the_context_lowers_max_tokens(capsys):
-    from rltk.cli import build_parser
-    from rltk.serve_command import build_server_app
+    from rltk.commands.cli import build_parser
+    from rltk.commands.serve import build_server_app
 
     parser = build_parser()
     app, stack, _ = build_server_app(parser.parse_args(["serve"]))

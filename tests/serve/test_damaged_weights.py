@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.serve.test_cli_serve import start_serving, stop
 
 

@@ -86,7 +86,7 @@ def test_only_deepspeeds_plain_records_are_allow_listed_and_rltks_own_formats_ne
     from rltk.checkpoint import strategy_checkpoint_globals
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
     from rltk.strategies.deepspeed_strategy import DeepSpeedStrategy
-    from rltk.training.ppo import PolicyAndCritic
+    from rltk.training.updates.ppo import PolicyAndCritic
 
     assert DeepSpeedStrategy.checkpoint_globals() == [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
     assert AccelerateStrategy.checkpoint_globals() == []

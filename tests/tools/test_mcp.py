@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from rltk.cli import main  # noqa: E402
+from rltk.commands.cli import main  # noqa: E402
 from rltk.errors import ConfigError  # noqa: E402
 from rltk.rollout.base import SamplingParams  # noqa: E402
 from rltk.tools.mcp import McpError, close_mcp_connections  # noqa: E402
@@ -178,7 +178,7 @@ def test_a_server_hanging_in_its_handshake_is_killed_and_does_not_hold_rltks_out
     pid_file = tmp_path / "pids"
     server = {"command": [sys.executable, str(Path(__file__).with_name("mcp_hang_server.py")), str(pid_file)],
               "connect_timeout_s": 2}
-    command = [sys.executable, "-m", "rltk.cli", "validate", "grpo", *MULTI_TURN, "env.tools=[hang.*]",
+    command = [sys.executable, "-m", "rltk.commands.cli", "validate", "grpo", *MULTI_TURN, "env.tools=[hang.*]",
                f"env.mcp_servers={{hang: {json.dumps(server)}}}"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[2])
     pids: list[int] = []

@@ -195,7 +195,7 @@ def test_calculator_never_raises_anything_but_its_own_error(text):
 
 
 def test_rltk_list_shows_the_new_kinds(capsys):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     assert main(["list", "tool"]) == 0
     out = capsys.readouterr().out

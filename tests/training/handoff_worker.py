@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rltk.batch import Experience
 from rltk.buffer.queue import Lease
-from rltk.training.async_rollout import AsyncRollouts, HandoffTimeout, TrainerWaitTimeout
+from rltk.training.rollouts.async_rollout import AsyncRollouts, HandoffTimeout, TrainerWaitTimeout
 
 GROUP_TIMEOUT_S = 3.0
 

@@ -96,10 +96,10 @@ def run_steps(strategy, micro: dict | None = None) -> dict:
     """
     import rltk
     from rltk.batch import collate
-    from rltk.training.forward import ForwardSettings, old_logprobs_pass
-    from rltk.training.estimator import Estimator, compute_advantages
-    from rltk.training.loss_components import LossComponents
-    from rltk.training.rl import policy_update
+    from rltk.training.step.forward import ForwardSettings, old_logprobs_pass
+    from rltk.training.step.estimator import Estimator, compute_advantages
+    from rltk.training.step.loss_components import LossComponents
+    from rltk.training.updates.rl import policy_update
 
     loss = LossComponents(policy_loss=rltk.get_component("policy_loss", "ppo_clip"),
                           loss_agg=rltk.get_component("loss_agg", "token-mean"), entropy_coef=0.01)

@@ -32,10 +32,10 @@ def perturbation(token_ids: torch.Tensor) -> torch.Tensor:
 def corrected_update(strategy) -> dict:
     import rltk
     from rltk.batch import collate
-    from rltk.training.forward import ForwardSettings, batched_logprobs
-    from rltk.training.estimator import compute_advantages
-    from rltk.training.loss_components import LossComponents
-    from rltk.training.rl import policy_update
+    from rltk.training.step.forward import ForwardSettings, batched_logprobs
+    from rltk.training.step.estimator import compute_advantages
+    from rltk.training.step.loss_components import LossComponents
+    from rltk.training.updates.rl import policy_update
 
     batch = collate(steps.local_experiences(0, strategy.rank, strategy.world_size), pad_token_id=0)
     T = batch["response_mask"].shape[1]

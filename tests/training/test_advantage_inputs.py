@@ -11,7 +11,7 @@ import torch
 from rltk.algorithms import advantages as adv
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.batch import Experience, collate, refresh_row_sums
-from rltk.training.estimator import compute_advantages
+from rltk.training.step.estimator import compute_advantages
 
 OUTCOME = ["grpo", "rloo", "opo", "reinforce_plus_plus_baseline", "remax", "gpg"]
 

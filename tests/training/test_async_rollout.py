@@ -15,13 +15,13 @@ import rltk
 from rltk.batch import Experience, collate
 from rltk.buffer.queue import ExperienceQueue, QueueFileError
 from rltk.config import ConfigError
-from rltk.training.async_rollout import ProducerFailed, ProducerProcess, open_stage_queue
-from rltk.training.engine_weights import read_weights_file, weights_file_version, write_weights_file
-from rltk.training.estimator import compute_advantages
-from rltk.training.forward import ForwardSettings, batched_logprobs
-from rltk.training.loss_components import LossComponents
-from rltk.training.producer import batch_of, gate_open
-from rltk.training.rl import policy_update
+from rltk.training.rollouts.async_rollout import ProducerFailed, ProducerProcess, open_stage_queue
+from rltk.training.rollouts.engine_weights import read_weights_file, weights_file_version, write_weights_file
+from rltk.training.step.estimator import compute_advantages
+from rltk.training.step.forward import ForwardSettings, batched_logprobs
+from rltk.training.step.loss_components import LossComponents
+from rltk.training.rollouts.producer import batch_of, gate_open
+from rltk.training.updates.rl import policy_update
 from tests.training.rl_step_helpers import one_process_strategy, worker
 
 
@@ -124,13 +124,13 @@ def test_a_producer_waiting_for_weights_stops_after_its_timeout_naming_the_file(
     from omegaconf import OmegaConf
 
     from rltk.config import load_config
-    from rltk.training.producer import EXIT_TIMEOUT
+    from rltk.training.rollouts.producer import EXIT_TIMEOUT
 
     cfg = load_config([], ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
                            "data.train_size=8", "data.eval_size=4"])
     OmegaConf.save(cfg, tmp_path / "c.yaml", resolve=True)
     done = subprocess.run(
-        [sys.executable, "-m", "rltk.training.producer", "--config", str(tmp_path / "c.yaml"), "--stage", "1",
+        [sys.executable, "-m", "rltk.training.rollouts.producer", "--config", str(tmp_path / "c.yaml"), "--stage", "1",
          "--queue", str(tmp_path / "q.sqlite"), "--weights", str(tmp_path / "w.safetensors"), "--timeout", "1",
          "--name", "p"], capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_TIMEOUT, done.stderr
@@ -152,7 +152,7 @@ def _lease(groups: list[int]):
 
 
 def test_rank_shares_give_whole_groups_round_robin_and_every_id_once():
-    from rltk.training.async_rollout import rank_shares
+    from rltk.training.rollouts.async_rollout import rank_shares
 
     lease = _lease([4, 4, 4, 4, 4])  # five groups of four over two ranks: groups 0, 2, 4 and 1, 3
     shares = rank_shares(lease, 2)
@@ -167,7 +167,7 @@ def test_rank_shares_give_whole_groups_round_robin_and_every_id_once():
 
 
 def test_full_weights_from_a_state_dict_round_trip_with_tied_tensors_stored_apart(tmp_path):
-    from rltk.training.engine_weights import write_weights_state
+    from rltk.training.rollouts.engine_weights import write_weights_state
 
     trained = worker.shared.tiny_qwen2(seed=0)
     state = trained.state_dict()  # tied embedding and head share storage, as a gathered state may
@@ -197,7 +197,7 @@ def test_the_queue_records_the_trainers_end_and_who_put(tmp_path):
 
 def _produce(queue, batches: int, name: str = "p") -> None:
     """Put ``batches`` batches of two groups of two, going on after the producer's last id as
-    :func:`rltk.training.producer.run_producer` does (ids ``<name>-b<batch>-<i>``)."""
+    :func:`rltk.training.rollouts.producer.run_producer` does (ids ``<name>-b<batch>-<i>``)."""
 
     last = queue.last_id(name)
     start = 0 if last is None else batch_of(last) + 1

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import rltk
 from rltk.config.loader import load_config
 from rltk.loggers.base import StageSpan, stage_spans
-from rltk.training.run_outputs import build_loggers
+from rltk.training.scaffold.run_outputs import build_loggers
 
 
 class OldStyleLogger:

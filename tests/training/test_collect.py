@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rltk.batch import Experience
 from rltk.config import ConfigError, load_config
 from rltk.data.sampler import RowSampler
-from rltk.training.collect import RolloutPlan, collect_experiences, expert_experiences, scores_differ
+from rltk.training.rollouts.collect import RolloutPlan, collect_experiences, expert_experiences, scores_differ
 
 
 class ScriptedWorkflow:

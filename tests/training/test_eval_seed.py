@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rltk.config.schema import RunConfig
-from rltk.training.evaluation import evaluate
+from rltk.training.scaffold.evaluation import evaluate
 
 
 class DrawingWorkflow:

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from rltk.models.loading import load_tokenizer
 from rltk.models.tiny import build_char_tokenizer, build_tiny_model
-from rltk.training.export import _make_auto_tokenizer_exact
+from rltk.training.scaffold.export import _make_auto_tokenizer_exact
 
 TEXTS = ["a b", "12 + 30 = 42", "<|user|>3 km to m<|eos|><|assistant|>"]
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from rltk.checkpoint import CheckpointManager
-from rltk.training.guard import DivergenceGuard, GuardSettings, TrainingDiverged, first_nonfinite_parameter
+from rltk.training.scaffold.guard import DivergenceGuard, GuardSettings, TrainingDiverged, first_nonfinite_parameter
 
 V = 100  # vocabulary: log(V) = 4.6052 nats is the uniform distribution's entropy
 LOG_V = math.log(V)

@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.models.tiny import build_char_tokenizer
 from rltk.strategies.accelerate_strategy import AccelerateStrategy
-from rltk.training.guard import EXIT_DIVERGED
+from rltk.training.scaffold.guard import EXIT_DIVERGED
 
 TINY = ["sft.stop_at_accuracy=null", "sft.warmup_steps=0", "trainer.warmup_steps=0", "data.train_size=60",
         "data.eval_size=8", "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=0",

@@ -6,7 +6,7 @@ import torch
 
 import rltk
 from rltk.config import load_config
-from rltk.training.loss_components import LossComponents, loss_agg_args
+from rltk.training.step.loss_components import LossComponents, loss_agg_args
 
 
 def test_dr_grpo_divides_by_rollout_max_new_tokens():

@@ -12,10 +12,10 @@ import pytest
 from rltk.batch import Experience, collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.buffer.strategies import FilterEqualGroups, OnPolicy
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.data.sampler import RowSampler
-from rltk.training.collect import RolloutPlan, collect_experiences
-from rltk.training.batch_metrics import rollout_metrics
+from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
+from rltk.training.step.batch_metrics import rollout_metrics
 
 
 class GroupsWorkflow:
@@ -85,7 +85,7 @@ def test_without_filtering_the_two_sets_agree():
 @pytest.fixture
 def recorded(monkeypatch):
     """Every experience the workflow produced and every batch the trainer read, per RL step."""
-    import rltk.training.estimator as estimator
+    import rltk.training.step.estimator as estimator
     from rltk.workflows.single_turn import SingleTurnWorkflow
 
     produced, batches = [], []

@@ -1,4 +1,4 @@
-"""Token-budget micro-batches: the plan (rltk.training.micro_batches) and the exactness of the update under it."""
+"""Token-budget micro-batches: the plan (rltk.training.step.micro_batches) and the exactness of the update under it."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 import rltk
 from rltk.batch import Experience, collate
-from rltk.training.micro_batches import micro_batch_count, micro_batches, plan_micro_batches
-from rltk.training.ppo import batched_values, critic_update
-from rltk.training.forward import ForwardSettings, batched_logprobs
-from rltk.training.loss_components import LossComponents
-from rltk.training.rl import policy_update
+from rltk.training.step.micro_batches import micro_batch_count, micro_batches, plan_micro_batches
+from rltk.training.updates.ppo import batched_values, critic_update
+from rltk.training.step.forward import ForwardSettings, batched_logprobs
+from rltk.training.step.loss_components import LossComponents
+from rltk.training.updates.rl import policy_update
 
 
 # ---------------------------------------------------------------- the plan

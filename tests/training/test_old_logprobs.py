@@ -9,8 +9,8 @@ import torch
 import rltk
 from rltk.batch import collate
 from rltk.models.logprobs import positions_from_mask
-from rltk.training.forward import ForwardSettings, batched_logprobs, old_logprobs_pass
-from rltk.training.estimator import Estimator, compute_advantages
+from rltk.training.step.forward import ForwardSettings, batched_logprobs, old_logprobs_pass
+from rltk.training.step.estimator import Estimator, compute_advantages
 from tests.training.rl_step_helpers import worker
 
 

@@ -13,10 +13,10 @@ import torch
 
 import rltk
 from rltk.batch import collate
-from rltk.training.forward import ForwardSettings, batched_logprobs
-from rltk.training.estimator import compute_advantages
-from rltk.training.loss_components import LossComponents
-from rltk.training.rl import old_logprobs_from_update, policy_update
+from rltk.training.step.forward import ForwardSettings, batched_logprobs
+from rltk.training.step.estimator import compute_advantages
+from rltk.training.step.loss_components import LossComponents
+from rltk.training.updates.rl import old_logprobs_from_update, policy_update
 from tests.training.rl_step_helpers import one_process_strategy, worker
 
 

@@ -19,8 +19,8 @@ from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.models.critic import build_critic_from_policy, response_values
 from rltk.strategies.accelerate_strategy import AccelerateStrategy
-from rltk.training.forward import ForwardSettings
-from rltk.training.ppo import (
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.updates.ppo import (
     CRITIC_SUBDIR,
     PolicyAndCritic,
     batched_values,

@@ -13,12 +13,12 @@ import rltk
 from rltk.batch import Experience
 from rltk.config.errors import ConfigError
 from rltk.data.preferences import near_miss, synthetic_preferences
-from rltk.training.forward import ForwardSettings
-from rltk.training.preference import (
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.updates.preference import (
     PairExample, PreferenceLoss, online_pairs, pair_batch, pair_settings, preference_examples, preference_step,
     reference_sequence_logps,
 )
-from rltk.training.reference import FrozenReference
+from rltk.training.step.reference import FrozenReference
 from tests.training.rl_step_helpers import one_process_strategy
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from rltk.checkpoint import CheckpointManager
 from rltk.config import ConfigError, load_config
-from rltk.training.resume import config_differences, resume_or_start_over
-from rltk.training.run_outputs import prepare_run_dir
+from rltk.training.scaffold.resume import config_differences, resume_or_start_over
+from rltk.training.scaffold.run_outputs import prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO_YAML = REPO / "recipes" / "configs" / "grpo.yaml"
@@ -123,7 +123,7 @@ def test_rltk_run_with_another_config_in_a_finished_run_folder_exits_2(tmp_path)
     run_dir = tmp_path / "run"
     finished_run(run_dir)
     before = snapshot(run_dir)
-    out = subprocess.run([sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}",
+    out = subprocess.run([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}",
                           "algorithm.name=rloo"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     lines = [l for l in out.stderr.splitlines() if l.startswith("rltk: error:")]
@@ -141,7 +141,7 @@ TINY = ["data.train_size=40", "data.eval_size=8", "sft.steps=2", "sft.warmup_ste
 
 def test_running_a_finished_run_again_reports_it_and_rewrites_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "rltk.cli", "run", "grpo", f"output_dir={run_dir}", *TINY]
+    command = [sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *TINY]
     first = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     before = snapshot(run_dir)

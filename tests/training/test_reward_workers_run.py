@@ -7,7 +7,7 @@ import json
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.rewards import pool
 from tests.rewards import reward_fns as rf
 

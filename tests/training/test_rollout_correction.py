@@ -20,12 +20,12 @@ from omegaconf import OmegaConf
 import rltk
 from rltk.algorithms.mismatch import rollout_correction
 from rltk.batch import Experience, collate
-from rltk.training.forward import ForwardSettings, batched_logprobs
-from rltk.training.estimator import compute_advantages
-from rltk.training.loss_components import LossComponents
-from rltk.training.rl import policy_update
+from rltk.training.step.forward import ForwardSettings, batched_logprobs
+from rltk.training.step.estimator import compute_advantages
+from rltk.training.step.loss_components import LossComponents
+from rltk.training.updates.rl import policy_update
 from rltk.algorithms.mismatch import weighted_loss_agg
-from rltk.training.rollout_correction import WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask
+from rltk.training.step.rollout_correction import WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask
 from tests.training.rl_step_helpers import one_process_strategy, worker
 
 
@@ -197,7 +197,7 @@ def test_loss_components_read_the_config_section():
 
 @pytest.mark.slow  # trains the tiny default for 2 warm-up and 2 RL steps (~15 s)
 def test_a_tiny_grpo_run_with_the_correction_on_logs_finite_mismatch_metrics(tmp_path):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     run_dir = tmp_path / "run"
     # top_k=3: the engine samples from (and records log-probs of) the top-3 distribution while the trainer
@@ -225,7 +225,7 @@ def test_a_tiny_grpo_run_with_the_correction_on_logs_finite_mismatch_metrics(tmp
 
 def test_turning_the_metrics_on_keeps_a_run_resumable_but_a_correction_mode_does_not():
     from rltk.config import load_config
-    from rltk.training.resume import config_differences
+    from rltk.training.scaffold.resume import config_differences
 
     def plain(*overrides):
         return OmegaConf.to_container(load_config([], list(overrides), warn=False), resolve=True)

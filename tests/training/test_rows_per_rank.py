@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from rltk.config.errors import ConfigError
-from rltk.training.run import require_rows_per_rank
+from rltk.training.stages.run import require_rows_per_rank
 
 
 def test_fewer_rows_than_processes_names_the_key_and_the_least_valid_value():

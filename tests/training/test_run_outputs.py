@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rltk.cli import main
-from rltk.training.export import export_checkpoint
-from rltk.training.stage_checkpoint import should_checkpoint
+from rltk.commands.cli import main
+from rltk.training.scaffold.export import export_checkpoint
+from rltk.training.stages.stage_checkpoint import should_checkpoint
 
 TINY_RUN = ["sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=2", "trainer.warmup_steps=0",
             "data.train_size=40", "data.eval_size=8", "trainer.prompts_per_step=4", "rollout.n=2",
@@ -55,7 +55,7 @@ def test_a_run_prints_stage_lines_and_writes_checkpoints_and_exports_with_the_us
                                     tmp_path / "tiny")
     run_dir = tmp_path / "run"
     # A fresh process: DeepSpeed, once imported by another test, stays in sys.modules.
-    code = ("import sys; from rltk.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from rltk.commands.cli import main; rc = main(sys.argv[1:]); "
             "print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(rc)")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run(

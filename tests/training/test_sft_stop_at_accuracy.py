@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.crash import crash_at_step
 
 # sft.stop_at_accuracy=0 is reached at the first probe whatever the model, so the stop step is known.

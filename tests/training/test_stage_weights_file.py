@@ -5,7 +5,7 @@ import threading
 import torch
 from safetensors.torch import load_file
 
-from rltk.training.resume import save_weights_atomically
+from rltk.training.scaffold.resume import save_weights_atomically
 
 
 def test_concurrent_writers_of_one_file_do_not_take_it_from_each_other(tmp_path):

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from rltk.checkpoint import CheckpointManager
-from rltk.cli import main
-from rltk.training.resume import is_stage_end
+from rltk.commands.cli import main
+from rltk.training.scaffold.resume import is_stage_end
 
 TINY = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "trainer.total_steps=2",
         "trainer.warmup_steps=0", "data.train_size=40", "data.eval_size=8", "trainer.prompts_per_step=4",

@@ -1,4 +1,4 @@
-"""Rollout traces (rltk/training/traces.py): which rows are kept, what a record holds, the cap, resume,
+"""Rollout traces (rltk/training/scaffold/traces.py): which rows are kept, what a record holds, the cap, resume,
 and a real `rltk run grpo` on the embedded tiny default writing them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from rltk.batch import Experience, collate
 from rltk.buffer.buffer import BufferItem, ExperienceBuffer
-from rltk.training.traces import TRACES_FILE, TraceWriter, pick_rows, read_traces
+from rltk.training.scaffold.traces import TRACES_FILE, TraceWriter, pick_rows, read_traces
 
 
 class CharTokenizer:
@@ -87,8 +87,8 @@ def test_an_async_steps_traces_count_staleness_from_the_policy_version_the_queue
     from rltk.buffer.buffer import trainer_version
     from rltk.buffer.queue import ExperienceQueue
     from rltk.buffer.strategies import OnPolicy
-    from rltk.training.collect import Rollout
-    from rltk.training.loop_state import LoopState, sampled_batch
+    from rltk.training.rollouts.collect import Rollout
+    from rltk.training.stages.loop_state import LoopState, sampled_batch
 
     def group(g, prompt):
         return [Experience([1, prompt], [2 + i, 3], float(i), g, info={"prompt": f"P{prompt}", "sample_index": i})
@@ -139,7 +139,7 @@ def test_resume_drops_the_lines_after_the_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_a_real_grpo_run_writes_traces_of_every_rl_step(tmp_path):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false",
@@ -187,7 +187,7 @@ def runs_of(mask: list[int], value: int) -> int:
 
 @pytest.mark.slow
 def test_multi_turn_traces_hold_the_turns_and_the_environments_observations(tmp_path):
-    from rltk.cli import main
+    from rltk.commands.cli import main
     from tests.builtin_plugins import ensure_registered
 
     ensure_registered("tasks", "guess_number", "multi_turn")

@@ -1,4 +1,4 @@
-"""The update skeleton (rltk.training.update_loop) on a stub strategy: its draws, steps and averages by hand."""
+"""The update skeleton (rltk.training.updates.update_loop) on a stub strategy: its draws, steps and averages by hand."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
-from rltk.training.forward import ForwardSettings
-from rltk.training.update_loop import MicroLoss, optimizer_epochs
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.updates.update_loop import MicroLoss, optimizer_epochs
 
 
 class StubStrategy:

@@ -259,7 +259,7 @@ def test_an_unknown_agent_lists_the_registered_ones(setup):
 
 
 def test_validate_names_an_unknown_agent_and_a_mistyped_agent_argument(capsys):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     base = ["validate", "grpo", "rollout.workflow=agentic"]
     assert main(base + ["rollout.workflow_args.agent=arithmetic_chatt"]) == 2

@@ -8,7 +8,7 @@ import types
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from tests.builtin_plugins import ensure_registered
 from tests.workflows.multi_turn_helpers import CountingEnv
 

@@ -240,7 +240,7 @@ TINY = ["sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null", "train
 
 @needs_verifiers
 def test_cli_exits_2_naming_the_key_for_an_env_that_is_not_installed(tmp_path, capsys, envs):
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     assert main(["run", "grpo", f"output_dir={tmp_path / 'a'}", *TINY,
                  "rollout.workflow_args.env_id=no_such_env"]) == 2
@@ -253,7 +253,7 @@ def test_cli_exits_2_naming_the_key_for_an_env_that_is_not_installed(tmp_path, c
 def test_gdpo_trains_on_a_verifiers_env_through_the_recipe(tmp_path, envs):
     import json
 
-    from rltk.cli import main
+    from rltk.commands.cli import main
 
     run_dir = tmp_path / "run"
     config = tmp_path / "verifiers.yaml"  # a file of its own: the grpo default's data.task_args are arithmetic's

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import rltk
-from rltk.cli import main
+from rltk.commands.cli import main
 from rltk.models.tiny import build_char_tokenizer
 from rltk.rewards.compose import build_reward_composer
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
@@ -91,7 +91,7 @@ def _segments(ids, mask):
 
 @pytest.fixture
 def batches(monkeypatch):
-    import rltk.training.rl as rl
+    import rltk.training.updates.rl as rl
 
     seen = []
     estimate = rl.Estimator.__call__

@@ -2,12 +2,12 @@
 old log-probs from its own forward (:func:`old_logprobs_from_update`).
 
 Pure mechanics: the assembly of one micro-batch's loss, run by the update loop every
-update shares (:func:`rltk.training.update_loop.optimizer_epochs`: epochs, mini-batches,
+update shares (:func:`rltk.training.updates.update_loop.optimizer_epochs`: epochs, mini-batches,
 micro-batches, global normalisers). Every algorithmic choice arrives as a component from the registry:
-:class:`~rltk.training.loss_components.LossComponents` (policy loss,
-aggregation, KL, entropy) and :class:`~rltk.training.estimator.Estimator`
+:class:`~rltk.training.step.loss_components.LossComponents` (policy loss,
+aggregation, KL, entropy) and :class:`~rltk.training.step.estimator.Estimator`
 (the advantage function, its signature read once). The no-gradient passes
-before the update are :mod:`rltk.training.forward`.
+before the update are :mod:`rltk.training.step.forward`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 
 from rltk.algorithms.aggregation import masked_mean
 from rltk.algorithms.mismatch import correction_active, weighted_loss_agg
-from rltk.training.estimator import Estimator
-from rltk.training.forward import ForwardSettings
-from rltk.training.loss_components import LossComponents
-from rltk.training.micro_batches import MicroBatch
-from rltk.training.rollout_correction import WEIGHTS_KEY, apply_rollout_correction
-from rltk.training.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares
+from rltk.training.step.estimator import Estimator
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.step.loss_components import LossComponents
+from rltk.training.step.micro_batches import MicroBatch
+from rltk.training.step.rollout_correction import WEIGHTS_KEY, apply_rollout_correction
+from rltk.training.updates.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares
 
 
 #: The policy-loss argument of the behaviour policy's log-probs per token (:func:`behaviour_logprobs`).
@@ -119,12 +119,12 @@ def policy_update(
     With ``loss.rollout_correction`` on, each token's policy-loss term is
     weighted by its importance weight between the trainer's old policy and the
     rollout engine's, and dropped tokens leave the response mask (and every
-    normaliser) first: see :mod:`rltk.training.rollout_correction`.
+    normaliser) first: see :mod:`rltk.training.step.rollout_correction`.
 
     A policy loss that takes ``behaviour_logprobs`` (``decoupled_ppo``) gets the rollout engine's
     log-probs there (:func:`behaviour_logprobs`), the clip staying against ``old_logprobs``.
 
-    ``settings`` (:class:`rltk.training.forward.ForwardSettings`) cut the
+    ``settings`` (:class:`rltk.training.step.forward.ForwardSettings`) cut the
     micro-batches (rows, or a token budget, packed or not; the global
     normalisers keep the loss and gradient those of the whole mini-batch) and
     run the forward as the no-gradient passes before it ran theirs.
@@ -140,7 +140,7 @@ def policy_update(
         raise ValueError(
             f"a batch without old_logprobs is trained on-policy, which needs trainer.ppo_epochs=1 and "
             f"trainer.mini_batches=1 (got {ppo_epochs} and {mini_batches}): fill old_logprobs first "
-            f"(rltk.training.forward.old_logprobs_pass)"
+            f"(rltk.training.step.forward.old_logprobs_pass)"
         )
     given_old = batch.get("old_logprobs")
     # rollout/trainer mismatch: weights and a narrowed response mask, fixed for all epochs

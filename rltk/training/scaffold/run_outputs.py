@@ -70,7 +70,7 @@ def prepare_run_dir(cfg: DictConfig, *, write_config: bool = True) -> Path:
     saved as their interpolation, not their value (:mod:`rltk.config.saved`).
 
     Call it only once the run is known to be new or a compatible continuation
-    (:func:`rltk.training.resume.resume_or_start_over`): a resumed run compares
+    (:func:`rltk.training.scaffold.resume.resume_or_start_over`): a resumed run compares
     its config with this file. ``write_config=False`` leaves an existing one as it is.
     """
     run_dir = Path(cfg.output_dir)

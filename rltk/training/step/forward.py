@@ -1,6 +1,6 @@
 """How the training loop runs the policy forward without gradients: the settings every pass shares,
-and the old-policy pass (the reference's is :mod:`rltk.training.reference`, the update's own
-training forward is :func:`rltk.training.rl.policy_update`).
+and the old-policy pass (the reference's is :mod:`rltk.training.step.reference`, the update's own
+training forward is :func:`rltk.training.updates.rl.policy_update`).
 
 The old-policy pass, the reference pass and the update's training forward must
 run the same way (same micro-batching, temperature, kernel, prompt sharing):
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from rltk.training.micro_batches import micro_batches, run_logprobs, run_values
+from rltk.training.step.micro_batches import micro_batches, run_logprobs, run_values
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class ForwardSettings:
         impl: the log-prob kernel (``model.logprob_impl``).
         chunk_size: rows per chunk of the log-prob kernel (``model.logprob_chunk_size``).
         max_tokens_per_micro_batch: micro-batches by a token budget instead of rows
-            (``trainer.max_tokens_per_micro_batch``; see :mod:`rltk.training.micro_batches`).
+            (``trainer.max_tokens_per_micro_batch``; see :mod:`rltk.training.step.micro_batches`).
         pack_sequences: each micro-batch packed into one row (``trainer.pack_sequences``).
         share_prompts: one prompt pass per group (see :func:`rltk.models.logprobs.response_logprobs`);
             :meth:`from_config` sets it as the policy's training forward runs.
@@ -62,13 +62,13 @@ class ForwardSettings:
 
     def micro_batches(self, strategy, batch: dict[str, torch.Tensor], *,
                       fallback: dict[str, torch.Tensor] | None = None):
-        """The micro-batches of ``batch`` these settings cut (see :func:`rltk.training.micro_batches.micro_batches`)."""
+        """The micro-batches of ``batch`` these settings cut (see :func:`rltk.training.step.micro_batches.micro_batches`)."""
         return micro_batches(strategy, batch, micro_batch_size=self.micro_batch_size,
                              max_tokens=self.max_tokens_per_micro_batch, packed=self.pack_sequences, fallback=fallback)
 
     def logprobs(self, model: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int, *,
                  with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
-        """One micro-batch's response log-probs (see :func:`rltk.training.micro_batches.run_logprobs`), run
+        """One micro-batch's response log-probs (see :func:`rltk.training.step.micro_batches.run_logprobs`), run
         these settings' way; with gradients unless the caller turned them off."""
         return run_logprobs(model, data, response_width, trim=self.trim, pack=self.pack_sequences,
                             temperature=self.temperature, impl=self.impl, chunk_size=self.chunk_size,
@@ -76,7 +76,7 @@ class ForwardSettings:
                             with_sum_pi_squared=with_sum_pi_squared)
 
     def values(self, critic: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
-        """One micro-batch's critic values (see :func:`rltk.training.micro_batches.run_values`), cut the same way."""
+        """One micro-batch's critic values (see :func:`rltk.training.step.micro_batches.run_values`), cut the same way."""
         return run_values(critic, data, response_width, trim=self.trim, pack=self.pack_sequences)
 
 

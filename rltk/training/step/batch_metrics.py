@@ -15,7 +15,7 @@ def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, e
     ``accuracy`` (fraction with score >= 1), ``response_length``, ``tokens_per_s``,
     ``batch/samples`` and ``batch/groups``; the ``rollout/*`` and ``reward/*`` counters of the
     workflow (and ``rollout/reward``, ``rollout/accuracy``, ``rollout/samples``,
-    ``rollout/groups`` of :func:`rltk.training.collect.collect_experiences`) describe everything
+    ``rollout/groups`` of :func:`rltk.training.rollouts.collect.collect_experiences`) describe everything
     it produced, *before* the sample strategy.
 
     With a ``strategy`` the numbers cover every rank: reward, accuracy and length are means over

@@ -2,8 +2,8 @@
 
 Recipes call these so that each recipe script stays a readable loop; every
 piece that is a registered component is looked up by its config name. The
-run's rows are :mod:`rltk.training.rows`; its folder and loggers
-:mod:`rltk.training.run_outputs`.
+run's rows are :mod:`rltk.training.scaffold.rows`; its folder and loggers
+:mod:`rltk.training.scaffold.run_outputs`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def build_reward(cfg: DictConfig):
     """The weighted combination of ``reward.reward_fn`` with fallback, timeout and worker processes.
 
     The reward's worker processes (if any of its functions needs them) start on its first call;
-    :func:`rltk.training.run.finish_run` stops them.
+    :func:`rltk.training.stages.run.finish_run` stops them.
     """
     from rltk.rewards.compose import build_reward_composer
 
@@ -94,7 +94,7 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
     """The configured rollout workflow on an engine of ``rollout.engine`` sampling from ``policy``.
 
     The trainer builds one on its own policy; an asynchronous run's producer
-    process (:mod:`rltk.training.producer`) builds the same on its copy.
+    process (:mod:`rltk.training.rollouts.producer`) builds the same on its copy.
     """
     from rltk.config.components import signature_params
 

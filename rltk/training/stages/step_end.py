@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from rltk.training.evaluation import evaluate
-from rltk.training.stage_checkpoint import should_checkpoint
+from rltk.training.scaffold.evaluation import evaluate
+from rltk.training.stages.stage_checkpoint import should_checkpoint
 
 
 def evaluate_at_start(stage, loop) -> None:

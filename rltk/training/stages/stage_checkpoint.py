@@ -12,7 +12,7 @@ import rltk
 from rltk.distributed import every_rank, process_rank
 
 if TYPE_CHECKING:  # the loop state is built above this module; only its type is named here
-    from rltk.training.loop_state import LoopState
+    from rltk.training.stages.loop_state import LoopState
 
 PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
 REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
@@ -37,7 +37,7 @@ class StageCheckpoint:
     """A stage's checkpoint, written by :meth:`save` and read back by :meth:`restore`, side by side.
 
     What it holds beside the strategy's state (weights, optimizer, RNG): the loop's
-    :meth:`~rltk.training.loop_state.LoopState.state_dict` (the same on every rank; the main rank's is
+    :meth:`~rltk.training.stages.loop_state.LoopState.state_dict` (the same on every rank; the main rank's is
     saved), the divergence guard's counters, one entry per rank (its buffer, its workflow's state, its
     reward counters: :func:`rank_state` gives a rank its own back) and how many metric rows were logged
     at its step. The loop's generators go into the rank's RNG file by name. The workflow's state and
@@ -46,7 +46,7 @@ class StageCheckpoint:
     """
 
     def __init__(self, stage):
-        self.stage = stage  # the rltk.training.run.Stage it belongs to (which holds it: no import back up)
+        self.stage = stage  # the rltk.training.stages.run.Stage it belongs to (which holds it: no import back up)
 
     def save(self, checkpointed, loop: LoopState, *, last_step: int) -> Path:
         """Checkpoint ``checkpointed`` (the strategy, or e.g. a policy and its critic) and ``loop`` at
@@ -55,7 +55,7 @@ class StageCheckpoint:
 
         The divergence guard first checks the weights are finite (no checkpoint ever holds nan). The
         count of metric rows already logged at its step lets a run resumed from it drop the rows
-        logged there after the save (see :func:`rltk.training.run.open_run`).
+        logged there after the save (see :func:`rltk.training.stages.run.open_run`).
         """
         stage, stage_step = self.stage, loop.step
         state = {"stage": stage.index, "stage_done": stage_step == last_step, **loop.state_dict()}

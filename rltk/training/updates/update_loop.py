@@ -1,15 +1,15 @@
 """The loop every update runs: epochs over shuffled mini-batches, one optimizer step per mini-batch, each
 step accumulated over micro-batches whose losses are shares of the mini-batch's.
 
-:func:`optimizer_epochs` is the skeleton of :func:`rltk.training.rl.policy_update` and
-:func:`rltk.training.ppo.critic_update`; :func:`optimizer_step`, one mini-batch of it, that of
-:func:`rltk.training.preference.preference_step` and :func:`rltk.training.sft.sft_step`. What differs
+:func:`optimizer_epochs` is the skeleton of :func:`rltk.training.updates.rl.policy_update` and
+:func:`rltk.training.updates.ppo.critic_update`; :func:`optimizer_step`, one mini-batch of it, that of
+:func:`rltk.training.updates.preference.preference_step` and :func:`rltk.training.updates.sft.sft_step`. What differs
 between them is the loss of one micro-batch, passed in as a function (the *micro-loss*)::
 
     micro_loss(mb, micro[, mini]) -> MicroLoss(loss, shares)
 
 ``mb`` is the micro-batch's rows on the strategy's device, ``micro`` its
-:class:`~rltk.training.micro_batches.MicroBatch`, ``mini`` the :class:`MiniBatch` around it (its rows and
+:class:`~rltk.training.step.micro_batches.MicroBatch`, ``mini`` the :class:`MiniBatch` around it (its rows and
 global counts; :func:`optimizer_epochs` only). ``loss`` is the micro-batch's share of the mini-batch loss,
 normalised by *global* counts (summed over micro-batches and ranks), so the summed gradient is that of one
 large batch whatever the micro-batch size and process count. ``shares()`` is read after the backward and
@@ -33,8 +33,8 @@ import torch
 
 from rltk.algorithms.aggregation import loss_agg_normalisers
 from rltk.batch import slice_batch
-from rltk.training.micro_batches import MicroBatch
-from rltk.training.ranks import check_mini_batches
+from rltk.training.step.micro_batches import MicroBatch
+from rltk.training.step.ranks import check_mini_batches
 
 __all__ = ["MicroLoss", "MiniBatch", "optimizer_epochs", "optimizer_step", "shares"]
 
@@ -119,9 +119,9 @@ def optimizer_epochs(strategy, batch: dict[str, torch.Tensor],
 
     Each epoch draws one permutation of the rows from ``generator`` (the global generator when None) and
     cuts it into ``mini_batches`` parts whose sizes differ by at most one row (see
-    :func:`rltk.training.ranks.check_mini_batches`). A mini-batch's token and sequence counts are summed over
+    :func:`rltk.training.step.ranks.check_mini_batches`). A mini-batch's token and sequence counts are summed over
     ranks (:class:`MiniBatch`), its micro-batches cut by ``settings``
-    (:class:`rltk.training.forward.ForwardSettings`; a rank with no rows in it runs padding ones from
+    (:class:`rltk.training.step.forward.ForwardSettings`; a rank with no rows in it runs padding ones from
     ``batch``) and run by :func:`optimizer_step` with ``micro_loss(mb, micro, mini)``.
 
     Returns each metric and step-info number averaged over the ``epochs * mini_batches`` optimizer steps.

@@ -1,17 +1,17 @@
 """A rollout producer process of an asynchronous run: sample, score, put into the experience queue, repeat.
 
-The trainer (:mod:`rltk.training.async_rollout`) starts it beside itself::
+The trainer (:mod:`rltk.training.rollouts.async_rollout`) starts it beside itself::
 
-    python -m rltk.training.producer --config STAGE.yaml --stage I --queue Q.sqlite \\
+    python -m rltk.training.rollouts.producer --config STAGE.yaml --stage I --queue Q.sqlite \\
         --weights policy.safetensors --name producer-0 [--index 0 --count 1]
 
 With ``trainer.producers`` = N, producer ``k`` samples only the rows ``k, k + N, ...``
 (:func:`producer_rows`) and seeds its batches apart from the others'.
 
 It builds the stage's tokenizer, policy, rows and workflow exactly as the
-trainer does (:func:`rltk.training.setup.build_workflow`; any workflow:
+trainer does (:func:`rltk.training.scaffold.setup.build_workflow`; any workflow:
 single-turn, multi-turn, agentic), loads the trainer's weights from the file
-the trainer renames into place (:func:`rltk.training.engine_weights.write_weights_file`),
+the trainer renames into place (:func:`rltk.training.rollouts.engine_weights.write_weights_file`),
 and loops:
 
 1. load the newest published weights (their version ``v``);
@@ -22,7 +22,7 @@ and loops:
    gate, counted in steps). ``one_step_off`` is ``max_staleness = 1``: the
    batch for step ``t + 1`` is sampled by policy ``t - 1`` while step ``t``
    trains;
-3. draw the next prompts, run the workflow (:func:`rltk.training.collect.collect_experiences`,
+3. draw the next prompts, run the workflow (:func:`rltk.training.rollouts.collect.collect_experiences`,
    so greedy baselines and dynamic sampling work as in the synchronous loop),
    and put the batch, each experience with its id and per-token versions, in
    one transaction.
@@ -48,7 +48,7 @@ exits with an error naming what it waited for. It also exits when the
 process that started it is gone (the trainer died), so no producer outlives
 its run, and (status 0) when the trainer records in the queue that its stage
 has ended. A producer the trainer did not start (``rltk produce``,
-:mod:`rltk.produce_command`) skips the parent check (``trainer=False``).
+:mod:`rltk.commands.produce`) skips the parent check (``trainer=False``).
 """
 
 from __future__ import annotations
@@ -130,9 +130,9 @@ class Producer:
         from rltk.buffer.queue import ExperienceQueue
         from rltk.data.sampler import RowSampler
         from rltk.distributed import limit_torch_threads, seed_everything
-        from rltk.training.collect import RolloutPlan
-        from rltk.training.rows import build_rows
-        from rltk.training.setup import build_tokenizer_and_policy, build_workflow
+        from rltk.training.rollouts.collect import RolloutPlan
+        from rltk.training.scaffold.rows import build_rows
+        from rltk.training.scaffold.setup import build_tokenizer_and_policy, build_workflow
 
         self.cfg, self.stage_index, self.weights_path, self.name = cfg, stage_index, weights_path, name
         self.timeout_s, self.index, self.poll_s, self.seed_salt = timeout_s, index, poll_s, seed_salt
@@ -163,7 +163,7 @@ class Producer:
         self.next_end_check = 0.0  # when wait() next asks the queue whether the trainer ended the stage
 
     def run(self) -> int:
-        from rltk.training.engine_weights import weights_file_version
+        from rltk.training.rollouts.engine_weights import weights_file_version
 
         self.wait(f"the trainer's first weights in {self.weights_path}",
                   lambda: weights_file_version(self.weights_path) is not None)
@@ -209,7 +209,7 @@ class Producer:
     def produce_batch(self) -> None:
         """Wait for the gate, sample one batch, put it with its versions and counters."""
         from rltk.distributed import seed_everything
-        from rltk.training.collect import collect_experiences
+        from rltk.training.rollouts.collect import collect_experiences
 
         cfg, follower = self.cfg, self.follower
         tick = time.perf_counter()
@@ -285,7 +285,7 @@ class WeightsFollower:
 
     def follow(self, *, interrupt: bool = False) -> bool:
         """Load the published weights if they are newer than the engine's; True if it loaded."""
-        from rltk.training.engine_weights import read_weights_file, weights_file_version
+        from rltk.training.rollouts.engine_weights import read_weights_file, weights_file_version
 
         with self._lock:
             newest = weights_file_version(self.path)
@@ -360,7 +360,7 @@ class WeightsFollower:
 def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
-    parser = argparse.ArgumentParser(prog="python -m rltk.training.producer",
+    parser = argparse.ArgumentParser(prog="python -m rltk.training.rollouts.producer",
                                      description="A rollout producer of an asynchronous rltk run")
     parser.add_argument("--config", required=True, help="the stage's resolved config (YAML)")
     parser.add_argument("--stage", type=int, required=True, help="the stage's index (seeds its prompt order)")

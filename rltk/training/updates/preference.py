@@ -3,7 +3,7 @@ log-probs, and one optimizer step of a registered ``preference_loss``.
 
 A step's batch holds each pair as two adjacent rows, chosen then rejected
 (:func:`pair_batch`). The forward runs as the RL passes do
-(:class:`rltk.training.forward.ForwardSettings`, so every strategy, LoRA,
+(:class:`rltk.training.step.forward.ForwardSettings`, so every strategy, LoRA,
 packing and kernel choice applies), with two changes (:func:`pair_settings`):
 micro-batches are cut by an even row count, so a pair never straddles two
 forwards (the loss is not a sum over rows: it needs both halves of a pair),
@@ -22,11 +22,11 @@ from omegaconf import DictConfig
 
 from rltk.batch import Experience, collate
 from rltk.config.errors import ConfigError
-from rltk.training.collect import scores_differ
-from rltk.training.forward import ForwardSettings
-from rltk.training.micro_batches import MicroBatch
-from rltk.training.setup import args_of
-from rltk.training.update_loop import MicroLoss, optimizer_step
+from rltk.training.rollouts.collect import scores_differ
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.step.micro_batches import MicroBatch
+from rltk.training.scaffold.setup import args_of
+from rltk.training.updates.update_loop import MicroLoss, optimizer_step
 
 
 class PairExample(NamedTuple):
@@ -158,7 +158,7 @@ class PreferenceLoss:
 
 @torch.no_grad()
 def reference_sequence_logps(reference, batch: dict[str, torch.Tensor], settings: ForwardSettings) -> torch.Tensor:
-    """The frozen reference's log-prob of every row of ``batch`` (:class:`rltk.training.reference.FrozenReference`).
+    """The frozen reference's log-prob of every row of ``batch`` (:class:`rltk.training.step.reference.FrozenReference`).
 
     Shape: (B,)."""
     return sequence_logps(reference.logprobs(batch, settings), batch["response_mask"])
@@ -167,7 +167,7 @@ def reference_sequence_logps(reference, batch: dict[str, torch.Tensor], settings
 def preference_step(strategy, batch: dict[str, torch.Tensor], ref_logps: torch.Tensor, loss: PreferenceLoss,
                     settings: ForwardSettings, *, nll_coef: float = 0.0) -> dict[str, float]:
     """One optimizer step of ``loss`` on a :func:`pair_batch`, averaged over the pairs of every rank
-    (:func:`rltk.training.update_loop.optimizer_step`).
+    (:func:`rltk.training.updates.update_loop.optimizer_step`).
 
     ::
 

@@ -1,7 +1,7 @@
 """The teacher of on-policy distillation: loaded once, checked against the student's tokenizer, frozen.
 
 The teacher scores the tokens the student sampled, exactly as a KL reference does, so it *is* a
-:class:`rltk.training.reference.FrozenReference` holding another model instead of a copy of the policy.
+:class:`rltk.training.step.reference.FrozenReference` holding another model instead of a copy of the policy.
 Its log-probs are only meaningful on the student's token ids: a teacher whose tokenizer maps text to
 other ids (another vocabulary, other merges, other special tokens) would score tokens it never meant,
 so it is refused before anything trains.
@@ -14,7 +14,7 @@ from pathlib import Path
 from rltk.checkpoint import STATE_FILE
 from rltk.config.errors import ConfigError
 from rltk.strategies.base import MODEL_SUBDIR
-from rltk.training.reference import FrozenReference
+from rltk.training.step.reference import FrozenReference
 
 KEY = "distill.teacher_path"
 #: Digits, letters, spaces, newlines and punctuation: a text on which two tokenizers that differ in any
@@ -78,7 +78,7 @@ def tokenizer_mismatch(student, teacher) -> str | None:
 
 def load_teacher(path: str | None, student_tokenizer, strategy, *, dtype: str = "float32") -> FrozenReference:
     """The teacher of ``distill.teacher_path``, frozen on the strategy's device, as a reference whose
-    :meth:`~rltk.training.reference.FrozenReference.logprobs` are the ``teacher_logprobs`` of a batch.
+    :meth:`~rltk.training.step.reference.FrozenReference.logprobs` are the ``teacher_logprobs`` of a batch.
 
     Raises :class:`ConfigError` (``rltk run`` exits 2) when the key is unset, the folder is not a model,
     or its tokenizer is not the student's.

@@ -45,7 +45,7 @@ from rltk.batch import slice_batch
 from rltk.models.critic import response_values
 from rltk.models.logprobs import response_logprobs
 from rltk.models.packing import trim_padding
-from rltk.training.ranks import all_ranks_max
+from rltk.training.step.ranks import all_ranks_max
 
 __all__ = [
     "MicroBatch",

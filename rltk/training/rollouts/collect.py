@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from rltk.batch import Experience
 from rltk.config.errors import ConfigError
 from rltk.config.recipe_capabilities import required_batch_fields
-from rltk.training.ranks import any_rank
+from rltk.training.step.ranks import any_rank
 
 #: Scores closer than this count as equal: a group of them carries no group-relative signal.
 EQUAL_SCORES_ATOL = 1e-6
@@ -31,7 +31,7 @@ EQUAL_SCORES_ATOL = 1e-6
 @dataclass
 class Rollout:
     """One step's experiences for this rank, as a rollout source gives them
-    (:mod:`rltk.training.rollout_source`)."""
+    (:mod:`rltk.training.rollouts.rollout_source`)."""
 
     experiences: list[Experience]
     metrics: dict[str, float]  # rollout/*, staleness/* ... and time/rollout_s (the time it took or waited)
@@ -121,7 +121,7 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
     round, every rank), *before* dynamic sampling or the sample strategy
     choose what is trained on: ``rollout/reward`` (mean score),
     ``rollout/accuracy`` (fraction with score >= 1), ``rollout/samples`` and
-    ``rollout/groups``. :func:`rltk.training.batch_metrics.rollout_metrics` gives the
+    ``rollout/groups``. :func:`rltk.training.step.batch_metrics.rollout_metrics` gives the
     same numbers of the batch trained on (``reward``, ``accuracy``,
     ``batch/samples``, ``batch/groups``).
     """

@@ -1,6 +1,6 @@
 """Critic mechanics of PPO: value predictions, the critic update, and a checkpoint of both models.
 
-The policy side of PPO is :func:`rltk.training.rl.policy_update`; this module
+The policy side of PPO is :func:`rltk.training.updates.rl.policy_update`; this module
 adds what a learned value function needs:
 
 * :func:`batched_values` — the critic's ``V(s_t)`` for every response token of a
@@ -8,7 +8,7 @@ adds what a learned value function needs:
 * :func:`critic_update` — epochs over mini-batches of PPO's clipped value loss
   (:func:`rltk.algorithms.value.clipped_value_loss`), normalised by global
   counts exactly like the policy update (both run
-  :func:`rltk.training.update_loop.optimizer_epochs`);
+  :func:`rltk.training.updates.update_loop.optimizer_epochs`);
 * :func:`explained_variance` — how much of the returns' variance the critic
   explains, over the whole (all-rank) batch;
 * :class:`PolicyAndCritic` — two training strategies saved into, and restored
@@ -33,9 +33,9 @@ from rltk.algorithms.value import clipped_value_loss
 # The critic section is checked by config validation (a lower layer); re-exported for recipes.
 from rltk.config.validation import check_critic_config
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model
-from rltk.training.forward import ForwardSettings
-from rltk.training.micro_batches import MicroBatch
-from rltk.training.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.step.micro_batches import MicroBatch
+from rltk.training.updates.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares
 
 __all__ = [
     "CRITIC_SUBDIR",
@@ -63,8 +63,8 @@ def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], sett
     value loss compares against, and GAE's baseline) and restores the mode.
     Values on response padding are 0 (see :func:`rltk.models.critic.response_values`).
     Pass the ``strategy`` that shards ``critic`` to keep ranks' forwards in
-    lockstep (see :func:`rltk.training.forward.batched_logprobs`). ``settings``: how rows are cut into
-    micro-batches (rows or a token budget, packed or not; :mod:`rltk.training.micro_batches`).
+    lockstep (see :func:`rltk.training.step.forward.batched_logprobs`). ``settings``: how rows are cut into
+    micro-batches (rows or a token budget, packed or not; :mod:`rltk.training.step.micro_batches`).
 
     Shape: batch tensors (B, P + T) -> (B, T) fp32 on the batch's device.
     """
@@ -142,8 +142,8 @@ def critic_update(
     ``global_tokens`` / ``global_seqs`` are the mini-batch's counts summed over
     micro-batches and ranks, so the summed gradient equals that of one large
     batch whatever the micro-batch size and process count (the loop of
-    :func:`rltk.training.update_loop.optimizer_epochs`, as in
-    :func:`rltk.training.rl.policy_update`). ``clip_range=None`` is the plain
+    :func:`rltk.training.updates.update_loop.optimizer_epochs`, as in
+    :func:`rltk.training.updates.rl.policy_update`). ``clip_range=None`` is the plain
     squared error.
 
     Args:
@@ -156,7 +156,7 @@ def critic_update(
         mini_batches: optimizer steps per epoch; must divide ``B``.
         ppo_epochs: passes over the batch.
         settings: how rows are cut into micro-batches (rows, or a token budget,
-            packed or not: :mod:`rltk.training.micro_batches`). Same loss and gradient.
+            packed or not: :mod:`rltk.training.step.micro_batches`). Same loss and gradient.
         generator: shuffles the sequences into mini-batches each epoch.
 
     Returns:
@@ -292,7 +292,7 @@ def build_critic_strategy(cfg: DictConfig, critic: ValueModel, *, total_steps: i
     (in RL steps, scaled to optimizer steps); weight decay, betas, clipping and
     the schedule's shape from ``trainer``.
     """
-    from rltk.training.setup import args_of
+    from rltk.training.scaffold.setup import args_of
 
     args = {k: v for k, v in args_of(cfg, "strategy").items() if k != "seed"}
     strategy = rltk.get_component("training_strategy", cfg.strategy)(**args)

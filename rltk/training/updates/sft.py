@@ -8,8 +8,8 @@ import torch
 
 from rltk.batch import Experience, collate
 from rltk.models.logprobs import response_logprobs
-from rltk.training.micro_batches import MicroBatch, micro_batches, run_logprobs
-from rltk.training.update_loop import MicroLoss, optimizer_step
+from rltk.training.step.micro_batches import MicroBatch, micro_batches, run_logprobs
+from rltk.training.updates.update_loop import MicroLoss, optimizer_step
 
 
 def sft_batch(examples: list[tuple[list[int], ...]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
 
     normalised by the global token count so micro-batching and data parallelism
     give the gradient of one large batch
-    (:func:`rltk.training.update_loop.optimizer_step`). Returns ``sft_loss`` (that L),
+    (:func:`rltk.training.updates.update_loop.optimizer_step`). Returns ``sft_loss`` (that L),
     ``entropy`` (the mean entropy of the next-token distributions over the same
     tokens, before the update) and the strategy's step info (``grad_norm``,
     ``lr``, ``skipped``).

@@ -8,16 +8,16 @@ recipes never copy it.
 Weights across stages. ``run.policy`` is the policy between stages: a plain
 module. A stage builds its strategy on it with :func:`build_stage_strategy`,
 which also points the rollout engine at the weights the stage trains
-(:mod:`rltk.training.engine_weights`), and its runner returns that strategy.
+(:mod:`rltk.training.rollouts.engine_weights`), and its runner returns that strategy.
 When the stage ends, :func:`run_stages` takes the trained model back from it
 (``strategy.release_model()``, a new plain module under ZeRO-3, which
 partitioned the old one in place) so the next stage can build its own
 strategy, and the engine follows it.
 
 The stages' other pieces have modules of their own: held-out evaluation
-(:mod:`rltk.training.evaluation`), what a checkpoint holds
-(:mod:`rltk.training.stage_checkpoint`), the supervised warm-up stage
-(:mod:`rltk.training.sft_stage`).
+(:mod:`rltk.training.scaffold.evaluation`), what a checkpoint holds
+(:mod:`rltk.training.stages.stage_checkpoint`), the supervised warm-up stage
+(:mod:`rltk.training.stages.sft_stage`).
 """
 
 from __future__ import annotations
@@ -36,19 +36,19 @@ from rltk.config.errors import ConfigError
 from rltk.distributed import end_process_group, limit_torch_threads, process_rank, seed_everything
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
-from rltk.training.engine_weights import connect_rollout_engine, engine_follows
-from rltk.training.evaluation import evaluate
-from rltk.training.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
-from rltk.training.resume import (
+from rltk.training.rollouts.engine_weights import connect_rollout_engine, engine_follows
+from rltk.training.scaffold.evaluation import evaluate
+from rltk.training.scaffold.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
+from rltk.training.scaffold.resume import (
     is_stage_end, load_model_weights, load_rng_state, resume_or_start_over, run_is_finished, start_point,
 )
-from rltk.training.rows import build_rows
-from rltk.training.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
-from rltk.training.setup import (
+from rltk.training.scaffold.rows import build_rows
+from rltk.training.scaffold.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
+from rltk.training.scaffold.setup import (
     build_strategy, build_tokenizer_and_policy, build_workflow, stage_config, trainer_workflow_config,
 )
-from rltk.training.stage_checkpoint import LOG_ROWS_KEY, StageCheckpoint, restore_rollout_state
-from rltk.training.traces import TraceWriter
+from rltk.training.stages.stage_checkpoint import LOG_ROWS_KEY, StageCheckpoint, restore_rollout_state
+from rltk.training.scaffold.traces import TraceWriter
 from rltk.workflows.base import Workflow
 
 

@@ -8,7 +8,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rltk.training.setup import args_of
+from rltk.training.scaffold.setup import args_of
 
 
 @dataclass

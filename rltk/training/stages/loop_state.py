@@ -12,7 +12,7 @@ remember between steps lives here, in :class:`LoopState`:
 * in an asynchronous stage, the experience queue's cursor: what the steps took from it.
 
 :func:`start_rl_stage` builds it for an RL stage, fresh or restored from the
-stage's checkpoint (:class:`rltk.training.stage_checkpoint.StageCheckpoint` saves and restores it). What
+stage's checkpoint (:class:`rltk.training.stages.stage_checkpoint.StageCheckpoint` saves and restores it). What
 the components of a step are (estimator, losses, sample strategy, rollout plan,
 forward settings) is :class:`RLParts`, chosen once from the config.
 """
@@ -27,14 +27,14 @@ import torch
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.data.sampler import RowSampler
-from rltk.training.collect import Rollout, RolloutPlan, expert_experiences
-from rltk.training.estimator import Estimator
-from rltk.training.forward import ForwardSettings
-from rltk.training.loss_components import LossComponents
-from rltk.training.ranks import any_rank
-from rltk.training.reference import FrozenReference
-from rltk.training.rl import old_logprobs_from_update
-from rltk.training.setup import args_of
+from rltk.training.rollouts.collect import Rollout, RolloutPlan, expert_experiences
+from rltk.training.step.estimator import Estimator
+from rltk.training.step.forward import ForwardSettings
+from rltk.training.step.loss_components import LossComponents
+from rltk.training.step.ranks import any_rank
+from rltk.training.step.reference import FrozenReference
+from rltk.training.updates.rl import old_logprobs_from_update
+from rltk.training.scaffold.setup import args_of
 
 #: The name of the mini-batch generator in a checkpoint's RNG files (see :meth:`LoopState.generators`).
 MINIBATCH_GENERATOR = "minibatch_order"
@@ -115,9 +115,9 @@ class RLParts:
         loss: policy loss, aggregation, KL estimator, entropy bonus.
         sample_strategy: what the buffer hands the trainer each step.
         plan: a greedy response per prompt if the estimator needs ``baseline_scores``; DAPO's dynamic sampling.
-        forward: how every log-prob pass runs (:class:`rltk.training.forward.ForwardSettings`).
+        forward: how every log-prob pass runs (:class:`rltk.training.step.forward.ForwardSettings`).
         on_policy: the update takes ``old_logprobs`` from its own forward (see
-            :func:`rltk.training.rl.old_logprobs_from_update`); the recipe decides whether it may.
+            :func:`rltk.training.updates.rl.old_logprobs_from_update`); the recipe decides whether it may.
     """
 
     estimator: Estimator

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from rltk.models.lora import adapters_disabled, is_lora_model
-from rltk.training.resume import load_weights, save_weights_atomically
-from rltk.training.forward import ForwardSettings, batched_logprobs
+from rltk.training.scaffold.resume import load_weights, save_weights_atomically
+from rltk.training.step.forward import ForwardSettings, batched_logprobs
 
 
 class FrozenReference:

@@ -167,7 +167,7 @@ def _write_merged(checkpoint: Path, adapter_dir: Path, out_dir: Path) -> list:
     from rltk.config.schema import RunConfig
     from rltk.models.lora import merged_copy
     from rltk.models.folders import load_full_state_into, load_model_folder, save_model_folder
-    from rltk.training.setup import build_tokenizer_and_policy
+    from rltk.training.scaffold.setup import build_tokenizer_and_policy
 
     config_file = checkpoint.parent.parent / "config.yaml"
     if not config_file.is_file():

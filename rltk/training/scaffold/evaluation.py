@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from rltk.distributed import every_rank, process_group
-from rltk.training.setup import sampling_params
+from rltk.training.scaffold.setup import sampling_params
 
 
 def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:

@@ -3,7 +3,7 @@ processes (``trainer.producers``, one by default), the experience queue between 
 the weights file they follow.
 
 :class:`AsyncRollouts` is the rollout source of such a stage (an RL loop reaches it through
-:func:`rltk.training.rollout_source.open_rollout_source`, as it reaches the synchronous one)::
+:func:`rltk.training.rollouts.rollout_source.open_rollout_source`, as it reaches the synchronous one)::
 
     rollouts = AsyncRollouts.start(stage, strategy, resumed_step=loop.step)
     for step in ...:
@@ -15,7 +15,7 @@ the weights file they follow.
 
 Versions count RL steps: the weights before step ``s`` are version ``s - 1``;
 the stage's starting weights are version 0 (after a resume, the resumed
-step). The producer (:mod:`rltk.training.producer`) never runs more than
+step). The producer (:mod:`rltk.training.rollouts.producer`) never runs more than
 ``trainer.max_staleness`` versions ahead, and the queue drops (or waits past)
 anything staler, so every trained token lags the trainer by at most that.
 
@@ -53,7 +53,7 @@ a share, so all of them stop with the same message.
 
 Producers the trainer did not start (``trainer.producers: 0``, or more beside
 the local ones): ``rltk produce RUN_DIR`` on any machine that shares the run
-folder (:mod:`rltk.produce_command`). The trainer writes
+folder (:mod:`rltk.commands.produce`). The trainer writes
 ``async/stage_<i>/producer.json`` (where the config, queue and weights are) for
 them, and when the stage ends records it in the queue, so they exit.
 """
@@ -76,9 +76,9 @@ from rltk.buffer.buffer import trainer_version
 from rltk.buffer.queue import ExperienceQueue, Lease, QueueFileError, QueueTimeout
 from rltk.distributed import share_cores
 from rltk.errors import ConfigError, ProcessWaitError
-from rltk.training.engine_weights import write_weights_file, write_weights_state
-from rltk.training.collect import produced_metrics
-from rltk.training.producer import EXIT_TIMEOUT, batch_size
+from rltk.training.rollouts.engine_weights import write_weights_file, write_weights_state
+from rltk.training.rollouts.collect import produced_metrics
+from rltk.training.rollouts.producer import EXIT_TIMEOUT, batch_size
 
 #: How often a waiting take looks at the producer process.
 CHECK_S = 2.0
@@ -139,7 +139,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class ProducerProcess:
-    """One local rollout worker process (:mod:`rltk.training.producer`), its log, and its restarts."""
+    """One local rollout worker process (:mod:`rltk.training.rollouts.producer`), its log, and its restarts."""
 
     def __init__(self, name: str, args: list[str], log: Path, threads: int | None = None):
         self.name, self.args, self.log = name, args, log
@@ -153,7 +153,7 @@ class ProducerProcess:
         with open(self.log, "a", encoding="utf-8") as out:
             out.write(f"--- start {self.starts} ---\n")
             out.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "rltk.training.producer", *self.args,
+            self.proc = subprocess.Popen([sys.executable, "-m", "rltk.training.rollouts.producer", *self.args,
                                           "--name", self.name], stdout=out, stderr=subprocess.STDOUT,
                                          env=self.env)
 

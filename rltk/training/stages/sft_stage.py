@@ -1,4 +1,4 @@
-"""The supervised stage: cross-entropy on solved examples (the step is :mod:`rltk.training.sft`).
+"""The supervised stage: cross-entropy on solved examples (the step is :mod:`rltk.training.updates.sft`).
 
 Both the warm-up before RL (``type: sft`` in a GRPO/PPO run's ``stages``) and
 ``rltk run sft`` (recipes/sft.py, a run of this one stage) run it.
@@ -10,14 +10,14 @@ from rltk.config.env_checks import check_demonstrations
 from rltk.config.schema import RL_STAGE_TYPES
 from rltk.data.sampler import RowSampler
 from rltk.distributed import process_rank
-from rltk.training.engine_weights import connect_rollout_engine
-from rltk.training.evaluation import evaluate, probe
-from rltk.training.loop_state import LoopState
-from rltk.training.run import Stage, require_rows_per_rank
-from rltk.training.rows import sft_pairs, tool_schemas
-from rltk.training.setup import build_strategy
-from rltk.training.sft import sft_batch, sft_step
-from rltk.training.stage_checkpoint import should_checkpoint
+from rltk.training.rollouts.engine_weights import connect_rollout_engine
+from rltk.training.scaffold.evaluation import evaluate, probe
+from rltk.training.stages.loop_state import LoopState
+from rltk.training.stages.run import Stage, require_rows_per_rank
+from rltk.training.scaffold.rows import sft_pairs, tool_schemas
+from rltk.training.scaffold.setup import build_strategy
+from rltk.training.updates.sft import sft_batch, sft_step
+from rltk.training.stages.stage_checkpoint import should_checkpoint
 
 
 def run_sft_stage(stage: Stage):

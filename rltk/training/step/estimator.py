@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from rltk.batch import ROW_SUMS, refresh_row_sums
-from rltk.training.setup import args_of
+from rltk.training.scaffold.setup import args_of
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ A recipe's loop reads the same whatever ``trainer.mode`` is::
         rollouts.close()
 
 :class:`SyncRollouts` samples with the trainer's own engine on every rank
-(``trainer.mode=sync``); :class:`rltk.training.async_rollout.AsyncRollouts`
+(``trainer.mode=sync``); :class:`rltk.training.rollouts.async_rollout.AsyncRollouts`
 takes batches a producer process sampled with older weights (``one_step_off``,
 ``async``). Another source (one fed over the network, say) implements
 :class:`RolloutSource` and plugs in the same way.
@@ -24,8 +24,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from rltk.training.async_rollout import AsyncRollouts
-from rltk.training.collect import Rollout, collect_experiences, produced_metrics
+from rltk.training.rollouts.async_rollout import AsyncRollouts
+from rltk.training.rollouts.collect import Rollout, collect_experiences, produced_metrics
 
 
 class RolloutSource(Protocol):
