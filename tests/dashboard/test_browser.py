@@ -385,3 +385,35 @@ def test_the_run_viewer_lists_live_says_when_a_run_is_missing_and_follows_links(
     assert _box(driver, "#steps th").value_of_css_property("position") == "sticky"
     screenshot(driver, tmp_path, "dashboard-runs")
     assert console_errors(driver) == []  # no uncaught error, no favicon 404
+
+
+def test_metrics_are_filtered_smoothed_and_drawn_on_a_log_scale(browser, dashboard):
+    from selenium.webdriver.common.by import By
+
+    from tests.dashboard.conftest import write_run
+
+    client, runs_root, _ = dashboard
+    write_run(runs_root / "demo")
+    driver = browser
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/demo")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#curves [data-panel="held-out accuracy"] svg'),
+             "the curves")
+    driver.find_element(By.ID, "metric-filter").send_keys("sampled")  # one match: it is plotted
+    line = wait_for(driver, lambda d: d.find_elements(
+        By.CSS_SELECTOR, '#extra-curve [data-panel="eval/sampled_accuracy"] polyline'), "the filtered metric")[0]
+    assert line.get_attribute("data-values") == "0.125 0.375"
+    options = [o.get_attribute("value") for o in driver.find_elements(By.CSS_SELECTOR, "#extra-metric option")]
+    assert options == ["", "eval/sampled_accuracy"]
+
+    def drawn(panel="eval/sampled_accuracy"):
+        return driver.find_element(By.CSS_SELECTOR, f'[data-panel="{panel}"] polyline').get_attribute("data-values")
+
+    # smoothing 0.5: a debiased moving average, 0.125 then (0.5 * 0.0625 + 0.5 * 0.375) / (1 - 0.25) = 0.2917
+    driver.execute_script("const s = document.getElementById('smoothing'); s.value = '0.5';"
+                          "s.dispatchEvent(new Event('input'))")
+    wait_for(driver, lambda d: drawn() == "0.125 0.2917", "the smoothed curve")
+    driver.execute_script("const s = document.getElementById('smoothing'); s.value = '0';"
+                          "s.dispatchEvent(new Event('input'))")
+    driver.find_element(By.ID, "log-scale").click()  # log10 of 0.125 and 0.375
+    wait_for(driver, lambda d: drawn() == "-0.9031 -0.426", "the log-scale curve")
+    assert console_errors(driver) == []

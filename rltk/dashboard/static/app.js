@@ -347,6 +347,11 @@ function argsNode(prefix, component) {
     }));
 }
 
+$("#smoothing").addEventListener("input", drawCharts);
+$("#log-scale").addEventListener("change", drawCharts);
+$("#metric-filter").addEventListener("input", fillMetrics);
+$("#extra-metric").addEventListener("change", drawExtra);
+
 async function startBuilder() {
   state.form = await getJSON("/api/form");
   const recipe = $("#recipe");
@@ -426,14 +431,38 @@ async function refreshRun() {
   $("#run-title").textContent = o.name;
   const final = o.summary && o.summary.final ? Object.entries(o.summary.final).map(([k, v]) => `${k}=${Number(v).toFixed(3)}`).join("  ") : "";
   $("#run-summary").textContent = (o.finished ? "finished. " + final : `running or stopped: ${o.rows.length} metric rows so far`);
-  $("#curves").replaceChildren(...o.panels.map((p) => chart(p.title, p.ylabel, p.curves)));
-  const extra = $("#extra-metric");
-  const chosen = extra.value;
-  extra.replaceChildren(el("option", {value: "", text: "-"}), ...o.keys.map((k) => el("option", {value: k, text: k, selected: k === chosen || undefined})));
-  extra.onchange = () => drawExtra();
-  drawExtra();
+  drawCharts();
+  fillMetrics();
   renderSteps();
   return true;
+}
+
+function drawCharts() {
+  const o = viewer.overview;
+  if (!o) return;
+  $("#curves").replaceChildren(...o.panels.map((p) => chart(p.title, p.ylabel, p.curves)));
+  drawExtra();
+}
+
+// The metrics to plot, narrowed by the filter box (a part of the name: "eval/", "kl").
+function fillMetrics() {
+  const o = viewer.overview;
+  if (!o) return;
+  const extra = $("#extra-metric");
+  const chosen = extra.value;
+  const filter = $("#metric-filter").value.trim().toLowerCase();
+  const keys = o.keys.filter((k) => !filter || k.toLowerCase().includes(filter));
+  extra.replaceChildren(el("option", {value: "", text: `- (${keys.length} of ${o.keys.length})`}),
+    ...keys.map((k) => el("option", {value: k, text: k, selected: k === chosen || undefined})));
+  if (keys.length === 1 && filter) extra.value = keys[0];  // one match: plot it
+  drawExtra();
+}
+
+// Exponential moving average, as TensorBoard's smoothing slider (0: the raw values), debiased at the start.
+function smooth(values, weight) {
+  if (!weight) return values;
+  let last = 0, n = 0;
+  return values.map((v) => { n += 1; last = last * weight + (1 - weight) * v; return last / (1 - weight ** n); });
 }
 
 function drawExtra() {
@@ -445,8 +474,15 @@ function drawExtra() {
 }
 
 // An SVG line chart; hovering shows the nearest point, clicking a step with traces opens them.
-function chart(title, ylabel, curves) {
+function chart(title, ylabel, rawCurves) {
   const W = 720, H = 200, L = 50, R = 10, T = 10, B = 28;
+  const weight = Number($("#smoothing").value), logScale = $("#log-scale").checked;
+  // log scale: only positive values can be drawn; smoothing applies to what is drawn
+  const curves = rawCurves.map((c) => {
+    const keep = c.values.map((v) => !logScale || v > 0);
+    const steps = c.steps.filter((_, j) => keep[j]), values = c.values.filter((_, j) => keep[j]);
+    return {...c, steps, values: smooth(logScale ? values.map(Math.log10) : values, weight), raw: values};
+  });
   const xs = curves.flatMap((c) => c.steps), ys = curves.flatMap((c) => c.values);
   const panel = el("div", {class: "panel", "data-panel": title}, el("h4", {text: title}));
   if (!xs.length) return panel;
@@ -467,7 +503,7 @@ function chart(title, ylabel, curves) {
   add("line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"});
   for (let i = 0; i <= 4; i++) {
     const y = y0 + (y1 - y0) * i / 4;
-    add("text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, Number(y.toPrecision(3)));
+    add("text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, logScale ? Number((10 ** y).toPrecision(2)) : Number(y.toPrecision(3)));
   }
   const every = Math.max(1, Math.ceil((x1 - x0) / 6));  // steps are whole numbers: whole, distinct ticks
   for (let x = Math.ceil(x0 / every) * every; x <= x1; x += every) {
@@ -476,7 +512,8 @@ function chart(title, ylabel, curves) {
   add("text", {x: W - R, y: H - 2, "text-anchor": "end"}, "step");
   curves.forEach((c, i) => {
     const points = c.steps.map((s, j) => `${sx(s).toFixed(1)},${sy(c.values[j]).toFixed(1)}`).join(" ");
-    add("polyline", {points, class: "curve" + (c.faint ? " faint" : ""), stroke: COLORS[i % COLORS.length]});
+    add("polyline", {points, class: "curve" + (c.faint ? " faint" : ""), stroke: COLORS[i % COLORS.length],
+                     "data-label": c.label, "data-values": c.values.map((v) => Number(v.toPrecision(4))).join(" ")});
     add("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", fill: COLORS[i % COLORS.length]}, c.label);
   });
   const marker = add("circle", {r: 4, fill: "none", stroke: "#000", visibility: "hidden"});
@@ -487,7 +524,7 @@ function chart(title, ylabel, curves) {
     let best = null;
     for (const c of curves) c.steps.forEach((s, j) => {
       const d = Math.abs(s - x);
-      if (!best || d < best.d) best = {d, step: s, value: c.values[j], label: c.label};
+      if (!best || d < best.d) best = {d, step: s, value: c.values[j], raw: c.raw[j], label: c.label};
     });
     return best;
   };
@@ -495,7 +532,7 @@ function chart(title, ylabel, curves) {
     const p = nearest(evt);
     if (!p) return;
     marker.setAttribute("cx", sx(p.step)); marker.setAttribute("cy", sy(p.value)); marker.setAttribute("visibility", "visible");
-    tooltip.textContent = `step ${p.step}: ${p.label} ${Number(p.value).toPrecision(4)}`;
+    tooltip.textContent = `step ${p.step}: ${p.label} ${Number(p.raw).toPrecision(4)}`;
     tooltip.style.left = evt.clientX + 12 + "px"; tooltip.style.top = evt.clientY + 12 + "px";
     tooltip.classList.remove("hidden");
   });
