@@ -8,6 +8,8 @@ synthetic task (``data.task``) with its ``data.task_args``.
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -33,6 +35,113 @@ def signature_params(obj: Any) -> tuple[dict[str, inspect.Parameter], bool]:
     }
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
     return params, takes_kwargs
+
+
+#: What each plain type is called in an error: what the person would type.
+_TYPE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+               list: "a list", dict: "a mapping", type(None): "null"}
+_TYPE_NAMES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None), "list": list,
+               "tuple": list, "dict": dict, "Sequence": list, "Mapping": dict}
+
+
+def _annotation_types(hint: Any) -> tuple[set[type], tuple] | None:
+    """The plain types an annotation allows (``float | None`` -> {float, NoneType}) and a ``Literal``'s values;
+    None when it is something a config value cannot be checked against (a tensor, a callable, ``Any``)."""
+    if isinstance(hint, str):  # unresolved (a name only the module knows): read the simple spellings
+        text = hint.replace(" ", "")
+        optional = text.startswith("Optional[") and text.endswith("]")
+        members = (text[9:-1] if optional else text).split("|") + (["None"] if optional else [])
+        found = {_TYPE_NAMES.get(m.split("[")[0]) for m in members}
+        return None if None in found else (found, ())
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return {type(v) for v in typing.get_args(hint)}, typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        out: set[type] = set()
+        choices: tuple = ()
+        for member in typing.get_args(hint):
+            part = _annotation_types(member)
+            if part is None:
+                return None
+            out |= part[0]
+            choices += part[1]
+        return out, choices
+    if hint is None or hint is type(None):
+        return {type(None)}, ()
+    plain = origin or hint
+    if plain in (list, tuple) or getattr(plain, "__name__", "") in ("Sequence", "Iterable"):
+        return {list}, ()
+    if plain is dict or getattr(plain, "__name__", "") in ("Mapping", "MutableMapping"):
+        return {dict}, ()
+    if plain in (bool, int, float, str):
+        return {plain}, ()
+    return None
+
+
+def expected_types(obj: Any, param: inspect.Parameter) -> tuple[set[type], tuple] | None:
+    """What a component's parameter accepts, from its annotation, else from its default's type; None when
+    neither says (no annotation and a default of None, or a type a config cannot hold)."""
+    hint = param.annotation
+    if hint is not inspect.Parameter.empty:
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        try:
+            hint = typing.get_type_hints(target).get(param.name, hint)
+        except Exception:  # a name the module imports only for type checkers: read the text instead
+            pass
+        allowed = _annotation_types(hint)
+        if allowed is not None and param.default is None:
+            allowed[0].add(type(None))
+        return allowed
+    default = param.default
+    if default is inspect.Parameter.empty or default is None:
+        return None
+    if isinstance(default, bool):
+        return {bool, type(None)}, ()
+    if isinstance(default, (int, float)):  # an int default (gamma=1) still takes 0.99
+        return {int, float}, ()
+    if isinstance(default, str):
+        return {str}, ()
+    return None
+
+
+def _fits(value: Any, allowed: set[type]) -> bool:
+    if isinstance(value, bool):
+        return bool in allowed
+    if isinstance(value, int):
+        return bool(allowed & {int, float})
+    if isinstance(value, float):
+        return float in allowed
+    if isinstance(value, (list, tuple)):
+        return list in allowed
+    if isinstance(value, dict):
+        return dict in allowed
+    return type(value) in allowed
+
+
+def _shown(value: Any) -> str:
+    """A value as the config spells it: null, true, 0.5, 'abc'."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def check_arg_type(kind: str, name: str, obj: Any, param: inspect.Parameter, value: Any, key: str) -> None:
+    """Raise ConfigError when a configured argument's value is not of the type its annotation (or default)
+    says: ``eps: float`` refuses ``'abc'`` here, not at the first step after the whole warm-up."""
+    expected = expected_types(obj, param)
+    if expected is None:
+        return
+    allowed, choices = expected
+    if choices and value not in choices and not (value is None and type(None) in allowed):
+        valid = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"'{key}': bad value {_shown(value)} for argument '{param.name}' of {kind} '{name}'. "
+                          f"Valid: {valid}{did_you_mean(str(value), [str(c) for c in choices])}")
+    if choices or _fits(value, allowed):
+        return
+    if float in allowed:
+        allowed = allowed - {int}
+    words = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in sorted(allowed, key=lambda t: t is type(None)))
+    default = "" if param.default is inspect.Parameter.empty else f"; default {_shown(param.default)}"
+    raise ConfigError(f"'{key}': bad value {_shown(value)} for argument '{param.name}' of {kind} '{name}': "
+                      f"must be {words}{default}")
 
 
 def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) -> None:
@@ -64,6 +173,13 @@ def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) ->
             f"'{key}': {kind} '{name}' needs argument(s) {', '.join(missing)}; "
             f"set them as {key}.{missing[0]}=..."
         )
+    try:
+        plain_args = OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)
+    except Exception:  # an interpolation that does not resolve here is reported where it is resolved
+        plain_args = {}
+    for arg, value in plain_args.items():
+        if arg in params:
+            check_arg_type(kind, name, obj, params[arg], value, f"{key}.{arg}")
     # A function may check how its arguments go together (one of two, a template's fields): its own
     # ``check_args(args)`` raises ValueError saying what is wrong and what is valid.
     check = getattr(obj, "check_args", None) if inspect.isfunction(obj) else None

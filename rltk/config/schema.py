@@ -53,6 +53,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    """The policy: a local Hugging Face model folder or the embedded tiny model; its dtype, kernel and LoRA."""
+
     path: Optional[str] = None  # a local HF causal-LM folder; null builds the tiny model
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -64,6 +66,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """The prompts: a synthetic task (``task``) or a dataset file (``path``), and how each row becomes a prompt."""
+
     task: Optional[str] = "arithmetic"  # synthetic task used when `path` is null
     task_args: Dict[str, Any] = field(default_factory=dict)
     train_size: int = 2000
@@ -106,6 +110,8 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The RL algorithm: a preset (``name``) and the advantage, policy loss, loss and KL components it sets."""
+
     name: str = "grpo"  # an algorithm preset; it fills the defaults of this section
     advantage_fn: str = "grpo"
     advantage_fn_args: Dict[str, Any] = field(default_factory=dict)
@@ -132,6 +138,8 @@ class AlgorithmConfig:
 
 @dataclass
 class RolloutConfig:
+    """Generation: the engine that samples responses, the workflow that runs an episode, and the sampling settings."""
+
     engine: str = "hf"
     engine_args: Dict[str, Any] = field(default_factory=dict)
     workflow: str = "single_turn"
@@ -169,6 +177,8 @@ class EnvConfig:
 
 @dataclass
 class RewardConfig:
+    """Scoring: the reward functions, their weights, and what a failing or slow one gives."""
+
     reward_fn: List[str] = field(default_factory=lambda: ["exact_match"])
     reward_fn_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
     weights: Dict[str, float] = field(default_factory=dict)  # {name: weight}, default 1.0
@@ -196,6 +206,8 @@ class ExpertDataConfig:
 
 @dataclass
 class BufferConfig:
+    """What each step trains on: the sampling strategy, expert data, and the queue of asynchronous training."""
+
     sample_strategy: str = "on_policy"
     sample_strategy_args: Dict[str, Any] = field(default_factory=dict)
     expert: ExpertDataConfig = field(default_factory=ExpertDataConfig)
@@ -216,6 +228,8 @@ class BufferConfig:
 
 @dataclass
 class TrainerConfig:
+    """The RL stage's optimisation: steps, batch sizes, learning rate and schedule, evaluation."""
+
     total_steps: int = 200  # optimizer steps of the RL stage
     prompts_per_step: int = 8  # rollout batch: prompts per step (x rollout.n responses)
     mini_batches: int = 1  # optimizer steps per rollout batch and epoch
@@ -367,6 +381,8 @@ class CriticConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoints: how often, how many are kept, and what a run resumes or starts from."""
+
     every: int = 100  # steps between checkpoints, plus each stage's last step; 0 writes none, not even the last
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a checkpoint folder
@@ -405,6 +421,8 @@ class GuardConfig:
 
 @dataclass
 class LoggingConfig:
+    """Logging: the loggers, the curves PNG, and the rollout traces the dashboard reads."""
+
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
     logger_args: Dict[str, Any] = field(default_factory=dict)  # {name: {arg: value}}
     plot: bool = True  # a PNG of reward and held-out accuracy in the run folder at the end
@@ -419,6 +437,8 @@ class LoggingConfig:
 
 @dataclass
 class StageConfig:
+    """One stage of a run: its name, its type, and the keys it overrides."""
+
     name: str = "rl"
     # sft | dpo | grpo | ppo | distill (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
     # recipe run: grpo's or ppo's)
@@ -450,6 +470,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # the stages the run trains, in order: [{name, type, overrides}]; each recipe's config sets its own
     stages: List[StageConfig] = field(default_factory=lambda: [StageConfig()])
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import io
 import math
+import re
 import tokenize
 import typing
 from functools import lru_cache
@@ -57,8 +58,27 @@ def _field_comments() -> dict[tuple[str, str], str]:
     return out
 
 
+def plain_text(doc: str) -> str:
+    """A docstring as a reader sees it: RST markup dropped (````hf```` -> hf, ``:func:`x``` -> x)."""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    return re.sub(r"``([^`]+)``|`([^`]+)`", lambda m: m.group(1) or m.group(2), doc)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(`*])")
+
+
+def summary_of(doc: str) -> str:
+    """A docstring's first paragraph as one line of plain text, and only its first sentence when the paragraph
+    runs on (never cut in the middle of a sentence)."""
+    paragraph = " ".join(plain_text(doc or "").strip().split("\n\n")[0].split())
+    first = _SENTENCE_END.split(paragraph, maxsplit=1)[0]
+    return paragraph if len(paragraph) <= 160 else first
+
+
 def jsonable(value: Any) -> Any:
     """A default or argument value as JSON (non-finite floats and objects as text)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return jsonable(dataclasses.asdict(value))
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -75,7 +95,7 @@ def _default(field: dataclasses.Field) -> Any:
         return field.default
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         made = field.default_factory()  # type: ignore[misc]
-        return None if dataclasses.is_dataclass(made) else made
+        return None if dataclasses.is_dataclass(made) else made  # a list of dataclasses (stages) stays
     return None
 
 
@@ -85,7 +105,18 @@ def _kind_of_type(annotation: str) -> str:
     return {"bool": "bool", "int": "int", "float": "float", "str": "str"}.get(bare, "yaml")
 
 
-def _section(cls: type, prefix: str) -> dict:
+def _section_doc(cls: type, parent: type | None, name: str) -> str:
+    """What a section is for: its class's own docstring (first paragraph), else the comment beside the field
+    that holds it in the parent class; never the signature dataclasses write into a class without a docstring."""
+    doc = cls.__doc__ or ""
+    if doc.startswith(cls.__name__ + "("):  # the repr dataclasses put there
+        doc = ""
+    if not doc and parent is not None:
+        doc = _field_comments().get((parent.__name__, name), "")
+    return " ".join(plain_text(inspect.cleandoc(doc)).split("\n\n")[0].split())
+
+
+def _section(cls: type, prefix: str, parent: type | None = None) -> dict:
     hints = typing.get_type_hints(cls, vars(schema_module))
     comments = _field_comments()
     fields, subsections = [], []
@@ -93,7 +124,7 @@ def _section(cls: type, prefix: str) -> dict:
         key = f"{prefix}{f.name}"
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            subsections.append(_section(hint, key + "."))
+            subsections.append(_section(hint, key + ".", cls))
             continue
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         entry = {"key": key, "type": annotation, "widget": _kind_of_type(annotation),
@@ -101,14 +132,15 @@ def _section(cls: type, prefix: str) -> dict:
                  "default": jsonable(_default(f)), "doc": comments.get((cls.__name__, f.name), "")}
         if key in CHOICES:
             entry["choices"] = list(CHOICES[key])
+        if key == "data.task":  # a registered task's name (plugins' too), or null with data.path
+            entry["choices"] = sorted(get_registry().entries["task"])
         if key in COMPONENT_KEYS:
             kind, is_list = COMPONENT_KEYS[key]
             entry.update(component=kind, multiple=is_list, widget="component")
         fields.append(entry)
-    doc = inspect.getdoc(cls) or ""
-    if cls is RunConfig:
-        doc = "Top-level keys of a run."
-    return {"key": prefix.rstrip("."), "title": prefix.rstrip(".") or "run", "doc": doc.split("\n\n")[0],
+    name = prefix.rstrip(".").rsplit(".", 1)[-1]
+    doc = "Top-level keys of a run." if cls is RunConfig else _section_doc(cls, parent, name)
+    return {"key": prefix.rstrip("."), "title": prefix.rstrip(".") or "run", "doc": doc,
             "fields": fields, "sections": subsections}
 
 
@@ -126,7 +158,8 @@ def component_description(kind: str, entry) -> dict:
         args.append({"name": name, "type": annotation, "widget": _kind_of_type(annotation) if annotation else "yaml",
                      "required": required, "default": None if required else jsonable(p.default)})
     doc = inspect.getdoc(entry.obj) if not isinstance(entry.obj, dict) else entry.obj.get("description", "")
-    return {"name": entry.name, "plugin": entry.plugin, "summary": entry.summary, "doc": doc or "",
+    return {"name": entry.name, "plugin": entry.plugin, "summary": summary_of(doc or ""),
+            "doc": plain_text(doc or ""),
             "args": args, "takes_any": takes_kwargs}
 
 
@@ -141,7 +174,7 @@ def form_description() -> dict:
     presets = {}
     for name, entry in registry.entries["algorithm"].items():
         sets = {f"algorithm.{k}": jsonable(v) for k, v in dict(entry.obj).items() if k != "description"}
-        presets[name] = {"description": dict(entry.obj).get("description", ""), "plugin": entry.plugin, "sets": sets}
+        presets[name] = {"description": plain_text(dict(entry.obj).get("description", "")), "plugin": entry.plugin, "sets": sets}
     tasks = sorted(registry.entries["task"])
     return {"schema": _section(RunConfig, ""), "components": components, "presets": presets,
             "kinds": {k: KINDS[k].description for k in KINDS}, "tasks": tasks, "beginner": list(BEGINNER_KEYS)}

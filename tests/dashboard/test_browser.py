@@ -51,6 +51,7 @@ def browser():
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--window-size=1400,1000", "--disable-extensions", "--no-first-run"):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console errors, read by console_errors()
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
     yield driver
@@ -69,14 +70,20 @@ def screenshot(driver, tmp_path: Path, name: str) -> Path:
 
 def wait_for(driver, condition, what: str, timeout: float = 60):
     """Wait until ``condition(driver)`` is truthy; the error says what was awaited."""
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition)
+    try:  # the form is drawn anew after each validation: an element read mid-redraw is read again
+        return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(condition)
     except TimeoutException:
         raise AssertionError(f"waited {timeout}s for {what}; status line: "
                              f"{driver.find_element('id', 'status').text!r}") from None
+
+
+def console_errors(driver) -> list[str]:
+    """The console's errors since the last call (uncaught exceptions, failed loads such as a favicon's 404)."""
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
 def status_ok(driver) -> bool:
@@ -184,6 +191,16 @@ def test_read_a_real_runs_trajectories_in_the_browser(browser, dashboard, tmp_pa
     tokens = first.find_elements(By.CSS_SELECTOR, ".tokens .tok")
     assert [t.get_attribute("data-mask") for t in tokens] == [str(m) for m in record["response_mask"]]
     assert "advantage" in tokens[0].get_attribute("title")
+    # every traced step of a real run, and its curves and table, draw without a console error
+    for other in [s for s in traced if s != step]:
+        driver.find_element(By.CSS_SELECTOR, f'#steps tr.has-traces[data-step="{other}"]').click()
+        wait_for(driver, lambda d: d.find_element(By.ID, "traces-title").text.startswith(f"step {other}:"),
+                 f"step {other}'s trajectories")
+    assert console_errors(driver) == []
+    driver.find_element(By.CSS_SELECTOR, f'#steps tr.has-traces[data-step="{step}"]').click()
+    cards = wait_for(driver, lambda d: d.find_element(By.ID, "traces-title").text.startswith(f"step {step}:")
+                     and d.find_elements(By.CSS_SELECTOR, "#traces .trajectory"), "the trajectories again")
+    first = cards[0]
     assert "exact_match" in first.find_element(By.CSS_SELECTOR, "table.rewards").text
     driver.execute_script("arguments[0].scrollIntoView()", first)
     screenshot(driver, tmp_path, "dashboard-run")
@@ -203,3 +220,200 @@ def real_run(tmp_path_factory):
                  "trainer.total_steps=3", "trainer.warmup_steps=0", "trainer.prompts_per_step=4", "rollout.n=4",
                  "trainer.eval_every=3", "logging.traces_per_step=8", "checkpoint.every=0"]) == 0
     return run_dir
+
+
+def _box(driver, css):
+    return driver.find_element("css selector", css)
+
+
+def _selected(driver, key):
+    from selenium.webdriver.support.ui import Select
+
+    option = Select(_box(driver, f'select[data-key="{key}"]')).first_selected_option
+    return option.get_attribute("value"), option.get_attribute("textContent")
+
+
+def test_fields_show_the_real_default_and_the_value_that_wins(browser, dashboard, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    client, _, _ = dashboard
+    driver = browser
+    driver.set_window_size(1400, 1000)
+    driver.get(f"http://127.0.0.1:{client.port}/#build")
+    wait_for(driver, status_ok, "the recipe's own config to validate")
+    driver.find_element(By.ID, "view-expert").click()
+    command = lambda d: d.find_element(By.ID, "command").text  # noqa: E731
+
+    # a yes/no argument left unset shows its default (None: unset), not the first choice
+    assert _selected(driver, "strategy_args.cpu") == ("", "default null")
+    assert _selected(driver, "strategy_args.fsdp") == ("", "default false")
+    assert _selected(driver, "algorithm.advantage_fn_args.norm_by_std") == ("true", "true")  # the grpo preset's
+    choose(driver, "strategy_args.cpu", "true")
+    wait_for(driver, lambda d: "strategy_args.cpu=true" in command(d) and status_ok(d), "the override")
+    choose(driver, "strategy_args.cpu", "")  # back to "default null": the override goes
+    wait_for(driver, lambda d: "strategy_args.cpu" not in command(d) and status_ok(d), "the override to go")
+    choose(driver, "strategy_args.fsdp", "true")
+    wait_for(driver, lambda d: "strategy_args.fsdp=true" in command(d) and status_ok(d), "the fsdp override")
+    choose(driver, "strategy_args.fsdp", "false")  # the default itself: nothing left to override
+    wait_for(driver, lambda d: command(d) == "rltk run grpo" and status_ok(d), "the fsdp override to go")
+
+    # typing a field back to the value it has without an override removes the override (grpo.yaml: lr 1.0e-4)
+    driver.find_element(By.CSS_SELECTOR, 'details[data-section="trainer"] > summary').click()
+    lr = _box(driver, 'input[data-key="trainer.lr"]')
+    lr.clear()
+    lr.send_keys("0.0003")
+    wait_for(driver, lambda d: "trainer.lr=0.0003" in command(d) and status_ok(d), "the lr override")
+    lr = _box(driver, 'input[data-key="trainer.lr"]')
+    lr.clear()
+    lr.send_keys("1e-4")
+    wait_for(driver, lambda d: command(d) == "rltk run grpo" and status_ok(d), "the lr override to go")
+    assert driver.find_element(By.ID, "overrides").text == ""
+
+    # a preset's rows say what wins: grpo.yaml's kl_coef 0.05 over dapo's 0.0; an override over the preset
+    driver.find_element(By.CSS_SELECTOR, 'details[data-section="algorithm"] > summary').click()
+    choose(driver, "algorithm.name", "dapo")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, 'table[data-preset="dapo"]') and status_ok(d),
+             "the dapo preset's table")
+    wins = lambda d, key: _box(d, f'table[data-preset="dapo"] tr[data-key="{key}"]')  # noqa: E731
+    assert wins(driver, "algorithm.kl_coef").get_attribute("data-wins") == "file"
+    assert "overridden by the recipe's config file: 0.05" in wins(driver, "algorithm.kl_coef").text
+    assert wins(driver, "algorithm.dynamic_sampling").get_attribute("data-wins") == "preset"
+    eps_high = _box(driver, 'input[data-key="algorithm.policy_loss_args.clip_eps_high"]')
+    assert eps_high.get_attribute("value") == "0.28"  # the preset's argument, shown as the value it is
+    eps_high.clear()
+    eps_high.send_keys("0.3")
+    wait_for(driver, lambda d: wins(d, "algorithm.policy_loss_args.clip_eps_high").get_attribute("data-wins")
+             == "override" and status_ok(d), "the override to win over the preset")
+    assert "overridden by your override: 0.3" in wins(driver, "algorithm.policy_loss_args.clip_eps_high").text
+
+    # a value of the wrong type is an error beside its argument, in the validator's words
+    eps = _box(driver, 'input[data-key="algorithm.advantage_fn_args.eps"]')
+    eps.send_keys("abc")
+    error = wait_for(driver, lambda d: d.find_elements(
+        By.CSS_SELECTOR, '[data-error-for="algorithm.advantage_fn_args.eps"]'), "the error beside eps")[0]
+    assert error.text == ("'algorithm.advantage_fn_args.eps': bad value 'abc' for argument 'eps' of advantage_fn "
+                          "'grpo': must be a number; default 1e-06")
+    assert len(driver.find_elements(By.CSS_SELECTOR, "[data-error-for]")) == 1  # once, not also on the field
+    screenshot(driver, tmp_path, "dashboard-what-wins")
+    assert console_errors(driver) == []
+
+
+def test_the_form_reads_as_prose_and_offers_choices(browser, dashboard):
+    from selenium.webdriver.common.by import By
+
+    client, _, _ = dashboard
+    driver = browser
+    driver.get(f"http://127.0.0.1:{client.port}/#build")
+    wait_for(driver, status_ok, "the recipe's own config to validate")
+    # data.task is a choice of the registered tasks
+    assert "countdown" in [o.get_attribute("value") for o in driver.find_elements(
+        By.CSS_SELECTOR, 'select[data-key="data.task"] option')]
+    driver.find_element(By.ID, "view-expert").click()
+    text = driver.find_element(By.ID, "form").text
+    assert "Config(" not in text and "``" not in text
+    algorithm = _box(driver, 'details[data-section="algorithm"] > .section-doc').get_attribute("textContent")
+    assert algorithm.startswith("The RL algorithm: a preset (name)")
+    stages = _box(driver, 'input[data-key="stages"]').get_attribute("value")
+    assert stages == "[{name: warmup, type: sft, overrides: {}}, {name: grpo, type: rl, overrides: {}}]" or \
+        stages.startswith("[{name: ")
+    # a component's arguments are its form; no free-text box for the mapping the form fills
+    assert driver.find_elements(By.CSS_SELECTOR, '[data-args-for="algorithm.advantage_fn_args"]')
+    assert not driver.find_elements(By.CSS_SELECTOR, '[data-field="algorithm.advantage_fn_args"]')
+    assert not driver.find_elements(By.CSS_SELECTOR, '[data-field="strategy_args"]')
+    assert driver.find_elements(By.CSS_SELECTOR, '[data-field="data.task_args"]')  # a task has no argument form
+
+
+def test_the_builder_holds_at_1024_px(browser, dashboard, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    client, _, _ = dashboard
+    driver = browser
+    driver.set_window_size(1024, 900)
+    try:
+        driver.get(f"http://127.0.0.1:{client.port}/#build")
+        wait_for(driver, status_ok, "the recipe's own config to validate")
+        choose(driver, "algorithm.name", "dapo")
+        wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, 'table[data-preset="dapo"]') and status_ok(d),
+                 "the dapo preset's table")
+        driver.find_element(By.ID, "view-expert").click()
+        panel_left = driver.execute_script("return document.getElementById('result').getBoundingClientRect().left")
+        overflow = driver.execute_script("""
+            const limit = arguments[0];
+            return [...document.querySelectorAll('#form *')].filter((n) => n.getClientRects().length
+              && n.getBoundingClientRect().right > limit + 1).map((n) => n.outerHTML.slice(0, 80));""", panel_left)
+        assert overflow == []  # nothing of the form runs under the right panel
+        assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+        screenshot(driver, tmp_path, "dashboard-1024")
+    finally:
+        driver.set_window_size(1400, 1000)
+
+
+def test_the_run_viewer_lists_live_says_when_a_run_is_missing_and_follows_links(browser, dashboard, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from tests.dashboard.conftest import write_run
+
+    client, runs_root, _ = dashboard
+    driver = browser
+    console_errors(driver)  # start from a clean console
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/no-such-run")
+    wait_for(driver, lambda d: d.find_element(By.ID, "run-title").text == "no run named 'no-such-run'",
+             "the missing run to be named")
+    assert "Choose a run from the list" in driver.find_element(By.ID, "run-summary").text
+    # a run started after the page opened appears without a click
+    write_run(runs_root / "demo")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#runs-list button[data-run="demo"]'),
+             "the new run in the list", 15)
+    # the builder, then a link to the run in the same tab
+    driver.get(f"http://127.0.0.1:{client.port}/")
+    wait_for(driver, status_ok, "the builder")
+    driver.execute_script("location.hash = '#runs/demo'")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#steps tr[data-step="4"]'), "the run's table")
+    assert not driver.find_element(By.ID, "page-runs").get_attribute("class").count("hidden")
+
+    # the step table: one row per step (step 2's warm-up and evaluation rows merged), one format per column
+    steps = [r.get_attribute("data-step") for r in driver.find_elements(By.CSS_SELECTOR, "#steps tbody tr")]
+    assert steps == ["1", "2", "3", "4"]
+    header = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#steps th")]
+    column = lambda key: [td.text for td in driver.find_elements(  # noqa: E731
+        By.CSS_SELECTOR, f"#steps tbody td:nth-child({header.index(key) + 1})")]
+    assert column("eval/accuracy") == ["", "0.2500", "", "0.5000"]
+    assert column("kl") == ["", "", "0.01000", "0.02000"]
+    assert column("sft/sft_loss") == ["2.000", "1.500", "", ""]
+    wrap = _box(driver, ".table-wrap")
+    assert driver.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth", wrap)
+    assert _box(driver, "#steps th").value_of_css_property("position") == "sticky"
+    screenshot(driver, tmp_path, "dashboard-runs")
+    assert console_errors(driver) == []  # no uncaught error, no favicon 404
+
+
+def test_metrics_are_filtered_smoothed_and_drawn_on_a_log_scale(browser, dashboard):
+    from selenium.webdriver.common.by import By
+
+    from tests.dashboard.conftest import write_run
+
+    client, runs_root, _ = dashboard
+    write_run(runs_root / "demo")
+    driver = browser
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/demo")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#curves [data-panel="held-out accuracy"] svg'),
+             "the curves")
+    driver.find_element(By.ID, "metric-filter").send_keys("sampled")  # one match: it is plotted
+    line = wait_for(driver, lambda d: d.find_elements(
+        By.CSS_SELECTOR, '#extra-curve [data-panel="eval/sampled_accuracy"] polyline'), "the filtered metric")[0]
+    assert line.get_attribute("data-values") == "0.125 0.375"
+    options = [o.get_attribute("value") for o in driver.find_elements(By.CSS_SELECTOR, "#extra-metric option")]
+    assert options == ["", "eval/sampled_accuracy"]
+
+    def drawn(panel="eval/sampled_accuracy"):
+        return driver.find_element(By.CSS_SELECTOR, f'[data-panel="{panel}"] polyline').get_attribute("data-values")
+
+    # smoothing 0.5: a debiased moving average, 0.125 then (0.5 * 0.0625 + 0.5 * 0.375) / (1 - 0.25) = 0.2917
+    driver.execute_script("const s = document.getElementById('smoothing'); s.value = '0.5';"
+                          "s.dispatchEvent(new Event('input'))")
+    wait_for(driver, lambda d: drawn() == "0.125 0.2917", "the smoothed curve")
+    driver.execute_script("const s = document.getElementById('smoothing'); s.value = '0';"
+                          "s.dispatchEvent(new Event('input'))")
+    driver.find_element(By.ID, "log-scale").click()  # log10 of 0.125 and 0.375
+    wait_for(driver, lambda d: drawn() == "-0.9031 -0.426", "the log-scale curve")
+    assert console_errors(driver) == []

@@ -46,6 +46,39 @@ def test_the_form_is_generated_from_the_schema_and_the_registry():
                                      "rollout.engine"}
 
 
+def test_the_form_describes_sections_and_components_in_prose():
+    form = form_description()
+
+    def sections(section):
+        yield section
+        for sub in section["sections"]:
+            yield from sections(sub)
+
+    docs = {s["key"]: s["doc"] for s in sections(form["schema"])}
+    assert not [k for k, d in docs.items() if "Config(" in d or "``" in d]  # no dataclass reprs, no RST
+    assert docs["trainer"].startswith("The RL stage's optimisation")  # the class's docstring
+    assert docs["sft"] == "The supervised warm-up stage (type: sft in stages)."
+    by_key = fields(form["schema"])
+    assert by_key["stages"]["default"] == [{"name": "rl", "type": "rl", "overrides": {}}]  # data, not a repr
+    assert by_key["stages"]["doc"].startswith("the stages the run trains, in order")
+    assert by_key["data.task"]["choices"] == form["tasks"] and "arithmetic" in form["tasks"]
+    for kind, components in form["components"].items():
+        for c in components:
+            assert "``" not in c["summary"] and ":func:" not in c["summary"], (kind, c["name"], c["summary"])
+    hf = next(c for c in form["components"]["rollout_engine"] if c["name"] == "hf")
+    assert hf["summary"] and hf["summary"][-1] in ".:)", hf["summary"]  # a whole sentence, not a cut line
+
+
+def test_summaries_drop_markup_and_stop_at_a_sentence():
+    from rltk.dashboard.schema import plain_text, summary_of
+
+    assert plain_text("uses ``hf`` and :func:`rltk.x.y`, `z`") == "uses hf and rltk.x.y, z"
+    doc = "Group-relative advantage (GRPO); ``norm_by_std=False`` is Dr. GRPO.\n\nMore."
+    assert summary_of(doc) == "Group-relative advantage (GRPO); norm_by_std=False is Dr. GRPO."
+    long = "First sentence runs over two lines\nof the docstring. " + "Second one. " * 20
+    assert summary_of(long) == "First sentence runs over two lines of the docstring."
+
+
 def test_error_key_finds_the_field_an_error_names():
     known = {"trainer.lr", "algorithm.advantage_fn", "algorithm.advantage_fn_args"}
     assert error_key("bad value -1.0 for 'trainer.lr': must be > 0", known) == "trainer.lr"

@@ -36,37 +36,82 @@ async function postJSON(url, payload) {
 }
 
 // ------------------------------------------------------------------ tabs
+function showPage(page) {
+  for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t.dataset.page === page);
+  for (const p of document.querySelectorAll(".page")) p.classList.toggle("hidden", p.id !== page);
+  clearInterval(viewer.listTimer);
+  if (page === "page-runs") {  // live: a run started after the page was opened appears in the list
+    loadRuns().catch(showRunsError);
+    viewer.listTimer = setInterval(() => loadRuns().catch(showRunsError), 3000);
+  }
+}
+
 for (const tab of document.querySelectorAll(".tab")) {
   tab.addEventListener("click", () => {
-    for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t === tab);
-    for (const p of document.querySelectorAll(".page")) p.classList.toggle("hidden", p.id !== tab.dataset.page);
-    if (tab.dataset.page === "page-runs") loadRuns();
+    const hash = tab.dataset.page === "page-runs" ? (viewer.run ? "#runs/" + encodeURIComponent(viewer.run) : "#runs") : "#build";
+    if (location.hash !== hash) history.replaceState(null, "", hash);
+    showPage(tab.dataset.page);
   });
 }
 
 // ------------------------------------------------------------------ config builder
 const state = {form: null, overrides: new Map(), values: {}, result: null, pending: null, seq: 0,
-               open: new Set()};  // sections the user unfolded stay unfolded when the form is drawn again
+               open: new Set(),  // sections the user unfolded stay unfolded when the form is drawn again
+               unset: new Map()};  // key -> the value it had before the user's override (what removing it gives)
 
-// A value as one would type it after key= on the command line (OmegaConf's dotlist grammar reads YAML).
+// A value as one would type it after key= on the command line (OmegaConf's dotlist grammar reads YAML):
+// lists and mappings in YAML's flow style, [{name: rl, type: rl, overrides: {}}], not JSON's quotes.
 function valueText(v) {
   if (v === null || v === undefined) return "null";
   if (typeof v === "string") return v;
-  return JSON.stringify(v);
+  return flowText(v);
 }
 
-function setOverride(key, text) {
-  state.overrides.set(key, text);
-  scheduleBuild();
+function flowText(v) {
+  if (v === null || v === undefined) return "null";
+  if (Array.isArray(v)) return "[" + v.map(flowText).join(", ") + "]";
+  if (typeof v === "object") return "{" + Object.entries(v).map(([k, x]) => `${k}: ${flowText(x)}`).join(", ") + "}";
+  if (typeof v === "string") {  // quoted only where YAML would read it as something else
+    const plain = /^[A-Za-z_/.][\w./\-]*$/.test(v) && !/^(true|false|null|yes|no|on|off|~)$/i.test(v);
+    return plain ? v : JSON.stringify(v);
+  }
+  return String(v);
+}
+
+// Whether the text typed for a key gives the value it already has without the override.
+function sameValue(text, v) {
+  const t = String(text).trim();
+  if (v === undefined) return false;
+  if (v === null) return t === "null" || t === "~";
+  if (typeof v === "boolean") return t.toLowerCase() === String(v);
+  if (typeof v === "number") return t !== "" && !isNaN(Number(t)) && Number(t) === v;
+  if (typeof v === "string") return t === v || t === JSON.stringify(v);
+  const squeeze = (x) => x.replace(/\s+/g, "");
+  return squeeze(t) === squeeze(valueText(v)) || squeeze(t) === JSON.stringify(v);
+}
+
+// Set key=text; a value equal to what the key has without an override removes the override instead
+// (``fallback``: that value when the config does not hold the key, e.g. an argument's signature default).
+function setOverride(key, text, fallback) {
+  if (!state.overrides.has(key)) state.unset.set(key, key in state.values ? state.values[key] : fallback);
+  if (sameValue(text, state.unset.get(key))) dropOverride(key);
+  else { state.overrides.set(key, text); scheduleBuild(); }
 }
 
 function dropOverride(key) {
   state.overrides.delete(key);
+  state.unset.delete(key);
+  scheduleBuild();
+}
+
+function clearOverrides() {
+  state.overrides.clear();
+  state.unset.clear();
   scheduleBuild();
 }
 
 function dropArgs(prefix) {  // a swapped component does not take the old one's arguments
-  for (const k of [...state.overrides.keys()]) if (k.startsWith(prefix)) state.overrides.delete(k);
+  for (const k of [...state.overrides.keys()]) if (k.startsWith(prefix)) { state.overrides.delete(k); state.unset.delete(k); }
 }
 
 function overridesList() {
@@ -152,12 +197,20 @@ function renderForm() {
   }
 }
 
+// A component's ``*_args`` mapping is filled by the argument form under the component: no free-text box for it.
+function filledByForm(f, fields) {
+  if (!f.key.endsWith("_args")) return false;
+  const owner = fields.get(f.key.slice(0, -5));
+  return Boolean(owner && owner.component && owner.component !== "algorithm");
+}
+
 function sectionNode(section, renderField, top) {
   const errorAt = errorField(state.result);
+  const fields = fieldsByKey();
   const open = state.open.has(section.key) || section.fields.some((f) => state.overrides.has(f.key) || f.key === errorAt);
   const body = [
     section.doc ? el("div", {class: "section-doc", text: section.doc}) : null,
-    ...section.fields.map(renderField),
+    ...section.fields.filter((f) => !filledByForm(f, fields)).map(renderField),
     ...section.sections.map((s) => sectionNode(s, renderField, false)),
   ];
   if (top) {
@@ -170,24 +223,53 @@ function sectionNode(section, renderField, top) {
   return node;
 }
 
-function inputFor(key, widget, current, choices, nullable, placeholder) {
+// The box of one key. ``argDefault`` (an argument's {required, default}) marks a component argument, which
+// the config may leave unset: its select then starts with "default X" (choosing it removes the override)
+// instead of showing the first value as if it were chosen.
+function inputFor(key, widget, current, choices, nullable, argDefault) {
   // what the user typed stays in the box (even when it does not validate); otherwise the config's value
   const text = state.overrides.has(key) ? state.overrides.get(key) : (current === undefined ? "" : valueText(current));
+  const fallback = argDefault && !argDefault.required ? argDefault.default : undefined;
+  const placeholder = argDefault ? (argDefault.required ? "required" : "default " + valueText(argDefault.default)) : "";
   const options = choices || (widget === "bool" ? ["true", "false"] : null);
   if (options) {
     const opts = [...options, ...(nullable && !options.includes("null") ? ["null"] : [])];
-    const select = el("select", {"data-key": key, "aria-label": key},
+    const unset = argDefault ? [el("option", {value: "", text: placeholder, selected: text === "" || undefined})] : [];
+    const select = el("select", {"data-key": key, "aria-label": key}, ...unset,
       ...opts.map((o) => el("option", {value: o, text: o, selected: o === text || undefined})));
-    select.addEventListener("change", () => setOverride(key, select.value));
+    select.addEventListener("change", () => {
+      if (select.value === "") dropOverride(key); else setOverride(key, select.value, fallback);
+    });
     return select;
   }
-  const input = el("input", {type: "text", "data-key": key, "aria-label": key, value: text,
-                             placeholder: placeholder || ""});
+  const input = el("input", {type: "text", "data-key": key, "aria-label": key, value: text, placeholder});
   input.addEventListener("input", () => {
-    if (input.value === "" && placeholder !== undefined) dropOverride(key);
-    else setOverride(key, input.value);
+    if (input.value === "" && argDefault) dropOverride(key);
+    else setOverride(key, input.value, fallback);
   });
   return input;
+}
+
+// A preset's settings as leaves (``algorithm.policy_loss_args.clip_eps_high``), as the config's values are.
+function leaves(key, v, out = []) {
+  if (v && typeof v === "object" && !Array.isArray(v) && Object.keys(v).length) {
+    for (const [k, x] of Object.entries(v)) leaves(`${key}.${k}`, x, out);
+  } else out.push([key, v]);
+  return out;
+}
+
+// What wins for one setting of a preset: the preset, the recipe's config file, or the user's override.
+function presetRow(key, v) {
+  const now = state.values[key];
+  let wins, note;
+  if (now === undefined) { wins = "dropped"; note = "not used: another component was chosen"; }
+  else if (JSON.stringify(now) === JSON.stringify(v)) { wins = "preset"; note = "applies"; }
+  else {
+    wins = state.overrides.has(key) ? "override" : "file";
+    note = `overridden by ${wins === "override" ? "your override" : "the recipe's config file"}: ${valueText(now)}`;
+  }
+  return el("tr", {class: wins === "preset" ? "" : "overridden", "data-key": key, "data-wins": wins},
+    el("td", {text: key}), el("td", {text: valueText(v)}), el("td", {class: "wins", text: note}));
 }
 
 function fieldNode(f, error) {
@@ -204,8 +286,9 @@ function fieldNode(f, error) {
     if (preset) {
       extra.push(el("div", {class: "summary", text: preset.description + " (" + preset.plugin + ")"}));
       extra.push(el("table", {class: "preset-sets", "data-preset": current},
-        el("caption", {class: "muted", text: `what '${current}' sets (the config file and overrides win)`}),
-        ...Object.entries(preset.sets).map(([k, v]) => el("tr", {}, el("td", {text: k}), el("td", {text: valueText(v)})))));
+        el("caption", {class: "muted", text: `what '${current}' sets, and what wins (the config file and overrides ` +
+                                             "win over a preset)"}),
+        ...Object.entries(preset.sets).flatMap(([k, v]) => leaves(k, v)).map(([k, v]) => presetRow(k, v))));
     }
   } else if (f.component && f.multiple) {
     const chosen = Array.isArray(current) ? current : (current ? [current] : []);
@@ -242,6 +325,7 @@ function fieldNode(f, error) {
   const node = el("div", {class: "field" + (state.overrides.has(f.key) ? " set" : ""), "data-field": f.key},
     el("label", {class: "key", text: f.key}), control, meta,
     el("div", {class: "doc", text: f.doc || ""}), ...extra);
+  if (error && node.querySelector(".component-args [data-error-for]")) error = null;  // shown beside its argument
   if (error) node.append(el("div", {class: "field-error", "data-error-for": f.key, text: error}));
   return node;
 }
@@ -255,19 +339,26 @@ function argsNode(prefix, component) {
     ...component.args.map((a) => {
       const key = `${prefix}.${a.name}`;
       const current = state.values[key];
-      const placeholder = a.required ? "required" : "default " + valueText(a.default);
+      const r = state.result;
+      const error = r && !r.ok && r.error && r.error.message.startsWith(`'${key}'`) ? r.error.message : null;
       return el("div", {class: "arg"}, el("span", {text: a.name + (a.type ? ": " + a.type : "")}),
-                inputFor(key, a.widget, current, null, true, placeholder));
+                inputFor(key, a.widget, current, null, a.widget !== "bool" || a.default === null, a),
+                error ? el("div", {class: "field-error", "data-error-for": key, text: error}) : null);
     }));
 }
+
+$("#smoothing").addEventListener("input", drawCharts);
+$("#log-scale").addEventListener("change", drawCharts);
+$("#metric-filter").addEventListener("input", fillMetrics);
+$("#extra-metric").addEventListener("change", drawExtra);
 
 async function startBuilder() {
   state.form = await getJSON("/api/form");
   const recipe = $("#recipe");
   recipe.replaceChildren(...state.form.recipes.map((r) => el("option", {value: r, text: r, selected: r === "grpo" || undefined})));
-  recipe.addEventListener("change", () => { state.overrides.clear(); scheduleBuild(); });
+  recipe.addEventListener("change", clearOverrides);
   for (const radio of document.querySelectorAll('input[name="view"]')) radio.addEventListener("change", renderForm);
-  $("#clear").addEventListener("click", () => { state.overrides.clear(); scheduleBuild(); });
+  $("#clear").addEventListener("click", clearOverrides);
   $("#save").addEventListener("click", async () => {
     const out = $("#save-result");
     try {
@@ -283,8 +374,12 @@ async function startBuilder() {
 }
 
 // ------------------------------------------------------------------ run viewer
-const viewer = {run: null, overview: null, step: null, timer: null, rowsSeen: -1};
+const viewer = {run: null, overview: null, step: null, timer: null, listTimer: null, rowsSeen: -1};
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"];
+
+function showRunsError(e) {
+  $("#runs-root").textContent = "could not list the runs: " + e.message;
+}
 
 async function loadRuns() {
   const data = await getJSON("/api/runs");
@@ -296,29 +391,78 @@ async function loadRuns() {
 }
 
 async function openRun(name) {
-  viewer.run = name; viewer.step = null; viewer.rowsSeen = -1;
-  for (const b of document.querySelectorAll("#runs-list button")) b.classList.toggle("active", b.dataset.run === name);
-  $("#traces").replaceChildren(); $("#traces-title").textContent = "";
-  await refreshRun();
   clearInterval(viewer.timer);
+  viewer.run = name; viewer.step = null; viewer.rowsSeen = -1; viewer.overview = null;
+  const hash = "#runs/" + encodeURIComponent(name);
+  if (location.hash !== hash) history.replaceState(null, "", hash);
+  for (const b of document.querySelectorAll("#runs-list button")) b.classList.toggle("active", b.dataset.run === name);
+  for (const id of ["#traces", "#curves", "#extra-curve", "#steps"]) $(id).replaceChildren();
+  $("#traces-title").textContent = ""; $("#run-summary").textContent = ""; $("#run-title").textContent = name;
+  $("#run").classList.remove("missing");
+  // a link to a run that is not there (a typo, a deleted folder) says so, without asking for it
+  const listed = await getJSON("/api/runs").then((d) => d.runs.some((r) => r.name === name), () => true);
+  if (name !== viewer.run) return;
+  if (!listed) return runMissing(name, "it is not among the run folders listed on the left");
+  if (!await refreshRun()) return;
   viewer.timer = setInterval(refreshRun, 3000);  // live: a running run's new steps appear
 }
 
+function runMissing(name, why) {
+  clearInterval(viewer.timer);
+  $("#run").classList.add("missing");
+  $("#run-title").textContent = `no run named '${name}'`;
+  $("#run-summary").textContent = `${why}. Choose a run from the list.`;
+}
+
+// Redraw the open run when it changed; false (and the page says why) when it cannot be read.
 async function refreshRun() {
-  if (!viewer.run) return;
-  const o = await getJSON("/api/runs/" + encodeURIComponent(viewer.run));
-  if (o.rows.length === viewer.rowsSeen && viewer.overview && viewer.overview.finished === o.finished) return;
+  if (!viewer.run) return false;
+  const name = viewer.run;
+  let o;
+  try {
+    o = await getJSON("/api/runs/" + encodeURIComponent(name));
+  } catch (e) {
+    if (name === viewer.run) runMissing(name, e.message);
+    return false;
+  }
+  if (name !== viewer.run) return false;  // another run was opened meanwhile
+  if (o.rows.length === viewer.rowsSeen && viewer.overview && viewer.overview.finished === o.finished) return true;
   viewer.overview = o; viewer.rowsSeen = o.rows.length;
   $("#run-title").textContent = o.name;
   const final = o.summary && o.summary.final ? Object.entries(o.summary.final).map(([k, v]) => `${k}=${Number(v).toFixed(3)}`).join("  ") : "";
   $("#run-summary").textContent = (o.finished ? "finished. " + final : `running or stopped: ${o.rows.length} metric rows so far`);
+  drawCharts();
+  fillMetrics();
+  renderSteps();
+  return true;
+}
+
+function drawCharts() {
+  const o = viewer.overview;
+  if (!o) return;
   $("#curves").replaceChildren(...o.panels.map((p) => chart(p.title, p.ylabel, p.curves)));
+  drawExtra();
+}
+
+// The metrics to plot, narrowed by the filter box (a part of the name: "eval/", "kl").
+function fillMetrics() {
+  const o = viewer.overview;
+  if (!o) return;
   const extra = $("#extra-metric");
   const chosen = extra.value;
-  extra.replaceChildren(el("option", {value: "", text: "-"}), ...o.keys.map((k) => el("option", {value: k, text: k, selected: k === chosen || undefined})));
-  extra.onchange = () => drawExtra();
+  const filter = $("#metric-filter").value.trim().toLowerCase();
+  const keys = o.keys.filter((k) => !filter || k.toLowerCase().includes(filter));
+  extra.replaceChildren(el("option", {value: "", text: `- (${keys.length} of ${o.keys.length})`}),
+    ...keys.map((k) => el("option", {value: k, text: k, selected: k === chosen || undefined})));
+  if (keys.length === 1 && filter) extra.value = keys[0];  // one match: plot it
   drawExtra();
-  renderSteps();
+}
+
+// Exponential moving average, as TensorBoard's smoothing slider (0: the raw values), debiased at the start.
+function smooth(values, weight) {
+  if (!weight) return values;
+  let last = 0, n = 0;
+  return values.map((v) => { n += 1; last = last * weight + (1 - weight) * v; return last / (1 - weight ** n); });
 }
 
 function drawExtra() {
@@ -330,8 +474,15 @@ function drawExtra() {
 }
 
 // An SVG line chart; hovering shows the nearest point, clicking a step with traces opens them.
-function chart(title, ylabel, curves) {
+function chart(title, ylabel, rawCurves) {
   const W = 720, H = 200, L = 50, R = 10, T = 10, B = 28;
+  const weight = Number($("#smoothing").value), logScale = $("#log-scale").checked;
+  // log scale: only positive values can be drawn; smoothing applies to what is drawn
+  const curves = rawCurves.map((c) => {
+    const keep = c.values.map((v) => !logScale || v > 0);
+    const steps = c.steps.filter((_, j) => keep[j]), values = c.values.filter((_, j) => keep[j]);
+    return {...c, steps, values: smooth(logScale ? values.map(Math.log10) : values, weight), raw: values};
+  });
   const xs = curves.flatMap((c) => c.steps), ys = curves.flatMap((c) => c.values);
   const panel = el("div", {class: "panel", "data-panel": title}, el("h4", {text: title}));
   if (!xs.length) return panel;
@@ -352,7 +503,7 @@ function chart(title, ylabel, curves) {
   add("line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"});
   for (let i = 0; i <= 4; i++) {
     const y = y0 + (y1 - y0) * i / 4;
-    add("text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, Number(y.toPrecision(3)));
+    add("text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, logScale ? Number((10 ** y).toPrecision(2)) : Number(y.toPrecision(3)));
   }
   const every = Math.max(1, Math.ceil((x1 - x0) / 6));  // steps are whole numbers: whole, distinct ticks
   for (let x = Math.ceil(x0 / every) * every; x <= x1; x += every) {
@@ -361,7 +512,8 @@ function chart(title, ylabel, curves) {
   add("text", {x: W - R, y: H - 2, "text-anchor": "end"}, "step");
   curves.forEach((c, i) => {
     const points = c.steps.map((s, j) => `${sx(s).toFixed(1)},${sy(c.values[j]).toFixed(1)}`).join(" ");
-    add("polyline", {points, class: "curve" + (c.faint ? " faint" : ""), stroke: COLORS[i % COLORS.length]});
+    add("polyline", {points, class: "curve" + (c.faint ? " faint" : ""), stroke: COLORS[i % COLORS.length],
+                     "data-label": c.label, "data-values": c.values.map((v) => Number(v.toPrecision(4))).join(" ")});
     add("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", fill: COLORS[i % COLORS.length]}, c.label);
   });
   const marker = add("circle", {r: 4, fill: "none", stroke: "#000", visibility: "hidden"});
@@ -372,7 +524,7 @@ function chart(title, ylabel, curves) {
     let best = null;
     for (const c of curves) c.steps.forEach((s, j) => {
       const d = Math.abs(s - x);
-      if (!best || d < best.d) best = {d, step: s, value: c.values[j], label: c.label};
+      if (!best || d < best.d) best = {d, step: s, value: c.values[j], raw: c.raw[j], label: c.label};
     });
     return best;
   };
@@ -380,7 +532,7 @@ function chart(title, ylabel, curves) {
     const p = nearest(evt);
     if (!p) return;
     marker.setAttribute("cx", sx(p.step)); marker.setAttribute("cy", sy(p.value)); marker.setAttribute("visibility", "visible");
-    tooltip.textContent = `step ${p.step}: ${p.label} ${Number(p.value).toPrecision(4)}`;
+    tooltip.textContent = `step ${p.step}: ${p.label} ${Number(p.raw).toPrecision(4)}`;
     tooltip.style.left = evt.clientX + 12 + "px"; tooltip.style.top = evt.clientY + 12 + "px";
     tooltip.classList.remove("hidden");
   });
@@ -393,17 +545,37 @@ function chart(title, ylabel, curves) {
   return panel;
 }
 
+// One row per step: the rows a step logs apart (a warm-up's, an evaluation's) merged, in step order.
+function rowsByStep(rows) {
+  const merged = new Map();
+  for (const r of rows) merged.set(r.step, Object.assign(merged.get(r.step) || {}, r));
+  return [...merged.values()].sort((a, b) => a.step - b.step);
+}
+
+// One format for a whole column, so its numbers line up: whole numbers as such; otherwise a fixed number of
+// decimals giving its largest value 4 significant digits; scientific notation when that would not fit.
+function columnFormat(values) {
+  const nums = values.filter((v) => typeof v === "number" && Number.isFinite(v));
+  if (nums.every(Number.isInteger)) return (v) => String(v);
+  const top = Math.max(...nums.map(Math.abs));
+  if (top >= 1e5 || top < 1e-3) return (v) => v.toExponential(3);
+  const decimals = Math.min(6, Math.max(0, 3 - Math.floor(Math.log10(top))));
+  return (v) => v.toFixed(decimals);
+}
+
 function renderSteps() {
   const o = viewer.overview;
   const keys = o.table_keys;
   const table = $("#steps");
+  const steps = rowsByStep(o.rows);
+  const formats = Object.fromEntries(keys.map((k) => [k, columnFormat(steps.map((r) => r[k]))]));
   const head = el("tr", {}, el("th", {text: "step"}), ...keys.map((k) => el("th", {text: k})), el("th", {text: "traces"}));
-  const rows = o.rows.map((r) => {
+  const rows = steps.map((r) => {
     const traced = o.trace_steps[r.step];
     const tr = el("tr", {"data-step": r.step, class: (traced ? "has-traces" : "") + (r.step === viewer.step ? " selected" : "")},
       el("td", {text: r.step}),
-      ...keys.map((k) => el("td", {text: typeof r[k] === "number" ? Number(r[k]).toPrecision(4) : ""})),
-      el("td", {text: traced ? `${traced} trajectories` : ""}));
+      ...keys.map((k) => el("td", {text: typeof r[k] === "number" ? (Number.isFinite(r[k]) ? formats[k](r[k]) : String(r[k])) : ""})),
+      el("td", {text: traced ? `${traced}` : ""}));
     if (traced) tr.addEventListener("click", () => openStep(r.step));
     return tr;
   });
@@ -486,9 +658,14 @@ function tokensNode(t) {
 }
 
 startBuilder().catch((e) => { $("#status").className = "status bad"; $("#status").textContent = "could not load the form: " + e.message; });
-// #runs opens the run viewer, #runs/NAME that run
-if (location.hash.startsWith("#runs")) {
-  $("#tab-runs").click();
+
+// #runs opens the run viewer, #runs/NAME that run, #build (or nothing) the builder; on load and on every change
+// of the address in the same tab (a link, typing it, back and forward).
+function route() {
+  if (!location.hash.startsWith("#runs")) { showPage("page-build"); return; }
+  showPage("page-runs");
   const name = decodeURIComponent(location.hash.slice(6));
-  if (name) openRun(name);
+  if (name && name !== viewer.run) openRun(name);
 }
+window.addEventListener("hashchange", route);
+route();
