@@ -7,11 +7,12 @@ A logger is a class registered under kind ``logger`` (see
 resume it passes ``resume_step=<step of the checkpoint>`` so that no curve shows
 the steps after the checkpoint twice.
 
-A logger that wants the run's stages (a supervised warm-up, then RL, ...) as
-spans of global steps defines ``set_stages(stages: list[StageSpan])``; the
-recipe calls it once, right after construction and before the first ``log``.
-It is optional: :func:`announce_stages` skips loggers without it, so loggers
-written before stages existed keep working unchanged.
+What a logger can do beyond ``log`` and ``close`` is declared on :class:`Logger`, with no-op defaults:
+``set_stages(stages)`` (the run's stages as spans of global steps, called once before the first ``log``)
+and ``truncate_after(step)`` (a resumed run drops rows a file logger wrote after the checkpoint). rltk's
+loggers subclass it; a plugin's logger that only has ``log`` and ``close`` (the :class:`MetricLogger`
+protocol) is wrapped by :func:`as_logger` once, when it is built, so the trainer calls every method on
+every logger.
 """
 
 from __future__ import annotations
@@ -66,11 +67,42 @@ def stage_spans(stages: Sequence[tuple]) -> list[StageSpan]:
     return spans
 
 
-def announce_stages(logger: Any, stages: Sequence[StageSpan]) -> None:
-    """Tell ``logger`` the run's stages if it has ``set_stages``; a logger without it needs nothing."""
-    set_stages = getattr(logger, "set_stages", None)
-    if callable(set_stages):
-        set_stages(list(stages))
+class Logger:
+    """A base for loggers: :meth:`log` to write, the rest declared with defaults a logger may override."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record ``metrics`` for step ``step`` (called in increasing step order)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement log()")
+
+    def close(self) -> None:
+        """Flush and release files or connections; safe to call twice."""
+
+    def set_stages(self, stages: Sequence[StageSpan]) -> None:
+        """The run's stages as spans of global steps, once, before the first :meth:`log` (the console's ETA
+        is per stage); a logger that does not show stages ignores them."""
+
+    def truncate_after(self, step: int, *, keep_at_step: int | None = None) -> int:
+        """Drop what was logged after ``step`` (and past the first ``keep_at_step`` rows at it), for a run
+        resumed from the checkpoint of ``step``; returns how many rows went. Nothing to drop by default."""
+        return 0
+
+
+class _ProtocolLogger(Logger):
+    """A logger written against :class:`MetricLogger` alone (a plugin's), with the methods it has of
+    :class:`Logger`'s and the defaults for the rest."""
+
+    def __init__(self, logger: Any):
+        self.logger = logger
+        self.log, self.close = logger.log, logger.close
+        for name in ("set_stages", "truncate_after"):  # read once, here, so no caller probes a logger
+            method = getattr(logger, name, None)
+            if callable(method):
+                setattr(self, name, method)
+
+
+def as_logger(logger: Any) -> Logger:
+    """``logger`` as a :class:`Logger`: itself if it subclasses it, else wrapped once."""
+    return logger if isinstance(logger, Logger) else _ProtocolLogger(logger)
 
 
 def scalar(key: str, value: Any) -> float:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Mapping, Sequence
 
-from rltk.loggers.base import StageSpan, scalar_metrics
+from rltk.loggers.base import Logger, StageSpan, scalar_metrics
 
 # label shown -> metric keys looked up in order (the first one logged wins), or a group
 # {label: {sub-label: keys}} shown as "label sub a | ..." -> "train reward 0.4 acc 0.31".
@@ -76,7 +76,7 @@ def format_count(value: float) -> str:
     return f"{value:.0f}"
 
 
-class ConsoleLogger:
+class ConsoleLogger(Logger):
     """Progress on stderr: stage, step/total, the watched metrics, tokens/s and the stage's ETA.
 
     Args:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rltk.loggers.base import as_path, finite_or_none, scalar_metrics
+from rltk.loggers.base import Logger, as_path, finite_or_none, scalar_metrics
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -36,7 +36,7 @@ def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-class JsonlLogger:
+class JsonlLogger(Logger):
     """Appends ``{"step": step, **metrics}`` lines to ``run_dir/metrics.jsonl``.
 
     Args:

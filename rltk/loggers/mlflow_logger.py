@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rltk.loggers.base import as_path, scalar_metrics
+from rltk.loggers.base import Logger, as_path, scalar_metrics
 
 RUN_ID_FILE = "mlflow_run_id"
 #: MLflow's limit on a param value's length (and on params per batch call).
@@ -53,7 +53,7 @@ def flatten(config: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
-class MlflowLogger:
+class MlflowLogger(Logger):
     """Logs the run to MLflow (see the module docstring).
 
     Args:

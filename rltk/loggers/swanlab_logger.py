@@ -23,13 +23,13 @@ import os
 import secrets
 from pathlib import Path
 
-from rltk.loggers.base import as_path, scalar_metrics
+from rltk.loggers.base import Logger, as_path, scalar_metrics
 
 RUN_ID_FILE = "swanlab_run_id"
 MODES = {"cloud": "online", "online": "online", "offline": "offline", "local": "local", "disabled": "disabled"}
 
 
-class SwanLabLogger:
+class SwanLabLogger(Logger):
     """Logs scalars to a SwanLab run (see the module docstring).
 
     Args:

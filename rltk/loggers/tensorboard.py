@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rltk.loggers.base import as_path, scalar_metrics
+from rltk.loggers.base import Logger, as_path, scalar_metrics
 
 TENSORBOARD_SUBDIR = "tensorboard"
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(Logger):
     """Writes scalars with ``torch.utils.tensorboard.SummaryWriter``.
 
     Args:

@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from rltk.loggers.base import as_path, scalar_metrics
+from rltk.loggers.base import Logger, as_path, scalar_metrics
 
 RUN_ID_FILE = "wandb_run_id"
 MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # older spellings W&B still accepts
@@ -43,7 +43,7 @@ def _has_credentials(wandb) -> bool:
         return False
 
 
-class WandbLogger:
+class WandbLogger(Logger):
     """Logs scalars to a W&B run.
 
     Args:

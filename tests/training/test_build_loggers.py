@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 import rltk
 from rltk.config.loader import load_config
-from rltk.loggers.base import StageSpan, stage_spans
+from rltk.loggers.base import Logger, StageSpan, stage_spans
 from rltk.training.scaffold.run_outputs import build_loggers
 
 
@@ -45,7 +45,12 @@ def test_console_gets_the_stages_and_an_old_style_logger_is_built_as_before(tmp_
     finally:
         rltk.unregister_plugin("old_style_logger_plugin")
     assert console.stages == spans
-    assert isinstance(old, OldStyleLogger) and old.total_steps == 5
+    # a logger with log and close alone, wrapped once: the trainer calls every method of Logger on it
+    assert isinstance(old, Logger) and isinstance(old.logger, OldStyleLogger) and old.logger.total_steps == 5
+    old.set_stages(spans)
+    assert old.truncate_after(3) == 0
+    old.log({"x": 1.0}, 1)
+    assert old.logger.logged == [(1, {"x": 1.0})]
     console.stream = io.StringIO()
     console.log({"sft/sft_loss": 0.5}, 1)
     assert console.stream.getvalue().startswith("[warmup 1/3] step 1/5 (20%) | sft loss 0.5")

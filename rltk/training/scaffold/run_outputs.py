@@ -13,15 +13,15 @@ from omegaconf import DictConfig, OmegaConf
 import rltk
 from rltk.config.saved import config_to_record, config_yaml_to_record
 from rltk.distributed import process_rank
-from rltk.loggers.base import StageSpan, announce_stages
+from rltk.loggers.base import StageSpan, as_logger
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step: int | None = None,
                   stages: list[StageSpan] | None = None) -> list:
     """The configured loggers; ``resume_step`` makes file loggers drop what was logged after it.
 
-    ``stages`` (the run's stages as spans of global steps) reach the loggers
-    that define ``set_stages``, e.g. the console, whose ETA is per stage.
+    ``stages`` (the run's stages as spans of global steps) reach every logger's ``set_stages`` (the
+    console's ETA is per stage; most loggers ignore them).
     """
     container = config_to_record(cfg)  # loggers may upload it (W&B): no secret read from the environment
     loggers = []
@@ -30,9 +30,10 @@ def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step:
     for name in cfg.logging.logger:
         cls = rltk.get_component("logger", name)
         args = dict(OmegaConf.to_container(cfg.logging.logger_args, resolve=True)).get(name, {})
-        logger = cls(run_dir=run_dir, config=container, total_steps=total_steps, resume_step=resume_step, **args)
+        logger = as_logger(cls(run_dir=run_dir, config=container, total_steps=total_steps, resume_step=resume_step,
+                               **args))
         if stages:
-            announce_stages(logger, stages)
+            logger.set_stages(list(stages))
         loggers.append(logger)
     return loggers
 

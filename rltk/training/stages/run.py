@@ -133,8 +133,7 @@ def open_run(cfg: DictConfig) -> Run:
         # Rows logged at the checkpoint's own step after it was saved (the next stage's opening
         # evaluation) are logged again by this run: keep only those written before the save.
         for logger in metric_log.loggers:
-            if hasattr(logger, "truncate_after"):
-                logger.truncate_after(resume_step, keep_at_step=resume[LOG_ROWS_KEY])
+            logger.truncate_after(resume_step, keep_at_step=resume[LOG_ROWS_KEY])
     lg = cfg.logging
     traces = TraceWriter(run_dir, tokenizer, per_step=lg.traces_per_step, every=lg.traces_every,
                          max_mb=lg.traces_max_mb, resume_step=resume_step) \
