@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 RL_STEPS = 100
 # What `benchmarks/learning.py --recipes agentic --seeds 0 1 2 --levels default avx2 --at-step 100`
-# measured (README, "Learning, measured"): after 100 GRPO steps every run's held-out sampled win rate
+# measured (docs/measurements.md): after 100 GRPO steps every run's held-out sampled win rate
 # had gained at least MIN_BENCHMARK_SAMPLED_GAIN and its training reward (steps 76-100 vs 1-25) had
 # risen by at least MIN_BENCHMARK_REWARD_RISE. The test asks for half of each. Its own seeded run (it
 # repeats itself: the batcher samples in session order) rose +0.120 / +0.125 in training reward and

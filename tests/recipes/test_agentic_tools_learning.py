@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 RL_STEPS = 60
-# What `benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2` measured (README, "Learning, measured"),
+# What `benchmarks/learning.py --recipes agentic_tools --seeds 0 1 2` measured (docs/measurements.md),
 # with the warm-up stopping on a sampled probe at 0.3: the test's own run is seed 0, one thread, at the
 # machine's kernel level, and seed 0's runs at the `default`, `avx2` and `avx512` levels raised the training
 # reward (the mean of the last 15 RL steps against the first 15, 960 episodes each) by +0.080, +0.030 and

@@ -274,7 +274,7 @@ def test_a_producer_that_keeps_dying_stops_the_run_naming_it_and_its_log(tmp_pat
 
 # The embedded tiny model on one-digit addition after a 150-step warm-up (test_grpo_recipe's FAST settings),
 # then 60 GRPO steps in trainer.mode=async with trainer.max_staleness=1. Measured on this 2-core machine
-# (2026-11-27, under load, one run per seed; README, "Asynchronous training"): the training reward (mean of
+# (2026-11-27, under load, one run per seed; docs/tutorials/async.md): the training reward (mean of
 # the last 10 steps minus the first 10) rose by RISES on every seed; the test asks for half the smallest.
 # Held-out greedy accuracy on the 24 test problems moved by -0.125, +0.125 and +0.333 (seeds 0, 1, 2): too
 # noisy at this size to assert a gain, so it is not asserted. Which policy version sampled a batch depends

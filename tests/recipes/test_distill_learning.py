@@ -16,7 +16,7 @@ import pytest
 
 from rltk.commands.cli import main
 
-# python benchmarks/learning.py --recipes distill --jobs 2 (README, "Learning, measured"; 15 runs): the smallest,
+# python benchmarks/learning.py --recipes distill --jobs 2 (docs/measurements.md; 15 runs): the smallest,
 # over seeds 0-4 and the kernel levels default / avx2 / avx512, of the held-out greedy and sampled accuracy
 # gains (the last evaluation against the first one of the distillation stage; seed 0's smallest greedy gain,
 # +0.020, is at avx2) and of the reverse-KL drop (mean of the first 25 distillation steps minus mean of the

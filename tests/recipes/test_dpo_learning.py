@@ -1,6 +1,6 @@
 """`rltk run dpo`: the embedded default learns (slow; run in CI), online DPO runs, and bad column names exit 2.
 
-Where the numbers come from: `benchmarks/learning.py --recipes dpo` (README, "Beyond GRPO: DPO, OPMD").
+Where the numbers come from: `benchmarks/learning.py --recipes dpo` (docs/tutorials/dpo-and-opmd.md).
 """
 
 import json

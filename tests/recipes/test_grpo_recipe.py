@@ -33,7 +33,7 @@ def rl_evals(metrics: list[dict]) -> list[float]:
 
 
 # What benchmarks/learning.py measured for the shipped default over 5 seeds x the CPU kernel
-# levels (README, "Learning"): every run gained at least MIN_BENCHMARK_GAIN held-out greedy
+# levels (docs/measurements.md): every run gained at least MIN_BENCHMARK_GAIN held-out greedy
 # accuracy, and its training reward (last 25 RL steps vs first 25) rose by at least
 # MIN_BENCHMARK_REWARD_RISE. The tests ask for half of each: a real rise, with room for any
 # seed or CPU.

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.slow,
                                         "'rltk[vllm]' on GPU)")]
 
 HEAD_SIZE_32 = ["model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"]
-# What `benchmarks/learning.py --recipes grpo_head32 grpo_vllm --seeds 0 1 2` measured (README, "Learning,
-# measured"): over seeds 0-2 at the `default`, `avx2` and `avx512` kernel levels, the 7 vllm runs whose warm-up
+# What `benchmarks/learning.py --recipes grpo_head32 grpo_vllm --seeds 0 1 2` measured (docs/measurements.md):
+# over seeds 0-2 at the `default`, `avx2` and `avx512` kernel levels, the 7 vllm runs whose warm-up
 # reached its probe gained at least MIN_BENCHMARK_GAIN held-out greedy accuracy, and their training reward (last
 # 25 RL steps vs first 25) rose by at least MIN_BENCHMARK_REWARD_RISE. The test asks for half of each, after
 # checking that its own warm-up reached the probe. The two others ended the warm-up at its 6000-step cap, as

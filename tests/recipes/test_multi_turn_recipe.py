@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 # What benchmarks/learning.py --recipes multi_turn measured over seeds 0-2 x the CPU kernel levels
-# `default` and `avx2` (README, "Learning, measured"): every run's held-out sampled win rate gained at
+# `default` and `avx2` (docs/measurements.md): every run's held-out sampled win rate gained at
 # least MIN_BENCHMARK_SAMPLED_GAIN and its training reward (last 25 GRPO steps vs first 25) rose by at
 # least MIN_BENCHMARK_REWARD_RISE. The test asks for half of each.
 MIN_BENCHMARK_SAMPLED_GAIN = 0.094

@@ -1,6 +1,6 @@
 """`rltk run grpo algorithm.name=opmd` (Trinity-RFT's OPMD on GRPO's loop) learns on the embedded default (slow).
 
-Where the number comes from: benchmarks/learning.py's `grpo_opmd` runs (README, "Beyond GRPO: DPO, OPMD").
+Where the number comes from: benchmarks/learning.py's `grpo_opmd` runs (docs/tutorials/dpo-and-opmd.md).
 """
 
 import json

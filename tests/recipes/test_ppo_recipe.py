@@ -16,7 +16,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 # benchmarks/learning.py over 5 seeds x the CPU kernel levels: every run of the shipped PPO default
-# gained at least MIN_BENCHMARK_GAIN held-out greedy accuracy (README, "Learning"); the test asks for half.
+# gained at least MIN_BENCHMARK_GAIN held-out greedy accuracy (docs/measurements.md); the test asks for half.
 MIN_BENCHMARK_GAIN = 0.12
 
 

@@ -3,7 +3,7 @@
 `rltk run rm` exactly as shipped (1500 SFT steps, then 2000 Bradley-Terry steps): held-out pairwise
 accuracy must rise, on the default's pairs and on near misses alone. GRPO against the learned model
 (issue 31, item 5) is not asserted: in benchmarks/rm_then_grpo.py it lowered held-out exact match
-(README, "Learning, measured").
+(docs/measurements.md).
 """
 
 import json
@@ -19,8 +19,8 @@ from rltk.training.scaffold.rows import build_rows
 
 CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "reward_model.yaml"
 
-# benchmarks/learning.py --recipes reward_model --seeds 0 1 2 (every CPU kernel level; README, "Learning,
-# measured"): the shipped default's smallest held-out pairwise-accuracy gain over those 9 runs. The test
+# benchmarks/learning.py --recipes reward_model --seeds 0 1 2 (every CPU kernel level; docs/measurements.md):
+# the shipped default's smallest held-out pairwise-accuracy gain over those 9 runs. The test
 # asks for half.
 MIN_PAIRWISE_GAIN = 0.415
 # The same 9 reward models on held-out near misses alone (no wrong-length pairs): the smallest gain (0.895).

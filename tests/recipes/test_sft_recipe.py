@@ -12,7 +12,7 @@ import pytest
 
 from rltk.commands.cli import main
 
-# benchmarks/learning.py --recipes sft --seeds 0 1 2 (every CPU kernel level; README, "Learning"):
+# benchmarks/learning.py --recipes sft --seeds 0 1 2 (every CPU kernel level; docs/measurements.md):
 # the smallest held-out greedy gain over those 9 runs of the shipped default. The test asks for half.
 MIN_BENCHMARK_GAIN = 0.215
 

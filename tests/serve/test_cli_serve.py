@@ -160,12 +160,12 @@ def test_rltk_serve_records_nothing_by_default_and_says_when_the_context_lowers_
     with stack:
         state = app.state.rltk
         assert state.store is None and state.api_keys == [] and app.openapi_url is None
-        # the README: --max-tokens 256 by default, at most the context (256 positions for the tiny model) minus one
+        # the docs (tutorials/serving.md): --max-tokens 256 by default, at most the context (256 positions for the tiny model) minus one
         assert parser.parse_args(["serve"]).max_tokens == 256 and state.max_tokens_limit == 255
         assert "a request may ask for at most 255" in capsys.readouterr().err
         state.batcher.close()
-    readme = (REPO / "README.md").read_text()
-    assert "`--max-tokens` (default 256)" in readme and "255 for the tiny model's 256 positions" in readme
+    page = (REPO / "docs" / "tutorials" / "serving.md").read_text()  # the README's serving section moved there
+    assert "`--max-tokens` (default 256)" in page and "255 for the tiny model's 256 positions" in page
     app, stack, _ = build_server_app(parser.parse_args(["serve", "--record-sessions", "--session-max-records", "7"]))
     with stack:
         assert app.state.rltk.store.max_records == 7
