@@ -177,11 +177,10 @@ def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) ->
         plain_args = OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)
     except Exception:  # an interpolation that does not resolve here is reported where it is resolved
         plain_args = {}
-    for arg, value in plain_args.items():
-        if arg in params:
-            check_arg_type(kind, name, obj, params[arg], value, f"{key}.{arg}")
-    # A function may check how its arguments go together (one of two, a template's fields): its own
-    # ``check_args(args)`` raises ValueError saying what is wrong and what is valid.
+    # A function may check its arguments itself (ranges, how they go together, a template's fields): its
+    # own ``check_args(args)`` raises ValueError saying what is wrong and what is valid. It goes first,
+    # since it knows more than the annotation; a TypeError from it (a value of the wrong type it did not
+    # expect) is left to the annotation check below, which names the argument and its type.
     check = getattr(obj, "check_args", None) if inspect.isfunction(obj) else None
     if callable(check):
         plain = OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)
@@ -189,6 +188,11 @@ def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) ->
             check(plain)
         except ValueError as exc:
             raise ConfigError(f"'{key}': {kind} '{name}': {exc}") from None
+        except TypeError:
+            pass
+    for arg, value in plain_args.items():
+        if arg in params:
+            check_arg_type(kind, name, obj, params[arg], value, f"{key}.{arg}")
 
 
 def check_components(cfg: DictConfig, registry: Registry) -> None:
