@@ -547,8 +547,13 @@ def test_a_step_reads_as_groups_with_whole_multi_turn_responses(browser, dashboa
     console_errors(driver)
     driver.get(f"http://127.0.0.1:{client.port}/#runs/agent")
     wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#steps tr.has-traces[data-step="3"]'), "the table")
-    driver.find_element(By.CSS_SELECTOR, '#steps tr.has-traces[data-step="3"]').click()
+    # a click on a chart (not a drag) at a traced step opens that step
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    svg = _box(driver, '#curves [data-panel="train reward"] svg')
+    ActionChains(driver).move_to_element_with_offset(svg, int(_step_x(driver, svg, 3)) + 2, 0).click().perform()
     groups = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .group"), "the groups")
+    assert svg.get_attribute("data-steps") == "3 4"  # a click does not zoom
     assert driver.find_element(By.ID, "traces-title").text.startswith("step 3: 4 sampled trajectories in 2 groups")
     assert [g.find_element(By.CSS_SELECTOR, "pre.prompt").text for g in groups] == ["3+4=", "9-2="]
     assert len(driver.find_elements(By.CSS_SELECTOR, "#traces pre.prompt")) == 2  # each prompt once
