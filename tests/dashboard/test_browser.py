@@ -510,6 +510,18 @@ def test_runs_overlay_on_one_chart_with_a_legend_a_tooltip_and_zoom(browser, das
     _box(driver, '#runs-list input[data-compare="better"]').click()
     wait_for(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, f"{reward} polyline")) == 1, "one run again")
     assert driver.find_elements(By.CSS_SELECTOR, "#legend .legend-run") == []
+    assert driver.execute_script("return location.hash") == "#runs/base"
+
+    # a comparison is a link: the address names the runs overlaid, and opening it draws them (a missing one
+    # is left out)
+    _box(driver, '#runs-list input[data-compare="better"]').click()
+    wait_for(driver, lambda d: d.execute_script("return location.hash") == "#runs/base?compare=better", "the link")
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/better?compare=base,gone")
+    wait_for(driver, lambda d: [p.get_attribute("data-run") for p in d.find_elements(
+        By.CSS_SELECTOR, f"{reward} polyline")] == ["better", "base"], "the linked comparison")
+    assert _box(driver, '#runs-list input[data-compare="base"]').is_selected()
+    wait_for(driver, lambda d: d.execute_script("return location.hash") == "#runs/better?compare=base",
+             "the missing run dropped from the address")
     assert console_errors(driver) == []
 
 

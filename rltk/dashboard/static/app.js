@@ -48,7 +48,7 @@ function showPage(page) {
 
 for (const tab of document.querySelectorAll(".tab")) {
   tab.addEventListener("click", () => {
-    const hash = tab.dataset.page === "page-runs" ? (viewer.run ? "#runs/" + encodeURIComponent(viewer.run) : "#runs") : "#build";
+    const hash = tab.dataset.page === "page-runs" ? runHash() : "#build";
     if (location.hash !== hash) history.replaceState(null, "", hash);
     showPage(tab.dataset.page);
   });
@@ -409,20 +409,33 @@ function chartRuns() {
   return out;
 }
 
+// The address of what the viewer shows: #runs/NAME?compare=OTHER,... (a comparison can be sent as a link).
+function runHash() {
+  if (!viewer.run) return "#runs";
+  const others = [...viewer.compare].map(encodeURIComponent).join(",");
+  return "#runs/" + encodeURIComponent(viewer.run) + (others ? "?compare=" + others : "");
+}
+
+function keepHash() {
+  if (location.hash !== runHash()) history.replaceState(null, "", runHash());
+}
+
 async function toggleCompare(name, on) {
   if (on) viewer.compare.add(name); else { viewer.compare.delete(name); viewer.others.delete(name); }
+  keepHash();
   if (on) await refreshOthers(); else redrawRuns();
 }
 
 // Fetch the ticked runs (a run that went away is unticked); redraw when one of them changed.
 async function refreshOthers() {
+  if (!viewer.compare.size) return;
   let changed = false;
+  const listed = await getJSON("/api/runs").then((d) => new Set(d.runs.map((r) => r.name)), () => null);
   for (const name of [...viewer.compare]) {
-    let o;
-    try {
-      o = await getJSON("/api/runs/" + encodeURIComponent(name));
-    } catch (e) {
-      viewer.compare.delete(name); viewer.others.delete(name); changed = true; continue;
+    let o = null;
+    if (!listed || listed.has(name)) o = await getJSON("/api/runs/" + encodeURIComponent(name)).catch(() => null);
+    if (!o) {  // gone (or never there, from a link): no longer compared
+      viewer.compare.delete(name); viewer.others.delete(name); keepHash(); changed = true; continue;
     }
     const before = viewer.others.get(name);
     if (!before || before.rows.length !== o.rows.length || before.finished !== o.finished) {
@@ -448,8 +461,7 @@ async function openRun(name) {
   clearInterval(viewer.timer);
   viewer.run = name; viewer.step = null; viewer.rowsSeen = -1; viewer.overview = null; viewer.zoom = null;
   viewer.compare.delete(name); viewer.others.delete(name);
-  const hash = "#runs/" + encodeURIComponent(name);
-  if (location.hash !== hash) history.replaceState(null, "", hash);
+  keepHash();
   for (const b of document.querySelectorAll("#runs-list button")) b.classList.toggle("active", b.dataset.run === name);
   for (const b of document.querySelectorAll("#runs-list input[data-compare]")) {
     b.disabled = b.dataset.compare === name;
@@ -464,6 +476,7 @@ async function openRun(name) {
   if (name !== viewer.run) return;
   if (!listed) return runMissing(name, "it is not among the run folders listed on the left");
   if (!await refreshRun()) return;
+  await refreshOthers();
   // live: a running run's new steps appear, in the open run and in the ones overlaid on it
   viewer.timer = setInterval(() => { refreshRun(); refreshOthers(); }, 3000);
 }
@@ -851,13 +864,25 @@ function tokensNode(t) {
 
 startBuilder().catch((e) => { $("#status").className = "status bad"; $("#status").textContent = "could not load the form: " + e.message; });
 
-// #runs opens the run viewer, #runs/NAME that run, #build (or nothing) the builder; on load and on every change
+// #runs opens the run viewer, #runs/NAME that run (?compare=A,B: with those runs on its charts), #build (or
+// nothing) the builder; on load and on every change
 // of the address in the same tab (a link, typing it, back and forward).
 function route() {
   if (!location.hash.startsWith("#runs")) { showPage("page-build"); return; }
   showPage("page-runs");
-  const name = decodeURIComponent(location.hash.slice(6));
+  const decode = (x) => { try { return decodeURIComponent(x); } catch { return x; } };  // a mistyped "%"
+  const [path, query] = location.hash.slice(6).split("?");
+  const name = decode(path);
+  const listed = ((query || "").match(/(?:^|&)compare=([^&]*)/) || ["", ""])[1];  // split, then decode: a name may hold ","
+  const compare = listed.split(",").map(decode).filter((n) => n && n !== name);
+  const same = compare.length === viewer.compare.size && compare.every((n) => viewer.compare.has(n));
+  if (!same) {
+    viewer.compare = new Set(compare);
+    for (const n of [...viewer.others.keys()]) if (!viewer.compare.has(n)) viewer.others.delete(n);
+    for (const b of document.querySelectorAll("#runs-list input[data-compare]")) b.checked = b.disabled || viewer.compare.has(b.dataset.compare);
+  }
   if (name && name !== viewer.run) openRun(name);
+  else if (!same) refreshOthers().then(() => { redrawRuns(); keepHash(); });
 }
 window.addEventListener("hashchange", route);
 route();
