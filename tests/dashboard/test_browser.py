@@ -545,7 +545,7 @@ def test_a_step_reads_as_groups_with_whole_multi_turn_responses(browser, dashboa
             mask += [1] * len(turn)
         return {"step": 3, "stage": "grpo", "stage_step": 1, "row": 3 * group + index, "group_id": group,
                 "sample_index": index, "row_id": f"r{group}", "prompt": prompt, "response": turns[-1],
-                "ground_truth": "7", "score": max(advantage, 0.0), "rewards": {"exact_match": max(advantage, 0.0)},
+                "ground_truth": "7", "score": max(advantage or 0.0, 0.0), "rewards": {"exact_match": max(advantage or 0.0, 0.0)},
                 "advantage": advantage, "finish_reason": "stop", "source": "policy", "staleness": 0,
                 "response_tokens": len(tokens), "policy_tokens": sum(mask), "tokens": tokens,
                 "token_ids": list(range(len(tokens))), "response_mask": mask, "advantages": [advantage] * len(tokens),
@@ -554,6 +554,9 @@ def test_a_step_reads_as_groups_with_whole_multi_turn_responses(browser, dashboa
     # traced in batch order: the group's samples are not sorted by advantage in the file
     traces = [sample(0, 0, "3+4=", -0.5, ["calc", "8"]), sample(0, 1, "3+4=", 1.0, ["calc", "7"]),
               sample(0, 2, "3+4=", 0.0, ["calc", "calc", "7?"]), sample(1, 0, "9-2=", 0.0, ["7"])]
+    bare = {k: v for k, v in sample(2, 0, "1+1=", None, ["2"]).items()  # a record without token lists
+            if k not in ("tokens", "token_ids", "response_mask", "advantages", "logprobs", "token_rewards")}
+    traces.append({**bare, "advantage": None, "score": None, "rewards": {}})
     (folder / "traces.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
     driver = browser
     console_errors(driver)
@@ -566,9 +569,10 @@ def test_a_step_reads_as_groups_with_whole_multi_turn_responses(browser, dashboa
     ActionChains(driver).move_to_element_with_offset(svg, int(_step_x(driver, svg, 3)) + 2, 0).click().perform()
     groups = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .group"), "the groups")
     assert svg.get_attribute("data-steps") == "3 4"  # a click does not zoom
-    assert driver.find_element(By.ID, "traces-title").text.startswith("step 3: 4 sampled trajectories in 2 groups")
-    assert [g.find_element(By.CSS_SELECTOR, "pre.prompt").text for g in groups] == ["3+4=", "9-2="]
-    assert len(driver.find_elements(By.CSS_SELECTOR, "#traces pre.prompt")) == 2  # each prompt once
+    assert driver.find_element(By.ID, "traces-title").text.startswith("step 3: 5 sampled trajectories in 3 groups")
+    assert [g.find_element(By.CSS_SELECTOR, "pre.prompt").text for g in groups] == ["3+4=", "9-2=", "1+1="]
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#traces pre.prompt")) == 3  # each prompt once
+    assert groups[2].find_element(By.CSS_SELECTOR, ".sample-body > pre.response").text == "2"  # its text instead
     rows = groups[0].find_elements(By.CSS_SELECTOR, ".sample")
     assert [r.find_element(By.CSS_SELECTOR, ".advantage").text for r in rows] == ["adv +1", "adv 0", "adv -0.5"]
     # the whole episode, every turn: the third sample's three assistant turns and two observations, greyed

@@ -840,10 +840,12 @@ function tokensNode(t) {
   const box = el("div", {class: "tokens"});
   const adv = t.advantages || [];
   const scale = Math.max(1e-6, ...adv.filter((a) => a !== null).map(Math.abs));
-  const turns = t.response_mask.some((m) => !m);
+  const masks = Array.isArray(t.response_mask) ? t.response_mask : t.tokens.map(() => 1);
+  const ids = t.token_ids || [];
+  const turns = masks.some((m) => !m);
   let turn = 0, previous = null;
   t.tokens.forEach((text, i) => {
-    const mask = t.response_mask[i];
+    const mask = masks[i];
     if (turns && mask !== previous) {
       box.append(el("span", {class: "turn-label", text: mask ? `[assistant turn ${++turn}]` : "[observation]"}));
       previous = mask;
@@ -854,7 +856,7 @@ function tokensNode(t) {
       const alpha = Math.min(1, Math.abs(a) / scale) * 0.45;
       span.style.background = a >= 0 ? `rgba(40,160,90,${alpha})` : `rgba(200,40,40,${alpha})`;
     }
-    span.title = `token ${i} id ${t.token_ids[i]}  mask ${mask}  advantage ${fmt(a)}` +
+    span.title = `token ${i} id ${fmt(ids[i])}  mask ${mask}  advantage ${fmt(a)}` +
       (t.logprobs ? `  logprob ${fmt(t.logprobs[i])}` : "") + (t.values ? `  value ${fmt(t.values[i])}` : "") +
       (t.token_rewards && t.token_rewards[i] ? `  reward ${fmt(t.token_rewards[i])}` : "");
     box.append(span);
