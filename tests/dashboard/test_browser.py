@@ -505,7 +505,7 @@ def test_runs_overlay_on_one_chart_with_a_legend_a_tooltip_and_zoom(browser, das
     ActionChains(driver).double_click(_box(driver, '#curves [data-panel="held-out accuracy"] svg')).perform()
     wait_for(driver, lambda d: _box(d, '#curves [data-panel="held-out accuracy"] svg').get_attribute("data-steps")
              == "2 4", "all steps again")
-    assert driver.find_element(By.ID, "zoom-note").text == ""
+    assert driver.find_element(By.ID, "zoom-note").text == "drag across a chart to zoom in"
     # unticked, the other run leaves the charts
     _box(driver, '#runs-list input[data-compare="better"]').click()
     wait_for(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, f"{reward} polyline")) == 1, "one run again")

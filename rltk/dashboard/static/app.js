@@ -469,7 +469,7 @@ async function openRun(name) {
   }
   for (const id of ["#traces", "#curves", "#extra-curve", "#steps", "#legend"]) $(id).replaceChildren();
   $("#traces-title").textContent = ""; $("#run-summary").textContent = ""; $("#run-title").textContent = name;
-  $("#zoom-note").textContent = "";
+  setZoom(null);
   $("#run").classList.remove("missing");
   // a link to a run that is not there (a typo, a deleted folder) says so, without asking for it
   const listed = await getJSON("/api/runs").then((d) => d.runs.some((r) => r.name === name), () => true);
@@ -581,7 +581,8 @@ function setZoom(range) {
   viewer.zoom = range;
   $("#zoom-note").replaceChildren(...(range ? [`steps ${range[0]} to ${range[1]} (drag on a chart to zoom in; ` +
     "double-click one to see all steps) ", el("button", {class: "small", id: "zoom-reset", text: "all steps",
-                                                          onclick: () => setZoom(null)})] : []));
+                                                          onclick: () => setZoom(null)})]
+    : ["drag across a chart to zoom in"]));
   drawCharts();
 }
 
@@ -643,7 +644,8 @@ function chart(title, ylabel, lines) {
   // the key: each line's name beside a stretch of the line itself; with several runs (their colours are in the
   // legend above the charts) each curve's name once, beside its dash
   const several = new Set(drawn.map((c) => c.run)).size > 1;
-  const keyed = several ? [...new Map(drawn.map((c) => [c.label, {name: c.label, dash: c.dash, color: "#555"}])).values()] : drawn;
+  const keyed = several
+    ? [...new Map(drawn.map((c) => [c.label, {name: c.label, dash: c.dash, color: "#555"}])).values()] : drawn;
   keyed.forEach((c, i) => {
     add("text", {x: W - R - 30, y: T + 12 + 13 * i, "text-anchor": "end", style: `fill: ${c.color}`}, c.name);
     add("line", {x1: W - R - 26, x2: W - R - 2, y1: T + 8 + 13 * i, y2: T + 8 + 13 * i, stroke: c.color,
@@ -704,7 +706,8 @@ function chart(title, ylabel, lines) {
     dragFrom = null;
     band.setAttribute("visibility", "hidden");
     if (Math.abs(evt.clientX - from.clientX) > 3) {  // a drag: zoom to the steps it covered, to the nearest whole
-      const a = Math.max(x0, Math.round(Math.min(from.x, toStep(evt)))), b = Math.min(x1, Math.round(Math.max(from.x, toStep(evt))));
+      const [p, q] = [from.x, toStep(evt)];
+      const a = Math.max(x0, Math.round(Math.min(p, q))), b = Math.min(x1, Math.round(Math.max(p, q)));
       if (b > a) { hide(); setZoom([a, b]); }
       return;
     }
