@@ -19,11 +19,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rltk.config.errors import ConfigError
 from rltk.config.kl_warnings import kl_warnings
-from rltk.config.merge import checked_merge, one_name_as_list
+from rltk.config.merge import checked_merge, one_name_as_list, schema_node
 from rltk.config.preset_warnings import preset_override_warnings
 from rltk.config.recipe_capabilities import RecipeSpec
 from rltk.config.resolvers import register_resolvers
-from rltk.config.schema import RunConfig
 from rltk.config.validation import validate_config
 from rltk.registry import RegistryError, get_registry
 
@@ -140,7 +139,7 @@ def load_config(
     cli = one_name_as_list(parse_overrides(overrides))
     source = " + ".join([name for name, _ in file_nodes] + (["command line"] if overrides else [])) or "defaults"
 
-    schema = OmegaConf.structured(RunConfig)
+    schema = schema_node()
     # Validate the user's keys against the schema first so a typo is reported
     # against its own source, not against the merged result.
     for name, node in file_nodes:

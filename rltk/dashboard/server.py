@@ -11,6 +11,18 @@ a small JSON API:
     GET  /api/runs/NAME/traces?step=N  that step's traced trajectories
     GET  /api/runs/NAME/curves.png     the run's PNG
 
+The run viewer (static/app.js) draws the panels of a run's ``curves.png`` as charts. Runs ticked in the
+list are overlaid on the open run's charts, one colour a run (the curves of one panel told apart by their
+dashes), with a legend; the tooltip names every line's value at the step under the pointer; smoothing, the
+log scale, the metric filter and the zoom (drag over steps on any chart; double-click for all steps) apply
+to every chart and every run. A traced step reads as its groups: the prompt once, then its samples as rows,
+highest advantage first, each with its whole response token by token (every assistant turn and, greyed,
+every observation), its rewards and transcript one click away.
+
+Speed: the server listens at once; a thread then builds the form and loads the validation path (data,
+tokenizer) in the background, so the first edit barely waits. What is loaded stays loaded: each edit
+afterwards costs one validation (``tests/dashboard/test_dashboard_speed.py`` times them).
+
 Safety: it listens on 127.0.0.1 unless told otherwise; it answers only
 requests whose Host is the address it serves (a web page elsewhere cannot
 reach it through a DNS name it rebinds); POSTs, the only requests that write,
@@ -21,6 +33,7 @@ run folders as data only (:mod:`rltk.dashboard.runs`).
 
 from __future__ import annotations
 
+import gc
 import json
 import secrets
 import threading
@@ -184,6 +197,11 @@ def serve(host: str = "127.0.0.1", port: int = 8765, runs_root: str | Path = "ru
     def warm():
         with server.lock:
             builder.build("grpo", [], known_keys())
+        # What is loaded now (torch, transformers, the registry) stays for the server's life: freeze it out of
+        # the garbage collector's reach. Otherwise every few edits a full collection walks all of it (~130 ms,
+        # doubling that edit's validation), to free the cycles that each validation's config nodes leave.
+        gc.collect()
+        gc.freeze()
 
     threading.Thread(target=warm, daemon=True).start()
     if ready is not None:

@@ -55,13 +55,16 @@ def dashboard(tmp_path):
     thread.join(timeout=10)
 
 
-def write_run(folder: Path) -> Path:
-    """A small run folder as a run writes it: metrics.jsonl, traces.jsonl (two steps), summary, config."""
+def write_run(folder: Path, reward_offset: float = 0.0) -> Path:
+    """A small run folder as a run writes it: metrics.jsonl, traces.jsonl (two steps), summary, config.
+
+    The rewards are 0.5 and 0.75 (steps 3, 4) plus ``reward_offset``, so two runs can differ."""
     folder.mkdir(parents=True)
     rows = [{"step": 1, "sft/sft_loss": 2.0}, {"step": 2, "sft/sft_loss": 1.5},
             {"step": 2, "eval/accuracy": 0.25, "eval/sampled_accuracy": 0.125},
-            {"step": 3, "reward": 0.5, "kl": 0.01}, {"step": 4, "reward": 0.75, "kl": 0.02,
-                                                     "eval/accuracy": 0.5, "eval/sampled_accuracy": 0.375}]
+            {"step": 3, "reward": 0.5 + reward_offset, "kl": 0.01},
+            {"step": 4, "reward": 0.75 + reward_offset, "kl": 0.02, "eval/accuracy": 0.5,
+             "eval/sampled_accuracy": 0.375}]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     traces = []
     for step in (3, 4):

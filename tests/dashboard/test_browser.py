@@ -179,18 +179,29 @@ def test_read_a_real_runs_trajectories_in_the_browser(browser, dashboard, tmp_pa
     step = traced[-1]
     row = driver.find_element(By.CSS_SELECTOR, f'#steps tr.has-traces[data-step="{step}"]')
     row.click()
-    cards = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .trajectory"), "the trajectories")
+    groups = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .group"), "the step's groups")
     from rltk.training.scaffold.traces import read_traces
 
     expected = read_traces(real_run / "traces.jsonl", step=step)
-    assert len(cards) == len(expected)
-    first, record = cards[0], expected[0]
-    assert first.find_element(By.CSS_SELECTOR, "pre.prompt").text == record["prompt"].strip()
-    assert first.find_element(By.CSS_SELECTOR, "pre.response").text == record["response"].strip()
-    assert f"score {record['score']:.4g}" in first.find_element(By.CSS_SELECTOR, ".head").text
-    tokens = first.find_elements(By.CSS_SELECTOR, ".tokens .tok")
-    assert [t.get_attribute("data-mask") for t in tokens] == [str(m) for m in record["response_mask"]]
-    assert "advantage" in tokens[0].get_attribute("title")
+    by_group: dict = {}
+    for record in expected:
+        by_group.setdefault(record["group_id"], []).append(record)
+    assert len(groups) == len(by_group) and len(by_group) < len(expected)  # rollout.n samples a prompt
+    for group, records in zip(groups, by_group.values()):
+        # the prompt once, then the group's samples, best advantage first
+        assert [p.text for p in group.find_elements(By.CSS_SELECTOR, "pre.prompt")] == [records[0]["prompt"].strip()]
+        rows = group.find_elements(By.CSS_SELECTOR, ".sample")
+        ranked = sorted(records, key=lambda r: -r["advantage"])
+        assert [float(r.get_attribute("data-advantage")) for r in rows] == [r["advantage"] for r in ranked]
+        best, record = rows[0], ranked[0]
+        assert f"score {record['score']:.4g}" in best.find_element(By.CSS_SELECTOR, ".sample-meta").text
+        tokens = best.find_elements(By.CSS_SELECTOR, ".tokens .tok")
+        assert "".join(t.get_attribute("textContent") for t in tokens) == "".join(record["tokens"])
+        assert [t.get_attribute("data-mask") for t in tokens] == [str(m) for m in record["response_mask"]]
+        assert "advantage" in tokens[0].get_attribute("title")
+    # a group of 4 short answers stays compact: well under 300 px a sample
+    height = driver.execute_script("return arguments[0].getBoundingClientRect().height", groups[0])
+    assert height < 100 + 60 * len(by_group[expected[0]["group_id"]]), height
     # every traced step of a real run, and its curves and table, draw without a console error
     for other in [s for s in traced if s != step]:
         driver.find_element(By.CSS_SELECTOR, f'#steps tr.has-traces[data-step="{other}"]').click()
@@ -198,9 +209,10 @@ def test_read_a_real_runs_trajectories_in_the_browser(browser, dashboard, tmp_pa
                  f"step {other}'s trajectories")
     assert console_errors(driver) == []
     driver.find_element(By.CSS_SELECTOR, f'#steps tr.has-traces[data-step="{step}"]').click()
-    cards = wait_for(driver, lambda d: d.find_element(By.ID, "traces-title").text.startswith(f"step {step}:")
-                     and d.find_elements(By.CSS_SELECTOR, "#traces .trajectory"), "the trajectories again")
-    first = cards[0]
+    rows = wait_for(driver, lambda d: d.find_element(By.ID, "traces-title").text.startswith(f"step {step}:")
+                    and d.find_elements(By.CSS_SELECTOR, "#traces .sample"), "the samples again")
+    first = rows[0]
+    first.find_element(By.CSS_SELECTOR, ".sample-details > summary").click()  # the rest of a sample, on demand
     assert "exact_match" in first.find_element(By.CSS_SELECTOR, "table.rewards").text
     driver.execute_script("arguments[0].scrollIntoView()", first)
     screenshot(driver, tmp_path, "dashboard-run")
@@ -416,4 +428,164 @@ def test_metrics_are_filtered_smoothed_and_drawn_on_a_log_scale(browser, dashboa
                           "s.dispatchEvent(new Event('input'))")
     driver.find_element(By.ID, "log-scale").click()  # log10 of 0.125 and 0.375
     wait_for(driver, lambda d: drawn() == "-0.9031 -0.426", "the log-scale curve")
+    assert console_errors(driver) == []
+
+
+def _step_x(driver, svg, step: int) -> float:
+    """The pixel offset of ``step`` from the centre of a chart's SVG (what ActionChains offsets are from)."""
+    return driver.execute_script("""
+        const [svg, step] = arguments; const [x0, x1] = svg.dataset.steps.split(' ').map(Number);
+        const box = svg.getBoundingClientRect(), W = 720, L = 50, R = 10;
+        return (L + (step - x0) / (x1 - x0) * (W - L - R)) * box.width / W - box.width / 2;""", svg, step)
+
+
+def test_runs_overlay_on_one_chart_with_a_legend_a_tooltip_and_zoom(browser, dashboard, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    from tests.dashboard.conftest import write_run
+
+    client, runs_root, _ = dashboard
+    write_run(runs_root / "base")
+    write_run(runs_root / "better", reward_offset=0.125)  # rewards 0.625, 0.875
+    driver = browser
+    console_errors(driver)
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/base")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#curves [data-panel="train reward"] svg'),
+             "the curves")
+    _box(driver, '#runs-list input[data-compare="better"]').click()  # overlay the other run
+    reward = '#curves [data-panel="train reward"]'
+    lines = wait_for(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, f"{reward} polyline")) == 2
+                     and d.find_elements(By.CSS_SELECTOR, f"{reward} polyline"), "both runs' reward lines")
+    drawn = {line.get_attribute("data-run"): line for line in lines}
+    assert drawn["base"].get_attribute("data-values") == "0.5 0.75"
+    assert drawn["better"].get_attribute("data-values") == "0.625 0.875"
+    assert drawn["base"].get_attribute("stroke") != drawn["better"].get_attribute("stroke")  # a colour each
+    legend = driver.find_elements(By.CSS_SELECTOR, "#legend .legend-run")
+    assert [e.text for e in legend] == ["base", "better"]
+    # a panel of two curves keeps both, per run: 4 lines, the run in the colour, the curve in the dash
+    held_out = driver.find_elements(By.CSS_SELECTOR, '#curves [data-panel="held-out accuracy"] polyline')
+    assert [(p.get_attribute("data-run"), p.get_attribute("data-label")) for p in held_out] == [
+        ("base", "greedy"), ("base", "sampled"), ("better", "greedy"), ("better", "sampled")]
+    assert held_out[0].get_attribute("stroke-dasharray") != held_out[1].get_attribute("stroke-dasharray")
+
+    # smoothing applies to every line: 0.5, then (0.5 * 0.25 + 0.5 * 0.75) / 0.75 = 0.6667 (0.7917 for the other)
+    driver.execute_script("const s = document.getElementById('smoothing'); s.value = '0.5';"
+                          "s.dispatchEvent(new Event('input'))")
+    wait_for(driver, lambda d: [p.get_attribute("data-values") for p in d.find_elements(
+        By.CSS_SELECTOR, f"{reward} polyline")] == ["0.5 0.6667", "0.625 0.7917"], "both lines smoothed")
+    driver.execute_script("const s = document.getElementById('smoothing'); s.value = '0';"
+                          "s.dispatchEvent(new Event('input'))")
+
+    # the tooltip names every line at the step under the pointer
+    svg = _box(driver, f"{reward} svg")
+    ActionChains(driver).move_to_element_with_offset(svg, int(_step_x(driver, svg, 4)), 0).perform()
+    tooltip = wait_for(driver, lambda d: "better" in d.find_element(By.ID, "tooltip").text
+                       and d.find_element(By.ID, "tooltip").text, "the tooltip")
+    assert tooltip.splitlines() == ["step 4", "base · per step: 0.75", "better · per step: 0.875"]
+
+    # the metric filter plots the metric for every run
+    driver.find_element(By.ID, "metric-filter").send_keys("reward")
+    extra = wait_for(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#extra-curve polyline")) == 2
+                     and d.find_elements(By.CSS_SELECTOR, "#extra-curve polyline"), "the filtered metric, twice")
+    assert [p.get_attribute("data-run") for p in extra] == ["base", "better"]
+
+    # zoom: drag over steps 3..4 of the held-out chart (steps 2..4); every chart shows 3..4; double-click: all
+    svg = _box(driver, '#curves [data-panel="held-out accuracy"] svg')
+    assert svg.get_attribute("data-steps") == "2 4"
+    start, end = _step_x(driver, svg, 2.6), _step_x(driver, svg, 4)
+    ActionChains(driver).move_to_element_with_offset(svg, int(start), 0).click_and_hold() \
+        .move_by_offset(int((end - start) / 2), 0).move_by_offset(int((end - start) / 2), 0).release().perform()
+    wait_for(driver, lambda d: _box(d, '#curves [data-panel="held-out accuracy"] svg').get_attribute("data-steps")
+             == "3 4", "the zoom")
+    assert _box(driver, '#curves [data-panel="held-out accuracy"] polyline').get_attribute("data-values") == "0.5"
+    assert _box(driver, f"{reward} svg").get_attribute("data-steps") == "3 4"
+    assert "steps 3 to 4" in driver.find_element(By.ID, "zoom-note").text
+    screenshot(driver, tmp_path, "dashboard-overlay")
+    ActionChains(driver).double_click(_box(driver, '#curves [data-panel="held-out accuracy"] svg')).perform()
+    wait_for(driver, lambda d: _box(d, '#curves [data-panel="held-out accuracy"] svg').get_attribute("data-steps")
+             == "2 4", "all steps again")
+    assert driver.find_element(By.ID, "zoom-note").text == "drag across a chart to zoom in"
+    # unticked, the other run leaves the charts
+    _box(driver, '#runs-list input[data-compare="better"]').click()
+    wait_for(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, f"{reward} polyline")) == 1, "one run again")
+    assert driver.find_elements(By.CSS_SELECTOR, "#legend .legend-run") == []
+    assert driver.execute_script("return location.hash") == "#runs/base"
+
+    # a comparison is a link: the address names the runs overlaid, and opening it draws them (a missing one
+    # is left out)
+    _box(driver, '#runs-list input[data-compare="better"]').click()
+    wait_for(driver, lambda d: d.execute_script("return location.hash") == "#runs/base?compare=better", "the link")
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/better?compare=base,gone")
+    wait_for(driver, lambda d: [p.get_attribute("data-run") for p in d.find_elements(
+        By.CSS_SELECTOR, f"{reward} polyline")] == ["better", "base"], "the linked comparison")
+    assert _box(driver, '#runs-list input[data-compare="base"]').is_selected()
+    wait_for(driver, lambda d: d.execute_script("return location.hash") == "#runs/better?compare=base",
+             "the missing run dropped from the address")
+    assert console_errors(driver) == []
+
+
+def test_a_step_reads_as_groups_with_whole_multi_turn_responses(browser, dashboard, tmp_path):
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    from tests.dashboard.conftest import write_run
+
+    client, runs_root, _ = dashboard
+    folder = write_run(runs_root / "agent")
+
+    def sample(group, index, prompt, advantage, turns):
+        tokens, mask = [], []
+        for i, turn in enumerate(turns):  # assistant turns, an observation between each two
+            if i:
+                tokens += ["<obs>", " 7"]
+                mask += [0, 0]
+            tokens += list(turn)
+            mask += [1] * len(turn)
+        return {"step": 3, "stage": "grpo", "stage_step": 1, "row": 3 * group + index, "group_id": group,
+                "sample_index": index, "row_id": f"r{group}", "prompt": prompt, "response": turns[-1],
+                "ground_truth": "7", "score": max(advantage or 0.0, 0.0), "rewards": {"exact_match": max(advantage or 0.0, 0.0)},
+                "advantage": advantage, "finish_reason": "stop", "source": "policy", "staleness": 0,
+                "response_tokens": len(tokens), "policy_tokens": sum(mask), "tokens": tokens,
+                "token_ids": list(range(len(tokens))), "response_mask": mask, "advantages": [advantage] * len(tokens),
+                "logprobs": [-0.5] * len(tokens), "token_rewards": [0.0] * len(tokens), "values": None, "info": {}}
+
+    # traced in batch order: the group's samples are not sorted by advantage in the file
+    traces = [sample(0, 0, "3+4=", -0.5, ["calc", "8"]), sample(0, 1, "3+4=", 1.0, ["calc", "7"]),
+              sample(0, 2, "3+4=", 0.0, ["calc", "calc", "7?"]), sample(1, 0, "9-2=", 0.0, ["7"])]
+    bare = {k: v for k, v in sample(2, 0, "1+1=", None, ["2"]).items()  # a record without token lists
+            if k not in ("tokens", "token_ids", "response_mask", "advantages", "logprobs", "token_rewards")}
+    traces.append({**bare, "advantage": None, "score": None, "rewards": {}})
+    (folder / "traces.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+    driver = browser
+    console_errors(driver)
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/agent")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#steps tr.has-traces[data-step="3"]'), "the table")
+    # a click on a chart (not a drag) at a traced step opens that step
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    svg = _box(driver, '#curves [data-panel="train reward"] svg')
+    ActionChains(driver).move_to_element_with_offset(svg, int(_step_x(driver, svg, 3)) + 2, 0).click().perform()
+    groups = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .group"), "the groups")
+    assert svg.get_attribute("data-steps") == "3 4"  # a click does not zoom
+    assert driver.find_element(By.ID, "traces-title").text.startswith("step 3: 5 sampled trajectories in 3 groups")
+    assert [g.find_element(By.CSS_SELECTOR, "pre.prompt").text for g in groups] == ["3+4=", "9-2=", "1+1="]
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#traces pre.prompt")) == 3  # each prompt once
+    assert groups[2].find_element(By.CSS_SELECTOR, ".sample-body > pre.response").text == "2"  # its text instead
+    rows = groups[0].find_elements(By.CSS_SELECTOR, ".sample")
+    assert [r.find_element(By.CSS_SELECTOR, ".advantage").text for r in rows] == ["adv +1", "adv 0", "adv -0.5"]
+    # the whole episode, every turn: the third sample's three assistant turns and two observations, greyed
+    third = rows[1]
+    labels = [e.text for e in third.find_elements(By.CSS_SELECTOR, ".turn-label")]
+    assert labels == ["[assistant turn 1]", "[observation]", "[assistant turn 2]", "[observation]",
+                      "[assistant turn 3]"]
+    assert "".join(t.get_attribute("textContent") for t in third.find_elements(By.CSS_SELECTOR, ".tok")) == \
+        "calc<obs> 7calc<obs> 77?"
+    observed = third.find_elements(By.CSS_SELECTOR, ".tok.obs")
+    assert [t.get_attribute("textContent") for t in observed] == ["<obs>", " 7", "<obs>", " 7"]
+    assert observed[0].value_of_css_property("color") == "rgba(119, 119, 119, 1)"  # grey: not the policy's
+    # a single-turn answer has no turn labels to wade through
+    assert groups[1].find_elements(By.CSS_SELECTOR, ".turn-label") == []
+    screenshot(driver, tmp_path, "dashboard-groups")
     assert console_errors(driver) == []

@@ -48,7 +48,7 @@ function showPage(page) {
 
 for (const tab of document.querySelectorAll(".tab")) {
   tab.addEventListener("click", () => {
-    const hash = tab.dataset.page === "page-runs" ? (viewer.run ? "#runs/" + encodeURIComponent(viewer.run) : "#runs") : "#build";
+    const hash = tab.dataset.page === "page-runs" ? runHash() : "#build";
     if (location.hash !== hash) history.replaceState(null, "", hash);
     showPage(tab.dataset.page);
   });
@@ -374,8 +374,14 @@ async function startBuilder() {
 }
 
 // ------------------------------------------------------------------ run viewer
-const viewer = {run: null, overview: null, step: null, timer: null, listTimer: null, rowsSeen: -1};
-const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"];
+// The open run (its table and traces) and the runs overlaid on its charts, each run in its own colour.
+const viewer = {run: null, overview: null, step: null, timer: null, listTimer: null, rowsSeen: -1,
+                compare: new Set(),  // the other runs ticked in the list, overlaid on the open run's charts
+                others: new Map(),   // name -> overview of each of them
+                zoom: null};         // [first step, last step] every chart shows; null: all steps
+const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                "#bcbd22", "#17becf"];
+const DASHES = ["", "6 3", "2 3", "8 3 2 3"];  // the curves of one panel, when the colour says the run
 
 function showRunsError(e) {
   $("#runs-root").textContent = "could not list the runs: " + e.message;
@@ -383,28 +389,96 @@ function showRunsError(e) {
 
 async function loadRuns() {
   const data = await getJSON("/api/runs");
-  $("#runs-root").textContent = "runs in " + data.root;
-  $("#runs-list").replaceChildren(...data.runs.map((r) => el("li", {},
-    el("button", {"data-run": r.name, class: r.name === viewer.run ? "active" : "",
-                  onclick: () => openRun(r.name), text: r.name + (r.finished ? "" : "  (running?)")}))));
+  $("#runs-root").textContent = "runs in " + data.root + " (tick runs to overlay them on the charts)";
+  $("#runs-list").replaceChildren(...data.runs.map((r) => {
+    const box = el("input", {type: "checkbox", "data-compare": r.name, title: "overlay on the charts",
+                             "aria-label": "overlay " + r.name + " on the charts",
+                             checked: r.name === viewer.run || viewer.compare.has(r.name) || undefined,
+                             disabled: r.name === viewer.run || undefined});
+    box.addEventListener("change", () => toggleCompare(r.name, box.checked));
+    return el("li", {}, box, el("button", {"data-run": r.name, class: r.name === viewer.run ? "active" : "",
+                                           onclick: () => openRun(r.name), text: r.name + (r.finished ? "" : "  (running?)")}));
+  }));
   if (!data.runs.length) $("#runs-list").append(el("li", {class: "muted", text: "no run folders with metrics.jsonl yet"}));
+}
+
+// The runs the charts show, in legend order: the open run first, then the ticked ones.
+function chartRuns() {
+  const out = viewer.overview ? [{name: viewer.run, overview: viewer.overview}] : [];
+  for (const name of viewer.compare) if (viewer.others.has(name)) out.push({name, overview: viewer.others.get(name)});
+  return out;
+}
+
+// The address of what the viewer shows: #runs/NAME?compare=OTHER,... (a comparison can be sent as a link).
+function runHash() {
+  if (!viewer.run) return "#runs";
+  const others = [...viewer.compare].map(encodeURIComponent).join(",");
+  return "#runs/" + encodeURIComponent(viewer.run) + (others ? "?compare=" + others : "");
+}
+
+function keepHash() {
+  if (location.hash !== runHash()) history.replaceState(null, "", runHash());
+}
+
+async function toggleCompare(name, on) {
+  if (on) viewer.compare.add(name); else { viewer.compare.delete(name); viewer.others.delete(name); }
+  keepHash();
+  if (on) await refreshOthers(); else redrawRuns();
+}
+
+// Fetch the ticked runs (a run that went away is unticked); redraw when one of them changed.
+async function refreshOthers() {
+  if (!viewer.compare.size) return;
+  let changed = false;
+  const listed = await getJSON("/api/runs").then((d) => new Set(d.runs.map((r) => r.name)), () => null);
+  for (const name of [...viewer.compare]) {
+    let o = null;
+    if (!listed || listed.has(name)) o = await getJSON("/api/runs/" + encodeURIComponent(name)).catch(() => null);
+    if (!o) {  // gone (or never there, from a link): no longer compared
+      viewer.compare.delete(name); viewer.others.delete(name); keepHash(); changed = true; continue;
+    }
+    const before = viewer.others.get(name);
+    if (!before || before.rows.length !== o.rows.length || before.finished !== o.finished) {
+      viewer.others.set(name, o); changed = true;
+    }
+  }
+  if (changed) redrawRuns();
+}
+
+function redrawRuns() {
+  drawLegend();
+  drawCharts();
+  fillMetrics();
+}
+
+function drawLegend() {
+  const runs = chartRuns();
+  $("#legend").replaceChildren(...(runs.length > 1 ? runs.map((r, i) => el("span", {class: "legend-run", "data-run": r.name},
+    el("span", {class: "swatch", style: `background:${COLORS[i % COLORS.length]}`}), r.name)) : []));
 }
 
 async function openRun(name) {
   clearInterval(viewer.timer);
-  viewer.run = name; viewer.step = null; viewer.rowsSeen = -1; viewer.overview = null;
-  const hash = "#runs/" + encodeURIComponent(name);
-  if (location.hash !== hash) history.replaceState(null, "", hash);
+  viewer.run = name; viewer.step = null; viewer.rowsSeen = -1; viewer.overview = null; viewer.zoom = null;
+  viewer.compare.delete(name); viewer.others.delete(name);
+  keepHash();
   for (const b of document.querySelectorAll("#runs-list button")) b.classList.toggle("active", b.dataset.run === name);
-  for (const id of ["#traces", "#curves", "#extra-curve", "#steps"]) $(id).replaceChildren();
+  for (const b of document.querySelectorAll("#runs-list input[data-compare]")) {
+    b.disabled = b.dataset.compare === name;
+    b.checked = b.dataset.compare === name || viewer.compare.has(b.dataset.compare);
+  }
+  for (const id of ["#traces", "#curves", "#extra-curve", "#steps", "#legend"]) $(id).replaceChildren();
   $("#traces-title").textContent = ""; $("#run-summary").textContent = ""; $("#run-title").textContent = name;
+  setZoom(null);
   $("#run").classList.remove("missing");
   // a link to a run that is not there (a typo, a deleted folder) says so, without asking for it
   const listed = await getJSON("/api/runs").then((d) => d.runs.some((r) => r.name === name), () => true);
   if (name !== viewer.run) return;
   if (!listed) return runMissing(name, "it is not among the run folders listed on the left");
   if (!await refreshRun()) return;
-  viewer.timer = setInterval(refreshRun, 3000);  // live: a running run's new steps appear
+  await refreshOthers();
+  // live: a running run's new steps appear, in the open run and in the ones overlaid on it
+  viewer.timer = setInterval(() => { refreshRun(); refreshOthers(); }, 3000);
 }
 
 function runMissing(name, why) {
@@ -431,28 +505,45 @@ async function refreshRun() {
   $("#run-title").textContent = o.name;
   const final = o.summary && o.summary.final ? Object.entries(o.summary.final).map(([k, v]) => `${k}=${Number(v).toFixed(3)}`).join("  ") : "";
   $("#run-summary").textContent = (o.finished ? "finished. " + final : `running or stopped: ${o.rows.length} metric rows so far`);
-  drawCharts();
-  fillMetrics();
+  redrawRuns();
   renderSteps();
   return true;
 }
 
+// Each panel of curves.png, with the same panel of every overlaid run: one line per (run, curve).
 function drawCharts() {
-  const o = viewer.overview;
-  if (!o) return;
-  $("#curves").replaceChildren(...o.panels.map((p) => chart(p.title, p.ylabel, p.curves)));
+  const runs = chartRuns();
+  if (!runs.length) return;
+  const titles = [], panels = new Map();
+  runs.forEach((r, ri) => {
+    for (const p of r.overview.panels) {
+      if (!panels.has(p.title)) { titles.push(p.title); panels.set(p.title, {ylabel: p.ylabel, lines: []}); }
+      panels.get(p.title).lines.push(...p.curves.map((c, ci) => lineOf(runs, ri, ci, c)));
+    }
+  });
+  $("#curves").replaceChildren(...titles.map((t) => chart(t, panels.get(t).ylabel, panels.get(t).lines)));
   drawExtra();
 }
 
-// The metrics to plot, narrowed by the filter box (a part of the name: "eval/", "kl").
+// A curve of run ``ri`` as a drawn line: one run colours its curves apart; several runs colour by run and
+// tell a panel's curves apart by their dashes. Its name says the run when there are several.
+function lineOf(runs, ri, ci, curve) {
+  const several = runs.length > 1;
+  const name = several ? `${runs[ri].name} · ${curve.label}` : curve.label;
+  return {...curve, run: runs[ri].name, name, color: COLORS[(several ? ri : ci) % COLORS.length],
+          dash: several ? DASHES[ci % DASHES.length] : ""};
+}
+
+// The metrics to plot, narrowed by the filter box (a part of the name: "eval/", "kl"); every chart run's keys.
 function fillMetrics() {
-  const o = viewer.overview;
-  if (!o) return;
+  const runs = chartRuns();
+  if (!runs.length) return;
   const extra = $("#extra-metric");
   const chosen = extra.value;
   const filter = $("#metric-filter").value.trim().toLowerCase();
-  const keys = o.keys.filter((k) => !filter || k.toLowerCase().includes(filter));
-  extra.replaceChildren(el("option", {value: "", text: `- (${keys.length} of ${o.keys.length})`}),
+  const all = [...new Set(runs.flatMap((r) => r.overview.keys))].sort();
+  const keys = all.filter((k) => !filter || k.toLowerCase().includes(filter));
+  extra.replaceChildren(el("option", {value: "", text: `- (${keys.length} of ${all.length})`}),
     ...keys.map((k) => el("option", {value: k, text: k, selected: k === chosen || undefined})));
   if (keys.length === 1 && filter) extra.value = keys[0];  // one match: plot it
   drawExtra();
@@ -467,32 +558,65 @@ function smooth(values, weight) {
 
 function drawExtra() {
   const key = $("#extra-metric").value;
-  const o = viewer.overview;
-  if (!key || !o) { $("#extra-curve").replaceChildren(); return; }
-  const rows = o.rows.filter((r) => typeof r[key] === "number");
-  $("#extra-curve").replaceChildren(chart(key, key, [{label: key, steps: rows.map((r) => r.step), values: rows.map((r) => r[key])}]));
+  const runs = chartRuns();
+  if (!key || !runs.length) { $("#extra-curve").replaceChildren(); return; }
+  const lines = runs.map((r, ri) => {
+    const rows = r.overview.rows.filter((x) => typeof x[key] === "number");
+    return lineOf(runs, ri, 0, {label: key, steps: rows.map((x) => x.step), values: rows.map((x) => x[key])});
+  }).filter((l) => l.steps.length);
+  $("#extra-curve").replaceChildren(chart(key, key, lines));
 }
 
-// An SVG line chart; hovering shows the nearest point, clicking a step with traces opens them.
-function chart(title, ylabel, rawCurves) {
+// Round tick values between y0 and y1: multiples of 1, 2 or 5 times a power of ten, 3 to 6 of them.
+function niceTicks(y0, y1) {
+  const raw = (y1 - y0) / 4, power = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw * 0.75) || raw;
+  const ticks = [];
+  for (let y = Math.ceil(y0 / step - 1e-9) * step; y <= y1 + step * 1e-9; y += step) ticks.push(Number(y.toPrecision(12)));
+  return ticks;
+}
+
+// Zoom to a step range (every chart), or back to all steps (null).
+function setZoom(range) {
+  viewer.zoom = range;
+  $("#zoom-note").replaceChildren(...(range ? [`steps ${range[0]} to ${range[1]} (drag on a chart to zoom in; ` +
+    "double-click one to see all steps) ", el("button", {class: "small", id: "zoom-reset", text: "all steps",
+                                                          onclick: () => setZoom(null)})]
+    : ["drag across a chart to zoom in"]));
+  drawCharts();
+}
+
+// An SVG line chart of ``lines`` ({name, steps, values, color, dash, faint}). Smoothing, then the log scale and
+// the zoom apply to every line. Hover: every line's value at the nearest step; drag: zoom to the steps
+// dragged over; double-click: all steps; click: that step's traces, when it has some.
+function chart(title, ylabel, lines) {
   const W = 720, H = 200, L = 50, R = 10, T = 10, B = 28;
   const weight = Number($("#smoothing").value), logScale = $("#log-scale").checked;
-  // log scale: only positive values can be drawn; smoothing applies to what is drawn
-  const curves = rawCurves.map((c) => {
+  const zoom = viewer.zoom;
+  const drawn = lines.map((c) => {
+    // log scale: only positive values can be drawn; smoothing applies to what is drawn, over the whole run
     const keep = c.values.map((v) => !logScale || v > 0);
-    const steps = c.steps.filter((_, j) => keep[j]), values = c.values.filter((_, j) => keep[j]);
-    return {...c, steps, values: smooth(logScale ? values.map(Math.log10) : values, weight), raw: values};
+    const steps = c.steps.filter((_, j) => keep[j]), raw = c.values.filter((_, j) => keep[j]);
+    const values = smooth(logScale ? raw.map(Math.log10) : raw, weight);
+    const inside = steps.map((s) => !zoom || (s >= zoom[0] && s <= zoom[1]));
+    const pick = (xs) => xs.filter((_, j) => inside[j]);
+    return {...c, steps: pick(steps), values: pick(values), raw: pick(raw)};
   });
-  const xs = curves.flatMap((c) => c.steps), ys = curves.flatMap((c) => c.values);
+  const xs = drawn.flatMap((c) => c.steps), ys = drawn.flatMap((c) => c.values);
   const panel = el("div", {class: "panel", "data-panel": title}, el("h4", {text: title}));
-  if (!xs.length) return panel;
+  if (!xs.length) {
+    if (zoom) panel.append(el("div", {class: "muted", text: "nothing logged in these steps"}));
+    return panel;
+  }
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (zoom) [x0, x1] = zoom;
   if (x0 === x1) x1 = x0 + 1;
   if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
   const sx = (x) => L + (x - x0) / (x1 - x0) * (W - L - R), sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`); svg.setAttribute("width", "100%");
+  svg.dataset.steps = `${x0} ${x1}`;
   const add = (tag, attrs, text) => {
     const n = document.createElementNS(ns, tag);
     for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, v);
@@ -501,46 +625,96 @@ function chart(title, ylabel, rawCurves) {
   };
   add("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis"});
   add("line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"});
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4;
-    add("text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end"}, logScale ? Number((10 ** y).toPrecision(2)) : Number(y.toPrecision(3)));
+  for (const y of niceTicks(y0, y1)) {
+    add("text", {x: L - 4, y: sy(y) + 4, "text-anchor": "end", class: "ytick"},
+        logScale ? Number((10 ** y).toPrecision(2)) : Number(y.toPrecision(6)));
   }
   const every = Math.max(1, Math.ceil((x1 - x0) / 6));  // steps are whole numbers: whole, distinct ticks
   for (let x = Math.ceil(x0 / every) * every; x <= x1; x += every) {
-    add("text", {x: sx(x), y: H - B + 14, "text-anchor": "middle"}, x);
+    add("text", {x: sx(x), y: H - B + 14, "text-anchor": "middle", class: "xtick"}, x);
   }
   add("text", {x: W - R, y: H - 2, "text-anchor": "end"}, "step");
-  curves.forEach((c, i) => {
+  drawn.forEach((c, i) => {
     const points = c.steps.map((s, j) => `${sx(s).toFixed(1)},${sy(c.values[j]).toFixed(1)}`).join(" ");
-    add("polyline", {points, class: "curve" + (c.faint ? " faint" : ""), stroke: COLORS[i % COLORS.length],
-                     "data-label": c.label, "data-values": c.values.map((v) => Number(v.toPrecision(4))).join(" ")});
-    add("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", fill: COLORS[i % COLORS.length]}, c.label);
+    add("polyline", {points, class: "curve" + (c.faint ? " faint" : ""), stroke: c.color, "stroke-dasharray": c.dash || "none",
+                     "data-run": c.run, "data-label": c.label,
+                     "data-values": c.values.map((v) => Number(v.toPrecision(4))).join(" ")});
+    if (c.steps.length === 1) add("circle", {cx: sx(c.steps[0]), cy: sy(c.values[0]), r: 2.5, fill: c.color});
   });
-  const marker = add("circle", {r: 4, fill: "none", stroke: "#000", visibility: "hidden"});
+  // the key: each line's name beside a stretch of the line itself; with several runs (their colours are in the
+  // legend above the charts) each curve's name once, beside its dash
+  const several = new Set(drawn.map((c) => c.run)).size > 1;
+  const keyed = several
+    ? [...new Map(drawn.map((c) => [c.label, {name: c.label, dash: c.dash, color: "#555"}])).values()] : drawn;
+  keyed.forEach((c, i) => {
+    add("text", {x: W - R - 30, y: T + 12 + 13 * i, "text-anchor": "end", style: `fill: ${c.color}`}, c.name);
+    add("line", {x1: W - R - 26, x2: W - R - 2, y1: T + 8 + 13 * i, y2: T + 8 + 13 * i, stroke: c.color,
+                 "stroke-width": 2, "stroke-dasharray": c.dash || "none"});
+  });
+  const markers = drawn.map((c) => add("circle", {r: 3.5, fill: "none", stroke: c.color, visibility: "hidden"}));
+  const band = add("rect", {y: T, height: H - T - B, class: "zoom-band", visibility: "hidden"});
   const tooltip = $("#tooltip");
-  const nearest = (evt) => {
+  const toStep = (evt) => {  // the step under the pointer, as a (fractional) number
     const box = svg.getBoundingClientRect();
-    const x = x0 + ((evt.clientX - box.left) / box.width * W - L) / (W - L - R) * (x1 - x0);
+    return x0 + ((evt.clientX - box.left) / box.width * W - L) / (W - L - R) * (x1 - x0);
+  };
+  const nearestStep = (x) => {
     let best = null;
-    for (const c of curves) c.steps.forEach((s, j) => {
-      const d = Math.abs(s - x);
-      if (!best || d < best.d) best = {d, step: s, value: c.values[j], raw: c.raw[j], label: c.label};
-    });
+    for (const s of xs) if (best === null || Math.abs(s - x) < Math.abs(best - x)) best = s;
     return best;
   };
+  // each line's point at ``step``, or at its own nearest step (named) when it logged nothing there
+  const pointsAt = (step) => drawn.map((c, i) => {
+    if (!c.steps.length) return null;
+    let j = 0;
+    c.steps.forEach((s, k) => { if (Math.abs(s - step) < Math.abs(c.steps[j] - step)) j = k; });
+    return {i, name: c.name, step: c.steps[j], value: c.values[j], raw: c.raw[j]};
+  }).filter((p) => p);
+  const hide = () => { tooltip.classList.add("hidden"); for (const m of markers) m.setAttribute("visibility", "hidden"); };
+  let dragFrom = null;
+  svg.addEventListener("mousedown", (evt) => {
+    if (evt.button !== 0) return;
+    evt.preventDefault();  // no text selection while dragging
+    dragFrom = {x: toStep(evt), clientX: evt.clientX};
+  });
   svg.addEventListener("mousemove", (evt) => {
-    const p = nearest(evt);
-    if (!p) return;
-    marker.setAttribute("cx", sx(p.step)); marker.setAttribute("cy", sy(p.value)); marker.setAttribute("visibility", "visible");
-    tooltip.textContent = `step ${p.step}: ${p.label} ${Number(p.raw).toPrecision(4)}`;
-    tooltip.style.left = evt.clientX + 12 + "px"; tooltip.style.top = evt.clientY + 12 + "px";
+    const x = toStep(evt);
+    if (dragFrom && Math.abs(evt.clientX - dragFrom.clientX) > 3) {
+      const [a, b] = [Math.max(x0, Math.min(dragFrom.x, x)), Math.min(x1, Math.max(dragFrom.x, x))];
+      band.setAttribute("x", sx(a)); band.setAttribute("width", Math.max(0, sx(b) - sx(a)));
+      band.setAttribute("visibility", "visible");
+    }
+    const step = nearestStep(x);
+    const points = pointsAt(step);
+    points.forEach((p) => {
+      markers[p.i].setAttribute("cx", sx(p.step)); markers[p.i].setAttribute("cy", sy(p.value));
+      markers[p.i].setAttribute("visibility", "visible");
+    });
+    const four = (v) => Number(Number(v).toPrecision(4));
+    tooltip.textContent = [`step ${step}`, ...points.map((p) => `${p.name}: ${four(p.raw)}` +
+      (weight ? ` (smoothed ${four(logScale ? 10 ** p.value : p.value)})` : "") +
+      (p.step !== step ? ` (at step ${p.step})` : ""))].join("\n");
     tooltip.classList.remove("hidden");
+    const right = evt.clientX + 12 + tooltip.offsetWidth > window.innerWidth;  // near the right edge: on the left
+    tooltip.style.left = (right ? evt.clientX - 12 - tooltip.offsetWidth : evt.clientX + 12) + "px";
+    tooltip.style.top = evt.clientY + 12 + "px";
   });
-  svg.addEventListener("mouseleave", () => { tooltip.classList.add("hidden"); marker.setAttribute("visibility", "hidden"); });
-  svg.addEventListener("click", (evt) => {
-    const p = nearest(evt);
-    if (p && viewer.overview && viewer.overview.trace_steps[p.step]) openStep(p.step);
+  svg.addEventListener("mouseleave", () => { hide(); dragFrom = null; band.setAttribute("visibility", "hidden"); });
+  svg.addEventListener("mouseup", (evt) => {
+    if (!dragFrom) return;
+    const from = dragFrom;
+    dragFrom = null;
+    band.setAttribute("visibility", "hidden");
+    if (Math.abs(evt.clientX - from.clientX) > 3) {  // a drag: zoom to the steps it covered, to the nearest whole
+      const [p, q] = [from.x, toStep(evt)];
+      const a = Math.max(x0, Math.round(Math.min(p, q))), b = Math.min(x1, Math.round(Math.max(p, q)));
+      if (b > a) { hide(); setZoom([a, b]); }
+      return;
+    }
+    const step = nearestStep(toStep(evt));  // a click: that step's traces
+    if (evt.detail === 1 && step !== null && viewer.overview && viewer.overview.trace_steps[step]) openStep(step);
   });
+  svg.addEventListener("dblclick", () => { hide(); setZoom(null); });
   panel.append(svg);
   return panel;
 }
@@ -586,8 +760,24 @@ async function openStep(step) {
   viewer.step = step;
   renderSteps();
   const data = await getJSON(`/api/runs/${encodeURIComponent(viewer.run)}/traces?step=${step}`);
-  $("#traces-title").textContent = `step ${step}: ${data.traces.length} sampled trajectories`;
-  $("#traces").replaceChildren(...data.traces.map(trajectoryNode));
+  const groups = groupsOf(data.traces);
+  $("#traces-title").textContent = `step ${step}: ${data.traces.length} sampled trajectories in ` +
+    `${groups.length} group${groups.length === 1 ? "" : "s"} (samples sorted by advantage, best first)`;
+  $("#traces").replaceChildren(...groups.map(groupNode));
+}
+
+// A step's traces as its groups (the samples of one prompt), in the order they were traced; each group's
+// samples sorted by advantage, highest first (a sample without one last).
+function groupsOf(traces) {
+  const groups = new Map();
+  for (const t of traces) {
+    const key = t.group_id !== null && t.group_id !== undefined ? `${t.stage ?? ""}/${t.group_id}` : `prompt/${t.prompt}`;
+    if (!groups.has(key)) groups.set(key, {key, group_id: t.group_id, samples: []});
+    groups.get(key).samples.push(t);
+  }
+  const adv = (t) => (typeof t.advantage === "number" ? t.advantage : -Infinity);
+  for (const g of groups.values()) g.samples.sort((a, b) => adv(b) - adv(a) || (a.sample_index ?? 0) - (b.sample_index ?? 0));
+  return [...groups.values()];
 }
 
 // Numbers to 4 significant digits without trailing zeros (0.5, 0.7071, 3), as Python's format(v, ".4g").
@@ -597,33 +787,47 @@ function fmt(v) {
   return Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
 }
 
-function trajectoryNode(t, index) {
+// One group: its prompt once, then one row per sample: advantage, score and the whole response (every turn).
+function groupNode(g) {
+  const first = g.samples[0];
+  const scores = g.samples.map((t) => t.score).filter((s) => typeof s === "number");
+  const mean = scores.length ? scores.reduce((a, b) => a + b, 0) / scores.length : null;
+  const prompts = new Set(g.samples.map((t) => t.prompt));
+  return el("div", {class: "group", "data-group": g.key},
+    el("div", {class: "group-head"},
+      el("span", {text: `group ${fmt(g.group_id)}`}), el("span", {text: `${g.samples.length} samples`}),
+      el("span", {text: `mean score ${fmt(mean)}`}), el("span", {text: `row ${fmt(first.row_id)}`}),
+      el("span", {text: `ground truth: ${fmt(first.ground_truth)}`})),
+    el("pre", {class: "prompt", text: first.prompt}),
+    prompts.size > 1 ? el("div", {class: "muted", text: "the samples of this group had different prompts: each row shows its own"}) : null,
+    el("div", {class: "samples"}, ...g.samples.map((t) => sampleNode(t, prompts.size > 1))));
+}
+
+function sampleNode(t, ownPrompt) {
   const sign = t.advantage > 0 ? "positive" : (t.advantage < 0 ? "negative" : "");
-  const head = el("div", {class: "head"},
-    el("span", {text: `#${index} group ${t.group_id} sample ${fmt(t.sample_index)}`}),
-    el("span", {text: `score ${fmt(t.score)}`, "data-score": t.score}),
-    el("span", {class: sign, text: `advantage ${fmt(t.advantage)}`}),
-    el("span", {text: `finish ${fmt(t.finish_reason)}`}),
-    el("span", {text: `source ${fmt(t.source)}, staleness ${fmt(t.staleness)}`}),
-    el("span", {text: `${t.policy_tokens}/${t.response_tokens} policy tokens`}));
   const rewards = el("table", {class: "rewards"}, ...Object.entries(t.rewards || {}).map(([k, v]) =>
     el("tr", {}, el("td", {text: k}), el("td", {text: fmt(v)}))));
-  const node = el("div", {class: "trajectory", "data-row": t.row}, head,
-    el("div", {class: "muted", text: "prompt"}), el("pre", {class: "prompt", text: t.prompt}),
-    el("div", {class: "muted", text: `response (ground truth: ${t.ground_truth})`}), el("pre", {class: "response", text: t.response}),
+  const details = el("details", {class: "sample-details"}, el("summary", {text: "details"}),
+    el("div", {class: "muted", text: `sample ${fmt(t.sample_index)}, batch row ${fmt(t.row)}, source ${fmt(t.source)}, ` +
+                                     `staleness ${fmt(t.staleness)}, ${t.policy_tokens}/${t.response_tokens} policy tokens`}),
     el("div", {class: "muted", text: "reward per reward function"}), rewards,
-    el("div", {class: "muted", text: "tokens: each turn; grey = not the policy's (response_mask 0); colour = advantage; hover for details"}),
-    tokensNode(t));
+    el("div", {class: "muted", text: "the response as decoded text (a multi-turn episode's last turn)"}),
+    el("pre", {class: "response", text: t.response}));
   const info = t.info || {};
   if (Array.isArray(info.messages)) {
-    node.append(el("div", {class: "muted", text: "transcript (assistant turns, tool calls, observations)"}),
+    details.append(el("div", {class: "muted", text: "transcript (assistant turns, tool calls, observations)"}),
       el("div", {class: "messages"}, ...info.messages.map(messageNode)));
   }
   const rest = Object.fromEntries(Object.entries(info).filter(([k]) => k !== "messages"));
-  if (Object.keys(rest).length) {
-    node.append(el("details", {}, el("summary", {text: "workflow info"}), el("pre", {text: JSON.stringify(rest, null, 1)})));
-  }
-  return node;
+  if (Object.keys(rest).length) details.append(el("div", {class: "muted", text: "workflow info"}),
+                                               el("pre", {text: JSON.stringify(rest, null, 1)}));
+  const meta = el("div", {class: "sample-meta"},
+    el("span", {class: "advantage " + sign, text: `adv ${t.advantage > 0 ? "+" : ""}${fmt(t.advantage)}`}),
+    el("span", {class: "score", "data-score": t.score, text: `score ${fmt(t.score)}`}),
+    el("span", {class: "muted", text: fmt(t.finish_reason)}));
+  return el("div", {class: "sample trajectory", "data-row": t.row, "data-advantage": t.advantage}, meta,
+    el("div", {class: "sample-body"}, ownPrompt ? el("pre", {class: "prompt", text: t.prompt}) : null,
+       Array.isArray(t.tokens) ? tokensNode(t) : el("pre", {class: "response", text: t.response}), details));
 }
 
 function messageNode(m) {
@@ -632,14 +836,20 @@ function messageNode(m) {
   return el("div", {class: "msg " + (m.role || ""), text: parts.join("")});
 }
 
+// The whole response, token by token: every assistant turn and observation (grey: not the policy's,
+// response_mask 0), coloured by advantage; hover a token for its id, log-prob, advantage. Turns are labelled
+// when there are several.
 function tokensNode(t) {
   const box = el("div", {class: "tokens"});
   const adv = t.advantages || [];
   const scale = Math.max(1e-6, ...adv.filter((a) => a !== null).map(Math.abs));
+  const masks = Array.isArray(t.response_mask) ? t.response_mask : t.tokens.map(() => 1);
+  const ids = t.token_ids || [];
+  const turns = masks.some((m) => !m);
   let turn = 0, previous = null;
   t.tokens.forEach((text, i) => {
-    const mask = t.response_mask[i];
-    if (mask !== previous) {
+    const mask = masks[i];
+    if (turns && mask !== previous) {
       box.append(el("span", {class: "turn-label", text: mask ? `[assistant turn ${++turn}]` : "[observation]"}));
       previous = mask;
     }
@@ -649,7 +859,7 @@ function tokensNode(t) {
       const alpha = Math.min(1, Math.abs(a) / scale) * 0.45;
       span.style.background = a >= 0 ? `rgba(40,160,90,${alpha})` : `rgba(200,40,40,${alpha})`;
     }
-    span.title = `token ${i} id ${t.token_ids[i]}  mask ${mask}  advantage ${fmt(a)}` +
+    span.title = `token ${i} id ${fmt(ids[i])}  mask ${mask}  advantage ${fmt(a)}` +
       (t.logprobs ? `  logprob ${fmt(t.logprobs[i])}` : "") + (t.values ? `  value ${fmt(t.values[i])}` : "") +
       (t.token_rewards && t.token_rewards[i] ? `  reward ${fmt(t.token_rewards[i])}` : "");
     box.append(span);
@@ -659,13 +869,25 @@ function tokensNode(t) {
 
 startBuilder().catch((e) => { $("#status").className = "status bad"; $("#status").textContent = "could not load the form: " + e.message; });
 
-// #runs opens the run viewer, #runs/NAME that run, #build (or nothing) the builder; on load and on every change
+// #runs opens the run viewer, #runs/NAME that run (?compare=A,B: with those runs on its charts), #build (or
+// nothing) the builder; on load and on every change
 // of the address in the same tab (a link, typing it, back and forward).
 function route() {
   if (!location.hash.startsWith("#runs")) { showPage("page-build"); return; }
   showPage("page-runs");
-  const name = decodeURIComponent(location.hash.slice(6));
+  const decode = (x) => { try { return decodeURIComponent(x); } catch { return x; } };  // a mistyped "%"
+  const [path, query] = location.hash.slice(6).split("?");
+  const name = decode(path);
+  const listed = ((query || "").match(/(?:^|&)compare=([^&]*)/) || ["", ""])[1];  // split, then decode: a name may hold ","
+  const compare = listed.split(",").map(decode).filter((n) => n && n !== name);
+  const same = compare.length === viewer.compare.size && compare.every((n) => viewer.compare.has(n));
+  if (!same) {
+    viewer.compare = new Set(compare);
+    for (const n of [...viewer.others.keys()]) if (!viewer.compare.has(n)) viewer.others.delete(n);
+    for (const b of document.querySelectorAll("#runs-list input[data-compare]")) b.checked = b.disabled || viewer.compare.has(b.dataset.compare);
+  }
   if (name && name !== viewer.run) openRun(name);
+  else if (!same) refreshOthers().then(() => { redrawRuns(); keepHash(); });
 }
 window.addEventListener("hashchange", route);
 route();
