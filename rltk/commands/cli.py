@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rltk.commands.produce import add_parser as add_produce_parser
 
     add_produce_parser(sub)
+    from rltk.commands.new_plugin import add_parser as add_new_parser
+
+    add_new_parser(sub)
     from rltk.rewards.reward_server import add_arguments as add_reward_server_arguments
 
     p = sub.add_parser("serve-reward", help="a reward model (sequence classification, num_labels=1) over HTTP, "
@@ -251,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             from rltk.commands.produce import cmd_produce
 
             return cmd_produce(args)
+        if args.command == "new":
+            from rltk.commands.new_plugin import cmd_new
+
+            return cmd_new(args)
         return cmd_run(args, extra)
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)
