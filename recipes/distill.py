@@ -32,7 +32,7 @@ from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.step.batch_metrics import rollout_metrics
 from rltk.training.updates.distill import load_teacher, teacher_folders
 from rltk.training.step.forward import old_logprobs_pass
-from rltk.training.stages.loop_state import RLParts, sampled_batch, start_rl_stage
+from rltk.training.stages.loop_state import RLParts, rl_steps, start_rl_stage
 from rltk.training.step.ranks import global_masked_mean
 from rltk.training.updates.rl import policy_update
 from rltk.training.rollouts.rollout_source import open_rollout_source
@@ -71,16 +71,10 @@ def run_distill_stage(stage: Stage):
 
     # Sampled here (trainer.mode=sync), or by producer processes with weights at most
     # trainer.max_staleness versions behind (one_step_off, async); the teacher stays with the trainer.
-    rollouts = open_rollout_source(stage, strategy, loop, parts)
-    try:
-        for step in range(loop.step + 1, t.total_steps + 1):
-            tick = time.perf_counter()
-            # rollout: the student samples n responses per prompt, scored by the reward fns
-            rollout = rollouts.take(step)
-            batch = sampled_batch(stage, loop, parts, rollout, step, strategy)
-            if batch is None:
-                rollouts.after_update(step)  # the version counts steps, trained or skipped
-                continue
+    with open_rollout_source(stage, strategy, loop, parts) as rollouts:
+        # rollout: each step's experiences (sampled now, or a producer's batch) and what to train on, the sample
+        # strategy's pick from the buffer (a step with nothing to train on is skipped on every rank)
+        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):
 
             # log-probs of the sampled tokens under the student that sampled them and under the teacher
             batch["old_logprobs"], _ = old_logprobs_pass(strategy.unwrap(), batch, fwd,
@@ -111,8 +105,6 @@ def run_distill_stage(stage: Stage):
                        "distill/student_logprob": global_masked_mean(batch["old_logprobs"], mask, strategy),
                        **update_metrics}
             end_step(stage, loop, step, metrics, strategy, rollouts)
-    finally:
-        rollouts.close()
     return strategy  # the trained policy, for the next stage
 
 

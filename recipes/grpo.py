@@ -35,7 +35,7 @@ import time
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.step.batch_metrics import rollout_metrics
-from rltk.training.stages.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
+from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_steps, start_rl_stage
 from rltk.training.step.forward import old_logprobs_pass
 from rltk.training.step.ranks import global_masked_mean, rows_in
 from rltk.training.updates.rl import policy_update
@@ -82,18 +82,10 @@ def run_rl_stage(stage: Stage):
     evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
     # Sampled here (trainer.mode=sync), or by producer processes with weights published every
     # trainer.sync_every steps, at most trainer.max_staleness versions behind (one_step_off, async).
-    rollouts = open_rollout_source(stage, strategy, loop, parts)
-    try:
-        for step in range(loop.step + 1, t.total_steps + 1):
-            tick = time.perf_counter()
-            # rollout: this step's experiences (time/rollout_s: sampling, or waiting for a producer's batch)
-            rollout = rollouts.take(step)
-            # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
-            batch = sampled_batch(stage, loop, parts, rollout, step, strategy)
-            if batch is None:
-                rollouts.after_update(step)  # the version counts steps, trained or skipped
-                continue
-
+    with open_rollout_source(stage, strategy, loop, parts) as rollouts:
+        # rollout: each step's experiences (sampled now, or a producer's batch) and what to train on, the sample
+        # strategy's pick from the buffer (a step with nothing to train on is skipped on every rank)
+        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):
             # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it);
             # an on-policy update (one epoch, one mini-batch) takes the old ones from its own forward instead
             if not parts.on_policy:
@@ -134,8 +126,6 @@ def run_rl_stage(stage: Stage):
             metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy),
                        **rollout.metrics, "kl_coef": loop.kl_ctl.value, **kl_metrics, **update_metrics}
             end_step(stage, loop, step, metrics, strategy, rollouts)
-    finally:
-        rollouts.close()
     return strategy  # the trained policy, for the next stage
 
 

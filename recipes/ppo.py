@@ -40,7 +40,7 @@ import time
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.step.batch_metrics import rollout_metrics
-from rltk.training.stages.loop_state import RLParts, kl_to_reference, sampled_batch, start_rl_stage
+from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_steps, start_rl_stage
 from rltk.training.updates.ppo import PolicyAndCritic, batched_values, build_critic, build_critic_strategy, critic_update, \
     updates_per_step
 from rltk.training.step.forward import old_logprobs_pass
@@ -95,17 +95,10 @@ def run_ppo_stage(stage: Stage):
 
     # Sampled here (trainer.mode=sync), or by producer processes with weights at most
     # trainer.max_staleness versions behind (one_step_off, async); the critic stays with the trainer.
-    rollouts = open_rollout_source(stage, strategy, loop, parts)
-    try:
-        for step in range(loop.step + 1, t.total_steps + 1):
-            tick = time.perf_counter()
-            # rollout: this step's experiences (time/rollout_s: sampling, or waiting for a producer's batch)
-            rollout = rollouts.take(step)
-            # what to train on: the sample strategy's pick from the buffer; None skips the step on every rank
-            batch = sampled_batch(stage, loop, parts, rollout, step, strategy)
-            if batch is None:
-                rollouts.after_update(step)  # the version counts steps, trained or skipped
-                continue
+    with open_rollout_source(stage, strategy, loop, parts) as rollouts:
+        # rollout: each step's experiences (sampled now, or a producer's batch) and what to train on, the sample
+        # strategy's pick from the buffer (a step with nothing to train on is skipped on every rank)
+        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):
             metrics = ppo_step(stage, strategies, parts, loop, batch, step)
             rollouts.after_update(step)  # async: every trainer.sync_every steps, the producers' next weights
 
@@ -114,8 +107,6 @@ def run_ppo_stage(stage: Stage):
                                          strategy),
                        **rollout.metrics, **metrics}
             end_step(stage, loop, step, metrics, strategies, rollouts)
-    finally:
-        rollouts.close()
     return strategy  # the trained policy, for the next stage
 
 

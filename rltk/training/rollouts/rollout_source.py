@@ -2,15 +2,11 @@
 
 A recipe's loop reads the same whatever ``trainer.mode`` is::
 
-    rollouts = open_rollout_source(stage, strategy, loop, parts)
-    try:
-        for step in ...:
-            rollout = rollouts.take(step)                # sampled now, or a producer's batch
+    with open_rollout_source(stage, strategy, loop, parts) as rollouts:       # closed however the stage ends
+        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):  # take, pick
             ... train ...
             rollouts.after_update(step)                  # async: publish the weights every sync_every steps
             end_step(..., rollouts=rollouts)             # rollouts.cursor, checkpoint, rollouts.commit
-    finally:
-        rollouts.close()
 
 :class:`SyncRollouts` samples with the trainer's own engine on every rank
 (``trainer.mode=sync``); :class:`rltk.training.rollouts.async_rollout.AsyncRollouts`
@@ -49,7 +45,17 @@ class RolloutSource(Protocol):
         """Called once when the stage ends, however it ends."""
 
 
-class SyncRollouts:
+class _Closes:
+    """``with source:`` closes it however the stage ends."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class SyncRollouts(_Closes):
     """Sampling on every rank with the trainer's own engine and current weights (``trainer.mode=sync``):
     every rank draws the same global batch of prompts and samples its share (under dynamic sampling
     more batches, until enough groups have differing scores)."""
@@ -77,7 +83,7 @@ class SyncRollouts:
         """Nothing to stop."""
 
 
-class ProducedRollouts:
+class ProducedRollouts(_Closes):
     """:class:`AsyncRollouts` as a :class:`RolloutSource`: a step's experiences are the producers' oldest
     batch within the staleness bound (``staleness/*`` says how old; ``time/rollout_s`` is the wait)."""
 

@@ -19,6 +19,7 @@ forward settings) is :class:`RLParts`, chosen once from the config.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +206,22 @@ def sampled_batch(stage, loop: LoopState, parts: RLParts, rollout: Rollout, step
     # gdpo: each reward function's own score, columns in reward.reward_fn order
     return collate(experiences, run.tokenizer.pad_token_id,
                    reward_names=run.workflow.reward.names if parts.plan.reward_components else None)
+
+
+def rl_steps(stage, loop: LoopState, parts: RLParts, strategy, rollouts):
+    """The stage's remaining steps as ``(step, tick, rollout, batch)``: each step's experiences from
+    ``rollouts`` (a :class:`~rltk.training.rollouts.rollout_source.RolloutSource`) and the batch the sample
+    strategy picks from the buffer (:func:`sampled_batch`). ``tick`` is when the step began. A step with
+    nothing to train on is skipped on every rank (logged), and ``rollouts.after_update`` still counts it:
+    the policy version counts steps, trained or skipped."""
+    for step in range(loop.step + 1, stage.cfg.trainer.total_steps + 1):
+        tick = time.perf_counter()
+        rollout = rollouts.take(step)  # time/rollout_s: sampling, or waiting for a producer's batch
+        batch = sampled_batch(stage, loop, parts, rollout, step, strategy)
+        if batch is None:
+            rollouts.after_update(step)
+            continue
+        yield step, tick, rollout, batch
 
 
 def kl_to_reference(loss: LossComponents, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
