@@ -187,6 +187,14 @@ def test_a_producer_killed_mid_run_is_restarted_and_nothing_is_lost_or_repeated(
     assert trained(run_dir) == trained(straight)
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``Z``: a zombie, dead but not reaped), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while_training_goes_on(tmp_path,
                                                                                                    capsys):
     run_dir = tmp_path / "two"
@@ -215,8 +223,15 @@ def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while
             while len(pids := re.findall(r"pid (\d+), starting", log.read_text())) < 2:
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-        os.kill(int(pids[len(killed)]), signal.SIGKILL)
+        pid = int(pids[len(killed)])
+        os.kill(pid, signal.SIGKILL)
         killed.append(rl_step)
+        # Return once it is dead (a zombie the trainer has yet to reap): a process of torch and its threads
+        # takes a while to go, and a step here takes ~20 ms, so the trainer's next takes could still see it
+        # alive and never restart it before this hook waits for the restart below.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process_state(pid) not in ("Z", "X", None):
+            time.sleep(0.01)
 
     plugin = types.ModuleType("second_producer_killer")
     plugin.rltk_on_step_end = rltk_on_step_end
