@@ -44,6 +44,12 @@ class RolloutSource(Protocol):
     def close(self) -> None:
         """Called once when the stage ends, however it ends."""
 
+    def __enter__(self) -> RolloutSource:
+        """A source is used with ``with``: :meth:`close` runs however the stage ends."""
+
+    def __exit__(self, *exc_info) -> None:
+        """:meth:`close`."""
+
 
 class _Closes:
     """``with source:`` closes it however the stage ends."""
