@@ -67,21 +67,37 @@ def test_the_batch_field_page_lists_every_field(site):
     assert all(f"<code>{name}</code>" in page for name in FIELD_SHAPES)
 
 
-#: What a reader brings to a ``rltk run`` line (their model, data, an earlier line's run folder, a plugin):
-#: such lines are not validated here.
-READERS_OWN = re.compile(r"/models/|\.jsonl|\.parquet|runs/|--config|\.\.\.|my_adv|my-env|servers=|url=")
+#: What a reader brings to a line of a shell block, so the tests neither validate nor run it: their model, data
+#: or environment (`/models/...`, a `.jsonl`, `my-env`), a server, GPU or machines of theirs (`url=`, `servers=`,
+#: a vLLM engine), an argument left for them to fill in (`...`, `<name>`, `$KEY`).
+READERS_OWN = re.compile(r"/models/|\.jsonl|\.parquet|my_env|my-env|\.\.\.|<\w+>|\$|servers=|url=|rollout\.engine=vllm")
+#: What an earlier line of the same page makes (a run folder, an exported model, the plugin `rltk new` writes):
+#: such a line is run after that one (test_a_pages_commands_run_as_written), not validated alone.
+MADE_EARLIER = re.compile(r"runs/|models/|my_adv")
+PAGES = [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md"]
+
+
+def _shell_lines(doc: Path) -> list[str]:
+    """The ``rltk ...`` commands of a page's bash blocks, continuation lines joined, ``a && rltk b`` split."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for command in line.split("&&"):
+                command = re.sub(r"\s+", " ", command.strip())
+                if command.startswith("rltk "):
+                    found.append(command)
+    return found
 
 
 def _validate_lines() -> list[tuple[str, list[str]]]:
     found = []
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
-        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
-            for line in block.replace("\\\n", " ").splitlines():
-                line = line.strip()
-                if line.startswith("rltk validate "):
-                    found.append((f"{doc.relative_to(REPO)}: {line}", shlex.split(line, comments=True)[2:]))
-                elif line.startswith("rltk run ") and not READERS_OWN.search(line.split("#")[0]):
-                    found.append((f"{doc.relative_to(REPO)}: {line}", shlex.split(line, comments=True)[2:]))
+    for doc in PAGES:
+        for line in _shell_lines(doc):
+            argv = shlex.split(line, comments=True)[1:]
+            code = line.split("#")[0]
+            if argv[0] == "validate" or (argv[0] == "run" and not READERS_OWN.search(code)
+                                         and not MADE_EARLIER.search(code)):
+                found.append((f"{doc.relative_to(REPO)}: {line}", argv[1:]))
     return found
 
 
@@ -109,3 +125,150 @@ def test_every_validate_line_and_every_run_lines_config_in_the_docs_passes():
     codes = json.loads(run.stdout.strip().splitlines()[-1])
     failed = [f"{where} -> exit {code}: {err}" for (where, _), (code, err) in zip(lines, codes) if code != 0]
     assert not failed, "\n".join(failed)
+
+
+# -- The pages' commands, run as written ----------------------------------------------------------------------------
+
+#: Appended to every `rltk run` line the tests run: each stage two steps on a few rows, a checkpoint at every
+#: stage's end (so a later line finds the checkpoint an earlier one wrote), everything else as the page has it.
+SHORT_RUN = ["data.train_size=40", "data.eval_size=4", "sft.steps=2", "sft.warmup_steps=0", "sft.stop_at_accuracy=null",
+             "trainer.total_steps=2", "trainer.warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",
+             "reward_model.steps=2", "reward_model.warmup_steps=0", "checkpoint.every=2"]
+#: What a page says its runs log, checked both ways: the page names the metric, and one of its runs logs it.
+LOGGED = {
+    "docs/tutorials/async.md": ["staleness/mean", "staleness/max", "staleness/dropped", "staleness/waited_s",
+                                "producers/alive", "producer/sample_s", "producer/gate_wait_s"],
+    "docs/tutorials/distillation.md": ["distill/reverse_kl", "distill/teacher_logprob", "distill/student_logprob"],
+    "docs/tutorials/dpo-and-opmd.md": ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                                       "logps/chosen", "logps/rejected"],
+    "docs/tutorials/own-model-and-data.md": ["reward/exact_match"],
+    "docs/tutorials/serving.md": ["rollout/tool_calls", "rollout/tool_call_fraction", "agentic/opening_mismatch"],
+}
+
+
+def _runnable(line: str) -> bool:
+    argv = shlex.split(line, comments=True)
+    return argv[1] in ("run", "export", "new") and not READERS_OWN.search(line.split("#")[0])
+
+
+def _pages_commands() -> dict[str, list[str]]:
+    """Each page's runnable commands, in order; a line an earlier page runs too (and that needs nothing an earlier
+    line of its own page made) runs on the first page only."""
+    pages, seen = {}, set()
+    for doc in PAGES:
+        lines = [line.split(" #")[0] for line in _shell_lines(doc) if _runnable(line)]
+        lines = [line for line in lines if MADE_EARLIER.search(line) or line not in seen]
+        seen.update(lines)
+        if lines:
+            pages[str(doc.relative_to(REPO))] = lines
+    return pages
+
+
+def _claimed_files() -> dict[str, set[str]]:
+    """What the pages say a run folder holds: "The run writes `runs/X/` ... `metrics.jsonl`, `checkpoints/` ..."."""
+    claims: dict[str, set[str]] = {}
+    for doc in PAGES:
+        for folder, paragraph in re.findall(r"writes `(runs/[\w.-]+)/`(.*?)\n\n", doc.read_text(), flags=re.S):
+            names = re.findall(r"`([\w-]+(?:\.(?:jsonl|json|png|yaml)|/))`", paragraph)
+            claims.setdefault(folder, set()).update(names)
+    return claims
+
+
+def _config(argv: list[str]):
+    """The resolved config of ``rltk run RECIPE [--config FILE ...] key=value ...``, as ``cmd_run`` builds it."""
+    from rltk.config.loader import load_config
+    from rltk.recipe_utils import config_layers, recipe_spec, resolve_recipe
+
+    recipe = resolve_recipe(argv[1])
+    files = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--config"]
+    overrides = [a for i, a in enumerate(argv[2:], 2) if a != "--config" and argv[i - 1] != "--config"]
+    defaults, chosen = config_layers(recipe, files)
+    return load_config(chosen, overrides, recipe=recipe_spec(recipe), warn=False, defaults=defaults)
+
+
+def _stage_ends(argv: list[str], cfg) -> list[int]:
+    """The step of each stage's last checkpoint, counted as rltk/training/stages/run.py counts stages' steps (the
+    reward-model recipe trains its model after them)."""
+    from rltk.recipe_utils import resolve_recipe
+    from rltk.training.scaffold.setup import stage_config
+
+    ends, step = [], 0
+    for i, stage in enumerate(cfg.stages):
+        settings = stage_config(cfg, i)
+        step += settings.sft.steps if stage.type == "sft" else settings.trainer.total_steps
+        ends.append(step)
+    if resolve_recipe(argv[1]).stem == "reward_model":
+        ends.append(step + cfg.reward_model.steps)
+    return ends
+
+
+def _short_checkpoints(argv: list[str], made: dict[str, tuple[list[int], list[int]]]) -> list[str]:
+    """A checkpoint an earlier line wrote, named by the page at its full length (`step_001500`), is found in the
+    shortened run at the same stage's end; the page's number must be a stage end of that line as written."""
+    def shorten(match):
+        folder, step = match.group(1), int(match.group(2))
+        full, short = made[folder]
+        assert step in full, f"{folder}/checkpoints/step_{step:06d}: the run as written ends its stages at {full}"
+        return f"{folder}/checkpoints/step_{short[full.index(step)]:06d}"
+
+    return [re.sub(r"(runs/[\w.-]+)/checkpoints/step_(\d+)", shorten, a) for a in argv]
+
+
+def _new_plugin(argv: list[str], monkeypatch) -> str:
+    """``rltk new plugin NAME ...`` as the page has it, then what its ``pip install -e`` does: the package on the path
+    and its entry point's module registered (tests/test_new_plugin.py installs one for real)."""
+    import importlib
+
+    import rltk
+    from rltk.commands.cli import main
+
+    assert main(argv) == 0
+    name = argv[2]
+    monkeypatch.syspath_prepend(str(Path.cwd() / f"rltk-plugin-{name.replace('_', '-')}"))
+    rltk.register_plugin(importlib.import_module(f"rltk_plugin_{name}"), name=f"rltk-plugin-{name}")
+    return f"rltk-plugin-{name}"
+
+
+@pytest.mark.slow  # about 25 runs of two steps a stage over all pages, a few seconds each
+@pytest.mark.parametrize("page", sorted(_pages_commands()))
+def test_a_pages_commands_run_as_written(page, tmp_path, monkeypatch, capsys):
+    import rltk
+    from rltk.commands.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the runs/ folders the pages name are made here
+    for shipped in ("docs", "recipes"):  # what the pages' relative paths point at (docs/examples/chain.yaml ...)
+        (tmp_path / shipped).symlink_to(REPO / shipped)
+    claims, made, logged, plugins = _claimed_files(), {}, set(), []
+    try:
+        for line in _pages_commands()[page]:
+            argv = shlex.split(line)[1:]
+            if argv[0] == "new":
+                plugins.append(_new_plugin(argv, monkeypatch))
+                continue
+            argv = _short_checkpoints(argv, made)
+            if argv[0] == "run":
+                full = _stage_ends(argv, _config(argv))
+                argv += SHORT_RUN
+                cfg = _config(argv)
+            code = main(argv)
+            out = capsys.readouterr()
+            assert code == 0, f"{page}: `{line}` exited {code}:\n{out.err[-3000:]}"
+            if argv[0] == "export":
+                assert (Path(argv[2]) / "config.json").is_file() and list(Path(argv[2]).glob("*.safetensors")), line
+                continue
+            run_dir = Path(cfg.output_dir)
+            made[cfg.output_dir] = (full, _stage_ends(argv, cfg))
+            # the line a run ends with: its held-out evaluation, or where the reward model it trained is
+            assert re.search(rf"^rltk: (final held-out eval/accuracy=\d|reward model saved to {run_dir}/reward_model )",
+                             out.out, flags=re.M), (line, out.out[-2000:])
+            rows = [json.loads(row) for row in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            logged.update(key for row in rows for key in row)
+            missing = [name for name in claims.get(cfg.output_dir, ()) if not (run_dir / name).exists()]
+            assert not missing, f"the docs say {cfg.output_dir}/ holds {missing}; `{line}` did not write them"
+    finally:
+        for name in plugins:
+            rltk.unregister_plugin(name)
+    text = (REPO / page).read_text()
+    for metric in LOGGED.get(page, []):
+        assert f"`{metric}`" in text, f"{page} no longer names {metric}: update LOGGED"
+        assert metric in logged, f"{page} says its runs log {metric}; none did"
