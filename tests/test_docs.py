@@ -142,7 +142,7 @@ LOGGED = {
     "docs/tutorials/dpo-and-opmd.md": ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                                        "logps/chosen", "logps/rejected"],
     "docs/tutorials/own-model-and-data.md": ["reward/exact_match"],
-    "docs/tutorials/serving.md": ["rollout/tool_calls", "rollout/tool_call_fraction", "agentic/opening_mismatch"],
+    "docs/tutorials/serving.md": ["rollout/tool_calls", "agentic/opening_mismatch"],
 }
 
 
@@ -272,3 +272,24 @@ def test_a_pages_commands_run_as_written(page, tmp_path, monkeypatch, capsys):
     for metric in LOGGED.get(page, []):
         assert f"`{metric}`" in text, f"{page} no longer names {metric}: update LOGGED"
         assert metric in logged, f"{page} says its runs log {metric}; none did"
+
+
+def _shape(line: str) -> str:
+    """A printed line with its numbers (``4.645``, ``-0.001``, ``1.1k``, ``3m08s``, ``0.83s``, ``1e-05``) made alike."""
+    return re.sub(r"-?\d+(?:m\d+)?(?:\.\d+)?(?:e-?\d+)?[ks]?", "N", line.strip())
+
+
+@pytest.mark.slow  # the page's own shortened run: a 60-step warm-up and 3 GRPO steps on the default data
+def test_the_run_getting_started_shows_prints_lines_of_that_shape(tmp_path, capsys):
+    from rltk.commands.cli import main
+
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    command, shown = re.search(r"```text\n\$ (rltk run [^\n]*)\n(.*?)```", page, flags=re.S).groups()
+    # as the page has it, but in this test's folder
+    argv = [f"output_dir={tmp_path}" if a.startswith("output_dir=") else a for a in shlex.split(command)[1:]]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    printed = {_shape(line) for line in (out.out + out.err).splitlines()}
+    drifted = [line for line in shown.splitlines() if _shape(line) not in printed]
+    assert not drifted, "getting-started.md shows lines `" + command + "` no longer prints:\n" + "\n".join(drifted) \
+        + "\nit printed:\n" + (out.out + out.err)[-3000:]
