@@ -21,7 +21,7 @@ accuracy (200 sums never trained on) at each evaluation of every arm, the gains,
 accuracy minus every GRPO arm's, and the teacher's accuracy, and writes everything as JSON. Trailing
 `key=value` arguments override the distillation runs only.
 
-    # the README's tables (every level; --teacher reuses a teacher)
+    # docs/tutorials/distillation.md's tables (every level; --teacher reuses a teacher)
     python benchmarks/distill.py --jobs 2                                   # 200 steps, ~1 h on 2 busy cores
     python benchmarks/distill.py --jobs 2 --steps 1000 --eval-every 250 --seeds 0 1 2 3 4
     python benchmarks/distill.py --seeds 0 --levels avx512 --steps 300 --grpo-lrs 1e-3

@@ -134,7 +134,7 @@ wanted gpu-tests && part tests-gpu 200 $PY -m pytest -p no:cacheprovider -q -rA 
     --junitxml="$OUT/tests-gpu.xml"
 wanted tests && part tests-gpu 300 $PY -m pytest -p no:cacheprovider -q -rA -m gpu $GPU_TESTS --junitxml="$OUT/tests-gpu.xml"
 
-# 2. the fused op against naive and the bare matmul (~3 min on an H100 by the sizes; see the README)
+# 2. the fused op against naive and the bare matmul (~3 min on an H100 by the sizes; see docs/benchmarks.md)
 wanted logprobs && part logprobs 240 $PY benchmarks/logprobs.py --device cuda --repeats 3 --n 16384 --d 4096 \
     --vocab 151936 151665 --dtypes bfloat16 float16 float32 --cases matmul triton naive \
     --out "$OUT/logprobs.json" --table "$TMP/logprobs.md"

@@ -17,7 +17,7 @@ writes everything as JSON.
     python benchmarks/learning.py --recipes distill --jobs 2      # on-policy distillation (issue 32)
     python benchmarks/learning.py --lr-sweep                      # GRPO stability over learning rates
 
-`--lr-sweep` is the second table of the README: two-digit addition on a 0.6M
+`--lr-sweep` is the learning-rate table of docs/measurements.md: two-digit addition on a 0.6M
 parameter Qwen2 (4 layers, hidden 128, char tokenizer) warm-started by SFT to
 about 15-25% held-out accuracy, then 4 prompts x 8 samples per step, at most 6
 new tokens, no KL, for each learning rate and each GRPO variant. The warm-up

@@ -293,3 +293,77 @@ def test_the_run_getting_started_shows_prints_lines_of_that_shape(tmp_path, caps
     drifted = [line for line in shown.splitlines() if _shape(line) not in printed]
     assert not drifted, "getting-started.md shows lines `" + command + "` no longer prints:\n" + "\n".join(drifted) \
         + "\nit printed:\n" + (out.out + out.err)[-3000:]
+
+
+# -- Pointers into the docs from the code, the configs and the contributor guide ----------------------------------
+
+#: Where readers are sent to a page or a section: a comment, docstring or message in these, or the guide.
+POINTING = ["rltk", "benchmarks", "recipes", "plugins", "tests", "CONTRIBUTING.md", "README.md"]
+
+
+def _generated_pages() -> set[str]:
+    sys.path.insert(0, str(REPO / "docs" / "hooks"))
+    try:
+        import generated_pages
+    finally:
+        sys.path.pop(0)
+    return {generated_pages.CATALOGUE, generated_pages.BATCH_FIELDS}
+
+
+GENERATED = _generated_pages()
+
+
+def _page_text(path: Path) -> str:
+    text = path.read_text()
+    included = re.search(r'^--8<-- "([^"]+)"', text, flags=re.M)  # docs/contributing.md shows CONTRIBUTING.md
+    return (REPO / included.group(1)).read_text() if included else text
+
+
+def _headings(path: Path) -> list[str]:
+    """A page's headings as read (code spans unquoted, a leading "1. " dropped), outside code blocks."""
+    text = re.sub(r"```.*?```", "", _page_text(path), flags=re.S)
+    return [re.sub(r"^\d+\.\s+", "", h.replace("`", "").strip()) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)]
+
+
+def _anchor_of(heading: str) -> str:
+    # Python-Markdown's toc slugify, which MkDocs uses
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
+def _broken_pointers(text: str) -> list[str]:
+    """Each page, anchor or section ``text`` names that does not exist: ``docs/x.md``, ``docs/x.md#anchor``,
+    ``docs/x.md, "Section"``, ``README "Section"``, ``CONTRIBUTING, "Section"``."""
+    text = re.sub(r"\n\s*(?:#|//)?\s*", " ", text)  # a pointer may run over a comment's line break
+    broken = []
+    for page, anchor, section in re.findall(r'\b(docs/[\w/.-]*?\.md)(?:#([\w-]+))?(?:,\s+"([^"]+)")?', text):
+        path = REPO / page
+        if page.removeprefix("docs/") in GENERATED:
+            continue  # written when the site is built
+        if not path.is_file():
+            broken.append(f"{page}: no such page")
+        elif anchor and anchor not in {_anchor_of(h) for h in _headings(path)}:
+            broken.append(f"{page}#{anchor}: no such heading")
+        elif section and not any(h.startswith(section) for h in _headings(path)):
+            broken.append(f'{page}, "{section}": no such heading')
+    for doc, section in re.findall(r'\b(README|CONTRIBUTING)(?:\.md)?(?:\'s|,)?\s+"([^"]+)"', text):
+        if not any(h.startswith(section) for h in _headings(REPO / f"{doc}.md")):
+            where = {"README": "README.md, whose sections moved to docs/", "CONTRIBUTING": "CONTRIBUTING.md"}[doc]
+            broken.append(f'{doc} "{section}": no such section in {where}')
+    return broken
+
+
+def test_the_pointers_checker_finds_a_moved_section_and_a_missing_page():
+    assert _broken_pointers('see README, "Several machines"; docs/tutorials/async.md, "Several machines"') == [
+        'README "Several machines": no such section in README.md, whose sections moved to docs/']
+    assert _broken_pointers("docs/nowhere.md and docs/tutorials/async.md#nowhere") == [
+        "docs/nowhere.md: no such page", "docs/tutorials/async.md#nowhere: no such heading"]
+
+
+def test_every_page_and_section_the_code_and_the_guides_point_to_exists():
+    broken = []
+    for root in POINTING:
+        files = [REPO / root] if (REPO / root).is_file() else sorted((REPO / root).rglob("*"))
+        for path in files:
+            if path.suffix in (".py", ".yaml", ".yml", ".sh", ".md", ".toml") and path != Path(__file__).resolve():
+                broken += [f"{path.relative_to(REPO)}: {b}" for b in _broken_pointers(path.read_text())]
+    assert not broken, "\n".join(broken)

@@ -37,7 +37,7 @@ what was waited for (exit 3).
 
 This is the rendezvous AReaL's name_resolve does through a shared file system;
 rltk writes no cluster manager: Slurm, Kubernetes or a shell loop starts the
-processes (README, "Several machines").
+processes (docs/tutorials/async.md, "Several machines").
 """
 
 from __future__ import annotations

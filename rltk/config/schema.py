@@ -253,7 +253,7 @@ class TrainerConfig:
     # An integer seeds every sampled evaluation on its own stream (the run's stream left as it was): the
     # same weights then give the same number. Greedy evaluation (eval/accuracy) never depends on it.
     eval_seed: Optional[int] = None
-    # Asynchronous RL (README "Asynchronous training"; GRPO recipe). mode: sync (sample, score, update,
+    # Asynchronous RL (docs/tutorials/async.md; GRPO recipe). mode: sync (sample, score, update,
     # repeat) | one_step_off (a producer process samples step t+1's batch with policy t-1 while step t
     # trains: max_staleness 1) | async (the producer runs ahead by at most max_staleness policy versions;
     # pair it with algorithm.policy_loss=decoupled_ppo to weigh stale tokens). Versions count RL steps.
@@ -264,7 +264,7 @@ class TrainerConfig:
     # Local producer processes (one_step_off / async). Each samples its own share of the prompts
     # (train rows k, k + N, ...); one that keeps dying is reported and training goes on with the others.
     # 0: none; producers started by your own launcher, on any machine sharing the run folder, run
-    # `rltk produce RUN_DIR` (README "Several machines").
+    # `rltk produce RUN_DIR` (docs/tutorials/async.md, "Several machines").
     producers: int = 1
 
 

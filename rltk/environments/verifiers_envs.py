@@ -24,7 +24,8 @@ Versions. rltk drives the classic ``verifiers`` API (``verifiers.legacy`` in
 verifiers 0.3, the top-level API before it), which is what the Environments
 Hub's ``load_environment`` modules implement. verifiers 0.4 ships only the new
 ``verifiers.v1`` stack, whose agents run as separate programs that ``uv``
-installs from PyPI on first use; see the README's "verifiers environments".
+installs from PyPI on first use; see docs/tutorials/environments.md,
+"Environments from elsewhere: verifiers".
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def config_for(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | Seq
     On a GPU with Hopper-class shared memory (H100: 227 KiB a block) and a hidden size of at least 32,
     128 x 256 x 32 tiles with 3 pipeline stages: on an H100 (bf16, N=16384, D=4096, V=151936) they ran
     forward+backward 1.9x faster than the 64 x 128 x 64 default, which is 1.5x slower than naive
-    (``benchmarks/gpu_check.sh``'s sweep; ``benchmarks/README.md``). Their three fp32 stages need ~144 KiB,
+    (``benchmarks/gpu_check.sh``'s sweep; ``docs/benchmarks.md``). Their three fp32 stages need ~144 KiB,
     more than older GPUs give, so those keep the small default.
     """
     if hidden.is_cuda and hidden.shape[1] >= 32 and _shared_memory_per_block(hidden.device) >= 200 * 1024:

@@ -318,8 +318,8 @@ def test_grpo_async_with_staleness_1_learns(tmp_path):
 
 # The shipped default (its accuracy-stopped warm-up, then 200 GRPO steps) in trainer.mode=async with
 # trainer.max_staleness=1, measured by `benchmarks/learning.py --recipes grpo --seeds 0 1 2 --jobs 2
-# trainer.mode=async trainer.max_staleness=1` over seeds 0-2 x default/avx2/avx512 (2026-11-27, README
-# "Asynchronous training"): held-out greedy accuracy gained +0.090 to +0.305 and the training reward (last 25
+# trainer.mode=async trainer.max_staleness=1` over seeds 0-2 x default/avx2/avx512 (2026-11-27,
+# docs/tutorials/async.md): held-out greedy accuracy gained +0.090 to +0.305 and the training reward (last 25
 # steps vs first 25) rose +0.052 to +0.113 in all 9 runs. The test asks for half the smallest of each.
 ASYNC_DEFAULT_MIN_GAIN, ASYNC_DEFAULT_MIN_RISE = 0.090, 0.052
 

@@ -13,7 +13,7 @@ from rltk.commands.cli import main
 # What benchmarks/learning.py measured for the shipped dpo default (SFT warm-up to a 0.4 probe, then 200
 # steps of DPO with the RPO term on the task's synthetic pairs): every run's held-out greedy accuracy
 # gained at least MIN_BENCHMARK_GAIN over the DPO stage (seeds 0-2 at avx512, seed 0 at avx2 and default;
-# README). The test asks for half of it.
+# docs/tutorials/dpo-and-opmd.md). The test asks for half of it.
 MIN_BENCHMARK_GAIN = 0.165
 
 

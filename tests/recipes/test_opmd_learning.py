@@ -11,7 +11,7 @@ from rltk.commands.cli import main
 
 pytestmark = pytest.mark.slow
 
-# The smallest held-out greedy gain of the grpo_opmd runs the README quotes (seeds 0-2 at avx512, 200 RL steps
+# The smallest held-out greedy gain of the grpo_opmd runs docs/tutorials/dpo-and-opmd.md quotes (seeds 0-2 at avx512, 200 RL steps
 # after the default warm-up); the test asks for half of it.
 MIN_BENCHMARK_GAIN = 0.23
 
