@@ -3,10 +3,17 @@
 * ``mkdocs build --strict`` passes: a broken link, a missing anchor or an unresolved API reference fails it.
 * The generated component catalogue lists every name the registry holds, of every kind (builtins and the
   installed example plugins), each under its own anchor.
-* Every ``rltk validate`` line in the README's and the tutorials' shell blocks exits 0 when run as written (from the
-  repository root, where the tutorials' relative paths point), and so does every ``rltk run`` line's config
-  (validated, not trained: the same recipe and overrides), except lines that name what the reader brings: a
-  model or data file of theirs, a run folder an earlier line makes, a plugin they wrote.
+* Every ``rltk validate`` line in the README's and the pages' shell blocks exits 0 when run as written (from the
+  repository root, where the pages' relative paths point), and so does every ``rltk run`` line's config.
+* Every ``rltk run``, ``rltk export`` and ``rltk new`` line of a page runs as written, in the page's order, in a
+  folder of its own, with every stage cut to two steps on a few rows (``SHORT_RUN``, appended); a checkpoint a
+  later line names at its full-length step is found at the shortened run's same stage end. Each run exits 0,
+  ends with its held-out evaluation line, and writes what the pages say it writes (the files of ``runs/X/``,
+  the metrics of ``LOGGED``); the getting-started page's printed run matches what rltk prints, line for line.
+  Lines that name what a reader brings (their model, data or environment, a server, vLLM, several machines:
+  ``READERS_OWN``) are neither validated nor run.
+* Every page, anchor or section that code, configs, tests or the guides point a reader to exists (README's
+  sections moved to the site: a pointer to one that is gone fails).
 """
 
 from __future__ import annotations
