@@ -374,3 +374,31 @@ def test_every_page_and_section_the_code_and_the_guides_point_to_exists():
             if path.suffix in (".py", ".yaml", ".yml", ".sh", ".md", ".toml") and path != Path(__file__).resolve():
                 broken += [f"{path.relative_to(REPO)}: {b}" for b in _broken_pointers(path.read_text())]
     assert not broken, "\n".join(broken)
+
+
+@pytest.mark.slow  # a two-step run, then a server process (~15-30 s)
+def test_the_served_run_answers_the_serving_pages_client(tmp_path, monkeypatch):
+    import openai
+
+    from rltk.commands.cli import main
+    from tests.serve.test_cli_serve import start_serving, stop
+
+    page = REPO / "docs" / "tutorials" / "serving.md"
+    serve = next(line for line in _shell_lines(page) if line.startswith("rltk serve "))
+    client_code = re.search(r"```python\n(.*?)```", page.read_text(), flags=re.S).group(1).strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "grpo", *SHORT_RUN]) == 0  # runs/grpo-tiny, the folder the page serves
+    # the page's line with its key filled in, on a free port instead of 8000
+    argv = shlex.split(serve.replace('"$KEY"', "docs-key"), comments=True)[2:]
+    port = argv.index("--port")
+    del argv[port:port + 2]
+    proc, url = start_serving(tmp_path / argv[0], *argv[1:])
+    try:
+        scope = {"KEY": "docs-key"}
+        exec("\n".join(client_code[:-1]).replace("http://127.0.0.1:8000/v1", url), scope)
+        reply = eval(client_code[-1], scope)
+        assert reply.model == "grpo-tiny" and isinstance(reply.choices[0].message.content, str)
+        with pytest.raises(openai.AuthenticationError):  # --api-key: nothing answers without it
+            openai.OpenAI(base_url=url, api_key="another", max_retries=0).models.list()
+    finally:
+        stop(proc)
