@@ -108,8 +108,9 @@ class ConsoleLogger(Logger):
                  every: int = 10, resume_step: int | None = None, fields: dict | None = None,
                  stream: IO[str] | None = None, tty: bool | None = None, bar_width: int = 24,
                  clock: Callable[[], float] = time.monotonic):
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"console logger: total_steps={total_steps!r} must be an integer >= 1.")
+        # 0: a run with no training steps (`stages=[]`, an evaluation only), whose evaluation logs at step 0
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
+            raise ValueError(f"console logger: total_steps={total_steps!r} must be an integer >= 0.")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"console logger: every={every!r} must be an integer >= 1 (print every N steps).")
         self.total_steps = total_steps
@@ -201,7 +202,7 @@ class ConsoleLogger(Logger):
         now = self._clock()
         index = self.stage_index(step)
         stage = self.stages[index] if index is not None else None
-        head = f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%)"
+        head = f"step {step}/{self.total_steps} ({100 * step / max(1, self.total_steps):.0f}%)"
         if stage is not None:
             counted = [s for s in self.stages if s.steps > 0]
             done = max(0, step - stage.first_step)
@@ -263,7 +264,7 @@ class ConsoleLogger(Logger):
             stage = self.stages[index]
             fraction = (step - stage.first_step) / max(1, stage.steps)
         else:
-            fraction = step / self.total_steps
+            fraction = step / max(1, self.total_steps)
         filled = max(0, min(self.bar_width, int(self.bar_width * fraction)))
         bar = "#" * filled + "." * (self.bar_width - filled)
         # \r returns to the line start, \x1b[K clears what a longer previous line left behind.

@@ -101,8 +101,15 @@ def test_bad_values_and_arguments_are_named():
         logger.log({"note": "hi"}, 1)
     with pytest.raises(ValueError, match="every=0 must be an integer >= 1"):
         make(every=0)
-    with pytest.raises(ValueError, match="total_steps=0 must be an integer >= 1"):
-        make(total_steps=0)
+    with pytest.raises(ValueError, match="total_steps=-1 must be an integer >= 0"):
+        make(total_steps=-1)
+
+
+def test_a_run_with_no_training_steps_prints_its_evaluation():
+    logger, stream, _ = make(total_steps=0, fields={"pass@1": "eval/pass1"})
+    logger.log({"eval/pass1": 0.25}, 0)  # `stages=[]`: the evaluation of the model as it is, at step 0
+    logger.close()
+    assert stream.getvalue().startswith("step 0/0 (0%) | pass@1 0.25")
 
 
 def test_writes_to_stderr_by_default(capsys):
