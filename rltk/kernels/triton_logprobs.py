@@ -165,8 +165,9 @@ def _forward_kernel(
 ):
     """Online softmax of one token block over one vocab split; writes the split's partial stats
     (and ``q = sum e^(2(z-m))`` when ``WITH_SQ``; ``part_sq_ptr`` is unread otherwise)."""
+    pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows, row_mask = _tile_indices(tl.program_id(0) * BLOCK_N, BLOCK_N, num_tokens)
+    rows, row_mask = _tile_indices(pid_n * BLOCK_N, BLOCK_N, num_tokens)
     labels = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -266,8 +267,9 @@ def _grad_hidden_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """grad_hidden[rows] (this split's partial) = sum over the split's vocab tiles of d_logits @ W."""
+    pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows, row_mask = _tile_indices(tl.program_id(0) * BLOCK_N, BLOCK_N, num_tokens)
+    rows, row_mask = _tile_indices(pid_n * BLOCK_N, BLOCK_N, num_tokens)
     out_ptr = grad_hidden_ptr + split.to(tl.int64) * num_tokens * hidden_size
     v_begin, v_end = _split_vocab_range(split, tiles_per_split, vocab_size, BLOCK_V)
     for v_start in range(v_begin, v_end, BLOCK_V):
@@ -292,7 +294,8 @@ def _grad_weight_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """grad_weight[cols] = sum over all token tiles of d_logits^T @ h; grad_bias[cols] = column sums."""
-    cols, col_mask = _tile_indices(tl.program_id(0) * BLOCK_V, BLOCK_V, vocab_size)
+    pid_v = tl.program_id(0)
+    cols, col_mask = _tile_indices(pid_v * BLOCK_V, BLOCK_V, vocab_size)
     bias_acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n_start in range(0, num_tokens, BLOCK_N):
         rows, row_mask = _tile_indices(n_start, BLOCK_N, num_tokens)
