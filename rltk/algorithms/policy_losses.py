@@ -194,6 +194,38 @@ def _clip_range(where: str, clip_eps_low: float, clip_eps_high: float | None, *,
     return clip_eps_low, eps_high
 
 
+def _ppo_terms(advantages: torch.Tensor, ratio: torch.Tensor, eps_low: float, eps_high: float,
+               unclipped_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's two surrogate terms per token, ``(-A rho', -A clip(rho, 1 - eps_low, 1 + eps_high))``; the loss
+    is their maximum. ``rho' = rho`` unless ``unclipped_ratio`` is given (two-sided clipping bounds it)."""
+    unclipped = -advantages * (ratio if unclipped_ratio is None else unclipped_ratio)
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return unclipped, clipped
+
+
+@torch.no_grad()
+def _ppo_clip_fractions(on: torch.Tensor, advantages: torch.Tensor, ratio: torch.Tensor, eps_low: float,
+                        eps_high: float, also: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """:func:`_clip_fractions` of PPO's clip: the tokens whose gradient it removed, ``rho < 1 - eps_low``
+    with ``A < 0`` and ``rho > 1 + eps_high`` with ``A > 0``."""
+    low = (advantages < 0) & (ratio < 1.0 - eps_low)
+    high = (advantages > 0) & (ratio > 1.0 + eps_high)
+    return _clip_fractions(on, low, high, also)
+
+
+def _zero_fraction(on: torch.Tensor) -> torch.Tensor:
+    """A fraction metric that is 0 by construction (``clip_frac`` of a loss without a clip)."""
+    return torch.zeros((), device=on.device)
+
+
+def _loss_and_metrics(loss_agg: LossAgg, loss_mat: torch.Tensor, response_mask: torch.Tensor, on: torch.Tensor,
+                      log_ratio: torch.Tensor, metrics: Mapping[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What every loss returns: ``loss_agg(loss_mat, response_mask)`` and the metrics, :func:`_ratio_metrics`
+    first, then the loss's own (computed by the caller, detached)."""
+    return loss_agg(loss_mat, response_mask), {**_ratio_metrics(log_ratio, on), **metrics}
+
+
 # --------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------
@@ -271,24 +303,18 @@ def ppo_clip(
                 f"INTELLECT-2 uses 4), got {clip_delta!r}. Use None to turn two-sided clipping off."
             )
     ratio = torch.exp(log_ratio)
-    bounded = ratio if clip_delta is None else ratio.clamp(max=clip_delta)
-    unclipped = -advantages * bounded
-    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss_mat = torch.maximum(unclipped, clipped)
+    bounded = None if clip_delta is None else ratio.clamp(max=clip_delta)
+    loss_mat = torch.maximum(*_ppo_terms(advantages, ratio, eps_low, eps_high, unclipped_ratio=bounded))
     negative = advantages < 0
     if dual_clip_c is not None:
         loss_mat = torch.where(negative, torch.minimum(loss_mat, -dual_clip_c * advantages), loss_mat)
 
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        low = negative & (ratio < 1.0 - eps_low)
-        high = (advantages > 0) & (ratio > 1.0 + eps_high)
-        metrics.update(_clip_fractions(on, low, high))
-        if dual_clip_c is not None:
-            metrics["dual_clip_frac"] = _fraction(negative & (ratio > dual_clip_c), on)
-        if clip_delta is not None:
-            metrics["dual_clip_frac"] = _fraction(negative & (ratio > clip_delta), on)
-    return loss_agg(loss_mat, response_mask), metrics
+    metrics = _ppo_clip_fractions(on, advantages, ratio, eps_low, eps_high)
+    # clip_delta bounds the same tokens dual_clip_c would (only one of them is set)
+    loss_bound = clip_delta if dual_clip_c is None else dual_clip_c
+    if loss_bound is not None:
+        metrics["dual_clip_frac"] = _fraction(negative & (ratio > loss_bound), on)
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, metrics)
 
 
 @register_policy_loss("gspo")
@@ -334,19 +360,12 @@ def gspo(
     sequence_log_ratio = (token_log_ratio.sum(-1, keepdim=True) / lengths).detach()  # [B, 1]
     sequence_log_ratio = sequence_log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(sequence_log_ratio + logprobs - logprobs.detach())  # [B, T], value s_i
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    loss_mat = torch.maximum(unclipped, clipped)
+    loss_mat = torch.maximum(*_ppo_terms(advantages, ratio, clip_eps_low, clip_eps_high))
 
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        metrics["seq_ratio_mean"] = masked_mean(
-            torch.exp(sequence_log_ratio.squeeze(-1)), on.any(-1)
-        ).detach()
-        low = (advantages < 0) & (ratio < 1.0 - clip_eps_low)
-        high = (advantages > 0) & (ratio > 1.0 + clip_eps_high)
-        metrics.update(_clip_fractions(on, low, high))
-    return loss_agg(loss_mat, response_mask), metrics
+    seq_ratio_mean = masked_mean(torch.exp(sequence_log_ratio.squeeze(-1)), on.any(-1)).detach()
+    metrics = {"seq_ratio_mean": seq_ratio_mean,
+               **_ppo_clip_fractions(on, advantages, ratio, clip_eps_low, clip_eps_high)}
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, metrics)
 
 
 @register_policy_loss("cispo")
@@ -392,12 +411,9 @@ def cispo(
         weight = ratio.clamp(min=lower, max=1.0 + clip_eps_high)
     loss_mat = -weight * advantages * logprobs
 
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        high = ratio > 1.0 + clip_eps_high
-        low = ratio < lower if lower is not None else torch.zeros_like(high)
-        metrics.update(_clip_fractions(on, low, high))
-    return loss_agg(loss_mat, response_mask), metrics
+    high = ratio > 1.0 + clip_eps_high
+    low = ratio < lower if lower is not None else torch.zeros_like(high)
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, _clip_fractions(on, low, high))
 
 
 @register_policy_loss("reinforce")
@@ -455,11 +471,8 @@ def reinforce(
         loss_mat = -weight * advantages * logprobs
     else:
         loss_mat = -advantages * logprobs
-
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        metrics["clip_frac"] = _fraction(truncated, on)
-    return loss_agg(loss_mat, response_mask), metrics
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio,
+                             {"clip_frac": _fraction(truncated, on)})
 
 
 # --------------------------------------------------------------------------
@@ -531,10 +544,9 @@ def sapo(
     loss_mat = -(4.0 / tau) * gate * advantages
 
     with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        metrics["clip_frac"] = torch.zeros((), device=ratio.device)
-        metrics["soft_gate_mean"] = masked_mean(4.0 * gate * (1.0 - gate), on).detach()
-    return loss_agg(loss_mat, response_mask), metrics
+        soft_gate_mean = masked_mean(4.0 * gate * (1.0 - gate), on)
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio,
+                             {"clip_frac": _zero_fraction(on), "soft_gate_mean": soft_gate_mean})
 
 
 @register_policy_loss("gpg")
@@ -569,10 +581,7 @@ def gpg(
     on, logprobs, old_logprobs, advantages, log_ratio = _policy_tokens(
         "gpg", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     loss_mat = -advantages * logprobs
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        metrics["clip_frac"] = torch.zeros((), device=logprobs.device)
-    return loss_agg(loss_mat, response_mask), metrics
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, {"clip_frac": _zero_fraction(on)})
 
 
 def _centred_covariance(advantages: torch.Tensor, logprobs: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
@@ -639,8 +648,7 @@ def clip_cov(
             f"drawn from; the paper uses 1 and 5), got clip_cov_lb={clip_cov_lb!r}, clip_cov_ub={clip_cov_ub!r}"
         )
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    unclipped, clipped = _ppo_terms(advantages, ratio, eps_low, eps_high)
 
     with torch.no_grad():
         ppo_clipped = on & (clipped > unclipped)
@@ -659,13 +667,9 @@ def clip_cov(
         chosen = chosen.reshape(candidates.shape)
     loss_mat = torch.where(chosen, 0.0, torch.maximum(unclipped, clipped))
 
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        low = (advantages < 0) & (ratio < 1.0 - eps_low)
-        high = (advantages > 0) & (ratio > 1.0 + eps_high)
-        metrics.update(_clip_fractions(on, low, high, also=chosen))
-        metrics["cov_clip_frac"] = _fraction(chosen, on)
-    return loss_agg(loss_mat, response_mask), metrics
+    metrics = _ppo_clip_fractions(on, advantages, ratio, eps_low, eps_high, also=chosen)
+    metrics["cov_clip_frac"] = _fraction(chosen, on)
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, metrics)
 
 
 @register_policy_loss("kl_cov")
@@ -718,11 +722,7 @@ def kl_cov(
             chosen[torch.topk(covariance.reshape(-1), k).indices] = True
         chosen = chosen.reshape(on.shape)
     loss_mat = -advantages * ratio + torch.where(chosen, ppo_kl_coef * log_ratio.abs(), 0.0)
-
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        metrics["clip_frac"] = _fraction(chosen, on)
-    return loss_agg(loss_mat, response_mask), metrics
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, {"clip_frac": _fraction(chosen, on)})
 
 
 @register_policy_loss("geo_mean")
@@ -786,12 +786,10 @@ def geo_mean(
     loss_mat = torch.where(on, per_sequence[:, None], 0.0)  # [B, T]
 
     with torch.no_grad():
-        metrics = _ratio_metrics(clamped_log_ratio, on)  # the local log_ratio is unclamped
-        metrics["seq_ratio_mean"] = masked_mean(torch.exp(sequence_log_ratio), on.any(-1)).detach()
-        low = negative & (log_ratio < -eps_low)
-        high = positive & (log_ratio > eps_high)
-        metrics.update(_clip_fractions(on, low, high))
-    return loss_agg(loss_mat, response_mask), metrics
+        metrics = {"seq_ratio_mean": masked_mean(torch.exp(sequence_log_ratio), on.any(-1)),
+                   **_clip_fractions(on, negative & (log_ratio < -eps_low), positive & (log_ratio > eps_high))}
+    # the metrics' log-ratio is the clamped one, as in every loss (the local log_ratio is not clamped)
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, clamped_log_ratio, metrics)
 
 
 def _dppo(
@@ -832,14 +830,10 @@ def _dppo(
         keep = torch.where(positive, keep_up, keep_down)
     loss_mat = torch.where(keep, -advantages * weight * logprobs, 0.0)
 
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        high = positive & ~keep
-        low = (advantages < 0) & ~keep
-        metrics.update(_clip_fractions(on, low, high))
-        metrics["truncated_frac"] = _fraction(keep & (ratio > max_importance_weight), on) if (
-            max_importance_weight is not None) else torch.zeros((), device=ratio.device)
-    return loss_agg(loss_mat, response_mask), metrics
+    metrics = _clip_fractions(on, (advantages < 0) & ~keep, positive & ~keep)
+    metrics["truncated_frac"] = _fraction(keep & (ratio > max_importance_weight), on) if (
+        max_importance_weight is not None) else _zero_fraction(on)
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, metrics)
 
 
 @register_policy_loss("dppo_tv")
@@ -969,10 +963,7 @@ def dro(
         "dro", logprobs, old_logprobs, advantages, response_mask, loss_agg, log_ratio_clamp)
     _check_positive("dro", "beta", beta, "e.g. 0.05 with group-normalised advantages")
     loss_mat = -(advantages * logprobs - 0.5 * beta * log_ratio.square())
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        metrics["clip_frac"] = torch.zeros((), device=logprobs.device)
-    return loss_agg(loss_mat, response_mask), metrics
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, {"clip_frac": _zero_fraction(on)})
 
 
 @register_policy_loss("opmd")
@@ -1017,10 +1008,7 @@ def opmd(
     if tau is None or not (math.isfinite(float(tau)) and tau >= 0):
         raise ValueError(f"policy_loss 'opmd': tau must be a number >= 0 (Trinity-RFT uses 1.0), got {tau!r}")
     loss_mat = -advantages * logprobs / (1.0 + tau)
-    with torch.no_grad():
-        metrics = _ratio_metrics(log_ratio, on)
-        metrics["clip_frac"] = torch.zeros((), device=logprobs.device)
-    return loss_agg(loss_mat, response_mask), metrics
+    return _loss_and_metrics(loss_agg, loss_mat, response_mask, on, log_ratio, {"clip_frac": _zero_fraction(on)})
 
 
 # --------------------------------------------------------------------------

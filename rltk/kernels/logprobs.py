@@ -120,9 +120,7 @@ def token_logprobs_and_entropy(
         ValueError: bad shapes, dtypes, devices, temperature, labels, impl or
             chunk size; the message names the argument and what is valid.
     """
-    _check_inputs(hidden, weight, labels, bias, temperature)
-    backend = resolve_impl(impl, hidden)
-    _check_label_range(labels, weight.shape[0], ignore_index)
+    backend = _checked_backend(impl, hidden, weight, labels, bias, temperature, ignore_index)
     if backend == "naive":
         return naive_token_logprobs_and_entropy(
             hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -152,7 +150,6 @@ def _apply_op(hidden, weight, bias, labels, temperature, backend, tiling, ignore
 # --------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
 def triton_token_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -172,16 +169,14 @@ def triton_token_logprobs_and_entropy(
     labels (N,) -> logprobs (N,), entropy (N,) (and sum_pi_squared (N,) with
     ``with_sum_pi_squared``).
     """
-    _check_inputs(hidden, weight, labels, bias, temperature)
-    resolve_impl("triton", hidden)
-    _check_label_range(labels, weight.shape[0], ignore_index)
+    _checked_backend("triton", hidden, weight, labels, bias, temperature, ignore_index)
     from rltk.kernels import triton_logprobs
 
     config = config or triton_logprobs.config_for(hidden, weight, None)
-    return _apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index,
-                              with_sum_pi_squared)
+    return _apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index, with_sum_pi_squared)
 
 
+@lru_cache(maxsize=1)
 def triton_available() -> bool:
     """Whether ``import triton`` works in this process."""
     try:
@@ -223,6 +218,15 @@ def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
                 "Triton's (very slow) CPU interpreter for testing."
             )
     return impl
+
+
+def _checked_backend(impl, hidden, weight, labels, bias, temperature, ignore_index) -> str:
+    """The input check of every public entry point, in the order its errors are raised: shapes, dtypes,
+    devices and temperature, then the backend ``impl`` resolves to here (returned), then the label range."""
+    _check_inputs(hidden, weight, labels, bias, temperature)
+    backend = resolve_impl(impl, hidden)
+    _check_label_range(labels, weight.shape[0], ignore_index)
+    return backend
 
 
 def _check_inputs(hidden, weight, labels, bias, temperature) -> None:

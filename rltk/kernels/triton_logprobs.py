@@ -105,25 +105,45 @@ def _shared_memory_per_block(device: torch.device) -> int:
 
 
 @triton.jit
+def _tile_indices(start, BLOCK: tl.constexpr, limit):
+    """``(start + [0, BLOCK), which of them are < limit)``: one tile's indices along one axis and their mask."""
+    indices = start + tl.arange(0, BLOCK)
+    return indices, indices < limit
+
+
+@triton.jit
+def _split_vocab_range(split, tiles_per_split, vocab_size, BLOCK_V: tl.constexpr):
+    """``(v_begin, v_end)``: the vocabulary columns of vocab split ``split``."""
+    v_begin = split * tiles_per_split * BLOCK_V
+    return v_begin, tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_size)
+
+
+@triton.jit
+def _load_rows(ptr, rows, row_mask, dims, dim_mask, stride_row, stride_dim):
+    """``x[rows][:, dims]`` of a ``[*, D]`` matrix in fp32, 0 where masked. Shape: (len(rows), len(dims)).
+
+    Row offsets are widened to int64 (here and in the kernels): a 256k x 8192
+    weight has more elements than int32 can index.
+    """
+    return tl.load(
+        ptr + rows[:, None].to(tl.int64) * stride_row + dims[None, :] * stride_dim,
+        mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
 def _logits_tile(
     hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_mask, col_mask, hidden_size,
     stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """z = (h[rows] @ W[cols]^T + b[cols]) / t for one tile, in fp32. Shape: (BLOCK_N, BLOCK_V).
-
-    Row and column offsets are widened to int64 (here and in the kernels): a
-    256k x 8192 weight has more elements than int32 can index.
-    """
+    """z = (h[rows] @ W[cols]^T + b[cols]) / t for one tile, in fp32. Shape: (BLOCK_N, BLOCK_V)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for d_start in range(0, hidden_size, BLOCK_D):
-        dims = d_start + tl.arange(0, BLOCK_D)
-        dim_mask = dims < hidden_size
-        h = tl.load(
-            hidden_ptr + rows[:, None].to(tl.int64) * stride_hn + dims[None, :] * stride_hd,
-            mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        dims, dim_mask = _tile_indices(d_start, BLOCK_D, hidden_size)
+        h = _load_rows(hidden_ptr, rows, row_mask, dims, dim_mask, stride_hn, stride_hd)  # [BLOCK_N, BLOCK_D]
+        # W^T loaded as such (not transposed after the load): the dot reads it in this layout
         w_t = tl.load(
             weight_ptr + cols[None, :].to(tl.int64) * stride_wv + dims[:, None] * stride_wd,
             mask=col_mask[None, :] & dim_mask[:, None], other=0.0,
@@ -147,19 +167,16 @@ def _forward_kernel(
     (and ``q = sum e^(2(z-m))`` when ``WITH_SQ``; ``part_sq_ptr`` is unread otherwise)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_tokens
+    rows, row_mask = _tile_indices(pid_n * BLOCK_N, BLOCK_N, num_tokens)
     labels = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     run_wsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     run_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     label_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    v_begin = split * tiles_per_split * BLOCK_V
-    v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_size)
+    v_begin, v_end = _split_vocab_range(split, tiles_per_split, vocab_size, BLOCK_V)
     for v_start in range(v_begin, v_end, BLOCK_V):
-        cols = v_start + tl.arange(0, BLOCK_V)
-        col_mask = cols < vocab_size
+        cols, col_mask = _tile_indices(v_start, BLOCK_V, vocab_size)
         z = _logits_tile(
             hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_mask, col_mask, hidden_size,
             stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
@@ -193,13 +210,20 @@ def _forward_kernel(
 
 @triton.jit
 def _logit_grad_tile(
-    z, rows, cols, row_mask, col_mask, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr,
-    HAS_GRAD_LP: tl.constexpr, HAS_GRAD_ENT: tl.constexpr,
+    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr,
+    rows, cols, row_mask, col_mask, hidden_size, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_GRAD_LP: tl.constexpr, HAS_GRAD_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """d_logits of one tile: g_lp (onehot - p) + g_ent p (E_p[z] - z), g's pre-scaled by 1/t.
+    """d_logits of one tile, its logits recomputed: g_lp (onehot - p) + g_ent p (E_p[z] - z), g's pre-scaled by 1/t.
 
     Shape: (BLOCK_N, BLOCK_V); zero on padding rows and columns.
     """
+    z = _logits_tile(
+        hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_mask, col_mask, hidden_size,
+        stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+        HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
+    )
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     valid = row_mask[:, None] & col_mask[None, :]
     p = tl.where(valid, tl.exp(z - lse[:, None]), 0.0)
@@ -217,6 +241,23 @@ def _logit_grad_tile(
 
 
 @triton.jit
+def _add_product_rows(
+    out_ptr, out_rows, out_row_mask, grad_tile, src_ptr, src_rows, src_row_mask, stride_src_row, stride_src_dim,
+    hidden_size, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[out_rows] += grad_tile @ src[src_rows], hidden chunk by hidden chunk; ``out`` is a contiguous
+    ``[*, hidden_size]`` fp32 matrix whose ``out_rows`` only the calling program writes (no atomics)."""
+    for d_start in range(0, hidden_size, BLOCK_D):
+        dims, dim_mask = _tile_indices(d_start, BLOCK_D, hidden_size)
+        src = _load_rows(src_ptr, src_rows, src_row_mask, dims, dim_mask, stride_src_row, stride_src_dim)
+        out = out_ptr + out_rows[:, None].to(tl.int64) * hidden_size + dims[None, :]
+        out_mask = out_row_mask[:, None] & dim_mask[None, :]
+        acc = tl.load(out, mask=out_mask, other=0.0)
+        acc = tl.dot(grad_tile, src, acc, input_precision=DOT_PRECISION)
+        tl.store(out, acc, mask=out_mask)
+
+
+@triton.jit
 def _grad_hidden_kernel(
     hidden_ptr, weight_ptr, bias_ptr, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr,
     grad_hidden_ptr,  # [num_splits, N, D] fp32, zero-initialised
@@ -228,36 +269,18 @@ def _grad_hidden_kernel(
     """grad_hidden[rows] (this split's partial) = sum over the split's vocab tiles of d_logits @ W."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_tokens
+    rows, row_mask = _tile_indices(pid_n * BLOCK_N, BLOCK_N, num_tokens)
     out_ptr = grad_hidden_ptr + split.to(tl.int64) * num_tokens * hidden_size
-    v_begin = split * tiles_per_split * BLOCK_V
-    v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_size)
+    v_begin, v_end = _split_vocab_range(split, tiles_per_split, vocab_size, BLOCK_V)
     for v_start in range(v_begin, v_end, BLOCK_V):
-        cols = v_start + tl.arange(0, BLOCK_V)
-        col_mask = cols < vocab_size
-        z = _logits_tile(
-            hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_mask, col_mask, hidden_size,
-            stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
-            HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
-        )
+        cols, col_mask = _tile_indices(v_start, BLOCK_V, vocab_size)
         grad_z = _logit_grad_tile(
-            z, rows, cols, row_mask, col_mask, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr,
-            HAS_GRAD_LP, HAS_GRAD_ENT,
+            hidden_ptr, weight_ptr, bias_ptr, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr,
+            rows, cols, row_mask, col_mask, hidden_size, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+            HAS_BIAS, HAS_GRAD_LP, HAS_GRAD_ENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
         )
-        for d_start in range(0, hidden_size, BLOCK_D):
-            dims = d_start + tl.arange(0, BLOCK_D)
-            dim_mask = dims < hidden_size
-            w = tl.load(
-                weight_ptr + cols[:, None].to(tl.int64) * stride_wv + dims[None, :] * stride_wd,
-                mask=col_mask[:, None] & dim_mask[None, :], other=0.0,
-            ).to(tl.float32)  # [BLOCK_V, BLOCK_D]
-            out = out_ptr + rows[:, None].to(tl.int64) * hidden_size + dims[None, :]
-            out_mask = row_mask[:, None] & dim_mask[None, :]
-            # This program alone writes these rows of its split's partial: no atomics.
-            acc = tl.load(out, mask=out_mask, other=0.0)
-            acc = tl.dot(grad_z, w, acc, input_precision=DOT_PRECISION)
-            tl.store(out, acc, mask=out_mask)
+        _add_product_rows(out_ptr, rows, row_mask, grad_z, weight_ptr, cols, col_mask, stride_wv, stride_wd,
+                          hidden_size, BLOCK_D, DOT_PRECISION)
 
 
 @triton.jit
@@ -272,37 +295,20 @@ def _grad_weight_kernel(
 ):
     """grad_weight[cols] = sum over all token tiles of d_logits^T @ h; grad_bias[cols] = column sums."""
     pid_v = tl.program_id(0)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < vocab_size
+    cols, col_mask = _tile_indices(pid_v * BLOCK_V, BLOCK_V, vocab_size)
     bias_acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n_start in range(0, num_tokens, BLOCK_N):
-        rows = n_start + tl.arange(0, BLOCK_N)
-        row_mask = rows < num_tokens
-        z = _logits_tile(
-            hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_mask, col_mask, hidden_size,
-            stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
-            HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
-        )
+        rows, row_mask = _tile_indices(n_start, BLOCK_N, num_tokens)
         grad_z = _logit_grad_tile(
-            z, rows, cols, row_mask, col_mask, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr,
-            HAS_GRAD_LP, HAS_GRAD_ENT,
+            hidden_ptr, weight_ptr, bias_ptr, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr,
+            rows, cols, row_mask, col_mask, hidden_size, stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
+            HAS_BIAS, HAS_GRAD_LP, HAS_GRAD_ENT, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
         )
         if NEED_BIAS:
             bias_acc += tl.sum(grad_z, axis=0)
         if NEED_WEIGHT:
-            grad_z_t = tl.trans(grad_z)  # [BLOCK_V, BLOCK_N]
-            for d_start in range(0, hidden_size, BLOCK_D):
-                dims = d_start + tl.arange(0, BLOCK_D)
-                dim_mask = dims < hidden_size
-                h = tl.load(
-                    hidden_ptr + rows[:, None].to(tl.int64) * stride_hn + dims[None, :] * stride_hd,
-                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
-                ).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-                out = grad_weight_ptr + cols[:, None].to(tl.int64) * hidden_size + dims[None, :]
-                out_mask = col_mask[:, None] & dim_mask[None, :]
-                acc = tl.load(out, mask=out_mask, other=0.0)
-                acc = tl.dot(grad_z_t, h, acc, input_precision=DOT_PRECISION)
-                tl.store(out, acc, mask=out_mask)
+            _add_product_rows(grad_weight_ptr, cols, col_mask, tl.trans(grad_z), hidden_ptr, rows, row_mask,
+                              stride_hn, stride_hd, hidden_size, BLOCK_D, DOT_PRECISION)
     if NEED_BIAS:
         tl.store(grad_bias_ptr + cols, bias_acc, mask=col_mask)
 

@@ -24,7 +24,7 @@ from rltk.kernels import triton_logprobs as tl_mod  # noqa: E402
 
 CASES = Path(__file__).with_name("triton_interpreter_cases.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EXPECTED_CASES = 19
+EXPECTED_CASES = 20
 
 
 @pytest.mark.skipif(tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9),

@@ -180,6 +180,19 @@ def test_non_contiguous_hidden_uses_its_strides():
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=0)
 
 
+def test_explicit_config_entry_point_computes_afresh_on_every_call():
+    # A cache on the entry point once returned the previous call's tensors for the same input objects,
+    # even after they were changed in place.
+    hidden, weight, _, labels = make_inputs(7, 16, 20, seed=4)
+    hidden, weight = hidden.detach(), weight.detach()
+    first, _ = triton_token_logprobs_and_entropy(hidden, weight, labels, config=TritonConfig(**SMALL))
+    weight.mul_(2.0)
+    second, _ = triton_token_logprobs_and_entropy(hidden, weight, labels, config=TritonConfig(**SMALL))
+    assert second is not first
+    torch.testing.assert_close(second.double(), reference64(hidden, weight, labels)[0], atol=1e-5, rtol=0)
+    assert (second - first).abs().max() > 0.1
+
+
 def tiled_hand_inputs():
     """Three rows over V = 48 (three vocab tiles of 16) whose sum_v p_v^2 is known by hand:
 
