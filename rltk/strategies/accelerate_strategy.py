@@ -157,16 +157,6 @@ class AccelerateStrategy(TrainingStrategy):
         return self.accelerator.num_processes
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        self._require_setup("optimizer")
-        return self._optimizer
-
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        self._require_setup("scheduler")
-        return self._scheduler
-
-    @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale (``None`` unless ``mixed_precision="fp16"``)."""
         return float(self._grad_scaler.get_scale()) if self._grad_scaler is not None else None

@@ -383,6 +383,8 @@ class TrainingStrategy(abc.ABC):
     """
 
     settings: OptimizerSettings | None = None
+    _optimizer: torch.optim.Optimizer | None = None
+    _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -456,14 +458,16 @@ class TrainingStrategy(abc.ABC):
         return self.rank == 0
 
     @property
-    @abc.abstractmethod
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer built by :meth:`setup`."""
+        """The optimizer built by :meth:`setup` (:meth:`_setup` keeps it in ``self._optimizer``)."""
+        self._require_setup("optimizer")
+        return self._optimizer
 
     @property
-    @abc.abstractmethod
     def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
-        """The LR scheduler built by :meth:`setup`."""
+        """The LR scheduler built by :meth:`setup` (:meth:`_setup` keeps it in ``self._scheduler``)."""
+        self._require_setup("scheduler")
+        return self._scheduler
 
     @property
     def optimizer_steps(self) -> int:

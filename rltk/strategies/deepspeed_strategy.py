@@ -290,17 +290,6 @@ class DeepSpeedStrategy(TrainingStrategy):
         return self._world_size
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The torch AdamW; under ZeRO its parameters are DeepSpeed's flat fp32 partitions of this rank."""
-        self._require_setup("optimizer")
-        return self._optimizer
-
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        self._require_setup("scheduler")
-        return self._scheduler
-
-    @property
     def shards_parameters(self) -> bool:
         """True under ZeRO-3: parameters are partitioned across ranks outside the forward pass."""
         return self.zero_stage == 3
