@@ -377,12 +377,18 @@ class TrainingStrategy(abc.ABC):
     :meth:`barrier`, :meth:`full_state_dict`, :meth:`save`, :meth:`load`) must be
     called by every rank; in a single process they are identities.
 
-    Subclasses implement the abstract methods; the collectives here use the
-    default ``torch.distributed`` process group and work for any engine built
-    on it.
+    Subclasses implement the abstract methods and, when they start, set
+    ``_device``, ``_rank`` and ``_world_size`` (what :attr:`device`, :attr:`rank`
+    and :attr:`world_size` answer); the collectives here use the default
+    ``torch.distributed`` process group and work for any engine built on it.
     """
 
     settings: OptimizerSettings | None = None
+    # Where this process stands, fixed when the engine starts (its constructor sets them).
+    _device: torch.device = torch.device("cpu")
+    _rank: int = 0
+    _world_size: int = 1
+    # What :meth:`_setup` builds.
     _optimizer: torch.optim.Optimizer | None = None
     _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
@@ -438,19 +444,19 @@ class TrainingStrategy(abc.ABC):
         """The wrapped module to call forward on (DDP/FSDP/engine); gradients sync through it."""
 
     @property
-    @abc.abstractmethod
     def device(self) -> torch.device:
         """The device this rank computes on; move batches here."""
+        return self._device
 
     @property
-    @abc.abstractmethod
     def rank(self) -> int:
         """This process's global rank (0 in a single process)."""
+        return self._rank
 
     @property
-    @abc.abstractmethod
     def world_size(self) -> int:
         """Number of data-parallel processes (1 in a single process)."""
+        return self._world_size
 
     @property
     def is_main(self) -> bool:
@@ -657,5 +663,6 @@ class TrainingStrategy(abc.ABC):
             "strategy": type(self).__name__,
             "world_size": self.world_size,
             "settings": asdict(self.settings) if self.settings else None,
+            "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
 
