@@ -37,7 +37,7 @@ from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
     GRAD_SCALER_FILE, MODEL_SUBDIR, OPTIMIZER_FILE, SCHEDULER_FILE, STRATEGY_META_FILE, OptimizerSettings,
     TrainingStrategy, build_adamw, build_lr_scheduler, check_mixed_precision, load_optimizer_state_by_name,
-    load_weights_only, optimizer_state_by_name,
+    load_weights_only, optimizer_state_by_name, read_strategy_meta,
 )
 from rltk.models.folders import full_cpu_copy, load_full_state_into, load_model_folder, save_model_folder
 
@@ -324,19 +324,8 @@ class AccelerateStrategy(TrainingStrategy):
         """
         self._require_setup("load()")
         directory = Path(directory)
-        meta_path = directory / STRATEGY_META_FILE
-        if not meta_path.exists():
-            raise FileNotFoundError(
-                f"'{directory}' has no {STRATEGY_META_FILE}: it is not a checkpoint written by "
-                f"AccelerateStrategy.save() (or it is incomplete)."
-            )
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"checkpoint '{directory}' has format {meta.get('format')!r} (strategy "
-                f"{meta.get('strategy')!r}); AccelerateStrategy reads {CHECKPOINT_FORMAT!r}. Resume with the "
-                "strategy that wrote it, or export its model folder and start from that."
-            )
+        read_strategy_meta(directory, "AccelerateStrategy", CHECKPOINT_FORMAT,
+                           otherwise="export its model folder and start from that")
         load_full_state_into(self.unwrap(), load_model_folder(directory / MODEL_SUBDIR), directory / MODEL_SUBDIR)
         load_optimizer_state_by_name(self._optimizer, self.unwrap(), load_weights_only(directory / OPTIMIZER_FILE),
                                      directory / OPTIMIZER_FILE)

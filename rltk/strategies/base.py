@@ -36,6 +36,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -319,6 +320,23 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Mo
             index += 1
         native_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
     optimizer.load_state_dict({"state": native_state, "param_groups": native_groups})
+
+
+def read_strategy_meta(directory: str | Path, strategy: str, checkpoint_format: str, otherwise: str) -> dict[str, Any]:
+    """The ``strategy.json`` of the checkpoint ``directory``, which ``strategy``'s ``save()`` wrote in
+    ``checkpoint_format``: a FileNotFoundError when there is none, a ValueError ending with ``otherwise`` (what
+    to do instead) when another strategy wrote it."""
+    meta_path = Path(directory) / STRATEGY_META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"'{directory}' has no {STRATEGY_META_FILE}: it is not a checkpoint written by "
+                                f"{strategy}.save() (or it is incomplete).")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != checkpoint_format:
+        raise ValueError(
+            f"checkpoint '{directory}' has format {meta.get('format')!r} (strategy {meta.get('strategy')!r}); "
+            f"{strategy} reads {checkpoint_format!r}. Resume with the strategy that wrote it, or {otherwise}."
+        )
+    return meta
 
 
 def load_weights_only(path: Path) -> Any:
