@@ -72,7 +72,7 @@ def _declared_provides(script: Path, *, sibling: bool = False) -> dict | None:
     elif sibling:
         try:
             module = _load_recipe(script)
-        except Exception:  # noqa: BLE001 - anything a broken script raises; see the docstring
+        except Exception:  # whatever a broken script raises (see the docstring)
             return None
     else:
         module = _load_recipe(script)

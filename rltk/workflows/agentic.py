@@ -85,9 +85,9 @@ from typing import Any
 
 import rltk
 from rltk.batch import Experience
+from rltk.errors import ConfigError
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.tools.resolve import resolve_tools
-from rltk.errors import ConfigError
 from rltk.workflows.base import (
     GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics, reward_means, score_samples,
 )
