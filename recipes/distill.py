@@ -32,35 +32,25 @@ from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.step.batch_metrics import rollout_metrics
 from rltk.training.updates.distill import load_teacher, teacher_folders
 from rltk.training.step.forward import old_logprobs_pass
-from rltk.training.stages.loop_state import RLParts, rl_steps, start_rl_stage
+from rltk.training.stages.loop_state import RLParts, rl_provides, rl_steps, start_rl_stage
 from rltk.training.step.ranks import global_masked_mean
 from rltk.training.updates.rl import policy_update
 from rltk.training.rollouts.rollout_source import open_rollout_source
-from rltk.training.stages.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.stages.run import Stage, build_rl_strategy, finish_run, open_run, run_stages
 from rltk.training.stages.sft_stage import run_sft_stage
 from rltk.training.stages.step_end import end_step, evaluate_at_start
 
-# What this loop serves its components (read by `rltk run` / `rltk validate` without running the script):
-# the teacher's log-probs besides what collate and the old-log-prob pass give. No KL reference, no
-# greedy baseline, no expert data.
-PROVIDES = {
-    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
-                     "token_rewards", "scores", "group_ids", "response_lengths", "old_logprobs",
-                     "sequence_rewards", "policy_lengths", "teacher_logprobs"],
-    "buffer_sources": ["policy"],
-    "expert_data": False,
-    "trainer_modes": ["sync", "one_step_off", "async"],
-}
+# What this loop serves its components (checked by `rltk run` / `rltk validate`): the teacher's log-probs
+# besides every RL step's fields (loop_state.RL_STEP_FIELDS). No KL reference, no greedy baseline, no
+# expert data.
+PROVIDES = rl_provides("teacher_logprobs")
 
 
 def run_distill_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     a, t = cfg.algorithm, cfg.trainer
-    per_step = t.mini_batches * t.ppo_epochs
-    strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps * per_step,
-                                    warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    strategy = build_rl_strategy(stage)  # the schedule counts optimizer steps
     workflow = run.workflow
-    require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)
 
     # The teacher: loaded once, refused (exit 2) when its tokenizer is not the student's
     teacher = load_teacher(cfg.distill.teacher_path, run.tokenizer, strategy, dtype=cfg.distill.teacher_dtype)

@@ -35,41 +35,30 @@ import time
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.step.batch_metrics import rollout_metrics
-from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_steps, start_rl_stage
+from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_provides, rl_steps, start_rl_stage
 from rltk.training.step.forward import old_logprobs_pass
 from rltk.training.step.ranks import global_masked_mean, rows_in
 from rltk.training.updates.rl import policy_update
 from rltk.training.rollouts.rollout_source import open_rollout_source
-from rltk.training.stages.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.stages.run import Stage, build_rl_strategy, finish_run, open_run, run_stages
 from rltk.training.stages.sft_stage import run_sft_stage
 from rltk.training.stages.step_end import end_step, evaluate_at_start
 
 
-# What this loop serves its components. `rltk run` and `rltk validate` read it without running the
-# script, to refuse a component the loop cannot feed (e.g. an advantage that needs a critic's values).
-# baseline_scores come from one greedy response per prompt when the estimator names them (ReMax);
-# reward_components (gdpo) and sum_pi_squared (optimal_token_baseline) only when the estimator names them;
+# What this loop serves its components besides every RL step's fields (loop_state.RL_STEP_FIELDS): `rltk run`
+# and `rltk validate` refuse a component the loop cannot feed (e.g. an advantage that needs a critic's values). baseline_scores come from one greedy response per prompt (ReMax), reward_components (gdpo) and
+# sum_pi_squared (optimal_token_baseline) from the old-log-prob pass, each only when the estimator names them;
 # expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
-PROVIDES = {
-    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
-                     "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
-                     "sequence_rewards", "policy_lengths",
-                     "ref_logprobs", "reward_components", "sum_pi_squared"],
-    "buffer_sources": ["policy"],
-    "expert_data": True,
-    "trainer_modes": ["sync", "one_step_off", "async"],
-}
+PROVIDES = rl_provides("baseline_scores", "reward_components", "sum_pi_squared", "ref_logprobs", expert_data=True)
 
 
 def run_rl_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     a, t = cfg.algorithm, cfg.trainer
-    per_step = t.mini_batches * t.ppo_epochs  # optimizer steps per RL step: the schedule counts those
-    # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
-    strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps * per_step,
-                                    warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    # The schedule counts optimizer steps; the rollout engine follows the strategy's weights (ZeRO-3: from a
+    # whole copy of its own).
+    strategy = build_rl_strategy(stage)
     workflow = run.workflow
-    require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)
 
     # Components, each chosen by name in the config: estimator, losses, sample strategy, rollout plan,
     # and how every log-prob pass runs (one epoch over one mini-batch: the update takes the old

@@ -40,44 +40,33 @@ import time
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.step.batch_metrics import rollout_metrics
-from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_steps, start_rl_stage
-from rltk.training.updates.ppo import PolicyAndCritic, batched_values, build_critic, build_critic_strategy, critic_update, \
-    updates_per_step
+from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_provides, rl_steps, start_rl_stage
+from rltk.training.updates.ppo import PolicyAndCritic, batched_values, build_critic, build_critic_strategy, critic_update
 from rltk.training.step.forward import old_logprobs_pass
 from rltk.training.step.ranks import global_masked_mean, rows_in
 from rltk.training.updates.rl import policy_update
 from rltk.training.rollouts.rollout_source import open_rollout_source
-from rltk.training.stages.run import Stage, build_stage_strategy, finish_run, open_run, require_rows_per_rank, run_stages
+from rltk.training.stages.run import Stage, build_rl_strategy, finish_run, open_run, run_stages
 from rltk.training.stages.sft_stage import run_sft_stage
 from rltk.training.stages.step_end import end_step, evaluate_at_start
 
 
-# What this loop serves its components. `rltk run` and `rltk validate` read it without running the
-# script, to refuse a component the loop cannot feed (e.g. a sample strategy that waits for expert data).
-# baseline_scores come from one greedy response per prompt when the estimator names them (ReMax);
-# reward_components (gdpo) and sum_pi_squared (optimal_token_baseline) only when the estimator names them;
-# expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
-PROVIDES = {
-    "batch_fields": ["input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
-                     "token_rewards", "scores", "group_ids", "response_lengths", "baseline_scores", "old_logprobs",
-                     "sequence_rewards", "policy_lengths",
-                     "ref_logprobs", "values", "reward_components", "sum_pi_squared"],
-    "buffer_sources": ["policy"],
-    "expert_data": True,
-    "trainer_modes": ["sync", "one_step_off", "async"],
-}
+# What this loop serves its components besides every RL step's fields (loop_state.RL_STEP_FIELDS): the
+# critic's values, and as in grpo.py the reference's log-probs, a greedy response's score (ReMax),
+# reward_components (gdpo) and sum_pi_squared (optimal_token_baseline) when the estimator names them, and
+# expert experiences from buffer.expert.path. `rltk run` and `rltk validate` refuse a component the loop
+# cannot feed (e.g. a sample strategy that waits for expert data).
+PROVIDES = rl_provides("values", "baseline_scores", "reward_components", "sum_pi_squared", "ref_logprobs",
+                       expert_data=True)
 
 
 def run_ppo_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     t, c = cfg.trainer, cfg.critic
-    per_step = updates_per_step(cfg)  # optimizer steps per RL step; schedules count optimizer steps
-    policy_steps = t.total_steps - c.warmup_steps  # the policy waits while the critic warms up
-    # The rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
-    strategy = build_stage_strategy(stage, lr=t.lr, total_steps=policy_steps * per_step,
-                                    warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    # The schedule counts optimizer steps, of the RL steps after the critic's warm-up (the policy waits
+    # through it); the rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).
+    strategy = build_rl_strategy(stage, train_steps=t.total_steps - c.warmup_steps)
     workflow = run.workflow
-    require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)
     # The critic starts from the policy as this stage begins (after any warm-up), copied from a
     # plain copy of it (ZeRO-3 has partitioned the policy); a resumed run overwrites its weights
     # from the checkpoint below.

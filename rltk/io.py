@@ -1,4 +1,4 @@
-"""File I/O every layer may use: the mode rltk gives the files it writes."""
+"""File I/O every layer may use: the mode rltk gives the files it writes, and the check of a local model folder."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def give_default_mode(paths) -> None:
     mode = default_file_mode()
     for path in paths:
         os.chmod(path, mode)
+
+
+def model_folder_problem(path: str | Path, expected: str) -> str | None:
+    """What keeps the local ``path`` from being a model folder holding ``expected``, in words that follow
+    ``<key>='<path>': `` (None when it is a folder). rltk loads models from local folders only; config validation
+    and the loaders ask this one question, so a run refused before it starts says what the loader would."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        return ("the folder does not exist. rltk loads models from local folders only (nothing is downloaded): "
+                "download one first, e.g. `huggingface-cli download <repo> --local-dir <folder>`, and give that folder")
+    if not folder.is_dir():
+        return f"it is a file, not a model folder (expected {expected})"
+    return None

@@ -24,8 +24,8 @@ def parse_recipe_args(argv: list[str] | None = None, recipe_file: str | None = N
     """The validated config of a recipe run: ``[--config FILE ...] [key=value ...]``.
 
     Without ``--config`` the recipe's own ``configs/<recipe>.yaml`` (beside the
-    script) is used when it exists. The script's ``PROVIDES`` declaration, if
-    any, is checked against the chosen components (see :func:`recipe_spec`).
+    script) is used when it exists. What the script's ``PROVIDES`` declares, if
+    anything, is checked against the chosen components (see :func:`recipe_spec`).
     A config error prints the message and exits with status 2, whether the
     recipe runs under ``rltk run`` or as ``python recipes/grpo.py``.
     """
@@ -46,20 +46,38 @@ def parse_recipe_args(argv: list[str] | None = None, recipe_file: str | None = N
         raise SystemExit(2) from None
 
 
-def _declared_provides(script: Path) -> dict | None:
-    """The literal ``PROVIDES = {...}`` at the top level of a recipe script, read without running it."""
+def _assigns_provides(script: Path) -> bool:
+    """Whether a recipe script assigns ``PROVIDES`` at its top level, read with ``ast`` (nothing runs)."""
     try:
         tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
     except (OSError, SyntaxError, ValueError):
-        return None  # running the script reports the problem
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "PROVIDES" for t in node.targets):
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                return None
-            return value if isinstance(value, dict) else None
-    return None
+        return False  # running the script reports the problem
+    return any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "PROVIDES"
+                                                    for t in node.targets) for node in tree.body)
+
+
+def _declared_provides(script: Path, *, sibling: bool = False) -> dict | None:
+    """The recipe script's top-level ``PROVIDES`` dict (None where it has none), from the script loaded as a
+    module (:func:`_load_recipe`: its ``main`` does not run), or the running script's own module.
+
+    A script is loaded only when it assigns ``PROVIDES`` (so sft.py, dpo.py and scripts that are no recipes
+    never are). A ``sibling`` (a script beside the recipe, loaded only to suggest it in an error) that fails
+    to load is passed over: the recipe being validated is not its fault.
+    """
+    if not _assigns_provides(script):
+        return None
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) and Path(main.__file__).resolve() == script.resolve():
+        module = main  # the recipe validating its own config: it has run up to main() already
+    elif sibling:
+        try:
+            module = _load_recipe(script)
+        except Exception:  # whatever a broken script raises (see the docstring)
+            return None
+    else:
+        module = _load_recipe(script)
+    value = getattr(module, "PROVIDES", None)
+    return value if isinstance(value, dict) else None
 
 
 def _declared_stages(script: Path) -> tuple[str, ...] | None:
@@ -75,8 +93,8 @@ def _declared_stages(script: Path) -> tuple[str, ...] | None:
     return None
 
 
-def _spec_of(script: Path) -> RecipeSpec:
-    provides = _declared_provides(script) or {}
+def _spec_of(script: Path, provides: dict | None = None) -> RecipeSpec:
+    provides = provides if provides is not None else _declared_provides(script) or {}
 
     def field(key: str) -> frozenset[str] | None:
         return frozenset(provides[key]) if key in provides else None
@@ -107,11 +125,13 @@ def _stage_recipes(script: Path) -> dict[str, Path]:
 def recipe_spec(script: str | Path) -> RecipeSpec:
     """What the recipe script ``script`` declares it serves its components, for config validation.
 
-    A recipe declares it as a top-level literal, read here with ``ast`` so that
-    validating never runs the script::
+    A recipe declares it as a top-level dict, read from the script loaded as a module (its top level only
+    imports and defines; ``main`` runs under ``if __name__ == "__main__"``). A recipe on
+    :func:`rltk.training.stages.loop_state.rl_steps` builds it with
+    :func:`~rltk.training.stages.loop_state.rl_provides`; written out::
 
         PROVIDES = {"batch_fields": ["input_ids", ..., "values"], "buffer_sources": ["policy"],
-                    "expert_data": True}
+                    "expert_data": True, "trainer_modes": ["sync", "one_step_off", "async"]}
 
     ``trainer_modes`` lists the ``trainer.mode`` values its loop runs (``sync`` alone when left out).
     ``expert_data`` says it puts ``buffer.expert.path``'s experiences in the
@@ -120,10 +140,10 @@ def recipe_spec(script: str | Path) -> RecipeSpec:
     what is missing (one that declares nothing, such as ``sft``, serves no batch to suggest).
     """
     script = Path(script)
-    others = tuple(
-        _spec_of(p) for p in sorted(script.parent.glob("*.py"))
-        if p.resolve() != script.resolve() and not p.name.startswith("_") and _declared_provides(p) is not None
-    ) if script.parent.is_dir() else ()
+    siblings = [p for p in sorted(script.parent.glob("*.py")) if p.resolve() != script.resolve()
+                and not p.name.startswith("_")] if script.parent.is_dir() else []
+    declared = {p: _declared_provides(p, sibling=True) for p in siblings}
+    others = tuple(_spec_of(p, provides) for p, provides in declared.items() if provides is not None)
     spec = _spec_of(script)
     own = spec.stage_types
     lent = {t: _spec_of(p) for t, p in _stage_recipes(script).items() if own is None or t not in own}

@@ -21,6 +21,9 @@ import traceback
 from pathlib import Path
 
 import rltk
+from rltk.commands.new_plugin import cmd_new
+from rltk.commands.produce import cmd_produce
+from rltk.commands.serve import cmd_serve
 from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.recipe_utils import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
@@ -32,6 +35,7 @@ from rltk.registry import (
 )
 from rltk.training.scaffold.guard import EXIT_DIVERGED, TrainingDiverged
 from rltk.errors import ProcessWaitError
+from rltk.rewards.reward_server import run as serve_reward
 from rltk.serialization import CheckpointFileError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -220,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What runs each subcommand but ``run`` (which also takes the arguments argparse left: the recipe's overrides).
+COMMANDS = {"list": cmd_list, "plugins": cmd_plugins, "validate": cmd_validate, "export": cmd_export,
+            "dashboard": cmd_dashboard, "serve-reward": serve_reward, "serve": cmd_serve, "produce": cmd_produce,
+            "new": cmd_new}
+
+
 def main(argv: list[str] | None = None) -> int:
     from rltk.distributed import strip_local_rank_argument
 
@@ -232,32 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             extra = [e for e in extra if e.startswith("-")]
         if args.command != "run" and extra:
             parser.error(f"unrecognised arguments: {' '.join(extra)}")
-        if args.command == "list":
-            return cmd_list(args)
-        if args.command == "plugins":
-            return cmd_plugins(args)
-        if args.command == "validate":
-            return cmd_validate(args)
-        if args.command == "export":
-            return cmd_export(args)
-        if args.command == "dashboard":
-            return cmd_dashboard(args)
-        if args.command == "serve-reward":
-            from rltk.rewards.reward_server import run as serve_reward
-
-            return serve_reward(args)
-        if args.command == "serve":
-            from rltk.commands.serve import cmd_serve
-
-            return cmd_serve(args)
-        if args.command == "produce":
-            from rltk.commands.produce import cmd_produce
-
-            return cmd_produce(args)
-        if args.command == "new":
-            from rltk.commands.new_plugin import cmd_new
-
-            return cmd_new(args)
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args)
         return cmd_run(args, extra)
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)

@@ -24,8 +24,8 @@ from rltk.registry import KINDS, get_registry
 class RecipeSpec:
     """What a recipe serves its components, so validation can refuse one it cannot feed.
 
-    A recipe script declares it as a module-level ``PROVIDES`` literal (read
-    without running the script, see :func:`rltk.recipe_utils.recipe_spec`).
+    A recipe script declares it as a module-level ``PROVIDES`` dict (read from
+    the script loaded as a module, its ``main`` not run; see :func:`rltk.recipe_utils.recipe_spec`).
     ``None`` means "not declared": nothing is checked against it.
 
     Attributes:

@@ -32,6 +32,7 @@ from rltk.config.recipe_capabilities import (
 )
 from rltk.config.schema import CHOICES, STAGE_TYPES
 from rltk.data.templates import template_fields
+from rltk.io import model_folder_problem
 from rltk.registry import did_you_mean, get_registry
 
 
@@ -270,22 +271,12 @@ def check_paths(cfg: DictConfig) -> None:
     """Local paths the run reads exist, and model folders are folders with a config.json."""
     path = cfg.model.path
     if path:
-        folder = Path(path).expanduser()
-        if not folder.exists():
-            raise ConfigError(
-                f"bad value '{path}' for 'model.path': the folder does not exist. rltk loads models from local "
-                f"folders only; download one first (e.g. `huggingface-cli download <repo> --local-dir <folder>`) "
-                f"and set model.path=<folder>, or leave model.path null for the embedded tiny model"
-            )
-        if not folder.is_dir():
-            raise ConfigError(
-                f"bad value '{path}' for 'model.path': it is a file, not a model folder (expected a Hugging Face "
-                f"model folder with config.json, weights and tokenizer files)"
-            )
-        if not (folder / "config.json").is_file():
-            raise ConfigError(
-                f"bad value '{path}' for 'model.path': not a Hugging Face model folder (no config.json in it)"
-            )
+        problem = model_folder_problem(path, "a Hugging Face model folder with config.json, weights and tokenizer files")
+        if problem is None and not (Path(path).expanduser() / "config.json").is_file():
+            problem = "not a Hugging Face model folder (no config.json in it)"
+        if problem is not None:
+            raise ConfigError(f"bad value '{path}' for 'model.path': {problem}; or leave model.path null for the "
+                              f"embedded tiny model")
     start = OmegaConf.select(cfg, "checkpoint.start_from")
     if start and not (Path(start).expanduser() / "state.json").is_file():
         raise ConfigError(

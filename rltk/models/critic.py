@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rltk.models.logprobs import base_model, positions_from_mask
+from rltk.models.logprobs import base_model, hidden_of_output, positions_from_mask
 from rltk.models.wrappers import unwrap_model
 from rltk.models.packing import pack_rows
 
@@ -132,15 +132,9 @@ class ValueModel(nn.Module):
         output = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-        hidden = getattr(output, "last_hidden_state", None)
-        if hidden is None:
-            hidden = output[0] if isinstance(output, (tuple, list)) else output
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-            raise RuntimeError(
-                f"ValueModel: the backbone {type(self.backbone).__name__} returned {type(output).__name__}, "
-                "not final hidden states [B, S, D]; give ValueModel a decoder stack (e.g. model.model of a "
-                "*ForCausalLM), not the full causal LM."
-            )
+        hidden = hidden_of_output(output, who=f"ValueModel: the backbone {type(self.backbone).__name__}",
+                                   advice="give ValueModel a decoder stack (e.g. model.model of a "
+                                          "*ForCausalLM), not the full causal LM")
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             return self.value_head(hidden.float()).squeeze(-1)  # [B, S]
 

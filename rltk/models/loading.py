@@ -29,6 +29,8 @@ from typing import Iterator
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rltk.io import model_folder_problem
+
 logger = logging.getLogger(__name__)
 
 #: ``tokenizer_class`` values meaning "exactly what tokenizer.json says".
@@ -50,16 +52,10 @@ _PROBE_TEXT = "Q: 17+25=?\n  A: 42.  Hello, World!\t#### 7 \\boxed{3/4} <answer>
 
 
 def _require_folder(path: str | os.PathLike, config_key: str, needs: str) -> Path:
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise FileNotFoundError(
-            f"{config_key}='{path}': the folder does not exist. rltk loads models from local folders only "
-            f"(local_files_only=True); download it first, e.g. `huggingface-cli download <repo> --local-dir "
-            f"<folder>`, and set {config_key}=<folder>."
-        )
-    if not folder.is_dir():
-        raise NotADirectoryError(f"{config_key}='{path}' is a file, not a model folder (expected {needs}).")
-    return folder
+    problem = model_folder_problem(path, needs)
+    if problem is not None:
+        raise FileNotFoundError(f"{config_key}='{path}': {problem}.")
+    return Path(path).expanduser()
 
 
 def load_tokenizer(path: str | os.PathLike, *, config_key: str = "model.path") -> PreTrainedTokenizerBase:

@@ -302,7 +302,7 @@ def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask
         kwargs[keep] = 1
     elif decoder is not None and inner is model and not any(_is_dtensor(p) for p in inner.parameters()):
         # No wrapper or sharding hooks to honour, and no way to shorten the head: skip the head.
-        return _hidden_from_output(decoder(**kwargs))
+        return hidden_of_output(decoder(**kwargs))
     else:
         warnings.warn(
             f"{type(inner).__name__}.forward takes no logits_to_keep argument, so the wrapped model "
@@ -323,7 +323,7 @@ def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask
             f"{type(inner).__name__}; cannot tell which output holds the last hidden states. "
             "Use response_logprobs_naive for this model."
         )
-    return _hidden_from_output(captured[0])
+    return hidden_of_output(captured[0])
 
 
 def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -361,14 +361,14 @@ def shared_prompt_hidden_states(model: nn.Module, input_ids: torch.Tensor, atten
     cache_arg = {cache_keyword(decoder.forward): cache}
     out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
                   use_cache=True, **cache_arg)
-    last_prompt = _hidden_from_output(out)[:, -1:][row_prompt]  # [B, 1, D]
+    last_prompt = hidden_of_output(out)[:, -1:][row_prompt]  # [B, 1, D]
     if input_ids.shape[1] - prompt_len == 1:
         return last_prompt
     cache.batch_select_indices(row_prompt)  # [U, ...] -> [B, ...], differentiable indexing
     mask = attention_mask[:, :-1]
     out = decoder(input_ids=input_ids[:, prompt_len:-1], attention_mask=mask,
                   position_ids=positions_from_mask(mask)[:, prompt_len:], use_cache=True, **cache_arg)
-    return torch.cat([last_prompt, _hidden_from_output(out)], dim=1)  # [B, T, D]
+    return torch.cat([last_prompt, hidden_of_output(out)], dim=1)  # [B, T, D]
 
 
 def prompt_sharing_applies(model: nn.Module) -> bool:
@@ -520,15 +520,15 @@ def _logits_to_keep_argument(model: nn.Module) -> str | None:
     return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
 
 
-def _hidden_from_output(output) -> torch.Tensor:
+def hidden_of_output(output, who: str = "the base model",
+                     advice: str = "use response_logprobs_naive for this model") -> torch.Tensor:
+    """The last hidden states ``[B, S, D]`` in a decoder stack's output (its ``last_hidden_state``, or its first
+    element); a RuntimeError saying that ``who`` returned something else, and ``advice``."""
     hidden = getattr(output, "last_hidden_state", None)
     if hidden is None:
         hidden = output[0] if isinstance(output, (tuple, list)) else output
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-        raise RuntimeError(
-            f"the base model returned {type(output).__name__}, not last hidden states [B, S, D]; "
-            "use response_logprobs_naive for this model."
-        )
+        raise RuntimeError(f"{who} returned {type(output).__name__}, not last hidden states [B, S, D]; {advice}.")
     return hidden
 
 

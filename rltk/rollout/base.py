@@ -218,6 +218,23 @@ class RolloutEngine(abc.ABC):
         """Release what the engine holds (processes, connections, process groups); a no-op by default."""
 
 
+class ModelAndTokenizer:
+    """Mixin for engines that hold the trainer's ``model`` (possibly wrapped) and its ``tokenizer``: which
+    tokens end a completion (:func:`stop_token_ids`), and a completion's text."""
+
+    model: Any
+    tokenizer: Any
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        from rltk.models.wrappers import unwrap_model  # torch: here, so that reading SamplingParams needs none
+
+        model = unwrap_model(self.model, through_peft=False)
+        return stop_token_ids(params, self.tokenizer, getattr(model, "config", None))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
 def stop_token_ids(params: SamplingParams, tokenizer: Any, model_config: Any) -> list[int]:
     """The tokens that end a completion: ``params.stop_token_ids`` where given, else the tokenizer's EOS,
     else the model config's (one id or several), else none."""

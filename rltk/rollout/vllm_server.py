@@ -77,7 +77,7 @@ from torch import nn
 import rltk
 from rltk.errors import ConfigError
 from rltk.rollout.base import (
-    Completion, RolloutEngine, SamplingParams, cut_at_stop, stop_token_ids, validate_prompt_ids,
+    Completion, ModelAndTokenizer, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids,
 )
 from rltk.models.wrappers import unwrap_model
 from rltk.rollout.vllm_engine import (
@@ -171,7 +171,7 @@ class _Server:
         return f"; its log: {self.log_path}" if self.log_path else ""
 
 
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
     """Rollouts from vLLM OpenAI servers (registered as ``vllm_server``).
 
     Args:
@@ -428,13 +428,6 @@ class VLLMServerEngine(RolloutEngine):
             finally:
                 with server._lock:
                     server.in_flight -= 1
-
-    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        model = unwrap_model(self.model, through_peft=False)
-        return stop_token_ids(params, self.tokenizer, getattr(model, "config", None))
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     # ------------------------------------------------------------------ weights
 

@@ -35,19 +35,9 @@ import rltk
 from rltk.models.lora import adapter_live_names
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
-    GRAD_SCALER_FILE,
-    MODEL_SUBDIR,
-    OPTIMIZER_FILE,
-    SCHEDULER_FILE,
-    STRATEGY_META_FILE,
-    OptimizerSettings,
-    TrainingStrategy,
-    build_adamw,
-    build_lr_scheduler,
-    check_mixed_precision,
-    load_optimizer_state_by_name,
-    load_weights_only,
-    optimizer_state_by_name,
+    GRAD_SCALER_FILE, MODEL_SUBDIR, OPTIMIZER_FILE, SCHEDULER_FILE, STRATEGY_META_FILE, OptimizerSettings,
+    TrainingStrategy, build_adamw, build_lr_scheduler, check_mixed_precision, load_optimizer_state_by_name,
+    load_weights_only, optimizer_state_by_name, read_strategy_meta,
 )
 from rltk.models.folders import full_cpu_copy, load_full_state_into, load_model_folder, save_model_folder
 
@@ -89,7 +79,9 @@ class AccelerateStrategy(TrainingStrategy):
         if cpu is None:
             cpu = not torch.cuda.is_available()
         # mixed_precision="no": Accelerate must not patch forward (see module docstring).
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision="no")
+        self.accelerator = accelerator = Accelerator(cpu=cpu, mixed_precision="no")
+        self._device, self._rank = accelerator.device, accelerator.process_index
+        self._world_size = accelerator.num_processes
         self.mixed_precision = mixed_precision
         self._autocast_dtype = check_mixed_precision(mixed_precision, self.accelerator.device)
         self._grad_scaler = (
@@ -143,28 +135,6 @@ class AccelerateStrategy(TrainingStrategy):
     def model(self) -> nn.Module:
         self._require_setup("model")
         return self._model
-
-    @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    @property
-    def rank(self) -> int:
-        return self.accelerator.process_index
-
-    @property
-    def world_size(self) -> int:
-        return self.accelerator.num_processes
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        self._require_setup("optimizer")
-        return self._optimizer
-
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        self._require_setup("scheduler")
-        return self._scheduler
 
     @property
     def loss_scale(self) -> float | None:
@@ -354,19 +324,8 @@ class AccelerateStrategy(TrainingStrategy):
         """
         self._require_setup("load()")
         directory = Path(directory)
-        meta_path = directory / STRATEGY_META_FILE
-        if not meta_path.exists():
-            raise FileNotFoundError(
-                f"'{directory}' has no {STRATEGY_META_FILE}: it is not a checkpoint written by "
-                f"AccelerateStrategy.save() (or it is incomplete)."
-            )
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"checkpoint '{directory}' has format {meta.get('format')!r} (strategy "
-                f"{meta.get('strategy')!r}); AccelerateStrategy reads {CHECKPOINT_FORMAT!r}. Resume with the "
-                "strategy that wrote it, or export its model folder and start from that."
-            )
+        read_strategy_meta(directory, "AccelerateStrategy", CHECKPOINT_FORMAT,
+                           otherwise="export its model folder and start from that")
         load_full_state_into(self.unwrap(), load_model_folder(directory / MODEL_SUBDIR), directory / MODEL_SUBDIR)
         load_optimizer_state_by_name(self._optimizer, self.unwrap(), load_weights_only(directory / OPTIMIZER_FILE),
                                      directory / OPTIMIZER_FILE)
@@ -380,7 +339,6 @@ class AccelerateStrategy(TrainingStrategy):
             **super().describe(),
             "mixed_precision": self.mixed_precision,
             "fsdp": self._sharded,
-            "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -321,6 +322,23 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Mo
     optimizer.load_state_dict({"state": native_state, "param_groups": native_groups})
 
 
+def read_strategy_meta(directory: str | Path, strategy: str, checkpoint_format: str, otherwise: str) -> dict[str, Any]:
+    """The ``strategy.json`` of the checkpoint ``directory``, which ``strategy``'s ``save()`` wrote in
+    ``checkpoint_format``: a FileNotFoundError when there is none, a ValueError ending with ``otherwise`` (what
+    to do instead) when another strategy wrote it."""
+    meta_path = Path(directory) / STRATEGY_META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"'{directory}' has no {STRATEGY_META_FILE}: it is not a checkpoint written by "
+                                f"{strategy}.save() (or it is incomplete).")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != checkpoint_format:
+        raise ValueError(
+            f"checkpoint '{directory}' has format {meta.get('format')!r} (strategy {meta.get('strategy')!r}); "
+            f"{strategy} reads {checkpoint_format!r}. Resume with the strategy that wrote it, or {otherwise}."
+        )
+    return meta
+
+
 def load_weights_only(path: Path) -> Any:
     """``torch.load`` restricted to tensors and plain containers: never unpickles arbitrary objects.
 
@@ -377,12 +395,20 @@ class TrainingStrategy(abc.ABC):
     :meth:`barrier`, :meth:`full_state_dict`, :meth:`save`, :meth:`load`) must be
     called by every rank; in a single process they are identities.
 
-    Subclasses implement the abstract methods; the collectives here use the
-    default ``torch.distributed`` process group and work for any engine built
-    on it.
+    Subclasses implement the abstract methods and, when they start, set
+    ``_device``, ``_rank`` and ``_world_size`` (what :attr:`device`, :attr:`rank`
+    and :attr:`world_size` answer); the collectives here use the default
+    ``torch.distributed`` process group and work for any engine built on it.
     """
 
     settings: OptimizerSettings | None = None
+    # Where this process stands, fixed when the engine starts (its constructor sets them).
+    _device: torch.device = torch.device("cpu")
+    _rank: int = 0
+    _world_size: int = 1
+    # What :meth:`_setup` builds.
+    _optimizer: torch.optim.Optimizer | None = None
+    _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -436,19 +462,19 @@ class TrainingStrategy(abc.ABC):
         """The wrapped module to call forward on (DDP/FSDP/engine); gradients sync through it."""
 
     @property
-    @abc.abstractmethod
     def device(self) -> torch.device:
         """The device this rank computes on; move batches here."""
+        return self._device
 
     @property
-    @abc.abstractmethod
     def rank(self) -> int:
         """This process's global rank (0 in a single process)."""
+        return self._rank
 
     @property
-    @abc.abstractmethod
     def world_size(self) -> int:
         """Number of data-parallel processes (1 in a single process)."""
+        return self._world_size
 
     @property
     def is_main(self) -> bool:
@@ -456,14 +482,16 @@ class TrainingStrategy(abc.ABC):
         return self.rank == 0
 
     @property
-    @abc.abstractmethod
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer built by :meth:`setup`."""
+        """The optimizer built by :meth:`setup` (:meth:`_setup` keeps it in ``self._optimizer``)."""
+        self._require_setup("optimizer")
+        return self._optimizer
 
     @property
-    @abc.abstractmethod
     def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
-        """The LR scheduler built by :meth:`setup`."""
+        """The LR scheduler built by :meth:`setup` (:meth:`_setup` keeps it in ``self._scheduler``)."""
+        self._require_setup("scheduler")
+        return self._scheduler
 
     @property
     def optimizer_steps(self) -> int:
@@ -653,5 +681,6 @@ class TrainingStrategy(abc.ABC):
             "strategy": type(self).__name__,
             "world_size": self.world_size,
             "settings": asdict(self.settings) if self.settings else None,
+            "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
 

@@ -7,7 +7,6 @@ The layout :meth:`~rltk.strategies.deepspeed_strategy.DeepSpeedStrategy.save` wr
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +16,7 @@ from torch import nn
 
 from rltk.models.folders import load_model_folder
 from rltk.serialization import check_torch_files, weights_only_everywhere
-from rltk.strategies.base import MODEL_SUBDIR, STRATEGY_META_FILE
+from rltk.strategies.base import MODEL_SUBDIR, STRATEGY_META_FILE, read_strategy_meta
 
 CHECKPOINT_FORMAT = "rltk-deepspeed-v1"
 DEEPSPEED_SUBDIR = "deepspeed"
@@ -29,17 +28,8 @@ CHECKPOINT_TAG = "state"
 def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
     """``strategy.json`` of a checkpoint written by :meth:`DeepSpeedStrategy.save`, checked."""
     directory = Path(directory)
-    meta_path = directory / STRATEGY_META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"'{directory}' has no {STRATEGY_META_FILE}: it is not a checkpoint written by "
-                                "DeepSpeedStrategy.save() (or it is incomplete).")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(
-            f"checkpoint '{directory}' has format {meta.get('format')!r} (strategy {meta.get('strategy')!r}); "
-            f"DeepSpeedStrategy reads {CHECKPOINT_FORMAT!r}. Resume with the strategy that wrote it, or start "
-            f"from its exported model folder '{directory / MODEL_SUBDIR}'."
-        )
+    meta = read_strategy_meta(directory, "DeepSpeedStrategy", CHECKPOINT_FORMAT,
+                              otherwise=f"start from its exported model folder '{directory / MODEL_SUBDIR}'")
     tag = meta.setdefault("tag", CHECKPOINT_TAG)
     # DeepSpeed joins the tag to the checkpoint folder: a path in it would read files from elsewhere.
     if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or "\\" in tag:

@@ -107,14 +107,8 @@ from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.registry import unknown_name_message
 from rltk.serialization import check_torch_files, weights_only_everywhere
 from rltk.strategies.base import (
-    MIXED_PRECISION_MODES,
-    MODEL_SUBDIR,
-    STRATEGY_META_FILE,
-    OptimizerSettings,
-    TrainingStrategy,
-    build_adamw,
-    build_lr_scheduler,
-    check_mixed_precision,
+    MIXED_PRECISION_MODES, MODEL_SUBDIR, STRATEGY_META_FILE, OptimizerSettings, TrainingStrategy, build_adamw,
+    build_lr_scheduler, check_mixed_precision,
 )
 from rltk.strategies.deepspeed_checkpoint import (
     CHECKPOINT_FORMAT,
@@ -276,29 +270,6 @@ class DeepSpeedStrategy(TrainingStrategy):
         """The DeepSpeed engine; call it like the model (ZeRO-3 gathers parameters in its hooks)."""
         self._require_setup("model")
         return self._engine
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The torch AdamW; under ZeRO its parameters are DeepSpeed's flat fp32 partitions of this rank."""
-        self._require_setup("optimizer")
-        return self._optimizer
-
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        self._require_setup("scheduler")
-        return self._scheduler
 
     @property
     def shards_parameters(self) -> bool:
@@ -637,14 +608,13 @@ class DeepSpeedStrategy(TrainingStrategy):
         return deepspeed_checkpoint_globals()
 
     def describe(self) -> dict[str, Any]:
-        """The base summary plus ZeRO stage, offload, precision and optimizer steps (in ``strategy.json``)."""
+        """The base summary plus ZeRO stage, offload and precision (in ``strategy.json``)."""
         return {
             **super().describe(),
             "zero_stage": self.zero_stage,
             "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params,
             "mixed_precision": self.mixed_precision,
-            "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from fractions import Fraction
 
 import rltk
@@ -70,6 +71,15 @@ def _tokens(text: str, max_abs: int) -> list:
     return tokens
 
 
+def _divide(left: Fraction, right: Fraction) -> Fraction:
+    if right == 0:
+        raise CalculatorError("division by zero")
+    return left / right
+
+
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": _divide}
+
+
 class _Parser:
     def __init__(self, tokens: list, max_abs: int, max_depth: int):
         self.tokens, self.pos, self.max_abs, self.max_depth = tokens, 0, max_abs, max_depth
@@ -90,21 +100,17 @@ class _Parser:
         return value
 
     def expr(self, depth: int) -> Fraction:
-        value = self.term(depth)
-        while self.peek() in ("+", "-"):
-            op = self.take()
-            right = self.term(depth)
-            value = self.bounded(value + right if op == "+" else value - right)
-        return value
+        return self.left_to_right(depth, ("+", "-"), self.term)
 
     def term(self, depth: int) -> Fraction:
-        value = self.factor(depth)
-        while self.peek() in ("*", "/"):
+        return self.left_to_right(depth, ("*", "/"), self.factor)
+
+    def left_to_right(self, depth: int, operators: tuple[str, ...], operand) -> Fraction:
+        """``operand (op operand)*`` for the ``operators`` of one precedence level, applied left to right."""
+        value = operand(depth)
+        while self.peek() in operators:
             op = self.take()
-            right = self.factor(depth)
-            if op == "/" and right == 0:
-                raise CalculatorError("division by zero")
-            value = self.bounded(value * right if op == "*" else value / right)
+            value = self.bounded(_APPLY[op](value, operand(depth)))
         return value
 
     def factor(self, depth: int) -> Fraction:

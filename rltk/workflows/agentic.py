@@ -68,6 +68,7 @@ of requests with ``tools``; ``env.tools`` (+ ``_args``) are the agent's tools
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import inspect
 import logging
@@ -77,16 +78,19 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import rltk
 from rltk.batch import Experience
+from rltk.errors import ConfigError
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.tools.resolve import resolve_tools
-from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means, score_samples
+from rltk.workflows.base import (
+    GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics, reward_means, score_samples,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +139,7 @@ class AgenticWorkflow(GroupNumbering, Workflow):
 
     def __init__(
         self,
-        *,
-        engine: RolloutEngine,
-        tokenizer: Any,
-        reward: Any,
-        sampling: SamplingParams,
+        *, engine: RolloutEngine, tokenizer: Any, reward: Any, sampling: SamplingParams,
         agent: str,
         agent_args: Mapping[str, Any] | None = None,
         env: Mapping[str, Any] | None = None,
@@ -152,34 +152,23 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         model_name: str = "policy",
         host: str = "127.0.0.1",
     ):
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"agentic: sampling must be a rltk.rollout.base.SamplingParams, got {type(sampling).__name__}")
-        if not callable(reward):
-            raise TypeError(f"agentic: reward must be callable, got {type(reward).__name__}")
-        if not isinstance(agent, str):
-            raise ValueError(f"agentic: rollout.workflow_args.agent must name a registered agent, got {agent!r}")
-        self.agent_fn = rltk.get_component("agent", agent)  # an unknown name lists the registered agents
-        if agent_args is not None and not isinstance(agent_args, Mapping):
-            raise ValueError(f"agentic: rollout.workflow_args.agent_args must be a mapping, got {agent_args!r}")
+        check_workflow_parts(self.workflow_name, sampling, reward)
         env = dict(env or {})
-        self.tools = _agent_tools(env)
-        self.agent_takes_tools = "tools" in _parameters(self.agent_fn)
-        if self.agent_takes_tools and "tools" in (agent_args or {}):
-            raise ValueError(f"agentic: rollout.workflow_args.agent_args.tools: agent {agent!r} gets its tools from "
-                             f"env.tools (the warm-up renders the same list); name them there")
-        if self.agent_takes_tools and not self.tools:
-            raise ValueError(f"agentic: agent {agent!r} offers the tools it is given, and env.tools is empty; list "
-                             f"them in env.tools (e.g. env.tools=[calculator]), which the warm-up renders too")
+        self._bind_agent(agent, agent_args, env)
         _positive_int(concurrency, "rollout.workflow_args.concurrency")
         _positive_int(max_batch, "rollout.workflow_args.max_batch")
         _positive_int(env.get("max_new_tokens_per_turn"), "env.max_new_tokens_per_turn", allow_none=True)
         _positive_int(env.get("max_turns"), "env.max_turns", allow_none=True)
+        if batch_max_wait_s is None and isinstance(batch_window_s, (int, float)):
+            batch_max_wait_s = max(1.0, batch_window_s)
+        if isinstance(batch_max_wait_s, bool) or not isinstance(batch_max_wait_s, (int, float)) \
+                or not batch_max_wait_s >= batch_window_s:
+            raise ConfigError(f"'rollout.workflow_args.batch_max_wait_s' must be a number of seconds >= "
+                              f"batch_window_s ({batch_window_s}), got {batch_max_wait_s!r}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward = reward
         self.sampling = sampling
-        self.agent = agent
-        self.agent_args = dict(agent_args or {})
         self.concurrency = concurrency
         self.max_tokens_per_request = env.get("max_new_tokens_per_turn") or sampling.max_new_tokens
         self.max_turns = env.get("max_turns")
@@ -187,12 +176,6 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         self.tool_parser_args = dict(env.get("tool_parser_args") or {})
         self.batch_window_s = batch_window_s
         self.max_batch = max_batch
-        if batch_max_wait_s is None and isinstance(batch_window_s, (int, float)):
-            batch_max_wait_s = max(1.0, batch_window_s)
-        if isinstance(batch_max_wait_s, bool) or not isinstance(batch_max_wait_s, (int, float)) \
-                or not batch_max_wait_s >= batch_window_s:
-            raise ValueError(f"agentic: rollout.workflow_args.batch_max_wait_s must be a number of seconds >= "
-                             f"batch_window_s ({batch_window_s}), got {batch_max_wait_s!r}")
         self.batch_max_wait_s = float(batch_max_wait_s)
         self.request_timeout_s = request_timeout_s
         self.force_sampling = force_sampling
@@ -206,6 +189,24 @@ class AgenticWorkflow(GroupNumbering, Workflow):
         self._next_group_id = 0
         self._metrics: dict[str, float] = {}
         self._warned_opening = False
+
+    def _bind_agent(self, agent: str, agent_args: Mapping[str, Any] | None, env: dict) -> None:
+        """The registered agent the episodes run, its arguments and its tools (``env.tools``), checked."""
+        if not isinstance(agent, str):
+            raise ValueError(f"agentic: rollout.workflow_args.agent must name a registered agent, got {agent!r}")
+        self.agent_fn = rltk.get_component("agent", agent)  # an unknown name lists the registered agents
+        if agent_args is not None and not isinstance(agent_args, Mapping):
+            raise ValueError(f"agentic: rollout.workflow_args.agent_args must be a mapping, got {agent_args!r}")
+        self.tools = _agent_tools(env)
+        self.agent_takes_tools = "tools" in _parameters(self.agent_fn)
+        if self.agent_takes_tools and "tools" in (agent_args or {}):
+            raise ValueError(f"agentic: rollout.workflow_args.agent_args.tools: agent {agent!r} gets its tools from "
+                             f"env.tools (the warm-up renders the same list); name them there")
+        if self.agent_takes_tools and not self.tools:
+            raise ValueError(f"agentic: agent {agent!r} offers the tools it is given, and env.tools is empty; list "
+                             f"them in env.tools (e.g. env.tools=[calculator]), which the warm-up renders too")
+        self.agent = agent
+        self.agent_args = dict(agent_args or {})
 
     # ------------------------------------------------------------------ the endpoint
 
@@ -294,54 +295,60 @@ class AgenticWorkflow(GroupNumbering, Workflow):
 
     # ------------------------------------------------------------------ episodes
 
-    def _run_episodes(self, rows: list[dict], n: int, override: dict | None) -> list[dict]:
-        """Run ``n`` episodes of every row; one dict per episode with its result, error and records."""
+    @contextlib.contextmanager
+    def _episodes(self, rows: list[dict], n: int, override: dict | None) -> Iterator[tuple[Any, list[dict]]]:
+        """The endpoint's batcher (the endpoint started if need be) and one dict per episode to come, ``n`` per
+        row with a session id each, while they run: the endpoint serves them with ``override``. When they have
+        run, each dict holds its session's ``records``."""
         self._ensure_server()
         state = self._server.app.state.rltk
         state.sampling_override = override
         prefix = uuid.uuid4().hex[:12]
         episodes = [{"row_index": r, "sample_index": s, "session_id": f"{prefix}-{r}-{s}", "result": None,
                      "agent_info": {}, "error": None} for r in range(len(rows)) for s in range(n)]
-
-        # Episodes running now, each waiting on at most one request: the batcher sends a round as soon as it
-        # holds a request from each of them instead of waiting out its window (the agents are all blocked then).
-        workers = min(self.concurrency, len(episodes)) or 1
-        unfinished = [len(episodes)]
-        lock = threading.Lock()
-        batcher = state.batcher
-
-        def play(episode: dict) -> None:
-            try:
-                _play(episode)
-            finally:
-                with lock:
-                    unfinished[0] -= 1
-                    batcher.expect(min(workers, unfinished[0]))
-
-        def _play(episode: dict) -> None:
-            own = self._borrow_client()
-            client = own.with_options(default_headers={"X-Session-Id": episode["session_id"]})
-            row = rows[episode["row_index"]]
-            tools = {"tools": list(self.tools)} if self.agent_takes_tools else {}
-            try:
-                result = self.agent_fn(row=_copy_row(row), client=client, model=self.model_name, **tools,
-                                       **self.agent_args)
-                episode["result"], episode["agent_info"] = _agent_result(self.agent, result)
-            except Exception as exc:  # the episode is dropped and counted; training goes on
-                episode["error"] = f"{type(exc).__name__}: {exc}"
-                episode["traceback"] = traceback.format_exc()
-            finally:
-                self._return_client(own)
-
-        batcher.expect(min(workers, len(episodes)))
         try:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rltk-agent") as pool:
-                list(pool.map(play, episodes))
+            yield state.batcher, episodes
         finally:
             state.sampling_override = None
-            batcher.expect(None)
+            state.batcher.expect(None)
         for episode in episodes:
             episode["records"] = state.store.pop(episode["session_id"])
+
+    def _run_episodes(self, rows: list[dict], n: int, override: dict | None) -> list[dict]:
+        """Run ``n`` episodes of every row; one dict per episode with its result, error and records."""
+        with self._episodes(rows, n, override) as (batcher, episodes):
+            # Episodes running now, each waiting on at most one request: the batcher sends a round as soon as it
+            # holds a request from each of them instead of waiting out its window (the agents are all blocked then).
+            workers = min(self.concurrency, len(episodes)) or 1
+            unfinished = [len(episodes)]
+            lock = threading.Lock()
+
+            def play(episode: dict) -> None:
+                try:
+                    _play(episode)
+                finally:
+                    with lock:
+                        unfinished[0] -= 1
+                        batcher.expect(min(workers, unfinished[0]))
+
+            def _play(episode: dict) -> None:
+                own = self._borrow_client()
+                client = own.with_options(default_headers={"X-Session-Id": episode["session_id"]})
+                row = rows[episode["row_index"]]
+                tools = {"tools": list(self.tools)} if self.agent_takes_tools else {}
+                try:
+                    result = self.agent_fn(row=_copy_row(row), client=client, model=self.model_name, **tools,
+                                           **self.agent_args)
+                    episode["result"], episode["agent_info"] = _agent_result(self.agent, result)
+                except Exception as exc:  # the episode is dropped and counted; training goes on
+                    episode["error"] = f"{type(exc).__name__}: {exc}"
+                    episode["traceback"] = traceback.format_exc()
+                finally:
+                    self._return_client(own)
+
+            batcher.expect(min(workers, len(episodes)))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rltk-agent") as pool:
+                list(pool.map(play, episodes))
         return episodes
 
     def _scores(self, rows: list[dict], episodes: list[dict]) -> None:
@@ -508,16 +515,8 @@ class AgenticWorkflow(GroupNumbering, Workflow):
             tool_calls += _tool_use(episode["records"])["tool_calls"]
             if episode["records"]:
                 truncated += max(episode["records"], key=lambda r: r.seq).finish_reason == "length"
-        count = len(episodes)
-        return {
-            "accuracy": sum(s >= threshold for s in scores) / count,
-            "mean_score": sum(scores) / count,
-            "mean_response_length": sum(lengths) / count,
-            "truncated_fraction": truncated / count,
-            "tool_calls": tool_calls / count,
-            "agent_errors": float(sum(e["error"] is not None for e in episodes)),
-            "num_responses": float(count),
-        }
+        return {**held_out_metrics(scores, lengths, truncated, threshold), "tool_calls": tool_calls / len(episodes),
+                "agent_errors": float(sum(e["error"] is not None for e in episodes))}
 
 
 def _copy_row(row: Mapping) -> dict:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rltk.batch import Experience
+from rltk.rollout.base import SamplingParams
 
 
 class Workflow(abc.ABC):
@@ -114,6 +115,31 @@ class GroupNumbering:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where}: state['next_group_id'] = {value!r} must be an integer >= 0")
         self._next_group_id = value
+
+
+def held_out_metrics(scores: list[float], lengths: list[int], truncated: int, threshold: float) -> dict[str, float]:
+    """What every workflow's :meth:`~Workflow.evaluate` reports of its held-out responses: ``accuracy`` (the
+    fraction scoring ``>= threshold``), ``mean_score``, ``mean_response_length`` (of ``lengths``, tokens),
+    ``truncated_fraction`` (``truncated`` of them hit a length limit) and ``num_responses``."""
+    count = len(scores)
+    return {
+        "accuracy": sum(s >= threshold for s in scores) / count,
+        "mean_score": sum(scores) / count,
+        "mean_response_length": sum(lengths) / count,
+        "truncated_fraction": truncated / count,
+        "num_responses": float(count),
+    }
+
+
+def check_workflow_parts(workflow: str, sampling: Any, reward: Any) -> None:
+    """The parts a recipe builds every workflow with (``cls(engine=..., tokenizer=..., reward=..., sampling=...)``)
+    are what the workflow needs: ``sampling`` a :class:`rltk.rollout.base.SamplingParams`, ``reward`` callable;
+    otherwise a ``TypeError`` naming the workflow."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"{workflow}: sampling must be a rltk.rollout.base.SamplingParams, "
+                        f"got {type(sampling).__name__}")
+    if not callable(reward):
+        raise TypeError(f"{workflow}: reward must be callable, got {type(reward).__name__}")
 
 
 def reward_means(experiences: list[Experience]) -> dict[str, float]:

@@ -64,7 +64,9 @@ from rltk.environments.base import AssistantTurn, Environment, StepResult, check
 from rltk.registry import get_registry
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.tools.resolve import resolve_tools
-from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means
+from rltk.workflows.base import (
+    GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics, reward_means,
+)
 from rltk.workflows.chat import TurnRenderer, generate_checked, render_text, row_messages, score_responses
 
 #: The ``env`` config section's keys and defaults (rltk.config.schema.EnvConfig mirrors them).
@@ -126,11 +128,7 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
 
     def __init__(self, *, engine: RolloutEngine, tokenizer: Any, reward: Any, sampling: SamplingParams,
                  env: Mapping[str, Any] | None = None):
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"multi_turn: sampling must be a rltk.rollout.base.SamplingParams, "
-                            f"got {type(sampling).__name__}")
-        if not callable(reward):
-            raise TypeError(f"multi_turn: reward must be callable, got {type(reward).__name__}")
+        check_workflow_parts(self.workflow_name, sampling, reward)
         self.engine, self.tokenizer, self.reward, self.sampling = engine, tokenizer, reward, sampling
         cfg = _env_config(env, sampling)
         self.env_config = cfg
@@ -214,15 +212,9 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             return {"accuracy": 0.0, "mean_score": 0.0, "mean_turns": 0.0, "mean_response_length": 0.0,
                     "truncated_fraction": 0.0, "num_responses": 0.0}
         scores = [score for score, _, _ in self._score(rows, episodes)]
-        count = len(scores)
-        return {
-            "accuracy": sum(s >= threshold for s in scores) / count,
-            "mean_score": sum(scores) / count,
-            "mean_turns": sum(e.turns for e in episodes) / count,
-            "mean_response_length": sum(len(e.response_ids) for e in episodes) / count,
-            "truncated_fraction": sum(e.truncated for e in episodes) / count,
-            "num_responses": float(count),
-        }
+        metrics = held_out_metrics(scores, [len(e.response_ids) for e in episodes],
+                                   sum(e.truncated for e in episodes), threshold)
+        return {**metrics, "mean_turns": sum(e.turns for e in episodes) / len(scores)}
 
     def metrics(self) -> dict[str, float]:
         """The last :meth:`run`: ``rollout/turns_mean``, ``rollout/tool_calls`` and ``rollout/tool_errors``

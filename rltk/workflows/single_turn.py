@@ -18,7 +18,9 @@ from typing import Any
 import rltk
 from rltk.batch import Experience
 from rltk.rollout.base import POLICY_VERSIONS, Completion, RolloutEngine, SamplingParams
-from rltk.workflows.base import GroupNumbering, Workflow, check_rows, reward_means, score_samples
+from rltk.workflows.base import (
+    GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics, reward_means, score_samples,
+)
 
 
 class SingleTurnWorkflow(GroupNumbering, Workflow):
@@ -42,21 +44,9 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
 
     workflow_name = "single_turn"
 
-    def __init__(
-        self,
-        *,
-        engine: RolloutEngine,
-        tokenizer: Any,
-        reward: Any,
-        sampling: SamplingParams,
-        max_prompt_tokens: int | None = None,
-    ):
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(
-                f"single_turn: sampling must be a rltk.rollout.base.SamplingParams, got {type(sampling).__name__}"
-            )
-        if not callable(reward):
-            raise TypeError(f"single_turn: reward must be callable, got {type(reward).__name__}")
+    def __init__(self, *, engine: RolloutEngine, tokenizer: Any, reward: Any, sampling: SamplingParams,
+                 max_prompt_tokens: int | None = None):
+        check_workflow_parts(self.workflow_name, sampling, reward)
         if max_prompt_tokens is not None and (
             not isinstance(max_prompt_tokens, int) or isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1
         ):
@@ -182,14 +172,7 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
             for completion in completions:
                 lengths.append(len(completion.token_ids))
                 truncated += completion.finish_reason == "length"
-        count = len(scores)
-        return {
-            "accuracy": sum(s >= threshold for s in scores) / count,
-            "mean_score": sum(scores) / count,
-            "mean_response_length": sum(lengths) / count,
-            "truncated_fraction": truncated / count,
-            "num_responses": float(count),
-        }
+        return held_out_metrics(scores, lengths, truncated, threshold)
 
     # ------------------------------------------------------------------ helpers
 

@@ -48,7 +48,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,7 +55,7 @@ import rltk
 from rltk.environments.verifiers_envs import import_verifiers, load_verifiers_env
 from rltk.errors import ConfigError
 from rltk.rollout.base import RolloutEngine, SamplingParams
-from rltk.workflows.agentic import AgenticWorkflow, _positive_int
+from rltk.workflows.agentic import AgenticWorkflow
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +120,7 @@ class VerifiersWorkflow(AgenticWorkflow):
 
     def __init__(
         self,
-        *,
-        engine: RolloutEngine,
-        tokenizer: Any,
-        reward: Any,
-        sampling: SamplingParams,
+        *, engine: RolloutEngine, tokenizer: Any, reward: Any, sampling: SamplingParams,
         env_id: str | None = None,
         env_args: Mapping[str, Any] | None = None,
         sampling_args: Mapping[str, Any] | None = None,
@@ -133,18 +128,11 @@ class VerifiersWorkflow(AgenticWorkflow):
         episode_timeout_s: float = 600.0,
         scoring_timeout_s: float = 600.0,
         step_timeout_s: float | None = None,
-        concurrency: int = 32,
-        batch_window_s: float = 0.05,
-        max_batch: int = 64,
-        batch_max_wait_s: float | None = None,
-        request_timeout_s: float = 600.0,
-        force_sampling: bool = True,
-        model_name: str = "policy",
-        host: str = "127.0.0.1",
+        # the endpoint's, handed to AgenticWorkflow (see its docstring)
+        concurrency: int = 32, batch_window_s: float = 0.05, max_batch: int = 64,
+        batch_max_wait_s: float | None = None, request_timeout_s: float = 600.0, force_sampling: bool = True,
+        model_name: str = "policy", host: str = "127.0.0.1",
     ):
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"verifiers: sampling must be a rltk.rollout.base.SamplingParams, "
-                            f"got {type(sampling).__name__}")
         self.vf = import_verifiers()
         self.env_id = env_id
         self.vf_env = load_verifiers_env(env_id, env_args, key="rollout.workflow_args.env_id",
@@ -157,55 +145,24 @@ class VerifiersWorkflow(AgenticWorkflow):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"'rollout.workflow_args.{key}' must be a number of seconds > 0, got {value!r}")
-        env = dict(env or {})
-        _positive_int(concurrency, "rollout.workflow_args.concurrency")
-        _positive_int(max_batch, "rollout.workflow_args.max_batch")
-        _positive_int(env.get("max_new_tokens_per_turn"), "env.max_new_tokens_per_turn", allow_none=True)
-        _positive_int(env.get("max_turns"), "env.max_turns", allow_none=True)
-        if batch_max_wait_s is None and isinstance(batch_window_s, (int, float)):
-            batch_max_wait_s = max(1.0, batch_window_s)
-        if isinstance(batch_max_wait_s, bool) or not isinstance(batch_max_wait_s, (int, float)) \
-                or not batch_max_wait_s >= batch_window_s:
-            raise ConfigError(f"'rollout.workflow_args.batch_max_wait_s' must be a number of seconds >= "
-                              f"batch_window_s ({batch_window_s}), got {batch_max_wait_s!r}")
-        # what the endpoint machinery of AgenticWorkflow reads (its __init__ would also want an agent)
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.reward = RubricReward(rubric_reward_names(self.vf_env.rubric), reward)
-        self.sampling = sampling
-        self.agent = f"verifiers environment {env_id!r}"
-        self.agent_args = {}
-        self.tools = []
-        self.agent_takes_tools = False
-        self.concurrency = concurrency
-        self.max_tokens_per_request = env.get("max_new_tokens_per_turn") or sampling.max_new_tokens
-        self.max_turns = env.get("max_turns")
-        self.tool_parser = env.get("tool_parser") or "hermes"
-        self.tool_parser_args = dict(env.get("tool_parser_args") or {})
-        self.batch_window_s = batch_window_s
-        self.max_batch = max_batch
-        self.batch_max_wait_s = float(batch_max_wait_s)
-        self.request_timeout_s = request_timeout_s
-        self.force_sampling = force_sampling
-        self.model_name = model_name
-        self.host = host
+        # the endpoint, its batching and turn caps as AgenticWorkflow's; the environment is the "agent"
+        super().__init__(engine=engine, tokenizer=tokenizer, sampling=sampling, env=env,
+                         reward=RubricReward(rubric_reward_names(self.vf_env.rubric), reward),
+                         agent=f"verifiers environment {env_id!r}",
+                         concurrency=concurrency, batch_window_s=batch_window_s, max_batch=max_batch,
+                         batch_max_wait_s=batch_max_wait_s, request_timeout_s=request_timeout_s,
+                         force_sampling=force_sampling, model_name=model_name, host=host)
         self.sampling_args = {"max_tokens": self.max_tokens_per_request, **dict(sampling_args or {})}
         self.episode_timeout_s = float(episode_timeout_s)
         self.scoring_timeout_s = float(scoring_timeout_s)
         self.step_timeout_s = step_timeout_s
-        self._server = None
-        import secrets
-
-        self._api_key = secrets.token_urlsafe(24)
-        self._client = None
-        self._free_clients: list = []
-        self._clients_lock = threading.Lock()
-        self._next_group_id = 0
-        self._metrics: dict[str, float] = {}
-        self._warned_opening = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._async_client = None
+
+    def _bind_agent(self, agent: str, agent_args: Mapping[str, Any] | None, env: dict) -> None:
+        # the environment runs its own rollout loop, with its own tools: no registered agent, nothing to bind
+        self.agent, self.agent_args, self.tools, self.agent_takes_tools = agent, {}, [], False
 
     # ------------------------------------------------------------------ the event loop the environment runs in
 
@@ -263,30 +220,19 @@ class VerifiersWorkflow(AgenticWorkflow):
         return given
 
     def _run_episodes(self, rows: list[dict], n: int, override: dict | None) -> list[dict]:
-        self._ensure_server()
-        state = self._server.app.state.rltk
-        state.sampling_override = override
-        prefix = uuid.uuid4().hex[:12]
-        episodes = [{"row_index": r, "sample_index": s, "session_id": f"{prefix}-{r}-{s}", "result": None,
-                     "agent_info": {}, "error": None} for r in range(len(rows)) for s in range(n)]
-        batcher = state.batcher
-        batcher.expect(min(self.concurrency, len(episodes)) or 1)
-        timeout = self._step_timeout(len(episodes))
-        future = asyncio.run_coroutine_threadsafe(self._play_all(rows, episodes, batcher), self._ensure_loop())
-        try:
-            future.result(timeout=timeout)
-        except TimeoutError:
-            future.cancel()
-            raise TimeoutError(
-                f"verifiers: the step's {len(episodes)} episodes of environment {self.env_id!r} did not finish in "
-                f"{timeout:.0f} s (rollout.workflow_args.step_timeout_s; each episode may take "
-                f"episode_timeout_s={self.episode_timeout_s:g} s, each group's scoring "
-                f"scoring_timeout_s={self.scoring_timeout_s:g} s)") from None
-        finally:
-            state.sampling_override = None
-            batcher.expect(None)
-        for episode in episodes:
-            episode["records"] = state.store.pop(episode["session_id"])
+        with self._episodes(rows, n, override) as (batcher, episodes):
+            batcher.expect(min(self.concurrency, len(episodes)) or 1)
+            timeout = self._step_timeout(len(episodes))
+            future = asyncio.run_coroutine_threadsafe(self._play_all(rows, episodes, batcher), self._ensure_loop())
+            try:
+                future.result(timeout=timeout)
+            except TimeoutError:
+                future.cancel()
+                raise TimeoutError(
+                    f"verifiers: the step's {len(episodes)} episodes of environment {self.env_id!r} did not finish "
+                    f"in {timeout:.0f} s (rollout.workflow_args.step_timeout_s; each episode may take "
+                    f"episode_timeout_s={self.episode_timeout_s:g} s, each group's scoring "
+                    f"scoring_timeout_s={self.scoring_timeout_s:g} s)") from None
         return episodes
 
     async def _play_all(self, rows: list[dict], episodes: list[dict], batcher) -> None:

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from rltk.workflows.base import Workflow, check_rows, normalize_reward_output
+from rltk.rollout.base import SamplingParams
+from rltk.workflows.base import Workflow, check_rows, check_workflow_parts, held_out_metrics, normalize_reward_output
 
 
 @pytest.mark.parametrize(
@@ -48,3 +49,18 @@ def test_workflow_base_contract():
     assert workflow.run([]) == [] and workflow.metrics() == {}
     with pytest.raises(NotImplementedError, match="Nothing does not implement evaluate"):
         workflow.evaluate([{"prompt": "x"}])
+
+
+def test_held_out_metrics_of_four_responses():
+    # scores 1, 0.5, 0, 1 at threshold 1: two solved; lengths 3+5+2+6 = 16 tokens; one cut at its limit
+    assert held_out_metrics([1.0, 0.5, 0.0, 1.0], [3, 5, 2, 6], 1, threshold=1.0) == {
+        "accuracy": 0.5, "mean_score": 0.625, "mean_response_length": 4.0, "truncated_fraction": 0.25,
+        "num_responses": 4.0}
+
+
+def test_every_workflow_checks_its_parts_by_name():
+    check_workflow_parts("mine", SamplingParams(), lambda **_: 1.0)
+    with pytest.raises(TypeError, match="mine: sampling must be a rltk.rollout.base.SamplingParams, got dict"):
+        check_workflow_parts("mine", {"n": 2}, lambda **_: 1.0)
+    with pytest.raises(TypeError, match="mine: reward must be callable, got str"):
+        check_workflow_parts("mine", SamplingParams(), "exact_match")

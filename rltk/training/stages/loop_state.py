@@ -224,6 +224,29 @@ def rl_steps(stage, loop: LoopState, parts: RLParts, strategy, rollouts):
         yield step, tick, rollout, batch
 
 
+#: The batch fields every step of :func:`rl_steps` holds once its old log-probs are taken: what collate builds
+#: from any experiences (``baseline_scores`` and ``reward_components`` only when the estimator names them)
+#: and ``old_logprobs``.
+RL_STEP_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
+                  "token_rewards", "scores", "group_ids", "response_lengths", "sequence_rewards", "policy_lengths",
+                  "old_logprobs")
+
+
+def rl_provides(*fields: str, expert_data: bool = False) -> dict[str, Any]:
+    """The ``PROVIDES`` of a recipe whose loop is :func:`rl_steps`: what it serves its components, which
+    ``rltk run`` and ``rltk validate`` check a config's components against (see
+    :func:`rltk.recipe_utils.recipe_spec`).
+
+    :data:`RL_STEP_FIELDS` plus ``fields``, the batch fields of the passes the recipe adds (a reference, a
+    critic, a teacher); the ``policy`` buffer source; every ``trainer.mode``
+    (:func:`~rltk.training.rollouts.rollout_source.open_rollout_source` samples in the trainer or in
+    producers); ``expert_data``: it lets ``buffer.expert.path``'s experiences into the buffer
+    (:func:`start_rl_stage` puts them there).
+    """
+    return {"batch_fields": [*RL_STEP_FIELDS, *fields], "buffer_sources": ["policy"], "expert_data": expert_data,
+            "trainer_modes": ["sync", "one_step_off", "async"]}
+
+
 def kl_to_reference(loss: LossComponents, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """KL(pi_old || pi_ref) per sampled token, ``[B, T]``, by the configured estimator (``algorithm.kl_penalty_fn``)."""
     return loss.kl_penalty(old_logprobs, ref_logprobs, **loss.kl_penalty_args)

@@ -6,8 +6,8 @@ the supervised warm-up stage, final evaluation, plot and summary) is here so
 recipes never copy it.
 
 Weights across stages. ``run.policy`` is the policy between stages: a plain
-module. A stage builds its strategy on it with :func:`build_stage_strategy`,
-which also points the rollout engine at the weights the stage trains
+module. A stage builds its strategy on it with :func:`build_stage_strategy` (an RL stage with
+:func:`build_rl_strategy`), which also points the rollout engine at the weights the stage trains
 (:mod:`rltk.training.rollouts.engine_weights`), and its runner returns that strategy.
 When the stage ends, :func:`run_stages` takes the trained model back from it
 (``strategy.release_model()``, a new plain module under ZeRO-3, which
@@ -49,6 +49,7 @@ from rltk.training.scaffold.setup import (
 )
 from rltk.training.stages.stage_checkpoint import LOG_ROWS_KEY, StageCheckpoint, restore_rollout_state
 from rltk.training.scaffold.traces import TraceWriter
+from rltk.training.updates.update_loop import updates_per_step
 from rltk.workflows.base import Workflow
 
 
@@ -216,6 +217,19 @@ def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_st
     strategy = build_strategy(stage.cfg, run.policy, lr=lr, total_steps=total_steps, warmup_steps=warmup_steps,
                               lr_schedule=lr_schedule)
     connect_rollout_engine(run.workflow.engine, strategy)
+    return strategy
+
+
+def build_rl_strategy(stage: Stage, *, train_steps: int | None = None):
+    """The policy's strategy of an RL stage (:func:`build_stage_strategy`): its LR schedule counts optimizer
+    steps, :func:`~rltk.training.updates.update_loop.updates_per_step` per RL step, over ``train_steps`` RL
+    steps (``trainer.total_steps`` unless the policy waits for part of the stage) with ``trainer.warmup_steps``
+    of warm-up; and ``trainer.prompts_per_step`` gives every process rows."""
+    t = stage.cfg.trainer
+    per_step, steps = updates_per_step(stage.cfg), t.total_steps if train_steps is None else train_steps
+    strategy = build_stage_strategy(stage, lr=t.lr, total_steps=steps * per_step,
+                                    warmup_steps=t.warmup_steps * per_step, lr_schedule=t.lr_schedule)
+    require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)
     return strategy
 
 

@@ -35,7 +35,7 @@ from rltk.config.validation import check_critic_config
 from rltk.models.critic import ValueModel, build_critic_from_policy, load_value_model
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.step.micro_batches import MicroBatch
-from rltk.training.updates.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares
+from rltk.training.updates.update_loop import MicroLoss, MiniBatch, optimizer_epochs, shares, updates_per_step
 
 __all__ = [
     "CRITIC_SUBDIR",
@@ -200,11 +200,6 @@ def _micro_value_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, mini: M
         return {**shares({"vf_loss": loss}), **shares({k: metrics[k] for k in ("vf_clip_frac", "values_mean")}, weight)}
 
     return MicroLoss(loss, read_shares)
-
-
-def updates_per_step(cfg: DictConfig) -> int:
-    """Optimizer steps one RL step takes: ``trainer.mini_batches * trainer.ppo_epochs``."""
-    return cfg.trainer.mini_batches * cfg.trainer.ppo_epochs
 
 
 # --------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from rltk.batch import slice_batch
 from rltk.training.step.micro_batches import MicroBatch
 from rltk.training.step.ranks import check_mini_batches
 
-__all__ = ["MicroLoss", "MiniBatch", "optimizer_epochs", "optimizer_step", "shares"]
+__all__ = ["MicroLoss", "MiniBatch", "optimizer_epochs", "optimizer_step", "shares", "updates_per_step"]
 
 
 class MicroLoss(NamedTuple):
@@ -109,6 +109,12 @@ def optimizer_step(strategy, micro_batches: Iterable[MicroBatch],
         summed = strategy.all_reduce_sum(torch.tensor([totals[k] for k in names], dtype=torch.float64))
         totals = dict(zip(names, summed.tolist()))
     return totals, info
+
+
+def updates_per_step(cfg) -> int:
+    """Optimizer steps one RL step takes, ``trainer.mini_batches * trainer.ppo_epochs`` (what an RL stage's
+    LR schedule counts: one :func:`optimizer_epochs` per step)."""
+    return cfg.trainer.mini_batches * cfg.trainer.ppo_epochs
 
 
 def optimizer_epochs(strategy, batch: dict[str, torch.Tensor],
