@@ -31,7 +31,6 @@ What it does, in order (as root inside the new mount and PID namespaces):
 """
 
 import ctypes
-import errno
 import json
 import os
 import resource

@@ -60,12 +60,12 @@ from typing import Any
 
 import rltk
 from rltk.batch import Experience
-from rltk.environments.base import AssistantTurn, Environment, StepResult, check_messages, check_step_result
+from rltk.environments.base import AssistantTurn, Environment, check_messages, check_step_result
 from rltk.registry import get_registry
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.tools.resolve import resolve_tools
 from rltk.workflows.base import (
-    GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics, reward_means,
+    GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics,
 )
 from rltk.workflows.chat import TurnRenderer, generate_checked, render_text, row_messages, score_responses
 

@@ -11,7 +11,6 @@ arXiv:2402.14740).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 

@@ -34,7 +34,7 @@ Metrics, prefixed ``mismatch/``, are over every rank's tokens (see
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
