@@ -44,8 +44,8 @@ from torch import nn
 
 from rltk.models.wrappers import unwrap_model
 
-__all__ = ["RouterTrace", "is_moe", "load_balancing_loss", "moe_routers", "route", "routing_metrics",
-           "routing_shape"]
+__all__ = ["RouterTrace", "is_moe", "load_balancing_loss", "moe_routers", "route", "route_by_rank",
+           "routing_metrics", "routing_shape"]
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -155,6 +155,29 @@ def _router_hook(layer: int, replay: torch.Tensor | None, trace: RouterTrace | N
         return (logits, weights, used) if replay is not None else output
 
     return hook
+
+
+@contextlib.contextmanager
+def route_by_rank(model: nn.Module, ranks: tuple[int, ...] = (1, 2)) -> Iterator[None]:
+    """Forwards inside this block route every token to the experts of the given ``ranks`` of its router's
+    softmax (0: the most likely) instead of its top-k, weighted by the softmax there (renormalised).
+
+    A stand-in for an engine whose routing disagrees with the trainer's, exaggerated to every token (real
+    kernels that break near-ties differently flip some): the tests and ``benchmarks/moe.py`` sample with it.
+    """
+    def hook(module, args, output):
+        logits = output[0]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        picked = probs.topk(max(ranks) + 1, dim=-1).indices[:, list(ranks)]
+        weights = probs.gather(-1, picked)
+        return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), picked
+
+    handles = [router.register_forward_hook(hook) for router in moe_routers(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def topk_differs(own: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:

@@ -21,70 +21,56 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 
 
-def build_tiny_moe_model(
-    tokenizer: PreTrainedTokenizerFast,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    num_experts: int = 8,
-    top_k: int = 2,
-    expert_size: int = 64,
-    max_position_embeddings: int = 256,
-    tie_word_embeddings: bool = True,
-    seed: int = 0,
-) -> Qwen3MoeForCausalLM:
+#: The sizes the MoE model shares with the dense tiny model, defaults taken from
+#: :func:`rltk.models.tiny.build_tiny_model`.
+SHARED_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings",
+                "tie_word_embeddings")
+
+
+def build_tiny_moe_model(tokenizer: PreTrainedTokenizerFast, *, num_experts: int = 8, top_k: int = 2,
+                         expert_size: int = 64, seed: int = 0, **sizes) -> Qwen3MoeForCausalLM:
     """A randomly initialised Qwen3-MoE causal LM sized for ``tokenizer`` (every layer sparse).
 
-    Deterministic in ``seed``, without touching the global torch RNG. Sizes as in
-    :func:`rltk.models.tiny.build_tiny_model`, plus:
+    Deterministic in ``seed``, without touching the global torch RNG.
 
     Args:
         num_experts: experts per sparse block (at least 2).
         top_k: experts each token is routed to (``num_experts_per_tok``), at most ``num_experts``.
         expert_size: width of each expert's MLP (``moe_intermediate_size``).
+        sizes: any of :data:`SHARED_SIZES`, as in :func:`rltk.models.tiny.build_tiny_model` (its defaults).
     """
-    for name, value in dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                            num_kv_heads=num_kv_heads, num_experts=num_experts, top_k=top_k,
-                            expert_size=expert_size, max_position_embeddings=max_position_embeddings).items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"build_tiny_moe_model: {name} must be a positive integer, got {value!r}")
-    if num_experts < 2 or top_k > num_experts:
-        raise ValueError(f"build_tiny_moe_model: need 2 <= num_experts and top_k <= num_experts, got "
-                         f"num_experts={num_experts}, top_k={top_k}")
-    if hidden_size % num_heads or (hidden_size // num_heads) % 2 or num_heads % num_kv_heads:
+    import inspect
+
+    from rltk.models.tiny import build_tiny_model
+
+    unknown = sorted(set(sizes) - set(SHARED_SIZES))
+    if unknown:
+        raise ValueError(f"build_tiny_moe_model: unknown size(s) {unknown}; valid: {', '.join(SHARED_SIZES)}")
+    defaults = inspect.signature(build_tiny_model).parameters
+    sizes = {name: sizes.get(name, defaults[name].default) for name in SHARED_SIZES}
+    counts = {"num_experts": num_experts, "top_k": top_k, "expert_size": expert_size,
+              **{k: v for k, v in sizes.items() if k != "tie_word_embeddings"}}
+    bad = {k: v for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    heads, kv_heads, hidden = sizes["num_heads"], sizes["num_kv_heads"], sizes["hidden_size"]
+    if bad or num_experts < 2 or top_k > num_experts or hidden % heads or (hidden // heads) % 2 or heads % kv_heads:
         raise ValueError(
-            f"build_tiny_moe_model: hidden_size={hidden_size} must split into num_heads={num_heads} heads of even "
-            f"size, and num_heads must be a multiple of num_kv_heads={num_kv_heads}")
+            f"build_tiny_moe_model: got {counts}: every size a positive integer, 2 <= num_experts, top_k <= "
+            f"num_experts, hidden_size split into num_heads heads of even size, num_heads a multiple of num_kv_heads")
     if tokenizer.eos_token_id is None:
         raise ValueError("build_tiny_moe_model: the tokenizer has no eos token; generation could never stop")
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=expert_size,  # unused: every layer is sparse (decoder_sparse_step=1)
-        moe_intermediate_size=expert_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
+        vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=sizes["max_position_embeddings"], tie_word_embeddings=sizes["tie_word_embeddings"],
+        # every layer sparse (decoder_sparse_step=1), so the dense MLP width is unused
+        num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_size,
+        intermediate_size=expert_size, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         # rltk adds the load-balancing loss itself (algorithm.router_aux_loss_coef), so the model's own is off
-        output_router_logits=False,
-        router_aux_loss_coef=0.0,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        use_sliding_window=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        output_router_logits=False, router_aux_loss_coef=0.0, use_sliding_window=False,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -100,8 +86,6 @@ def build_tiny_moe_from_config(tiny, seed: int):
 
     tokenizer = build_char_tokenizer(tool_role=tiny.tool_role)
     model = build_tiny_moe_model(
-        tokenizer, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-        num_kv_heads=tiny.num_kv_heads, num_experts=tiny.moe.num_experts, top_k=tiny.moe.top_k,
-        expert_size=tiny.moe.expert_size, max_position_embeddings=tiny.max_position_embeddings,
-        tie_word_embeddings=tiny.tie_word_embeddings, seed=seed)
+        tokenizer, num_experts=tiny.moe.num_experts, top_k=tiny.moe.top_k, expert_size=tiny.moe.expert_size,
+        seed=seed, **{name: getattr(tiny, name) for name in SHARED_SIZES})
     return tokenizer, model

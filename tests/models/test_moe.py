@@ -12,8 +12,8 @@ import torch
 from rltk.batch import Experience, collate
 from rltk.buffer.queue import ExperienceQueue
 from rltk.models.loading import load_model, load_tokenizer
-from rltk.models.moe import (RouterTrace, is_moe, load_balancing_loss, moe_routers, route, routing_metrics,
-                             routing_shape)
+from rltk.models.moe import (RouterTrace, is_moe, load_balancing_loss, moe_routers, route, route_by_rank,
+                             routing_metrics, routing_shape)
 from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
 from rltk.models.tiny_moe import build_tiny_moe_model
 from rltk.rollout.base import SamplingParams
@@ -33,24 +33,10 @@ def model(tokenizer):
     return build_tiny_moe_model(tokenizer, seed=0).eval()
 
 
-@contextlib.contextmanager
 def routed_to_second_and_third(model):
-    """Every router picks its 2nd and 3rd most likely experts, weighted by its own softmax there (renormalised):
-    an engine whose routing disagrees with the trainer's top-k on every token, as a kernel that breaks near-ties
-    differently does on some."""
-    def hook(module, args, output):
-        logits, _, _ = output
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        picked = probs.topk(3, dim=-1).indices[:, 1:]
-        weights = probs.gather(-1, picked)
-        return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), picked
-
-    handles = [router.register_forward_hook(hook) for router in moe_routers(model)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    """The engine's routers pick their 2nd and 3rd most likely experts: its routing disagrees with the
+    trainer's top-k on every token."""
+    return route_by_rank(model, (1, 2))
 
 
 def sampled_batch(model, tokenizer, engine_routing=contextlib.nullcontext):
