@@ -17,8 +17,8 @@ MOE = ["model.tiny.moe.num_experts=8", "logging.logger=[jsonl]", "logging.plot=f
 
 # benchmarks/moe.py over seeds 0-2 at this machine's best kernel level (AVX-512) and seed 0 under avx2 and
 # default, each with routing_replay none and rollout: every run gained at least this much held-out greedy
-# accuracy over its 200 RL steps. The tests ask for half.
-MIN_BENCHMARK_GAIN = 0.15
+# accuracy over its 200 RL steps (+0.160, default level; the median +0.215). The tests ask for half.
+MIN_BENCHMARK_GAIN = 0.16
 
 
 def assert_learned(run_dir):
