@@ -22,12 +22,15 @@ def tokenizer():
     return build_char_tokenizer()
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
-def test_metrics_see_a_disagreeing_router_and_replay_closing_the_gap(tokenizer, pack):
+@pytest.mark.parametrize("pack, budget", [(False, None), (False, 40), (True, 40)],
+                         ids=["padded", "token-budget-trimmed", "packed"])
+def test_metrics_see_a_disagreeing_router_and_replay_closing_the_gap(tokenizer, pack, budget):
+    # a token budget trims each micro-batch's all-padding columns, packing lays its tokens end to end: the
+    # recorded routing must follow the tokens either way
     model = build_tiny_moe_model(tokenizer, seed=0)
     _, batch = sampled_batch(model, tokenizer, routed_to_second_and_third)
-    settings = ForwardSettings(micro_batch_size=5, pack_sequences=pack,
-                               max_tokens_per_micro_batch=40 if pack else None, share_prompts=False)
+    settings = ForwardSettings(micro_batch_size=5, pack_sequences=pack, max_tokens_per_micro_batch=budget,
+                               share_prompts=False)
     metrics = moe_step_metrics(model, batch, settings)
     assert metrics["moe/topk_mismatch"] == 1.0  # ranks 2-3 at rollout, 1-2 in the trainer, on every token
     assert metrics["moe/mismatch_kl_replay"] < 1e-9 < 1e-6 < metrics["moe/mismatch_kl_own_routing"]
