@@ -26,6 +26,7 @@ module: copy it to change the loop itself.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from rltk.recipe_utils import parse_recipe_args, stage_runners
@@ -70,7 +71,8 @@ def run_distill_stage(stage: Stage):
             batch["old_logprobs"], _ = old_logprobs_pass(strategy.unwrap(), batch, fwd,
                                                          use_rollout_logprobs=a.use_rollout_logprobs,
                                                          strategy=strategy)
-            batch["teacher_logprobs"] = teacher.logprobs(batch, fwd)
+            # the teacher routes by its own router: the rollout's routing is the student's
+            batch["teacher_logprobs"] = teacher.logprobs(batch, dataclasses.replace(fwd, routing_replay=False))
 
             # advantages: minus the per-token reverse KL (+ task_coef x the reward's group advantage)
             batch["advantages"], batch["returns"] = parts.estimator(batch, strategy)

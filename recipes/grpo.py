@@ -37,6 +37,7 @@ from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.step.batch_metrics import rollout_metrics
 from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_provides, rl_steps, start_rl_stage
 from rltk.training.step.forward import old_logprobs_pass
+from rltk.training.step.moe_metrics import moe_step_metrics
 from rltk.training.step.ranks import global_masked_mean, rows_in
 from rltk.training.updates.rl import policy_update
 from rltk.training.rollouts.rollout_source import open_rollout_source
@@ -83,6 +84,8 @@ def run_rl_stage(stage: Stage):
                     with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
                 if sum_pi_squared is not None:
                     batch["sum_pi_squared"] = sum_pi_squared
+            # an MoE policy's routing: trainer vs rollout top-k, expert balance, log-prob gap with/without replay
+            moe_metrics = moe_step_metrics(strategy.unwrap(), batch, fwd, strategy=strategy)
             kl = None
             if reference is not None:
                 batch["ref_logprobs"] = reference.logprobs(batch, fwd)
@@ -113,7 +116,7 @@ def run_rl_stage(stage: Stage):
             # log, evaluate, guard, checkpoint
             elapsed = time.perf_counter() - tick
             metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy),
-                       **rollout.metrics, "kl_coef": loop.kl_ctl.value, **kl_metrics, **update_metrics}
+                       **rollout.metrics, "kl_coef": loop.kl_ctl.value, **kl_metrics, **moe_metrics, **update_metrics}
             end_step(stage, loop, step, metrics, strategy, rollouts)
     return strategy  # the trained policy, for the next stage
 

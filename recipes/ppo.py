@@ -43,6 +43,7 @@ from rltk.training.step.batch_metrics import rollout_metrics
 from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_provides, rl_steps, start_rl_stage
 from rltk.training.updates.ppo import PolicyAndCritic, batched_values, build_critic, build_critic_strategy, critic_update
 from rltk.training.step.forward import old_logprobs_pass
+from rltk.training.step.moe_metrics import moe_step_metrics
 from rltk.training.step.ranks import global_masked_mean, rows_in
 from rltk.training.updates.rl import policy_update
 from rltk.training.rollouts.rollout_source import open_rollout_source
@@ -116,7 +117,8 @@ def ppo_step(stage: Stage, strategies: PolicyAndCritic, parts: RLParts, loop, ba
         batch["sum_pi_squared"] = sum_pi_squared
     batch["values"] = batched_values(critic_strategy.unwrap(), batch, fwd, strategy=critic_strategy)
     mask = batch["response_mask"]
-    kl_metrics = {}
+    # an MoE policy's routing: trainer vs rollout top-k, expert balance, log-prob gap with/without replay
+    kl_metrics = moe_step_metrics(strategy.unwrap(), batch, fwd, strategy=strategy)
     if reference is not None:
         batch["ref_logprobs"] = reference.logprobs(batch, fwd)
         kl = kl_to_reference(parts.loss, batch["old_logprobs"], batch["ref_logprobs"])

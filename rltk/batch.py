@@ -25,6 +25,11 @@ reads::
     reward_components[B, K]     float32; column k is reward function k's own, unweighted score
                                 (``reward_details[reward_names[k]]``); only when ``reward_names``
                                 is given (the recipes give the composer's names for gdpo)
+    routed_experts  [B, P + T, L, k]  int64; an MoE policy's experts per token and sparse layer as the
+                                rollout engine routed it, laid out like ``input_ids`` (-1 on padding, on
+                                the last response token, which the engine never ran, and on rows
+                                without a record); only when an experience carries it. Replayed by
+                                ``algorithm.routing_replay=rollout`` (:mod:`rltk.models.moe`)
 
 Later stages add ``old_logprobs``, ``ref_logprobs``, ``values``,
 ``advantages`` and ``returns`` (all ``[B, T]``) to the same dict, and
@@ -60,6 +65,9 @@ class Experience:
     # Multi turn: (response position, reward) of each environment turn reward, on the last token of the
     # assistant turn it rewards. Part of `score` (score = their sum + the rest); see collate().
     turn_rewards: list[tuple[int, float]] | None = None
+    # An MoE policy's routing while it sampled: [len(prompt_ids) + len(response_ids)][L][k] expert indices
+    # (rltk.models.moe); -1 where not recorded. Only from engines that record it (hf).
+    routed_experts: list | None = None
 
     def __post_init__(self):
         if self.response_mask is None:
@@ -72,6 +80,12 @@ class Experience:
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != len(self.response_ids):
             raise ValueError(
                 f"rollout_logprobs has {len(self.rollout_logprobs)} entries for "
+                f"{len(self.response_ids)} response tokens"
+            )
+        if self.routed_experts is not None and \
+                len(self.routed_experts) != len(self.prompt_ids) + len(self.response_ids):
+            raise ValueError(
+                f"routed_experts has {len(self.routed_experts)} entries for {len(self.prompt_ids)} prompt + "
                 f"{len(self.response_ids)} response tokens"
             )
         if self.turn_rewards is not None:
@@ -164,12 +178,30 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
     _record_row_sums(batch, experiences)
     if reward_names is not None:
         batch["reward_components"] = reward_components(experiences, reward_names)
+    if any(e.routed_experts is not None for e in experiences):
+        batch["routed_experts"] = collate_routing(experiences, in_prompt, in_response)
     if any(e.baseline_score is not None for e in experiences):
         batch["baseline_scores"] = torch.tensor(
             [e.baseline_score if e.baseline_score is not None else 0.0 for e in experiences],
             dtype=torch.float32,
         )
     return batch
+
+
+def collate_routing(experiences: list[Experience], in_prompt: torch.Tensor,
+                    in_response: torch.Tensor) -> torch.Tensor:
+    """``routed_experts`` ``[B, P + T, L, k]`` int64 from the experiences' records, laid out like
+    ``input_ids`` (``in_prompt`` ``[B, P]`` / ``in_response`` ``[B, T]``: where their real tokens sit);
+    -1 on padding and on rows without a record."""
+    recorded = [e.routed_experts for e in experiences if e.routed_experts is not None]
+    sample = torch.tensor(next(r for r in recorded if r), dtype=torch.long) if any(recorded) else None
+    layers, k = (sample.shape[1], sample.shape[2]) if sample is not None else (1, 1)
+    has = torch.tensor([e.routed_experts is not None for e in experiences], dtype=torch.bool)[:, None]
+    real = torch.cat([in_prompt, in_response], dim=1) & has  # [B, P + T]
+    routed = torch.full((*real.shape, layers, k), -1, dtype=torch.long)
+    if recorded and real.any():
+        routed[real] = torch.tensor(_flat(recorded), dtype=torch.long).reshape(-1, layers, k)
+    return routed
 
 
 def _flat(rows) -> list:

@@ -42,6 +42,8 @@ class TrainingBatch(TypedDict, total=False):
     response_lengths: Annotated[Tensor, "[B]", "int64", "collate: response positions, env tokens included"]
     baseline_scores: Annotated[Tensor, "[B]", "float32", "collate: the greedy response's score (ReMax)"]
     reward_components: Annotated[Tensor, "[B, K]", "float32", "collate: each reward function's own score (gdpo)"]
+    routed_experts: Annotated[Tensor, "[B, P + T, L, k]", "int64",
+                              "collate: an MoE policy's experts per token and layer at rollout (-1: none)"]
     # the loop's passes
     old_logprobs: Annotated[Tensor, "[B, T]", "float32", "old-log-prob pass: the behaviour policy's"]
     sum_pi_squared: Annotated[Tensor, "[B, T]", "float32", "old-log-prob pass: sum_v pi_old(v)^2"]

@@ -20,8 +20,17 @@ from typing import Any, Dict, List, Optional
 
 
 @dataclass
+class TinyMoeConfig:
+    """``model.tiny.moe``: make the tiny model a mixture of experts (Qwen3-MoE; :mod:`rltk.models.tiny_moe`)."""
+
+    num_experts: int = 0  # experts per layer; 0 keeps the dense Qwen2, e.g. 8 for the tiny MoE default
+    top_k: int = 2  # experts each token is routed to
+    expert_size: int = 64  # width of each expert's MLP (moe_intermediate_size)
+
+
+@dataclass
 class TinyModelConfig:
-    """The embedded default policy: a random-init Qwen2 built locally."""
+    """The embedded default policy: a random-init Qwen2 built locally (a Qwen3-MoE with ``moe.num_experts``)."""
 
     hidden_size: int = 64
     num_layers: int = 2
@@ -33,6 +42,7 @@ class TinyModelConfig:
     # the <|tool|> token and role (multi-turn tool use); off, the vocabulary is the 104 tokens the
     # single-turn default's learning was measured with (a token more redraws the whole random init)
     tool_role: bool = False
+    moe: TinyMoeConfig = field(default_factory=TinyMoeConfig)
 
 
 @dataclass
@@ -134,6 +144,12 @@ class AlgorithmConfig:
     # generation have run (the step then trains on what it has; the metrics count it).
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 8
+    # Mixture-of-experts policies (rltk.models.moe, docs/moe.md). routing_replay: none | rollout (alias r3,
+    # verl's router_replay.mode R3, Megatron/SkyRL's moe_enable_routing_replay): every training-side forward
+    # routes each token to the experts the rollout engine used (the batch's routed_experts)
+    routing_replay: str = "none"
+    # Switch load-balancing loss added to the policy loss with this weight (MoE policies; 0: off)
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclass
@@ -498,6 +514,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.on_too_long": ("filter", "error"),
     "algorithm.kl_in": ("loss", "reward"),
     "algorithm.kl_controller": ("fixed", "adaptive"),
+    "algorithm.routing_replay": ("none", "rollout", "r3"),
     "trainer.lr_schedule": ("constant", "linear", "cosine"),
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.stale_policy": ("drop", "wait"),

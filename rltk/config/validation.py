@@ -27,6 +27,7 @@ from rltk.config.env_checks import check_agent_tools, check_env
 from rltk.config.errors import ConfigError
 from rltk.config.lora_checks import check_lora_fits_model, check_lora_values, check_no_stage_lora
 from rltk.config.merge import apply_overrides
+from rltk.config.moe_checks import check_moe_config
 from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
 )
@@ -56,6 +57,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
             )
     _check_positive(cfg)
     check_rollout_correction_config(cfg)
+    check_moe_config(cfg, registry)
     check_async_config(cfg, recipe)
     check_seed(cfg)
     check_paths(cfg)

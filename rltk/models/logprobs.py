@@ -73,6 +73,8 @@ def response_logprobs(
     with_sum_pi_squared: bool = False,
     pack: bool = False,
     share_prompts: bool = True,
+    routed_experts: torch.Tensor | None = None,
+    router_trace=None,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under ``model``, without full logits.
 
@@ -104,6 +106,11 @@ def response_logprobs(
             so that at equal weights their log-probs are bitwise equal, the KL
             term is exactly 0 and its gradient too (rounding noise there would
             become a full-size step once Adam normalises it).
+        routed_experts: an MoE policy's recorded routing to replay, aligned with ``input_ids``
+            (``-1``: the token keeps its own top-k). Shape: (B, S, L, k). See :mod:`rltk.models.moe`.
+        router_trace: a :class:`rltk.models.moe.RouterTrace` to fill with what the routers computed
+            (its ``valid`` marks the real tokens among the rows the routers saw).
+            Either of the two turns prompt sharing off (one forward, whose tokens the routing aligns with).
 
     Returns:
         ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
@@ -116,6 +123,10 @@ def response_logprobs(
     batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
     if width == 0:
         return _empty_outputs(batch_size, input_ids.device, with_entropy, with_sum_pi_squared)
+    if routed_experts is not None or router_trace is not None:
+        return _routed_response_logprobs(model, input_ids, attention_mask, width, routed_experts, router_trace,
+                                         pack=pack, temperature=temperature, impl=impl, with_entropy=with_entropy,
+                                         chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
     if pack:
         head = output_head_module(model)
         # A head sharded outside its own forward (the root module of an FSDP2 model: a DTensor here)
@@ -168,6 +179,27 @@ def _packed_response_logprobs(model, input_ids, attention_mask, width, *, temper
     entropy = packed.scatter(outputs[1].float(), batch_size, width) if with_entropy else None
     sum_pi_squared = packed.scatter(outputs[2].float(), batch_size, width) if with_sum_pi_squared else None
     return _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared)
+
+
+def _routed_response_logprobs(model, input_ids, attention_mask, width, routed_experts, router_trace, *, pack,
+                              **kwargs) -> tuple[torch.Tensor, ...]:
+    """:func:`response_logprobs` of an MoE policy under :func:`rltk.models.moe.route`: the one forward's
+    routers take ``routed_experts`` flattened the way that forward lays out its tokens (padded: every row
+    but its last column; packed: the real tokens, row after row) and/or fill ``router_trace``."""
+    from rltk.models.moe import route
+
+    if pack:
+        real = attention_mask.bool()
+        replay = routed_experts[real] if routed_experts is not None else None  # [N_real, L, k]
+        valid = torch.ones(int(real.sum()), dtype=torch.bool, device=input_ids.device)
+    else:
+        replay = routed_experts[:, :-1].reshape(-1, *routed_experts.shape[2:]) if routed_experts is not None else None
+        valid = attention_mask[:, :-1].reshape(-1).bool()
+    if router_trace is not None:
+        router_trace.valid, router_trace.rollout = valid, replay
+        replay = replay if router_trace.replay else None
+    with route(model, replay, router_trace):
+        return response_logprobs(model, input_ids, attention_mask, width, pack=pack, share_prompts=False, **kwargs)
 
 
 def _refuse_or_note_sharded_head(model: nn.Module, impl: str) -> None:

@@ -308,7 +308,14 @@ def build_tiny_from_config(tiny, seed: int) -> tuple[PreTrainedTokenizerFast, Qw
 
     ``tiny`` is that section (any object with its fields: the sizes,
     ``tie_word_embeddings`` and ``tool_role``); ``seed`` is the run's seed.
+    With ``tiny.moe.num_experts > 0`` the model is the tiny mixture of experts
+    (:func:`rltk.models.tiny_moe.build_tiny_moe_from_config`).
     """
+    moe = getattr(tiny, "moe", None)
+    if moe is not None and moe.num_experts:
+        from rltk.models.tiny_moe import build_tiny_moe_from_config
+
+        return build_tiny_moe_from_config(tiny, seed)
     tokenizer = build_char_tokenizer(tool_role=tiny.tool_role)
     model = build_tiny_model(
         tokenizer, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,

@@ -130,6 +130,9 @@ class Completion:
     finish_reason: str
     text: str = ""
     versions: list[int] | None = None
+    # an MoE policy's experts per token: [len(prompt) + len(token_ids)][L][k], the prompt's real tokens then
+    # the response's, -1 on the last (never run); None from an engine that does not record routing
+    routed_experts: list | None = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -168,6 +171,9 @@ class RolloutEngine(abc.ABC):
     #: The weights live in other processes (inference servers) that can load a weights file themselves
     #: (:meth:`load_weights_file`), also while generating (``interrupt``): ``vllm_server``.
     loads_weight_files: ClassVar[bool] = False
+    #: Completions of an MoE policy carry the experts each token went through (``routed_experts``), which
+    #: ``algorithm.routing_replay=rollout`` replays in the trainer (:mod:`rltk.models.moe`): ``hf``.
+    returns_routed_experts: ClassVar[bool] = False
     #: Whether completions carry per-token ``versions`` (set by an asynchronous producer on engines that
     #: load weights mid-generation; others ignore it).
     track_versions: bool = False

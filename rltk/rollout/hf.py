@@ -45,12 +45,14 @@ from torch import nn
 
 import rltk
 from rltk.models.kv_cache import cache_keyword
+from rltk.models.moe import is_moe
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 from rltk.rollout.base import (
     Completion, ModelAndTokenizer, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids,
 )
+from rltk.rollout.hf_routing import GenerationRouting, record_generation_routing
 from rltk.rollout.hf_sampling import sample, sampling_blocker, shared_prompts
 
 logger = logging.getLogger(__name__)
@@ -141,6 +143,7 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
     """
 
     samples_from_module = True  # the trainer's own module: nothing to copy after an optimizer step
+    returns_routed_experts = True  # an MoE policy's routers are hooked while it samples (rltk.rollout.hf_routing)
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, batch_size: int = 64, device: Any = None):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
@@ -176,12 +179,16 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
             with torch.no_grad(), _seeded(params.seed, device), _neutral_generation_config(model):
                 for start in range(0, len(rows), self.batch_size):
                     chunk = rows[start : start + self.batch_size]
-                    generated, logprobs = self._generate_chunk(
+                    generated, logprobs, routing = self._generate_chunk(
                         model, [ids for _, ids in chunk], params, stop_ids, pad_id, device
                     )
-                    for (index, _), token_row, logprob_row in zip(chunk, generated, logprobs):
+                    width = max(len(ids) for _, ids in chunk)
+                    for row, ((index, ids), token_row, logprob_row) in enumerate(zip(chunk, generated, logprobs)):
                         tokens, lps, reason = cut_at_stop(token_row, logprob_row, stop_ids, params.max_new_tokens)
-                        results[index].append(Completion(index, tokens, lps, reason, self._decode(tokens)))
+                        routed = None if routing is None else GenerationRouting.completion(
+                            routing, row, width, len(ids), len(tokens))
+                        results[index].append(Completion(index, tokens, lps, reason, self._decode(tokens),
+                                                         routed_experts=routed))
         finally:
             model.train(was_training)
         return results
@@ -194,7 +201,9 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         stop_ids: list[int],
         pad_id: int,
         device: torch.device,
-    ) -> tuple[list[list[int]], list[list[float]]]:
+    ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
+        """Generated tokens and their log-probs per row, and an MoE policy's routing (``[N, W + steps, L, k]``,
+        :class:`rltk.rollout.hf_routing.GenerationRouting`; None for a dense one)."""
         from transformers import GenerationConfig, LogitsProcessorList
         from transformers.generation.logits_process import (
             TemperatureLogitsWarper,
@@ -228,7 +237,7 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         if blocker is None:
             generated = sample(model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
                                greedy=params.greedy, stop_ids=stop_ids, pad_id=pad_id, logits_processor=processors)
-            return generated.tolist(), recorder.finish(generated).tolist()
+            return generated.tolist(), recorder.finish(generated).tolist(), None
         notice_once(logger, "the hf engine samples through generate, not its own loop", blocker)
 
         # Neutral values switch generate's own warpers off (its default top_k is 50).
@@ -242,16 +251,20 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
             use_cache=True,
             **neutral_sampling,
         )
-        sequences = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            logits_processor=processors,
-            **_shared_prompt_cache(model, input_ids, attention_mask),
-        )
+        # an MoE policy's routers are recorded over every forward, the shared prompt prefill included
+        recording = record_generation_routing(model) if is_moe(model) else contextlib.nullcontext()
+        with recording as routing:
+            sequences = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                logits_processor=processors,
+                **_shared_prompt_cache(model, input_ids, attention_mask),
+            )
         generated = sequences[:, width:]  # [N, L], L <= max_new_tokens
         logprobs = recorder.finish(generated)  # [N, L]
-        return generated.tolist(), logprobs.tolist()
+        routed = routing.rows(input_ids, attention_mask) if routing is not None else None
+        return generated.tolist(), logprobs.tolist(), routed
 
     def _pad_token_id(self, stop_ids: list[int]) -> int:
         # Only used for left padding (masked out) and for rows that already

@@ -112,6 +112,7 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
                         group_id=group_id,
                         rollout_logprobs=list(completion.logprobs),
                         finish_reason=completion.finish_reason,
+                        routed_experts=completion.routed_experts,
                         reward_details=details,
                         info={
                             "prompt": row["prompt"],

@@ -33,6 +33,8 @@ class ForwardSettings:
         pack_sequences: each micro-batch packed into one row (``trainer.pack_sequences``).
         share_prompts: one prompt pass per group (see :func:`rltk.models.logprobs.response_logprobs`);
             :meth:`from_config` sets it as the policy's training forward runs.
+        routing_replay: an MoE policy's forwards route each token to the experts the rollout engine
+            used (the batch's ``routed_experts``; ``algorithm.routing_replay=rollout``, :mod:`rltk.models.moe`).
     """
 
     micro_batch_size: int
@@ -42,6 +44,7 @@ class ForwardSettings:
     max_tokens_per_micro_batch: int | None = None
     pack_sequences: bool = False
     share_prompts: bool = True
+    routing_replay: bool = False
 
     @classmethod
     def from_config(cls, cfg: DictConfig, strategy) -> "ForwardSettings":
@@ -49,11 +52,16 @@ class ForwardSettings:
         as the training forward shares them (so every pass runs the way the update does)."""
         from rltk.models.logprobs import prompt_sharing_applies
 
+        from rltk.models.moe import is_moe
+
         t = cfg.trainer
+        # an MoE policy runs every pass in one forward (no prompt sharing), the forward its routing aligns with
+        moe = is_moe(strategy.model)
         return cls(micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
                    impl=cfg.model.logprob_impl, chunk_size=cfg.model.logprob_chunk_size,
                    max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
-                   share_prompts=prompt_sharing_applies(strategy.model))
+                   share_prompts=not moe and prompt_sharing_applies(strategy.model),
+                   routing_replay=moe and cfg.algorithm.get("routing_replay", "none") in ("rollout", "r3"))
 
     @property
     def trim(self) -> bool:
@@ -67,13 +75,18 @@ class ForwardSettings:
                              max_tokens=self.max_tokens_per_micro_batch, packed=self.pack_sequences, fallback=fallback)
 
     def logprobs(self, model: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int, *,
-                 with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+                 with_entropy: bool = False, with_sum_pi_squared: bool = False,
+                 router_trace=None) -> tuple[torch.Tensor, ...]:
         """One micro-batch's response log-probs (see :func:`rltk.training.step.micro_batches.run_logprobs`), run
-        these settings' way; with gradients unless the caller turned them off."""
+        these settings' way; with gradients unless the caller turned them off. With ``routing_replay`` the
+        rows' ``routed_experts`` are replayed; ``router_trace`` (:class:`rltk.models.moe.RouterTrace`)
+        records an MoE policy's routers."""
+        routed = data.get("routed_experts") if self.routing_replay else None
         return run_logprobs(model, data, response_width, trim=self.trim, pack=self.pack_sequences,
                             temperature=self.temperature, impl=self.impl, chunk_size=self.chunk_size,
                             share_prompts=self.share_prompts, with_entropy=with_entropy,
-                            with_sum_pi_squared=with_sum_pi_squared)
+                            with_sum_pi_squared=with_sum_pi_squared, routed_experts=routed,
+                            router_trace=router_trace)
 
     def values(self, critic: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
         """One micro-batch's critic values (see :func:`rltk.training.step.micro_batches.run_values`), cut the same way."""

@@ -1,5 +1,5 @@
 """The policy update's components, each chosen by name in the config: policy loss, aggregation, KL estimator,
-entropy bonus, rollout correction (:class:`LossComponents`)."""
+entropy bonus, rollout correction, an MoE policy's load-balancing loss (:class:`LossComponents`)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ class LossComponents:
     # log the mismatch metrics with every mode off
     rollout_correction: dict = field(default_factory=dict)
     log_mismatch_metrics: bool = False
+    # algorithm.router_aux_loss_coef: weight of an MoE policy's load-balancing loss (rltk.models.moe); 0: off
+    router_aux_loss_coef: float = 0.0
 
     @property
     def kl_takes_old(self) -> bool:
@@ -58,6 +60,7 @@ class LossComponents:
             entropy_coef=a.entropy_coef,
             log_mismatch_metrics=bool(correction.pop("log_metrics")),
             rollout_correction=correction,
+            router_aux_loss_coef=float(a.get("router_aux_loss_coef", 0.0)),
         )
 
 

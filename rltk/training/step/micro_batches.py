@@ -221,9 +221,13 @@ def run_logprobs(model: torch.nn.Module, data: dict[str, torch.Tensor], response
     (``response_logprobs(pack=True)``); ``kwargs`` go to ``response_logprobs``.
     """
     input_ids, attention_mask, width = data["input_ids"], data["attention_mask"], response_width
+    routed = kwargs.pop("routed_experts", None)  # [b, P + T, L, k], trimmed with the columns below
     if trim or pack:
         input_ids, attention_mask, width = trim_padding(input_ids, attention_mask, response_width)
-    outputs = response_logprobs(model, input_ids, attention_mask, width, pack=pack, **kwargs)
+        if routed is not None:  # the kept columns: the last P' of the prompt and the first T' of the response
+            prompt_len = data["input_ids"].shape[1] - response_width
+            routed = routed[:, prompt_len - (input_ids.shape[1] - width): prompt_len + width]
+    outputs = response_logprobs(model, input_ids, attention_mask, width, pack=pack, routed_experts=routed, **kwargs)
     return tuple(None if o is None else _pad_columns(o, response_width) for o in outputs)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from rltk.algorithms.aggregation import masked_mean
 from rltk.algorithms.mismatch import correction_active, weighted_loss_agg
+from rltk.models.moe import RouterTrace, load_balancing_loss
 from rltk.training.step.estimator import Estimator
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.step.loss_components import LossComponents
@@ -115,6 +116,7 @@ def policy_update(
 
         L = policy_loss + kl_coef * agg(KL(pi || pi_ref))   (when kl_in == "loss")
             - entropy_coef * agg(H(pi))
+            + router_aux_loss_coef * aux   (an MoE policy's load-balancing loss, rltk.models.moe)
 
     With ``loss.rollout_correction`` on, each token's policy-loss term is
     weighted by its importance weight between the trainer's old policy and the
@@ -168,7 +170,8 @@ def _micro_policy_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, mini: 
     """One micro-batch's share of :func:`policy_update`'s loss (its docstring has the formula), and its
     shares of the metrics. ``taken`` (on-policy only) collects the training forward's detached log-probs."""
     agg = mini.loss_agg(loss.loss_agg, **loss.loss_agg_args)
-    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True)
+    trace = RouterTrace() if loss.router_aux_loss_coef else None  # the routers' logits, for the aux loss
+    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True, router_trace=trace)
     # on-policy, pi_old is the policy this forward evaluates (no step has run yet)
     on_policy = taken is not None
     old_logprobs = logprobs.detach() if on_policy else mb["old_logprobs"]
@@ -193,11 +196,17 @@ def _micro_policy_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, mini: 
         kl_term = agg(kl, mb["response_mask"])
         total = total + kl_coef * kl_term
         summed["kl_loss"] = kl_term.detach()
+    weight = mini.token_share(mb["response_mask"])
+    per_token = {"entropy": mean_entropy}
+    if trace is not None:
+        # a mean over this micro-batch's tokens, weighted by its share of the mini-batch's response tokens
+        aux = load_balancing_loss(trace.stacked("logits"), trace.stacked("used"), trace.valid)
+        total = total + loss.router_aux_loss_coef * weight * aux
+        per_token["router_aux_loss"] = aux.detach()
 
     def read_shares() -> dict[str, float]:
         # pg_loss and kl_loss are this micro-batch's share of the global mini-batch sum already;
         # per-micro ratios (clip fraction, approx KL) are weighted by its share of the global tokens
-        weight = mini.token_share(mb["response_mask"])
-        return {**shares(summed), **shares({"entropy": mean_entropy}, weight), **shares(pg_metrics, weight)}
+        return {**shares(summed), **shares(per_token, weight), **shares(pg_metrics, weight)}
 
     return MicroLoss(total, read_shares)
