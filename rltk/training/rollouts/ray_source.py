@@ -44,7 +44,7 @@ from pathlib import Path
 
 import ray
 from omegaconf import OmegaConf
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from rltk.buffer.queue import ExperienceQueue
 from rltk.errors import ConfigError, ProcessWaitError
@@ -192,36 +192,43 @@ class ProducerActor:
 
 
 class RayProducer:
-    """The trainer's handle on one :class:`ProducerActor`: starts its loop, restarts it when it ended or its
-    actor died (Ray restarts the actor itself), and reports it after ``max_restarts`` restarts."""
+    """The trainer's handle on one :class:`ProducerActor`: starts its loop, starts it again when it ended or its
+    actor died (Ray itself starts a dead actor again on a node that meets its request), and reports it after
+    ``max_restarts`` restarts or when Ray gives the actor up.
+
+    After a death the handle asks the actor where it runs (:attr:`probe`) and starts the loop once that
+    answers: a call made before Ray has noticed the death fails as "unavailable" and is made again (not a
+    restart); one that fails as "died" means Ray will not start it again. A restart Ray cannot place is
+    bounded by the trainer's wait for experiences (``buffer.queue_timeout_s``), whose message names it.
+    """
 
     def __init__(self, name: str, actor, max_restarts: int):
         self.name, self.actor, self.max_restarts = name, actor, max_restarts
         self.starts, self.run_ref = 0, None
-        self.where_ref = actor.where.remote()
+        self.probe = actor.where.remote()  # answers once the actor runs (again)
         self.where: dict | None = None
 
     @property
     def log(self) -> str:
         """Where it runs, for messages (a Ray actor's output is in the trainer's, prefixed with its name)."""
-        if self.where_ref is not None and ray.wait([self.where_ref], timeout=0)[0]:
-            try:
-                self.where = ray.get(self.where_ref)
-            except (RayActorError, RayTaskError):
-                pass
-            self.where_ref = None
-        if self.where is None:
-            return "a Ray actor not placed yet"
+        if self.probe is not None or self.where is None:
+            return "a Ray actor waiting to be placed" + (" again" if self.starts else "")
         return (f"a Ray actor on node {self.where['node'][:8]} ({self.where['address']}, pid {self.where['pid']}, "
                 f"folder {self.where['folder']}); its output is in the trainer's")
 
-    def start(self) -> None:
+    def placed(self, where: dict) -> None:
+        """The actor answered from ``where``: start its loop."""
+        self.where, self.probe = where, None
         self.starts += 1
         self.run_ref = self.actor.run.remote()
 
     def check(self) -> None:
         """Start the producer's loop again if it ended (at most ``max_restarts`` times); then
         :class:`~rltk.training.rollouts.async_rollout.ProducerFailed`."""
+        if self.probe is not None:
+            if ray.wait([self.probe], timeout=0)[0]:
+                self._answered()
+            return
         if self.run_ref is None or not ray.wait([self.run_ref], timeout=0)[0]:
             return
         where = self.log
@@ -230,7 +237,7 @@ class RayProducer:
             why = f"exited with status {code}" + (" (a wait of buffer.queue_timeout_s ran out)"
                                                   if code == EXIT_TIMEOUT else "")
         except RayActorError as exc:
-            why = f"died: its process or node is gone ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+            why = f"died: its process or node is gone ({type(exc).__name__}: {_first_line(exc)})"
         except RayTaskError as exc:
             why = f"failed: {str(exc.cause if exc.cause is not None else exc).splitlines()[-1][:500]}"
         if self.starts > self.max_restarts:
@@ -238,11 +245,27 @@ class RayProducer:
                                  f"(launcher_args.max_restarts={self.max_restarts})")
         print(f"rltk: rollout producer '{self.name}' ({where}) {why}; starting it again (Ray places a dead actor "
               f"again on a node that meets launcher_args.producer)", file=sys.stderr, flush=True)
-        self.where_ref = self.actor.where.remote()
-        self.start()
+        self.run_ref, self.probe = None, self.actor.where.remote()
+
+    def _answered(self) -> None:
+        try:
+            where = ray.get(self.probe)
+        except ActorUnavailableError:  # Ray has not noticed the death yet: ask again
+            self.probe = self.actor.where.remote()
+            return
+        except RayActorError as exc:
+            self.probe = None
+            raise ProducerFailed(f"rollout producer '{self.name}' could not be started again: Ray gave its actor up "
+                                 f"({type(exc).__name__}: {_first_line(exc)}; launcher_args.max_restarts="
+                                 f"{self.max_restarts})") from None
+        self.placed(where)
 
     def stop(self, grace_s: float = 10.0) -> None:
         ray.kill(self.actor, no_restart=True)
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:limit]
 
 
 class RayRollouts(AsyncRollouts):
@@ -270,10 +293,8 @@ class RayRollouts(AsyncRollouts):
                 str(Path(queue_path).resolve()), cfg.buffer.queue_journal, float(cfg.buffer.queue_timeout_s))
             rollouts._publish(resumed_step)
             queue.publish_version(resumed_step)
-            rollouts.producers = rollouts._place_producers(settings)
+            rollouts.producers = rollouts._place_producers(settings)  # each one's loop started
             rollouts.local = len(rollouts.producers)
-            for producer in rollouts.producers:
-                producer.start()
         except BaseException:
             rollouts.close()
             raise
@@ -292,7 +313,7 @@ class RayRollouts(AsyncRollouts):
             values, stage_index=self.stage.index, name=f"producer-{k}", index=k, count=count,
             timeout_s=float(cfg.buffer.queue_timeout_s), work_dir=settings.work_dir, front=self.front),
             settings.max_restarts) for k in range(count)]
-        refs = [p.where_ref for p in producers]
+        refs = [p.probe for p in producers]
         placed, waiting = ray.wait(refs, num_returns=len(refs), timeout=settings.placement_timeout_s)
         if waiting:
             for producer in producers:
@@ -304,11 +325,13 @@ class RayRollouts(AsyncRollouts):
                 f"not placed: {names}. Ask for less (launcher_args.producer {settings.producer}), fewer producers "
                 f"(trainer.producers), or add nodes")
         try:
-            ray.get(placed)  # ready: an actor whose __init__ failed raises here
+            where = ray.get(refs)  # an actor whose __init__ failed raises here
         except RayActorError as exc:
             for producer in producers:
                 producer.stop()
             raise ProcessWaitError(f"a rollout producer actor could not start on its node: {exc}") from None
+        for producer, answer in zip(producers, where):
+            producer.placed(answer)
         return producers
 
     def _publish(self, version: int) -> None:
