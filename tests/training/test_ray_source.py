@@ -204,3 +204,64 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
     # the hf producers loaded the weights from the object store: no weights file beside the queue or the producers
     assert not [p for folder in [run_dir / "async", *(nodes.folders[n] for n in (first, second))]
                 for p in folder.rglob("*.safetensors")]
+
+
+def test_a_producer_whose_node_is_lost_with_no_restarts_left_stops_the_run_naming_it(nodes):
+    run_dir = nodes.folders["head"] / "run"
+    log = run_dir.parent / "run.log"
+    trainer = nodes.trainer([*RUN, "launcher_args.max_restarts=0", "buffer.queue_timeout_s=120"], run_dir=run_dir,
+                            address=nodes.cluster.address)
+    try:
+        wait_for("the producer's first batch in the queue", lambda: put_count(run_dir) >= 16, 300, trainer, log)
+        nodes.lose(next(name for name in nodes.rollout
+                        if (nodes.folders[name] / NAME / "stage_0" / "producer-0").is_dir()))
+        trainer.wait(timeout=300)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    output = log.read_text()
+    assert trainer.returncode == 1, output[-6000:]
+    error = output[output.index("rltk: error:"):]
+    assert "rollout producer 'producer-0'" in error and "launcher_args.max_restarts=0" in error, error[:3000]
+    assert "died" in error or "gave its actor up" in error, error[:3000]
+    assert len(trained_steps(run_dir)) < RL_STEPS
+
+
+def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_key(tmp_path):
+    from rltk.config import ConfigError, load_config
+    from rltk.training.rollouts.ray_cluster import connect, open_cluster
+
+    ray_run = ["trainer.mode=async", "launcher=ray"]
+    with pytest.raises(ConfigError, match=r"bad value '127\.0\.0\.1:9' for 'launcher_args\.address': nothing "
+                                          r"answers at [\d.]+:9 within 5 s \(launcher_args\.connect_timeout_s\)"):
+        connect(load_config([], [*ray_run, "launcher_args.address=127.0.0.1:9", "launcher_args.connect_timeout_s=5"]))
+    assert not ray.is_initialized()
+    nodes = Nodes(tmp_path, rollout_nodes=1)
+    try:
+        address = f"launcher_args.address={nodes.cluster.address}"
+        unmet = [(["launcher_args.producer.resources={gpu_pool: 1}"],
+                  r"'launcher_args\.producer\.resources\.gpu_pool': no node of the Ray cluster has 1 of resource "
+                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \([\d.]+\): CPU 1, trainer 1)(?=.*node \w+ \([\d.]+\): CPU 1, "
+                  r"rollout 1)"),
+                 (["launcher_args.producer.cpus=2"], r"'launcher_args\.producer\.cpus': no node .* has 2 CPUs"),
+                 (["launcher_args.producer.labels={pool: big}"],
+                  r"'launcher_args\.producer\.labels\.pool': no node .* has label pool=big"),
+                 (["launcher_args.producer.resources={trainer: 1, rollout: 1}"],
+                  r"'launcher_args\.producer': no node of the Ray cluster has all of 1 CPUs, 0 GPUs, 1 of resource "
+                  r"'trainer', 1 of resource 'rollout' at once")]
+        for overrides, match in unmet:
+            with pytest.raises(ConfigError, match=match):
+                open_cluster(load_config([], [*ray_run, address, *overrides]))
+        ray.shutdown()
+        # two producers for the one rollout node: the second is never placed, and the run says so in time
+        run_dir = nodes.folders["head"] / "run"
+        trainer = nodes.trainer([*RUN, "trainer.producers=2", "launcher_args.placement_timeout_s=10"],
+                                run_dir=run_dir)
+        trainer.wait(timeout=240)
+        output = (run_dir.parent / "run.log").read_text()
+        assert trainer.returncode == 2, output[-5000:]
+        assert ("bad value for 'launcher_args.producer': the Ray cluster placed 1 of 2 rollout producer actors "
+                "within 10 s (launcher_args.placement_timeout_s); not placed: producer-1") in output, output[-5000:]
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
