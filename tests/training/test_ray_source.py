@@ -265,3 +265,26 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
     finally:
         ray.shutdown()
         nodes.shutdown()
+
+
+def test_a_trainer_that_crashed_resumes_from_its_queue_and_trains_each_experience_once(tmp_path):
+    from rltk.commands.cli import main
+    from tests.crash import crash_at_step
+
+    nodes = Nodes(tmp_path, rollout_nodes=1)
+    run_dir = nodes.folders["head"] / "run"
+    overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}"]
+    try:
+        with crash_at_step(5):  # after the checkpoint of step 4: the leases of step 5 go back to the queue
+            main(["run", "grpo", *overrides])
+        assert main(["run", "grpo", *overrides]) == 0  # the same driver: Ray stays connected, new actors
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+    with sqlite3.connect(run_dir / QUEUE) as db:
+        trained = db.execute("SELECT e.id, l.step FROM experiences e JOIN leases l ON e.lease = l.id "
+                             "WHERE e.status = 'consumed' AND l.state = 'committed'").fetchall()
+    # the resumed producer went on after the queue's last batch; the returned lease trained step 5 again
+    assert sorted(trained) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(1, RL_STEPS + 1)
+                                     for i in range(16))
+    assert [r["step"] for r in trained_steps(run_dir)] == list(range(1, RL_STEPS + 1))  # nothing logged twice
