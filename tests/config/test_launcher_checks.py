@@ -1,5 +1,6 @@
 """``launcher`` and ``launcher_args``: defaults, and every bad value refused (exit 2) naming the key and what is
-valid, before Ray is touched (whether a cluster is reachable and can meet a request: tests/training/test_ray_source.py)."""
+valid, before Ray is touched (whether a cluster is reachable and can meet a request:
+tests/training/test_ray_source.py)."""
 
 from __future__ import annotations
 

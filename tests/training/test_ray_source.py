@@ -149,26 +149,33 @@ def trained_steps(run_dir: Path) -> list[dict]:
     return [row for row in map(json.loads, path.read_text().splitlines()) if "staleness/max" in row]
 
 
-def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survives_losing_its_node(nodes):
-    run_dir = nodes.folders["head"] / "run"
-    log = run_dir.parent / "run.log"
-    trainer = nodes.trainer(RUN, run_dir=run_dir)
+def lose_the_producers_node_mid_run(nodes: Nodes, overrides: list[str], run_dir: Path,
+                                    address: str | None = None) -> tuple[str, int, str]:
+    """Start the trainer, lose the node its producer works on once the producer's first batch is in the queue
+    (which holds at most two ahead at staleness 1, so the stage still needs the producer), and wait for the
+    trainer to end: (the node lost, the trainer's exit status, its output)."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    trainer = nodes.trainer(overrides, run_dir=run_dir, address=address)
     try:
-        # the producer works on a rollout node, in that node's folder
         def producer_node():
             return next((name for name in nodes.rollout
                          if (nodes.folders[name] / NAME / "stage_0" / "producer-0").is_dir()), None)
 
-        first = wait_for("the producer actor's folder on a rollout node", producer_node, 240, trainer, log)
-        # lost once it put its first batch: the queue holds at most two ahead (staleness 1), so the stage needs it
+        lost = wait_for("the producer actor's folder on a rollout node", producer_node, 240, trainer, log)
         wait_for("the producer's first batch in the queue", lambda: put_count(run_dir) >= 16, 300, trainer, log)
-        nodes.lose(first)
+        nodes.lose(lost)
         trainer.wait(timeout=480)
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    output = log.read_text()
-    assert trainer.returncode == 0, output[-6000:]
+            trainer.wait()
+    return lost, trainer.returncode, log.read_text()
+
+
+def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survives_losing_its_node(nodes):
+    run_dir = nodes.folders["head"] / "run"
+    first, code, output = lose_the_producers_node_mid_run(nodes, RUN, run_dir)
+    assert code == 0, output[-6000:]
     (second,) = nodes.rollout
     # Ray placed the actor again on the node left, and the trainer started its loop again
     assert (nodes.folders[second] / NAME / "stage_0" / "producer-0").is_dir(), output[-3000:]
@@ -208,19 +215,9 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
 
 def test_a_producer_whose_node_is_lost_with_no_restarts_left_stops_the_run_naming_it(nodes):
     run_dir = nodes.folders["head"] / "run"
-    log = run_dir.parent / "run.log"
-    trainer = nodes.trainer([*RUN, "launcher_args.max_restarts=0", "buffer.queue_timeout_s=120"], run_dir=run_dir,
-                            address=nodes.cluster.address)
-    try:
-        wait_for("the producer's first batch in the queue", lambda: put_count(run_dir) >= 16, 300, trainer, log)
-        nodes.lose(next(name for name in nodes.rollout
-                        if (nodes.folders[name] / NAME / "stage_0" / "producer-0").is_dir()))
-        trainer.wait(timeout=300)
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-    output = log.read_text()
-    assert trainer.returncode == 1, output[-6000:]
+    overrides = [*RUN, "launcher_args.max_restarts=0", "buffer.queue_timeout_s=120"]
+    _, code, output = lose_the_producers_node_mid_run(nodes, overrides, run_dir, address=nodes.cluster.address)
+    assert code == 1, output[-6000:]
     error = output[output.index("rltk: error:"):]
     assert "rollout producer 'producer-0'" in error and "launcher_args.max_restarts=0" in error, error[:3000]
     assert "died" in error or "gave its actor up" in error, error[:3000]
@@ -241,8 +238,8 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
         address = f"launcher_args.address={nodes.cluster.address}"
         unmet = [(["launcher_args.producer.resources={gpu_pool: 1}"],
                   r"'launcher_args\.producer\.resources\.gpu_pool': no node of the Ray cluster has 1 of resource "
-                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \([\d.]+\): CPU 1, trainer 1)(?=.*node \w+ \([\d.]+\): CPU 1, "
-                  r"rollout 1)"),
+                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \([\d.]+\): CPU 1, trainer 1)"
+                  r"(?=.*node \w+ \([\d.]+\): CPU 1, rollout 1)"),
                  (["launcher_args.producer.cpus=2"], r"'launcher_args\.producer\.cpus': no node .* has 2 CPUs"),
                  (["launcher_args.producer.labels={pool: big}"],
                   r"'launcher_args\.producer\.labels\.pool': no node .* has label pool=big"),

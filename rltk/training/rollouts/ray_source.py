@@ -74,6 +74,16 @@ def _call(ref, timeout_s: float, what: str):
                                f"{what}: {type(exc).__name__}") from None
 
 
+def publish_weights(front, state: dict, version: int, timeout_s: float):
+    """Put a CPU copy of ``state`` (full weights) into Ray's object store and announce it as ``version`` on the
+    :class:`QueueFront` ``front``; returns the object's reference, which keeps it stored while held."""
+    cpu = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+    ref = ray.put(cpu)
+    _call(front.publish_weights.remote(int(version), [ref]), timeout_s,
+          f"{FRONT} to announce weights version {version}")
+    return ref
+
+
 class QueueFront:
     """The experience queue's door for producers on other nodes: a Ray actor on the trainer's node that opens
     the trainer's queue file and serves a producer's calls, and announces the newest published weights."""
@@ -342,11 +352,8 @@ class RayRollouts(AsyncRollouts):
             return
         if state is None:
             state = self.strategy.unwrap().state_dict()
-        cpu = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
-        ref = ray.put(cpu)
-        _call(self.front.publish_weights.remote(int(version), [ref]), self.timeout_s,
-              f"{FRONT} to announce weights version {version}")
-        self.newest_weights = ref  # the older version's object is freed once no producer still reads it
+        # the older version's object is freed once no producer still reads it
+        self.newest_weights = publish_weights(self.front, state, version, self.timeout_s)
 
     def close(self) -> None:
         try:
