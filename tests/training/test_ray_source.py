@@ -285,3 +285,23 @@ def test_a_trainer_that_crashed_resumes_from_its_queue_and_trains_each_experienc
     assert sorted(trained) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(1, RL_STEPS + 1)
                                      for i in range(16))
     assert [r["step"] for r in trained_steps(run_dir)] == list(range(1, RL_STEPS + 1))  # nothing logged twice
+
+
+def test_weights_travel_as_arrays_of_their_dtype_with_a_tied_weight_once():
+    import torch
+
+    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+    from rltk.training.rollouts.engine_weights import load_weights_state
+    from rltk.training.rollouts.ray_source import as_arrays, from_arrays
+
+    mixed = {"a": torch.randn(3, 4).bfloat16(), "b": torch.arange(5), "c": torch.randn(2).half()}
+    back = from_arrays(as_arrays(mixed))
+    assert all(back[k].dtype == mixed[k].dtype and torch.equal(back[k], mixed[k]) for k in mixed)
+    tokenizer = build_char_tokenizer()
+    sent, received = (build_tiny_model(tokenizer, seed=seed) for seed in (0, 1))
+    state = sent.state_dict()
+    arrays = as_arrays(state)
+    tied = [k for k in state if k not in arrays]
+    assert tied == ["lm_head.weight"]  # the head shares the embedding's storage: sent once
+    load_weights_state(received, from_arrays(arrays), "test")
+    assert all(torch.equal(p, q) for p, q in zip(sent.state_dict().values(), received.state_dict().values()))

@@ -43,6 +43,7 @@ import sys
 from pathlib import Path
 
 import ray
+import torch
 from omegaconf import OmegaConf
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
@@ -74,11 +75,46 @@ def _call(ref, timeout_s: float, what: str):
                                f"{what}: {type(exc).__name__}") from None
 
 
+#: dtypes numpy has not, sent as the integers of their width and viewed back on arrival
+_NO_NUMPY = {torch.bfloat16: torch.int16}
+
+
+def as_arrays(state: dict) -> dict:
+    """Full weights as ``{name: (dtype name, numpy array)}`` for Ray's object store: numpy arrays are stored
+    out of band and read back without a copy (a reader's arrays point into the object store), where torch
+    tensors would be pickled into the object and copied out again. Tensors that share their storage (tied
+    weights) are sent once, under the first name, as a weights file stores them."""
+    out, seen = {}, set()
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key in seen:  # a tied weight (the output head on the embedding) goes once: loading accepts that
+            continue
+        seen.add(key)
+        tensor = tensor.detach().cpu().contiguous()
+        carrier = _NO_NUMPY.get(tensor.dtype)
+        out[name] = (str(tensor.dtype).removeprefix("torch."),
+                     (tensor.view(carrier) if carrier is not None else tensor).numpy())
+    return out
+
+
+def from_arrays(arrays: dict) -> dict:
+    """:func:`as_arrays` back to tensors, without a copy: they share the read-only arrays' memory, so load
+    them into a module (a copy) and drop them."""
+    import warnings
+
+    state = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, (dtype, array) in arrays.items():
+            tensor = torch.from_numpy(array)
+            state[name] = tensor.view(getattr(torch, dtype)) if tensor.dtype != getattr(torch, dtype) else tensor
+    return state
+
+
 def publish_weights(front, state: dict, version: int, timeout_s: float):
-    """Put a CPU copy of ``state`` (full weights) into Ray's object store and announce it as ``version`` on the
-    :class:`QueueFront` ``front``; returns the object's reference, which keeps it stored while held."""
-    cpu = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
-    ref = ray.put(cpu)
+    """Put ``state`` (full weights, :func:`as_arrays`) into Ray's object store and announce it as ``version``
+    on the :class:`QueueFront` ``front``; returns the object's reference, which keeps it stored while held."""
+    ref = ray.put(as_arrays(state))  # copied into the object store here: the trainer may change its weights next
     _call(front.publish_weights.remote(int(version), [ref]), timeout_s,
           f"{FRONT} to announce weights version {version}")
     return ref
@@ -159,7 +195,8 @@ class RayWeightsFollower(WeightsFollower):
         from rltk.training.rollouts.engine_weights import load_weights_state, write_weights_state
 
         version, (ref,) = _call(self.front.newest_weights.remote(), self.timeout_s, f"{FRONT} to hand the weights")
-        state = _call(ref, self.timeout_s, f"weights version {version} from the trainer's node (Ray object store)")
+        state = from_arrays(_call(ref, self.timeout_s,
+                                  f"weights version {version} from the trainer's node (Ray object store)"))
         if not self.servers:
             load_weights_state(self.policy, state, f"weights version {version} from the trainer")
             return version
