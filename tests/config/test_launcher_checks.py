@@ -62,3 +62,16 @@ def test_a_stage_that_runs_async_is_enough_for_launcher_ray():
 def test_rltk_run_exits_2_naming_the_key_before_anything_starts(capsys):
     assert main(["run", "grpo", *RAY, "launcher_args.producer.cpus=many"]) == 2
     assert "launcher_args.producer.cpus" in capsys.readouterr().err
+
+
+def test_rltk_and_the_local_launcher_never_import_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys, rltk\n"
+            "from rltk.config import load_config\n"
+            "import rltk.training.rollouts.rollout_source, rltk.training.stages.run\n"
+            "load_config([], ['trainer.mode=async'])\n"
+            "assert 'ray' not in sys.modules, 'ray was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

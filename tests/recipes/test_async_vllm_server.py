@@ -182,6 +182,7 @@ def test_under_ray_the_producer_has_the_server_load_each_version_from_its_own_fo
     engine, _, _ = server
     [url] = engine.servers
     run_dir, work = tmp_path / "run", tmp_path / "producers"
+    ray.shutdown()  # whatever an earlier test of this process left connected: the run would use it
     try:  # launcher=ray with no address: a Ray of its own, in this process
         assert main(["run", "grpo", f"output_dir={run_dir}", *TINY, *MODEL, "trainer.mode=async",
                      "trainer.max_staleness=1", "rollout.engine=vllm_server",

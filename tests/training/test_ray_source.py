@@ -229,6 +229,7 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
     from rltk.training.rollouts.ray_cluster import connect, open_cluster
 
     ray_run = ["trainer.mode=async", "launcher=ray"]
+    ray.shutdown()  # whatever an earlier test of this process left connected: connect() would use it
     with pytest.raises(ConfigError, match=r"bad value '127\.0\.0\.1:9' for 'launcher_args\.address': nothing "
                                           r"answers at [\d.]+:9 within 5 s \(launcher_args\.connect_timeout_s\)"):
         connect(load_config([], [*ray_run, "launcher_args.address=127.0.0.1:9", "launcher_args.connect_timeout_s=5"]))
@@ -268,6 +269,7 @@ def test_a_trainer_that_crashed_resumes_from_its_queue_and_trains_each_experienc
     from rltk.commands.cli import main
     from tests.crash import crash_at_step
 
+    ray.shutdown()  # whatever an earlier test of this process left connected: the run would use it
     nodes = Nodes(tmp_path, rollout_nodes=1)
     run_dir = nodes.folders["head"] / "run"
     overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}"]
