@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -230,9 +231,18 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
 
     ray_run = ["trainer.mode=async", "launcher=ray"]
     ray.shutdown()  # whatever an earlier test of this process left connected: connect() would use it
-    with pytest.raises(ConfigError, match=r"bad value '127\.0\.0\.1:9' for 'launcher_args\.address': nothing "
-                                          r"answers at [\d.]+:9 within 5 s \(launcher_args\.connect_timeout_s\)"):
+    with pytest.raises(ConfigError, match=r"bad value '127\.0\.0\.1:9' for 'launcher_args\.address': no Ray "
+                                          r"cluster at [\d.]+:9 within 5 s \(launcher_args\.connect_timeout_s\): "
+                                          r"nothing listens there"):
         connect(load_config([], [*ray_run, "launcher_args.address=127.0.0.1:9", "launcher_args.connect_timeout_s=5"]))
+    # something else listens at the address: refused in time, not after ray.init's minutes of retries
+    with socket.create_server(("", 0)) as other:  # every interface: Ray turns 127.0.0.1 into this host's address
+        elsewhere = [f"launcher_args.address=127.0.0.1:{other.getsockname()[1]}", "launcher_args.connect_timeout_s=5"]
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=r"'launcher_args\.address': .* within 5 s .*something listens there, "
+                                              r"but it did not answer as a Ray cluster's head does"):
+            connect(load_config([], [*ray_run, *elsewhere]))
+        assert time.monotonic() - start < 30
     assert not ray.is_initialized()
     nodes = Nodes(tmp_path, rollout_nodes=1)
     try:

@@ -4,8 +4,9 @@ Imported only when a config says ``launcher=ray`` (``import rltk`` never imports
 runs as the run opens, before a model is built, on the trainer's rank 0, and refuses with a
 :class:`~rltk.errors.ConfigError` (``rltk run`` exits 2) naming the key:
 
-* ``launcher_args.address`` that names no running cluster (nothing answers at host:port within
-  ``launcher_args.connect_timeout_s``; ``auto`` with no cluster on this node and no ``RAY_ADDRESS``);
+* ``launcher_args.address`` that names no running cluster (nothing answers at host:port, or what answers is
+  no Ray cluster, within ``launcher_args.connect_timeout_s``; ``auto`` with no cluster on this node and no
+  ``RAY_ADDRESS``);
 * ``launcher_args.producer.*`` requests that no node of the cluster can meet (each node's total
   CPUs, GPUs, custom resources and labels, :func:`check_request`).
 
@@ -31,7 +32,30 @@ def _reachable(address: str, timeout_s: float) -> str | None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return None
     except (OSError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return f"nothing listens there ({type(exc).__name__}: {exc})"
+
+
+#: Asks the cluster's GCS (its head's control store) for its nodes, in a process of its own: ``ray.init`` on an
+#: address where something else listens retries for minutes, and a thread stuck in Ray's C++ client cannot be
+#: stopped, whereas a process can.
+_PROBE = ("import sys\nfrom ray._raylet import GcsClient\n"
+          "GcsClient(address=sys.argv[1]).get_all_node_info(timeout=float(sys.argv[2]))\n")
+
+
+def _gcs_answers(address: str, timeout_s: float) -> str | None:
+    """None if the Ray GCS at ``address`` lists its nodes within ``timeout_s``, else why not."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, address, str(timeout_s)], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "something listens there, but it did not answer as a Ray cluster's head does"
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        return f"it is not a Ray cluster that answers ({lines[-1] if lines else f'status {done.returncode}'})"
+    return None
 
 
 def connect(cfg) -> RayLauncherSettings:
@@ -54,10 +78,10 @@ def connect(cfg) -> RayLauncherSettings:
                           f"node), give the head's host:port, or leave it empty for a Ray of its own on this "
                           f"machine") from None
     if gcs is not None:
-        why = _reachable(gcs, settings.connect_timeout_s)
+        why = _reachable(gcs, settings.connect_timeout_s) or _gcs_answers(gcs, settings.connect_timeout_s)
         if why is not None:
             raise ConfigError(
-                f"{value}: nothing answers at {gcs} within {settings.connect_timeout_s:g} s "
+                f"{value}: no Ray cluster at {gcs} within {settings.connect_timeout_s:g} s "
                 f"(launcher_args.connect_timeout_s): {why}. Is the cluster's head running (`ray status`)?")
     try:
         if gcs is None:
