@@ -65,13 +65,10 @@ def test_rltk_run_exits_2_naming_the_key_before_anything_starts(capsys):
 
 
 def test_rltk_and_the_local_launcher_never_import_ray():
-    import subprocess
     import sys
 
-    code = ("import sys, rltk\n"
-            "from rltk.config import load_config\n"
-            "import rltk.training.rollouts.rollout_source, rltk.training.stages.run\n"
-            "load_config([], ['trainer.mode=async'])\n"
-            "assert 'ray' not in sys.modules, 'ray was imported'\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    from tests.isolated import run_isolated
+
+    imports = "import sys, rltk, rltk.config, rltk.training.rollouts.rollout_source, rltk.training.stages.run\n"
+    run_isolated([sys.executable, "-c", imports + "rltk.config.load_config([], ['trainer.mode=async'])\n"
+                  "assert 'ray' not in sys.modules, 'ray was imported'\n"], timeout=300)
