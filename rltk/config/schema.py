@@ -478,6 +478,13 @@ class RunConfig:
     strategy: str = "accelerate"
     strategy_args: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Where an asynchronous stage's producers run: local (processes beside the trainer, sharing its run folder)
+    # | ray (Ray actors on the nodes of a Ray cluster; experiences and weights over the network, no shared
+    # folder: docs "Several machines on Ray"). launcher_args (ray): address (auto | host:port | empty: start a
+    # local Ray), namespace, connect_timeout_s, placement_timeout_s, max_restarts, work_dir,
+    # producer: {cpus, gpus, resources: {name: amount}, labels: {key: value}}
+    launcher: str = "local"
+    launcher_args: Dict[str, Any] = field(default_factory=dict)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -517,6 +524,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.routing_replay": ("none", "rollout", "r3"),
     "trainer.lr_schedule": ("constant", "linear", "cosine"),
     "trainer.mode": ("sync", "one_step_off", "async"),
+    "launcher": ("local", "ray"),
     "trainer.stale_policy": ("drop", "wait"),
     "buffer.queue_journal": ("wal", "delete"),
     "buffer.queue_resume": ("keep", "fresh"),

@@ -5,7 +5,7 @@
 names and arguments (:mod:`rltk.config.components`), choices and value
 ranges, the seed and local paths, the divergence guard's keys, the ``env``
 section of multi-turn episodes (:mod:`rltk.config.env_checks`), ``model.lora``
-(:mod:`rltk.config.lora_checks`), what the recipe serves
+(:mod:`rltk.config.lora_checks`), ``launcher`` (:mod:`rltk.config.launcher_checks`), what the recipe serves
 (:mod:`rltk.config.recipe_capabilities`), the critic section, the rollout
 correction, each reward's own score where the estimator reads it, each
 stage's overrides, and interpolations. The checks of one section each sit
@@ -25,6 +25,7 @@ from rltk.algorithms.mismatch import check_rollout_correction, correction_active
 from rltk.config.components import check_components, check_task
 from rltk.config.env_checks import check_agent_tools, check_env
 from rltk.config.errors import ConfigError
+from rltk.config.launcher_checks import check_launcher
 from rltk.config.lora_checks import check_lora_fits_model, check_lora_values, check_no_stage_lora
 from rltk.config.merge import apply_overrides
 from rltk.config.moe_checks import check_moe_config
@@ -59,6 +60,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_rollout_correction_config(cfg)
     check_moe_config(cfg, registry)
     check_async_config(cfg, recipe)
+    check_launcher(cfg)
     check_seed(cfg)
     check_paths(cfg)
     check_lora_values(cfg)

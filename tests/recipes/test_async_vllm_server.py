@@ -173,3 +173,31 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
             assert (got[before] - new_lp[before]).abs().max() > 1e-2
     # the two weights' log-probs of these tokens differ by ~0.5 on average (0.53 and 0.58 measured)
     assert (under_old - under_new).abs().mean() > 0.1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'rltk[ray]')")
+def test_under_ray_the_producer_has_the_server_load_each_version_from_its_own_folder(server, tmp_path):
+    import ray
+
+    engine, _, _ = server
+    [url] = engine.servers
+    run_dir, work = tmp_path / "run", tmp_path / "producers"
+    ray.shutdown()  # whatever an earlier test of this process left connected: the run would use it
+    try:  # launcher=ray with no address: a Ray of its own, in this process
+        assert main(["run", "grpo", f"output_dir={run_dir}", *TINY, *MODEL, "trainer.mode=async",
+                     "trainer.max_staleness=1", "rollout.engine=vllm_server",
+                     f"rollout.engine_args={{servers: ['{url}'], timeout_s: 300}}", "launcher=ray",
+                     f"launcher_args.work_dir={work}"]) == 0
+    finally:
+        ray.shutdown()
+    one_batch_a_step_within_the_bound(run_dir)
+    # the weights came through Ray's object store: the producer wrote each version into its own folder, and the
+    # trainer wrote none beside its queue
+    [own] = work.rglob("policy.safetensors")
+    assert own.parent.name == "producer-0" and own.parent.parent.name == "stage_1"
+    assert not list((run_dir / "async").rglob("*.safetensors"))
+    import httpx
+    from rltk.training.rollouts.engine_weights import weights_file_version
+
+    label = int(httpx.get(url + "/weight_info").json()["weight_version"])
+    assert RL_STEPS - 2 <= label <= RL_STEPS and weights_file_version(own) == label

@@ -292,6 +292,27 @@ def stage_folder(run_dir: Path, stage_index: int) -> Path:
     return Path(run_dir) / "async" / f"stage_{stage_index}"
 
 
+def open_trainer_queue(stage, resumed_step: int, cursor: dict | None) -> tuple[ExperienceQueue, Path]:
+    """Rank 0's experience queue of an asynchronous ``stage`` (:func:`open_stage_queue` with the stage's
+    ``buffer.queue_*`` and ``trainer`` keys) and its path, in the stage's folder unless ``buffer.queue_path``;
+    a stage started afresh there first removes the old run's queue, logs and rendezvous file."""
+    cfg, t = stage.cfg, stage.cfg.trainer
+    folder = stage_folder(stage.run.run_dir, stage.index)
+    queue_path = Path(cfg.buffer.queue_path) if cfg.buffer.queue_path else folder / "experience_queue.sqlite"
+    folder.mkdir(parents=True, exist_ok=True)
+    if stage.resume is None and not cfg.buffer.queue_path:
+        # a stage started afresh in this folder (checkpoint.resume=never): the old run's queue is not its own
+        for old in folder.iterdir():
+            if old.name.startswith("experience_queue.sqlite") or old.suffix == ".log" or old.name == RENDEZVOUS:
+                old.unlink()
+    max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
+    queue = open_stage_queue(queue_path, resumed_step=resumed_step, cursor=cursor,
+                             queue_resume=cfg.buffer.queue_resume, start_over=start_over_hint(stage),
+                             max_staleness=max_staleness, stale_policy=t.stale_policy,
+                             timeout_s=cfg.buffer.queue_timeout_s, journal_mode=cfg.buffer.queue_journal)
+    return queue, queue_path
+
+
 def _handoff_group(strategy, timeout_s: float):
     """A gloo group of every rank for the hand-over (objects on CPU whatever the backend), with its own
     timeout; None with one process."""
@@ -336,26 +357,13 @@ class AsyncRollouts:
         run, cfg = stage.run, stage.cfg
         t = cfg.trainer
         folder = stage_folder(run.run_dir, stage.index)
-        queue_path = Path(cfg.buffer.queue_path) if cfg.buffer.queue_path else folder / "experience_queue.sqlite"
         weights = folder / "policy.safetensors"
         group = _handoff_group(strategy, float(cfg.buffer.queue_timeout_s) + HANDOFF_MARGIN_S)
         if not strategy.is_main:
             rollouts = cls(stage, strategy, None, [], weights, group=group)
             rollouts._publish(resumed_step)  # a sharded strategy gathers on every rank
             return rollouts
-        folder.mkdir(parents=True, exist_ok=True)
-        if stage.resume is None and not cfg.buffer.queue_path:
-            # a stage started afresh in this folder (checkpoint.resume=never): the old run's queue is not its own
-            for old in folder.iterdir():
-                if (old.name.startswith("experience_queue.sqlite") or old.suffix == ".log"
-                        or old.name == RENDEZVOUS):
-                    old.unlink()
-        max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
-        queue = open_stage_queue(queue_path, resumed_step=resumed_step,
-                                 cursor=cursor, queue_resume=cfg.buffer.queue_resume,
-                                 start_over=start_over_hint(stage), max_staleness=max_staleness,
-                                 stale_policy=t.stale_policy, timeout_s=cfg.buffer.queue_timeout_s,
-                                 journal_mode=cfg.buffer.queue_journal)
+        queue, queue_path = open_trainer_queue(stage, resumed_step, cursor)
         count = int(t.producers)
         threads = share_cores(count + 1) if count else None
         rollouts = cls(stage, strategy, queue, [], weights, trainer_threads=threads, group=group)

@@ -109,12 +109,20 @@ def read_weights_file(module: nn.Module, path) -> int:
     with safe_open(str(path), framework="pt") as f:
         version = int(f.metadata()[VERSION_KEY])
         tensors = {k: f.get_tensor(k) for k in f.keys()}
+    load_weights_state(module, tensors, f"weights file {path}")
+    return version
+
+
+def load_weights_state(module: nn.Module, tensors: dict, source: str) -> None:
+    """Load full weights given as a state dict (``tensors``, from ``source``, named in errors) into ``module``.
+
+    Tied weights may come once (a weights file stores shared tensors once): a key missing from ``tensors``
+    is accepted only when its parameter shares storage with a loaded one.
+    """
     missing, unexpected = module.load_state_dict(tensors, strict=False)
-    # tied weights are stored once: a missing key must share its storage with a loaded one
     state = module.state_dict(keep_vars=True)
     loaded = {p.data_ptr() for k, p in state.items() if k in tensors}
     really_missing = [k for k in missing if state[k].data_ptr() not in loaded]
     if really_missing or unexpected:
-        raise RuntimeError(f"weights file {path}: does not match the model (missing {really_missing[:5]}, "
+        raise RuntimeError(f"{source}: does not match the model (missing {really_missing[:5]}, "
                            f"unexpected {list(unexpected)[:5]})")
-    return version

@@ -122,10 +122,18 @@ class Producer:
     ``seed_salt`` is added to the prompt order's and the sampling's seeds, so producers outside the
     trainer that share the rows (one ``index``) still sample apart. A restarted producer goes on at the
     batch after its last put (the queue knows it), with the prompts the batches before it drew skipped.
+
+    Where the queue and the weights are: by default the SQLite file at ``queue_path`` and the weights file
+    at ``weights_path``. A producer on another machine (``launcher=ray``,
+    :mod:`rltk.training.rollouts.ray_source`) passes ``queue``, an object with the queue methods a producer
+    calls (``put``, ``progress``, ``last_id``, ``finished_step``), and ``follower_type``, a
+    :class:`WeightsFollower` that fetches published weights over the network (``weights_path`` is then its
+    own file, on its own machine).
     """
 
-    def __init__(self, cfg, *, stage_index: int, queue_path: str, weights_path: str, name: str, timeout_s: float,
-                 index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True, seed_salt: int = 0):
+    def __init__(self, cfg, *, stage_index: int, queue_path: str | None, weights_path: str, name: str,
+                 timeout_s: float, index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True,
+                 seed_salt: int = 0, queue=None, follower_type=None):
         import rltk
         from rltk.buffer.queue import ExperienceQueue
         from rltk.data.sampler import RowSampler
@@ -149,8 +157,9 @@ class Producer:
         t = cfg.trainer
         self.max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
         self.per_batch = batch_size(cfg)
-        self.queue = ExperienceQueue(queue_path, timeout_s=timeout_s,
-                                     journal_mode=cfg.buffer.get("queue_journal", "wal"))
+        self.queue = queue if queue is not None else ExperienceQueue(
+            queue_path, timeout_s=timeout_s, journal_mode=cfg.buffer.get("queue_journal", "wal"))
+        self.follower_type = follower_type or WeightsFollower
         self.sampler = RowSampler(train_rows, t.prompts_per_step, seed=cfg.seed + stage_index + seed_salt,
                                   shuffle=cfg.data.shuffle)
         last = self.queue.last_id(name)
@@ -163,11 +172,9 @@ class Producer:
         self.next_end_check = 0.0  # when wait() next asks the queue whether the trainer ended the stage
 
     def run(self) -> int:
-        from rltk.training.rollouts.engine_weights import weights_file_version
-
-        self.wait(f"the trainer's first weights in {self.weights_path}",
-                  lambda: weights_file_version(self.weights_path) is not None)
-        self.follower = WeightsFollower(self.workflow.engine, self.policy, self.weights_path)
+        follower = self.follower_type(self.workflow.engine, self.policy, self.weights_path)
+        self.wait(f"the trainer's first weights in {follower.source}", lambda: follower.published_version() is not None)
+        self.follower = follower
         print(f"rltk producer {self.name}: pid {os.getpid()}, starting at batch {self.batch}", flush=True)
         while True:
             self.produce_batch()
@@ -283,31 +290,51 @@ class WeightsFollower:
         self._continued_before = engine.continued
         self._lock = threading.Lock()
 
+    #: where the weights come from, for messages
+    @property
+    def source(self) -> str:
+        return self.path
+
+    def published_version(self) -> int | None:
+        """The newest version the trainer published (None before the first)."""
+        from rltk.training.rollouts.engine_weights import weights_file_version
+
+        return weights_file_version(self.path)
+
     def follow(self, *, interrupt: bool = False) -> bool:
         """Load the published weights if they are newer than the engine's; True if it loaded."""
-        from rltk.training.rollouts.engine_weights import read_weights_file, weights_file_version
-
         with self._lock:
-            newest = weights_file_version(self.path)
+            newest = self.published_version()
             if newest is None or newest <= self.version:
                 return False
-            if not self.servers:
-                self.version = read_weights_file(self.policy, self.path)
-                return True
-            link = f"{self.path}.{os.getpid()}.load"
-            if os.path.lexists(link):
-                os.unlink(link)
-            os.link(self.path, link)
-            try:
-                version = weights_file_version(link)
-                if not self.engine.load_weights_file(link, version, interrupt=interrupt):
-                    # names the servers cannot load as they are (a LoRA policy): merged through the module
-                    read_weights_file(self.policy, link)
-                    self.engine.update_weights(self.policy, version=version, interrupt=interrupt)
-            finally:
-                os.unlink(link)
-            self.version = version
+            self.version = self._load(interrupt)
             return True
+
+    def _load(self, interrupt: bool) -> int:
+        """Load the published weights into the module or the servers; returns their version."""
+        from rltk.training.rollouts.engine_weights import read_weights_file
+
+        if not self.servers:
+            return read_weights_file(self.policy, self.path)
+        link = f"{self.path}.{os.getpid()}.load"
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.link(self.path, link)
+        try:
+            return self._into_servers(link, interrupt)
+        finally:
+            os.unlink(link)
+
+    def _into_servers(self, path: str, interrupt: bool) -> int:
+        """Have the servers load the weights file at ``path`` (which nobody replaces meanwhile); its version."""
+        from rltk.training.rollouts.engine_weights import read_weights_file, weights_file_version
+
+        version = weights_file_version(path)
+        if not self.engine.load_weights_file(path, version, interrupt=interrupt):
+            # names the servers cannot load as they are (a LoRA policy): merged through the module
+            read_weights_file(self.policy, path)
+            self.engine.update_weights(self.policy, version=version, interrupt=interrupt)
+        return version
 
     def during_generation(self, poll_s: float):
         """A context in which a thread loads newer weights as soon as they are published, interrupting the

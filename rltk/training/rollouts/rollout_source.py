@@ -118,10 +118,14 @@ class ProducedRollouts(_Closes):
 
 
 def open_rollout_source(stage, strategy, loop, parts) -> RolloutSource:
-    """The stage's source by ``trainer.mode``: :class:`SyncRollouts`, or producer processes started now
-    (``one_step_off``/``async``: they sample with weights at most ``trainer.max_staleness`` steps old).
-    Collective with several ranks."""
+    """The stage's source by ``trainer.mode``: :class:`SyncRollouts`, or producers started now
+    (``one_step_off``/``async``: they sample with weights at most ``trainer.max_staleness`` steps old):
+    processes beside the trainer, or with ``launcher=ray`` Ray actors on the cluster's nodes
+    (:class:`rltk.training.rollouts.ray_source.RayRollouts`). Collective with several ranks."""
     if stage.cfg.trainer.mode == "sync":
         return SyncRollouts(stage.run.workflow, loop.sampler, parts.plan, strategy)
+    source = AsyncRollouts
+    if stage.cfg.get("launcher", "local") == "ray":  # producers as Ray actors on other nodes; imports Ray
+        from rltk.training.rollouts.ray_source import RayRollouts as source
     # a resumed stage goes on only from the queue its checkpoint trained from (loop.queue_cursor)
-    return ProducedRollouts(AsyncRollouts.start(stage, strategy, resumed_step=loop.step, cursor=loop.queue_cursor))
+    return ProducedRollouts(source.start(stage, strategy, resumed_step=loop.step, cursor=loop.queue_cursor))

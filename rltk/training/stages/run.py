@@ -111,6 +111,11 @@ def open_run(cfg: DictConfig) -> Run:
         resume = start_point(cfg, stage_steps)
     finished = run_is_finished(resume, cfg)
     # A finished run's config.yaml keeps describing how it was trained: nothing more is trained now.
+    if cfg.get("launcher", "local") == "ray" and process_rank() == 0 and not finished:
+        # the cluster reached, and the producers' request checked against its nodes, before a model is built
+        from rltk.training.rollouts.ray_cluster import open_cluster
+
+        open_cluster(cfg)
     run_dir = prepare_run_dir(cfg, write_config=not finished and process_rank() == 0)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
     if process_rank() == 0 and not finished:

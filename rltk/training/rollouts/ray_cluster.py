@@ -1,0 +1,165 @@
+"""Reaching a Ray cluster for ``launcher=ray``, and placing actors on it: checked first, with timeouts.
+
+Imported only when a config says ``launcher=ray`` (``import rltk`` never imports Ray). :func:`connect`
+runs as the run opens, before a model is built, on the trainer's rank 0, and refuses with a
+:class:`~rltk.errors.ConfigError` (``rltk run`` exits 2) naming the key:
+
+* ``launcher_args.address`` that names no running cluster (nothing answers at host:port, or what answers is
+  no Ray cluster, within ``launcher_args.connect_timeout_s``; ``auto`` with no cluster on this node and no
+  ``RAY_ADDRESS``);
+* ``launcher_args.producer.*`` requests that no node of the cluster can meet (each node's total
+  CPUs, GPUs, custom resources and labels, :func:`check_request`).
+
+Empty ``address`` connects to ``RAY_ADDRESS`` when it is set (``ray job submit`` sets it for the job it
+runs), else starts a Ray of its own on this machine; unlike ``ray.init()`` it never joins a cluster it
+happens to find on the machine (another user's, or a dead one's leftover address file). A driver already
+connected (a script that called ``ray.init`` itself) is used as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from rltk.config.launcher_checks import ActorRequest, RayLauncherSettings, ray_launcher_settings
+from rltk.errors import ConfigError
+
+
+def _reachable(address: str, timeout_s: float) -> str | None:
+    """None if something accepts TCP connections at ``host:port`` within ``timeout_s``, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as exc:
+        return f"nothing listens there ({type(exc).__name__}: {exc})"
+
+
+#: Asks the cluster's GCS (its head's control store) for its nodes, in a process of its own: ``ray.init`` on an
+#: address where something else listens retries for minutes, and a thread stuck in Ray's C++ client cannot be
+#: stopped, whereas a process can.
+_PROBE = ("import sys\nfrom ray._raylet import GcsClient\n"
+          "GcsClient(address=sys.argv[1]).get_all_node_info(timeout=float(sys.argv[2]))\n")
+
+
+def _gcs_answers(address: str, timeout_s: float) -> str | None:
+    """None if the Ray GCS at ``address`` lists its nodes within ``timeout_s``, else why not."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, address, str(timeout_s)], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "something listens there, but it did not answer as a Ray cluster's head does"
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        return f"it is not a Ray cluster that answers ({lines[-1] if lines else f'status {done.returncode}'})"
+    return None
+
+
+def connect(cfg) -> RayLauncherSettings:
+    """Connect this process to the cluster of ``launcher_args`` (or start a local Ray); the settings."""
+    import ray
+    from ray._private import services
+
+    settings = ray_launcher_settings(cfg)
+    if ray.is_initialized():
+        return settings
+    # empty: RAY_ADDRESS (ray job submit sets it), else a Ray of its own; never a cluster found lying around
+    wanted = settings.address or os.environ.get("RAY_ADDRESS") or "local"
+    value = f"bad value {settings.address or ''!r} for 'launcher_args.address'" + (
+        "" if settings.address else f" (RAY_ADDRESS={wanted})" if wanted != "local" else "")
+    try:
+        # what ray.init would connect to: host:port, or (auto) the cluster `ray start` runs on this node
+        gcs = services.canonicalize_bootstrap_address(wanted)
+    except (ConnectionError, ValueError) as exc:
+        raise ConfigError(f"{value}: no Ray cluster to connect to ({exc}). Start one (`ray start --head` on this "
+                          f"node), give the head's host:port, or leave it empty for a Ray of its own on this "
+                          f"machine") from None
+    if gcs is not None:
+        why = _reachable(gcs, settings.connect_timeout_s) or _gcs_answers(gcs, settings.connect_timeout_s)
+        if why is not None:
+            raise ConfigError(
+                f"{value}: no Ray cluster at {gcs} within {settings.connect_timeout_s:g} s "
+                f"(launcher_args.connect_timeout_s): {why}. Is the cluster's head running (`ray status`)?")
+    try:
+        if gcs is None:
+            ray.init(address="local", namespace=settings.namespace, include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=gcs, namespace=settings.namespace, log_to_driver=True)
+    except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError ... by cause
+        raise ConfigError(f"{value}: could not connect to the Ray cluster at {gcs or 'a new local Ray'}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    return settings
+
+
+def open_cluster(cfg) -> RayLauncherSettings:
+    """:func:`connect`, then :func:`check_request` of ``launcher_args.producer`` against the cluster's nodes."""
+    import ray
+
+    settings = connect(cfg)
+    check_request(settings.producer, "launcher_args.producer", ray.nodes())
+    return settings
+
+
+def _describe(node: dict) -> str:
+    res = node.get("Resources", {})
+    shown = ", ".join(f"{k} {v:g}" for k, v in sorted(res.items())
+                      if not k.startswith("node:") and k not in ("memory", "object_store_memory"))
+    labels = {k: v for k, v in (node.get("Labels") or {}).items() if not k.startswith("ray.io/")}
+    return f"node {node['NodeID'][:8]} ({node.get('NodeManagerAddress', '?')}): {shown or 'nothing'}" + (
+        f"; labels {labels}" if labels else "")
+
+
+def check_request(request: ActorRequest, key: str, nodes: list[dict]) -> None:
+    """Refuse ``request`` (the config's ``key``) when no alive node in ``nodes`` (``ray.nodes()``) has it all,
+    naming the first part that no node has, and listing the nodes."""
+    alive = [n for n in nodes if n.get("Alive")]
+    parts = [(f"{key}.cpus", lambda res, labels: res.get("CPU", 0) >= request.cpus, f"{request.cpus:g} CPUs"),
+             (f"{key}.gpus", lambda res, labels: res.get("GPU", 0) >= request.gpus, f"{request.gpus:g} GPUs")]
+    parts += [(f"{key}.resources.{name}", lambda res, labels, name=name, amount=amount: res.get(name, 0) >= amount,
+               f"{amount:g} of resource '{name}'") for name, amount in request.resources.items()]
+    parts += [(f"{key}.labels.{name}", lambda res, labels, name=name, value=value: labels.get(name) == value,
+               f"label {name}={value}") for name, value in request.labels.items()]
+
+    def meets(node, checks) -> bool:
+        return all(check(node.get("Resources", {}), node.get("Labels") or {}) for _, check, _ in checks)
+
+    if any(meets(node, parts) for node in alive):
+        return
+    listing = "; ".join(_describe(n) for n in alive) or "none alive"
+    for part_key, check, what in parts:
+        if not any(meets(node, [(part_key, check, what)]) for node in alive):
+            raise ConfigError(f"bad value for '{part_key}': no node of the Ray cluster has {what}. The nodes: "
+                              f"{listing}")
+    raise ConfigError(f"bad value for '{key}': no node of the Ray cluster has all of "
+                      f"{', '.join(what for _, _, what in parts)} at once. The nodes: {listing}")
+
+
+def actor_options(request: ActorRequest, *, max_restarts: int) -> dict:
+    """Ray ``.options(...)`` of an actor with ``request``, restarted up to ``max_restarts`` times."""
+    options = {"num_cpus": request.cpus, "num_gpus": request.gpus, "max_restarts": max_restarts,
+               "max_task_retries": 0}  # a producer's run is restarted by the trainer, which counts it
+    if request.resources:
+        options["resources"] = dict(request.resources)
+    if request.labels:
+        options["label_selector"] = dict(request.labels)
+    return options
+
+
+def pinned_here() -> dict:
+    """Ray ``.options(...)`` that place an actor on this process's node, and nowhere else."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False), "num_cpus": 0}
+
+
+def node_work_dir(settings_work_dir: str | None) -> str:
+    """The folder a producer works in on its own node: ``launcher_args.work_dir``, else ``$RLTK_RAY_WORK_DIR``
+    as that node's environment sets it, else ``<tmp>/rltk-ray``. Evaluated on the producer's node."""
+    import tempfile
+
+    return settings_work_dir or os.environ.get("RLTK_RAY_WORK_DIR") or os.path.join(tempfile.gettempdir(), "rltk-ray")

@@ -1,0 +1,319 @@
+"""``launcher=ray`` against a real Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``).
+
+Each node has a folder of its own (the head's holds the trainer's run folder; each rollout node's is its
+``RLTK_RAY_WORK_DIR``). Every process of every node records the paths it opens, creates or lists under the
+test's folder (``sys.addaudithook`` from a ``sitecustomize`` on the nodes' ``PYTHONPATH``; SQLite's opens are
+its ``sqlite3.connect`` events), so the test can check that no process touched another node's folder. The
+audit sees what Python opens; a C or Rust library opening a file by itself (safetensors' reader) is not seen,
+which is why the producers' weights path is also checked by what it reads: the object store, never a file.
+
+Slow (a cluster, a trainer, producer actors): about a minute and a half in all on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RL_STEPS = 8
+NAME = "ray-test"
+RUN = [f"name={NAME}", "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20",
+       f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
+       "trainer.eval_every=8", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=2",
+       "buffer.queue_timeout_s=240", "stages=[{name: rl, type: rl}]", "trainer.mode=async",
+       "trainer.max_staleness=1", "launcher=ray", "launcher_args.producer.resources={rollout: 1}"]
+QUEUE = Path("async") / "stage_0" / "experience_queue.sqlite"
+RLTK = str(Path(sys.executable).with_name("rltk"))
+
+AUDIT_HOOK = '''
+import os, sys
+_log, _root, _node = (os.environ.get(k) for k in ("RLTK_AUDIT_LOG", "RLTK_AUDIT_ROOT", "RLTK_AUDIT_NODE"))
+if _log and _root and _node:
+    _fd = os.open(os.path.join(_log, f"{_node}-{os.getpid()}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _events = {"open", "sqlite3.connect", "os.mkdir", "os.listdir", "os.scandir", "os.remove", "os.rename"}
+
+    def _audit(event, args):
+        if event in _events and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = os.path.abspath(os.fsdecode(args[0]))
+            if path.startswith(_root):
+                os.write(_fd, f"{event} {path}\\n".encode())
+
+    sys.addaudithook(_audit)
+'''
+
+
+class Nodes:
+    """A head (the trainer's node, resource ``trainer``) and rollout nodes (resource ``rollout``), each with
+    its own folder under ``root``, every process audited into ``root/audit``."""
+
+    def __init__(self, root: Path, rollout_nodes: int):
+        self.root = root.resolve()
+        self.audit = self.root / "audit"
+        self.audit.mkdir()
+        (self.audit / "sitecustomize.py").write_text(AUDIT_HOOK)
+        self.folders = {"head": self.root / "head"}
+        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=1, resources={"trainer": 1}, include_dashboard=False, env_vars=self.env("head"),
+            # a node that stops answering is declared dead within a few seconds, not half a minute
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}))
+        self.rollout = {}
+        for k in range(rollout_nodes):
+            name = f"node_{k}"
+            self.folders[name] = self.root / name
+            self.rollout[name] = self.cluster.add_node(
+                num_cpus=1, resources={"rollout": 1}, env_vars={**self.env(name), "RLTK_RAY_WORK_DIR": str(
+                    self.folders[name])})
+        for folder in self.folders.values():
+            folder.mkdir(exist_ok=True)
+        self.cluster.wait_for_nodes()
+
+    def env(self, node: str) -> dict[str, str]:
+        path = os.pathsep.join(p for p in (str(self.audit), os.environ.get("PYTHONPATH", "")) if p)
+        return {"PYTHONPATH": path, "RLTK_AUDIT_LOG": str(self.audit), "RLTK_AUDIT_ROOT": str(self.root),
+                "RLTK_AUDIT_NODE": node, "OMP_NUM_THREADS": "1"}
+
+    def trainer(self, overrides: list[str], *, run_dir: Path, address: str | None = None) -> subprocess.Popen:
+        """``rltk run grpo`` as the trainer on the head's machine; with no ``address``, RAY_ADDRESS names the
+        cluster, as ``ray job submit`` does for the job it runs."""
+        env = {**os.environ, **self.env("head"), "RAY_ADDRESS": address or self.cluster.address}
+        log = open(run_dir.parent / f"{run_dir.name}.log", "w")
+        return subprocess.Popen([RLTK, "run", "grpo", f"output_dir={run_dir}", *overrides], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def lose(self, node: str) -> None:
+        """The machine of ``node`` goes down: its Ray processes (raylet, object store) and every worker process
+        on it (a worker outlives its raylet for a while; on a real machine it would not)."""
+        self.cluster.remove_node(self.rollout.pop(node), allow_graceful=False)
+        for log in self.audit.glob(f"{node}-*.txt"):
+            try:
+                os.kill(int(log.stem.rsplit("-", 1)[1]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def opened(self) -> dict[str, list[tuple[str, str, str]]]:
+        """node -> [(pid, event, path)] every audited process of it recorded."""
+        out: dict[str, list] = {}
+        for log in self.audit.glob("*.txt"):
+            node, pid = log.stem.rsplit("-", 1)
+            out.setdefault(node, []).extend((pid, *line.split(" ", 1)) for line in log.read_text().splitlines())
+        return out
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    started = Nodes(tmp_path, rollout_nodes=2)
+    yield started
+    started.shutdown()
+
+
+def wait_for(what: str, done, timeout_s: float, proc: subprocess.Popen, log: Path):
+    start = time.monotonic()
+    while not (result := done()):
+        assert proc.poll() is None, f"the trainer exited ({proc.returncode}) while waiting for {what}:\n" + \
+            log.read_text()[-5000:]
+        assert time.monotonic() - start < timeout_s, f"waited {timeout_s} s for {what}:\n" + log.read_text()[-5000:]
+        time.sleep(0.5)
+    return result
+
+
+def put_count(run_dir: Path) -> int:
+    if not (run_dir / QUEUE).exists():
+        return 0
+    with sqlite3.connect(f"file:{run_dir / QUEUE}?mode=ro", uri=True, timeout=30) as db:
+        try:
+            return db.execute("SELECT COUNT(*) FROM experiences").fetchone()[0]
+        except sqlite3.OperationalError:  # the table is not there yet
+            return 0
+
+
+def trained_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [row for row in map(json.loads, path.read_text().splitlines()) if "staleness/max" in row]
+
+
+def lose_the_producers_node_mid_run(nodes: Nodes, overrides: list[str], run_dir: Path,
+                                    address: str | None = None) -> tuple[str, int, str]:
+    """Start the trainer, lose the node its producer works on once the producer's first batch is in the queue
+    (which holds at most two ahead at staleness 1, so the stage still needs the producer), and wait for the
+    trainer to end: (the node lost, the trainer's exit status, its output)."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    trainer = nodes.trainer(overrides, run_dir=run_dir, address=address)
+    try:
+        def producer_node():
+            return next((name for name in nodes.rollout
+                         if (nodes.folders[name] / NAME / "stage_0" / "producer-0").is_dir()), None)
+
+        lost = wait_for("the producer actor's folder on a rollout node", producer_node, 240, trainer, log)
+        wait_for("the producer's first batch in the queue", lambda: put_count(run_dir) >= 16, 300, trainer, log)
+        nodes.lose(lost)
+        trainer.wait(timeout=480)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    return lost, trainer.returncode, log.read_text()
+
+
+def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survives_losing_its_node(nodes):
+    run_dir = nodes.folders["head"] / "run"
+    first, code, output = lose_the_producers_node_mid_run(nodes, RUN, run_dir)
+    assert code == 0, output[-6000:]
+    (second,) = nodes.rollout
+    # Ray placed the actor again on the node left, and the trainer started its loop again
+    assert (nodes.folders[second] / NAME / "stage_0" / "producer-0").is_dir(), output[-3000:]
+    assert "rollout producer 'producer-0'" in output and "starting it again" in output, output[-3000:]
+
+    # every step trained one whole batch of the producer, in order, each experience once, within staleness 1:
+    # the restarted producer went on after the last batch the queue held
+    with sqlite3.connect(run_dir / QUEUE) as db:
+        trained = db.execute("SELECT e.id, l.step FROM experiences e JOIN leases l ON e.lease = l.id "
+                             "WHERE e.status = 'consumed' AND l.state = 'committed'").fetchall()
+    assert sorted(trained) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(1, RL_STEPS + 1)
+                                     for i in range(16))
+    rows = trained_steps(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, RL_STEPS + 1))
+    assert all(r["staleness/max"] <= 1 and r["staleness/dropped"] == 0 for r in rows)
+
+    # no process opened, created or listed anything in another node's folder
+    opened = nodes.opened()
+    for node, events in opened.items():
+        for pid, event, path in events:
+            for other, folder in nodes.folders.items():
+                assert other == node or not path.startswith(f"{folder}{os.sep}"), (
+                    f"a process of {node} (pid {pid}) did {event} on {path}, in {other}'s folder")
+    # ... and the audit saw each side at work: the trainer's files on the head, the queue opened there by the
+    # queue's front actor (a process of its own), each producer's folder made on its node
+    head = opened["head"]
+    queue = str(run_dir / QUEUE)
+    assert any(event == "sqlite3.connect" and path == queue for _, event, path in head)
+    assert len({p for p, event, path in head if event == "sqlite3.connect" and path == queue}) == 2  # trainer, front
+    for node in (first, second):
+        assert any(event == "os.mkdir" and path.endswith(f"{NAME}{os.sep}stage_0{os.sep}producer-0")
+                   for _, event, path in opened[node]), (node, opened.get(node))
+    # the hf producers loaded the weights from the object store: no weights file beside the queue or the producers
+    assert not [p for folder in [run_dir / "async", *(nodes.folders[n] for n in (first, second))]
+                for p in folder.rglob("*.safetensors")]
+
+
+def test_a_producer_whose_node_is_lost_with_no_restarts_left_stops_the_run_naming_it(nodes):
+    run_dir = nodes.folders["head"] / "run"
+    overrides = [*RUN, "launcher_args.max_restarts=0", "buffer.queue_timeout_s=120"]
+    _, code, output = lose_the_producers_node_mid_run(nodes, overrides, run_dir, address=nodes.cluster.address)
+    assert code == 1, output[-6000:]
+    error = output[output.index("rltk: error:"):]
+    assert "rollout producer 'producer-0'" in error and "launcher_args.max_restarts=0" in error, error[:3000]
+    assert "died" in error or "gave its actor up" in error, error[:3000]
+    assert len(trained_steps(run_dir)) < RL_STEPS
+
+
+def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_key(tmp_path):
+    from rltk.config import ConfigError, load_config
+    from rltk.training.rollouts.ray_cluster import connect, open_cluster
+
+    ray_run = ["trainer.mode=async", "launcher=ray"]
+    ray.shutdown()  # whatever an earlier test of this process left connected: connect() would use it
+    with pytest.raises(ConfigError, match=r"bad value '127\.0\.0\.1:9' for 'launcher_args\.address': no Ray "
+                                          r"cluster at [\d.]+:9 within 5 s \(launcher_args\.connect_timeout_s\): "
+                                          r"nothing listens there"):
+        connect(load_config([], [*ray_run, "launcher_args.address=127.0.0.1:9", "launcher_args.connect_timeout_s=5"]))
+    # something else listens at the address: refused in time, not after ray.init's minutes of retries
+    with socket.create_server(("", 0)) as other:  # every interface: Ray turns 127.0.0.1 into this host's address
+        elsewhere = [f"launcher_args.address=127.0.0.1:{other.getsockname()[1]}", "launcher_args.connect_timeout_s=5"]
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=r"'launcher_args\.address': .* within 5 s .*something listens there, "
+                                              r"but it did not answer as a Ray cluster's head does"):
+            connect(load_config([], [*ray_run, *elsewhere]))
+        assert time.monotonic() - start < 30
+    assert not ray.is_initialized()
+    nodes = Nodes(tmp_path, rollout_nodes=1)
+    try:
+        address = f"launcher_args.address={nodes.cluster.address}"
+        unmet = [(["launcher_args.producer.resources={gpu_pool: 1}"],
+                  r"'launcher_args\.producer\.resources\.gpu_pool': no node of the Ray cluster has 1 of resource "
+                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \([\d.]+\): CPU 1, trainer 1)"
+                  r"(?=.*node \w+ \([\d.]+\): CPU 1, rollout 1)"),
+                 (["launcher_args.producer.cpus=2"], r"'launcher_args\.producer\.cpus': no node .* has 2 CPUs"),
+                 (["launcher_args.producer.labels={pool: big}"],
+                  r"'launcher_args\.producer\.labels\.pool': no node .* has label pool=big"),
+                 (["launcher_args.producer.resources={trainer: 1, rollout: 1}"],
+                  r"'launcher_args\.producer': no node of the Ray cluster has all of 1 CPUs, 0 GPUs, 1 of resource "
+                  r"'trainer', 1 of resource 'rollout' at once")]
+        for overrides, match in unmet:
+            with pytest.raises(ConfigError, match=match):
+                open_cluster(load_config([], [*ray_run, address, *overrides]))
+        ray.shutdown()
+        # two producers for the one rollout node: the second is never placed, and the run says so in time
+        run_dir = nodes.folders["head"] / "run"
+        trainer = nodes.trainer([*RUN, "trainer.producers=2", "launcher_args.placement_timeout_s=10"],
+                                run_dir=run_dir)
+        trainer.wait(timeout=240)
+        output = (run_dir.parent / "run.log").read_text()
+        assert trainer.returncode == 2, output[-5000:]
+        assert ("bad value for 'launcher_args.producer': the Ray cluster placed 1 of 2 rollout producer actors "
+                "within 10 s (launcher_args.placement_timeout_s); not placed: producer-1") in output, output[-5000:]
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def test_a_trainer_that_crashed_resumes_from_its_queue_and_trains_each_experience_once(tmp_path):
+    from rltk.commands.cli import main
+    from tests.crash import crash_at_step
+
+    ray.shutdown()  # whatever an earlier test of this process left connected: the run would use it
+    nodes = Nodes(tmp_path, rollout_nodes=1)
+    run_dir = nodes.folders["head"] / "run"
+    overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}"]
+    try:
+        with crash_at_step(5):  # after the checkpoint of step 4: the leases of step 5 go back to the queue
+            main(["run", "grpo", *overrides])
+        assert main(["run", "grpo", *overrides]) == 0  # the same driver: Ray stays connected, new actors
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+    with sqlite3.connect(run_dir / QUEUE) as db:
+        trained = db.execute("SELECT e.id, l.step FROM experiences e JOIN leases l ON e.lease = l.id "
+                             "WHERE e.status = 'consumed' AND l.state = 'committed'").fetchall()
+    # the resumed producer went on after the queue's last batch; the returned lease trained step 5 again
+    assert sorted(trained) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(1, RL_STEPS + 1)
+                                     for i in range(16))
+    assert [r["step"] for r in trained_steps(run_dir)] == list(range(1, RL_STEPS + 1))  # nothing logged twice
+
+
+def test_weights_travel_as_arrays_of_their_dtype_with_a_tied_weight_once():
+    import torch
+
+    from rltk.models.tiny import build_char_tokenizer, build_tiny_model
+    from rltk.training.rollouts.engine_weights import load_weights_state
+    from rltk.training.rollouts.ray_source import as_arrays, from_arrays
+
+    mixed = {"a": torch.randn(3, 4).bfloat16(), "b": torch.arange(5), "c": torch.randn(2).half()}
+    back = from_arrays(as_arrays(mixed))
+    assert all(back[k].dtype == mixed[k].dtype and torch.equal(back[k], mixed[k]) for k in mixed)
+    tokenizer = build_char_tokenizer()
+    sent, received = (build_tiny_model(tokenizer, seed=seed) for seed in (0, 1))
+    state = sent.state_dict()
+    arrays = as_arrays(state)
+    tied = [k for k in state if k not in arrays]
+    assert tied == ["lm_head.weight"]  # the head shares the embedding's storage: sent once
+    load_weights_state(received, from_arrays(arrays), "test")
+    assert all(torch.equal(p, q) for p, q in zip(sent.state_dict().values(), received.state_dict().values()))
