@@ -1,4 +1,4 @@
-"""The ``rltk`` command line: list, plugins, validate, run, export, serve, produce.
+"""The ``rltk`` command line: list, plugins, validate, run, export, serve, serve-tinker, produce.
 
 Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors,
 3 a run stopped by the divergence guard (``guard.*``: entropy collapse,
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rltk.commands.serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from rltk.commands.serve_tinker import add_parser as add_serve_tinker_parser
+
+    add_serve_tinker_parser(sub)
     from rltk.commands.produce import add_parser as add_produce_parser
 
     add_produce_parser(sub)
@@ -250,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             from rltk.commands.serve import cmd_serve
 
             return cmd_serve(args)
+        if args.command == "serve-tinker":
+            from rltk.commands.serve_tinker import cmd_serve_tinker
+
+            return cmd_serve_tinker(args)
         if args.command == "produce":
             from rltk.commands.produce import cmd_produce
 
