@@ -16,6 +16,11 @@ from pathlib import Path
 
 from rltk.config.errors import ConfigError
 
+#: The tiny default's random embeddings are scaled up this much. LoRA leaves the embeddings and the final norm
+#: frozen, and at the default initialisation (std 0.02, tied head) every logit stays within about +-1.5: no
+#: adapter could make any token likelier than about exp(-3). Scaled, a LoRA training client learns.
+TINY_EMBEDDING_SCALE = 25.0
+SDK_HEARTBEAT_S = 10.0  # tinker's InternalClientHolder._session_heartbeat
 LIMIT_FLAGS = ("max_body_bytes", "max_datums", "max_batch_tokens", "max_samples", "max_sample_tokens",
                "max_lora_rank")
 
@@ -29,11 +34,15 @@ def _load(args, stack: contextlib.ExitStack, state_dir: Path):
     if model_dir is None:
         from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
 
+        import torch
+
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(tokenizer)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(TINY_EMBEDDING_SCALE)
         # get_tokenizer() in the SDK loads the tokenizer from the folder get_info names
         folder = save_pretrained_dir(model, tokenizer, state_dir / "tiny-model")
-        print("rltk: no PATH given: serving the untrained tiny model of the embedded default as 'tiny'",
+        print("rltk: no PATH given: serving the untrained tiny model of the embedded default as 'tiny' (embeddings scaled for LoRA)",
               file=sys.stderr)
         return model, tokenizer, args.model_name or "tiny", str(folder)
     tokenizer = load_tokenizer(model_dir, config_key="rltk serve-tinker PATH")
@@ -49,8 +58,9 @@ def _limits(args):
         if getattr(args, name) < 1:
             raise ConfigError(f"rltk serve-tinker: --{name.replace('_', '-')} must be an integer >= 1, "
                               f"got {getattr(args, name)}")
-    if not args.session_timeout > 0:
-        raise ConfigError(f"rltk serve-tinker: --session-timeout must be > 0 seconds, got {args.session_timeout}")
+    if not args.session_timeout > SDK_HEARTBEAT_S:
+        raise ConfigError(f"rltk serve-tinker: --session-timeout must be more than the SDK's heartbeat period of "
+                          f"{SDK_HEARTBEAT_S:.0f} s, got {args.session_timeout}")
     return TinkerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
 
 
@@ -70,6 +80,10 @@ def build_service(args):
         raise ConfigError("rltk serve-tinker: --api-key values must start with 'tml-' (the tinker SDK refuses other "
                           f"keys), got {len(bad)} that do not")
     limits = _limits(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"rltk serve-tinker: --threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     stack = contextlib.ExitStack()
     try:
         if args.state_dir:
@@ -145,6 +159,7 @@ def add_parser(sub) -> None:
                                        "folder removed on exit)")
     p.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16, auto")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is fastest on a busy machine)")
     p.add_argument("--session-timeout", type=float, default=120.0,
                    help="seconds without a heartbeat (the SDK sends one every 10 s) after which a session's "
                         "adapters and samplers are released (default 120)")

@@ -77,6 +77,20 @@ def add_service_routes(app, state: ServiceState) -> None:
         state.release(session_id)
         return {}
 
+    @app.get("/rltk/status")
+    async def status(request: Request):
+        """What the caller's key holds, and the adapters loaded for everyone (rltk's own route)."""
+        owner = state.owner(request)
+        with state.lock:
+            registry = state.registry
+            mine = {"sessions": sum(s.owner == owner for s in registry.sessions.values()),
+                    "training_clients": sum(m.owner == owner for m in registry.models.values()),
+                    "samplers": sum(s.owner == owner for s in registry.samplers.values()),
+                    "queued": sum(e.owner == owner and not e.future.done() for e in state.futures.entries.values())}
+        adapters = await on_worker(state, lambda: len(state.workspace.peft_model.peft_config)
+                                   if state.workspace.peft_model is not None else 0)
+        return {**mine, "adapters_loaded": adapters}
+
     @app.post("/api/v1/cancel_future")
     async def cancel_future(request: Request):
         body = await json_body(request, state.limits)
