@@ -83,7 +83,7 @@ def rl_datum(prompt_ids: list[int], sequence, advantage: float):
 
 def rl_loop(base_url: str, *, seed: int, api_key: str = API_KEY, problems: int = 8, sft_steps: int = 60,
             rl_steps: int = 20, prompts_per_step: int = 8, group_size: int = 16, rank: int = 16, sft_lr: float = 1e-2,
-            rl_lr: float = 5e-3, verbose: bool = False) -> dict:
+            rl_lr: float = 1e-3, verbose: bool = False) -> dict:
     """Warm-up then RL on single-digit sums; returns the supervised losses and each RL step's mean reward."""
     import random
 
@@ -150,6 +150,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rl-steps", type=int, default=20)
     parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--rl-lr", type=float, default=1e-3)
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     proc, url = start_server("--api-key", API_KEY, "--threads", "1")
@@ -159,7 +160,7 @@ def main() -> int:
         gains = []
         for seed in args.seeds:
             start = time.monotonic()
-            result = rl_loop(url, seed=seed, rl_steps=args.rl_steps)
+            result = rl_loop(url, seed=seed, rl_steps=args.rl_steps, rl_lr=args.rl_lr)
             r = result["rewards"]
             gains.append(gain(r, args.window))
             print(f"{seed:>4} {result['losses'][0]:>14.3f} {result['losses'][-1]:>6.3f} "
