@@ -82,10 +82,16 @@ def _train(client, data, steps, lr=1e-2):
     return losses
 
 
-def test_supervised_loss_falls(server):
+def _trained(server, *, rank: int, seed: int, steps: int):
+    """A session, a training client trained ``steps`` times on the sums, and the sums' datums."""
     service = _client(server)
-    client = service.create_lora_training_client(base_model="tiny-folder", rank=8, seed=0).result()
-    losses = _train(client, _sft_data(server["tokenizer"]), 15)
+    client = service.create_lora_training_client(base_model="tiny-folder", rank=rank, seed=seed).result()
+    data = _sft_data(server["tokenizer"])
+    return service, client, data, _train(client, data, steps)
+
+
+def test_supervised_loss_falls(server):
+    service, _, _, losses = _trained(server, rank=8, seed=0, steps=15)
     # 4 sums, 2-3 answer tokens + eos each: ~12 tokens at ~ln(104) = 4.6 nats before training
     assert losses[0] > 30
     assert losses[-1] < 0.3 * losses[0], losses
@@ -98,10 +104,7 @@ def test_forward_logprobs_equal_rltks_forward_on_the_saved_adapter(server):
     from rltk.models.loading import load_model
     from rltk.models.logprobs import response_logprobs
 
-    service = _client(server)
-    client = service.create_lora_training_client(base_model="tiny-folder", rank=4, seed=1).result()
-    data = _sft_data(server["tokenizer"])
-    _train(client, data, 3)
+    service, client, data, _ = _trained(server, rank=4, seed=1, steps=3)
     path = client.save_state("lp").result().path
     served = client.forward(data, "cross_entropy").result().loss_fn_outputs
     model_id = path.split("/")[2]
@@ -117,10 +120,7 @@ def test_forward_logprobs_equal_rltks_forward_on_the_saved_adapter(server):
 
 
 def test_save_state_and_load_state_round_trip_to_identical_logprobs(server):
-    service = _client(server)
-    client = service.create_lora_training_client(base_model="tiny-folder", rank=8, seed=2).result()
-    data = _sft_data(server["tokenizer"])
-    _train(client, data, 2)
+    service, client, data, _ = _trained(server, rank=8, seed=2, steps=2)
     path = client.save_state("round-trip").result().path
 
     def logprobs(c):
@@ -144,9 +144,7 @@ def test_save_state_and_load_state_round_trip_to_identical_logprobs(server):
 
 def test_sampling_returns_n_completions_with_their_logprobs(server):
     tokenizer = server["tokenizer"]
-    service = _client(server)
-    client = service.create_lora_training_client(base_model="tiny-folder", rank=8, seed=0).result()
-    _train(client, _sft_data(tokenizer), 15)
+    service, client, _, _ = _trained(server, rank=8, seed=0, steps=15)
     sampler = client.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(tokenizer.encode("3+4=", add_special_tokens=False))
     result = sampler.sample(prompt, num_samples=5, sampling_params=types.SamplingParams(max_tokens=4, seed=7)).result()
