@@ -13,7 +13,7 @@ with LoRA learns a few problems, not arithmetic), so that some answers are right
 answer, advantages centred within each group (groups with one reward dropped, as the cookbook
 does), ``forward_backward`` with ``importance_sampling`` on the sampler's log-probs, and
 ``optim_step``. It prints the mean reward of the first and last ``--window`` RL steps per seed,
-and their gain; ``tests/tinker_service/test_rl.py`` runs the same loop and asserts half the
+and their gain; ``tests/recipes/test_tinker_rl.py`` runs the same loop and asserts half the
 smallest gain measured here.
 """
 

@@ -49,22 +49,18 @@ def _targets(model: nn.Module, train_attn: bool, train_mlp: bool) -> list[str]:
 
     wanted = (ATTENTION if train_attn else ()) + (MLP if train_mlp else ())
     present = {name.rsplit(".", 1)[-1] for name in linear_modules(model)}
-    targets = [name for name in wanted if name in present]
-    if not targets:  # an architecture with other names: every linear layer but the head
-        return []
-    return targets
+    return [name for name in wanted if name in present]  # none: another architecture, every linear but the head
 
 
 class Workspace:
     """The base model with its adapters and samplers; see the module docstring."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, max_samplers: int = 64):
+    def __init__(self, model: nn.Module, tokenizer: Any):
         self.base = model
         self.tokenizer = tokenizer
         self.peft_model: nn.Module | None = None
         self.adapters: dict[str, Adapter] = {}
         self.samplers: dict[str, str] = {}  # sampler id -> the adapter name holding its frozen weights
-        self.max_samplers = max_samplers
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
         self.device = next(model.parameters()).device

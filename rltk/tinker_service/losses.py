@@ -39,13 +39,6 @@ import torch
 
 import rltk
 
-#: What each Tinker loss needs in ``loss_fn_inputs`` besides ``target_tokens``.
-TINKER_LOSS_INPUTS = {
-    "cross_entropy": ("weights",),
-    "importance_sampling": ("logprobs", "advantages"),
-    "ppo": ("logprobs", "advantages"),
-}
-OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
 PPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 #: Arguments the service fills in itself, never ``loss_fn_config``.
 _CALL_ARGUMENTS = {"logprobs", "old_logprobs", "advantages", "response_mask", "loss_agg", "behaviour_logprobs"}

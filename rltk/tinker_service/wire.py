@@ -82,9 +82,7 @@ def decode_tensor(msg, where: str) -> np.ndarray:
 def _datum(msg, index: int) -> DatumIn:
     tokens: list[int] = []
     for j, chunk in enumerate(msg.model_input):
-        kind = chunk.WhichOneof("chunk") if chunk.DESCRIPTOR.oneofs else None
-        if kind is None:
-            kind = next((name for name in ("encoded_text", "image", "dmel") if chunk.HasField(name)), None)
+        kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise WireError(f"data[{index}].model_input[{j}]: {kind or 'an empty'} chunk; this service takes "
                             "text (EncodedTextChunk) only")

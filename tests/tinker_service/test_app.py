@@ -164,6 +164,10 @@ def test_sampling_returns_n_completions_with_their_logprobs(server):
     forward = client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     assert scored[0] is None
     np.testing.assert_allclose(scored[1:], forward, atol=1e-5)
+    # a sampler from named sampler weights scores like the snapshot taken at the same weights
+    named = service.create_sampling_client(model_path=client.save_weights_for_sampler("named").result().path).result()
+    np.testing.assert_allclose(named.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:], scored[1:],
+                               atol=1e-6)
     # a stop token id ends the completion at it
     stop = tokenizer.encode("+", add_special_tokens=False)
     seq = sampler.sample(types.ModelInput.from_ints(tokenizer.encode("3", add_special_tokens=False)), 1,
