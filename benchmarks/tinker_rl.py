@@ -25,7 +25,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 API_KEY = "tml-benchmark"
 SERVER_WAIT_S = 180.0
