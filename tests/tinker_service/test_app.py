@@ -142,6 +142,24 @@ def test_save_state_and_load_state_round_trip_to_identical_logprobs(server):
     service.close("success").result()
 
 
+def test_a_custom_loss_computed_in_the_client_trains_like_the_same_builtin_loss(server):
+    service = _client(server)
+    data = _sft_data(server["tokenizer"])
+    twins = [service.create_lora_training_client(base_model="tiny-folder", rank=4, seed=5).result() for _ in range(2)]
+
+    def weighted_nll(batch, logprobs_list):  # cross_entropy, written as a custom loss
+        loss = sum(-(d.loss_fn_inputs["weights"].to_torch() * lp).sum() for d, lp in zip(batch, logprobs_list))
+        return loss, {}
+
+    twins[0].forward_backward_custom(data, weighted_nll).result()
+    twins[0].optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    _train(twins[1], data, 1)
+    after = [np.concatenate([o["logprobs"].to_numpy() for o in c.forward(data, "cross_entropy").result()
+                             .loss_fn_outputs]) for c in twins]
+    np.testing.assert_allclose(after[0], after[1], atol=1e-5)
+    service.close("success").result()
+
+
 def test_sampling_returns_n_completions_with_their_logprobs(server):
     tokenizer = server["tokenizer"]
     service, client, _, _ = _trained(server, rank=8, seed=0, steps=15)
