@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -51,21 +52,23 @@ class FutureStore:
     def __init__(self, *, max_queued_per_owner: int = 256, result_ttl_s: float = 600.0):
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rltk-tinker-worker")
         self.entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()  # the routes and the session reaper (another thread) both change entries
         self.max_queued_per_owner = max_queued_per_owner
         self.result_ttl_s = result_ttl_s
 
     def submit(self, owner: str, session: str, fn: Callable[[], Any], *, proto: bool = False) -> str:
         """Queue ``fn`` for ``owner``; returns its request id. Raises :class:`TooBusy` over the limit."""
         self.sweep()
-        queued = sum(1 for e in self.entries.values() if e.owner == owner and not e.future.done())
-        if queued >= self.max_queued_per_owner:
-            raise TooBusy(f"{queued} operations of this API key are queued, this service's limit "
-                          f"(--max-queued {self.max_queued_per_owner}); retry after some finish")
-        request_id = uuid.uuid4().hex
-        future = self.executor.submit(fn)
-        entry = Entry(owner=owner, session=session, proto=proto, future=future)
-        future.add_done_callback(lambda _: setattr(entry, "finished_at", time.monotonic()))
-        self.entries[request_id] = entry
+        with self._lock:
+            queued = sum(1 for e in self.entries.values() if e.owner == owner and not e.future.done())
+            if queued >= self.max_queued_per_owner:
+                raise TooBusy(f"{queued} operations of this API key are queued, this service's limit "
+                              f"(--max-queued {self.max_queued_per_owner}); retry after some finish")
+            request_id = uuid.uuid4().hex
+            future = self.executor.submit(fn)
+            entry = Entry(owner=owner, session=session, proto=proto, future=future)
+            future.add_done_callback(lambda _: setattr(entry, "finished_at", time.monotonic()))
+            self.entries[request_id] = entry
         return request_id
 
     def run(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -90,20 +93,28 @@ class FutureStore:
 
     def drop_session(self, session: str) -> int:
         """Cancel the session's queued work and forget its results; returns how many entries went."""
-        gone = [rid for rid, e in self.entries.items() if e.session == session]
-        for rid in gone:
-            self.entries.pop(rid).future.cancel()
+        with self._lock:
+            gone = [self.entries.pop(rid) for rid, e in list(self.entries.items()) if e.session == session]
+        for entry in gone:
+            entry.future.cancel()
         return len(gone)
 
     def sweep(self) -> None:
         """Forget results finished more than ``result_ttl_s`` ago."""
         now = time.monotonic()
-        stale = [rid for rid, e in self.entries.items()
-                 if e.finished_at is not None and now - e.finished_at > self.result_ttl_s]
-        for rid in stale:
-            del self.entries[rid]
+        with self._lock:
+            stale = [rid for rid, e in self.entries.items()
+                     if e.finished_at is not None and now - e.finished_at > self.result_ttl_s]
+            for rid in stale:
+                del self.entries[rid]
+
+    def queued(self, owner: str) -> int:
+        with self._lock:
+            return sum(1 for e in self.entries.values() if e.owner == owner and not e.future.done())
 
     def close(self) -> None:
-        for entry in self.entries.values():
+        with self._lock:
+            entries = list(self.entries.values())
+        for entry in entries:
             entry.future.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -86,7 +86,7 @@ def add_service_routes(app, state: ServiceState) -> None:
             mine = {"sessions": sum(s.owner == owner for s in registry.sessions.values()),
                     "training_clients": sum(m.owner == owner for m in registry.models.values()),
                     "samplers": sum(s.owner == owner for s in registry.samplers.values()),
-                    "queued": sum(e.owner == owner and not e.future.done() for e in state.futures.entries.values())}
+                    "queued": state.futures.queued(owner)}
         adapters = await on_worker(state, lambda: len(state.workspace.peft_model.peft_config)
                                    if state.workspace.peft_model is not None else 0)
         return {**mine, "adapters_loaded": adapters}
