@@ -1,6 +1,6 @@
 """Benchmark: the tinker-cookbook RL loop, driven by the official ``tinker`` SDK against ``rltk serve-tinker``.
 
-    python benchmarks/tinker_rl.py                       # seeds 0 1 2, the tiny model (~2-4 min)
+    python benchmarks/tinker_rl.py                       # seeds 0 1 2, the tiny model (~1 min)
     python benchmarks/tinker_rl.py --seeds 0 1 2 3 4
     ATEN_CPU_CAPABILITY=avx2 python benchmarks/tinker_rl.py
 
@@ -110,13 +110,15 @@ def rl_loop(base_url: str, *, seed: int, api_key: str = API_KEY, problems: int =
         if verbose:
             print(f"  warm-up loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.monotonic() - started:.0f} s)", flush=True)
         rewards = []
-        params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=None)
-        for _ in range(rl_steps):
+        for step in range(rl_steps):
             sampler = client.save_weights_and_get_sampling_client()
             batch = rng.sample(rows, prompts_per_step)
             prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in batch]
-            futures = [sampler.sample(types.ModelInput.from_ints(p), num_samples=group_size, sampling_params=params)
-                       for p in prompts]
+            # seeded per request: the run is the same every time at one CPU level, so the test sees the benchmark's
+            futures = [sampler.sample(types.ModelInput.from_ints(p), num_samples=group_size,
+                                      sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0,
+                                                                           seed=seed * 100_000 + step * 100 + i))
+                       for i, p in enumerate(prompts)]
             data, step_rewards = [], []
             for row, prompt_ids, future in zip(batch, prompts, futures):
                 sequences = future.result().sequences
