@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.models", "rltk.data", "rltk.rewards", "rltk.tools", "rltk.environments", "rltk.loggers"),
     # the OpenAI-compatible endpoint over a rollout engine is a peer of the workflows (agentic runs one);
     # the `rltk serve` command, which loads checkpoints, is rltk.commands.serve at the top
-    ("rltk.rollout", "rltk.serve", "rltk.workflows", "rltk.buffer"),
+    ("rltk.rollout", "rltk.serve", "rltk.tinker_service", "rltk.workflows", "rltk.buffer"),
     ("rltk.strategies", "rltk.checkpoint"),
     ("rltk.config",),
     # the training loop's rooms, each on the ones below (rltk.training's __init__ is a map and imports none)

@@ -1,4 +1,4 @@
-"""The ``rltk`` command line: list, plugins, validate, run, export, serve, produce.
+"""The ``rltk`` command line: list, plugins, validate, run, export, serve, serve-tinker, produce.
 
 Exit codes: 0 success, 1 a failure inside a run, 2 usage or config errors,
 3 a run stopped by the divergence guard (``guard.*``: entropy collapse,
@@ -24,6 +24,7 @@ import rltk
 from rltk.commands.new_plugin import cmd_new
 from rltk.commands.produce import cmd_produce
 from rltk.commands.serve import cmd_serve
+from rltk.commands.serve_tinker import cmd_serve_tinker
 from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.recipe_utils import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rltk.commands.serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from rltk.commands.serve_tinker import add_parser as add_serve_tinker_parser
+
+    add_serve_tinker_parser(sub)
     from rltk.commands.produce import add_parser as add_produce_parser
 
     add_produce_parser(sub)
@@ -227,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 #: What runs each subcommand but ``run`` (which also takes the arguments argparse left: the recipe's overrides).
 COMMANDS = {"list": cmd_list, "plugins": cmd_plugins, "validate": cmd_validate, "export": cmd_export,
             "dashboard": cmd_dashboard, "serve-reward": serve_reward, "serve": cmd_serve, "produce": cmd_produce,
-            "new": cmd_new}
+            "serve-tinker": cmd_serve_tinker, "new": cmd_new}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,25 +76,34 @@ class APIKeyMiddleware:
     client's disconnect from the route).
     """
 
-    def __init__(self, app, keys: list[str]):
+    def __init__(self, app, keys: list[str], *, key_header: bytes | None = None,
+                 open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
         self.keys = list(keys)
         self._encoded = [k.encode() for k in self.keys]
+        # key_header: the key sent bare in that header (the Tinker SDK's X-API-Key) instead of as a Bearer token
+        self.key_header = key_header.lower() if key_header else None
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["owner"] = None
-        if not self.keys or scope["path"] in OPEN_PATHS:
+        if not self.keys or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        token = token.strip()
+        if self.key_header is not None:
+            header = dict(scope["headers"]).get(self.key_header, b"")
+            scheme, token = b"bearer", header.strip()
+        else:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            token = token.strip()
         # compare_digest against every key: the time taken says nothing about which prefix matched
         matches = [hmac.compare_digest(token, key) for key in self._encoded]
         if scheme.lower() != b"bearer" or not any(matches):
-            message = ("no API key given: send 'Authorization: Bearer <key>' (the openai client's api_key)"
-                       if not header else "Incorrect API key provided")
+            how = (f"'{self.key_header.decode()}: <key>'" if self.key_header is not None
+                   else "'Authorization: Bearer <key>' (the openai client's api_key)")
+            message = f"no API key given: send {how}" if not header else "Incorrect API key provided"
             status, headers, body = _unauthorized(message)
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
