@@ -144,7 +144,7 @@ class AlgorithmConfig:
     # generation have run (the step then trains on what it has; the metrics count it).
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 8
-    # Mixture-of-experts policies (rltk.models.moe, docs/moe.md). routing_replay: none | rollout (alias r3,
+    # Mixture-of-experts policies (rltk.models.moe, docs/tutorials/moe.md). routing_replay: none | rollout (alias r3,
     # verl's router_replay.mode R3, Megatron/SkyRL's moe_enable_routing_replay): every training-side forward
     # routes each token to the experts the rollout engine used (the batch's routed_experts)
     routing_replay: str = "none"

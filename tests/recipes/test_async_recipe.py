@@ -213,10 +213,15 @@ def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while
         if rl_step < 3 or len(killed) == 2 or (killed and rl_step < killed[-1] + 2):
             return
         if not killed:
-            # the first start is killed once it has fed the trainer (on a loaded machine building its model
-            # can take past step 3); waiting here could stall it behind producer-0's batches: try next step
-            pids = re.findall(r"pid (\d+), starting", log.read_text()) if log.exists() else []
-            if not pids or not has_fed_the_trainer("producer-1"):
+            # the first start is killed once it has fed the trainer. On a loaded machine building its model can
+            # take past the run's last step, so wait here for it to have started (that depends on nothing the
+            # trainer does); waiting for its first batch could stall it behind producer-0's (the staleness
+            # bound): that is tried again at the next step
+            deadline = time.monotonic() + 600
+            while not (pids := re.findall(r"pid (\d+), starting", log.read_text()) if log.exists() else []):
+                assert time.monotonic() < deadline, "producer-1 did not start within 600 s"
+                time.sleep(0.2)
+            if not has_fed_the_trainer("producer-1"):
                 return
         else:
             deadline = time.monotonic() + 600  # the restarted producer prints its pid once its model is built
