@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rltk.models.logprobs import base_model, hidden_of_output, positions_from_mask
+from rltk.models.logprobs import base_model, hidden_of_output, positions_from_mask, replay_layout
 from rltk.models.wrappers import unwrap_model
 from rltk.models.packing import pack_rows
 
@@ -261,6 +261,7 @@ def response_values(
     response_width: int,
     *,
     pack: bool = False,
+    routed_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values of the states before each response token, aligned with :mod:`rltk.batch`.
 
@@ -280,8 +281,18 @@ def response_values(
     with position ids restarting per sequence (:mod:`rltk.models.packing`):
     the same values up to float rounding, without the padding's compute.
 
+    ``routed_experts`` (``[B, S, L, k]``, an MoE critic only): the experts the
+    rollout engine routed each token to, replayed in the critic's routers as in
+    the policy's forwards (R3, :func:`rltk.models.moe.route`), so values and
+    log-probs of a token are computed by the same experts.
+
     Shape: (B, S), (B, S), int T -> (B, T) fp32.
     """
+    if routed_experts is not None:
+        from rltk.models.moe import route
+
+        with route(critic, replay_layout(routed_experts, attention_mask, pack=pack)[0]):
+            return response_values(critic, input_ids, attention_mask, response_width, pack=pack)
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"response_values: input_ids {tuple(input_ids.shape)} and attention_mask "

@@ -181,6 +181,20 @@ def _packed_response_logprobs(model, input_ids, attention_mask, width, *, temper
     return _outputs(logprobs, entropy, sum_pi_squared, with_sum_pi_squared)
 
 
+def replay_layout(routed_experts: torch.Tensor | None, attention_mask: torch.Tensor, *,
+                  pack: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``routed_experts [B, S, L, k]`` laid out as the routers of one forward over these rows see their tokens,
+    and which of those tokens are real: padded, every row but its last column (the forward of log-probs and of
+    values both read ``input_ids[:, :-1]``); packed (:func:`rltk.models.packing.pack_rows`), the real tokens,
+    row after row. Shape: -> ([N, L, k] or None, [N] bool)."""
+    if pack:
+        real = attention_mask.bool()
+        replay = routed_experts[real] if routed_experts is not None else None  # [N_real, L, k]
+        return replay, torch.ones(int(real.sum()), dtype=torch.bool, device=attention_mask.device)
+    replay = routed_experts[:, :-1].reshape(-1, *routed_experts.shape[2:]) if routed_experts is not None else None
+    return replay, attention_mask[:, :-1].reshape(-1).bool()
+
+
 def _routed_response_logprobs(model, input_ids, attention_mask, width, routed_experts, router_trace, *, pack,
                               **kwargs) -> tuple[torch.Tensor, ...]:
     """:func:`response_logprobs` of an MoE policy under :func:`rltk.models.moe.route`: the one forward's
@@ -188,13 +202,7 @@ def _routed_response_logprobs(model, input_ids, attention_mask, width, routed_ex
     but its last column; packed: the real tokens, row after row) and/or fill ``router_trace``."""
     from rltk.models.moe import route
 
-    if pack:
-        real = attention_mask.bool()
-        replay = routed_experts[real] if routed_experts is not None else None  # [N_real, L, k]
-        valid = torch.ones(int(real.sum()), dtype=torch.bool, device=input_ids.device)
-    else:
-        replay = routed_experts[:, :-1].reshape(-1, *routed_experts.shape[2:]) if routed_experts is not None else None
-        valid = attention_mask[:, :-1].reshape(-1).bool()
+    replay, valid = replay_layout(routed_experts, attention_mask, pack=pack)
     if router_trace is not None:
         router_trace.valid, router_trace.rollout = valid, replay
         replay = replay if router_trace.replay else None

@@ -18,7 +18,8 @@ from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretra
 from rltk.models.tiny_moe import build_tiny_moe_model
 from rltk.rollout.base import SamplingParams
 from rltk.rollout.hf import HFRolloutEngine
-from rltk.training.step.micro_batches import run_logprobs
+from rltk.models.critic import build_critic_from_policy
+from rltk.training.step.micro_batches import run_logprobs, run_values
 
 PROMPTS = ["12+3=", "7+1=", "45+45=", "9+9="]
 
@@ -103,6 +104,20 @@ def test_replay_gives_the_engines_logprobs_where_the_trainers_router_disagrees(t
         assert metrics["moe/topk_mismatch/layer_0"] == metrics["moe/topk_mismatch/layer_1"] == 1.0
     assert (own - rollout)[mask].abs().mean() > 1e-3  # without replay: another network (100x the tolerance below)
     assert torch.allclose(replayed[mask], rollout[mask], atol=1e-5)  # with replay: the engine's, to rounding
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_an_moe_critic_replays_the_rollouts_routing_too(tokenizer, model, pack):
+    _, batch = sampled_batch(model, tokenizer, routed_to_second_and_third)
+    critic = build_critic_from_policy(model, head_init_std=1.0).eval()  # the policy's routers, copied
+    width, mask = batch["response_mask"].shape[1], batch["response_mask"].bool()
+    with torch.no_grad():
+        own = run_values(critic, batch, width, trim=pack, pack=pack)
+        replayed = run_values(critic, batch, width, trim=pack, pack=pack, routed_experts=batch["routed_experts"])
+        with routed_to_second_and_third(critic):  # the critic routed as the engine was: what replay must give
+            engines = run_values(critic, batch, width, trim=pack, pack=pack)
+    assert (own - engines)[mask].abs().max() > 1e-3  # its own top-k: other experts, other values
+    assert torch.allclose(replayed[mask], engines[mask], atol=1e-5)
 
 
 def test_replay_keeps_the_routers_gradient(tokenizer, model):

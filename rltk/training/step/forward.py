@@ -89,8 +89,13 @@ class ForwardSettings:
                             router_trace=router_trace)
 
     def values(self, critic: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
-        """One micro-batch's critic values (see :func:`rltk.training.step.micro_batches.run_values`), cut the same way."""
-        return run_values(critic, data, response_width, trim=self.trim, pack=self.pack_sequences)
+        """One micro-batch's critic values (see :func:`rltk.training.step.micro_batches.run_values`), cut the same way.
+        With ``routing_replay`` an MoE critic replays the rows' ``routed_experts`` too (a dense one has nothing to
+        replay)."""
+        from rltk.models.moe import is_moe
+
+        routed = data.get("routed_experts") if self.routing_replay and is_moe(critic) else None
+        return run_values(critic, data, response_width, trim=self.trim, pack=self.pack_sequences, routed_experts=routed)
 
 
 @torch.no_grad()

@@ -220,24 +220,30 @@ def run_logprobs(model: torch.nn.Module, data: dict[str, torch.Tensor], response
     (:func:`rltk.models.packing.trim_padding`); ``pack`` packs the rows into one
     (``response_logprobs(pack=True)``); ``kwargs`` go to ``response_logprobs``.
     """
-    input_ids, attention_mask, width = data["input_ids"], data["attention_mask"], response_width
-    routed = kwargs.pop("routed_experts", None)  # [b, P + T, L, k], trimmed with the columns below
-    if trim or pack:
-        input_ids, attention_mask, width = trim_padding(input_ids, attention_mask, response_width)
-        if routed is not None:  # the kept columns: the last P' of the prompt and the first T' of the response
-            prompt_len = data["input_ids"].shape[1] - response_width
-            routed = routed[:, prompt_len - (input_ids.shape[1] - width): prompt_len + width]
+    input_ids, attention_mask, width, routed = _cut(data, response_width, kwargs.pop("routed_experts", None),
+                                                    trim=trim or pack)
     outputs = response_logprobs(model, input_ids, attention_mask, width, pack=pack, routed_experts=routed, **kwargs)
     return tuple(None if o is None else _pad_columns(o, response_width) for o in outputs)
 
 
 def run_values(critic: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int, *,
-               trim: bool, pack: bool) -> torch.Tensor:
+               trim: bool, pack: bool, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`rltk.models.critic.response_values` of one micro-batch (see :func:`run_logprobs`). Shape: (b, T)."""
+    input_ids, attention_mask, width, routed = _cut(data, response_width, routed_experts, trim=trim or pack)
+    values = response_values(critic, input_ids, attention_mask, width, pack=pack, routed_experts=routed)
+    return _pad_columns(values, response_width)
+
+
+def _cut(data: dict[str, torch.Tensor], response_width: int, routed: torch.Tensor | None, *, trim: bool):
+    """The micro-batch's ids, mask, response width and routing ``[b, P + T, L, k]``, with the columns that are
+    padding in every row dropped when ``trim`` (:func:`rltk.models.packing.trim_padding`)."""
     input_ids, attention_mask, width = data["input_ids"], data["attention_mask"], response_width
-    if trim or pack:
+    if trim:
         input_ids, attention_mask, width = trim_padding(input_ids, attention_mask, response_width)
-    return _pad_columns(response_values(critic, input_ids, attention_mask, width, pack=pack), response_width)
+        if routed is not None:  # the kept columns: the last P' of the prompt and the first T' of the response
+            prompt_len = data["input_ids"].shape[1] - response_width
+            routed = routed[:, prompt_len - (input_ids.shape[1] - width): prompt_len + width]
+    return input_ids, attention_mask, width, routed
 
 
 def _pad_columns(values: torch.Tensor, width: int) -> torch.Tensor:

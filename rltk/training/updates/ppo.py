@@ -75,7 +75,7 @@ def batched_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor], sett
     out = torch.zeros(B, T, dtype=torch.float32, device=batch["input_ids"].device)
     try:
         for mb in settings.micro_batches(strategy, batch):
-            data = {k: mb.data[k].to(device) for k in ("input_ids", "attention_mask")}
+            data = {k: mb.data[k].to(device) for k in ("input_ids", "attention_mask", "routed_experts") if k in mb.data}
             values = settings.values(critic, data, T)
             if not mb.padding:
                 out[mb.rows.to(out.device)] = values.float().to(out.device)  # a token-budget plan reorders rows
