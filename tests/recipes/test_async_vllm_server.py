@@ -200,4 +200,6 @@ def test_under_ray_the_producer_has_the_server_load_each_version_from_its_own_fo
     from rltk.training.rollouts.engine_weights import weights_file_version
 
     label = int(httpx.get(url + "/weight_info").json()["weight_version"])
-    assert RL_STEPS - 2 <= label <= RL_STEPS and weights_file_version(own) == label
+    # the server took its versions from that file: the newest one may have been written just as the stage ended,
+    # before the producer was stopped, so the server may be one behind it
+    assert RL_STEPS - 2 <= label <= weights_file_version(own) <= min(label + 1, RL_STEPS)

@@ -22,6 +22,7 @@ Checks fail with an AssertionError (non-zero exit); each rank prints one
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -104,4 +105,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # as rltk's own command does under a launch (rltk.commands.cli.console_main): once the results are printed and
+    # the group ended, a gloo thread's destructor at interpreter exit can still abort a loaded machine's rank
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -320,10 +320,13 @@ class WeightsFollower:
         if os.path.lexists(link):
             os.unlink(link)
         os.link(self.path, link)
-        try:
-            return self._into_servers(link, interrupt)
-        finally:
-            os.unlink(link)
+        version = self._into_servers(link, interrupt)
+        # Removed only once the servers have answered. A load cut short (the trainer stopping this producer:
+        # SIGTERM unwinds through here) may still be running in a server, and a vLLM worker that finds its
+        # file gone takes its whole engine down; the link is left for this pid's next load, or as a stale
+        # hard link of a past version in the stage's folder.
+        os.unlink(link)
+        return version
 
     def _into_servers(self, path: str, interrupt: bool) -> int:
         """Have the servers load the weights file at ``path`` (which nobody replaces meanwhile); its version."""
