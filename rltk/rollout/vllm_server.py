@@ -45,6 +45,11 @@ machine (rltk starts them, ``launch: N``) or elsewhere (``servers: [url, ...]``)
   those versions, read from the servers' own ``weight_versions`` labels (the
   version number rltk gives each load), so a request that waited in a paused
   server's queue is labelled with the weights that really sampled it.
+* **Lifetime.** A launched server runs in a session of its own under a small tether process
+  (:mod:`rltk.rollout.tether`), in the launching process's working folder, with its environment: in a
+  Ray actor, the devices Ray gave the actor (``CUDA_VISIBLE_DEVICES``). ``close()`` stops the group; if the
+  launching process dies without it (SIGKILL, ``ray.kill``, the OOM killer), the tether stops the server,
+  its engine core and workers within seconds.
 * **Timeouts.** Every HTTP call has one (``timeout_s``); a server that hangs,
   refuses or dies is a :class:`VLLMServerError` naming it (and, for a server
   rltk started, its exit code and log), never a silent wait. After such an
@@ -76,6 +81,7 @@ from torch import nn
 
 import rltk
 from rltk.errors import ConfigError
+from rltk.rollout import tether
 from rltk.rollout.base import (
     Completion, ModelAndTokenizer, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids,
 )
@@ -295,7 +301,8 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
                                      kv_cache_memory_bytes=kv_cache_memory_bytes, seed=seed + index,
                                      extra_args=server_args)
             with open(log_path, "wb") as log:
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                # a session of its own, led by a tether that stops it when this process ends, even by SIGKILL
+                process = subprocess.Popen(tether.command(command), stdout=log, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True)
             self._servers.append(_Server(f"http://127.0.0.1:{port}", max_in_flight, process, log_path))
         deadline = time.monotonic() + start_timeout_s
@@ -583,7 +590,8 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    """Signal the process group a launched server leads (started with ``start_new_session``)."""
+    """Signal a launched server's process group: its tether (the leader, started with ``start_new_session``),
+    the server, its engine core and workers."""
     try:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -20,7 +20,10 @@ the queue and the weights differ). Over the network instead of through files:
   and go (a restarted actor joins with no process-group rendezvous) and the object is pulled only by
   producers that want it.
 * **Producers.** :class:`ProducerActor` runs :class:`~rltk.training.rollouts.producer.Producer` in a Ray
-  actor placed by ``launcher_args.producer`` (cpus, gpus, custom resources, node labels), with Ray's
+  actor placed by ``launcher_args.producer`` (cpus, gpus, custom resources, node labels). The vLLM servers a
+  producer launches (``vllm_server`` with ``launch``) are its child processes on its node, in its folder, with
+  the devices Ray gave the actor (``CUDA_VISIBLE_DEVICES``; none when it asked for no GPU) and ended with it
+  (:mod:`rltk.rollout.tether`). The actor has Ray's
   ``max_restarts`` = ``launcher_args.max_restarts``: an actor whose process or node dies is started again
   on a node that meets the request, and the trainer (:class:`RayProducer`) starts its loop again, at most
   ``max_restarts`` times, then reports it, naming the producer, where it ran and what happened. Each
@@ -216,6 +219,10 @@ class ProducerActor:
                                    name)
         os.makedirs(self.folder, exist_ok=True)
         os.chdir(self.folder)  # whatever the producer writes by a relative path stays on its node
+        if not ray.get_runtime_context().get_accelerator_ids().get("GPU"):
+            # Ray (ray-project/ray#54868) leaves CUDA_VISIBLE_DEVICES alone for an actor that asked for no GPU: the
+            # vLLM servers this producer launches would see, and take, every GPU of its node
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
     def where(self) -> dict:
         """Where it runs: its node's id and address, its folder, its process id."""

@@ -1,0 +1,143 @@
+"""``rltk.rollout.tether``: a launched server ends with the process that launched it, however that ends.
+
+A stand-in server here (the vLLM one is in ``tests/rollout/test_vllm_server.py``): a process that starts a
+child of its own, its "engine", which like vLLM's engine core outlives a SIGKILLed server; on SIGTERM the
+server stops its engine and notes it in its file, as vLLM's API server does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux's")
+
+SERVER = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    out, mode = sys.argv[1], sys.argv[2]
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+    def stop(signum, frame):
+        with open(out, "a") as f:
+            f.write("SIGTERM\\n")
+        engine.terminate()
+        engine.wait()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    with open(out, "w") as f:
+        f.write(f"{os.getpid()} {engine.pid}\\n")
+    if mode == "crash":
+        os._exit(7)  # the engine left behind
+    time.sleep(600)
+""")
+
+# The launcher starts the tether from a thread that ends at once: a PR_SET_PDEATHSIG set by the launcher's
+# own child would fire then (the kernel ties it to the forking thread), the tether's must not.
+LAUNCHER = textwrap.dedent("""
+    import subprocess, sys, threading, time
+    from rltk.rollout import tether
+    server, out, mode = sys.argv[1:4]
+    started = []
+    thread = threading.Thread(target=lambda: started.append(subprocess.Popen(
+        tether.command([sys.executable, server, out, mode], grace_s=5), start_new_session=True)))
+    thread.start()
+    thread.join()
+    print(started[0].pid, flush=True)
+    print(started[0].wait(), flush=True)
+    time.sleep(600)
+""")
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no one reaped has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def gone_within(pids, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """launch(mode) -> (launcher, tether pid, server pid, engine pid, the server's file); everything left is
+    killed after the test."""
+    started = []
+    (tmp_path / "server.py").write_text(SERVER)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+
+    def start(mode: str):
+        out = tmp_path / f"{mode}.txt"
+        launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "server.py"),
+                                     str(out), mode], stdout=subprocess.PIPE, text=True)
+        tether_pid = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not out.exists() or not out.read_text().endswith("\n"):
+            assert time.monotonic() < deadline, "the stand-in server did not start within 60 s"
+            time.sleep(0.05)
+        server, engine = map(int, out.read_text().split())
+        started.append((launcher, [tether_pid, server, engine]))
+        return launcher, tether_pid, server, engine, out
+
+    yield start
+    for launcher, pids in started:
+        launcher.kill()
+        launcher.wait()
+        for pid in pids:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_sigkilled_launcher_takes_the_server_and_its_engine_with_it(launch):
+    launcher, tether, server, engine, out = launch("serve")
+    time.sleep(1.0)  # the thread that started the tether has ended: everything still runs
+    assert all(running(pid) for pid in (tether, server, engine))
+    launcher.kill()
+    launcher.wait()
+    # the tether looks at its parent every 0.25 s, the server stops its engine on SIGTERM at once
+    assert gone_within([tether, server, engine], 15), [running(p) for p in (tether, server, engine)]
+    assert out.read_text().splitlines()[1:] == ["SIGTERM"]  # asked to stop, so it could stop its engine
+
+
+def test_a_sigkilled_tether_stops_its_server_with_a_sigterm(launch):
+    launcher, tether, server, engine, out = launch("serve")
+    os.kill(tether, signal.SIGKILL)
+    assert gone_within([server, engine], 15), [running(p) for p in (server, engine)]
+    assert out.read_text().splitlines()[1:] == ["SIGTERM"]
+    assert launcher.stdout.readline().strip() == "-9"  # the tether's own status, as its launcher saw it
+
+
+def test_a_server_that_crashes_leaves_nothing_behind_and_its_status_is_the_tethers(launch):
+    launcher, tether, server, engine, out = launch("crash")
+    assert launcher.stdout.readline().strip() == "7"  # tether.wait(): the server's exit status
+    # the engine, orphaned by the crash, was handed to the tether (a subreaper), which stopped it
+    assert gone_within([tether, server, engine], 15)
+    assert out.read_text().splitlines()[1:] == []  # the server itself was never asked
+
+
+def test_a_tether_with_no_command_or_a_parent_already_gone_refuses_or_stops():
+    from rltk.rollout import tether
+
+    with pytest.raises(SystemExit) as exc:
+        tether.main(["--parent", "1"])
+    assert exc.value.code == 2
+    # a parent that is not this process's parent: the command is stopped at once (SIGTERM: status 143)
+    done = subprocess.run(tether.command([sys.executable, "-c", "import time; time.sleep(60)"], parent=1,
+                                         grace_s=5), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM
+    assert "process 1, which started this server, is gone" in done.stderr
