@@ -242,10 +242,14 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
         self.continued = 0  # samples continued after a weight update aborted them
         self._stats_lock = threading.Lock()
         self._weights_lock = threading.Lock()  # one weight update at a time
-        self._tmp = tempfile.mkdtemp(prefix="rltk-vllm-server-")
         self._failed = False  # an error named a server: close() keeps the launched servers' logs
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        # a folder only where something goes in it: a process killed without close() (a Ray producer's end) leaves
+        # it behind, and the launched servers' tethers remove theirs
+        needs_folder = launch or (weight_dir is None and shm is None)
+        self._tmp = tempfile.mkdtemp(prefix="rltk-vllm-server-") if needs_folder else ""
         if weight_dir is None:
-            weight_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self._tmp
+            weight_dir = shm or self._tmp
         self.weight_dir = weight_dir
         self._servers: list[_Server] = []
         self._client = httpx.Client(timeout=self.timeout_s, limits=httpx.Limits(max_connections=None))
@@ -302,8 +306,8 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
                                      extra_args=server_args)
             with open(log_path, "wb") as log:
                 # a session of its own, led by a tether that stops it when this process ends, even by SIGKILL
-                process = subprocess.Popen(tether.command(command, remove=self._tmp), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True)
+                process = subprocess.Popen(tether.command(command, remove=self._tmp), stdout=log,
+                                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
             self._servers.append(_Server(f"http://127.0.0.1:{port}", max_in_flight, process, log_path))
         deadline = time.monotonic() + start_timeout_s
         for server in self._servers:
@@ -569,7 +573,8 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
         tmp = getattr(self, "_tmp", "")
         logs = sorted(Path(tmp).glob("server*.log")) if tmp and getattr(self, "_failed", False) else []
         if not logs:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
             return
         for path in Path(tmp).iterdir():  # the weight files go (they can be large), the logs stay
             if path in logs:

@@ -69,8 +69,8 @@ class Nodes:
             name = f"node_{k}"
             self.folders[name] = self.root / name
             self.rollout[name] = self.cluster.add_node(
-                num_cpus=1, num_gpus=rollout_gpus, resources={"rollout": 1}, env_vars={**self.env(name), "RLTK_RAY_WORK_DIR": str(
-                    self.folders[name])})
+                num_cpus=1, num_gpus=rollout_gpus, resources={"rollout": 1},
+                env_vars={**self.env(name), "RLTK_RAY_WORK_DIR": str(self.folders[name])})
         for folder in self.folders.values():
             folder.mkdir(exist_ok=True)
         self.cluster.wait_for_nodes()
