@@ -24,7 +24,7 @@ the queue and the weights differ). Over the network instead of through files:
   ``max_restarts`` = ``launcher_args.max_restarts``: an actor whose process or node dies is started again
   on a node that meets the request, and the trainer (:class:`RayProducer`) starts its loop again, at most
   ``max_restarts`` times, then reports it, naming the producer, where it ran and what happened. Each
-  producer works in a folder of its own node (:func:`~rltk.training.rollouts.ray_cluster.node_work_dir`),
+  producer works in a folder of its own node (:func:`~rltk.io.node_work_dir`),
   and nothing on its node reads the trainer's run folder (the config travels as a value; data and model
   paths in it must exist on every node, or be built in memory like the tiny model).
 
@@ -53,7 +53,8 @@ from rltk.training.rollouts.async_rollout import (
     HANDOFF_MARGIN_S, AsyncRollouts, ProducerFailed, _handoff_group, open_trainer_queue,
 )
 from rltk.training.rollouts.producer import EXIT_TIMEOUT, WeightsFollower
-from rltk.training.rollouts.ray_cluster import actor_options, node_work_dir, open_cluster, pinned_here
+from rltk.io import node_work_dir
+from rltk.training.rollouts.ray_cluster import actor_options, open_cluster, pinned_here
 
 #: Seconds between a Ray producer's looks at the queue and the weights (each is a call to another node).
 POLL_S = 0.05
