@@ -57,10 +57,11 @@ if _log and _root and _node:
 
 
 class Nodes:
-    """A head (the trainer's node, resource ``trainer``) and rollout nodes (resource ``rollout``), each with
-    its own folder under ``root``, every process audited into ``root/audit``."""
+    """A head (the trainer's node, resource ``trainer``), rollout nodes (resource ``rollout``) and optionally a
+    node for reward services (resource ``reward``), each with its own folder under ``root``, every process
+    audited into ``root/audit``."""
 
-    def __init__(self, root: Path, rollout_nodes: int):
+    def __init__(self, root: Path, rollout_nodes: int, reward_node: bool = False):
         self.root = root.resolve()
         self.audit = self.root / "audit"
         self.audit.mkdir()
@@ -77,6 +78,10 @@ class Nodes:
             self.rollout[name] = self.cluster.add_node(
                 num_cpus=1, resources={"rollout": 1}, env_vars={**self.env(name), "RLTK_RAY_WORK_DIR": str(
                     self.folders[name])})
+        if reward_node:  # a node of its own for reward services (resource ``reward``), never lost
+            self.folders["rewards"] = self.root / "rewards"
+            self.cluster.add_node(num_cpus=1, resources={"reward": 1}, env_vars={
+                **self.env("rewards"), "RLTK_RAY_WORK_DIR": str(self.folders["rewards"])})
         for folder in self.folders.values():
             folder.mkdir(exist_ok=True)
         self.cluster.wait_for_nodes()
@@ -118,7 +123,7 @@ class Nodes:
 
 @pytest.fixture
 def nodes(tmp_path):
-    started = Nodes(tmp_path, rollout_nodes=2)
+    started = Nodes(tmp_path, rollout_nodes=2, reward_node=True)
     yield started
     started.shutdown()
 
@@ -175,7 +180,8 @@ def lose_the_producers_node_mid_run(nodes: Nodes, overrides: list[str], run_dir:
 
 def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survives_losing_its_node(nodes):
     run_dir = nodes.folders["head"] / "run"
-    first, code, output = lose_the_producers_node_mid_run(nodes, RUN, run_dir)
+    scored_elsewhere = "launcher_args.rewards={exact_match: {resources: {reward: 1}}}"  # on a third node
+    first, code, output = lose_the_producers_node_mid_run(nodes, [*RUN, scored_elsewhere], run_dir)
     assert code == 0, output[-6000:]
     (second,) = nodes.rollout
     # Ray placed the actor again on the node left, and the trainer started its loop again
@@ -193,6 +199,15 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
     assert [r["step"] for r in rows] == list(range(1, RL_STEPS + 1))
     assert all(r["staleness/max"] <= 1 and r["staleness/dropped"] == 0 for r in rows)
 
+    # every sample was scored by the reward service on the third node: the producers' (both of them, before and
+    # after the loss) and the trainer's held-out evaluations (20 rows, greedy and sampled, at steps 0 and 8 and
+    # at the end), with no failure
+    assert "rltk: reward service 'exact_match' replica 0 on node" in output
+    assert f"folder {nodes.folders['rewards'] / NAME / 'reward-exact_match-0'})" in output, output[-3000:]
+    scored = int(output.split("rltk: reward service rltk-reward/ray-test/exact_match/0 scored ")[1].split()[0])
+    assert scored >= 16 * RL_STEPS + 3 * 2 * 20, output[-3000:]
+    assert all(r["reward_fn/failures/exact_match"] == 0 for r in rows)
+
     # no process opened, created or listed anything in another node's folder
     opened = nodes.opened()
     for node, events in opened.items():
@@ -209,6 +224,8 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
     for node in (first, second):
         assert any(event == "os.mkdir" and path.endswith(f"{NAME}{os.sep}stage_0{os.sep}producer-0")
                    for _, event, path in opened[node]), (node, opened.get(node))
+    assert any(event == "os.mkdir" and path == str(nodes.folders["rewards"] / NAME / "reward-exact_match-0")
+               for _, event, path in opened["rewards"]), opened.get("rewards")
     # the hf producers loaded the weights from the object store: no weights file beside the queue or the producers
     assert not [p for folder in [run_dir / "async", *(nodes.folders[n] for n in (first, second))]
                 for p in folder.rglob("*.safetensors")]
@@ -282,7 +299,9 @@ def test_a_trainer_that_crashed_resumes_from_its_queue_and_trains_each_experienc
     ray.shutdown()  # whatever an earlier test of this process left connected: the run would use it
     nodes = Nodes(tmp_path, rollout_nodes=1)
     run_dir = nodes.folders["head"] / "run"
-    overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}"]
+    # a reward service too: the resumed run places it again under the same name, in the same process
+    overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}",
+                 "launcher_args.rewards={exact_match: {cpus: 0.5}}"]
     try:
         with crash_at_step(5):  # after the checkpoint of step 4: the leases of step 5 go back to the queue
             main(["run", "grpo", *overrides])
