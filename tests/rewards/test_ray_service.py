@@ -16,6 +16,7 @@ from rltk.rewards.ray_service import RemoteReward, RewardServiceGone, service_na
 from rltk.training.rollouts import ray_cluster  # noqa: E402
 from rltk.training.scaffold.setup import build_reward  # noqa: E402
 from tests.rewards.slow_http import SlowServer  # noqa: E402
+from tests.rewards.test_code_execution import LIMITS, needs_sandbox  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray of its own, actors that import torch
 
@@ -117,3 +118,21 @@ def test_requests_no_node_meets_and_names_another_run_holds_are_refused_naming_t
             placed(["launcher_args.rewards={exact_match: {cpus: 0.5}}"], name="other")
     finally:
         ray_cluster._SERVICES.update(held)
+
+
+@needs_sandbox
+def test_code_sandboxes_run_on_the_service_and_score_as_in_place(a_ray):
+    tests = '["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 5) == 5"]'
+    samples = [{"prompt": "write add", "response": f"```python\n{program}\n```", "ground_truth": tests}
+               for program in ("def add(a, b):\n    return 0 if a == 0 else a + b", "def add(a, b):\n    return a + b",
+                               "import os\nwhile True:\n    os.fork()")]
+    limits = ", ".join(f"{k}: {v}" for k, v in LIMITS.items())
+    sandboxed = ["reward.reward_fn=[code_execution]", "reward.timeout_s=30", "reward.workers=2",
+                 f"reward.reward_fn_args.code_execution={{{limits}}}"]
+    _, remote = placed([*sandboxed, "launcher_args.rewards={code_execution: {cpus: 1}}"], name="sandboxes")
+    results = remote.score_batch(samples)
+    assert [score for score, _ in results] == pytest.approx([2 / 3, 1.0, 0.0])
+    assert results[2][1]["code_execution/killed/processes"] == 3.0  # the bomb, stopped in the service's sandbox
+    service = ray.get_actor(service_name("sandboxes", "code_execution", 0), namespace="rltk")
+    assert ray.get(service.samples_scored.remote()) == 3
+    assert remote.stats()["failures/code_execution"] == 0
