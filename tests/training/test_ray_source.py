@@ -336,3 +336,25 @@ def test_weights_travel_as_arrays_of_their_dtype_with_a_tied_weight_once():
     assert tied == ["lm_head.weight"]  # the head shares the embedding's storage: sent once
     load_weights_state(received, from_arrays(arrays), "test")
     assert all(torch.equal(p, q) for p, q in zip(sent.state_dict().values(), received.state_dict().values()))
+
+
+@pytest.mark.distributed
+def test_every_trainer_rank_scores_its_held_out_share_through_the_reward_service(tmp_path):
+    from tests.isolated import run_isolated
+
+    nodes = Nodes(tmp_path, rollout_nodes=1, reward_node=True)
+    run_dir = nodes.folders["head"] / "run"
+    try:
+        out = run_isolated([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *RUN,
+                            "launcher_args.rewards={exact_match: {resources: {reward: 1}}}"],
+                           extra_env={**nodes.env("head"), "RAY_ADDRESS": nodes.cluster.address}, timeout=600)
+    finally:
+        nodes.shutdown()
+    assert [r["step"] for r in trained_steps(run_dir)] == list(range(1, RL_STEPS + 1))
+    scored = int(out.stdout.split("rltk: reward service rltk-reward/ray-test/exact_match/0 scored ")[1].split()[0])
+    # the producer's batches (the trained 8, and at most the 2 staleness 1 lets it put ahead) and three whole
+    # held-out evaluations (steps 0 and 8 and the end: 20 rows, greedy and sampled), half of each from rank 1,
+    # which had no other way to score: a rank left out would leave 60 samples unscored
+    assert 16 * RL_STEPS + 3 * 2 * 20 <= scored <= 16 * (RL_STEPS + 2) + 3 * 2 * 20, out.stdout[-3000:]
+    assert "rltk: final held-out" in out.stdout
