@@ -35,11 +35,6 @@ from rltk.rewards.compose import build_reward_composer
 from rltk.rewards.marks import batched
 from rltk.rewards.pool import CallOutcome, RewardWorkerError
 
-#: How long a caller looks for a service's actors by name before saying they are not there (the trainer
-#: places them as the run opens; another trainer rank or a producer may ask first).
-LOOKUP_TIMEOUT_S = 120.0
-
-
 class RewardServiceGone(RewardWorkerError):
     """A reward service's actor is gone for good (Ray gave it up, or nothing by its name was ever placed)."""
 
@@ -89,11 +84,13 @@ class RewardService:
 class RemoteReward:
     """Stands in for the reward function ``name`` in a caller's composer: a batched reward whose samples are
     scored by the ``replicas`` :class:`RewardService` actors of the run ``run_name`` in ``namespace``, each
-    step's call waiting at most ``timeout_s``."""
+    step's call waiting at most ``timeout_s``. The actors are looked up by name for at most ``lookup_timeout_s``
+    (the trainer places them as the run opens; another trainer rank may ask first)."""
 
-    def __init__(self, name: str, *, run_name: str, namespace: str, replicas: int, timeout_s: float):
+    def __init__(self, name: str, *, run_name: str, namespace: str, replicas: int, timeout_s: float,
+                 lookup_timeout_s: float):
         self.name, self.run_name, self.namespace = name, run_name, namespace
-        self.replicas, self.timeout_s = int(replicas), float(timeout_s)
+        self.replicas, self.timeout_s, self.lookup_timeout_s = int(replicas), float(timeout_s), float(lookup_timeout_s)
         self._actors: list | None = None
         batched(self)
 
@@ -138,7 +135,7 @@ class RemoteReward:
         if not ray.is_initialized():  # ray.get_actor would start a Ray of this process's own
             raise RewardServiceGone(f"{self.where} is out of reach: this process is not connected to the run's Ray "
                                     f"cluster (launcher=ray connects the trainer as the run opens)")
-        deadline = time.monotonic() + LOOKUP_TIMEOUT_S
+        deadline = time.monotonic() + self.lookup_timeout_s
         found = []
         for replica in range(self.replicas):
             name = service_name(self.run_name, self.name, replica)
@@ -149,10 +146,10 @@ class RemoteReward:
                 except ValueError:  # not (yet) there
                     if time.monotonic() > deadline:
                         raise RewardServiceGone(
-                            f"no Ray actor named '{name}' in namespace '{self.namespace}' after "
-                            f"{LOOKUP_TIMEOUT_S:g} s: the trainer places the reward services of "
-                            f"launcher_args.rewards as the run opens; is this process connected to the run's "
-                            f"cluster?") from None
+                            f"no Ray actor named '{name}' in namespace '{self.namespace}' within "
+                            f"{self.lookup_timeout_s:g} s (launcher_args.placement_timeout_s): the trainer places "
+                            f"the reward services of launcher_args.rewards as the run opens; is this process "
+                            f"connected to the run's cluster?") from None
                     time.sleep(0.5)
         self._actors = found
         return found

@@ -100,7 +100,8 @@ def reward_services(cfg: DictConfig) -> dict:
 
     settings = ray_launcher_settings(cfg)
     return {name: RemoteReward(name, run_name=str(cfg.name), namespace=settings.namespace,
-                               replicas=service.replicas, timeout_s=service.timeout_s)
+                               replicas=service.replicas, timeout_s=service.timeout_s,
+                               lookup_timeout_s=settings.placement_timeout_s)
             for name, service in settings.rewards.items()}
 
 
