@@ -88,6 +88,21 @@ def test_failures_and_timeouts_at_the_service_are_counted_by_the_composer_that_a
         assert (remote.stats()["failures/reward_model"], remote.stats()["timeouts/reward_model"]) == (5, 5)
 
 
+def test_a_service_whose_process_died_is_started_again_and_the_call_made_again(a_ray):
+    import os
+    import signal
+
+    _, remote = placed(["launcher_args.rewards={exact_match: {cpus: 0.5}}", "launcher_args.max_restarts=1"],
+                       name="restarts")
+    assert [score for score, _ in remote.score_batch(SAMPLES)] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    service = ray.get_actor(service_name("restarts", "exact_match", 0), namespace="rltk")
+    first = ray.get(service.where.remote())["pid"]
+    os.kill(first, signal.SIGKILL)  # as the out-of-memory killer would
+    assert [score for score, _ in remote.score_batch(SAMPLES)] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert ray.get(service.where.remote())["pid"] != first
+    assert remote.stats()["failures/exact_match"] == 0
+
+
 def test_a_service_ray_gave_up_stops_training_naming_it(a_ray):
     _, remote = placed(["launcher_args.rewards={exact_match: {cpus: 0.5}}"])
     assert remote.score_batch(SAMPLES[:1])[0][0] == 1.0
