@@ -353,7 +353,10 @@ class RayRollouts(AsyncRollouts):
         ``launcher_args.placement_timeout_s`` (ConfigError naming the keys otherwise)."""
         cfg, count = self.stage.cfg, int(self.stage.cfg.trainer.producers)
         # the resolved config as YAML: small enough to travel inline with the actor's creation, so Ray can
-        # start the actor again after its node died (arguments in the object store might be gone by then)
+        # start the actor again after its node died (arguments in the object store might be gone by then).
+        # The front's handle is an argument too, which is why Ray warns that "constructor arguments in the
+        # object store" may stop a restart (ray-project/ray#53727): the front lives on the trainer's node as
+        # long as the stage, so a restart that matters finds it (the node-loss test restarts a producer).
         values = OmegaConf.to_yaml(cfg, resolve=True)
         actor_type = ray.remote(ProducerActor).options(**actor_options(settings.producer,
                                                                        max_restarts=settings.max_restarts))
