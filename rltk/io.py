@@ -43,3 +43,12 @@ def model_folder_problem(path: str | Path, expected: str) -> str | None:
     if not folder.is_dir():
         return f"it is a file, not a model folder (expected {expected})"
     return None
+
+
+def node_work_dir(settings_work_dir: str | None) -> str:
+    """The folder a Ray actor of a run (a producer, a reward service) works in on its own node:
+    ``launcher_args.work_dir``, else ``$RLTK_RAY_WORK_DIR`` as that node's environment sets it, else
+    ``<tmp>/rltk-ray``. Evaluated on the actor's node."""
+    import tempfile
+
+    return settings_work_dir or os.environ.get("RLTK_RAY_WORK_DIR") or os.path.join(tempfile.gettempdir(), "rltk-ray")

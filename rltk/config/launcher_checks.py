@@ -30,8 +30,12 @@ RAY_KEYS = {
     "work_dir": "the folder on each producer's node where it works (default: $RLTK_RAY_WORK_DIR set on that "
                 "node, else <tmp>/rltk-ray)",
     "producer": "each producer actor's request: {cpus, gpus, resources: {name: amount}, labels: {key: value}}",
+    "rewards": "reward functions of reward.reward_fn run as reward services, Ray actors of their own: {name: {cpus, "
+               "gpus, resources, labels, replicas, timeout_s}}",
 }
 PRODUCER_KEYS = ("cpus", "gpus", "resources", "labels")
+#: a reward service's keys: where its actors go (as a producer's), how many, how long a call may take
+REWARD_SERVICE_KEYS = (*PRODUCER_KEYS, "replicas", "timeout_s")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,17 @@ class RayLauncherSettings:
     max_restarts: int = 1
     work_dir: str | None = None
     producer: ActorRequest = field(default_factory=ActorRequest)
+    rewards: dict[str, "RewardServiceRequest"] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardServiceRequest:
+    """``launcher_args.rewards.<name>``: one reward function run by ``replicas`` Ray actors, each placed by
+    ``request``; a step's call to them waits at most ``timeout_s`` (then its samples get ``reward.fallback``)."""
+
+    request: ActorRequest = field(default_factory=ActorRequest)
+    replicas: int = 1
+    timeout_s: float = 300.0
 
 
 def _number(key: str, value, *, minimum: float = 0.0, strict: bool = False) -> float:
@@ -73,27 +88,44 @@ def _mapping(key: str, value) -> dict:
     return value
 
 
-def _request(value) -> ActorRequest:
-    value = _mapping("launcher_args.producer", value)
-    for key in value:
-        if key not in PRODUCER_KEYS:
-            raise ConfigError(f"unknown key 'launcher_args.producer.{key}'.{did_you_mean(key, list(PRODUCER_KEYS))} "
-                              f"Valid: {', '.join(PRODUCER_KEYS)}")
+def _request(value, key: str = "launcher_args.producer", keys: tuple[str, ...] = PRODUCER_KEYS) -> ActorRequest:
+    value = _mapping(key, value)
+    for name in value:
+        if name not in keys:
+            raise ConfigError(f"unknown key '{key}.{name}'.{did_you_mean(name, list(keys))} Valid: {', '.join(keys)}")
     resources = {}
-    for name, amount in _mapping("launcher_args.producer.resources", value.get("resources")).items():
+    for name, amount in _mapping(f"{key}.resources", value.get("resources")).items():
         if name in ("CPU", "GPU"):
-            raise ConfigError(f"bad key 'launcher_args.producer.resources.{name}': ask for {name.lower()}s with "
-                              f"launcher_args.producer.{name.lower()}s")
-        resources[str(name)] = _number(f"launcher_args.producer.resources.{name}", amount, strict=True)
+            raise ConfigError(f"bad key '{key}.resources.{name}': ask for {name.lower()}s with {key}.{name.lower()}s")
+        resources[str(name)] = _number(f"{key}.resources.{name}", amount, strict=True)
     labels = {}
-    for name, label in _mapping("launcher_args.producer.labels", value.get("labels")).items():
+    for name, label in _mapping(f"{key}.labels", value.get("labels")).items():
         if not isinstance(label, str) or not label:
-            raise ConfigError(f"bad value {label!r} for 'launcher_args.producer.labels.{name}': must be a non-empty "
-                              f"string (the value `ray start --labels` gave the node)")
+            raise ConfigError(f"bad value {label!r} for '{key}.labels.{name}': must be a non-empty string (the value "
+                              f"`ray start --labels` gave the node)")
         labels[str(name)] = label
-    return ActorRequest(cpus=_number("launcher_args.producer.cpus", value.get("cpus", 1)),
-                        gpus=_number("launcher_args.producer.gpus", value.get("gpus", 0)),
-                        resources=resources, labels=labels)
+    return ActorRequest(cpus=_number(f"{key}.cpus", value.get("cpus", 1)),
+                        gpus=_number(f"{key}.gpus", value.get("gpus", 0)), resources=resources, labels=labels)
+
+
+def _reward_services(value, reward_fns: list[str]) -> dict[str, RewardServiceRequest]:
+    """``launcher_args.rewards``: each entry names a function of ``reward.reward_fn``."""
+    services = {}
+    for name, entry in _mapping("launcher_args.rewards", value).items():
+        key = f"launcher_args.rewards.{name}"
+        if name not in reward_fns:
+            raise ConfigError(f"unknown key '{key}': '{name}' is not one of the run's rewards "
+                              f"(reward.reward_fn: {', '.join(reward_fns)}).{did_you_mean(name, reward_fns)}")
+        entry = _mapping(key, entry)
+        replicas = entry.get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"bad value {replicas!r} for '{key}.replicas': must be an integer >= 1 (how many Ray "
+                              f"actors serve '{name}'; a step's samples are split among them)")
+        services[name] = RewardServiceRequest(
+            request=_request({k: v for k, v in entry.items() if k in PRODUCER_KEYS or k not in REWARD_SERVICE_KEYS},
+                             key, REWARD_SERVICE_KEYS),
+            replicas=replicas, timeout_s=_number(f"{key}.timeout_s", entry.get("timeout_s", 300.0), strict=True))
+    return services
 
 
 def ray_launcher_settings(cfg: DictConfig) -> RayLauncherSettings:
@@ -130,7 +162,8 @@ def ray_launcher_settings(cfg: DictConfig) -> RayLauncherSettings:
                                   strict=True),
         placement_timeout_s=_number("launcher_args.placement_timeout_s", args.get("placement_timeout_s", 120.0),
                                     strict=True),
-        max_restarts=restarts, work_dir=work_dir, producer=_request(args.get("producer")))
+        max_restarts=restarts, work_dir=work_dir, producer=_request(args.get("producer")),
+        rewards=_reward_services(args.get("rewards"), [str(name) for name in cfg.reward.reward_fn]))
 
 
 def _stage_modes(cfg: DictConfig) -> set[str]:
@@ -155,12 +188,13 @@ def check_launcher(cfg: DictConfig) -> None:
         raise ConfigError("bad value 'ray' for 'launcher': Ray is not installed here; install it with "
                           "`pip install 'rltk[ray]'` (every node of the cluster needs rltk and ray), or use "
                           "launcher=local")
-    if not _stage_modes(cfg) - {"sync"}:
+    settings = ray_launcher_settings(cfg)
+    if not _stage_modes(cfg) - {"sync"} and not settings.rewards:
         raise ConfigError("bad value 'ray' for 'launcher': Ray places the rollout producers of an asynchronous "
-                          "stage, and every stage runs trainer.mode=sync; set trainer.mode=one_step_off or async, or "
-                          "launcher=local")
+                          "stage and the reward services of launcher_args.rewards, and here every stage runs "
+                          "trainer.mode=sync with no reward service; set trainer.mode=one_step_off or async, place a "
+                          "reward on Ray (launcher_args.rewards), or use launcher=local")
     producers = cfg.trainer.get("producers", 1)
-    if producers == 0:
+    if producers == 0 and _stage_modes(cfg) - {"sync"}:
         raise ConfigError("bad value 0 for 'trainer.producers' with launcher=ray: Ray starts the producers, so at "
                           "least one (each a Ray actor placed by launcher_args.producer)")
-    ray_launcher_settings(cfg)

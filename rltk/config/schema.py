@@ -482,7 +482,8 @@ class RunConfig:
     # | ray (Ray actors on the nodes of a Ray cluster; experiences and weights over the network, no shared
     # folder: docs "Several machines on Ray"). launcher_args (ray): address (auto | host:port | empty: start a
     # local Ray), namespace, connect_timeout_s, placement_timeout_s, max_restarts, work_dir,
-    # producer: {cpus, gpus, resources: {name: amount}, labels: {key: value}}
+    # producer: {cpus, gpus, resources: {name: amount}, labels: {key: value}},
+    # rewards: {<reward_fn name>: {cpus, gpus, resources, labels, replicas, timeout_s}} (reward services)
     launcher: str = "local"
     launcher_args: Dict[str, Any] = field(default_factory=dict)
     sft: SFTConfig = field(default_factory=SFTConfig)

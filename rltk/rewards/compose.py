@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rltk.rewards.marks import is_batched, is_bounded
-from rltk.rewards.pool import CallOutcome, RewardWorkerPool, picklable_error
+from rltk.rewards.pool import CallOutcome, RewardWorkerError, RewardWorkerPool, picklable_error
 
 PROVIDED_ARGS = ("prompt", "response", "ground_truth", "extras")
 
@@ -193,47 +193,55 @@ class RewardComposer:
         component cannot be loaded in a worker process (a configuration
         error, not a bad sample).
         """
+        out = []
+        for per_spec in self.outcomes(samples):
+            total = 0.0
+            details: dict[str, float] = {}
+            for spec, outcome in zip(self.specs, per_spec):
+                score, extra_details = self._from_outcome(spec, outcome)
+                details[spec.name] = score
+                details.update(extra_details)
+                total += spec.weight * score
+            out.append((total, details))
+        with self._lock:
+            self.calls += len(samples)
+        return out
+
+    def outcomes(self, samples: Sequence[Mapping[str, Any]]) -> list[list[CallOutcome]]:
+        """What each component's call made of each sample, before scoring: ``[sample][component]``.
+
+        :meth:`score_batch` turns them into scores (a failed call into ``fallback``, counted); a reward
+        service on another machine (:mod:`rltk.rewards.ray_service`) sends them back as they are, so the
+        composer that asked counts its failures and timeouts as its own.
+        """
         rows = [
             {"prompt": s["prompt"], "response": s["response"], "ground_truth": s["ground_truth"],
              "extras": s.get("extras") or {}}
             for s in samples
         ]
-        # results[i][j]: component j on sample i, as (score, details)
-        results: list[list[tuple[float, dict[str, float]] | None]] = [[None] * len(self.specs) for _ in rows]
+        results: list[list[CallOutcome | None]] = [[None] * len(self.specs) for _ in rows]
 
         def in_process() -> None:
             for j, (spec, isolated) in enumerate(zip(self.specs, self._isolated)):
                 if isolated:
                     continue
                 if self._batched[j]:
-                    for i, result in enumerate(self._score_batched(spec, rows)):
-                        results[i][j] = result
+                    for i, outcome in enumerate(self._call_batched(spec, rows)):
+                        results[i][j] = outcome
                     continue
                 for i, sample in enumerate(rows):
-                    results[i][j] = self._score_in_process(spec, sample)
+                    results[i][j] = self._call_in_process(spec, sample)
 
         calls = [(j, i) for j, isolated in enumerate(self._isolated) if isolated for i in range(len(rows))]
         if calls:
             outcomes = self._worker_pool().run(
                 [(j, self._kwargs(self.specs[j], rows[i])) for j, i in calls], while_waiting=in_process)
             for (j, i), outcome in zip(calls, outcomes):
-                results[i][j] = self._from_outcome(self.specs[j], outcome)
+                results[i][j] = outcome
             self._sync_restarts()
         else:
             in_process()
-
-        out = []
-        for per_spec in results:
-            total = 0.0
-            details: dict[str, float] = {}
-            for spec, (score, extra_details) in zip(self.specs, per_spec):  # type: ignore[misc]
-                details[spec.name] = score
-                details.update(extra_details)
-                total += spec.weight * score
-            out.append((total, details))
-        with self._lock:
-            self.calls += len(rows)
-        return out
+        return results  # type: ignore[return-value]
 
     def start(self) -> None:
         """Start the worker processes now rather than on the first call (no-op without isolated components)."""
@@ -327,16 +335,17 @@ class RewardComposer:
         kwargs.update(spec.args)
         return kwargs
 
-    def _score_in_process(self, spec: RewardSpec, sample: dict) -> tuple[float, dict[str, float]]:
+    def _call_in_process(self, spec: RewardSpec, sample: dict) -> CallOutcome:
         try:
-            return _as_score(spec.name, spec.fn(**self._kwargs(spec, sample)))
+            return CallOutcome(ok=True, value=spec.fn(**self._kwargs(spec, sample)))
         except BaseException as exc:  # even sys.exit() in a reward must not end training
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            self._record_failure(spec.name, type(exc).__name__, str(exc), _traceback_tail(exc))
-            return self.fallback, {}
+            return _failed(exc)
 
-    def _score_batched(self, spec: RewardSpec, rows: list[dict]) -> list[tuple[float, dict[str, float]]]:
+    def _call_batched(self, spec: RewardSpec, rows: list[dict]) -> list[CallOutcome]:
+        """One call with every sample. A batched function returns one value per sample, where a sample's
+        value may be the exception it failed with, or (a reward service's) a :class:`CallOutcome`."""
         if not rows:
             return []
         fields = self._sample_fields[spec.name]
@@ -347,24 +356,11 @@ class RewardComposer:
             if len(values) != len(rows):
                 raise ValueError(f"batched reward '{spec.name}' returned {len(values)} scores for {len(rows)} samples")
         except BaseException as exc:  # as for a per-sample call: the batch fails, training goes on
-            if isinstance(exc, KeyboardInterrupt):
+            if isinstance(exc, (KeyboardInterrupt, RewardWorkerError)):  # stop training: not a bad sample
                 raise
-            values = [exc] * len(rows)
-        out = []
-        for value in values:
-            if isinstance(value, BaseException):
-                if isinstance(value, TimeoutError):
-                    with self._lock:
-                        self.timeouts[spec.name] += 1
-                self._record_failure(spec.name, type(value).__name__, str(value), _traceback_tail(value))
-                out.append((self.fallback, {}))
-                continue
-            try:
-                out.append(_as_score(spec.name, value))
-            except Exception as exc:
-                self._record_failure(spec.name, type(exc).__name__, str(exc), "")
-                out.append((self.fallback, {}))
-        return out
+            return [_failed(exc)] * len(rows)
+        return [value if isinstance(value, CallOutcome) else _failed(value) if isinstance(value, BaseException)
+                else CallOutcome(ok=True, value=value) for value in values]
 
     def _from_outcome(self, spec: RewardSpec, outcome: CallOutcome) -> tuple[float, dict[str, float]]:
         if outcome.ok:
@@ -454,6 +450,7 @@ def build_reward_composer(
     fallback: float = 0.0,
     timeout_s: float | None = 5.0,
     workers: int = 4,
+    stand_ins: Mapping[str, Callable[..., Any]] | None = None,
 ) -> RewardComposer:
     """A :class:`RewardComposer` over registered reward functions (kind ``reward_fn``).
 
@@ -465,6 +462,9 @@ def build_reward_composer(
     by name (missing names weigh 1.0); ``args`` maps a component name to its
     arguments. ``fallback``, ``timeout_s`` and ``workers`` are passed to
     :class:`RewardComposer`. OmegaConf containers are accepted as they are.
+    ``stand_ins`` maps a component name to a callable that scores in its function's place (a reward
+    service elsewhere, :class:`rltk.rewards.ray_service.RemoteReward`): the function's arguments are
+    checked here and travel with the service, so the stand-in is called without them.
     """
     import rltk  # deferred: rltk.registry imports the builtin plugins, which import this module
 
@@ -513,6 +513,9 @@ def build_reward_composer(
     for entry in entries:
         fn = rltk.get_component("reward_fn", entry["fn"])
         merged = {**(entry.get("args") or {}), **(args.get(entry["name"]) or {})}
+        if entry["name"] in (stand_ins or {}):
+            validate_reward_args(entry["name"], fn, merged)
+            fn, merged = stand_ins[entry["name"]], {}
         specs.append(RewardSpec(entry["name"], fn, entry.get("weight", 1.0), merged))
     return RewardComposer(specs, fallback=fallback, timeout_s=timeout_s, workers=workers)
 
@@ -534,8 +537,10 @@ def _check_picklable(spec: RewardSpec) -> None:
             )
 
 
-def _traceback_tail(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3))
+def _failed(exc: BaseException) -> CallOutcome:
+    """The outcome of a call that raised ``exc`` (a ``TimeoutError`` counts as a timeout)."""
+    return CallOutcome(ok=False, error_type=type(exc).__name__, error=str(exc), timed_out=isinstance(exc, TimeoutError),
+                       where="".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)))
 
 
 def _as_score(name: str, result: Any) -> tuple[float, dict[str, float]]:

@@ -8,7 +8,7 @@ import pytest
 
 from rltk.commands.cli import main
 from rltk.config import ConfigError, load_config
-from rltk.config.launcher_checks import ActorRequest, RayLauncherSettings, ray_launcher_settings
+from rltk.config.launcher_checks import ActorRequest, RayLauncherSettings, RewardServiceRequest, ray_launcher_settings
 
 RAY = ["trainer.mode=async", "launcher=ray"]
 
@@ -31,7 +31,8 @@ def test_the_default_is_local_and_ray_settings_default_to_one_cpu_a_producer_and
 @pytest.mark.parametrize("overrides, match", [
     (["launcher=rey"], r"bad value 'rey' for 'launcher'\. Did you mean: 'ray'.* Valid: local, ray"),
     (["launcher_args.address=auto"], r"'launcher_args' is set \(\['address'\]\) but launcher=local"),
-    (["launcher=ray"], r"bad value 'ray' for 'launcher': .*every stage runs trainer\.mode=sync"),
+    (["launcher=ray"], r"bad value 'ray' for 'launcher': .*every stage runs trainer\.mode=sync with no reward "
+                       r"service"),
     ([*RAY, "trainer.producers=0"], r"bad value 0 for 'trainer\.producers' with launcher=ray"),
     ([*RAY, "launcher_args.adress=h:1"], r"unknown key 'launcher_args\.adress'\. Did you mean: 'address'"),
     ([*RAY, "launcher_args.address=ray://head:10001"],
@@ -48,10 +49,34 @@ def test_the_default_is_local_and_ray_settings_default_to_one_cpu_a_producer_and
     ([*RAY, "launcher_args.producer.resources={rollout: 0}"],
      r"bad value 0 for 'launcher_args\.producer\.resources\.rollout': must be a number > 0"),
     ([*RAY, "launcher_args.producer.labels={pool: 3}"], r"bad value 3 for 'launcher_args\.producer\.labels\.pool'"),
+    ([*RAY, "launcher_args.rewards={exact_mach: {}}"],
+     r"unknown key 'launcher_args\.rewards\.exact_mach': 'exact_mach' is not one of the run's rewards "
+     r"\(reward\.reward_fn: exact_match\)\. Did you mean: 'exact_match'"),
+    ([*RAY, "launcher_args.rewards={exact_match: {replica: 2}}"],
+     r"unknown key 'launcher_args\.rewards\.exact_match\.replica'\. Did you mean: 'replicas'.* Valid: cpus, gpus, "
+     r"resources, labels, replicas, timeout_s"),
+    ([*RAY, "launcher_args.rewards={exact_match: {replicas: 0}}"],
+     r"bad value 0 for 'launcher_args\.rewards\.exact_match\.replicas': must be an integer >= 1"),
+    ([*RAY, "launcher_args.rewards={exact_match: {timeout_s: 0}}"],
+     r"bad value 0 for 'launcher_args\.rewards\.exact_match\.timeout_s': must be a number > 0"),
+    ([*RAY, "launcher_args.rewards={exact_match: {resources: {GPU: 1}}}"],
+     r"bad key 'launcher_args\.rewards\.exact_match\.resources\.GPU': ask for gpus with "
+     r"launcher_args\.rewards\.exact_match\.gpus"),
+    ([*RAY, "launcher_args.rewards=[exact_match]"], r"bad value \['exact_match'\] for 'launcher_args\.rewards'"),
 ])
 def test_bad_values_name_the_key_and_what_is_valid(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config([], overrides)
+
+
+def test_reward_services_are_read_with_their_requests_and_are_enough_for_a_synchronous_run():
+    cfg = load_config([], ["launcher=ray", "reward.reward_fn=[exact_match,format_tags]",
+                           "launcher_args.rewards={format_tags: {cpus: 0.5, replicas: 2, timeout_s: 60, "
+                           "resources: {sandbox: 1}, labels: {pool: cpu}}}"])
+    assert ray_launcher_settings(cfg).rewards == {"format_tags": RewardServiceRequest(
+        request=ActorRequest(cpus=0.5, gpus=0.0, resources={"sandbox": 1.0}, labels={"pool": "cpu"}), replicas=2,
+        timeout_s=60.0)}
+    assert ray_launcher_settings(load_config([], RAY)).rewards == {}
 
 
 def test_a_stage_that_runs_async_is_enough_for_launcher_ray():

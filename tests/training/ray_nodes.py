@@ -49,11 +49,13 @@ if _log and _root and _node:
 
 
 class Nodes:
-    """A head (the trainer's node, resource ``trainer``) and rollout nodes (resource ``rollout``, and
-    ``rollout_gpus`` GPUs that Ray counts and hands out, whether or not the machine has them), each with its
-    own folder under ``root``, every process audited into ``root/audit``; ``env`` is added to every node's."""
+    """A head (the trainer's node, resource ``trainer``), rollout nodes (resource ``rollout``, and
+    ``rollout_gpus`` GPUs that Ray counts and hands out, whether or not the machine has them) and optionally a
+    node for reward services (resource ``reward``), each with its own folder under ``root``, every process
+    audited into ``root/audit``; ``env`` is added to every node's."""
 
-    def __init__(self, root: Path, rollout_nodes: int, *, rollout_gpus: int = 0, env: dict | None = None):
+    def __init__(self, root: Path, rollout_nodes: int, reward_node: bool = False, *, rollout_gpus: int = 0,
+                 env: dict | None = None):
         self.root = root.resolve()
         self.extra_env = dict(env or {})
         self.audit = self.root / "audit"
@@ -71,6 +73,10 @@ class Nodes:
             self.rollout[name] = self.cluster.add_node(
                 num_cpus=1, num_gpus=rollout_gpus, resources={"rollout": 1},
                 env_vars={**self.env(name), "RLTK_RAY_WORK_DIR": str(self.folders[name])})
+        if reward_node:  # a node of its own for reward services (resource ``reward``), never lost
+            self.folders["rewards"] = self.root / "rewards"
+            self.cluster.add_node(num_cpus=1, resources={"reward": 1}, env_vars={
+                **self.env("rewards"), "RLTK_RAY_WORK_DIR": str(self.folders["rewards"])})
         for folder in self.folders.values():
             folder.mkdir(exist_ok=True)
         self.cluster.wait_for_nodes()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def nodes(tmp_path):
-    started = Nodes(tmp_path, rollout_nodes=2)
+    started = Nodes(tmp_path, rollout_nodes=2, reward_node=True)
     yield started
     started.shutdown()
 
@@ -59,7 +60,8 @@ def lose_the_producers_node_mid_run(nodes: Nodes, overrides: list[str], run_dir:
 
 def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survives_losing_its_node(nodes):
     run_dir = nodes.folders["head"] / "run"
-    first, code, output = lose_the_producers_node_mid_run(nodes, RUN, run_dir)
+    scored_elsewhere = "launcher_args.rewards={exact_match: {resources: {reward: 1}}}"  # on a third node
+    first, code, output = lose_the_producers_node_mid_run(nodes, [*RUN, scored_elsewhere], run_dir)
     assert code == 0, output[-6000:]
     (second,) = nodes.rollout
     # Ray placed the actor again on the node left, and the trainer started its loop again
@@ -75,6 +77,15 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
     assert [r["step"] for r in rows] == list(range(1, RL_STEPS + 1))
     assert all(r["staleness/max"] <= 1 and r["staleness/dropped"] == 0 for r in rows)
 
+    # every sample was scored by the reward service on the third node: the producers' (both of them, before and
+    # after the loss) and the trainer's held-out evaluations (20 rows, greedy and sampled, at steps 0 and 8 and
+    # at the end), with no failure
+    assert "rltk: reward service 'exact_match' replica 0 on node" in output
+    assert f"folder {nodes.folders['rewards'] / NAME / 'reward-exact_match-0'})" in output, output[-3000:]
+    scored = int(output.split("rltk: reward service rltk-reward/ray-test/exact_match/0 scored ")[1].split()[0])
+    assert scored >= 16 * RL_STEPS + 3 * 2 * 20, output[-3000:]
+    assert all(r["reward_fn/failures/exact_match"] == 0 for r in rows)
+
     # no process opened, created or listed anything in another node's folder
     opened = assert_no_node_touched_another_nodes_folder(nodes)
     # ... and the audit saw each side at work: the trainer's files on the head, the queue opened there by the
@@ -86,6 +97,8 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
     for node in (first, second):
         assert any(event == "os.mkdir" and path.endswith(f"{NAME}{os.sep}stage_0{os.sep}producer-0")
                    for _, event, path in opened[node]), (node, opened.get(node))
+    assert any(event == "os.mkdir" and path == str(nodes.folders["rewards"] / NAME / "reward-exact_match-0")
+               for _, event, path in opened["rewards"]), opened.get("rewards")
     # the hf producers loaded the weights from the object store: no weights file beside the queue or the producers
     assert not [p for folder in [run_dir / "async", *(nodes.folders[n] for n in (first, second))]
                 for p in folder.rglob("*.safetensors")]
@@ -159,7 +172,9 @@ def test_a_trainer_that_crashed_resumes_from_its_queue_and_trains_each_experienc
     ray.shutdown()  # whatever an earlier test of this process left connected: the run would use it
     nodes = Nodes(tmp_path, rollout_nodes=1)
     run_dir = nodes.folders["head"] / "run"
-    overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}"]
+    # a reward service too: the resumed run places it again under the same name, in the same process
+    overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}",
+                 "launcher_args.rewards={exact_match: {cpus: 0.5}}"]
     try:
         with crash_at_step(5):  # after the checkpoint of step 4: the leases of step 5 go back to the queue
             main(["run", "grpo", *overrides])
@@ -192,3 +207,25 @@ def test_weights_travel_as_arrays_of_their_dtype_with_a_tied_weight_once():
     assert tied == ["lm_head.weight"]  # the head shares the embedding's storage: sent once
     load_weights_state(received, from_arrays(arrays), "test")
     assert all(torch.equal(p, q) for p, q in zip(sent.state_dict().values(), received.state_dict().values()))
+
+
+@pytest.mark.distributed
+def test_every_trainer_rank_scores_its_held_out_share_through_the_reward_service(tmp_path):
+    from tests.isolated import run_isolated
+
+    nodes = Nodes(tmp_path, rollout_nodes=1, reward_node=True)
+    run_dir = nodes.folders["head"] / "run"
+    try:
+        out = run_isolated([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *RUN,
+                            "launcher_args.rewards={exact_match: {resources: {reward: 1}}}"],
+                           extra_env={**nodes.env("head"), "RAY_ADDRESS": nodes.cluster.address}, timeout=600)
+    finally:
+        nodes.shutdown()
+    assert [r["step"] for r in trained_steps(run_dir)] == list(range(1, RL_STEPS + 1))
+    scored = int(out.stdout.split("rltk: reward service rltk-reward/ray-test/exact_match/0 scored ")[1].split()[0])
+    # the producer's batches (the trained 8, and at most the 2 staleness 1 lets it put ahead) and three whole
+    # held-out evaluations (steps 0 and 8 and the end: 20 rows, greedy and sampled), half of each from rank 1,
+    # which had no other way to score: a rank left out would leave 60 samples unscored
+    assert 16 * RL_STEPS + 3 * 2 * 20 <= scored <= 16 * (RL_STEPS + 2) + 3 * 2 * 20, out.stdout[-3000:]
+    assert "rltk: final held-out" in out.stdout

@@ -22,7 +22,7 @@ import os
 import socket
 
 from rltk.config.launcher_checks import ActorRequest, RayLauncherSettings, ray_launcher_settings
-from rltk.errors import ConfigError
+from rltk.errors import ConfigError, ProcessWaitError
 
 
 def _reachable(address: str, timeout_s: float) -> str | None:
@@ -99,8 +99,115 @@ def open_cluster(cfg) -> RayLauncherSettings:
     import ray
 
     settings = connect(cfg)
-    check_request(settings.producer, "launcher_args.producer", ray.nodes())
+    nodes = ray.nodes()
+    check_request(settings.producer, "launcher_args.producer", nodes)
+    for name, service in settings.rewards.items():
+        check_request(service.request, f"launcher_args.rewards.{name}", nodes)
     return settings
+
+
+def join_cluster(cfg, *, main_process: bool, finished: bool) -> None:
+    """As a ``launcher=ray`` run opens: the trainer's first process connects, checks the requests and places
+    the reward services (:func:`place_reward_services`); the others connect only when there are reward
+    services, whose stand-ins score their share of the held-out evaluation. A finished run connects only for
+    its services (its final evaluation)."""
+    settings = ray_launcher_settings(cfg)
+    if main_process:
+        if not finished or settings.rewards:
+            open_cluster(cfg)
+            place_reward_services(cfg, settings)
+        return
+    if not settings.rewards:
+        return  # only rank 0 talks to Ray: it hands the other ranks their experiences
+    if not (settings.address or os.environ.get("RAY_ADDRESS")):
+        raise ConfigError("bad value for 'launcher_args.address': every process of a multi-process trainer scores "
+                          "its share of the held-out set through the reward services of launcher_args.rewards, so "
+                          "they must all join one cluster; give its address (launcher_args.address=auto or "
+                          "host:port, or RAY_ADDRESS) instead of a Ray of the first process's own")
+    connect(cfg)
+
+
+#: The reward services this process placed (actor name -> handle): holding the handles keeps the actors, which
+#: Ray ends with this process; a run opened again in the same process replaces them.
+_SERVICES: dict[str, object] = {}
+#: Seconds a service's name may stay taken after its actor was ended (Ray frees it asynchronously).
+NAME_RELEASE_S = 30.0
+
+
+def place_reward_services(cfg, settings: RayLauncherSettings) -> None:
+    """Start ``launcher_args.rewards``' actors, named for the run (:func:`~rltk.rewards.ray_service.service_name`),
+    each placed by its request within ``launcher_args.placement_timeout_s`` (ConfigError naming the key)."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from rltk.rewards.ray_service import RewardService, service_name
+
+    release_reward_services(report=False)
+    reward = OmegaConf.to_container(cfg.reward, resolve=True)
+    waiting_for = {}
+    for name, service in settings.rewards.items():
+        options = {**actor_options(service.request, max_restarts=settings.max_restarts),
+                   "max_task_retries": settings.max_restarts, "namespace": settings.namespace}  # scoring is idempotent
+        for replica in range(service.replicas):
+            actor_name = service_name(cfg.name, name, replica)
+            handle = _create_named(ray.remote(RewardService).options(name=actor_name, **options), actor_name,
+                                   settings.namespace, reward=reward, name=name, work_dir=settings.work_dir,
+                                   run_name=str(cfg.name), replica=replica)
+            _SERVICES[actor_name] = handle
+            waiting_for[handle.where.remote()] = (name, replica)
+    if not waiting_for:
+        return
+    placed, waiting = ray.wait(list(waiting_for), num_returns=len(waiting_for), timeout=settings.placement_timeout_s)
+    if waiting:
+        release_reward_services(report=False)
+        names = sorted({waiting_for[ref][0] for ref in waiting})
+        raise ConfigError(f"bad value for 'launcher_args.rewards.{names[0]}': the Ray cluster placed {len(placed)} of "
+                          f"{len(waiting_for)} reward service actors within {settings.placement_timeout_s:g} s "
+                          f"(launcher_args.placement_timeout_s); not placed: {', '.join(names)}. Ask for less, fewer "
+                          f"replicas, or add nodes")
+    for ref in placed:
+        name, replica = waiting_for[ref]
+        try:
+            where = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:  # its __init__ failed: a path missing on its node ...
+            release_reward_services(report=False)
+            raise ProcessWaitError(f"reward service '{name}' (launcher_args.rewards.{name}) could not start on its "
+                                   f"node: {exc}") from None
+        print(f"rltk: reward service '{name}' replica {replica} on node {where['node'][:8]} ({where['address']}, "
+              f"pid {where['pid']}, folder {where['folder']})", flush=True)
+
+
+def _create_named(actor_type, actor_name: str, namespace: str, **kwargs):
+    """``actor_type.remote(**kwargs)`` under ``actor_name``, waiting up to :data:`NAME_RELEASE_S` for an ended
+    actor's name to be freed; a name another live run holds is refused, naming the keys that tell runs apart."""
+    import time
+
+    deadline = time.monotonic() + NAME_RELEASE_S
+    while True:
+        try:
+            return actor_type.remote(**kwargs)
+        except ValueError as exc:  # the name is taken
+            if time.monotonic() > deadline:
+                raise ConfigError(f"bad value {kwargs['run_name']!r} for 'name': another run of that name holds the "
+                                  f"reward service actor '{actor_name}' in the Ray namespace '{namespace}' ({exc}); "
+                                  f"give this run another name, or another launcher_args.namespace") from None
+            time.sleep(0.5)
+
+
+def release_reward_services(*, report: bool = True) -> None:
+    """End the reward services this process placed; with ``report``, first say how many samples each scored."""
+    import ray
+
+    for actor_name, handle in list(_SERVICES.items()):
+        if report:
+            try:
+                scored = ray.get(handle.samples_scored.remote(), timeout=30)
+                print(f"rltk: reward service {actor_name} scored {scored} samples", flush=True)
+            except Exception as exc:  # a service already gone: nothing to report, ending it is all that is left
+                print(f"rltk: reward service {actor_name} did not answer at the end ({type(exc).__name__})",
+                      flush=True)
+        ray.kill(handle, no_restart=True)
+    _SERVICES.clear()
 
 
 def _describe(node: dict) -> str:
@@ -155,11 +262,3 @@ def pinned_here() -> dict:
 
     node = ray.get_runtime_context().get_node_id()
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False), "num_cpus": 0}
-
-
-def node_work_dir(settings_work_dir: str | None) -> str:
-    """The folder a producer works in on its own node: ``launcher_args.work_dir``, else ``$RLTK_RAY_WORK_DIR``
-    as that node's environment sets it, else ``<tmp>/rltk-ray``. Evaluated on the producer's node."""
-    import tempfile
-
-    return settings_work_dir or os.environ.get("RLTK_RAY_WORK_DIR") or os.path.join(tempfile.gettempdir(), "rltk-ray")

@@ -27,7 +27,7 @@ the queue and the weights differ). Over the network instead of through files:
   ``max_restarts`` = ``launcher_args.max_restarts``: an actor whose process or node dies is started again
   on a node that meets the request, and the trainer (:class:`RayProducer`) starts its loop again, at most
   ``max_restarts`` times, then reports it, naming the producer, where it ran and what happened. Each
-  producer works in a folder of its own node (:func:`~rltk.training.rollouts.ray_cluster.node_work_dir`),
+  producer works in a folder of its own node (:func:`~rltk.io.node_work_dir`),
   and nothing on its node reads the trainer's run folder (the config travels as a value; data and model
   paths in it must exist on every node, or be built in memory like the tiny model).
 
@@ -56,7 +56,8 @@ from rltk.training.rollouts.async_rollout import (
     HANDOFF_MARGIN_S, AsyncRollouts, ProducerFailed, _handoff_group, open_trainer_queue,
 )
 from rltk.training.rollouts.producer import EXIT_TIMEOUT, WeightsFollower
-from rltk.training.rollouts.ray_cluster import actor_options, node_work_dir, open_cluster, pinned_here
+from rltk.io import node_work_dir
+from rltk.training.rollouts.ray_cluster import actor_options, open_cluster, pinned_here
 
 #: Seconds between a Ray producer's looks at the queue and the weights (each is a call to another node).
 POLL_S = 0.05
@@ -359,7 +360,10 @@ class RayRollouts(AsyncRollouts):
         ``launcher_args.placement_timeout_s`` (ConfigError naming the keys otherwise)."""
         cfg, count = self.stage.cfg, int(self.stage.cfg.trainer.producers)
         # the resolved config as YAML: small enough to travel inline with the actor's creation, so Ray can
-        # start the actor again after its node died (arguments in the object store might be gone by then)
+        # start the actor again after its node died (arguments in the object store might be gone by then).
+        # The front's handle is an argument too, which is why Ray warns that "constructor arguments in the
+        # object store" may stop a restart (ray-project/ray#53727): the front lives on the trainer's node as
+        # long as the stage, so a restart that matters finds it (the node-loss test restarts a producer).
         values = OmegaConf.to_yaml(cfg, resolve=True)
         actor_type = ray.remote(ProducerActor).options(**actor_options(settings.producer,
                                                                        max_restarts=settings.max_restarts))

@@ -87,7 +87,22 @@ def build_reward(cfg: DictConfig):
         fallback=r.fallback,
         timeout_s=r.timeout_s,
         workers=r.workers,
+        stand_ins=reward_services(cfg),
     )
+
+
+def reward_services(cfg: DictConfig) -> dict:
+    """``launcher=ray``'s reward services (``launcher_args.rewards``), as the stand-ins that call them."""
+    if cfg.get("launcher", "local") != "ray" or not (cfg.get("launcher_args") or {}).get("rewards"):
+        return {}
+    from rltk.config.launcher_checks import ray_launcher_settings
+    from rltk.rewards.ray_service import RemoteReward
+
+    settings = ray_launcher_settings(cfg)
+    return {name: RemoteReward(name, run_name=str(cfg.name), namespace=settings.namespace,
+                               replicas=service.replicas, timeout_s=service.timeout_s,
+                               lookup_timeout_s=settings.placement_timeout_s)
+            for name, service in settings.rewards.items()}
 
 
 def build_workflow(cfg: DictConfig, policy, tokenizer):

@@ -111,11 +111,12 @@ def open_run(cfg: DictConfig) -> Run:
         resume = start_point(cfg, stage_steps)
     finished = run_is_finished(resume, cfg)
     # A finished run's config.yaml keeps describing how it was trained: nothing more is trained now.
-    if cfg.get("launcher", "local") == "ray" and process_rank() == 0 and not finished:
-        # the cluster reached, and the producers' request checked against its nodes, before a model is built
-        from rltk.training.rollouts.ray_cluster import open_cluster
+    if cfg.get("launcher", "local") == "ray":
+        # the cluster reached, the requests checked against its nodes and the reward services placed, before a
+        # model is built
+        from rltk.training.rollouts.ray_cluster import join_cluster
 
-        open_cluster(cfg)
+        join_cluster(cfg, main_process=process_rank() == 0, finished=finished)
     run_dir = prepare_run_dir(cfg, write_config=not finished and process_rank() == 0)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
     if process_rank() == 0 and not finished:
@@ -249,6 +250,10 @@ def finish_run(run: Run) -> dict:
         close_reward()
     run.workflow.close()  # its own resources (agentic: the endpoint's threads)
     run.workflow.engine.close()  # vllm: its worker and the process group it made
+    if run.cfg.get("launcher", "local") == "ray":
+        from rltk.training.rollouts.ray_cluster import release_reward_services
+
+        release_reward_services()  # each says how many samples it scored
     summary = {"final": final, "steps": sum(run.stage_steps)}
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
