@@ -30,6 +30,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def nodes(tmp_path):
+    started = Nodes(tmp_path, rollout_nodes=2)
+    yield started
+    started.shutdown()
+
+
+@pytest.fixture
+def nodes_and_rewards(tmp_path):
     started = Nodes(tmp_path, rollout_nodes=2, reward_node=True)
     yield started
     started.shutdown()
@@ -58,7 +65,9 @@ def lose_the_producers_node_mid_run(nodes: Nodes, overrides: list[str], run_dir:
     return lost, trainer.returncode, log.read_text()
 
 
-def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survives_losing_its_node(nodes):
+def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survives_losing_its_node(
+        nodes_and_rewards):
+    nodes = nodes_and_rewards
     run_dir = nodes.folders["head"] / "run"
     scored_elsewhere = "launcher_args.rewards={exact_match: {resources: {reward: 1}}}"  # on a third node
     first, code, output = lose_the_producers_node_mid_run(nodes, [*RUN, scored_elsewhere], run_dir)
@@ -174,7 +183,8 @@ def test_a_trainer_that_crashed_resumes_from_its_queue_and_trains_each_experienc
     run_dir = nodes.folders["head"] / "run"
     # a reward service too: the resumed run places it again under the same name, in the same process
     overrides = [f"output_dir={run_dir}", *RUN, f"launcher_args.address={nodes.cluster.address}",
-                 "launcher_args.rewards={exact_match: {cpus: 0.5}}"]
+                 # on the head: the rollout node's one CPU is the producer's
+                 "launcher_args.rewards={exact_match: {cpus: 0.5, resources: {trainer: 0.5}}}"]
     try:
         with crash_at_step(5):  # after the checkpoint of step 4: the leases of step 5 go back to the queue
             main(["run", "grpo", *overrides])
