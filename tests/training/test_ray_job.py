@@ -66,11 +66,18 @@ class JobCluster:
         self.client = JobSubmissionClient(self.url)
 
     def _wait_for_the_job_server(self, deadline_s: float) -> None:
-        """The dashboard answers /api/version once it serves; on a loaded 2-core machine that takes a while."""
+        """The dashboard answers /api/version once it serves; on a loaded 2-core machine that takes a while.
+        Ray 2.60 turns token authentication on for a cluster started by a process that ran ``ray.init`` before
+        (an earlier test of this worker), so the request carries the token Ray's own clients send (from
+        ``~/.ray/auth_token``); a cluster without authentication ignores it."""
+        from ray._raylet import AuthenticationTokenLoader
+
+        token = AuthenticationTokenLoader.instance().get_token_for_http_header()
         start, why = time.monotonic(), None
         while time.monotonic() - start < deadline_s:
             try:
-                with urllib.request.urlopen(f"{self.url}/api/version", timeout=10) as answer:
+                request = urllib.request.Request(f"{self.url}/api/version", headers=token)
+                with urllib.request.urlopen(request, timeout=10) as answer:
                     if answer.status == 200:
                         return
             except OSError as exc:
