@@ -96,13 +96,13 @@ class Nodes:
 
     def lose(self, node: str) -> None:
         """The machine of ``node`` goes down: its Ray processes (raylet, object store) and every worker process
-        on it (a worker outlives its raylet for a while; on a real machine it would not)."""
+        on it (a worker outlives its raylet for a while; on a real machine it would not). The workers are
+        frozen first, so that nothing on the node works on while Ray takes it down (a producer would go on
+        putting batches, and on a fast step could finish the stage before its node is gone)."""
+        workers = [int(log.stem.rsplit("-", 1)[1]) for log in self.audit.glob(f"{node}-*.txt")]
+        _signal(workers, signal.SIGSTOP)
         self.cluster.remove_node(self.rollout.pop(node), allow_graceful=False)
-        for log in self.audit.glob(f"{node}-*.txt"):
-            try:
-                os.kill(int(log.stem.rsplit("-", 1)[1]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal(workers, signal.SIGKILL)
 
     def opened(self) -> dict[str, list[tuple[str, str, str]]]:
         """node -> [(pid, event, path)] every audited process of it recorded."""
@@ -116,13 +116,21 @@ class Nodes:
         self.cluster.shutdown()
 
 
-def wait_for(what: str, done, timeout_s: float, proc: subprocess.Popen, log: Path):
+def _signal(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(what: str, done, timeout_s: float, proc: subprocess.Popen, log: Path, poll_s: float = 0.5):
     start = time.monotonic()
     while not (result := done()):
         assert proc.poll() is None, f"the trainer exited ({proc.returncode}) while waiting for {what}:\n" + \
             log.read_text()[-5000:]
         assert time.monotonic() - start < timeout_s, f"waited {timeout_s} s for {what}:\n" + log.read_text()[-5000:]
-        time.sleep(0.5)
+        time.sleep(poll_s)
     return result
 
 

@@ -55,8 +55,11 @@ def lose_the_producers_node_mid_run(nodes: Nodes, overrides: list[str], run_dir:
                          if (nodes.folders[name] / NAME / "stage_0" / "producer-0").is_dir()), None)
 
         lost = wait_for("the producer actor's folder on a rollout node", producer_node, 240, trainer, log)
-        wait_for("the producer's first batch in the queue", lambda: put_count(run_dir) >= 16, 300, trainer, log)
+        # looked at often: a producer may put a batch a few tenths of a second, and the stage must still need it
+        wait_for("the producer's first batch in the queue", lambda: put_count(run_dir) >= 16, 300, trainer, log,
+                 poll_s=0.02)
         nodes.lose(lost)
+        assert put_count(run_dir) < 16 * RL_STEPS, "the producer put the whole stage before its node was lost"
         trainer.wait(timeout=480)
     finally:
         if trainer.poll() is None:
