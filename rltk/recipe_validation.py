@@ -61,10 +61,18 @@ def recipe_spec(stages: Mapping[str, StageSpec], name: str) -> RecipeSpec:
     """
     specs = {t: _spec_of(t, s) for t, s in stages.items()}
     own = specs.get("rl", RecipeSpec(name))
-    others = tuple(spec for t, spec in sorted(specs.items()) if t != "rl" and spec.batch_fields is not None)
+    own_loop = stages.get("rl")
+    others = tuple(spec for t, spec in sorted(specs.items())
+                   if t != "rl" and stages[t] is not own_loop and spec.batch_fields is not None)
     return RecipeSpec(name, own.batch_fields, own.buffer_sources, others, own.expert_data, own.trainer_modes,
                       stage_types=frozenset(stages),
                       stage_recipes=tuple(sorted((t, specs[t]) for t, s in stages.items() if t != "rl" and s.provides)))
+
+
+def shipped_recipe_spec(recipe: str) -> RecipeSpec:
+    """What the shipped recipe ``recipe`` (a name, an alias or the path of its script) serves: its registered stages."""
+    name = resolve_recipe(str(recipe)).stem
+    return recipe_spec(recipe_stages(name), name)
 
 
 def _spec_of(name: str, stage: StageSpec) -> RecipeSpec:
@@ -237,7 +245,7 @@ def validate(recipe: str | None, files: list[Path], overrides: list[str], *, war
         if script.resolve().parent != _recipes_dir().resolve():  # someone's script: ask it
             cfg, spec, used = _validate_script(script, list(files), list(overrides))
             return cfg, _ok_line(cfg, spec, used, overrides, _check_warmup_demonstrations(cfg))
-        spec = recipe_spec(recipe_stages(script.stem), script.stem)
+        spec = shipped_recipe_spec(script.stem)
         # as `rltk run`: the recipe's own config unless --config replaces it
         defaults, files = config_layers(script, list(files))
     cfg = load_config(files, overrides, recipe=spec, warn=warn, defaults=defaults)
@@ -255,15 +263,16 @@ def _ok_line(cfg, spec: RecipeSpec | None, files: list[Path], overrides: list[st
 
 def what_runs(cfg, recipe: str | None) -> str:
     """What a run of ``cfg`` trains, stage by stage, for ``rltk validate``'s ok line: e.g. ``2 stages: warmup
-    (sft), dpo (dpo, loss sigmoid)``; an RL stage names its algorithm, the reward_model recipe its loss."""
-    from rltk.training.scaffold.setup import samples_every_step, stage_config
+    (sft), dpo (dpo, loss sigmoid)``; a stage that feeds an advantage estimator names its algorithm, the
+    reward_model recipe its loss."""
+    from rltk.training.scaffold.setup import stage_config
 
     parts = []
     for i, stage in enumerate(cfg.stages):
         staged = stage_config(cfg, i)
         if stage.type == "distill":
             detail = f", advantage {staged.algorithm.advantage_fn}"
-        elif samples_every_step(stage.type):
+        elif stage.type == "rl" or registered_stages()[stage.type].fields("batch_fields"):  # it runs the estimator
             detail = f", algorithm {staged.algorithm.name}"
         elif stage.type == "dpo":
             detail = f", loss {staged.dpo.loss}{', online' if staged.dpo.online else ''}"

@@ -28,8 +28,8 @@ from rltk.commands.serve_tinker import cmd_serve_tinker
 from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.recipe_validation import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
-    VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, _recipes_dir, config_layers, default_config_for, recipe_spec,
-    recipe_stages, resolve_recipe, shipped_recipes, validate,
+    VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, _recipes_dir, config_layers, default_config_for, resolve_recipe,
+    shipped_recipe_spec, shipped_recipes, validate,
 )
 from rltk.registry import (
     KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
@@ -122,8 +122,7 @@ def cmd_run(args, extra: list[str]) -> int:
     # script validates itself against the stages it hands parse_recipe_args, before anything heavy.
     if recipe.resolve().parent == _recipes_dir().resolve():
         defaults, chosen = config_layers(recipe, files)
-        load_config(chosen, overrides, recipe=recipe_spec(recipe_stages(recipe.stem), recipe.stem), warn=False,
-                    defaults=defaults)
+        load_config(chosen, overrides, recipe=shipped_recipe_spec(recipe.stem), warn=False, defaults=defaults)
     argv = [str(recipe)]
     for f in files:
         argv += ["--config", str(f)]

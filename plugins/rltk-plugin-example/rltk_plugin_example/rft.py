@@ -6,7 +6,7 @@ Yuan et al. 2023, "Scaling Relationship on Learning Mathematical Reasoning with 
 
     rows     <- trainer.prompts_per_step prompts
     y_1..n   ~ pi(. | x)                       (rollout.n samples per prompt, scored by reward.reward_fn)
-    D        <- the distinct responses of each prompt with score > 0      (the reward accepts them)
+    D        <- the responses with score > 0                                (the reward accepts them)
     update   <- one optimizer step of - sum_{(x,y) in D} sum_t log pi(y_t | x, y_<t) / sum |y|   (trainer.lr)
 
 A prompt none of whose samples is accepted teaches nothing this round; a round in which some process
@@ -27,14 +27,10 @@ from rltk.recipes import (
 
 
 def accepted(experiences) -> list:
-    """The experiences the reward accepts (score > 0), each distinct response of a prompt once."""
-    seen, kept = set(), []
-    for e in experiences:
-        key = (e.group_id, tuple(e.response_ids))
-        if e.score > 0 and key not in seen:
-            seen.add(key)
-            kept.append(e)
-    return kept
+    """The experiences the reward accepts (score > 0). A correct answer sampled k times is kept k times, so a
+    prompt's accepted answers weigh as often as the policy found them (STaR keeps every one; RFT's
+    deduplication would weigh a prompt solved once as much as one solved every time)."""
+    return [e for e in experiences if e.score > 0]
 
 
 def run_rft_stage(stage):

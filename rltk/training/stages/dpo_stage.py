@@ -1,7 +1,7 @@
 """The DPO loop and its variants (IPO, SLiC hinge, cDPO), offline from preference pairs or online from samples.
 
 Rafailov et al. 2023 (arXiv:2305.18290). The algorithm box is ``recipes/dpo.py``'s docstring; the stage
-is registered as ``dpo`` (:mod:`rltk.training.stages.builtin`).
+is registered as ``dpo`` (:mod:`rltk.builtin_stages`).
 """
 
 from __future__ import annotations

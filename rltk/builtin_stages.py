@@ -2,7 +2,8 @@
 
 Each spec names its loop as ``"module:function"``, imported the first time the stage runs, and says what the
 loop provides its components (see :class:`rltk.StageSpec`), so ``rltk validate`` and ``rltk list stage`` read
-this module without importing torch. ``type: grpo`` in any run's ``stages`` runs :mod:`.grpo_stage`'s loop;
+this module without importing torch or any training code (the layers' ground floor: config validation loads
+it). ``type: grpo`` in any run's ``stages`` runs :mod:`rltk.training.stages.grpo_stage`'s loop;
 ``type: rl`` in ``rltk run grpo`` runs the same loop (:func:`rltk.recipes.recipe_stages`).
 """
 
