@@ -70,7 +70,8 @@ def build_service(args):
 
     from rltk.serve.auth import api_keys_from
     from rltk.tinker_service.adapters import Workspace
-    from rltk.tinker_service.app import ServiceState, create_app
+    from rltk.tinker_service.app import create_app
+    from rltk.tinker_service.state import ServiceState
     from rltk.tinker_service.futures import FutureStore
     from rltk.tinker_service.sessions import Registry
 

@@ -239,6 +239,9 @@ def test_bad_input_is_a_400_naming_the_field(server):
     sampler = client.save_weights_and_get_sampling_client().result()
     with pytest.raises(Exception, match=r"sampling_params\.max_tokens: .* exceed the model's context of 256"):
         sampler.sample(types.ModelInput.from_ints(tokens), 1, types.SamplingParams(max_tokens=1000)).result()
+    long_prompt = types.ModelInput.from_ints((tokens * 64)[:256])
+    with pytest.raises(Exception, match=r"prompt: 256 tokens, over this model's limit of 255 prompt tokens"):
+        sampler.sample(long_prompt, 1, types.SamplingParams(max_tokens=4)).result()
     service.close("success").result()
 
 
