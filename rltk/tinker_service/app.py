@@ -22,6 +22,7 @@ def create_app(state: ServiceState, *, api_keys: list[str] | None = None, docs: 
     from rltk.serve.auth import APIKeyMiddleware
     from rltk.serve.errors import install_error_handlers
     from rltk.tinker_service import routes
+    from rltk.tinker_service.hub import add_hub_routes
 
     app = FastAPI(title="rltk serve-tinker", docs_url="/docs" if docs else None,
                   openapi_url="/openapi.json" if docs else None, redoc_url=None)
@@ -39,6 +40,7 @@ def create_app(state: ServiceState, *, api_keys: list[str] | None = None, docs: 
     routes.add_training_routes(app, state)
     routes.add_sampling_routes(app, state)
     routes.add_future_routes(app, state)
+    add_hub_routes(app, state.tokenizer)
     app.add_middleware(APIKeyMiddleware, keys=list(api_keys or []), key_header=API_KEY_HEADER.encode(),
                        open_paths=frozenset({"/api/v1/healthz"}))
     return app

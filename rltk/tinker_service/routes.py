@@ -139,7 +139,7 @@ def add_training_routes(app, state: ServiceState) -> None:
         arch = getattr(getattr(ws.base, "config", None), "model_type", None)
         return {"type": "get_info", "model_id": model.id, "is_lora": True, "lora_rank": model.rank,
                 "model_name": state.model_name,
-                "model_data": {"arch": arch, "model_name": state.model_name, "tokenizer_id": state.tokenizer_id}}
+                "model_data": {"arch": arch, "model_name": state.model_name, "tokenizer_id": state.tokenizer.name}}
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):

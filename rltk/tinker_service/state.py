@@ -13,6 +13,7 @@ from typing import Any
 
 from rltk.serve.errors import APIError
 from rltk.tinker_service.adapters import Workspace
+from rltk.tinker_service.hub import ServedTokenizer
 from rltk.tinker_service.futures import FutureStore, TooBusy, UserError
 from rltk.tinker_service.losses import LossError
 from rltk.tinker_service.sessions import NotFound, Registry, owner_of
@@ -30,7 +31,7 @@ class ServiceState:
 
     workspace: Workspace
     model_name: str
-    tokenizer_id: str | None
+    tokenizer: ServedTokenizer
     registry: Registry
     futures: FutureStore
     limits: TinkerLimits = field(default_factory=TinkerLimits)
