@@ -111,3 +111,22 @@ def test_the_old_import_paths_work_for_a_release_with_a_deprecation_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         import rltk.recipes  # noqa: F401  (the new face warns nothing)
+
+
+def test_a_script_written_for_the_old_stages_still_validates_with_a_deprecation_warning(tmp_path):
+    # a copy of an old recipe: module-level STAGES and PROVIDES, parse_recipe_args() without stages
+    (tmp_path / "old_copy.py").write_text(
+        "from rltk.recipe_utils import parse_recipe_args\n"
+        "from rltk.training.stages.loop_state import rl_provides\n"
+        "def my_loop(stage):\n"
+        "    raise SystemExit('validating must not run the loop')\n"
+        "PROVIDES = rl_provides('values')\n"
+        "STAGES = {'rl': my_loop}\n"
+        "def main():\n"
+        "    parse_recipe_args()\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n")
+    with pytest.warns(DeprecationWarning, match="STAGES/PROVIDES is read for one more release"):
+        cfg, _ = validate(str(tmp_path / "old_copy.py"), [], ["algorithm.advantage_fn=gae",
+                                                                "stages=[{name: r, type: rl}]"])
+    assert cfg.algorithm.advantage_fn == "gae"
