@@ -1,6 +1,6 @@
 """Every list of batch fields agrees with the one contract, rltk.batch_types.TrainingBatch.
 
-The registry's fields derive from it; the recipes' PROVIDES, what collate builds (names, ranks and
+The registry's fields derive from it; the stages' provides, what collate builds (names, ranks and
 dtypes), the CONTRIBUTING table and the docstring tables of rltk.batch and rltk.algorithms.advantages
 are checked against it here, so a field added in one place and not the others fails a test.
 """

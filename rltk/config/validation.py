@@ -193,7 +193,7 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
     started by the user, ``rltk produce``),
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
     are plain choices). ``one_step_off`` and ``async`` run in a recipe that
-    declares them (``PROVIDES["trainer_modes"]``: grpo, ppo, distill), with local producer
+    declares them (its stages' ``provides["trainer_modes"]``: grpo, ppo, distill), with local producer
     processes on the ``hf`` or ``vllm_server`` engine (the colocated ``vllm``
     lives in the trainer's process; given ``servers`` take one producer);
     ``one_step_off`` is ``max_staleness=1``. The
