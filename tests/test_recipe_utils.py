@@ -130,3 +130,37 @@ def test_a_script_written_for_the_old_stages_still_validates_with_a_deprecation_
         cfg, _ = validate(str(tmp_path / "old_copy.py"), [], ["algorithm.advantage_fn=gae",
                                                                 "stages=[{name: r, type: rl}]"])
     assert cfg.algorithm.advantage_fn == "gae"
+
+
+@pytest.mark.slow
+def test_a_copied_recipe_runs_the_loop_it_defines(tmp_path):
+    from rltk.commands.cli import main
+
+    script = tmp_path / "counted.py"
+    script.write_text(
+        "from rltk.recipes import (StageSpec, finish_run, open_run, parse_recipe_args, recipe_stages, rl_provides,\n"
+        "                          run_grpo_stage, run_stages)\n"
+        "calls = []\n"
+        "def my_loop(stage):\n"
+        "    calls.append(stage.run.cfg.stages[stage.index].name)\n"
+        "    return run_grpo_stage(stage)\n"
+        "STAGES = recipe_stages('grpo', rl=StageSpec(my_loop, 'grpo, counted', provides=rl_provides('ref_logprobs')))\n"
+        "def main():\n"
+        "    cfg = parse_recipe_args(STAGES)\n"
+        "    run = open_run(cfg)\n"
+        "    run_stages(run, STAGES)\n"
+        "    finish_run(run)\n"
+        "    open(__file__ + '.calls', 'w').write(','.join(calls))\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n")
+    run_dir = tmp_path / "run"
+    assert main(["run", str(script), f"output_dir={run_dir}", "data.task_args.max_digits=1", "data.train_size=40",
+                 "data.eval_size=8", "sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=2",
+                 "trainer.warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.eval_every=0",
+                 "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=0",
+                 "stages=[{name: warm, type: sft}, {name: mine, type: rl}]"]) == 0
+    assert (tmp_path / "counted.py.calls").read_text() == "mine"  # the sft stage ran the registered loop
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "pg_loss" in r] == [3, 4]
