@@ -311,9 +311,14 @@ def run_method(method, inp, ref, device, warmup, repeats) -> dict:
             torch.cuda.empty_cache()
     n, hh, v = inp["hidden"].shape[0], inp["hidden"].shape[1], inp["weight"].shape[0]
     median = statistics.median(times)
-    return {"status": "ok", "time_ms": median * 1e3, "times_ms": [t * 1e3 for t in times],
-            "tflops": 8 * n * hh * v / median / 1e12, "peak_mib": max(peaks), "loss": loss, "finite": finite,
-            "errors": errors}
+    result = {"status": "ok", "time_ms": median * 1e3, "times_ms": [t * 1e3 for t in times],
+              "tflops": 8 * n * hh * v / median / 1e12, "peak_mib": max(peaks), "loss": loss, "finite": finite,
+              "errors": errors}
+    if method.startswith("rltk-triton-hopper"):  # what the autotune chose so far, for tuning the candidates
+        from rltk.kernels import triton_hopper
+
+        result["tuned_configs"] = {repr(key): repr(config) for key, config in triton_hopper.tuned_configs().items()}
+    return result
 
 
 def versions(device) -> dict:

@@ -400,6 +400,11 @@ def tune_key(kind: str, hidden: torch.Tensor, weight: torch.Tensor, flags: tuple
 _TUNED: dict[tuple, HopperConfig] = {}
 
 
+def tuned_configs() -> dict[tuple, HopperConfig]:
+    """What the autotune chose in this process so far: ``{tune_key(...): config}``."""
+    return dict(_TUNED)
+
+
 def pick_config(key: tuple, candidates: Sequence[HopperConfig], launch: Callable[[HopperConfig], object],
                 timer: Callable[[Callable[[], object]], float] | None = None) -> HopperConfig:
     """The fastest of ``candidates`` for ``key``, timed once per process and cached (``_TUNED``).
