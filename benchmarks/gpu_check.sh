@@ -24,6 +24,8 @@
 #      issue's two shapes with the issue's columns: naive, the shipped triton kernels, the Hopper kernels
 #      (autotuned on their first call; the chosen configs land in hopper.json) and their deterministic mode,
 #      verl, CCE, Liger's chunked GRPO loss; the summary ends with the issue's table, new columns included.
+#   8. hopper-grpo (issue 59, for the second run): gpu_grpo_step.py, one GRPO update of the 0.5B-shaped model
+#      with the shipped kernels, the Hopper kernels and naive (bf16 weights).
 # PARTS="tests" (default "tests logprobs grpo sweep") runs only those parts: a check of the code paths alone
 # after the figures were taken. "gpu-tests" is the gpu-marked tests alone (no CPU interpreter tests beside).
 #
@@ -34,6 +36,10 @@
 # Issue 59 in one run of at most 7.5 minutes (the rest of the 15 for start-up and a rerun after tuning):
 #
 #   WHEELS=.gpu-carry PARTS="hopper" BUDGET=450 bash benchmarks/gpu_check.sh
+#
+# and, after tuning from what it showed, the rerun with the GRPO update:
+#
+#   WHEELS=.gpu-carry PARTS="hopper hopper-grpo" BUDGET=560 bash benchmarks/gpu_check.sh
 #
 # .gpu-carry holds Python 3.12 wheels the image lacks (the machine reaches no registry), fetched here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -187,6 +193,9 @@ wanted hopper && part hopper-tests 120 $PY -m pytest -p no:cacheprovider -q -rA 
     tests/kernels/test_triton_hopper.py --junitxml="$OUT/tests-hopper.xml"
 wanted hopper && part hopper 330 $PY benchmarks/grpo_head_loss.py --device cuda --methods naive rltk-triton \
     rltk-triton-hopper rltk-triton-hopper-det verl cce liger-grpo --out "$OUT/hopper.json" --table "$TMP/hopper.md"
+wanted hopper-grpo && part hopper-grpo 150 $PY benchmarks/gpu_grpo_step.py --precisions bf16-weights \
+    --impls triton triton-hopper naive --steps 3 --micro-batch 16 --out "$OUT/hopper-grpo.json" \
+    --table "$TMP/hopper-grpo.md"
 
 if wanted tests; then
     wait "$KERNELS"
@@ -199,7 +208,7 @@ fi
     echo "| part | result | time |"
     echo "|---|---|---|"
     cat "$TMP/parts"
-    for t in logprobs grpo sweep peers trl hopper; do
+    for t in logprobs grpo sweep peers trl hopper hopper-grpo; do
         if [ -f "$TMP/$t.md" ]; then
             echo
             echo "## $t"

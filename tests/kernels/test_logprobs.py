@@ -274,6 +274,12 @@ def test_auto_picks_torch_for_cpu_tensors():
     assert IMPLS == ("auto", "triton", "triton-hopper", "torch", "naive")
 
 
+def test_the_config_accepts_exactly_the_op_s_backends():
+    from rltk.config.schema import CHOICES
+
+    assert CHOICES["model.logprob_impl"] == IMPLS
+
+
 def test_unknown_impl_lists_the_valid_ones():
     hidden, weight, _, labels = make_inputs(2, 3, 4)
     with pytest.raises(ValueError, match=r"impl='cuda'.*'auto', 'triton', 'triton-hopper', 'torch', 'naive'"):
