@@ -504,16 +504,18 @@ def hopper_backward(hidden, weight, bias, labels, lse, expected_logit, grad_lp, 
     args = _BackwardArgs(hidden, weight, bias, labels.contiguous(), lse.contiguous(), expected_logit.contiguous(),
                          grad_lp, grad_ent, inv_temperature)
     flags = (bias is not None, grad_lp is not None, grad_ent is not None, need_hidden, need_weight, need_bias)
-    with _device_guard(hidden):
-        if configs[0].deterministic:
-            return args.deterministic(configs, flags)
-        def launch(config):
-            outputs = (zeros(num_tokens, hidden_size, needed=need_hidden),
-                       zeros(vocab_size, hidden_size, needed=need_weight), zeros(vocab_size, needed=need_bias))
-            args.launch(config, outputs, flags, atomic=True)
-            return outputs
+    def atomic(config):
+        outputs = (zeros(num_tokens, hidden_size, needed=need_hidden),
+                   zeros(vocab_size, hidden_size, needed=need_weight), zeros(vocab_size, needed=need_bias))
+        args.launch(config, outputs, flags, atomic=True)
+        return outputs
 
-        return launch(pick_config(tune_key("backward", hidden, weight, flags), configs, launch))
+    def deterministic(config):
+        return args.deterministic(config, flags)
+
+    kind, launch = ("backward-deterministic", deterministic) if configs[0].deterministic else ("backward", atomic)
+    with _device_guard(hidden):
+        return launch(pick_config(tune_key(kind, hidden, weight, flags), configs, launch))
 
 
 @dataclass
@@ -553,11 +555,10 @@ class _BackwardArgs:
             **_dot_flags(hidden.dtype, config), num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
-    def deterministic(self, configs, flags):
+    def deterministic(self, config, flags):
         """Two launches whose programs own what they write: d-hidden per (token block, vocab split) into
         ``[splits, N, D]`` partials summed in a fixed order, then d-weight and d-bias per vocab block."""
         has_bias, has_lp, has_ent, need_hidden, need_weight, need_bias = flags
-        config = configs[0]
         num_tokens, hidden_size = self.hidden.shape
         vocab_size = self.weight.shape[0]
         device = self.hidden.device
