@@ -45,9 +45,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .gpu-carry omegaconf==2.4.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5 trl==1.16.0 \
 #       datasets dill multiprocess xxhash pyarrow
-# (for issue 59 add verl==0.9.1 and leave out trl and the datasets stack: verl's package __init__ imports
-# more of verl than its kernel needs; where that fails here the verl column says why, and issue 59's earlier
-# figures for verl, 154 and 166 ms, came from an independent harness on the same kind of GPU)
+# (for issue 59 add verl==0.9.1, 1.7 MB, and leave out trl and the datasets stack; grpo_head_loss.py imports
+# verl's kernel without verl's package __init__, which needs Ray and more: the kernel needs torch, Triton and
+# packaging only. Checked on a CPU: it imports, then stops at its NVTX ranges, which need CUDA)
 # (omegaconf for rltk; CCE and Liger are pure Python + Triton; TRL imports datasets, which needs the rest
 # unless the image has them: pyarrow alone is ~40 MB of the 64 MiB a call carries, so leave out what the
 # image has). The preflight below prints which of them import; a part whose packages are missing says so in

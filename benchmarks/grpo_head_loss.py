@@ -158,9 +158,9 @@ def unavailable(method: str, device: str) -> str | None:
         return no_triton + "; rltk-torch is the CPU backend"
     if method == "verl":
         try:
-            from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy  # noqa: F401
-        except Exception as err:  # verl's package __init__ pulls in much of verl: any failure means no row
-            return f"verl's kernel does not import ({type(err).__name__}: {str(err)[:200]}); pip install verl==0.9.1"
+            verl_linear_cross_entropy()
+        except Exception as err:  # noqa: BLE001 - any failure to import a peer means no row, with the reason
+            return f"verl's kernel does not import ({type(err).__name__}: {str(err)[:200]}); pip install --no-deps verl==0.9.1"
         if not triton_ok:
             return no_triton
     if method.startswith("cce"):
@@ -178,6 +178,34 @@ def unavailable(method: str, device: str) -> str | None:
         if method == "liger-flce" and not triton_ok:
             return no_triton + "; the liger-grpo row (torch) runs on a CPU"
     return None
+
+
+def verl_linear_cross_entropy():
+    """verl's fused ``linear_cross_entropy`` (``verl.utils.kernel``), imported without verl's package ``__init__``.
+
+    That ``__init__`` (and ``verl.utils``'s) imports Ray, tensordict, omegaconf and more; the kernel itself needs
+    torch, Triton and ``verl.utils.device``. So the three package levels above the kernel are registered as bare
+    namespace modules on verl's own files, which ``import verl`` would not be, and a plain import is tried first.
+    """
+    import importlib
+    import importlib.util
+    import types
+
+    try:
+        return importlib.import_module("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
+    except ImportError:
+        pass
+    for name in ("verl", "verl.utils", "verl.utils.kernel"):  # a failed import leaves none of them behind
+        sys.modules.pop(name, None)
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("No module named 'verl'")
+    root = Path(spec.submodule_search_locations[0])
+    for name in ("verl", "verl.utils", "verl.utils.kernel"):
+        module = types.ModuleType(name)
+        module.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
+        sys.modules[name] = module
+    return importlib.import_module("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
 
 
 def loss_fn(method: str, inp: dict, old, device: str):
@@ -204,8 +232,7 @@ def loss_fn(method: str, inp: dict, old, device: str):
 
         return rltk_loss
     if method == "verl":
-        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
-
+        linear_cross_entropy = verl_linear_cross_entropy()
         safe = labels.clamp(min=0)  # the mask removes padding; verl takes no ignore index
         # (hidden, weight, labels, temperature, reduction, process group) -> per-token (log-probs, entropy)
         return lambda h, w: from_logp(linear_cross_entropy(h, w, safe, 1.0, "none", None)[0].float())
