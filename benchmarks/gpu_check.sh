@@ -45,7 +45,10 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .gpu-carry omegaconf==2.4.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5 trl==1.16.0 \
 #       datasets dill multiprocess xxhash pyarrow
-# (for issue 59 add verl==0.9.1, 1.7 MB, and leave out trl and the datasets stack; grpo_head_loss.py imports
+# (for issue 59, 2.8 MB in all:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .gpu-carry omegaconf==2.4.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5 verl==0.9.1
+# without trl and the datasets stack; grpo_head_loss.py imports
 # verl's kernel without verl's package __init__, which needs Ray and more: the kernel needs torch, Triton and
 # packaging only. Checked on a CPU: it imports, then stops at its NVTX ranges, which need CUDA)
 # (omegaconf for rltk; CCE and Liger are pure Python + Triton; TRL imports datasets, which needs the rest
