@@ -5,8 +5,10 @@ changes issue 59 asks for. Until a GPU has timed them, ``impl="auto"`` and ``imp
 kernels; ``benchmarks/gpu_check.sh`` (part ``peers``) puts both side by side with verl, CCE and Liger.
 
 * **Dots in the input dtype.** Tiles of bf16/fp16 inputs go to ``tl.dot`` as they are (tensor cores,
-  fp32 accumulation); fp32 inputs keep IEEE fp32 dots. Only under Triton's CPU interpreter are bf16 tiles
-  upcast to fp32 first, since its bf16 ``tl.dot`` returns wrong numbers; fp16 and fp32 run as on a GPU there.
+  fp32 accumulation). fp32 inputs use ``tf32x3`` on a GPU (three TF32 tensor-core dots, about fp32's
+  accuracy): Triton's IEEE fp32 dot, compiled for sm_90 at these tiles, needed 6-20 KB of stack per thread
+  and up to 4 minutes of compile. Only under Triton's CPU interpreter are bf16 tiles upcast to fp32 first,
+  since its bf16 ``tl.dot`` returns wrong numbers; fp16 runs as on a GPU there, fp32 as IEEE.
 * **One backward kernel.** Grid: one program per ``[BLOCK_N, BLOCK_V]`` logit tile. Each recomputes its
   logits once, turns them into d-logits once, and adds both products, ``d_logits @ W[cols]`` into
   d-hidden and ``d_logits^T @ h[rows]`` into d-weight, with fp32 atomics (the old backward recomputed every
@@ -90,14 +92,19 @@ class HopperConfig:
             raise ValueError(f"HopperConfig.num_splits must be None or an int >= 1; got {self.num_splits!r}")
 
 
-# The autotune's list (Hopper: 227 KiB of shared memory a block; a bf16 stage of 128 x 256 x 64 is 48 KiB).
-# The first is verl's (its fused entropy kernel, PR #4576); the others trade tile shape against stages.
+# The autotune's list (Hopper: 227 KiB of shared memory a block). The first is verl's (its fused entropy
+# kernel, PR #4576). Compiled for sm_90 without a GPU (Triton 3.9, bf16, TMA; registers / spill stack /
+# shared memory of forward; backward): 128x256x32 255/0/72K; 255/192/184K. 128x256x64 and 256x128x64:
+# 255/0/144K; backward over 227K (the autotune skips them there: forward only). 128x128x64, 4 stages:
+# 160/0/128K; 248/0/160K, and 3 stages 166/0/96K; 252/0/144K. 128x128x32, 4 stages: 160/0/64K; 255/8/112K.
+# (64x256x64 with 4 warps spilled 1.3 KB in the backward and was dropped.)
 CANDIDATES = (
     HopperConfig(block_n=128, block_v=256, block_d=32, num_warps=8, num_stages=3),
     HopperConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
-    HopperConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4),
     HopperConfig(block_n=256, block_v=128, block_d=64, num_warps=8, num_stages=3),
-    HopperConfig(block_n=64, block_v=256, block_d=64, num_warps=4, num_stages=4),
+    HopperConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=4),
+    HopperConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3),
+    HopperConfig(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=4),
 )
 
 
@@ -379,7 +386,8 @@ def _dot_flags(dtype: torch.dtype, config: HopperConfig) -> dict:
     upcast = dtype == torch.bfloat16 and _interpreted()
     half = dtype != torch.float32 and not upcast
     dot_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype] if half else tl.float32
-    return dict(UPCAST=upcast, DOT_PRECISION="tf32" if half else "ieee", DOT_DTYPE=dot_dtype,
+    fp32_precision = "ieee" if _interpreted() else "tf32x3"
+    return dict(UPCAST=upcast, DOT_PRECISION="tf32" if half else fp32_precision, DOT_DTYPE=dot_dtype,
                 SPLIT=half and config.split_dlogits, SCALE_FP16=dtype == torch.float16 and half)
 
 

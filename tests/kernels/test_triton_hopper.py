@@ -135,6 +135,8 @@ def test_interpreter_upcasts_only_bf16_dots(monkeypatch):
     assert not flags["UPCAST"] and flags["SPLIT"] and flags["DOT_DTYPE"] == triton.language.bfloat16
     assert th._dot_flags(torch.float16, config)["SCALE_FP16"]
     assert not th._dot_flags(torch.float32, config)["SPLIT"]
+    assert th._dot_flags(torch.float32, config)["DOT_PRECISION"] == "tf32x3"  # tensor cores, ~fp32 accuracy
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert th._dot_flags(torch.float32, config)["DOT_PRECISION"] == "ieee"
 
 
@@ -187,7 +189,7 @@ def test_hopper_on_cuda_matches_float64_within_the_bar(dtype, deterministic):
     for a, b in zip(ours, ref_out):
         torch.testing.assert_close(a.double(), b, atol=2e-3 if dtype == torch.float16 else 1e-4, rtol=0)
     # issue 59 (item 4): relative error of every gradient <= 2e-3 against float64 (bf16 rounding of the
-    # result alone is ~1.6e-3); fp32 inputs run IEEE fp32 dots
+    # result alone is ~1.6e-3); fp32 inputs run tf32x3 dots (about fp32 accuracy)
     bar = 1e-4 if dtype == torch.float32 else 2e-3
     for name, a, b in zip(("hidden", "weight", "bias"), got, ref_grads):
         err = ((a.double() - b).norm() / b.norm()).item()
