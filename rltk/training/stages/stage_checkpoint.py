@@ -41,9 +41,10 @@ class StageCheckpoint:
     :meth:`~rltk.training.stages.loop_state.LoopState.state_dict` (the same on every rank; the main rank's is
     saved), the divergence guard's counters, the global step each finished stage ended at, one entry per
     rank (its buffer, its workflow's state, its reward counters: :func:`rank_state` gives a rank its own
-    back) and how many metric rows were logged at its step. The loop's generators go into the rank's RNG file by name. The workflow's state and
-    the reward counters are restored when the run opens (:func:`restore_rollout_state`), since a run
-    may resume at the end of an earlier stage; the rest when the stage itself resumes (:meth:`restore`).
+    back) and how many metric rows were logged at its step. The loop's generators go into the rank's RNG
+    file by name. The workflow's state and the reward counters are restored when the run opens
+    (:func:`restore_rollout_state`), since a run may resume at the end of an earlier stage; the rest when
+    the stage itself resumes (:meth:`restore`).
     """
 
     def __init__(self, stage):
