@@ -80,6 +80,18 @@ def test_a_run_resumed_in_the_rl_stage_after_an_early_stop_logs_what_the_whole_r
         "step_000002", "step_000004", "step_000005", "step_000007", "step_000008"]
 
 
+@pytest.mark.slow  # two tiny runs (~20 s)
+def test_a_run_started_from_an_early_stopped_warm_up_keeps_the_rl_step_numbers(tmp_path):
+    first = tmp_path / "first"
+    assert main(["run", "grpo", f"output_dir={first}", *RUN]) == 0
+    second = tmp_path / "second"
+    assert main(["run", "grpo", f"output_dir={second}", *RUN,
+                 f"checkpoint.start_from={first / 'checkpoints' / 'step_000005'}"]) == 0
+    metrics = read_metrics(second)
+    assert not any("sft/sft_loss" in m for m in metrics)
+    assert [m["step"] for m in metrics if "reward" in m] == [6, 7, 8]  # as in the run whose warm-up it took
+
+
 @pytest.mark.slow
 def test_a_sampled_probe_stops_the_warmup_and_leaves_the_training_draws_alone(tmp_path):
     """sft.probe=sampled samples its answers under trainer.eval_seed inside a forked random stream, so the
