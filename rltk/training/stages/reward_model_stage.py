@@ -42,7 +42,7 @@ def train_reward_model(run: Run) -> None:
     """Train and save ``<output_dir>/reward_model`` from ``run.policy`` after the run's stages; write summary.json."""
     cfg = run.cfg
     r = cfg.reward_model
-    first_step = sum(run.stage_steps)
+    first_step = run.last_step  # where the stages before it ended
     model = build_reward_model(cfg, run.policy)  # same architecture and backbone, a score head for the LM head
     tokenizer = run.tokenizer
     train = tokenize_pairs(preference_pairs(run.train_rows, cfg, split="train"), tokenizer, r.max_length)
