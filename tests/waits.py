@@ -57,7 +57,8 @@ def wait_until(condition: Callable[[], T], what: str, timeout_s: float, *, poll_
     while not (result := condition()):
         ended = alive is not None and not alive()
         if ended or time.monotonic() > deadline:
-            why = "what should bring it about ended" if ended else f"not within {bound:.0f} s ({VARIABLE}={TIME_SCALE:g})"
+            why = ("what should bring it about ended" if ended
+                   else f"not within {bound:.0f} s ({VARIABLE}={TIME_SCALE:g})")
             raise AssertionError(f"waited for {what}: {why}" + (f"\n{details()}" if details else ""))
         time.sleep(poll_s)
     return result

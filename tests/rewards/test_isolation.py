@@ -160,7 +160,7 @@ def test_the_rest_of_a_lost_workers_chunk_is_scored_elsewhere(word, composers):
     start = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="RewardTimeout" if word == "HANG" else "RewardWorkerDied"):
         results = composer.score_batch(batch)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < scaled(1.0)
     assert [s for s, _ in results] == [-1.0] + [1.0] * 39
     assert composer.stats()["failures/r"] == 1.0
 

@@ -145,7 +145,8 @@ def test_a_round_keeps_collecting_while_jobs_keep_arriving_but_no_longer_than_ma
 
 def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it():
     engine = CountingEngine(delay_s=0.0)
-    batcher = Batcher(engine, window_s=2.0, max_wait_s=10.0)  # without expect(), a round would wait >= 2 s
+    window_s = scaled(2.0)  # the bounds below tell a round that waited it from one that did not: they scale with it
+    batcher = Batcher(engine, window_s=window_s, max_wait_s=5 * window_s)  # without expect(), it waits >= window_s
     try:
         batcher.expect(4)
         start = time.monotonic()
@@ -153,7 +154,7 @@ def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it()
             futures = list(pool.map(lambda k: batcher.submit([[k]], SamplingParams()), range(4)))
         for f in futures:
             f.result(timeout=scaled(10))
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < window_s / 2
         assert [len(prompts) for prompts, _, _ in engine.calls] == [4]  # all four in one call, no window wait
 
         # Three of four live requesters asked; the fourth finished instead (expect(3)): the round goes at once.
@@ -164,13 +165,13 @@ def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it()
         batcher.expect(3)
         for f in futures:
             f.result(timeout=scaled(10))
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < window_s / 2
         assert [len(prompts) for prompts, _, _ in engine.calls] == [4, 3]
 
         batcher.expect(None)  # off again: the window applies
         start = time.monotonic()
         batcher.submit([[7]], SamplingParams()).result(timeout=scaled(10))
-        assert time.monotonic() - start >= 1.9
+        assert time.monotonic() - start >= window_s - 0.1
     finally:
         batcher.close()
     with pytest.raises(ValueError, match="expect"):
