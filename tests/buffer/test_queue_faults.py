@@ -132,7 +132,8 @@ def run(tmp_path: Path, seed: int, *, kills: int, batch=4, ckpt_every=3, max_sta
         procs[victim] = start(victim)
     deadline = time.monotonic() + scaled(90)
     while any(p.exitcode != 0 for p in procs.values()):
-        assert time.monotonic() < deadline, f"not finished within 90 s: {[n for n, p in procs.items() if p.is_alive()]}"
+        assert time.monotonic() < deadline, \
+            f"not finished within {scaled(90):.0f} s: {[n for n, p in procs.items() if p.is_alive()]}"
         trainer = procs["trainer"]
         if trainer.exitcode == -signal.SIGKILL:  # it died at one of its crash points: restart it at once
             procs["trainer"] = start("trainer")

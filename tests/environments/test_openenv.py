@@ -87,7 +87,7 @@ class Server:
         self.thread.start()
         deadline = time.monotonic() + scaled(30)
         while not self.server.started:
-            assert time.monotonic() < deadline, "the OpenEnv test server did not start within 30 s"
+            assert time.monotonic() < deadline, f"the OpenEnv test server did not start within {scaled(30):.0f} s"
             time.sleep(0.01)
 
     def stop(self):

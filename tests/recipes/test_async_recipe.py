@@ -220,7 +220,7 @@ def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while
             # bound): that is tried again at the next step
             deadline = time.monotonic() + scaled(600)
             while not (pids := re.findall(r"pid (\d+), starting", log.read_text()) if log.exists() else []):
-                assert time.monotonic() < deadline, "producer-1 did not start within 600 s"
+                assert time.monotonic() < deadline, f"producer-1 did not start within {scaled(600):.0f} s"
                 time.sleep(0.2)
             if not has_fed_the_trainer("producer-1"):
                 return

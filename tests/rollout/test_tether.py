@@ -76,7 +76,7 @@ def launch(tmp_path):
         tether_pid = int(launcher.stdout.readline())
         deadline = time.monotonic() + scaled(60)
         while not out.exists() or not out.read_text().endswith("\n"):
-            assert time.monotonic() < deadline, "the stand-in server did not start within 60 s"
+            assert time.monotonic() < deadline, f"the stand-in server did not start within {scaled(60):.0f} s"
             time.sleep(0.05)
         keeper, server, engine = map(int, out.read_text().split())
         started.append((launcher, [tether_pid, keeper, server, engine]))

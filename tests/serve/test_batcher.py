@@ -180,16 +180,17 @@ def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it()
 
 def test_with_expect_a_round_waits_past_the_window_for_the_requesters_just_answered():
     """No gap closes the round while a count is set: those answered by the last call get to send again."""
-    engine = CountingEngine(delay_s=1.0)
-    batcher = Batcher(engine, window_s=0.1, max_wait_s=0.6)
+    unit = scaled(1.0)  # the whole choreography stretches alike on a slow machine
+    engine = CountingEngine(delay_s=1.0 * unit)
+    batcher = Batcher(engine, window_s=0.1 * unit, max_wait_s=0.6 * unit)
     try:
         batcher.expect(4)
         first = [batcher.submit([[k]], SamplingParams()) for k in range(2)]  # 2 of 4: closes by max_wait_s
-        time.sleep(0.8)  # the engine is busy with those two
+        time.sleep(0.8 * unit)  # the engine is busy with those two
         backlog = [batcher.submit([[k]], SamplingParams()) for k in (2, 3)]
         for f in first:
             f.result(timeout=scaled(10))
-        time.sleep(0.3)  # the two answered think for 3x the window before asking again
+        time.sleep(0.3 * unit)  # the two answered think for 3x the window before asking again
         again = [batcher.submit([[k]], SamplingParams()) for k in (0, 1)]
         for f in backlog + again:
             f.result(timeout=scaled(10))

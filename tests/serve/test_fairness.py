@@ -14,7 +14,7 @@ from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
 from rltk.serve.app import BackgroundServer, create_app
 from rltk.serve.batcher import Batcher
 from tests.serve.helpers import tiny_chat_model
-from tests.waits import scaled
+from tests.waits import scaled, wait_until
 
 STOP = 99
 
@@ -103,13 +103,14 @@ def test_a_request_whose_client_hung_up_is_dropped_before_its_next_engine_call(s
     with pytest.raises(httpx.ReadTimeout):  # 40 tokens in 2-token slices of 0.1 s: 2 s; the client leaves at 0.35 s
         httpx.post(server.base_url + "/completions", timeout=0.35,
                    json={"model": "tiny", "prompt": [[5]] * 8, "max_tokens": 40})
-    time.sleep(0.5)  # the server notices within its 0.05 s poll; the call running then finishes
+    # the server notices within its 0.05 s poll (a loaded machine: later); the call running then finishes
+    wait_until(lambda: server.app.state.rltk.batcher.stats()["cancelled"] == 1, "the server to drop the request", 30)
+    time.sleep(scaled(0.2))
     calls = len(engine.calls)
-    assert calls <= 8, engine.calls  # not the 20 slices the request asked for
-    time.sleep(0.5)
+    assert calls <= min(19, scaled(8)), engine.calls  # not the 20 slices the request asked for
+    time.sleep(scaled(0.5))
     assert len(engine.calls) == calls  # nothing more for it
-    stats = server.app.state.rltk.batcher.stats()
-    assert stats["cancelled"] == 1 and server.app.state.rltk.counters["cancelled"] == 1
+    assert server.app.state.rltk.counters["cancelled"] == 1
     start = time.monotonic()
     reply = httpx.post(server.base_url + "/completions", timeout=scaled(10),
                        json={"model": "tiny", "prompt": [[5]], "max_tokens": 2}).json()

@@ -120,7 +120,7 @@ def test_a_server_over_streamable_http():
                 break
             except OSError:
                 if time.monotonic() > deadline or server.poll() is not None:
-                    pytest.fail("the MCP test server did not start listening within 60 s")
+                    pytest.fail(f"the MCP test server did not start listening within {scaled(60):.0f} s")
                 time.sleep(0.2)
         _, _, e = episode(env(["units.convert"], server={"url": f"http://127.0.0.1:{port}/mcp"}),
                           [call("convert", value=7, from_unit="m", to_unit="cm"), "3000"])
