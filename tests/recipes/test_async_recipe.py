@@ -36,7 +36,7 @@ SFT_STEPS, RL_STEPS = 20, 8
 TINY = [f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "data.task_args.max_digits=1",
         "data.train_size=70", "data.eval_size=20", f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2",
         "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=4", "logging.logger=[jsonl]",
-        "logging.plot=false", "checkpoint.every=2", "buffer.queue_timeout_s=300",
+        "logging.plot=false", "checkpoint.every=2", f"buffer.queue_timeout_s={scaled(300):.0f}",
         f"stages=[{{name: warmup, type: sft, overrides: {{checkpoint.every: {SFT_STEPS}}}}}, {{name: rl, type: rl}}]"]
 ASYNC = [*TINY, "trainer.mode=async", "trainer.max_staleness=1"]
 QUEUE = Path("async") / "stage_1" / "experience_queue.sqlite"

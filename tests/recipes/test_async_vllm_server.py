@@ -78,7 +78,7 @@ def test_async_grpo_on_the_server_trains_every_experience_once_within_the_bound(
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", *TINY, *MODEL, "trainer.mode=async",
                  "trainer.max_staleness=1", "rollout.engine=vllm_server",
-                 f"rollout.engine_args={{servers: ['{url}'], timeout_s: 300}}"]) == 0
+                 f"rollout.engine_args={{servers: ['{url}'], timeout_s: {scaled(300):.0f}}}"]) == 0
     rows = one_batch_a_step_within_the_bound(run_dir)
     assert all(0 <= m["staleness/token_mean"] <= m["staleness/max"] for m in rows)
     # per token, every trained token was sampled by a version within the bound of the step that trained it
@@ -197,7 +197,7 @@ def test_under_ray_the_producer_has_the_server_load_each_version_from_its_own_fo
     try:  # launcher=ray with no address: a Ray of its own, in this process
         assert main(["run", "grpo", f"output_dir={run_dir}", *TINY, *MODEL, "trainer.mode=async",
                      "trainer.max_staleness=1", "rollout.engine=vllm_server",
-                     f"rollout.engine_args={{servers: ['{url}'], timeout_s: 300}}", "launcher=ray",
+                     f"rollout.engine_args={{servers: ['{url}'], timeout_s: {scaled(300):.0f}}}", "launcher=ray",
                      f"launcher_args.work_dir={work}"]) == 0
     finally:
         ray.shutdown()

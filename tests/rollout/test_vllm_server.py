@@ -36,8 +36,8 @@ def test_two_launched_servers_generate_take_weights_and_one_dying_is_named(tok):
     from rltk.rollout.vllm_server import VLLMServerEngine
 
     model = vllm_model(tok)
-    engine = VLLMServerEngine(model, tok, launch=2, max_in_flight=3, timeout_s=60, max_model_len=128,
-                              kv_cache_memory_bytes=64 * 2**20, start_timeout_s=500)
+    engine = VLLMServerEngine(model, tok, launch=2, max_in_flight=3, timeout_s=scaled(60), max_model_len=128,
+                              kv_cache_memory_bytes=64 * 2**20, start_timeout_s=scaled(500))
     processes = [server.process for server in engine._servers]
     try:
         _generate_spread_within_the_bound(engine, model, tok)

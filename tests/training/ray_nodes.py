@@ -27,7 +27,7 @@ NAME = "ray-test"
 RUN = [f"name={NAME}", "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20",
        f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
        "trainer.eval_every=8", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=2",
-       "buffer.queue_timeout_s=240", "stages=[{name: rl, type: rl}]", "trainer.mode=async",
+       f"buffer.queue_timeout_s={scaled(240):.0f}", "stages=[{name: rl, type: rl}]", "trainer.mode=async",
        "trainer.max_staleness=1", "launcher=ray", "launcher_args.producer.resources={rollout: 1}"]
 QUEUE = Path("async") / "stage_0" / "experience_queue.sqlite"
 RLTK = str(Path(sys.executable).with_name("rltk"))

@@ -119,7 +119,7 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
 
 def test_a_producer_whose_node_is_lost_with_no_restarts_left_stops_the_run_naming_it(nodes):
     run_dir = nodes.folders["head"] / "run"
-    overrides = [*RUN, "launcher_args.max_restarts=0", "buffer.queue_timeout_s=120"]
+    overrides = [*RUN, "launcher_args.max_restarts=0", f"buffer.queue_timeout_s={scaled(120):.0f}"]
     _, code, output = lose_the_producers_node_mid_run(nodes, overrides, run_dir, address=nodes.cluster.address)
     assert code == 1, output[-6000:]
     error = output[output.index("rltk: error:"):]
