@@ -281,7 +281,7 @@ def test_clients_elsewhere_get_the_served_tokenizer_exactly(server, tmp_path):
     env = {**os.environ, "HF_ENDPOINT": f"{server['url']}/hub", "HF_TOKEN": KEY_A, "HF_HOME": str(tmp_path / "hf"),
            "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "TINKER_TELEMETRY": "0"}
     out = subprocess.run([sys.executable, "-c", TOKENIZER_CHILD, server["url"], KEY_A, json.dumps(texts)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     expected = [server["tokenizer"].encode(t, add_special_tokens=False) for t in texts]
