@@ -6,10 +6,11 @@ When a garbage collection during that step runs a finalizer, the finalizer's Pyt
 another thread; if that thread parses too, it resets the shared count, and the first parse fails with
 ``SystemError: AST constructor recursion depth mismatch (before=153, after=84)``, a correct source refused.
 A run has such threads (reward workers, servers, a thread formatting a traceback, which in 3.11 parses the
-failing line to place its ``^^^``), so rltk parses source at run time (schema comments, reward expressions,
-assert tests) with :func:`parse_python`: the collector is off while the tree is built, so no Python code runs and the GIL
-stays with this thread until the tree is whole; a lock keeps rltk's own threads from turning the collector
-back on under each other. A parse outside rltk can still be hit by one of ours, never the other way round.
+failing line to place its ``^^^``), so rltk parses source at run time (schema comments, reward
+expressions, assert tests) with :func:`parse_python`: the collector is off while the tree is built, so no
+Python code runs and the GIL stays with this thread until the tree is whole; a lock keeps rltk's own threads
+from turning the collector back on under each other. A parse outside rltk can still be hit by one of ours,
+never the other way round.
 """
 
 from __future__ import annotations
