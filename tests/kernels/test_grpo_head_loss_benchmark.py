@@ -19,13 +19,15 @@ SCRIPT = ROOT / "benchmarks" / "grpo_head_loss.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from grpo_head_loss import METHODS, TINY_SHAPES, TOLERANCES  # noqa: E402
 
+from tests.waits import scaled
+
 
 def test_the_tiny_cpu_run_has_every_row_and_rltk_matches_float64(tmp_path):
     out, table = tmp_path / "report.json", tmp_path / "table.md"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out),
-                             "--table", str(table)], env=env, capture_output=True, text=True, timeout=600)
+                             "--table", str(table)], env=env, capture_output=True, text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dtype"] == "float32" and report["memory_method"].endswith("MALLOC_MMAP_THRESHOLD_=1048576")

@@ -20,6 +20,8 @@ triton = pytest.importorskip("triton")
 from rltk.kernels import token_logprobs_and_entropy  # noqa: E402
 from rltk.kernels import triton_hopper as th  # noqa: E402
 
+from tests.waits import scaled
+
 CASES = Path(__file__).with_name("triton_hopper_interpreter_cases.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPECTED_CASES = 22
@@ -34,7 +36,7 @@ def test_hopper_kernels_under_the_triton_interpreter(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-n", "0"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(900),
     )
     report = result.stdout[-6000:] + result.stderr[-3000:]
     assert result.returncode == 0, f"interpreter cases failed:\n{report}"
