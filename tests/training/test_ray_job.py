@@ -29,6 +29,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
+from .ray_nodes import LOOPBACK  # noqa: E402
 from .test_ray_source import NAME, QUEUE, RL_STEPS, RUN, trained_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -53,9 +54,9 @@ class JobCluster:
         self.rollout_dir = rollout_dir
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=1, resources={"trainer": 1}, include_dashboard=True, dashboard_host="127.0.0.1",
-            dashboard_port=free_port(), dashboard_agent_listen_port=free_port(), env_vars=ONE_THREAD))
+            dashboard_port=free_port(), dashboard_agent_listen_port=free_port(), env_vars=ONE_THREAD, **LOOPBACK))
         try:
-            self.rollout = self.cluster.add_node(num_cpus=1, resources={"rollout": 1},
+            self.rollout = self.cluster.add_node(num_cpus=1, resources={"rollout": 1}, **LOOPBACK,
                                                  env_vars={**ONE_THREAD, "RLTK_RAY_WORK_DIR": str(rollout_dir)})
             self.cluster.wait_for_nodes(timeout=120)
             self.url = f"http://{self.cluster.webui_url}"
