@@ -72,12 +72,15 @@ def _gcs_answers(address: str, timeout_s: float) -> str | None:
     return None
 
 
+_WANTS_TOKEN = "a Ray cluster answers there, but it wants its authentication token"
+
+
 def token_refused(said: str) -> str:
     """Why a cluster that refused this process's (missing or wrong) token did, and what to set."""
     mode = os.environ.get("RAY_AUTH_MODE")
-    return (f"a Ray cluster answers there, but it wants its authentication token ({said}; Ray token "
-            f"authentication, RAY_AUTH_MODE={mode or 'unset'} here). Set RAY_AUTH_MODE=token for rltk, with the "
-            f"cluster's token in ~/.ray/auth_token (a head started on this machine wrote it there), "
+    here = f"RAY_AUTH_MODE={mode}" if mode else "RAY_AUTH_MODE is unset"
+    return (f"{_WANTS_TOKEN} ({said}; Ray token authentication; here {here}). Set RAY_AUTH_MODE=token for rltk, "
+            f"with the cluster's token in ~/.ray/auth_token (a head started on this machine wrote it there), "
             f"RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; or start the cluster with RAY_AUTH_MODE=disabled")
 
 
@@ -152,7 +155,8 @@ def connect(cfg) -> RayLauncherSettings:
         if why is not None:
             raise ConfigError(
                 f"{value}: no Ray cluster at {gcs} within {settings.connect_timeout_s:g} s "
-                f"(launcher_args.connect_timeout_s): {why}. Is the cluster's head running (`ray status`)?")
+                f"(launcher_args.connect_timeout_s): {why}" + (
+                    "" if why.startswith(_WANTS_TOKEN) else ". Is the cluster's head running (`ray status`)?"))
     try:
         if gcs is None:
             init_ray("local", namespace=settings.namespace, include_dashboard=False, log_to_driver=True)
