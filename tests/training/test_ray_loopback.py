@@ -23,6 +23,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from tests.training.ray_nodes import RL_STEPS, RLTK, RUN, Nodes, trained_steps  # noqa: E402
+from tests.waits import scaled  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +96,7 @@ def test_a_two_node_cluster_on_the_loopback_is_reached_as_given_and_nothing_leav
                                         f"launcher_args.address=127.0.0.1:{port}"], env=env, stdout=out,
                                        stderr=subprocess.STDOUT)
             try:
-                trainer.wait(timeout=600)
+                trainer.wait(timeout=scaled(600))
             finally:
                 if trainer.poll() is None:
                     trainer.kill()
@@ -124,7 +125,7 @@ def test_a_ray_of_rltks_own_listens_on_the_loopback_only(tmp_path):
         def where() -> str:
             return ray.util.get_node_ip_address()
 
-        assert ray.get(where.remote(), timeout=120) == "127.0.0.1"
+        assert ray.get(where.remote(), timeout=scaled(120)) == "127.0.0.1"
         assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
         assert ray.util.get_node_ip_address() == "127.0.0.1"
         assert sockets_off_the_loopback({os.getpid()}) == []
@@ -167,7 +168,8 @@ def test_a_cluster_that_wants_its_token_is_named_as_such_with_what_to_set(tmp_pa
         refused = subprocess.run([RLTK, "run", "grpo", f"output_dir={tmp_path / 'run'}", "trainer.mode=async",
                                   "launcher=ray", f"launcher_args.address={address}",
                                   "launcher_args.connect_timeout_s=60"],
-                                 env={**plain, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+                                 env={**plain, "HOME": str(tmp_path)}, capture_output=True, text=True,
+                                 timeout=scaled(300))
         assert refused.returncode == 2, refused.stderr[-3000:]
         said = refused.stderr
         assert f"bad value '{address}' for 'launcher_args.address'" in said, said[-3000:]
@@ -175,12 +177,12 @@ def test_a_cluster_that_wants_its_token_is_named_as_such_with_what_to_set(tmp_pa
         assert "Set RAY_AUTH_MODE=token" in said and "Traceback" not in said, said[-3000:]
         # with what it said to set, the same address connects
         reached = subprocess.run([sys.executable, "-c", CONNECT, address], env=wanting, capture_output=True,
-                                 text=True, timeout=300)
+                                 text=True, timeout=scaled(300))
         assert reached.returncode == 0, reached.stderr[-3000:]
         assert "nodes at ['127.0.0.1']" in reached.stdout, reached.stdout
     finally:
         head.stdin.close()
         try:
-            head.wait(timeout=120)
+            head.wait(timeout=scaled(120))
         except subprocess.TimeoutExpired:
             head.kill()
