@@ -30,7 +30,8 @@ SAMPLES = [{"prompt": p, "response": r, "ground_truth": g} for p, r, g in [
 @pytest.fixture(scope="module")
 def a_ray():
     ray.shutdown()  # whatever an earlier test of this process left connected
-    ray.init(address="local", num_cpus=3, include_dashboard=False, namespace="rltk-test", log_to_driver=False)
+    # rltk's own start of a local Ray: on the loopback, as a run's is
+    ray_cluster.init_ray("local", num_cpus=3, include_dashboard=False, namespace="rltk-test", log_to_driver=False)
     yield
     ray_cluster.release_reward_services(report=False)
     ray.shutdown()

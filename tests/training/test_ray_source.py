@@ -134,16 +134,21 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
 
     ray_run = ["trainer.mode=async", "launcher=ray"]
     ray.shutdown()  # whatever an earlier test of this process left connected: connect() would use it
+    # the address tried is the one given: Ray's own resolving would have turned 127.0.0.1 into this machine's
+    # interface address
     with pytest.raises(ConfigError, match=r"bad value '127\.0\.0\.1:9' for 'launcher_args\.address': no Ray "
-                                          r"cluster at [\d.]+:9 within 5 s \(launcher_args\.connect_timeout_s\): "
-                                          r"nothing listens there"):
+                                          r"cluster at 127\.0\.0\.1:9 within 5 s "
+                                          r"\(launcher_args\.connect_timeout_s\): nothing listens there"):
         connect(load_config([], [*ray_run, "launcher_args.address=127.0.0.1:9", "launcher_args.connect_timeout_s=5"]))
-    # something else listens at the address: refused in time, not after ray.init's minutes of retries
-    with socket.create_server(("", 0)) as other:  # every interface: Ray turns 127.0.0.1 into this host's address
-        elsewhere = [f"launcher_args.address=127.0.0.1:{other.getsockname()[1]}", "launcher_args.connect_timeout_s=5"]
+    # something else listens at the address (on the loopback only): refused in time, not after ray.init's
+    # minutes of retries
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+        elsewhere = [f"launcher_args.address=127.0.0.1:{port}", "launcher_args.connect_timeout_s=5"]
         start = time.monotonic()
-        with pytest.raises(ConfigError, match=r"'launcher_args\.address': .* within 5 s .*something listens there, "
-                                              r"but it did not answer as a Ray cluster's head does"):
+        with pytest.raises(ConfigError, match=rf"'launcher_args\.address': no Ray cluster at 127\.0\.0\.1:{port} "
+                                              r"within 5 s .*something listens there, but it did not answer as a "
+                                              r"Ray cluster's head does"):
             connect(load_config([], [*ray_run, *elsewhere]))
         assert time.monotonic() - start < scaled(30)
     assert not ray.is_initialized()
@@ -152,8 +157,8 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
         address = f"launcher_args.address={nodes.cluster.address}"
         unmet = [(["launcher_args.producer.resources={gpu_pool: 1}"],
                   r"'launcher_args\.producer\.resources\.gpu_pool': no node of the Ray cluster has 1 of resource "
-                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \([\d.]+\): CPU 1, trainer 1)"
-                  r"(?=.*node \w+ \([\d.]+\): CPU 1, rollout 1)"),
+                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \(127\.0\.0\.1\): CPU 1, trainer 1)"
+                  r"(?=.*node \w+ \(127\.0\.0\.1\): CPU 1, rollout 1)"),
                  (["launcher_args.producer.cpus=2"], r"'launcher_args\.producer\.cpus': no node .* has 2 CPUs"),
                  (["launcher_args.producer.labels={pool: big}"],
                   r"'launcher_args\.producer\.labels\.pool': no node .* has label pool=big"),
