@@ -171,13 +171,14 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
         ray.shutdown()
         # two producers for the one rollout node: the second is never placed, and the run says so in time
         run_dir = nodes.folders["head"] / "run"
-        trainer = nodes.trainer([*RUN, "trainer.producers=2", "launcher_args.placement_timeout_s=10"],
+        placement_s = round(scaled(10))  # long enough for the first actor to start on a loaded machine
+        trainer = nodes.trainer([*RUN, "trainer.producers=2", f"launcher_args.placement_timeout_s={placement_s}"],
                                 run_dir=run_dir)
         trainer.wait(timeout=scaled(240))
         output = (run_dir.parent / "run.log").read_text()
         assert trainer.returncode == 2, output[-5000:]
         assert ("bad value for 'launcher_args.producer': the Ray cluster placed 1 of 2 rollout producer actors "
-                "within 10 s (launcher_args.placement_timeout_s); not placed: producer-1") in output, output[-5000:]
+                f"within {placement_s} s (launcher_args.placement_timeout_s); not placed: producer-1") in output, output[-5000:]
     finally:
         ray.shutdown()
         nodes.shutdown()
