@@ -63,10 +63,12 @@ def test_the_rl_recipes_run_the_asynchronous_modes_and_a_recipe_that_does_not_re
     # producers=0 (all started with `rltk produce`) is an asynchronous setting too: a sync run reads no queue
     (["trainer.producers=0"], r"bad value 0 for 'trainer\.producers' with trainer\.mode=sync: producers \(local or "
                               r"started with `rltk produce`\) run only in trainer\.mode=one_step_off or async"),
-    # the colocated engine lives in the trainer's process; the producers sample with hf or vllm_server
+    # the colocated engine lives in the trainer's process: its class does not declare runs_in_producer
     (["trainer.mode=async", "rollout.engine=vllm"],
-     r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: a producer process samples with hf or "
-     r"vllm_server \(the colocated vllm engine lives in the trainer's process"),
+     r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: a producer process samples only with "
+     r"engines that declare runs_in_producer, and rltk\.rollout\.vllm_engine\.VLLMRolloutEngine does not "
+     r"\(Rollouts with an in-process ``vllm\.LLM`` next to the trainer .*\)\. Engines that do: [^;]*\bhf\b[^;]*"
+     r"\bvllm_server\b[^;]*; set one of those or trainer\.mode=sync"),
     # two producers would load their weights into the same given servers at once
     (["trainer.mode=async", "rollout.engine=vllm_server", "trainer.producers=2",
       "rollout.engine_args={servers: ['http://127.0.0.1:8000']}"],
