@@ -1,7 +1,9 @@
-"""An installable rltk plugin: one advantage function and one reward function.
+"""An installable rltk plugin: one advantage function, one reward function and one rollout engine.
 
 ``pip install ./plugins/rltk-plugin-example`` and then
-``algorithm.advantage_fn=group_rank`` or ``reward.reward_fn=[exact_match,overlong_penalty]``.
+``algorithm.advantage_fn=group_rank``, ``reward.reward_fn=[exact_match,overlong_penalty]`` or
+``rollout.engine=rltk_serve`` (:mod:`rltk_plugin_example.serve_engine`: rltk's own endpoint as inference
+servers, a server engine in one file).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import rltk
+from rltk_plugin_example.serve_engine import rltk_rollout_engines  # noqa: F401  (registered with this module)
 
 
 def group_rank_advantages(*, scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor):
