@@ -267,9 +267,9 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
         naming the server (``hint``: what to do about an error answer)."""
         return self._call(server, "post", path, body, hint)
 
-    def get(self, server: Server, path: str) -> dict:
+    def get(self, server: Server, path: str, *, hint: str = "") -> dict:
         """GET ``server``'s ``path`` within ``timeout_s``; its JSON answer, or a :class:`ServerError` naming it."""
-        return self._call(server, "get", path, None, "")
+        return self._call(server, "get", path, None, hint)
 
     def _call(self, server: Server, method: str, path: str, body: dict | None, hint: str) -> dict:
         import httpx

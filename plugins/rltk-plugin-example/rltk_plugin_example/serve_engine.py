@@ -70,7 +70,8 @@ class RltkServeEngine(ServerPoolEngine):
                 *self._serve_args]
 
     def connect(self, server: Server) -> None:
-        self.get(server, "/rltk/weights")  # refused unless the endpoint takes weights: say so now, not mid-run
+        # refused unless the endpoint takes weights: said now, not at the first update
+        self.get(server, "/rltk/weights", hint="start rltk serve with --accept-weights")
         self._model_ids[server.url] = self.get(server, "/v1/models")["data"][0]["id"]
 
     def request_bodies(self, index: int, prompt_ids: list[int], params: SamplingParams,
