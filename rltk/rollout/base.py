@@ -118,7 +118,7 @@ class Completion:
     token); with ``"length"`` they are exactly ``max_new_tokens`` long.
     ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the distribution
     it was sampled from (see the engine for what that means precisely).
-    ``versions[i]``, when the engine records it (``vllm_server``), is the
+    ``versions[i]``, when the engine records it (server engines), is the
     policy (weights) version that sampled ``token_ids[i]``: a completion whose
     generation a weight update interrupted holds two or more versions, in
     non-decreasing order. ``None`` means the engine's weights of the call.

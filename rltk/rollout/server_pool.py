@@ -127,6 +127,8 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
     health_path: ClassVar[str] = "/health"
     #: The prefix of the engine's temporary folder (launched servers' model copy and logs).
     folder_prefix: ClassVar[str] = "rltk-server-"
+    #: The class of the errors naming a server (a subclass keeps its own name for its users).
+    error_class: ClassVar[type[ServerError]] = ServerError
 
     def __init__(self, model: Any, tokenizer: Any, *, servers: Sequence[str] | None = None, launch: int | None = None,
                  max_in_flight: int = 64, timeout_s: float = 120.0, start_timeout_s: float = 600.0,
@@ -297,9 +299,6 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
         ``close()`` then keeps the launched servers' logs."""
         self._failed = True
         return self.error_class(message)
-
-    #: The class of the errors naming a server (a subclass keeps its own name for its users).
-    error_class: ClassVar[type[ServerError]] = ServerError
 
     @property
     def servers(self) -> list[str]:
