@@ -6,11 +6,13 @@ import pytest
 
 from rltk.commands.cli import main, shipped_recipes
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, env=None):
-    return subprocess.run(["rltk", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(["rltk", *args], capture_output=True, text=True, env=env, timeout=scaled(120))
 
 
 def test_list_shows_plugin_components_with_plugin_and_summary():
@@ -55,7 +57,7 @@ def test_validate_loads_no_model_code():
     code = (f"import sys; from rltk.commands.cli import main; code = main(['validate', 'grpo']); "
             f"print('loaded:', [m for m in {heavy!r} if m in sys.modules]); sys.exit(code)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok: ") and "the first 256 warm-up examples fit the rollout" in out.stdout
     assert out.stdout.splitlines()[-1] == "loaded: []"

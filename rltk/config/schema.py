@@ -68,7 +68,7 @@ class ModelConfig:
     path: Optional[str] = None  # a local HF causal-LM folder; null builds the tiny model
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    logprob_impl: str = "auto"  # auto | triton | torch | naive (rltk/kernels)
+    logprob_impl: str = "auto"  # auto | triton | triton-hopper | torch | naive (rltk/kernels)
     logprob_chunk_size: Optional[int] = None
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -518,7 +518,7 @@ COMPONENT_KEYS: dict[str, tuple[str, bool]] = {
 # Plain keys restricted to a few values.
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.logprob_impl": ("auto", "triton", "torch", "naive"),
+    "model.logprob_impl": ("auto", "triton", "triton-hopper", "torch", "naive"),
     "data.on_too_long": ("filter", "error"),
     "algorithm.kl_in": ("loss", "reward"),
     "algorithm.kl_controller": ("fixed", "adaptive"),

@@ -5,6 +5,8 @@ from omegaconf import OmegaConf
 
 from rltk.config import ConfigError, RecipeSpec, apply_overrides, load_config, validate_config
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -225,7 +227,7 @@ def test_critic_checks_live_in_config_and_follow_the_recipe():
     # Config is the lowest layer: validating never imports training code.
     code = ("import sys; from rltk.config import load_config; load_config([], ['algorithm.name=ppo']); "
             "print([m for m in sys.modules if m.startswith('rltk.training')])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
     # A recipe with a critic reads the critic section whatever the estimator.
     ppo = RecipeSpec("ppo", batch_fields=frozenset({"values", "token_rewards", "response_mask", "group_ids", "scores"}))
