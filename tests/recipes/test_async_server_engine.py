@@ -18,6 +18,8 @@ from rltk.commands.cli import main
 from rltk.config.loader import load_config
 from rltk.training.scaffold.setup import build_tokenizer_and_policy
 
+from tests.waits import scaled
+
 from .test_async_recipe import QUEUE, RL_STEPS, TINY, one_batch_a_step_within_the_bound
 
 pytestmark = [pytest.mark.slow,
@@ -34,7 +36,8 @@ def endpoint():
     tokenizer, policy = build_tokenizer_and_policy(load_config([], []))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")
-        engine = RltkServeEngine(policy, tokenizer, launch=1, timeout_s=300, start_timeout_s=600)
+        engine = RltkServeEngine(policy, tokenizer, launch=1, timeout_s=scaled(300),
+                                 start_timeout_s=scaled(600))
     try:
         yield engine
     finally:
@@ -48,7 +51,8 @@ def test_async_grpo_on_a_plugin_server_engine_trains_every_experience_once_and_i
     [url] = endpoint.servers
     run_dir = tmp_path / "run"
     assert main(["run", "grpo", f"output_dir={run_dir}", *TINY, "trainer.mode=async", "trainer.max_staleness=1",
-                 "rollout.engine=rltk_serve", f"rollout.engine_args={{servers: ['{url}'], timeout_s: 300}}"]) == 0
+                 "rollout.engine=rltk_serve",
+                 f"rollout.engine_args={{servers: ['{url}'], timeout_s: {scaled(300):.0f}}}"]) == 0
     rows = one_batch_a_step_within_the_bound(run_dir)
     assert all(0 <= m["staleness/token_mean"] <= m["staleness/max"] for m in rows)
     with sqlite3.connect(run_dir / QUEUE) as db:

@@ -16,6 +16,8 @@ from rltk.rollout.hf import HFRolloutEngine
 from rltk.rollout.server_pool import ServerError
 from rltk.training.rollouts.engine_weights import write_weights_file
 
+from tests.waits import scaled
+
 from .conftest import build_model, build_tokenizer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("fastapi") is None or
@@ -47,7 +49,8 @@ def test_a_plugin_server_engine_samples_as_hf_spread_within_the_bound_and_follow
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the endpoints' torch: two of them on a small machine
     model, other = build_model(len(tok), seed=0), build_model(len(tok), seed=1)
-    engine = RltkServeEngine(model, tok, launch=2, max_in_flight=2, timeout_s=120, start_timeout_s=600)
+    engine = RltkServeEngine(model, tok, launch=2, max_in_flight=2, timeout_s=scaled(120),
+                            start_timeout_s=scaled(600))
     processes = [server.process for server in engine._servers]
     try:
         prompts = _ids(tok, PROMPTS) * 2
@@ -91,7 +94,7 @@ def test_an_endpoint_that_takes_no_weights_is_refused_at_once_naming_the_flag(to
         url = server.base_url.removesuffix("/v1")
         with pytest.raises(ServerError, match=rf"rltk serve endpoint {url} answered /rltk/weights with HTTP 404: "
                                               r".*start rltk serve with --accept-weights"):
-            RltkServeEngine(model, tok, servers=[url], timeout_s=30)
+            RltkServeEngine(model, tok, servers=[url], timeout_s=scaled(30))
 
 
 def test_the_weights_route_names_a_file_it_cannot_load_and_loads_between_engine_calls(tok, tmp_path):
