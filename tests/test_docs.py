@@ -187,19 +187,19 @@ def _claimed_files() -> dict[str, set[str]]:
 def _config(argv: list[str]):
     """The resolved config of ``rltk run RECIPE [--config FILE ...] key=value ...``, as ``cmd_run`` builds it."""
     from rltk.config.loader import load_config
-    from rltk.recipe_utils import config_layers, recipe_spec, resolve_recipe
+    from rltk.recipe_validation import config_layers, resolve_recipe, shipped_recipe_spec
 
     recipe = resolve_recipe(argv[1])
     files = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--config"]
     overrides = [a for i, a in enumerate(argv[2:], 2) if a != "--config" and argv[i - 1] != "--config"]
     defaults, chosen = config_layers(recipe, files)
-    return load_config(chosen, overrides, recipe=recipe_spec(recipe), warn=False, defaults=defaults)
+    return load_config(chosen, overrides, recipe=shipped_recipe_spec(recipe), warn=False, defaults=defaults)
 
 
 def _stage_ends(argv: list[str], cfg) -> list[int]:
     """The step of each stage's last checkpoint, counted as rltk/training/stages/run.py counts stages' steps (the
     reward-model recipe trains its model after them)."""
-    from rltk.recipe_utils import resolve_recipe
+    from rltk.recipe_validation import resolve_recipe
     from rltk.training.scaffold.setup import stage_config
 
     ends, step = [], 0

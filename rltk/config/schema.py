@@ -456,8 +456,8 @@ class StageConfig:
     """One stage of a run: its name, its type, and the keys it overrides."""
 
     name: str = "rl"
-    # sft | dpo | grpo | ppo | distill (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
-    # recipe run: grpo's or ppo's)
+    # a registered stage (`rltk list stage`: sft, dpo, grpo, ppo, distill, a plugin's), wherever the config runs,
+    # or rl (the RL loop of the recipe run: grpo's, ppo's or distill's)
     type: str = "rl"
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
 
@@ -536,7 +536,3 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "distill.teacher_dtype": ("float32", "bfloat16", "float16"),
 }
 
-# Stage types of the shipped recipes, for a config validated without a recipe (a recipe declares its own:
-# RecipeSpec.stage_types). RL_STAGE_TYPES sample from the rollout workflow every step.
-STAGE_TYPES = ("sft", "rl", "dpo", "grpo", "ppo", "distill")
-RL_STAGE_TYPES = ("rl", "grpo", "ppo", "distill")

@@ -207,9 +207,9 @@ def test_the_recipe_must_fill_the_buffer_sources_the_sample_strategy_reads():
 
 
 def test_shipped_recipes_declare_what_they_serve():
-    from rltk.recipe_utils import recipe_spec
+    from rltk.recipe_validation import shipped_recipe_spec
 
-    grpo, ppo = recipe_spec(REPO / "recipes" / "grpo.py"), recipe_spec(REPO / "recipes" / "ppo.py")
+    grpo, ppo = shipped_recipe_spec("grpo"), shipped_recipe_spec("ppo")
     assert "values" not in grpo.batch_fields and "values" in ppo.batch_fields
     assert grpo.buffer_sources == ppo.buffer_sources == {"policy"}
     # dpo, sft, reward_model declare no PROVIDES: never suggested
