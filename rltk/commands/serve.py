@@ -186,7 +186,7 @@ def build_server_app(args) -> tuple[Any, contextlib.ExitStack, str]:
                          store=store, window_s=args.batch_window, max_batch=args.max_batch,
                          api_keys=api_keys_from(args.api_key), limits=limits, docs=args.docs,
                          slice_tokens=args.slice_tokens or None, max_batch_tokens=args.max_batch_tokens,
-                         max_share_tokens=args.max_share_tokens)
+                         max_share_tokens=args.max_share_tokens, accept_weights=args.accept_weights)
         return app, stack, name
     except BaseException:
         stack.close()
@@ -256,6 +256,9 @@ def add_parser(sub) -> None:
                    help="with --slice-tokens, the most of that work one session gets per engine call (default 512: "
                         "a large request runs in short calls, so others wait little; raise it for throughput). "
                         "Rows are shared round-robin between sessions; a request without X-Session-Id is its own")
+    p.add_argument("--accept-weights", action="store_true",
+                   help="serve POST /rltk/weights: load a safetensors file on this machine into the model by path "
+                        "(a trainer's server engine sends each new version so; off by default)")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="a key every route but /health requires as 'Authorization: Bearer KEY' (repeatable: each "
                         "key then reads only its own sessions; default: $RLTK_API_KEY, comma-separated)")

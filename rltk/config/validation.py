@@ -59,7 +59,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     _check_positive(cfg)
     check_rollout_correction_config(cfg)
     check_moe_config(cfg, registry)
-    check_async_config(cfg, recipe)
+    check_async_config(cfg, recipe, registry)
     check_launcher(cfg)
     check_seed(cfg)
     check_paths(cfg)
@@ -181,11 +181,15 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-#: The rollout engines an asynchronous run's producer process samples with.
-ASYNC_ENGINES = ("hf", "vllm_server")
+def _first_line(component) -> str:
+    """The first line of a component's docstring, for messages that say what it is."""
+    import inspect
+
+    doc = (inspect.getdoc(component) or "no docstring").strip().splitlines()[0]
+    return doc.rstrip(".")
 
 
-def check_async_config(cfg: DictConfig, recipe=None) -> None:
+def check_async_config(cfg: DictConfig, recipe=None, registry=None) -> None:
     """The asynchronous-training keys, and the modes the loop runs.
 
     ``trainer.max_staleness`` is an int >= 0, ``trainer.sync_every`` an int >= 1,
@@ -194,13 +198,14 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
     are plain choices). ``one_step_off`` and ``async`` run in a recipe that
     declares them (its stages' ``provides["trainer_modes"]``: grpo, ppo, distill), with local producer
-    processes on the ``hf`` or ``vllm_server`` engine (the colocated ``vllm``
-    lives in the trainer's process; given ``servers`` take one producer);
-    ``one_step_off`` is ``max_staleness=1``. The
+    processes on an engine whose class declares ``runs_in_producer`` (``hf``, ``vllm_server``, a plugin's
+    server engine; the colocated ``vllm`` lives in the trainer's process); given ``servers`` of an engine
+    that ``owns_servers`` take one producer; ``one_step_off`` is ``max_staleness=1``. The
     producer may sample only with weights at most ``max_staleness`` versions
     behind the step that will train on them, and it gets weights every
     ``sync_every`` steps, so ``sync_every`` must be at most ``max_staleness + 1``
     (else both sides would wait on each other until the timeout).
+    ``registry``: where the engine's class is looked up (default the process's).
     """
     t = cfg.trainer
     if not (_is_int(t.max_staleness) and t.max_staleness >= 0):
@@ -235,14 +240,17 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
         raise ConfigError(
             f"bad value {t.mode!r} for 'trainer.mode': the {recipe.name} recipe runs "
             f"{', '.join(sorted(modes or ['sync']))}" + (f"; {', '.join(runs)} runs {t.mode}" if runs else ""))
-    if cfg.rollout.engine not in ASYNC_ENGINES:
-        why = (" (the colocated vllm engine lives in the trainer's process; vllm_server runs vLLM in servers the "
-               "producer launches or reaches at rollout.engine_args.servers)" if cfg.rollout.engine == "vllm" else "")
+    engines = (registry or get_registry()).entries["rollout_engine"]
+    engine = engines[cfg.rollout.engine].obj  # the name was checked with the other components
+    if not getattr(engine, "runs_in_producer", False):
+        able = sorted(name for name, entry in engines.items() if getattr(entry.obj, "runs_in_producer", False))
         raise ConfigError(
             f"bad value {cfg.rollout.engine!r} for 'rollout.engine' with trainer.mode={t.mode}: a producer process "
-            f"samples with {' or '.join(ASYNC_ENGINES)}{why}; set one of those or trainer.mode=sync")
+            f"samples only with engines that declare runs_in_producer, and {engine.__module__}.{engine.__qualname__} "
+            f"does not ({_first_line(engine)}). Engines that do: {', '.join(able) or 'none'}; set one of those or "
+            f"trainer.mode=sync")
     servers = OmegaConf.select(cfg, "rollout.engine_args.servers")
-    if cfg.rollout.engine == "vllm_server" and servers and producers > 1:
+    if getattr(engine, "owns_servers", False) and servers and producers > 1:
         raise ConfigError(
             f"bad value {producers!r} for 'trainer.producers' with rollout.engine_args.servers: every producer "
             f"loads each weight version into its servers, so {producers} producers would load into the same "

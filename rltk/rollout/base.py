@@ -118,7 +118,7 @@ class Completion:
     token); with ``"length"`` they are exactly ``max_new_tokens`` long.
     ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the distribution
     it was sampled from (see the engine for what that means precisely).
-    ``versions[i]``, when the engine records it (``vllm_server``), is the
+    ``versions[i]``, when the engine records it (server engines), is the
     policy (weights) version that sampled ``token_ids[i]``: a completion whose
     generation a weight update interrupted holds two or more versions, in
     non-decreasing order. ``None`` means the engine's weights of the call.
@@ -155,12 +155,14 @@ class RolloutEngine(abc.ABC):
     Implementations: ``hf`` (:class:`rltk.rollout.hf.HFRolloutEngine`, any
     device), ``vllm`` (:class:`rltk.rollout.vllm_engine.VLLMRolloutEngine`,
     CUDA) and ``vllm_server`` (:class:`rltk.rollout.vllm_server.VLLMServerEngine`,
-    inference servers over HTTP). A plugin engine subclasses this and registers
-    under ``rltk_rollout_engines``.
+    inference servers over HTTP, on :class:`rltk.rollout.server_pool.ServerPoolEngine`).
+    A plugin engine subclasses this (or the server pool) and registers under
+    ``rltk_rollout_engines``.
 
     What an engine can do beyond generating is declared here, each with a
     default the trainer can rely on: the class attributes say which way it
-    follows weights, and the methods below that are not abstract do nothing
+    follows weights and what the trainer may ask of it (validation and the
+    loop read them from the class, never from the engine's name), and the methods below that are not abstract do nothing
     (or say they cannot) unless the engine overrides them.
     """
 
@@ -171,6 +173,16 @@ class RolloutEngine(abc.ABC):
     #: The weights live in other processes (inference servers) that can load a weights file themselves
     #: (:meth:`load_weights_file`), also while generating (``interrupt``): ``vllm_server``.
     loads_weight_files: ClassVar[bool] = False
+    #: The engine can sample in an asynchronous run's producer process (``trainer.mode=one_step_off`` or
+    #: ``async``): it is built there from the config and follows the weights the trainer publishes, by its own
+    #: module (``hf``) or by having its servers load the file (:attr:`loads_weight_files`). ``vllm`` cannot: it
+    #: shares the trainer's process and memory.
+    runs_in_producer: ClassVar[bool] = False
+    #: The engine samples on inference servers it launches (``engine_args.launch``) or is given
+    #: (``engine_args.servers``), and loads every weight version into them (:mod:`rltk.rollout.server_pool`). In
+    #: an asynchronous run they are the producer's, so the trainer evaluates with ``hf`` on its own module, and
+    #: given servers take one producer (two would load their versions into the same servers).
+    owns_servers: ClassVar[bool] = False
     #: Completions of an MoE policy carry the experts each token went through (``routed_experts``), which
     #: ``algorithm.routing_replay=rollout`` replays in the trainer (:mod:`rltk.models.moe`): ``hf``.
     returns_routed_experts: ClassVar[bool] = False

@@ -143,6 +143,7 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
     """
 
     samples_from_module = True  # the trainer's own module: nothing to copy after an optimizer step
+    runs_in_producer = True  # a producer's own copy of the policy, reading the trainer's weights file
     returns_routed_experts = True  # an MoE policy's routers are hooked while it samples (rltk.rollout.hf_routing)
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, batch_size: int = 64, device: Any = None):

@@ -15,8 +15,16 @@ Routes (JSON in, JSON out, as the official ``openai`` client speaks them):
 * ``POST /v1/completions``: ``prompt`` as text, a list of texts, token ids, or a
   list of token-id lists; ``n``, ``temperature``, ``top_p``, ``max_tokens``,
   ``stop``, ``seed``, ``logprobs``.
+  ``return_token_ids`` (vLLM's extension) adds each choice's exact ``token_ids`` and the
+  weight version of each token (``token_versions``); ``stop_token_ids`` (also vLLM's)
+  replaces the tokenizer's end-of-text.
 * ``GET /rltk/sessions/{session_id}``: the caller's own records of a session (exact
   token ids and log-probs), when the endpoint records; ``GET /health`` (no key needed).
+* ``POST /rltk/weights`` ``{"path", "version", "aliases"}`` and ``GET /rltk/weights``, only when
+  the app takes weights (``accept_weights``, ``rltk serve --accept-weights``): load a safetensors
+  file of the model's weights between two engine calls and label later tokens ``version``
+  (what a server engine's trainer does after each update; ``aliases``: ``{name: name in the file}``
+  for tied tensors stored once); read the current label.
 * ``/docs`` and ``/openapi.json`` only when asked for (``docs=True``).
 
 The modules behind it: :mod:`~rltk.serve.auth` (API keys, session owners),
@@ -127,6 +135,7 @@ def create_app(
     slice_tokens: int | None = None,
     max_batch_tokens: int | None = None,
     max_share_tokens: int | None = None,
+    accept_weights: bool = False,
 ):
     """The FastAPI app serving ``engine`` under the model id ``model_name``.
 
@@ -158,6 +167,8 @@ def create_app(
             of the context re-read and the tokens it may make; ``None``: only ``max_batch`` rows.
         max_share_tokens: with ``slice_tokens``, the most of that work one session (one request without
             an ``X-Session-Id``) gets per call; ``None``: no cap beyond the call's.
+        accept_weights: serve ``POST /rltk/weights``, which loads a weights file named by path on this
+            machine into the engine (a trainer's server engine); off: the route does not exist.
 
     The batcher thread is closed on the app's shutdown (``app.state.rltk.batcher.close()``).
     """
@@ -180,6 +191,8 @@ def create_app(
     app.add_middleware(APIKeyMiddleware, keys=state.api_keys)
     install_error_handlers(app, state.counters)
     _add_routes(app, state)
+    if accept_weights:
+        _add_weight_routes(app, state)
     return app
 
 
@@ -239,6 +252,49 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _serve(state, request, prepare_completion, completion_result)
+
+
+def _add_weight_routes(app: FastAPI, state: ServeState) -> None:
+    """``POST /rltk/weights`` (load a file, label its version) and ``GET /rltk/weights`` (the label)."""
+
+    @app.get("/rltk/weights")
+    async def weight_version():
+        return {"weight_version": state.batcher.weight_version}
+
+    @app.post("/rltk/weights")
+    async def load_weights(request: Request):
+        body = await json_body(request, state.limits)
+        path, version, aliases = body.get("path"), body.get("version"), body.get("aliases") or {}
+        if not isinstance(path, str) or not path:
+            raise APIError(400, f"'path' must name a safetensors file on this machine, got {str(path)[:80]}",
+                           param="path")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise APIError(400, f"'version' must be an integer >= 0, got {str(version)[:40]}", param="version")
+        if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in aliases.items()):
+            raise APIError(400, "'aliases' must map weight names to names in the file", param="aliases")
+        await asyncio.to_thread(state.batcher.load_weights,
+                                lambda: _load_weights_file(state.engine, path, aliases), version)
+        return {"weight_version": state.batcher.weight_version}
+
+
+def _load_weights_file(engine: RolloutEngine, path: str, aliases: dict[str, str]) -> None:
+    """Read the safetensors file ``path`` (a name the model needs may be an alias of one in the file) and give
+    it to ``engine``; a file that is missing or does not hold the model's weights is a 400 naming it."""
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except (OSError, ValueError, RuntimeError) as exc:  # safetensors raises its own errors as these
+        raise APIError(400, f"cannot read the weights file {path}: {exc}", param="path") from None
+    for name, source in aliases.items():
+        if source not in tensors:
+            raise APIError(400, f"alias {name!r} names {source!r}, which {path} does not hold", param="aliases")
+        tensors.setdefault(name, tensors[source])
+    try:
+        engine.update_weights(tensors)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise APIError(400, f"{path} does not hold this model's weights: {exc}", param="path") from None
 
 
 def _session_chunks(session_id: str, records: list, per_chunk: int = 64):

@@ -73,6 +73,7 @@ class _Job:
     logprobs: list = field(default_factory=list)
     finish: list = field(default_factory=list)
     texts: list = field(default_factory=list)
+    versions: list = field(default_factory=list)  # per row: the weight version that sampled each token
     slices: int = 0  # engine calls this job's rows were in (seeds a sliced job's later calls apart)
     served_at: int = -1  # the engine call that last took rows of it
 
@@ -81,6 +82,7 @@ class _Job:
         self.logprobs = [[] for _ in range(self.rows)]
         self.finish = [None] * self.rows
         self.texts = [""] * self.rows
+        self.versions = [[] for _ in range(self.rows)]
 
     @property
     def rows(self) -> int:
@@ -157,6 +159,9 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="rltk-serve-batcher", daemon=True)
         self._closed = False
         self._expected: int | None = None
+        #: The label of the weights the engine samples with (:meth:`load_weights`); each token records it.
+        self.weight_version = 0
+        self._engine_lock = threading.Lock()  # an engine call, or a weight load, at a time
         self._thread.start()
 
     def expect(self, count: int | None) -> None:
@@ -202,6 +207,13 @@ class Batcher:
         job = _Job([list(p) for p in prompt_ids], params, order, order if requester is None else requester, seq=seq)
         self._queue.put(job)
         return job.future
+
+    def load_weights(self, load, version: int) -> None:
+        """Run ``load()`` (which changes the engine's weights) between two engine calls, then label the tokens
+        of later calls ``version``; called from another thread (a weight-loading route)."""
+        with self._engine_lock:
+            load()
+            self.weight_version = int(version)
 
     def stats(self) -> dict[str, int]:
         """``{"jobs", "engine_calls", "sequences", "cancelled"}`` since the batcher started (``jobs``: those
@@ -384,7 +396,9 @@ class Batcher:
             job.slices += 1
             job.served_at = self._calls
         try:
-            results = self.engine.generate(flat, params)
+            with self._engine_lock:
+                version = self.weight_version
+                results = self.engine.generate(flat, params)
             if len(results) != len(flat) or any(len(r) != 1 for r in results):
                 raise RuntimeError(
                     f"rollout engine {type(self.engine).__name__} broke its contract: asked for 1 completion "
@@ -404,6 +418,7 @@ class Batcher:
                 job.tokens[row] += list(completion.token_ids[:room])
                 job.logprobs[row] += list(completion.logprobs[:room])
                 job.texts[row] += completion.text
+                job.versions[row] += [version] * min(room, len(completion.token_ids))
                 if completion.finish_reason == "stop" and len(completion.token_ids) <= room:
                     job.finish[row] = "stop"
                 elif len(completion.token_ids) >= room or not sliced:
@@ -412,7 +427,8 @@ class Batcher:
             if job.left == 0:
                 n = job.params.n
                 out = [[Completion(index, job.tokens[index * n + sample], job.logprobs[index * n + sample],
-                                   job.finish[index * n + sample], job.texts[index * n + sample])
+                                   job.finish[index * n + sample], job.texts[index * n + sample],
+                                   versions=job.versions[index * n + sample])
                         for sample in range(n)] for index in range(len(job.prompt_ids))]
                 _resolve(job.future, result=out)
 

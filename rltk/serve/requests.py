@@ -58,6 +58,8 @@ class Prepared:
     # the tool messages the request sent back after its last assistant turn, and how many are errors
     # (rltk.serve.sessions.tool_results_sent): recorded for the agentic workflow's tool metrics
     tool_results: tuple[int, int] = (0, 0)
+    # vLLM's extension: each choice also carries its exact token ids and the weight version of each token
+    return_token_ids: bool = False
 
 
 def _is_int(value: Any) -> bool:
@@ -85,6 +87,18 @@ def _neutral_extras(body: dict) -> None:
     if body.get("logit_bias"):
         raise APIError(400, "'logit_bias' is not supported by this endpoint's engines; leave it out",
                        param="logit_bias")
+
+
+def _stop_token_ids(body: dict, default: list[int] | None) -> list[int] | None:
+    """vLLM's extension ``stop_token_ids``: the token ids that end a completion (``[]``: only ``max_tokens``),
+    in place of the tokenizer's end-of-text; a server engine sends the trainer's own."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return default
+    if not isinstance(ids, list) or len(ids) > 64 or not all(_is_int(t) and t >= 0 for t in ids):
+        raise APIError(400, f"'stop_token_ids' must be a list of at most 64 token ids >= 0, got {str(ids)[:80]}",
+                       param="stop_token_ids")
+    return list(ids)
 
 
 def sampling(state, body: dict, prompt_lengths: list[int]) -> tuple[SamplingParams, list[str]]:
@@ -165,7 +179,8 @@ def sampling(state, body: dict, prompt_lengths: list[int]) -> tuple[SamplingPara
 
     fields = {"n": n, "max_new_tokens": max_tokens, "seed": seed,
               "temperature": state.defaults.temperature, "top_p": state.defaults.top_p,
-              "top_k": state.defaults.top_k, "greedy": False, "stop_token_ids": state.defaults.stop_token_ids}
+              "top_k": state.defaults.top_k, "greedy": False,
+              "stop_token_ids": _stop_token_ids(body, state.defaults.stop_token_ids)}
     if temperature is not None:
         if temperature == 0:
             fields["greedy"] = True
@@ -411,6 +426,10 @@ def prepare_completion(state, body: dict) -> Prepared:
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
         raise APIError(400, f"'logprobs' must be an integer in [0, 5] or null, got {str(logprobs)[:40]}",
                        param="logprobs")
+    return_token_ids = body.get("return_token_ids") or False
+    if not isinstance(return_token_ids, bool):
+        raise APIError(400, f"'return_token_ids' must be true or false, got {str(return_token_ids)[:40]}",
+                       param="return_token_ids")
     prompts = prompts_of(state, body)
     params, stops = sampling(state, body, [len(p) for p in prompts])
-    return Prepared(prompts, params, stops, logprobs=logprobs)
+    return Prepared(prompts, params, stops, logprobs=logprobs, return_token_ids=return_token_ids)

@@ -105,6 +105,9 @@ def completion_result(state, prepared, groups: list[list[Completion]], session) 
             _record(state, session, request_id, index, prompt_ids, ids, lps, finish, text, "completions")
             completion_tokens += len(ids)
             choice = {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+            if prepared.return_token_ids:  # token-in/token-out clients (a server engine): no re-tokenizing
+                choice["token_ids"] = ids
+                choice["token_versions"] = list(completion.versions or [])[: len(ids)]
             if logprobs is not None:
                 tokens = _token_strings(state.tokenizer, ids)
                 offsets, offset = [], 0

@@ -7,6 +7,7 @@ import pytest
 
 from rltk.commands.cli import main
 from rltk.config import ConfigError, load_config
+from rltk.rollout.base import RolloutEngine
 
 
 def test_defaults_are_the_synchronous_loop():
@@ -63,10 +64,12 @@ def test_the_rl_recipes_run_the_asynchronous_modes_and_a_recipe_that_does_not_re
     # producers=0 (all started with `rltk produce`) is an asynchronous setting too: a sync run reads no queue
     (["trainer.producers=0"], r"bad value 0 for 'trainer\.producers' with trainer\.mode=sync: producers \(local or "
                               r"started with `rltk produce`\) run only in trainer\.mode=one_step_off or async"),
-    # the colocated engine lives in the trainer's process; the producers sample with hf or vllm_server
+    # the colocated engine lives in the trainer's process: its class does not declare runs_in_producer
     (["trainer.mode=async", "rollout.engine=vllm"],
-     r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: a producer process samples with hf or "
-     r"vllm_server \(the colocated vllm engine lives in the trainer's process"),
+     r"bad value 'vllm' for 'rollout\.engine' with trainer\.mode=async: a producer process samples only with "
+     r"engines that declare runs_in_producer, and rltk\.rollout\.vllm_engine\.VLLMRolloutEngine does not "
+     r"\(Rollouts with an in-process ``vllm\.LLM`` next to the trainer .*\)\. Engines that do: [^;]*\bhf\b[^;]*"
+     r"\bvllm_server\b[^;]*; set one of those or trainer\.mode=sync"),
     # two producers would load their weights into the same given servers at once
     (["trainer.mode=async", "rollout.engine=vllm_server", "trainer.producers=2",
       "rollout.engine_args={servers: ['http://127.0.0.1:8000']}"],
@@ -104,3 +107,53 @@ def test_cli_exits_2_without_traceback(capsys):
     assert main(["validate", "dpo", "trainer.mode=async", "trainer.max_staleness=1"]) == 2
     err = capsys.readouterr().err
     assert "'trainer.mode'" in err and "dpo recipe runs sync" in err and "Traceback" not in err
+
+
+class _SyncOnlyEngine(RolloutEngine):
+    """A plugin engine that samples in the trainer's process only (it declares no runs_in_producer)."""
+
+    def generate(self, prompt_ids, params):
+        raise AssertionError("validation never builds the engine")
+
+    def update_weights(self, state_dict_or_model, *, version=None, interrupt=False):
+        raise AssertionError("validation never builds the engine")
+
+
+@pytest.fixture
+def sync_only_engine():
+    import types
+
+    import rltk
+
+    module = types.ModuleType("rltk_plugin_sync_only")
+    module.rltk_rollout_engines = rltk.hookimpl(lambda: {"sync_only": _SyncOnlyEngine})
+    rltk.register_plugin(module, name="rltk_plugin_sync_only")
+    yield "sync_only"
+    rltk.unregister_plugin("rltk_plugin_sync_only")
+
+
+def test_what_an_engine_can_do_is_read_from_its_class_not_its_name(sync_only_engine):
+    # a plugin's server engine (rltk_plugin_example's rltk_serve, on rltk.rollout.server_pool) declares that it
+    # runs in a producer and owns its servers, as vllm_server does: the same checks apply to it
+    cfg = load_config([], ["trainer.mode=async", "rollout.engine=rltk_serve"])
+    assert cfg.rollout.engine == "rltk_serve"
+    with pytest.raises(ConfigError, match=r"bad value 2 for 'trainer\.producers' with rollout\.engine_args\.servers"):
+        load_config([], ["trainer.mode=async", "rollout.engine=rltk_serve", "trainer.producers=2",
+                         "rollout.engine_args={servers: ['http://127.0.0.1:8000']}"])
+    from rltk.training.scaffold.setup import trainer_workflow_config
+
+    assert trainer_workflow_config(cfg).rollout.engine == "hf"  # its servers are the producer's
+    # a plugin engine that does not declare runs_in_producer is refused by its class, whatever its name
+    assert load_config([], [f"rollout.engine={sync_only_engine}"]).rollout.engine == "sync_only"
+    with pytest.raises(ConfigError, match=r"bad value 'sync_only' for 'rollout\.engine' with trainer\.mode=async: "
+                                          r".*test_async_config\._SyncOnlyEngine does not \(A plugin engine that "
+                                          r"samples in the trainer's process only.*\)\. Engines that do: hf, "
+                                          r"rltk_serve, vllm_server; set one of those or trainer\.mode=sync"):
+        load_config([], ["trainer.mode=async", f"rollout.engine={sync_only_engine}"])
+
+
+def test_an_engine_that_cannot_run_in_a_producer_exits_2_naming_the_key(sync_only_engine, capsys):
+    assert main(["validate", "grpo", "trainer.mode=async", f"rollout.engine={sync_only_engine}"]) == 2
+    err = capsys.readouterr().err
+    assert "'rollout.engine'" in err and "Engines that do: hf, rltk_serve, vllm_server" in err
+    assert "Traceback" not in err

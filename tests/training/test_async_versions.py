@@ -54,6 +54,7 @@ def test_the_trainers_file_loads_as_is_with_the_tied_head_named_once():
     other name as an alias; a file with names the model does not have (LoRA adapters) is not loadable as is."""
     model = build_model(50, seed=0)
     engine = types.SimpleNamespace(model=model)
+    engine.server_weights = lambda weights: VLLMServerEngine.server_weights(engine, weights)
     names = set(model.state_dict())
     tied = {"lm_head.weight", "model.embed_tokens.weight"}
     assert _savable_names(model.state_dict())["lm_head.weight"] == ["model.embed_tokens.weight"]

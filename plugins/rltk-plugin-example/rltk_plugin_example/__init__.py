@@ -1,9 +1,12 @@
-"""An installable rltk plugin: one advantage function, one reward function and one training loop.
+"""An installable rltk plugin: one advantage function, one reward function, one training loop and one
+rollout engine.
 
 ``pip install ./plugins/rltk-plugin-example`` and then
-``algorithm.advantage_fn=group_rank``, ``reward.reward_fn=[exact_match,overlong_penalty]``, or the
+``algorithm.advantage_fn=group_rank``, ``reward.reward_fn=[exact_match,overlong_penalty]``, the
 rejection-sampling fine-tuning stage after a supervised one:
-``rltk run grpo 'stages=[{name: warmup, type: sft}, {name: rft, type: rft}]'``.
+``rltk run grpo 'stages=[{name: warmup, type: sft}, {name: rft, type: rft}]'``, or
+``rollout.engine=rltk_serve`` (:mod:`rltk_plugin_example.serve_engine`: rltk's own endpoint as inference
+servers, a server engine in one file).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 
 import rltk
+from rltk_plugin_example.serve_engine import rltk_rollout_engines  # noqa: F401  (registered with this module)
 
 
 def group_rank_advantages(*, scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor):

@@ -133,13 +133,13 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
 def trainer_workflow_config(cfg: DictConfig) -> DictConfig:
     """The config the trainer builds its own workflow from (its evaluations; all rollouts in ``sync``).
 
-    In ``trainer.mode`` ``one_step_off`` / ``async`` with ``rollout.engine=vllm_server`` the servers
-    belong to the producer process, which loads every published version into them (their weight
-    labels are the trainer's versions); a second set launched for the trainer, or the same addresses
+    In ``trainer.mode`` ``one_step_off`` / ``async`` with an engine that declares ``owns_servers``
+    (``vllm_server``, a plugin's server engine) the servers belong to the producer process, which loads
+    every published version into them (their weight labels are the trainer's versions); a second set launched for the trainer, or the same addresses
     loaded by both, would cost a server start or mix two version counts. The trainer evaluates with the
     ``hf`` engine on its own module instead (the same weights, sampled in its process).
     """
-    if cfg.trainer.mode == "sync" or cfg.rollout.engine != "vllm_server":
+    if cfg.trainer.mode == "sync" or not rltk.get_component("rollout_engine", cfg.rollout.engine).owns_servers:
         return cfg
     out = cfg.copy()
     out.rollout.engine = "hf"
