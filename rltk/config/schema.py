@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 @dataclass
 class TinyMoeConfig:
-    """``model.tiny.moe``: make the tiny model a mixture of experts (Qwen3-MoE; :mod:`rltk.models.tiny_moe`)."""
+    """``model.tiny.moe``: make the tiny model a mixture of experts (Qwen3-MoE; :func:`rltk.models.tiny.build_tiny_moe_model`)."""
 
     num_experts: int = 0  # experts per layer; 0 keeps the dense Qwen2, e.g. 8 for the tiny MoE default
     top_k: int = 2  # experts each token is routed to
