@@ -31,9 +31,9 @@ import time
 
 import torch
 
-from rltk.config.errors import ConfigError
 from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
+from rltk.errors import ConfigError
 from rltk.recipe_utils import parse_recipe_args, stage_runners
 from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
 from rltk.training.step.forward import ForwardSettings

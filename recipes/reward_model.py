@@ -29,7 +29,7 @@ import torch
 import rltk
 from rltk.data.sampler import RowSampler
 from rltk.distributed import end_process_group, process_rank
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.recipe_utils import parse_recipe_args
 from rltk.training.updates.reward_model import (
     build_reward_model, pair_rewards, pairwise_accuracy, preference_pairs, save_reward_model, tokenize_pairs,

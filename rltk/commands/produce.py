@@ -51,7 +51,7 @@ import time
 import zlib
 from pathlib import Path
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 
 #: Exit status of a wait for the run's asynchronous stage that ran out.
 EXIT_TIMEOUT = 3

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.registry import did_you_mean
 
 #: ``launcher_args`` keys and what each holds, for messages.

@@ -14,7 +14,7 @@ import torch
 import rltk
 from rltk.batch import Experience, collate
 from rltk.buffer.queue import ExperienceQueue, QueueFileError
-from rltk.config import ConfigError
+from rltk.errors import ConfigError
 from rltk.training.rollouts.async_rollout import ProducerFailed, ProducerProcess, open_stage_queue
 from rltk.training.rollouts.engine_weights import read_weights_file, weights_file_version, write_weights_file
 from rltk.training.step.estimator import compute_advantages

@@ -128,7 +128,8 @@ def test_a_producer_whose_node_is_lost_with_no_restarts_left_stops_the_run_namin
 
 
 def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_key(tmp_path):
-    from rltk.config import ConfigError, load_config
+    from rltk.config import load_config
+    from rltk.errors import ConfigError
     from rltk.training.rollouts.ray_cluster import connect, open_cluster
 
     ray_run = ["trainer.mode=async", "launcher=ray"]

@@ -12,8 +12,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rltk
-from rltk.config.errors import ConfigError
 from rltk.config.merge import apply_overrides
+from rltk.errors import ConfigError
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.workflows.base import Workflow
 

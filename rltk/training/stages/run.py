@@ -32,8 +32,8 @@ from torch import nn
 
 import rltk
 from rltk.checkpoint import CheckpointManager
-from rltk.config.errors import ConfigError
 from rltk.distributed import end_process_group, limit_torch_threads, process_rank, seed_everything
+from rltk.errors import ConfigError
 from rltk.loggers.base import stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.rollouts.engine_weights import connect_rollout_engine, engine_follows
