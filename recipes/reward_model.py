@@ -63,7 +63,7 @@ def main():
     def evaluate() -> dict[str, float]:
         return pairwise_accuracy(strategy.unwrap(), held_out, tokenizer.pad_token_id, strategy.device, mb)
 
-    run.metric_log.log(evaluate(), first_step)
+    run.metric_log.log_evaluation(evaluate(), first_step)
     for step in range(1, r.steps + 1):
         # every rank draws the same pairs and trains on its share; the loss is a mean over all of them
         pairs = sampler.next_batch()[strategy.rank :: strategy.world_size]
