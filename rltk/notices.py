@@ -70,3 +70,8 @@ def alias_moved_modules(moved: dict[str, str]) -> None:
             entry.moved.update(finder.moved)
             return
     sys.meta_path.append(finder)
+
+
+def moved_modules() -> dict[str, str]:
+    """Every old module name aliased so far in this process, with its new one."""
+    return {old: new for entry in sys.meta_path if isinstance(entry, _MovedModules) for old, new in entry.moved.items()}

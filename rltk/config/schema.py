@@ -227,7 +227,7 @@ class BufferConfig:
     sample_strategy: str = "on_policy"
     sample_strategy_args: Dict[str, Any] = field(default_factory=dict)
     expert: ExpertDataConfig = field(default_factory=ExpertDataConfig)
-    # The persistent experience queue of asynchronous training (rltk.buffer.queue, SQLite): producers write
+    # The persistent experience queue of asynchronous training (rltk.training.rollouts.asynchronous.queue, SQLite): producers write
     # experiences tagged with their policy version, the trainer takes them. null: a file in the run folder.
     queue_path: Optional[str] = None
     queue_timeout_s: float = 600.0  # the longest any wait lasts: trainer for experiences, producer for weights

@@ -14,12 +14,14 @@ working for one release, with a ``DeprecationWarning`` naming the new one.
 
 from rltk.notices import alias_moved_modules
 
-#: module -> the room it moved to (``rltk.training.<module>`` is now ``rltk.training.<room>.<module>``).
+#: module -> the room it moved to (``rltk.training.<module>`` is now ``rltk.training.<room>.<module>``; the async
+#: wing's modules moved on into ``rollouts.asynchronous`` in 2026-12).
 MOVED = {
     **dict.fromkeys(("setup", "rows", "resume", "run_outputs", "guard", "traces", "evaluation", "export"), "scaffold"),
     **dict.fromkeys(("ranks", "micro_batches", "forward", "reference", "estimator", "loss_components",
                      "rollout_correction", "batch_metrics"), "step"),
-    **dict.fromkeys(("collect", "engine_weights", "producer", "async_rollout", "rollout_source"), "rollouts"),
+    **dict.fromkeys(("collect", "engine_weights", "rollout_source"), "rollouts"),
+    **dict.fromkeys(("producer", "async_rollout"), "rollouts.asynchronous"),
     **dict.fromkeys(("update_loop", "rl", "ppo", "preference", "sft", "distill", "reward_model"), "updates"),
     **dict.fromkeys(("loop_state", "stage_checkpoint", "step_end", "run", "sft_stage"), "stages"),
 }

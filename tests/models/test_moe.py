@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rltk.batch import Experience, collate
-from rltk.buffer.queue import ExperienceQueue
+from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
 from rltk.models.loading import load_model, load_tokenizer
 from rltk.models.moe import (RouterTrace, is_moe, load_balancing_loss, moe_routers, route, route_by_rank,
                              routing_metrics, routing_shape)
