@@ -118,7 +118,8 @@ def _finished(rendezvous: dict) -> bool:
 
 
 def find_stage(run_dir: Path, stage: int | None, timeout_s: float, poll_s: float = 0.5) -> dict:
-    """The rendezvous (:data:`rltk.training.rollouts.asynchronous.async_rollout.RENDEZVOUS`) of the stage to produce for.
+    """The rendezvous (:data:`rltk.training.rollouts.asynchronous.async_rollout.RENDEZVOUS`) of the stage to
+    produce for.
 
     Waits up to ``timeout_s`` for the trainer to start it. Refuses (``ConfigError``) a run whose
     saved config trains synchronously: its trainer never reads a queue.

@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rltk.rewards.judges.reward_server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rltk.rewards.judges.reward_server",
+                                     description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -11,8 +11,8 @@ A recipe's loop reads the same whatever ``trainer.mode`` is::
 :class:`SyncRollouts` samples with the trainer's own engine on every rank
 (``trainer.mode=sync``); :class:`rltk.training.rollouts.asynchronous.async_rollout.AsyncRollouts`
 takes batches a producer process sampled with older weights (``one_step_off``,
-``async``; the async wing, :mod:`rltk.training.rollouts.asynchronous`, imported only then). Another source (one fed over the network, say) implements
-:class:`RolloutSource` and plugs in the same way.
+``async``; the async wing, :mod:`rltk.training.rollouts.asynchronous`, imported only then). Another
+source (one fed over the network, say) implements :class:`RolloutSource` and plugs in the same way.
 """
 
 from __future__ import annotations

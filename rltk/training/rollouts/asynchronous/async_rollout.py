@@ -139,7 +139,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class ProducerProcess:
-    """One local rollout worker process (:mod:`rltk.training.rollouts.asynchronous.producer`), its log, and its restarts."""
+    """One local rollout worker process (:mod:`rltk.training.rollouts.asynchronous.producer`), its log, and its
+    restarts."""
 
     def __init__(self, name: str, args: list[str], log: Path, threads: int | None = None):
         self.name, self.args, self.log = name, args, log
@@ -153,8 +154,8 @@ class ProducerProcess:
         with open(self.log, "a", encoding="utf-8") as out:
             out.write(f"--- start {self.starts} ---\n")
             out.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "rltk.training.rollouts.asynchronous.producer", *self.args,
-                                          "--name", self.name], stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([sys.executable, "-m", "rltk.training.rollouts.asynchronous.producer",
+                                          *self.args, "--name", self.name], stdout=out, stderr=subprocess.STDOUT,
                                          env=self.env)
 
     def check(self) -> None:

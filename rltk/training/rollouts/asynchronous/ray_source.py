@@ -1,8 +1,8 @@
 """``launcher=ray``: an asynchronous stage's producers as Ray actors on other machines, with no shared folder.
 
 The trainer keeps the durable record, as with local producers: the stage's SQLite
-:class:`~rltk.training.rollouts.asynchronous.queue.ExperienceQueue` in its own run folder, with the same leases, exactly-once
-commits with each checkpoint, and cursor checks on resume (:class:`RayRollouts` is an
+:class:`~rltk.training.rollouts.asynchronous.queue.ExperienceQueue` in its own run folder, with the same leases,
+exactly-once commits with each checkpoint, and cursor checks on resume (:class:`RayRollouts` is an
 :class:`~rltk.training.rollouts.asynchronous.async_rollout.AsyncRollouts`; only where producers run and how they reach
 the queue and the weights differ). Over the network instead of through files:
 
@@ -209,8 +209,8 @@ class RayWeightsFollower(WeightsFollower):
 
 
 class ProducerActor:
-    """One rollout producer as a Ray actor: :func:`~rltk.training.rollouts.asynchronous.producer.run_producer` in a folder
-    of its own node, with its queue and weights reached through the :class:`QueueFront`."""
+    """One rollout producer as a Ray actor: :func:`~rltk.training.rollouts.asynchronous.producer.run_producer` in a
+    folder of its own node, with its queue and weights reached through the :class:`QueueFront`."""
 
     def __init__(self, cfg: str, *, stage_index: int, name: str, index: int, count: int, timeout_s: float,
                  work_dir: str | None, front):
