@@ -47,7 +47,7 @@ def main():
     run = open_run(cfg)  # run folder, tokenizer and policy (model.path or the tiny one), rows, loggers, resume point
     # The stages before the reward model (type sft): InstructGPT starts its reward model from the SFT model.
     run_stages(run, {"sft": run_sft_stage})
-    first_step = sum(run.stage_steps)
+    first_step = run.last_step  # where the stages before it ended
     model = build_reward_model(cfg, run.policy)  # same architecture and backbone, a score head for the LM head
     tokenizer = run.tokenizer
     train = tokenize_pairs(preference_pairs(run.train_rows, cfg, split="train"), tokenizer, r.max_length)

@@ -20,19 +20,20 @@ from rltk.errors import ConfigError
 #: frozen, and at the default initialisation (std 0.02, tied head) every logit stays within about +-1.5: no
 #: adapter could make any token likelier than about exp(-3). Scaled, a LoRA training client learns.
 TINY_EMBEDDING_SCALE = 25.0
-SDK_HEARTBEAT_S = 10.0  # tinker's InternalClientHolder._session_heartbeat
+SDK_HEARTBEAT_S = 10.0
+SERVED_TOKENIZER_DIR = "served-tokenizer"  # under --state-dir: what clients download (rltk.tinker_service.hub)  # tinker's InternalClientHolder._session_heartbeat
 LIMIT_FLAGS = ("max_body_bytes", "max_datums", "max_batch_tokens", "max_samples", "max_sample_tokens",
                "max_lora_rank")
 
 
-def _load(args, stack: contextlib.ExitStack, state_dir: Path):
-    """``(model, tokenizer, served name, tokenizer folder)`` for PATH, or the tiny default saved to ``state_dir``."""
+def _load(args, stack: contextlib.ExitStack):
+    """``(model, tokenizer, served name)`` for PATH, or the tiny default."""
     from rltk.commands.serve import resolve_model_dir
     from rltk.models.loading import load_model, load_tokenizer
 
     model_dir, _ = resolve_model_dir(args.path, stack)
     if model_dir is None:
-        from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
+        from rltk.models.tiny import build_char_tokenizer, build_tiny_model
 
         import torch
 
@@ -40,15 +41,13 @@ def _load(args, stack: contextlib.ExitStack, state_dir: Path):
         model = build_tiny_model(tokenizer)
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(TINY_EMBEDDING_SCALE)
-        # get_tokenizer() in the SDK loads the tokenizer from the folder get_info names
-        folder = save_pretrained_dir(model, tokenizer, state_dir / "tiny-model")
         print("rltk: no PATH given: serving the untrained tiny model of the embedded default as 'tiny' (embeddings scaled for LoRA)",
               file=sys.stderr)
-        return model, tokenizer, args.model_name or "tiny", str(folder)
+        return model, tokenizer, args.model_name or "tiny"
     tokenizer = load_tokenizer(model_dir, config_key="rltk serve-tinker PATH")
     model = load_model(model_dir, dtype=args.dtype, config_key="rltk serve-tinker PATH")
     name = args.model_name or Path(args.path).expanduser().resolve().name
-    return model, tokenizer, name, str(model_dir)
+    return model, tokenizer, name
 
 
 def _limits(args):
@@ -70,8 +69,10 @@ def build_service(args):
 
     from rltk.serve.auth import api_keys_from
     from rltk.tinker_service.adapters import Workspace
-    from rltk.tinker_service.app import ServiceState, create_app
+    from rltk.tinker_service.app import create_app
+    from rltk.tinker_service.state import ServiceState
     from rltk.tinker_service.futures import FutureStore
+    from rltk.tinker_service.hub import ServedTokenizer
     from rltk.tinker_service.sessions import Registry
 
     keys = api_keys_from(args.api_key)
@@ -91,13 +92,14 @@ def build_service(args):
             state_dir.mkdir(parents=True, exist_ok=True)
         else:
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rltk-tinker-")))
-        model, tokenizer, name, tokenizer_id = _load(args, stack, state_dir)
+        model, tokenizer, name = _load(args, stack)
+        served = ServedTokenizer.write(name, tokenizer, getattr(model, "config", None), state_dir / SERVED_TOKENIZER_DIR)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device)
         for p in model.parameters():
             p.requires_grad_(False)
         state = ServiceState(
-            workspace=Workspace(model, tokenizer), model_name=name, tokenizer_id=tokenizer_id,
+            workspace=Workspace(model, tokenizer), model_name=name, tokenizer=served,
             registry=Registry(state_dir, session_timeout_s=args.session_timeout,
                               max_models_per_owner=args.max_models_per_key, max_samplers_per_session=args.max_samplers),
             futures=FutureStore(max_queued_per_owner=args.max_queued), limits=limits)

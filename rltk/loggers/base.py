@@ -8,11 +8,11 @@ resume it passes ``resume_step=<step of the checkpoint>`` so that no curve shows
 the steps after the checkpoint twice.
 
 What a logger can do beyond ``log`` and ``close`` is declared on :class:`Logger`, with no-op defaults:
-``set_stages(stages)`` (the run's stages as spans of global steps, called once before the first ``log``)
-and ``truncate_after(step)`` (a resumed run drops rows a file logger wrote after the checkpoint). rltk's
-loggers subclass it; a plugin's logger that only has ``log`` and ``close`` (the :class:`MetricLogger`
-protocol) is wrapped by :func:`as_logger` once, when it is built, so the trainer calls every method on
-every logger.
+``set_stages(stages)`` (the run's stages as spans of global steps, called before the first ``log`` and again
+when a stage stops before its cap) and ``truncate_after(step)`` (a resumed run drops rows a file logger wrote
+after the checkpoint). rltk's loggers subclass it; a plugin's logger that only has ``log`` and ``close``
+(the :class:`MetricLogger` protocol) is wrapped by :func:`as_logger` once, when it is built, so the trainer
+calls every method on every logger.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class StageSpan:
     ``name`` is the stage's name in the config (``stages[i].name``, e.g.
     ``warmup``) and ``type`` its runner (``sft`` or ``rl``). ``cap``: ``steps``
     is the most the stage runs, and it may stop before (a warm-up that ends on
-    reaching ``sft.stop_at_accuracy``); the next stage's steps still start
-    after ``last_step``.
+    reaching ``sft.stop_at_accuracy``); when it does, the run numbers the next
+    stage's steps from where it stopped and gives the loggers the spans again
+    (:func:`stage_ended`).
     """
 
     name: str
@@ -67,6 +68,19 @@ def stage_spans(stages: Sequence[tuple]) -> list[StageSpan]:
     return spans
 
 
+def stage_ended(spans: Sequence[StageSpan], index: int, last_step: int) -> list[StageSpan]:
+    """``spans`` once stage ``index`` has ended at global step ``last_step``: its span ends there (no longer a
+    cap) and the later stages follow it, each as long as before."""
+    spans = list(spans)
+    ended = spans[index]
+    shift = last_step - ended.last_step
+    spans[index] = StageSpan(ended.name, ended.type, ended.first_step, last_step - ended.first_step)
+    for later in range(index + 1, len(spans)):
+        span = spans[later]
+        spans[later] = StageSpan(span.name, span.type, span.first_step + shift, span.steps, span.cap)
+    return spans
+
+
 class Logger:
     """A base for loggers: :meth:`log` to write, the rest declared with defaults a logger may override."""
 
@@ -78,8 +92,9 @@ class Logger:
         """Flush and release files or connections; safe to call twice."""
 
     def set_stages(self, stages: Sequence[StageSpan]) -> None:
-        """The run's stages as spans of global steps, once, before the first :meth:`log` (the console's ETA
-        is per stage); a logger that does not show stages ignores them."""
+        """The run's stages as spans of global steps, before the first :meth:`log` (the console's ETA is per
+        stage), and again when a stage that may stop early has stopped (its span ends where it did, the
+        later ones follow it); a logger that does not show stages ignores them."""
 
     def truncate_after(self, step: int, *, keep_at_step: int | None = None) -> int:
         """Drop what was logged after ``step`` (and past the first ``keep_at_step`` rows at it), for a run

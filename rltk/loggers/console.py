@@ -138,8 +138,11 @@ class ConsoleLogger(Logger):
         self._clock_time = self._started
 
     def set_stages(self, stages: Sequence[StageSpan]) -> None:
-        """The run's stages as global step spans (see :class:`rltk.loggers.base.StageSpan`)."""
+        """The run's stages as global step spans (see :class:`rltk.loggers.base.StageSpan`); the run ends where
+        the last one does (given again after a stage stopped early, the total shrinks with it)."""
         self.stages = list(stages)
+        if self.stages:
+            self.total_steps = self.stages[-1].last_step
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Remember ``metrics`` and print or redraw the progress line when due."""

@@ -360,25 +360,31 @@ def _shared_prompt_cache(model: nn.Module, input_ids: torch.Tensor, attention_ma
     indexed out to the rows. ``generate`` then runs only the uncached last prompt token before
     sampling (a cache must leave it one token to process). With groups of 8 this takes 7/8 of the
     prefill away.
+
+    A LoRA policy is a ``peft.PeftModel``, whose ``forward`` declares its own arguments and hands
+    every other keyword (the cache among them) to the base model, where the adapter layers sit: the
+    keyword is read from the base model's forward, and the prefill runs through the wrapper, as
+    ``generate`` does.
     """
     from transformers import DynamicCache
 
+    base = unwrap_model(model)  # through peft: the causal LM whose forward takes the cache
     # a sharded module gathers its parameters collectively in every forward: no extra forward on one rank
-    supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-    if has_sharded_parameters(model) or getattr(model, "_is_stateful", False) or not supports_cache:
+    supports_cache = getattr(base, "_supports_default_dynamic_cache", lambda: True)()
+    if has_sharded_parameters(model) or getattr(base, "_is_stateful", False) or not supports_cache:
         return {}
-    keyword = cache_keyword(model.forward)
+    keyword = cache_keyword(base.forward)
     if keyword is None:
         notice_once(logger, "generate runs every row's prompt in full",
-                    f"{type(model).__name__}.forward declares neither `cache` nor `past_key_values`")
+                    f"{type(base).__name__}.forward declares neither `cache` nor `past_key_values`")
         return {}
     prompt_of_row, first_rows = shared_prompts(input_ids, attention_mask)
     if prompt_of_row is None:
         return {}
     ids, mask = input_ids[first_rows, :-1], attention_mask[first_rows, :-1]
-    cache = DynamicCache(config=getattr(model, "config", None))
+    cache = DynamicCache(config=getattr(base, "config", None))
     # the prefill's logits are not needed: keep the head to one position where the model allows it
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
           use_cache=True, **keep, **{keyword: cache})
     cache.batch_select_indices(prompt_of_row)

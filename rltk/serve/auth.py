@@ -81,7 +81,7 @@ class APIKeyMiddleware:
         self.app = app
         self.keys = list(keys)
         self._encoded = [k.encode() for k in self.keys]
-        # key_header: the key sent bare in that header (the Tinker SDK's X-API-Key) instead of as a Bearer token
+        # key_header: the key sent bare in that header (the Tinker SDK's X-API-Key), or else as a Bearer token
         self.key_header = key_header.lower() if key_header else None
         self.open_paths = open_paths
 
@@ -91,11 +91,12 @@ class APIKeyMiddleware:
         scope.setdefault("state", {})["owner"] = None
         if not self.keys or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        if self.key_header is not None:
-            header = dict(scope["headers"]).get(self.key_header, b"")
+        headers = dict(scope["headers"])
+        if self.key_header is not None and self.key_header in headers:
+            header = headers[self.key_header]
             scheme, token = b"bearer", header.strip()
-        else:
-            header = dict(scope["headers"]).get(b"authorization", b"")
+        else:  # also with a key_header: what huggingface_hub sends (HF_TOKEN) to the Tinker service's /hub
+            header = headers.get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             token = token.strip()
         # compare_digest against every key: the time taken says nothing about which prefix matched

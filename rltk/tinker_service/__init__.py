@@ -1,8 +1,9 @@
 """The Tinker API on your own machine: the service the official ``tinker`` SDK talks to
 (``rltk serve-tinker``; the ``tinker`` and ``serve`` extras).
 
-* :mod:`rltk.tinker_service.app`: the app, the state its routes share, futures and failures as the
-  SDK reads them, and the session reaper.
+* :mod:`rltk.tinker_service.app`: the app: error handlers, API keys, the routes mounted.
+* :mod:`rltk.tinker_service.state`: the state the routes share, futures and failures as the SDK
+  reads them, and the session reaper.
 * :mod:`rltk.tinker_service.routes`: the ``/api/v1`` routes (service and sessions, training clients
   and checkpoints, samplers, ``retrieve_future``).
 * :mod:`rltk.tinker_service.wire`: the SDK's protobuf bodies (``forward_backward`` in; fwd/bwd

@@ -12,7 +12,7 @@ from tinker import types
 
 from rltk.serve.errors import APIError
 from rltk.serve.limits import json_body, read_body
-from rltk.tinker_service.app import (
+from rltk.tinker_service.state import (
     RETRIEVE_WAIT_S, ServiceState, on_worker, retrieve_payload, served_model, submit,
 )
 from rltk.tinker_service.validation import bad, check_forward_backward, check_tokens, parse
@@ -139,7 +139,7 @@ def add_training_routes(app, state: ServiceState) -> None:
         arch = getattr(getattr(ws.base, "config", None), "model_type", None)
         return {"type": "get_info", "model_id": model.id, "is_lora": True, "lora_rank": model.rank,
                 "model_name": state.model_name,
-                "model_data": {"arch": arch, "model_name": state.model_name, "tokenizer_id": state.tokenizer_id}}
+                "model_data": {"arch": arch, "model_name": state.model_name, "tokenizer_id": state.tokenizer.name}}
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
@@ -335,6 +335,9 @@ def _sampling_params(state: ServiceState, body, prompt_len: int):
     sp = body.sampling_params
     context = state.workspace.context
     room = (context - prompt_len) if context else None
+    if room is not None and room < 1:
+        raise bad("prompt", f"{prompt_len} tokens, over this model's limit of {context - 1} prompt tokens (its "
+                            f"context of {context}, with room for at least one new token)")
     max_tokens = sp.max_tokens if sp.max_tokens is not None else min(room or 256, 256)
     if max_tokens < 1:
         raise bad("sampling_params.max_tokens", f"must be >= 1, got {max_tokens}")

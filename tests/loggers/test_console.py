@@ -231,6 +231,31 @@ def test_a_warm_up_that_may_stop_early_shows_its_cap_and_the_rl_stage_counts_its
     assert len(lines) == 2  # steps 2 and 6002 are neither a stage's first or last nor a multiple of every=10
 
 
+def test_a_warm_up_that_stopped_early_hands_the_run_its_real_length():
+    # what the recipes do: the warm-up (cap 6000) stops at its probe of step 2, the run gives the loggers the
+    # spans again, and the RL stage's steps follow it: 3, 4 ... of a run that now ends at 202
+    from rltk.loggers.base import stage_ended, stage_spans
+
+    logger, stream, clock = make(total_steps=6200, every=10)
+    spans = stage_spans([("warmup", "sft", 6000, True), ("grpo", "rl", 200)])
+    logger.set_stages(spans)
+    for step in (1, 2):  # 0.1 s a step
+        clock.now = 0.1 * step
+        logger.log({"sft/sft_loss": 0.5 / step}, step)
+    logger.set_stages(stage_ended(spans, 0, 2))
+    clock.now = 5.0  # 4.8 s of evaluation before the first RL step, logged at the warm-up's last step
+    logger.log({"eval/accuracy": 0.52}, 2)
+    for step in (3, 4):  # 2 s a step
+        clock.now = 5.0 + 2.0 * (step - 2)
+        logger.log({"reward": 0.4}, step)
+    lines = stream.getvalue().splitlines()
+    assert logger.total_steps == 202
+    assert lines[0].startswith("[warmup 1, up to 6000] | sft loss 0.5 |")
+    # the RL stage counts its own steps and, the run's length known now, the run's: 199 left x 2 s
+    assert lines[1] == "[grpo 1/200] step 3/202 (1%) | train reward 0.4 | held-out greedy 0.52 | 2.00s/step | ETA 6m38s"
+    assert len(lines) == 2
+
+
 def test_the_bar_of_a_run_with_a_capped_warm_up_fills_with_the_stage():
     from rltk.loggers.base import stage_spans
 

@@ -256,6 +256,45 @@ def test_a_prompt_shared_by_n_rows_is_prefilled_once_and_samples_as_without_shar
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
+def test_a_lora_policy_shares_the_prefill_through_the_peft_wrapper_and_samples_as_without_it(tokenizer, encode,
+                                                                                           monkeypatch):
+    # peft's PeftModelForCausalLM.forward declares neither `cache` nor `past_key_values` (it passes them on in
+    # **kwargs): the keyword is read from the base model's forward, so a LoRA policy's n rows share one prefill
+    # like a fully fine-tuned one's. Adapters with weights of their own, so the prefill runs them.
+    import rltk.rollout.hf as hf
+    from rltk.models.kv_cache import cache_keyword
+    from rltk.models.lora import apply_lora
+
+    policy = apply_lora(build_model(len(tokenizer)), {"r": 4, "alpha": 8, "target_modules": "all-linear"})
+    with torch.no_grad():
+        for name, weight in policy.named_parameters():
+            if "lora_B" in name:
+                weight.copy_(torch.linspace(-0.5, 0.5, weight.numel()).reshape(weight.shape))
+    assert type(policy).__name__ == "PeftModelForCausalLM"
+    prompts = [encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=[], seed=11)
+    caches = []
+    shared_cache = hf._shared_prompt_cache
+    monkeypatch.setattr(hf, "_shared_prompt_cache", lambda *a: caches.append(shared_cache(*a)) or caches[-1])
+    shared = HFRolloutEngine(policy, tokenizer).generate(prompts, params)
+    assert len(caches) == 1 and list(caches[0]) == [cache_keyword(policy.get_base_model().forward)]  # {} before
+    ids, mask = _padded(prompts * 4)
+    (cache,) = shared_cache(policy, ids, mask).values()
+    assert cache.get_seq_length() == 5 and cache.layers[0].keys.shape[0] == 12  # all but the last token, per row
+    # the cache holds the adapted model's keys: the prompts ran through the adapters, not the base model alone
+    with policy.disable_adapter():
+        (base_cache,) = shared_cache(policy, ids, mask).values()
+    assert not torch.allclose(base_cache.layers[0].keys, cache.layers[0].keys)
+    monkeypatch.setattr(hf, "_shared_prompt_cache", lambda *a: {})
+    alone = HFRolloutEngine(policy, tokenizer).generate(prompts, params)
+    # the same tokens; log-probs as close as the fully fine-tuned policy's on this path (the last prompt token
+    # attends over a cache instead of in one pass: float32 sums in another order, ~2e-6 apart)
+    assert [[c.token_ids for c in g] for g in shared] == [[c.token_ids for c in g] for g in alone]
+    for group_shared, group_alone in zip(shared, alone):
+        for a, b in zip(group_shared, group_alone):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 def _padded(prompts):
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)

@@ -239,6 +239,9 @@ def test_bad_input_is_a_400_naming_the_field(server):
     sampler = client.save_weights_and_get_sampling_client().result()
     with pytest.raises(Exception, match=r"sampling_params\.max_tokens: .* exceed the model's context of 256"):
         sampler.sample(types.ModelInput.from_ints(tokens), 1, types.SamplingParams(max_tokens=1000)).result()
+    long_prompt = types.ModelInput.from_ints((tokens * 64)[:256])
+    with pytest.raises(Exception, match=r"prompt: 256 tokens, over this model's limit of 255 prompt tokens"):
+        sampler.sample(long_prompt, 1, types.SamplingParams(max_tokens=4)).result()
     service.close("success").result()
 
 
@@ -251,6 +254,37 @@ CHILD = textwrap.dedent("""
     print("ready", flush=True)
     os._exit(0)  # gone without finishing its session: no more heartbeats
 """)
+
+
+TOKENIZER_CHILD = textwrap.dedent("""
+    import json, sys
+    import tinker
+    service = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+    texts = json.loads(sys.argv[3])
+    training = service.create_lora_training_client(base_model="tiny-folder", rank=4).result().get_tokenizer()
+    sampling = service.create_sampling_client(base_model="tiny-folder").get_tokenizer()
+    print(json.dumps({"training": [training.encode(t, add_special_tokens=False) for t in texts],
+                      "sampling": [sampling.encode(t, add_special_tokens=False) for t in texts],
+                      "decoded": [sampling.decode(training.encode(t, add_special_tokens=False)) for t in texts]}))
+""")
+
+
+def test_clients_elsewhere_get_the_served_tokenizer_exactly(server, tmp_path):
+    import json
+    import shutil
+
+    # the served files are read at start and given over HTTP: the folder can go, the client has no path to it
+    shutil.rmtree(server["state"] / "served-tokenizer")
+    texts = ["next a", "1 + 2 = 3", "a\tb\nc  d"]
+    env = {**os.environ, "HF_ENDPOINT": f"{server['url']}/hub", "HF_TOKEN": KEY_A, "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "TINKER_TELEMETRY": "0"}
+    out = subprocess.run([sys.executable, "-c", TOKENIZER_CHILD, server["url"], KEY_A, json.dumps(texts)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = [server["tokenizer"].encode(t, add_special_tokens=False) for t in texts]
+    assert got["training"] == expected and got["sampling"] == expected
+    assert got["decoded"] == texts
 
 
 def test_nothing_is_held_after_a_client_disconnects(server):

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from rltk.models.loading import load_tokenizer
 from rltk.models.tiny import build_char_tokenizer, build_tiny_model
-from rltk.training.scaffold.export import _make_auto_tokenizer_exact
+from rltk.models.loading import make_auto_tokenizer_exact
 
 TEXTS = ["a b", "12 + 30 = 42", "<|user|>3 km to m<|eos|><|assistant|>"]
 
@@ -32,7 +32,7 @@ def test_before_the_fix_auto_tokenizer_drops_the_char_tokenizers_spaces(tmp_path
 @pytest.mark.parametrize("trust_remote_code", [False, True])
 def test_auto_tokenizer_reads_the_exported_tokenizer_exactly(tmp_path, trust_remote_code):
     trained = tiny_folder(tmp_path, tool_role=True)
-    written = _make_auto_tokenizer_exact(tmp_path)
+    written = make_auto_tokenizer_exact(tmp_path)
     assert sorted(p.name for p in written) == ["tokenization_rltk.py", "tokenizer_config.json"]
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "TokenizersBackend"
@@ -53,5 +53,5 @@ def test_a_model_specific_tokenizer_class_is_left_alone(tmp_path):
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"  # a real Qwen folder: rltk loaded it through AutoTokenizer too
     config_file.write_text(json.dumps(config))
-    assert _make_auto_tokenizer_exact(tmp_path) == []
+    assert make_auto_tokenizer_exact(tmp_path) == []
     assert "auto_map" not in json.loads(config_file.read_text())

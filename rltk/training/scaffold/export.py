@@ -100,64 +100,13 @@ def _refuse_non_empty(out_dir: Path) -> None:
 
 def _copy_tokenizer(checkpoint: Path, out_dir: Path) -> list:
     """The run's tokenizer (saved at ``<output_dir>/tokenizer``) into ``out_dir``; the files written."""
+    from rltk.models.loading import make_auto_tokenizer_exact
+
     tokenizer_dir = checkpoint.parent.parent / TOKENIZER_SUBDIR
     if not tokenizer_dir.is_dir():
         return []
     written = [shutil.copy2(item, out_dir / item.name) for item in tokenizer_dir.iterdir() if item.is_file()]
-    return written + _make_auto_tokenizer_exact(out_dir)
-
-
-#: Written beside a generic tokenizer so that ``AutoTokenizer(..., trust_remote_code=True)`` reads it exactly too.
-AUTO_TOKENIZER_MODULE = "tokenization_rltk"
-_AUTO_TOKENIZER_SOURCE = '''"""The tokenizer an rltk run trained with: tokenizer.json as it is (written by `rltk export`).
-
-transformers' AutoTokenizer only reads this file when asked to trust the folder's code; otherwise
-tokenizer_config.json's tokenizer_class (TokenizersBackend) gives the same tokenizer.
-"""
-
-from transformers import PreTrainedTokenizerFast
-
-
-class RltkTokenizer(PreTrainedTokenizerFast):
-    """tokenizer.json verbatim: no pre-tokenizer or normalizer of a model family put in its place."""
-'''
-
-
-def _make_auto_tokenizer_exact(out_dir: Path) -> list:
-    """Let ``AutoTokenizer.from_pretrained(out_dir)`` load the tokenizer rltk trained with, token for token.
-
-    A tokenizer declared generic (``TokenizersBackend``, ``PreTrainedTokenizerFast``: what rltk's loader
-    reads verbatim from ``tokenizer.json``, e.g. the tiny model's char tokenizer) is not what
-    ``AutoTokenizer`` loads when ``config.json``'s ``model_type`` has a tokenizer class of its own:
-    transformers 5.19 to 5.24 (``AutoTokenizer.from_pretrained``) replace a declared class that differs
-    from the model type's by the model type's own (``Qwen2Tokenizer`` for ``qwen2``, which is in their
-    ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``), and that class rebuilds the pipeline from the vocab
-    with its own byte-level pre-tokenizer: the char tokenizer's spaces vanish (``'a b'`` -> ``[25, 26]``
-    instead of ``[25, 17, 26]``). Whatever ``tokenizer_class`` says. The one way the file can change
-    that: that replacement is skipped when ``tokenizer_config.json`` has an ``auto_map``; without
-    ``trust_remote_code=True`` the map is then dropped for such model types and the declared class
-    loads; with it, the mapped class loads. So the export declares ``TokenizersBackend`` and maps
-    ``AutoTokenizer`` to :data:`AUTO_TOKENIZER_MODULE` (a subclass of ``PreTrainedTokenizerFast`` that
-    adds nothing). A tokenizer declared with a model-specific class is left as it is: rltk loaded it
-    through ``AutoTokenizer`` too. Returns the files written.
-    """
-    import json
-
-    from rltk.models.loading import GENERIC_TOKENIZER_CLASSES
-
-    config_file, tokenizer_json = out_dir / "tokenizer_config.json", out_dir / "tokenizer.json"
-    if not (config_file.is_file() and tokenizer_json.is_file()):
-        return []
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    if config.get("tokenizer_class", "PreTrainedTokenizerFast") not in GENERIC_TOKENIZER_CLASSES \
-            or config.get("auto_map"):
-        return []
-    config["tokenizer_class"] = "TokenizersBackend"
-    config["auto_map"] = {"AutoTokenizer": [None, f"{AUTO_TOKENIZER_MODULE}.RltkTokenizer"]}
-    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    module = out_dir / f"{AUTO_TOKENIZER_MODULE}.py"
-    module.write_text(_AUTO_TOKENIZER_SOURCE, encoding="utf-8")
-    return [config_file, module]
+    return written + make_auto_tokenizer_exact(out_dir)
 
 
 def _write_merged(checkpoint: Path, adapter_dir: Path, out_dir: Path) -> list:

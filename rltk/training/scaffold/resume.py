@@ -21,6 +21,7 @@ run killed between a save and its prune left behind.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import uuid
@@ -256,6 +257,30 @@ def check_compatible(cfg: DictConfig, saved_file: Path, what: str) -> None:
     )
 
 
+#: Checkpoint state: the global step each stage ended at, for the stages finished by then (this one
+#: included when it ends its stage). The next stage's steps are numbered from the last of them.
+STAGE_ENDS_KEY = "stage_ends"
+
+
+def stage_ends(resume: dict[str, Any] | None, stage_steps: list[int]) -> list[int]:
+    """The global step each stage finished before ``resume`` ended at (``[]`` for a run starting afresh).
+
+    A stage's steps are numbered on from where the stage before it really ended: a warm-up that stops at
+    step 1100 of its 6000-step cap is followed by steps 1101, 1102 ... A checkpoint written before rltk
+    numbered so holds no :data:`STAGE_ENDS_KEY`; its run had reserved each finished stage its whole
+    configured length (``stage_steps``), which its later steps keep, and a stage ending at the checkpoint
+    ends at its step.
+    """
+    if resume is None:
+        return []
+    finished = resume["stage"] + int(bool(resume["stage_done"]))
+    saved = resume.get(STAGE_ENDS_KEY)
+    if isinstance(saved, list) and len(saved) == finished:
+        return [int(end) for end in saved]
+    ends = list(itertools.accumulate(stage_steps[: resume["stage"]]))
+    return ends + [int(resume["global_step"])] if resume["stage_done"] else ends
+
+
 def is_stage_end(state: dict[str, Any]) -> bool:
     """Whether a checkpoint's saved state ends its stage: the runs keep those whatever ``checkpoint.keep_last``."""
     return bool(state.get("stage_done"))
@@ -266,13 +291,14 @@ def start_point(cfg: DictConfig, stage_steps: list[int]) -> dict[str, Any]:
 
     ``checkpoint.start_from`` is the last checkpoint of a stage of another run (each stage's last
     checkpoint is kept whatever ``checkpoint.keep_last``), e.g. the end of its warm-up. This run
-    skips its own stages up to and including that one (its steps are still counted, so later
-    stages keep their step numbers), loads the checkpoint's model weights, and trains the
-    stages after it with their own config: a fixed RL stage after a warm-up that went well,
-    without training the warm-up again. Nothing else of the other run is taken (no optimizer,
-    counters or logs); its architecture (``model.*``) must be this run's. ``stage_steps`` are
-    this run's stage lengths. ``ConfigError`` for a checkpoint that is damaged, ends no stage, or
-    ends this run's last stage (nothing would be left to train).
+    skips its own stages up to and including that one (their steps are still counted: later
+    stages keep the step numbers they had in the other run), loads the checkpoint's model weights,
+    and trains the stages after it with their own config: a fixed RL stage after a warm-up that
+    went well, without training the warm-up again. Nothing else of the other run is taken (no
+    optimizer, counters or logs); its architecture (``model.*``) must be this run's. ``stage_steps``
+    are this run's stage lengths (a checkpoint of an older rltk, which holds no stage ends, counts
+    them instead). ``ConfigError`` for a checkpoint that is damaged, ends no stage, or ends this
+    run's last stage (nothing would be left to train).
     """
     from rltk.distributed import process_rank
 
@@ -296,8 +322,11 @@ def start_point(cfg: DictConfig, stage_steps: list[int]) -> dict[str, Any]:
                           f"after the one the checkpoint ends are the ones trained")
     if process_rank() == 0:
         print(f"rltk: starting after stage {stage} ('{cfg.stages[stage].name}') from the weights of {path}")
-    return {"path": path, "global_step": sum(stage_steps[: stage + 1]), "stage": stage, "stage_done": True,
-            "stage_step": step, "started_from": str(path)}
+    ends = state.get(STAGE_ENDS_KEY)
+    if not (isinstance(ends, list) and len(ends) == stage + 1):
+        ends = list(itertools.accumulate(stage_steps[: stage + 1]))
+    return {"path": path, "global_step": int(ends[-1]), "stage": stage, "stage_done": True, "stage_step": step,
+            STAGE_ENDS_KEY: [int(end) for end in ends], "started_from": str(path)}
 
 
 def run_is_finished(resume: dict[str, Any] | None, cfg: DictConfig) -> bool:

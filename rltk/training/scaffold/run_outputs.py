@@ -63,6 +63,11 @@ class MetricLog:
         for logger in self.loggers:
             logger.log(clean, step)
 
+    def set_stages(self, stages: list[StageSpan]) -> None:
+        """Give every logger the run's stages again (a stage stopped before its cap, the later ones moved up)."""
+        for logger in self.loggers:
+            logger.set_stages(list(stages))
+
     def last(self, key: str) -> tuple[int, float] | None:
         """The latest ``(step, value)`` logged for ``key`` in this process, if any."""
         for entry in reversed(self.history):

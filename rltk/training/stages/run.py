@@ -34,13 +34,14 @@ import rltk
 from rltk.checkpoint import CheckpointManager
 from rltk.distributed import end_process_group, limit_torch_threads, process_rank, seed_everything
 from rltk.errors import ConfigError
-from rltk.loggers.base import stage_spans
+from rltk.loggers.base import StageSpan, stage_ended, stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.rollouts.engine_weights import connect_rollout_engine, engine_follows
 from rltk.training.scaffold.evaluation import evaluate
 from rltk.training.scaffold.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
 from rltk.training.scaffold.resume import (
-    is_stage_end, load_model_weights, load_rng_state, resume_or_start_over, run_is_finished, start_point,
+    is_stage_end, load_model_weights, load_rng_state, resume_or_start_over, run_is_finished, stage_ends,
+    start_point,
 )
 from rltk.training.scaffold.rows import build_rows
 from rltk.training.scaffold.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
@@ -71,6 +72,22 @@ class Run:
     resume: dict | None  # the checkpoint this run continues from
     finished: bool = False  # the checkpoint ends the last stage: only the final evaluation is reported
     traces: TraceWriter | None = None  # logging.traces: samples of each RL step in traces.jsonl (main process)
+    # the global step each finished stage ended at: the next stage's steps are numbered on from the last
+    stage_ends: list[int] = field(default_factory=list)
+    spans: list[StageSpan] = field(default_factory=list)  # the stages as the loggers see them
+
+    @property
+    def last_step(self) -> int:
+        """The global step the last finished stage ended at (0 before any)."""
+        return self.stage_ends[-1] if self.stage_ends else 0
+
+    def end_stage(self, index: int, last_step: int) -> None:
+        """Stage ``index`` ended at global step ``last_step``: the next stage numbers its steps on from there,
+        and loggers get the spans again when it stopped before its cap."""
+        self.stage_ends.append(last_step)
+        if self.spans and self.spans[index].last_step != last_step:
+            self.spans = stage_ended(self.spans, index, last_step)
+            self.metric_log.set_stages(self.spans)
 
     def trace(self, stage: "Stage", step: int, batch: dict, items) -> None:
         """Keep a sample of stage step ``step``'s trajectories (``logging.traces``; a no-op when off)."""
@@ -86,9 +103,12 @@ class Stage:
     run: Run
     cfg: DictConfig  # this stage's config
     index: int
-    first_step: int  # global step before this stage's first step
+    first_step: int  # global step before this stage's first step: where the stage before it ended
     resume: dict | None  # set when this stage continues from one of its own checkpoints
     guard: DivergenceGuard | None = None  # stops the run on divergence; the loop calls guard.observe each step
+    # the stage step a runner stopped at before its configured length (the warm-up reaching its target
+    # accuracy); None when it ran them all. The next stage's steps follow it.
+    stopped_at: int | None = None
     checkpoint: StageCheckpoint = field(init=False, repr=False)  # save() and restore() of this stage
 
     def __post_init__(self):
@@ -135,6 +155,9 @@ def open_run(cfg: DictConfig) -> Run:
     # are a cap, not its length
     spans = stage_spans([(st.name, st.type, n, st.type == "sft" and s.sft.stop_at_accuracy is not None
                           and s.sft.probe_every < n) for s, st, n in zip(stages, cfg.stages, stage_steps)])
+    ends = stage_ends(resume, stage_steps)  # the stages the checkpoint had finished, where they really ended
+    for i, end in enumerate(ends):
+        spans = stage_ended(spans, i, end)
     metric_log = MetricLog(build_loggers(cfg, run_dir, sum(stage_steps), resume_step=resume_step, stages=spans))
     if resume is not None and LOG_ROWS_KEY in resume:
         # Rows logged at the checkpoint's own step after it was saved (the next stage's opening
@@ -151,7 +174,7 @@ def open_run(cfg: DictConfig) -> Run:
     elif resume is not None and "started_from" not in resume:
         print(f"rltk: resuming from {resume['path']} (stage {resume['stage']}, step {resume['stage_step']})")
     return Run(cfg, run_dir, tokenizer, policy, train_rows, eval_rows, workflow, ckpt, metric_log, stages,
-               stage_steps, resume, finished, traces)
+               stage_steps, resume, finished, traces, stage_ends=ends, spans=spans)
 
 
 def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], None]]) -> None:
@@ -167,13 +190,12 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], None]]) -> None
                           f"{', '.join(unknown)} (rl is the RL loop of `rltk run grpo` or `rltk run ppo`: name it "
                           f"grpo or ppo in another recipe's stages)")
     rltk.call_lifecycle_hook("rltk_on_train_start", config=run.cfg, run_dir=run.run_dir)
-    resume, first_step = run.resume, 0
+    resume = run.resume
     for i, (scfg, stage) in enumerate(zip(run.stages, run.cfg.stages)):
         stage_resume = None
         if resume is not None:
             if resume["stage"] > i or (resume["stage"] == i and resume["stage_done"]):
-                first_step += run.stage_steps[i]  # finished before the interruption
-                continue
+                continue  # finished before the interruption: run.stage_ends holds where it ended
             if resume["stage"] == i:
                 stage_resume = resume  # continue this stage mid-way
             else:
@@ -184,6 +206,7 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], None]]) -> None
                     # evaluation) may have used the global RNG after the run's start
                     load_rng_state(resume["path"], process_rank())
             resume = None
+        first_step = run.last_step  # a stage's steps follow the last step the stage before it ran
         guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,
                                 vocab_size=vocab_size_of(run.policy), checkpoints=run.ckpt)
         current = Stage(run, scfg, i, first_step, stage_resume, guard)  # its checkpoint restores the guard too
@@ -201,7 +224,7 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], None]]) -> None
             # weights: a ZeRO-3 engine leaves the module it trained partitioned.
             run.policy = strategy.release_model()
             engine_follows(run.workflow.engine, run.policy)
-        first_step += run.stage_steps[i]
+        run.end_stage(i, first_step + (run.stage_steps[i] if current.stopped_at is None else current.stopped_at))
     if resume is not None:  # the checkpoint was the run's last: nothing left to train
         load_model_weights(resume["path"], run.policy)
         engine_follows(run.workflow.engine, run.policy)
@@ -254,7 +277,7 @@ def finish_run(run: Run) -> dict:
         from rltk.training.scaffold.ray_cluster import release_reward_services
 
         release_reward_services()  # each says how many samples it scored
-    summary = {"final": final, "steps": sum(run.stage_steps)}
+    summary = {"final": final, "steps": run.last_step}
     if process_rank() == 0:
         print("rltk: final held-out " + ", ".join(f"{k}={v:.3f}" for k, v in final.items()))
     # A finished run's files stay those of its training, unless it stopped before writing them.

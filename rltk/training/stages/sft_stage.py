@@ -25,9 +25,9 @@ def run_sft_stage(stage: Stage):
 
     With ``sft.stop_at_accuracy`` the stage ends at the first probe (every
     ``sft.probe_every`` steps) whose accuracy on ``sft.probe_size`` training
-    prompts (greedy, or sampled with ``sft.probe=sampled``) reaches it; ``sft.steps`` is then a cap. Global step
-    numbers still reserve the whole cap for this stage, so the steps of later
-    stages do not depend on when the warm-up stopped.
+    prompts (greedy, or sampled with ``sft.probe=sampled``) reaches it; ``sft.steps`` is then a cap. The
+    next stage's global steps follow the step it stopped at (``stage.stopped_at``), so the run's step axis
+    has no gap where the rest of the cap would have been.
     """
     run, cfg, s = stage.run, stage.cfg, stage.cfg.sft
     strategy = build_strategy(cfg, run.policy, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps,
@@ -78,6 +78,7 @@ def run_sft_stage(stage: Stage):
         if should_checkpoint(cfg, step, last):
             stage.checkpoint.save(strategy, loop, last_step=last)
         if reached:
+            stage.stopped_at = step
             if process_rank() == 0:
                 print(f"rltk: warm-up reached sft.stop_at_accuracy={s.stop_at_accuracy} "
                       f"(train accuracy {metrics['sft/train_accuracy']:.3f}) at step {step} of {s.steps}")

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 import rltk
 from rltk.distributed import every_rank, process_rank
+from rltk.training.scaffold.resume import STAGE_ENDS_KEY
 
 if TYPE_CHECKING:  # the loop state is built above this module; only its type is named here
     from rltk.training.stages.loop_state import LoopState
@@ -38,11 +39,12 @@ class StageCheckpoint:
 
     What it holds beside the strategy's state (weights, optimizer, RNG): the loop's
     :meth:`~rltk.training.stages.loop_state.LoopState.state_dict` (the same on every rank; the main rank's is
-    saved), the divergence guard's counters, one entry per rank (its buffer, its workflow's state, its
-    reward counters: :func:`rank_state` gives a rank its own back) and how many metric rows were logged
-    at its step. The loop's generators go into the rank's RNG file by name. The workflow's state and
-    the reward counters are restored when the run opens (:func:`restore_rollout_state`), since a run
-    may resume at the end of an earlier stage; the rest when the stage itself resumes (:meth:`restore`).
+    saved), the divergence guard's counters, the global step each finished stage ended at, one entry per
+    rank (its buffer, its workflow's state, its reward counters: :func:`rank_state` gives a rank its own
+    back) and how many metric rows were logged at its step. The loop's generators go into the rank's RNG
+    file by name. The workflow's state and the reward counters are restored when the run opens
+    (:func:`restore_rollout_state`), since a run may resume at the end of an earlier stage; the rest when
+    the stage itself resumes (:meth:`restore`).
     """
 
     def __init__(self, stage):
@@ -69,6 +71,8 @@ class StageCheckpoint:
             mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
         state[PER_RANK_KEY] = every_rank(mine)
         global_step = stage.first_step + stage_step
+        # where each finished stage ended: a resumed run numbers the stages after them on from there
+        state[STAGE_ENDS_KEY] = stage.run.stage_ends[: stage.index] + ([global_step] if state["stage_done"] else [])
         state[LOG_ROWS_KEY] = sum(1 for row in stage.run.metric_log.history if row["step"] == global_step)
         path = stage.run.ckpt.save(global_step, checkpointed, state, generators=loop.generators)
         rltk.call_lifecycle_hook("rltk_on_checkpoint", step=global_step, path=path)
