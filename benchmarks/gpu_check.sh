@@ -19,6 +19,13 @@
 #      16384 x 3584 x 152064, bf16): rltk triton, naive, CCE, Liger; ms, TFLOPS = 8 N H V / time, peak, error;
 #   6. trl (issue 47, item 4): benchmarks/step_vs_trl.py --device cuda --model-size 0.5B: rltk's GRPO step
 #      against TRL's, 8 x 8 samples x 256 new tokens, bf16; step time and peak, rltk / TRL.
+#   7. hopper (issue 59): the gpu-marked tests of the Hopper kernels (impl="triton-hopper": bf16/fp16/fp32,
+#      atomic and deterministic, against float64 at the 2e-3 bar), then benchmarks/grpo_head_loss.py at the
+#      issue's two shapes with the issue's columns: naive, the shipped triton kernels, the Hopper kernels
+#      (autotuned on their first call; the chosen configs land in hopper.json) and their deterministic mode,
+#      verl, CCE, Liger's chunked GRPO loss; the summary ends with the issue's table, new columns included.
+#   8. hopper-grpo (issue 59, for the second run): gpu_grpo_step.py, one GRPO update of the 0.5B-shaped model
+#      with the shipped kernels, the Hopper kernels and naive (bf16 weights).
 # PARTS="tests" (default "tests logprobs grpo sweep") runs only those parts: a check of the code paths alone
 # after the figures were taken. "gpu-tests" is the gpu-marked tests alone (no CPU interpreter tests beside).
 #
@@ -26,10 +33,27 @@
 #
 #   WHEELS=.gpu-carry PARTS="gpu-tests peers trl grpo" BUDGET=480 bash benchmarks/gpu_check.sh
 #
+# Issue 59 in one run of at most 7 minutes (the rest of the 15 for start-up and a shorter rerun):
+#
+#   WHEELS=.gpu-carry PARTS="hopper" BUDGET=420 bash benchmarks/gpu_check.sh
+#
+# A rerun on the still-warm machine after tuning finds Triton's compiled kernels in TRITON_CACHE_DIR (default
+# under benchmarks/results/, which the device keeps between calls), so it is shorter; the GRPO update with
+# the Hopper kernels (part hopper-grpo) is for a session with more device time:
+#
+#   WHEELS=.gpu-carry PARTS="hopper" BUDGET=300 bash benchmarks/gpu_check.sh
+#   WHEELS=.gpu-carry PARTS="hopper-grpo" BUDGET=200 bash benchmarks/gpu_check.sh
+#
 # .gpu-carry holds Python 3.12 wheels the image lacks (the machine reaches no registry), fetched here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .gpu-carry omegaconf==2.4.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5 trl==1.16.0 \
 #       datasets dill multiprocess xxhash pyarrow
+# (for issue 59, 2.8 MB in all:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .gpu-carry omegaconf==2.4.0 cut-cross-entropy==25.1.1 liger-kernel==0.8.5 verl==0.9.1
+# without trl and the datasets stack; grpo_head_loss.py imports
+# verl's kernel without verl's package __init__, which needs Ray and more: the kernel needs torch, Triton and
+# packaging only. Checked on a CPU: it imports, then stops at its NVTX ranges, which need CUDA)
 # (omegaconf for rltk; CCE and Liger are pure Python + Triton; TRL imports datasets, which needs the rest
 # unless the image has them: pyarrow alone is ~40 MB of the 64 MiB a call carries, so leave out what the
 # image has). The preflight below prints which of them import; a part whose packages are missing says so in
@@ -45,6 +69,8 @@ SUMMARY="$OUT/summary.md"
 : >"$LOG"
 : >"$SUMMARY"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Triton's compiled kernels in the tree's ignored results folder: a rerun on the same machine skips the compiles
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/benchmarks/results/triton-cache}
 PY=${PYTHON:-python3}
 START=$(date +%s)
 # Every part ends by START + BUDGET seconds whatever the others did (the device call's own limit is
@@ -168,6 +194,17 @@ print(f"\nrltk / TRL: step {r['ratio_rltk_over_trl']:.2f}x, peak {r['peak_ratio_
 EOF
 fi
 
+# 7. issue 59: the Hopper kernels' own GPU tests, then the issue's table (~4-5 min: Triton compiles the
+# autotune's five candidates once for the first shape, the second reuses them; float64 reference; 2 warm-ups
+# + 5 timed runs of each method)
+wanted hopper && part hopper-tests 100 $PY -m pytest -p no:cacheprovider -q -rA -m gpu \
+    tests/kernels/test_triton_hopper.py --junitxml="$OUT/tests-hopper.xml"
+wanted hopper && part hopper 300 $PY benchmarks/grpo_head_loss.py --device cuda --methods naive rltk-triton \
+    rltk-triton-hopper rltk-triton-hopper-det verl cce liger-grpo --out "$OUT/hopper.json" --table "$TMP/hopper.md"
+wanted hopper-grpo && part hopper-grpo 150 $PY benchmarks/gpu_grpo_step.py --precisions bf16-weights \
+    --impls triton triton-hopper naive --steps 3 --micro-batch 16 --out "$OUT/hopper-grpo.json" \
+    --table "$TMP/hopper-grpo.md"
+
 if wanted tests; then
     wait "$KERNELS"
     cat "$TMP/kernels.log" >>"$LOG"
@@ -179,7 +216,7 @@ fi
     echo "| part | result | time |"
     echo "|---|---|---|"
     cat "$TMP/parts"
-    for t in logprobs grpo sweep peers trl; do
+    for t in logprobs grpo sweep peers trl hopper hopper-grpo; do
         if [ -f "$TMP/$t.md" ]; then
             echo
             echo "## $t"

@@ -14,8 +14,8 @@ random token ids and advantages. The update is rltk's own
 (``ppo_clip``, ``token-mean``, one mini-batch, on-policy, entropy computed as
 in training), so it is the step a recipe runs, micro-batches included.
 
-Variants (``--impls``): ``triton`` (the fused op: no ``[tokens, V]`` logits)
-and ``naive`` (full fp32 logits and ``log_softmax``). Precisions
+Variants (``--impls``): ``triton`` (the fused op: no ``[tokens, V]`` logits),
+``triton-hopper`` (the same op on the kernels rebuilt for Hopper, issue 59) and ``naive`` (full fp32 logits and ``log_softmax``). Precisions
 (``--precisions``): ``bf16-weights`` (the model in bf16, ``model.dtype=bfloat16``)
 and ``amp-bf16`` (fp32 weights under bf16 autocast, ``mixed_precision=bf16``;
 the op then sees fp32 hidden states and head). Each variant is warmed up with
@@ -168,7 +168,8 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen2 and 4 x 2 rows of 8 + 24 tokens (logic check)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["bf16-weights"])
-    parser.add_argument("--impls", nargs="+", choices=("triton", "torch", "naive"), default=["triton", "naive"])
+    parser.add_argument("--impls", nargs="+", choices=("triton", "triton-hopper", "torch", "naive"),
+                        default=["triton", "naive"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up step)")
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per micro-batch (trainer.micro_batch_size)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gpu_grpo_step.json")
@@ -176,8 +177,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (use --device cpu --tiny to check the logic)")
-    if args.device == "cpu" and "triton" in args.impls:
-        parser.error("--device cpu: impl 'triton' needs CUDA tensors; pass --impls torch naive")
+    if args.device == "cpu" and {"triton", "triton-hopper"} & set(args.impls):
+        parser.error("--device cpu: the triton impls need CUDA tensors; pass --impls torch naive")
 
     shape = TINY if args.tiny else QWEN25_05B
     prompts, group, prompt_len, response_len = (4, 2, 8, 24) if args.tiny else (8, 8, 64, 448)

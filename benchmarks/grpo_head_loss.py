@@ -24,8 +24,11 @@ The rate is ``8 N H V / time`` (forward, the backward's recomputation and the tw
 
 Methods (``--methods``; a method that cannot run here is a row that says why, never a crash):
 
-* ``rltk-torch``, ``rltk-triton``: ``rltk.kernels.token_logprobs_and_entropy`` with that backend (triton: CUDA,
-  or the interpreter under ``TRITON_INTERPRET=1``); entropy comes out too, unused.
+* ``rltk-torch``, ``rltk-triton``, ``rltk-triton-hopper``: ``rltk.kernels.token_logprobs_and_entropy`` with that
+  backend (the Triton ones: CUDA, or the interpreter under ``TRITON_INTERPRET=1``); entropy comes out too,
+  unused. ``rltk-triton-hopper-det``: the Hopper kernels under ``torch.use_deterministic_algorithms(True)`` (their
+  two-kernel backward without atomics). The Hopper rows autotune on their first (warm-up) call.
+* ``verl``: verl's fused Triton kernel (``verl.utils.kernel.linear_cross_entropy``), where verl imports.
 * ``naive``: logits in the input dtype (bf16 on the GPU), fp32 ``log_softmax``, gather: what a plain model does.
 * ``naive-fp32``: rltk's ``impl="naive"`` (inputs upcast to fp32 before the matmul).
 * ``cce``, ``cce-exact``: Cut Cross-Entropy's ``linear_cross_entropy(..., reduction="none")`` (Triton), with its
@@ -65,9 +68,14 @@ RESULTS_DIR = HERE / "results"
 GPU_SHAPES = ((64, 512, 896, 151936), (32, 512, 3584, 152064))
 # Small enough for seconds on a CPU; the second crosses the torch backend's 32768-wide vocabulary tile.
 TINY_SHAPES = ((8, 64, 64, 2048), (4, 64, 96, 33000))
-METHODS = ("rltk-torch", "rltk-triton", "naive", "naive-fp32", "cce", "cce-exact", "cce-torch_compile",
-           "liger-grpo", "liger-flce")
-RLTK_METHODS = ("rltk-torch", "rltk-triton")
+METHODS = ("rltk-torch", "rltk-triton", "rltk-triton-hopper", "rltk-triton-hopper-det", "naive", "naive-fp32",
+           "verl", "cce", "cce-exact", "cce-torch_compile", "liger-grpo", "liger-flce")
+RLTK_METHODS = ("rltk-torch", "rltk-triton", "rltk-triton-hopper", "rltk-triton-hopper-det")
+# Issue 59's table: one row per shape, these methods as columns (the two Hopper ones are the new kernels).
+ISSUE_COLUMNS = (("naive", "naive torch"), ("rltk-triton", "rltk `impl=triton`"),
+                 ("rltk-triton-hopper", "rltk `impl=triton-hopper`"),
+                 ("rltk-triton-hopper-det", "rltk `triton-hopper`, deterministic"), ("verl", "verl kernel"),
+                 ("cce", "Cut Cross-Entropy"), ("liger-grpo", "Liger (chunked GRPO loss)"))
 CLIP = 0.2
 IGNORE = -100
 # What rltk's rows must meet against the float64 reference (the test asserts it on the tiny CPU shapes):
@@ -146,8 +154,15 @@ def unavailable(method: str, device: str) -> str | None:
     triton_ok = device == "cuda" or interpreted
     no_triton = ("its kernels are Triton: they need a CUDA device (or TRITON_INTERPRET=1 for the CPU "
                  "interpreter, errors only)")
-    if method == "rltk-triton" and not triton_ok:
+    if method.startswith("rltk-triton") and not triton_ok:
         return no_triton + "; rltk-torch is the CPU backend"
+    if method == "verl":
+        try:
+            verl_linear_cross_entropy()
+        except Exception as err:  # noqa: BLE001 - any failure to import a peer means no row, with the reason
+            return f"verl's kernel does not import ({type(err).__name__}: {str(err)[:200]}); pip install --no-deps verl==0.9.1"
+        if not triton_ok:
+            return no_triton
     if method.startswith("cce"):
         try:
             import cut_cross_entropy  # noqa: F401
@@ -165,6 +180,34 @@ def unavailable(method: str, device: str) -> str | None:
     return None
 
 
+def verl_linear_cross_entropy():
+    """verl's fused ``linear_cross_entropy`` (``verl.utils.kernel``), imported without verl's package ``__init__``.
+
+    That ``__init__`` (and ``verl.utils``'s) imports Ray, tensordict, omegaconf and more; the kernel itself needs
+    torch, Triton and ``verl.utils.device``. So the three package levels above the kernel are registered as bare
+    namespace modules on verl's own files, which ``import verl`` would not be, and a plain import is tried first.
+    """
+    import importlib
+    import importlib.util
+    import types
+
+    try:
+        return importlib.import_module("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
+    except ImportError:
+        pass
+    for name in ("verl", "verl.utils", "verl.utils.kernel"):  # a failed import leaves none of them behind
+        sys.modules.pop(name, None)
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("No module named 'verl'")
+    root = Path(spec.submodule_search_locations[0])
+    for name in ("verl", "verl.utils", "verl.utils.kernel"):
+        module = types.ModuleType(name)
+        module.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
+        sys.modules[name] = module
+    return importlib.import_module("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
+
+
 def loss_fn(method: str, inp: dict, old, device: str):
     """A function of (hidden, weight) giving ``method``'s loss on ``inp``."""
     labels, mask, adv_tok = inp["labels"], inp["mask"], inp["adv_tok"]
@@ -175,8 +218,24 @@ def loss_fn(method: str, inp: dict, old, device: str):
     if method in RLTK_METHODS:
         from rltk.kernels import token_logprobs_and_entropy
 
-        impl = method.split("-")[1]
-        return lambda h, w: from_logp(token_logprobs_and_entropy(h, w, labels, impl=impl)[0])
+        impl = method.removeprefix("rltk-").removesuffix("-det")
+        deterministic = method.endswith("-det")
+
+        def rltk_loss(h, w):
+            # the op reads torch's determinism flag when it runs forward; its backward keeps that mode
+            before = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(deterministic, warn_only=True)
+            try:
+                return from_logp(token_logprobs_and_entropy(h, w, labels, impl=impl)[0])
+            finally:
+                torch.use_deterministic_algorithms(before)
+
+        return rltk_loss
+    if method == "verl":
+        linear_cross_entropy = verl_linear_cross_entropy()
+        safe = labels.clamp(min=0)  # the mask removes padding; verl takes no ignore index
+        # (hidden, weight, labels, temperature, reduction, process group) -> per-token (log-probs, entropy)
+        return lambda h, w: from_logp(linear_cross_entropy(h, w, safe, 1.0, "none", None)[0].float())
     if method == "naive-fp32":
         from rltk.kernels import naive_token_logprobs_and_entropy
 
@@ -279,9 +338,14 @@ def run_method(method, inp, ref, device, warmup, repeats) -> dict:
             torch.cuda.empty_cache()
     n, hh, v = inp["hidden"].shape[0], inp["hidden"].shape[1], inp["weight"].shape[0]
     median = statistics.median(times)
-    return {"status": "ok", "time_ms": median * 1e3, "times_ms": [t * 1e3 for t in times],
-            "tflops": 8 * n * hh * v / median / 1e12, "peak_mib": max(peaks), "loss": loss, "finite": finite,
-            "errors": errors}
+    result = {"status": "ok", "time_ms": median * 1e3, "times_ms": [t * 1e3 for t in times],
+              "tflops": 8 * n * hh * v / median / 1e12, "peak_mib": max(peaks), "loss": loss, "finite": finite,
+              "errors": errors}
+    if method.startswith("rltk-triton-hopper"):  # what the autotune chose so far, for tuning the candidates
+        from rltk.kernels import triton_hopper
+
+        result["tuned_configs"] = {repr(key): repr(config) for key, config in triton_hopper.tuned_configs().items()}
+    return result
 
 
 def versions(device) -> dict:
@@ -322,6 +386,25 @@ def acceptance(shape: dict) -> list[str]:
     return lines
 
 
+def issue_table(report: dict) -> str:
+    """Issue 59's table: one row per shape, a cell per method of :data:`ISSUE_COLUMNS` ("ms (~TFLOPS), peak GB")."""
+    lines = ["| N x H x V | " + " | ".join(title for _, title in ISSUE_COLUMNS) + " |",
+             "|---|" + "---|" * len(ISSUE_COLUMNS)]
+    for shape in report["shapes"]:
+        cells = []
+        for method, _ in ISSUE_COLUMNS:
+            r = shape["methods"].get(method)
+            if r is None:
+                cells.append("not run")
+            elif r["status"] != "ok":
+                cells.append(r["status"])
+            else:
+                cells.append(f"{r['time_ms']:.0f} ms (~{r['tflops']:.0f} TFLOPS), {r['peak_mib'] / 1024:.2f} GB, "
+                             f"dh err {r['errors']['d_hidden']:.1e}")
+        lines.append(f"| {shape['N']} x {shape['H']} x {shape['V']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(report: dict) -> str:
     lines = [f"GRPO loss from hidden states and the LM head, forward + backward, {report['dtype']}, "
              f"{report['device']}; median of {report['repeats']} after {report['warmup']} warm-up(s); "
@@ -340,6 +423,8 @@ def table(report: dict) -> str:
                          f"{e['d_hidden']:.2e} | {e['d_weight']:.2e} | {e['loss_abs']:.1e} | "
                          f"{'ok' if r['finite'] else 'NON-FINITE'} |")
         lines += [""] + acceptance(shape)
+    lines += ["", "Issue 59's layout (peak in GiB above the inputs; d-hidden relative error vs float64):", "",
+              issue_table(report)]
     return "\n".join(lines)
 
 

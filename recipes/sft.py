@@ -15,23 +15,21 @@ The loop (the stage is the very one a GRPO or PPO run warms up with, rltk/traini
         guard <- stop if the run diverged; checkpoint
 
 Chain it before DPO or RL with `stages` (type: sft, then dpo, grpo or ppo), or start a GRPO run from its
-last checkpoint (checkpoint.start_from). This file is a script, not a module: copy it to change the loop.
+last checkpoint (checkpoint.start_from). This file is a script, not a module: copy it to change the run.
 """
 
 from __future__ import annotations
 
-from rltk.recipe_utils import parse_recipe_args, stage_runners
-from rltk.training.stages.run import finish_run, open_run, run_stages
-from rltk.training.stages.sft_stage import run_sft_stage
+from rltk.recipes import finish_run, open_run, parse_recipe_args, recipe_stages, run_stages
 
-# The stage type this script runs; a config's `stages` may chain dpo, grpo or ppo after it (see grpo.py).
-STAGES = {"sft": run_sft_stage}
+# Every registered stage by name: a config's `stages` may chain dpo, grpo or ppo after the sft one (see grpo.py).
+STAGES = recipe_stages("sft")
 
 
 def main():
-    cfg = parse_recipe_args()
-    run = open_run(cfg)  # run folder, model, data, rollout workflow (held-out evaluation), loggers, resume point
-    run_stages(run, stage_runners(STAGES))
+    cfg = parse_recipe_args(STAGES)
+    run = open_run(cfg)  # run folder, model, data, workflow, loggers, resume point
+    run_stages(run, STAGES)  # each stage starts from the weights the one before ended with
     finish_run(run)  # held-out evaluation, curves.png, summary.json
 
 

@@ -15,12 +15,15 @@ from rltk.registry import (
     unregister_plugin,
 )
 
+from rltk.stage_spec import StageSpec
+
 __version__ = "0.1.0"
 
 __all__ = [
     "ComponentTable",
     "LifecycleHookError",
     "RegistryError",
+    "StageSpec",
     "PluginLoadError",
     "call_lifecycle_hook",
     "get_component",

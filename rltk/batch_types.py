@@ -11,7 +11,7 @@ The Protocols give the calling convention of each algorithm component (the
 plugin contract; see CONTRIBUTING.md "Components"). Every other list of batch
 fields derives from :data:`BATCH_FIELDS` or is checked against it by
 ``tests/test_batch_contract.py``: the registry's fields an advantage estimator
-may name, the recipes' ``PROVIDES``, the CONTRIBUTING table and the
+may name, the stages' ``provides``, the CONTRIBUTING table and the
 ``rltk.batch`` / ``rltk.algorithms.advantages`` docstrings.
 """
 

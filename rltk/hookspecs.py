@@ -267,6 +267,26 @@ def rltk_tasks() -> dict:
 
 
 # --------------------------------------------------------------------------
+# Training loops
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def rltk_stages() -> dict:
+    """Register training loops (kind ``stage``), chosen by ``stages[i].type``.
+
+    Return ``{name: rltk.StageSpec(loop, description, provides=...)}``. ``loop`` is
+    ``"package.module:function"`` (imported when the stage first runs, so listing and
+    validating never import it) or the function itself; it is called as ``loop(stage)``
+    with the running :class:`rltk.training.stages.run.Stage` and returns the training
+    strategy holding the trained policy (see :func:`rltk.training.stages.run.run_stages`).
+    ``provides`` says what its steps serve the config's components (batch fields, buffer
+    sources, expert data, trainer modes), which ``rltk validate`` checks the config against.
+    The builtins (sft, grpo, ppo, dpo, distill, reward_model) are ``rltk.builtin_stages``.
+    """
+
+
+# --------------------------------------------------------------------------
 # Lifecycle (called by recipes through rltk.call_lifecycle_hook; every
 # implementation runs, the last registered first). A lifecycle hook may stop a
 # run: an exception it raises ends the run as rltk.LifecycleHookError naming

@@ -76,6 +76,8 @@ KINDS: dict[str, Kind] = {
         Kind("tool_parser", "rltk_tool_parsers", "tool-call parsers", frozenset()),
         Kind("task", "rltk_tasks", "synthetic tasks (split, size, seed -> rows)",
              frozenset({"split", "size", "seed"})),
+        Kind("stage", "rltk_stages", "training loops, chained by name in a config's stages (rltk.StageSpec)",
+             frozenset()),
     ]
 }
 

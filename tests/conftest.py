@@ -8,6 +8,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# How far every wait of the suite stretches (CONTRIBUTING.md, "Waiting in a test, and a loaded machine"):
+# measured here, in the process xdist starts its workers from, so they and their subprocesses share one value.
+import tests.waits  # noqa: E402,F401
+
 
 def pytest_configure(config):
     import torch

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tests.waits import scaled
+
 
 def _stat(pid: int) -> list[str] | None:
     """The fields of ``/proc/PID/stat`` after the command name (state first), or None if there is no such."""
@@ -22,8 +24,8 @@ def running(pid: int) -> bool:
 
 
 def gone_within(pids, timeout_s: float) -> bool:
-    """Wait until none of ``pids`` runs; False if some still run after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    """Wait until none of ``pids`` runs; False if some still run after ``timeout_s`` (:func:`tests.waits.scaled`)."""
+    deadline = time.monotonic() + scaled(timeout_s)
     while any(running(pid) for pid in pids):
         if time.monotonic() > deadline:
             return False

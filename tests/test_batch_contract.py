@@ -1,6 +1,6 @@
 """Every list of batch fields agrees with the one contract, rltk.batch_types.TrainingBatch.
 
-The registry's fields derive from it; the recipes' PROVIDES, what collate builds (names, ranks and
+The registry's fields derive from it; the stages' provides, what collate builds (names, ranks and
 dtypes), the CONTRIBUTING table and the docstring tables of rltk.batch and rltk.algorithms.advantages
 are checked against it here, so a field added in one place and not the others fails a test.
 """
@@ -16,7 +16,7 @@ import rltk.algorithms.advantages as advantages_module
 import rltk.batch as batch_module
 from rltk.batch import Experience, collate
 from rltk.batch_types import BATCH_FIELDS, FIELD_DTYPES, FIELD_SHAPES, TrainingBatch
-from rltk.recipe_utils import recipe_spec
+from rltk.recipe_validation import shipped_recipe_spec, shipped_recipes
 from rltk.registry import KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,10 +28,10 @@ def test_the_registry_takes_its_fields_from_the_contract():
 
 
 def test_what_each_recipe_provides_is_a_field_of_the_contract():
-    for script in sorted((ROOT / "recipes").glob("*.py")):
-        spec = recipe_spec(script)
+    for name in shipped_recipes():
+        spec = shipped_recipe_spec(name)
         if spec.batch_fields is not None:
-            assert spec.batch_fields <= set(FIELD_SHAPES), (script.name, sorted(spec.batch_fields - set(FIELD_SHAPES)))
+            assert spec.batch_fields <= set(FIELD_SHAPES), (name, sorted(spec.batch_fields - set(FIELD_SHAPES)))
 
 
 def test_collate_builds_contract_fields_with_their_shapes_and_dtypes():

@@ -6,11 +6,13 @@ import pytest
 
 from rltk.commands.cli import main, shipped_recipes
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, env=None):
-    return subprocess.run(["rltk", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(["rltk", *args], capture_output=True, text=True, env=env, timeout=scaled(120))
 
 
 def test_list_shows_plugin_components_with_plugin_and_summary():
@@ -55,7 +57,7 @@ def test_validate_loads_no_model_code():
     code = (f"import sys; from rltk.commands.cli import main; code = main(['validate', 'grpo']); "
             f"print('loaded:', [m for m in {heavy!r} if m in sys.modules]); sys.exit(code)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok: ") and "the first 256 warm-up examples fit the rollout" in out.stdout
     assert out.stdout.splitlines()[-1] == "loaded: []"
@@ -63,7 +65,7 @@ def test_validate_loads_no_model_code():
 
 def test_a_short_run_cuts_the_recipes_warmup_to_fit_and_a_warmup_you_set_must_fit(tmp_path, capsys):
     from rltk.errors import ConfigError
-    from rltk.recipe_utils import validate
+    from rltk.recipe_validation import validate
 
     cfg, _ = validate("grpo", [], [])
     assert (cfg.trainer.warmup_steps, cfg.sft.warmup_steps) == (10, 20)  # the shipped length trains as before
@@ -103,7 +105,7 @@ def test_run_recipe_script_by_path_gets_config_and_overrides(tmp_path):
     script = tmp_path / "my_recipe.py"
     script.write_text(
         "import sys\n"
-        "from rltk.recipe_utils import parse_recipe_args\n"
+        "from rltk.recipes import parse_recipe_args\n"
         "cfg = parse_recipe_args()\n"
         "open(sys.argv[0] + '.out', 'w').write(f'{cfg.algorithm.advantage_fn} {cfg.trainer.lr}')\n"
     )
@@ -124,7 +126,7 @@ def test_shipped_recipes_come_from_the_package():
 
 def test_rm_is_another_name_for_the_reward_model_recipe():
     # `rltk run rm` (issue 32's name) runs the reward_model script with its config: one recipe, two names.
-    from rltk.recipe_utils import default_config_for, resolve_recipe, validate
+    from rltk.recipe_validation import default_config_for, resolve_recipe, validate
 
     assert resolve_recipe("rm") == resolve_recipe("reward_model") == shipped_recipes()["reward_model"]
     assert default_config_for(resolve_recipe("rm")).name == "reward_model.yaml"

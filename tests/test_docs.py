@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("mkdocs", reason="the docs extra (pip install -e '.[docs]') builds the site")
@@ -46,7 +48,7 @@ def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO)}
     built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert built.returncode == 0, built.stderr[-4000:]
     return out
 
@@ -127,7 +129,7 @@ def test_every_validate_line_and_every_run_lines_config_in_the_docs_passes():
         "print(json.dumps(codes))\n"
     )
     run = subprocess.run([sys.executable, "-c", script, json.dumps([argv for _, argv in lines])], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=scaled(300))
     assert run.returncode == 0, run.stderr[-4000:]
     codes = json.loads(run.stdout.strip().splitlines()[-1])
     failed = [f"{where} -> exit {code}: {err}" for (where, _), (code, err) in zip(lines, codes) if code != 0]
@@ -185,19 +187,19 @@ def _claimed_files() -> dict[str, set[str]]:
 def _config(argv: list[str]):
     """The resolved config of ``rltk run RECIPE [--config FILE ...] key=value ...``, as ``cmd_run`` builds it."""
     from rltk.config.loader import load_config
-    from rltk.recipe_utils import config_layers, recipe_spec, resolve_recipe
+    from rltk.recipe_validation import config_layers, resolve_recipe, shipped_recipe_spec
 
     recipe = resolve_recipe(argv[1])
     files = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--config"]
     overrides = [a for i, a in enumerate(argv[2:], 2) if a != "--config" and argv[i - 1] != "--config"]
     defaults, chosen = config_layers(recipe, files)
-    return load_config(chosen, overrides, recipe=recipe_spec(recipe), warn=False, defaults=defaults)
+    return load_config(chosen, overrides, recipe=shipped_recipe_spec(recipe), warn=False, defaults=defaults)
 
 
 def _stage_ends(argv: list[str], cfg) -> list[int]:
     """The step of each stage's last checkpoint, counted as rltk/training/stages/run.py counts stages' steps (the
     reward-model recipe trains its model after them)."""
-    from rltk.recipe_utils import resolve_recipe
+    from rltk.recipe_validation import resolve_recipe
     from rltk.training.scaffold.setup import stage_config
 
     ends, step = [], 0

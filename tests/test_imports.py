@@ -6,9 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from tests.waits import scaled
+
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

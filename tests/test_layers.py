@@ -24,7 +24,8 @@ PACKAGE = ROOT / "rltk"
 
 LAYERS: list[tuple[str, ...]] = [
     ("rltk", "rltk.registry", "rltk.hookspecs", "rltk.errors", "rltk.batch", "rltk.batch_types",
-     "rltk.serialization", "rltk.io", "rltk.distributed", "rltk.notices"),
+     "rltk.serialization", "rltk.io", "rltk.distributed", "rltk.notices", "rltk.parsing", "rltk.stage_spec",
+     "rltk.builtin_stages"),
     ("rltk.algorithms", "rltk.kernels"),
     ("rltk.models", "rltk.data", "rltk.rewards", "rltk.tools", "rltk.environments", "rltk.loggers"),
     # the OpenAI-compatible endpoint over a rollout engine is a peer of the workflows (agentic runs one);
@@ -39,7 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.training.updates",),
     ("rltk.training.stages",),
     # rltk.cli, rltk.serve_command and rltk.produce_command: the commands' old names, for one release
-    ("rltk.recipe_utils", "rltk.commands", "rltk.cli", "rltk.serve_command", "rltk.produce_command",
+    ("rltk.recipe_utils", "rltk.recipe_validation", "rltk.recipes", "rltk.commands", "rltk.cli", "rltk.serve_command",
+     "rltk.produce_command",
      "rltk._recipes", "rltk.dashboard"),
 ]
 

@@ -12,9 +12,11 @@ import pytest
 from rltk.commands.cli import main
 from rltk.commands.new_plugin import TEMPLATES
 
+from tests.waits import scaled
+
 
 def run(args, **env):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=scaled(300),
                           env={**os.environ, **env})
 
 
@@ -25,7 +27,7 @@ def test_each_kind_writes_a_package_whose_own_tests_pass(tmp_path, kind):
     assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == sorted(
         ["README.md", "pyproject.toml", f"rltk_plugin_my_{kind}/__init__.py", f"tests/test_my_{kind}.py"])
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=folder,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 

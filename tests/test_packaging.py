@@ -3,6 +3,8 @@
 import tomllib
 from pathlib import Path
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -90,7 +92,7 @@ def test_the_build_says_nothing_and_ships_the_recipe_configs(tmp_path):
     for folder in ("rltk", "recipes"):
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(tmp_path)], capture_output=True, text=True, timeout=300)
+                            "-w", str(tmp_path / "dist"), str(tmp_path)], capture_output=True, text=True, timeout=scaled(300))
     assert built.returncode == 0, built.stderr[-3000:]
     output = built.stdout + built.stderr
     assert "BuildBackendWarning" not in output and "SetuptoolsDeprecationWarning" not in output, output[-3000:]

@@ -126,6 +126,7 @@ def _preset(obj: dict) -> list[str]:
 def catalogue_markdown() -> str:
     from rltk.config.schema import COMPONENT_KEYS
     from rltk.registry import KINDS, get_registry, list_components
+    from rltk.stage_spec import StageSpec
 
     registry = get_registry()
     keys_of: dict[str, list[str]] = {}
@@ -176,6 +177,13 @@ def catalogue_markdown() -> str:
             if isinstance(obj, dict):
                 out.append(_prose(str(obj.get("description", ""))) or "No description.")
                 out += ["", *_preset(obj)]
+                continue
+            if isinstance(obj, StageSpec):  # a training loop: what it provides, its loop named, not imported
+                out.append(_prose(obj.description) or "No description.")
+                loop = obj.loop if isinstance(obj.loop, str) else _where(obj.loop)
+                facts = {"loop": loop, **obj.provides, "rl": obj.rl, "chainable": obj.chainable}
+                out += ["", "| key | value |", "|---|---|",
+                        *(f"| {_code(k)} | {_code(repr(v))} |" for k, v in facts.items())]
                 continue
             doc = inspect.getdoc(obj) or ""
             if not doc:

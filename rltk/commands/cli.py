@@ -27,9 +27,9 @@ from rltk.commands.serve import cmd_serve
 from rltk.commands.serve_tinker import cmd_serve_tinker
 from rltk.config.loader import load_config
 from rltk.errors import ConfigError
-from rltk.recipe_utils import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
-    VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, config_layers, default_config_for, recipe_spec, resolve_recipe,
-    shipped_recipes, validate,
+from rltk.recipe_validation import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
+    VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, _recipes_dir, config_layers, default_config_for, resolve_recipe,
+    shipped_recipe_spec, shipped_recipes, validate,
 )
 from rltk.registry import (
     KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
@@ -117,10 +117,12 @@ def cmd_run(args, extra: list[str]) -> int:
     for arg in overrides:
         if _is_yaml(arg) and "=" not in arg:
             raise UsageError(f"'{arg}' looks like a config file: pass it as `rltk run {args.recipe} --config {arg}`")
-    # Validate before handing over, so a typo never costs a model load. The recipe validates
-    # again as it starts (it can also run without this command) and prints the warnings then.
-    defaults, chosen = config_layers(recipe, files)
-    load_config(chosen, overrides, recipe=recipe_spec(recipe), warn=False, defaults=defaults)
+    # A shipped recipe is validated before handing over, so a typo never costs a model load; it validates
+    # again as it starts (it can also run without this command) and prints the warnings then. Someone's
+    # script validates itself against the stages it hands parse_recipe_args, before anything heavy.
+    if recipe.resolve().parent == _recipes_dir().resolve():
+        defaults, chosen = config_layers(recipe, files)
+        load_config(chosen, overrides, recipe=shipped_recipe_spec(recipe.stem), warn=False, defaults=defaults)
     argv = [str(recipe)]
     for f in files:
         argv += ["--config", str(f)]

@@ -24,9 +24,8 @@ from rltk.registry import KINDS, get_registry
 class RecipeSpec:
     """What a recipe serves its components, so validation can refuse one it cannot feed.
 
-    A recipe script declares it as a module-level ``PROVIDES`` dict (read from
-    the script loaded as a module, its ``main`` not run; see :func:`rltk.recipe_utils.recipe_spec`).
-    ``None`` means "not declared": nothing is checked against it.
+    Built from the registered stages a recipe runs (:class:`rltk.StageSpec`'s ``provides``; see
+    :func:`rltk.recipe_validation.recipe_spec`). ``None`` means "not declared": nothing is checked against it.
 
     Attributes:
         name: the recipe's name (its script's stem), for messages.
@@ -38,10 +37,10 @@ class RecipeSpec:
             buffer under ``buffer.expert.source`` (when a path is set).
         others: the specs of sibling recipes, to suggest one that serves what is missing.
         trainer_modes: the ``trainer.mode`` values its loop runs (``None``: ``sync`` only).
-        stage_types: the ``stages[i].type`` values it runs: its own ``STAGES`` and those other recipes lend
-            (``None``: not declared, checked against :data:`rltk.config.schema.STAGE_TYPES`).
-        stage_recipes: ``(type, spec)`` of each stage type another recipe lends, so a stage is checked
-            against what its own loop serves.
+        stage_types: the ``stages[i].type`` values it runs: ``rl`` (its own loop) and the registered stages
+            (``None``: not declared, checked against the registered stages).
+        stage_recipes: ``(type, spec)`` of each registered stage that declares what it provides, so a stage is
+            checked against what its own loop serves.
     """
 
     name: str

@@ -68,7 +68,7 @@ class ModelConfig:
     path: Optional[str] = None  # a local HF causal-LM folder; null builds the tiny model
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    logprob_impl: str = "auto"  # auto | triton | torch | naive (rltk/kernels)
+    logprob_impl: str = "auto"  # auto | triton | triton-hopper | torch | naive (rltk/kernels)
     logprob_chunk_size: Optional[int] = None
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -456,8 +456,8 @@ class StageConfig:
     """One stage of a run: its name, its type, and the keys it overrides."""
 
     name: str = "rl"
-    # sft | dpo | grpo | ppo | distill (each recipe's own stage, wherever the config runs) | rl (the RL loop of the
-    # recipe run: grpo's or ppo's)
+    # a registered stage (`rltk list stage`: sft, dpo, grpo, ppo, distill, a plugin's), wherever the config runs,
+    # or rl (the RL loop of the recipe run: grpo's, ppo's or distill's)
     type: str = "rl"
     overrides: Dict[str, Any] = field(default_factory=dict)  # {dotted.key: value} for this stage
 
@@ -518,7 +518,7 @@ COMPONENT_KEYS: dict[str, tuple[str, bool]] = {
 # Plain keys restricted to a few values.
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.logprob_impl": ("auto", "triton", "torch", "naive"),
+    "model.logprob_impl": ("auto", "triton", "triton-hopper", "torch", "naive"),
     "data.on_too_long": ("filter", "error"),
     "algorithm.kl_in": ("loss", "reward"),
     "algorithm.kl_controller": ("fixed", "adaptive"),
@@ -536,7 +536,3 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "distill.teacher_dtype": ("float32", "bfloat16", "float16"),
 }
 
-# Stage types of the shipped recipes, for a config validated without a recipe (a recipe declares its own:
-# RecipeSpec.stage_types). RL_STAGE_TYPES sample from the rollout workflow every step.
-STAGE_TYPES = ("sft", "rl", "dpo", "grpo", "ppo", "distill")
-RL_STAGE_TYPES = ("rl", "grpo", "ppo", "distill")

@@ -32,7 +32,7 @@ from rltk.errors import ConfigError
 from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
 )
-from rltk.config.schema import CHOICES, STAGE_TYPES
+from rltk.config.schema import CHOICES
 from rltk.data.templates import template_fields
 from rltk.io import model_folder_problem
 from rltk.registry import did_you_mean, get_registry
@@ -77,7 +77,8 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
     if "values" in needs or has_critic:  # a critic-based run: check its section too
         check_critic_config(cfg)
-    valid = sorted(recipe.stage_types) if recipe is not None and recipe.stage_types is not None else list(STAGE_TYPES)
+    chainable = ["rl", *(n for n, e in registry.entries["stage"].items() if e.obj.chainable)]
+    valid = sorted(recipe.stage_types) if recipe is not None and recipe.stage_types is not None else sorted(chainable)
     lent = dict(recipe.stage_recipes) if recipe is not None else {}
     for i, stage in enumerate(cfg.stages):
         if stage.type not in valid:
@@ -192,7 +193,7 @@ def check_async_config(cfg: DictConfig, recipe=None) -> None:
     started by the user, ``rltk produce``),
     ``buffer.queue_timeout_s`` > 0 (``trainer.mode`` and ``trainer.stale_policy``
     are plain choices). ``one_step_off`` and ``async`` run in a recipe that
-    declares them (``PROVIDES["trainer_modes"]``: grpo, ppo, distill), with local producer
+    declares them (its stages' ``provides["trainer_modes"]``: grpo, ppo, distill), with local producer
     processes on the ``hf`` or ``vllm_server`` engine (the colocated ``vllm``
     lives in the trainer's process; given ``servers`` take one producer);
     ``one_step_off`` is ``max_staleness=1``. The

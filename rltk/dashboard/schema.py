@@ -25,6 +25,7 @@ from typing import Any
 from rltk.config import schema as schema_module
 from rltk.config.components import signature_params
 from rltk.config.schema import CHOICES, COMPONENT_KEYS, RunConfig
+from rltk.parsing import parse_python
 from rltk.registry import KINDS, get_registry
 
 #: What a new user sets (the beginner view): model, data, algorithm preset, steps, engine.
@@ -43,7 +44,7 @@ def _field_comments() -> dict[tuple[str, str], str]:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
     lines = source.splitlines()
     out = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse_python(source, schema_module.__file__)):
         if not isinstance(node, ast.ClassDef):
             continue
         for item in node.body:

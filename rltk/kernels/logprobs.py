@@ -35,6 +35,8 @@ https://arxiv.org/abs/2411.09009). The online softmax is Milakov & Gimelshein
 Backends (``impl``):
 
 * ``"triton"``: fused GPU kernels (:mod:`rltk.kernels.triton_logprobs`).
+* ``"triton-hopper"``: the kernels rebuilt for Hopper (:mod:`rltk.kernels.triton_hopper`: dots in the
+  input dtype, one backward kernel, autotuned tiles); opt-in, not yet measured on a GPU.
 * ``"torch"``: tiles of ``chunk_size`` tokens by vocabulary, pre-allocated
   buffers, ``torch.mm(out=...)`` and in-place ops; the CPU path and the
   fallback where Triton is missing.
@@ -54,7 +56,8 @@ import torch
 
 from rltk.kernels.chunks import parse_chunk_size
 
-IMPLS = ("auto", "triton", "torch", "naive")
+IMPLS = ("auto", "triton", "triton-hopper", "torch", "naive")
+TRITON_IMPLS = ("triton", "triton-hopper")
 IGNORE_INDEX = -100
 
 # Elements in one tile of logits for the torch backend. Two tiles of fp32 are
@@ -98,7 +101,7 @@ def token_logprobs_and_entropy(
         bias: optional LM-head bias. Shape: (V,).
         temperature: logits are divided by it before the softmax (> 0); the
             sampling temperature of the rollout, so that log-probs match it.
-        impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"naive"`` (see module).
+        impl: ``"auto"``, ``"triton"``, ``"triton-hopper"``, ``"torch"`` or ``"naive"`` (see module).
         chunk_size: tile size: tokens per tile, or ``(tokens, vocab)``. For the
             torch backend the default keeps a tile at about 2**25 logits
             (1048 x 32000 at V = 32000) and vocab tiles at most 32768 wide, so
@@ -128,6 +131,10 @@ def token_logprobs_and_entropy(
         )
     if backend == "torch":
         tiling = torch_tiling(hidden.shape[0], weight.shape[0], chunk_size)
+    elif backend == "triton-hopper":
+        from rltk.kernels import triton_hopper
+
+        tiling = triton_hopper.plan_for(hidden, weight, chunk_size)
     else:
         from rltk.kernels import triton_logprobs
 
@@ -161,8 +168,9 @@ def triton_token_logprobs_and_entropy(
     ignore_index: int = IGNORE_INDEX,
     with_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """:func:`token_logprobs_and_entropy` on the Triton backend with an explicit ``config``
-    (:class:`rltk.kernels.triton_logprobs.TritonConfig`).
+    """:func:`token_logprobs_and_entropy` on a Triton backend with an explicit ``config``:
+    a :class:`rltk.kernels.triton_logprobs.TritonConfig` (``impl="triton"``) or a
+    :class:`rltk.kernels.triton_hopper.HopperConfig` (``impl="triton-hopper"``, no autotune).
 
     For tuning and tests (every block size and split count); the public op is
     the normal entry point. Shapes as there: hidden (N, D), weight (V, D),
@@ -170,8 +178,11 @@ def triton_token_logprobs_and_entropy(
     ``with_sum_pi_squared``).
     """
     _checked_backend("triton", hidden, weight, labels, bias, temperature, ignore_index)
-    from rltk.kernels import triton_logprobs
+    from rltk.kernels import triton_hopper, triton_logprobs
 
+    if isinstance(config, triton_hopper.HopperConfig):
+        return _apply_op(hidden, weight, bias, labels, temperature, "triton-hopper", (config,), ignore_index,
+                         with_sum_pi_squared)
     config = config or triton_logprobs.config_for(hidden, weight, None)
     return _apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index, with_sum_pi_squared)
 
@@ -196,7 +207,7 @@ def triton_interpreter_enabled() -> bool:
 
 
 def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
-    """The concrete backend (``"triton"``, ``"torch"`` or ``"naive"``) ``impl`` means for ``hidden``.
+    """The concrete backend (``"triton"``, ``"triton-hopper"``, ``"torch"`` or ``"naive"``) ``impl`` means for ``hidden``.
 
     Raises ValueError for an unknown name and RuntimeError when ``"triton"`` is
     asked for but cannot run here.
@@ -205,15 +216,15 @@ def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
         raise ValueError(f"impl={impl!r} is not a logprob backend; valid: {', '.join(map(repr, IMPLS))}")
     if impl == "auto":
         return "triton" if hidden.is_cuda and triton_available() else "torch"
-    if impl == "triton":
+    if impl in TRITON_IMPLS:
         if not triton_available():
             raise RuntimeError(
-                "impl='triton' but `import triton` fails in this environment; install it "
+                f"impl={impl!r} but `import triton` fails in this environment; install it "
                 "(pip install 'rltk[triton]') or use impl='torch'."
             )
         if not hidden.is_cuda and not triton_interpreter_enabled():
             raise RuntimeError(
-                f"impl='triton' needs CUDA tensors, got tensors on '{hidden.device}'. Use impl='torch' "
+                f"impl={impl!r} needs CUDA tensors, got tensors on '{hidden.device}'. Use impl='torch' "
                 "on CPU, or set TRITON_INTERPRET=1 before triton is imported to run the kernels in "
                 "Triton's (very slow) CPU interpreter for testing."
             )
@@ -394,6 +405,10 @@ class _TokenLogprobsEntropy(torch.autograd.Function):
 def _backend_fns(backend: str):
     if backend == "torch":
         return _torch_forward, _torch_backward
+    if backend == "triton-hopper":
+        from rltk.kernels import triton_hopper
+
+        return triton_hopper.hopper_forward, triton_hopper.hopper_backward
     from rltk.kernels import triton_logprobs
 
     return triton_logprobs.triton_forward, triton_logprobs.triton_backward

@@ -215,15 +215,25 @@ def _logit_grad_tile(
     HAS_BIAS: tl.constexpr, HAS_GRAD_LP: tl.constexpr, HAS_GRAD_ENT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """d_logits of one tile, its logits recomputed: g_lp (onehot - p) + g_ent p (E_p[z] - z), g's pre-scaled by 1/t.
-
-    Shape: (BLOCK_N, BLOCK_V); zero on padding rows and columns.
-    """
+    """d_logits of one tile, its logits recomputed (see :func:`_dlogits`). Shape: (BLOCK_N, BLOCK_V)."""
     z = _logits_tile(
         hidden_ptr, weight_ptr, bias_ptr, rows, cols, row_mask, col_mask, hidden_size,
         stride_hn, stride_hd, stride_wv, stride_wd, inv_temperature,
         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
     )
+    return _dlogits(z, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr, rows, cols, row_mask, col_mask,
+                    HAS_GRAD_LP, HAS_GRAD_ENT)
+
+
+@triton.jit
+def _dlogits(
+    z, labels_ptr, lse_ptr, expected_ptr, grad_lp_ptr, grad_ent_ptr, rows, cols, row_mask, col_mask,
+    HAS_GRAD_LP: tl.constexpr, HAS_GRAD_ENT: tl.constexpr,
+):
+    """d_logits of the fp32 logit tile ``z``: g_lp (onehot - p) + g_ent p (E_p[z] - z), g's pre-scaled by 1/t.
+
+    Shape: (BLOCK_N, BLOCK_V); zero on padding rows and columns.
+    """
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     valid = row_mask[:, None] & col_mask[None, :]
     p = tl.where(valid, tl.exp(z - lse[:, None]), 0.0)

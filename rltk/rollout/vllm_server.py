@@ -393,6 +393,10 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
         ``mode=abort``) is sent again as prompt + its tokens, for the tokens
         still missing, until it ends otherwise (AReaL's interruptible rollout):
         the resubmitted prefix is computed afresh under the new weights.
+        The aborted choices of one request are continued side by side, as the
+        server sampled them: one after another, the ``n`` samples of a request
+        would take ``n`` times as long after each update (16 samples of 1800
+        tokens went from ~10 s to minutes on a 2-core machine).
         The versions are the server's own labels (``weight_versions`` spans of
         each answer), so a request that waited in a paused server's queue is
         labelled with the weights that really sampled it.
@@ -400,33 +404,37 @@ class VLLMServerEngine(ModelAndTokenizer, RolloutEngine):
         server = self._servers[next(self._next) % len(self._servers)]
         submitted = self.weight_version
         answer = self._generate_one(server, body)
+        choices = [(*_choice_tokens(choice, submitted), choice.get("finish_reason"))
+                   for choice in sorted(answer["choices"], key=lambda c: c["index"])]
+        if sum(reason == "abort" for *_, reason in choices) < 2:
+            return [self._continue(body, *choice) for choice in choices]
+        # a pool of its own: continuations queued behind this request's own worker in self._pool could wait on it
+        with ThreadPoolExecutor(max_workers=len(choices)) as pool:
+            return list(pool.map(lambda choice: self._continue(body, *choice), choices))
+
+    def _continue(self, body: dict, tokens: list[int], logprobs: list[float], versions: list[int],
+                  reason: str | None) -> tuple[list[int], list[float], list[int]]:
+        """One choice of ``body``'s answer, sent again after each abort until it ends otherwise."""
         sampling = body["sampling_params"]
-        out = []
-        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-            tokens, logprobs, versions = _choice_tokens(choice, submitted)
-            reason = choice.get("finish_reason")
-            for _ in range(MAX_CONTINUATIONS):
-                if reason != "abort" or len(tokens) >= sampling["max_tokens"]:
-                    break
-                # unseeded: vLLM 0.32 on CPU kills its engine core ("CPU Generator does not use offset")
-                # when a seeded request's prompt is prefilled in chunks, as a long prompt + partial
-                # answer is beside others; the weights changed, so the seed's sequence is gone anyway
-                retry = {"token_ids": list(body["token_ids"]) + tokens, "sampling_params": {
-                    **sampling, "n": 1, "max_tokens": sampling["max_tokens"] - len(tokens), "seed": None}}
-                server = self._servers[next(self._next) % len(self._servers)]
-                submitted = self.weight_version
-                with self._stats_lock:
-                    self.continued += 1
-                [more] = self._generate_one(server, retry)["choices"]
-                more_tokens, more_logprobs, more_versions = _choice_tokens(more, submitted)
-                tokens, logprobs, versions = tokens + more_tokens, logprobs + more_logprobs, versions + more_versions
-                reason = more.get("finish_reason")
-            else:
-                raise self._server_error(f"a request was aborted {MAX_CONTINUATIONS} times in a row (weight updates "
-                                         f"faster than generation, or something else aborting requests on "
-                                         f"{', '.join(self.servers)})")
-            out.append((tokens, logprobs, versions))
-        return out
+        for _ in range(MAX_CONTINUATIONS):
+            if reason != "abort" or len(tokens) >= sampling["max_tokens"]:
+                return tokens, logprobs, versions
+            # unseeded: vLLM 0.32 on CPU kills its engine core ("CPU Generator does not use offset")
+            # when a seeded request's prompt is prefilled in chunks, as a long prompt + partial
+            # answer is beside others; the weights changed, so the seed's sequence is gone anyway
+            retry = {"token_ids": list(body["token_ids"]) + tokens, "sampling_params": {
+                **sampling, "n": 1, "max_tokens": sampling["max_tokens"] - len(tokens), "seed": None}}
+            server = self._servers[next(self._next) % len(self._servers)]
+            submitted = self.weight_version
+            with self._stats_lock:
+                self.continued += 1
+            [more] = self._generate_one(server, retry)["choices"]
+            more_tokens, more_logprobs, more_versions = _choice_tokens(more, submitted)
+            tokens, logprobs, versions = tokens + more_tokens, logprobs + more_logprobs, versions + more_versions
+            reason = more.get("finish_reason")
+        raise self._server_error(f"a request was aborted {MAX_CONTINUATIONS} times in a row (weight updates "
+                                 f"faster than generation, or something else aborting requests on "
+                                 f"{', '.join(self.servers)})")
 
     def _generate_one(self, server: _Server, body: dict) -> dict:
         with server.slots:

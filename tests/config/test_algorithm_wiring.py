@@ -12,12 +12,12 @@ import rltk
 from rltk.commands.cli import main
 from rltk.config import load_config
 from rltk.errors import ConfigError
-from rltk.recipe_utils import recipe_spec
+from rltk.recipe_validation import shipped_recipe_spec
 from rltk.workflows.base import Workflow
 
 REPO = Path(__file__).resolve().parents[2]
-GRPO = recipe_spec(REPO / "recipes" / "grpo.py")
-PPO = recipe_spec(REPO / "recipes" / "ppo.py")
+GRPO = shipped_recipe_spec("grpo")
+PPO = shipped_recipe_spec("ppo")
 
 
 def test_shipped_recipes_load_expert_data_and_serve_baseline_scores():

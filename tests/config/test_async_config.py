@@ -43,13 +43,13 @@ def test_no_local_producers_is_valid_in_the_asynchronous_modes():
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
 def test_the_rl_recipes_run_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_them(mode):
-    from rltk.recipe_utils import recipe_spec, resolve_recipe
+    from rltk.recipe_validation import shipped_recipe_spec
 
     for recipe, stages in [("grpo", []), ("ppo", []), ("distill", ["stages=[{name: d, type: distill}]"])]:
-        load_config([], [f"trainer.mode={mode}", *stages], recipe=recipe_spec(resolve_recipe(recipe)))
+        load_config([], [f"trainer.mode={mode}", *stages], recipe=shipped_recipe_spec(recipe))
     with pytest.raises(ConfigError, match=rf"bad value '{mode}' for 'trainer\.mode': the dpo recipe runs sync; "
                                           rf"distill, grpo, ppo runs {mode}"):
-        load_config([], [f"trainer.mode={mode}"], recipe=recipe_spec(resolve_recipe("dpo")))
+        load_config([], [f"trainer.mode={mode}"], recipe=shipped_recipe_spec("dpo"))
 
 
 @pytest.mark.parametrize("overrides, match", [

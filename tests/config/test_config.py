@@ -6,6 +6,8 @@ from omegaconf import OmegaConf
 from rltk.config import RecipeSpec, apply_overrides, load_config, validate_config
 from rltk.errors import ConfigError
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -206,9 +208,9 @@ def test_the_recipe_must_fill_the_buffer_sources_the_sample_strategy_reads():
 
 
 def test_shipped_recipes_declare_what_they_serve():
-    from rltk.recipe_utils import recipe_spec
+    from rltk.recipe_validation import shipped_recipe_spec
 
-    grpo, ppo = recipe_spec(REPO / "recipes" / "grpo.py"), recipe_spec(REPO / "recipes" / "ppo.py")
+    grpo, ppo = shipped_recipe_spec("grpo"), shipped_recipe_spec("ppo")
     assert "values" not in grpo.batch_fields and "values" in ppo.batch_fields
     assert grpo.buffer_sources == ppo.buffer_sources == {"policy"}
     # dpo, sft, reward_model declare no PROVIDES: never suggested
@@ -226,7 +228,7 @@ def test_critic_checks_live_in_config_and_follow_the_recipe():
     # Config is the lowest layer: validating never imports training code.
     code = ("import sys; from rltk.config import load_config; load_config([], ['algorithm.name=ppo']); "
             "print([m for m in sys.modules if m.startswith('rltk.training')])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
     # A recipe with a critic reads the critic section whatever the estimator.
     ppo = RecipeSpec("ppo", batch_fields=frozenset({"values", "token_rewards", "response_mask", "group_ids", "scores"}))

@@ -11,6 +11,8 @@ from rltk.config import load_config
 from rltk.config.launcher_checks import ActorRequest, RayLauncherSettings, RewardServiceRequest, ray_launcher_settings
 from rltk.errors import ConfigError
 
+from tests.waits import scaled
+
 RAY = ["trainer.mode=async", "launcher=ray"]
 
 
@@ -97,4 +99,4 @@ def test_rltk_and_the_local_launcher_never_import_ray():
 
     imports = "import sys, rltk, rltk.config, rltk.training.rollouts.rollout_source, rltk.training.stages.run\n"
     run_isolated([sys.executable, "-c", imports + "rltk.config.load_config([], ['trainer.mode=async'])\n"
-                  "assert 'ray' not in sys.modules, 'ray was imported'\n"], timeout=300)
+                  "assert 'ray' not in sys.modules, 'ray was imported'\n"], timeout=scaled(300))

@@ -11,6 +11,8 @@ import pytest
 
 from rltk.dashboard.server import Dashboard
 
+from tests.waits import scaled
+
 
 class Client:
     """Requests to the dashboard as the page makes them (its token on POSTs)."""
@@ -20,7 +22,7 @@ class Client:
         self.host, self.port = server.server_address[:2]
 
     def request(self, method: str, path: str, body=None, headers=None):
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=scaled(60))
         data = json.dumps(body).encode() if body is not None else None
         hdrs = {"Content-Type": "application/json"} if data is not None else {}
         if method == "POST":
@@ -52,7 +54,7 @@ def dashboard(tmp_path):
     yield Client(server), runs_root, save_dir
     server.shutdown()
     server.server_close()
-    thread.join(timeout=10)
+    thread.join(timeout=scaled(10))
 
 
 def write_run(folder: Path, reward_offset: float = 0.0) -> Path:

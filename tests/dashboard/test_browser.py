@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from rltk.commands.cli import main
+from tests.waits import scaled
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -53,7 +54,7 @@ def browser():
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console errors, read by console_errors()
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(60)
+    driver.set_page_load_timeout(scaled(60))
     yield driver
     driver.quit()
 
@@ -69,15 +70,16 @@ def screenshot(driver, tmp_path: Path, name: str) -> Path:
 
 
 def wait_for(driver, condition, what: str, timeout: float = 60):
-    """Wait until ``condition(driver)`` is truthy; the error says what was awaited."""
+    """Wait until ``condition(driver)`` is truthy, up to :func:`tests.waits.scaled` ``(timeout)``; the error says
+    what was awaited."""
     from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:  # the form is drawn anew after each validation: an element read mid-redraw is read again
-        return WebDriverWait(driver, timeout, poll_frequency=0.1,
+        return WebDriverWait(driver, scaled(timeout), poll_frequency=0.1,
                              ignored_exceptions=(StaleElementReferenceException,)).until(condition)
     except TimeoutException:
-        raise AssertionError(f"waited {timeout}s for {what}; status line: "
+        raise AssertionError(f"waited {scaled(timeout):.0f}s for {what}; status line: "
                              f"{driver.find_element('id', 'status').text!r}") from None
 
 

@@ -25,6 +25,7 @@ from rltk.rollout.base import SamplingParams  # noqa: E402
 from rltk.workflows.multi_turn import MultiTurnWorkflow  # noqa: E402
 from tests.builtin_plugins import ensure_registered  # noqa: E402
 from tests.workflows.multi_turn_helpers import ScriptedEngine, tool_tokenizer  # noqa: E402
+from tests.waits import scaled
 
 
 class GuessAction(Action):
@@ -84,14 +85,14 @@ class Server:
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while not self.server.started:
-            assert time.monotonic() < deadline, "the OpenEnv test server did not start within 30 s"
+            assert time.monotonic() < deadline, f"the OpenEnv test server did not start within {scaled(30):.0f} s"
             time.sleep(0.01)
 
     def stop(self):
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(scaled(10))
 
 
 @pytest.fixture(scope="module")

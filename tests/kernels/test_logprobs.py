@@ -271,12 +271,18 @@ def test_probabilities_over_all_labels_sum_to_one(v, vocab_chunk, seed):
 
 def test_auto_picks_torch_for_cpu_tensors():
     assert resolve_impl("auto", torch.zeros(1)) == "torch"
-    assert IMPLS == ("auto", "triton", "torch", "naive")
+    assert IMPLS == ("auto", "triton", "triton-hopper", "torch", "naive")
+
+
+def test_the_config_accepts_exactly_the_op_s_backends():
+    from rltk.config.schema import CHOICES
+
+    assert CHOICES["model.logprob_impl"] == IMPLS
 
 
 def test_unknown_impl_lists_the_valid_ones():
     hidden, weight, _, labels = make_inputs(2, 3, 4)
-    with pytest.raises(ValueError, match=r"impl='cuda'.*'auto', 'triton', 'torch', 'naive'"):
+    with pytest.raises(ValueError, match=r"impl='cuda'.*'auto', 'triton', 'triton-hopper', 'torch', 'naive'"):
         token_logprobs_and_entropy(hidden, weight, labels, impl="cuda")
 
 

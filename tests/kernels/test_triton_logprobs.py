@@ -22,6 +22,8 @@ triton = pytest.importorskip("triton")
 from rltk.kernels import token_logprobs_and_entropy  # noqa: E402
 from rltk.kernels import triton_logprobs as tl_mod  # noqa: E402
 
+from tests.waits import scaled
+
 CASES = Path(__file__).with_name("triton_interpreter_cases.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPECTED_CASES = 20
@@ -36,7 +38,7 @@ def test_kernels_under_the_triton_interpreter(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(600),
     )
     report = result.stdout[-6000:] + result.stderr[-3000:]
     assert result.returncode == 0, f"interpreter cases failed:\n{report}"

@@ -21,6 +21,8 @@ from rltk.models.logprobs import (
     response_logprobs_naive,
 )
 
+from tests.waits import scaled
+
 VOCAB = 97
 SMALL = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -377,7 +379,7 @@ def test_fsdp2_two_processes_shard_the_head_and_average_its_gradient(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(180),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("RESULT") == 2, result.stdout

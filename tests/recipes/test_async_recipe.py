@@ -28,6 +28,7 @@ from rltk.rewards import bounded
 from rltk.training.rollouts.asynchronous.producer import producer_rows
 from tests.crash import crash_at_step
 from tests.isolated import run_isolated
+from tests.waits import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ SFT_STEPS, RL_STEPS = 20, 8
 TINY = [f"sft.steps={SFT_STEPS}", "sft.stop_at_accuracy=null", "sft.warmup_steps=2", "data.task_args.max_digits=1",
         "data.train_size=70", "data.eval_size=20", f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2",
         "trainer.prompts_per_step=4", "rollout.n=4", "trainer.eval_every=4", "logging.logger=[jsonl]",
-        "logging.plot=false", "checkpoint.every=2", "buffer.queue_timeout_s=300",
+        "logging.plot=false", "checkpoint.every=2", f"buffer.queue_timeout_s={scaled(300):.0f}",
         f"stages=[{{name: warmup, type: sft, overrides: {{checkpoint.every: {SFT_STEPS}}}}}, {{name: rl, type: rl}}]"]
 ASYNC = [*TINY, "trainer.mode=async", "trainer.max_staleness=1"]
 QUEUE = Path("async") / "stage_1" / "experience_queue.sqlite"
@@ -217,14 +218,14 @@ def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while
             # take past the run's last step, so wait here for it to have started (that depends on nothing the
             # trainer does); waiting for its first batch could stall it behind producer-0's (the staleness
             # bound): that is tried again at the next step
-            deadline = time.monotonic() + 600
+            deadline = time.monotonic() + scaled(600)
             while not (pids := re.findall(r"pid (\d+), starting", log.read_text()) if log.exists() else []):
-                assert time.monotonic() < deadline, "producer-1 did not start within 600 s"
+                assert time.monotonic() < deadline, f"producer-1 did not start within {scaled(600):.0f} s"
                 time.sleep(0.2)
             if not has_fed_the_trainer("producer-1"):
                 return
         else:
-            deadline = time.monotonic() + 600  # the restarted producer prints its pid once its model is built
+            deadline = time.monotonic() + scaled(600)  # the restarted producer prints its pid once its model is built
             while len(pids := re.findall(r"pid (\d+), starting", log.read_text())) < 2:
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
@@ -234,7 +235,7 @@ def test_two_producers_share_the_work_and_one_that_keeps_dying_is_reported_while
         # Return once it is dead (a zombie the trainer has yet to reap): a process of torch and its threads
         # takes a while to go, and a step here takes ~20 ms, so the trainer's next takes could still see it
         # alive and never restart it before this hook waits for the restart below.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while time.monotonic() < deadline and process_state(pid) not in ("Z", "X", None):
             time.sleep(0.01)
 
@@ -395,7 +396,7 @@ def torchrun_async(tmp_path: Path, run_dir: Path, *extra: str, crash_step: int =
     driver.write_text(RANKS_DRIVER)
     return run_isolated([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                          str(driver), str(tmp_path), str(crash_step), "run", "grpo", f"output_dir={run_dir}",
-                         *ASYNC, *extra], expect=expect, timeout=900)
+                         *ASYNC, *extra], expect=expect, timeout=scaled(900))
 
 
 def rank_rows(tmp_path: Path, rank: int, key: str) -> dict[int, object]:
@@ -446,7 +447,7 @@ def test_a_run_with_no_local_producers_trains_from_one_started_by_rltk_produce(t
         # the rollback journal, as a queue shared by machines over a network file system needs
         assert main(["run", "grpo", f"output_dir={run_dir}", *ASYNC, "trainer.producers=0",
                      "buffer.queue_journal=delete"]) == 0
-        out, _ = producer.communicate(timeout=120)
+        out, _ = producer.communicate(timeout=scaled(120))
     finally:
         producer.kill()
     assert producer.returncode == 0, out

@@ -11,6 +11,7 @@ import pytest
 from rltk.commands.cli import main
 from tests.isolated import run_isolated
 from tests.test_serialization import plant
+from tests.waits import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +66,12 @@ def test_the_reported_deepspeed_case_a_planted_model_states_file_is_refused_on_r
     run_dir = tmp_path / "ds"
     command = [sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", "strategy=deepspeed",
                "strategy_args.zero_stage=2", *TINY]
-    run_isolated(command, timeout=900)
+    run_isolated(command, timeout=scaled(900))
     shard = run_dir / "checkpoints" / "step_000004" / "deepspeed" / "state" / "mp_rank_00_model_states.pt"
     marker = tmp_path / "MARKER"
     plant(shard, marker)
     # The same run again, and a longer one that would load DeepSpeed's states to train on.
     for again in (command, [*command, "trainer.total_steps=3"]):
-        out = run_isolated(again, expect=1, timeout=900)
+        out = run_isolated(again, expect=1, timeout=scaled(900))
         assert f"rltk: error: refusing to load '{shard}': it asks the unpickler for posix.system" in out.stderr
     assert not marker.exists()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rltk.commands.cli import main
+from tests.waits import scaled
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,7 +50,7 @@ def test_grpo_run_scores_hostile_programs_in_the_sandbox_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
     args = [
         f"output_dir={run_dir}", f"data.path={data}", f"buffer.expert.path={data}",
-        "buffer.sample_strategy=mix_expert", "reward.reward_fn=[code_execution]", "reward.timeout_s=30",
+        "buffer.sample_strategy=mix_expert", "reward.reward_fn=[code_execution]", f"reward.timeout_s={scaled(30):.0f}",
         "reward.workers=2", "reward.reward_fn_args.code_execution.timeout_s=1.5",
         "reward.reward_fn_args.code_execution.cpu_s=1", "stages=[{name: grpo, type: rl}]",
         "trainer.total_steps=2", "trainer.warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",

@@ -10,6 +10,8 @@ import pytest
 
 from rltk.commands.cli import main
 
+from tests.waits import scaled
+
 # What benchmarks/learning.py measured for the shipped dpo default (SFT warm-up to a 0.4 probe, then 200
 # steps of DPO with the RPO term on the task's synthetic pairs): every run's held-out greedy accuracy
 # gained at least MIN_BENCHMARK_GAIN over the DPO stage (seeds 0-2 at avx512, seed 0 at avx2 and default;
@@ -115,7 +117,7 @@ def test_two_processes_train_as_one(tmp_path):
             "logging.logger=[jsonl]", "logging.plot=false"]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           "-m", "rltk.commands.cli", "run", "dpo", f"output_dir={tmp_path / 'ddp'}", *args],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=scaled(600))
     assert out.returncode == 0, out.stderr[-6000:]
     assert main(["run", "dpo", f"output_dir={tmp_path / 'single'}", *args]) == 0
     ours = [m for m in read_metrics(tmp_path / "ddp") if "dpo_loss" in m]

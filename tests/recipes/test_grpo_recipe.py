@@ -9,6 +9,7 @@ import pytest
 from rltk.commands.cli import main
 from tests.crash import crash_at_step
 from tests.isolated import run_isolated
+from tests.waits import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +88,7 @@ def test_grpo_learns_with_the_baseline_cpu_kernels(tmp_path):
     # not only with whatever this CPU dispatches to. The level is fixed when torch loads: a new process.
     run_dir = tmp_path / "run"
     run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", "logging.logger=[jsonl]",
-                  "logging.plot=false"], timeout=1200, extra_env={"ATEN_CPU_CAPABILITY": "default"})
+                  "logging.plot=false"], timeout=scaled(1200), extra_env={"ATEN_CPU_CAPABILITY": "default"})
     assert_learned(run_dir)
 
 
@@ -129,7 +130,7 @@ def test_grpo_runs_on_deepspeed_zero2(tmp_path):
         ["rltk", "run", "grpo", f"output_dir={run_dir}", "strategy=deepspeed", "strategy_args.zero_stage=2",
          *FAST, "sft.steps=10", "sft.warmup_steps=2", "trainer.total_steps=4", "trainer.warmup_steps=2", "trainer.eval_every=2",
          "checkpoint.every=2", "logging.plot=false"],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True, text=True, env=env, timeout=scaled(900),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(run_dir)
@@ -150,7 +151,7 @@ def test_grpo_recipe_under_torchrun_with_two_processes(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *args],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=scaled(600),
     )
     errors = "\n".join(line for line in out.stderr.splitlines() if "Writing model shards" not in line)
     assert out.returncode == 0, errors[-6000:]

@@ -13,6 +13,7 @@ import pytest
 from tests.isolated import run_isolated
 
 from .test_grpo_recipe import read_metrics, rl_evals
+from tests.waits import scaled
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -37,7 +38,7 @@ def test_grpo_sampling_with_vllm_learns_on_the_embedded_default(tmp_path):
     # a process of its own: one thread, as the benchmark ran it, and vLLM's process-wide state goes with it
     run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", "rollout.engine=vllm", *HEAD_SIZE_32,
                   f"output_dir={run_dir}", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=0"],
-                 timeout=1800)
+                 timeout=scaled(1800))
     metrics = read_metrics(run_dir)
     probes = [m["sft/train_accuracy"] for m in metrics if "sft/train_accuracy" in m]
     assert probes[-1] >= WARMUP_STOP_ACCURACY, f"the warm-up never reached its probe: {probes[-5:]}"

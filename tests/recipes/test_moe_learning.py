@@ -10,6 +10,7 @@ import pytest
 from rltk.commands.cli import main
 from tests.isolated import run_isolated
 from tests.recipes.test_grpo_recipe import read_metrics, rl_evals
+from tests.waits import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +46,7 @@ def test_the_moe_default_learns_with_the_avx2_kernels(tmp_path):
     # another kernel level, another trajectory (the level is fixed when torch loads: a new process)
     run_dir = tmp_path / "run"
     run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *MOE],
-                 timeout=1200, extra_env={"ATEN_CPU_CAPABILITY": "avx2"})
+                 timeout=scaled(1200), extra_env={"ATEN_CPU_CAPABILITY": "avx2"})
     assert_learned(run_dir)
 
 

@@ -149,7 +149,13 @@ def test_lora_and_rl_stages_are_refused_with_exit_2(tmp_path, capsys):
     assert "'model.lora'" in capsys.readouterr().err
     assert main(["run", "reward_model", f"output_dir={tmp_path / 'b'}", *FEW[1:],
                  "stages=[{name: grpo, type: rl}]"]) == 2
-    assert "'stages[0]' ('grpo') has type rl" in capsys.readouterr().err
+    # rl is no stage of this recipe's (it has no RL loop): refused naming the key, before the run starts
+    assert "bad value 'rl' for 'stages[0].type' (stage 'grpo')" in capsys.readouterr().err
+    # a registered RL stage passes validation, and the recipe refuses it: only sft stages come before the model
+    assert main(["run", "reward_model", f"output_dir={tmp_path / 'c'}", *FEW[1:],
+                 "stages=[{name: rl, type: grpo}]"]) == 2
+    assert "'stages[0]' ('rl') has type grpo: only sft stages can come before the reward model" in \
+        capsys.readouterr().err
 
 
 def test_an_unknown_loss_is_refused_with_the_registered_names(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """A config chains stages of different recipes (`stages=[sft, dpo, grpo]`) in one `rltk run` (issue 32).
 
-Each stage is its own recipe's loop (`type: dpo` runs recipes/dpo.py's stage, `type: grpo` recipes/grpo.py's),
+Each stage is its registered loop (`type: dpo` runs rltk/training/stages/dpo_stage.py's, `type: grpo` grpo_stage.py's),
 and hands its weights to the next: the frozen reference a DPO or GRPO stage saves (the policy as that stage
 starts) must be exactly the weights the stage before it ended with. A run killed in the GRPO stage resumes
 from the DPO stage's last checkpoint and logs what the uninterrupted run logged.
@@ -98,10 +98,11 @@ def test_a_run_killed_in_the_grpo_stage_resumes_from_the_dpo_stage_s_end(straigh
     # a typo: the valid types, the closest first
     ("grpo", "[{name: warmup, type: sft}, {name: prefs, type: dpoo}]",
      "bad value 'dpoo' for 'stages[1].type' (stage 'prefs'). Did you mean: 'dpo'"),
-    ("grpo", "[{name: prefs, type: dpoo}]", "Valid for recipe 'grpo': distill, dpo, grpo, ppo, rl, sft"),
+    # every registered stage (rft: the example plugin's, installed beside rltk in the test environment)
+    ("grpo", "[{name: prefs, type: dpoo}]", "Valid for recipe 'grpo': distill, dpo, grpo, ppo, rft, rl, sft"),
     # rl is the RL loop of the recipe run; the dpo recipe has none
     ("dpo", "[{name: rl, type: rl}]",
-     "bad value 'rl' for 'stages[0].type' (stage 'rl'). Valid for recipe 'dpo': distill, dpo, grpo, ppo, sft "
+     "bad value 'rl' for 'stages[0].type' (stage 'rl'). Valid for recipe 'dpo': distill, dpo, grpo, ppo, rft, sft "
      "(rl is the RL loop of `rltk run grpo` or `rltk run ppo`; name it grpo or ppo here)"),
 ])
 def test_validate_refuses_an_unknown_stage_type_with_exit_2(capsys, recipe, stages, named):

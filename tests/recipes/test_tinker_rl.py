@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waits import scaled
+
 pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
 
@@ -44,4 +46,4 @@ def test_the_cookbook_rl_loop_raises_the_reward_on_arithmetic():
             assert gain >= MIN_GAIN, (seed, [round(r, 3) for r in result["rewards"]])
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(scaled(30))

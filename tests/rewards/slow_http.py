@@ -11,6 +11,8 @@ import socket
 import threading
 import time
 
+from tests.waits import scaled
+
 
 class SlowServer:
     """Accepts every connection, reads the request, then answers ``body`` (JSON) one byte every ``byte_every_s``
@@ -38,7 +40,7 @@ class SlowServer:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         for thread in list(self._threads):
-            thread.join(timeout=5)
+            thread.join(timeout=scaled(5))
         self._listener.close()
 
     def _accept(self) -> None:

@@ -26,6 +26,8 @@ from rltk.rewards.programs import sandbox
 from rltk.rewards.programs.code_execution import check_args, code_execution, extract_program, parse_tests
 from rltk.workflows.base import reward_means
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = {"timeout_s": 2.0, "cpu_s": 1, "memory_mb": 256, "processes": 16, "file_size_mb": 1}
 needs_sandbox = pytest.mark.skipif(
@@ -196,7 +198,7 @@ def test_fork_bomb(unharmed):
     out = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
               '["assert True"]')
     assert out["score"] == 0.0 and killed(out) in ({"killed/timeout": 1.0}, {"killed/cpu": 1.0})
-    assert time.monotonic() - started < LIMITS["timeout_s"] + sandbox.STARTUP_SLACK_S
+    assert time.monotonic() - started < scaled(LIMITS["timeout_s"] + sandbox.STARTUP_SLACK_S)
 
 
 @needs_sandbox
@@ -207,7 +209,7 @@ def test_infinite_loop_and_sleep(unharmed):
     assert out["score"] == 0.0 and killed(out) in ({"killed/timeout": 1.0}, {"killed/cpu": 1.0})
     out = run("import time\ntime.sleep(3600)", '["assert True", "assert True"]')
     assert out["score"] == 0.0 and killed(out) == {"killed/timeout": 2.0}
-    assert time.monotonic() - started < 3 * (LIMITS["timeout_s"] + 0.5) + 2 * sandbox.STARTUP_SLACK_S
+    assert time.monotonic() - started < scaled(3 * (LIMITS["timeout_s"] + 0.5) + 2 * sandbox.STARTUP_SLACK_S)
 
 
 @needs_sandbox
@@ -245,7 +247,7 @@ def test_opening_sockets(unharmed):
     accepted = []
 
     def serve():
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + scaled(8)
         while time.monotonic() < deadline:
             try:
                 accepted.append(server.accept())
@@ -257,8 +259,8 @@ def test_opening_sockets(unharmed):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     # The server is reachable from here, so a refusal below is the sandbox's doing.
-    socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    deadline = time.monotonic() + 5
+    socket.create_connection(("127.0.0.1", port), timeout=scaled(2)).close()
+    deadline = time.monotonic() + scaled(5)
     while not accepted and time.monotonic() < deadline:
         time.sleep(0.02)
     reached_from_outside = len(accepted)
@@ -269,7 +271,7 @@ def test_opening_sockets(unharmed):
     finally:
         time.sleep(0.3)
         server.close()
-        thread.join(timeout=5)
+        thread.join(timeout=scaled(5))
     assert local["score"] == 0.0 and killed(local) == {"denied": 1.0}
     assert external["score"] == 0.0 and killed(external) == {"denied": 1.0}
     assert reached_from_outside == 1 and len(accepted) == 1  # no connection from the sandbox
@@ -348,7 +350,7 @@ def test_sample_timeout_caps_all_tests_together(unharmed):
     out = run("import time\ntime.sleep(3600)", '["assert True", "assert True"]', timeout_s=2.0, sample_timeout_s=1.0)
     # The first test gets the 1 s cap, not its 2 s; the second is never started: both count as timeouts.
     assert killed(out) == {"killed/timeout": 2.0} and out["score"] == 0.0
-    assert time.monotonic() - started < 2.0 + sandbox.STARTUP_SLACK_S
+    assert time.monotonic() - started < scaled(2.0 + sandbox.STARTUP_SLACK_S)
 
 
 @needs_sandbox  # else the machine's refusal comes first
@@ -416,7 +418,7 @@ def test_without_root_a_user_namespace_gives_the_same_protection(tmp_path):
 
     proc = subprocess.run(["/usr/bin/setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                            str(SYSTEM_PYTHON), "-I", "-c", script], input=json.dumps(cases), capture_output=True,
-                          text=True, timeout=120, cwd="/",
+                          text=True, timeout=scaled(120), cwd="/",
                           env={"PATH": "/usr/bin:/bin", "RLTK_TEST_SECRET": secret})
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -13,6 +13,8 @@ from rltk.rewards.verifiable.math import math_answer
 
 from tests.rewards import reward_fns as rf  # absolute: worker processes import these by this name
 
+from tests.waits import scaled
+
 SAMPLE = dict(prompt="p", response="<answer>#### 7</answer>", ground_truth="7", extras={})
 
 
@@ -102,7 +104,7 @@ def test_hanging_component_times_out_and_its_worker_is_killed(composers):
     with pytest.warns(RuntimeWarning, match=r"RewardTimeout: reward 'hang' took longer than timeout_s=0.2"):
         score, details = composer(**{**SAMPLE, "response": "HANG"})
     elapsed = time.perf_counter() - start
-    assert 0.2 <= elapsed < 2.0
+    assert 0.2 <= elapsed < scaled(2.0)
     assert details == {"hang": 0.0, "ok": 0.5} and score == 0.5
     stats = composer.stats()
     assert stats["timeouts/hang"] == stats["failures/hang"] == 1.0

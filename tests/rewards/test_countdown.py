@@ -15,6 +15,8 @@ from rltk.rewards.verifiable.countdown import (
     parse_expression,
 )
 
+from tests.waits import scaled
+
 PUZZLE = {"numbers": [3, 5, 2], "target": 16}
 
 
@@ -94,7 +96,7 @@ def test_hostile_output_is_rejected_without_being_computed():
         "<answer>99999999999999999999999*99999999999999999999</answer>",
     ]:
         assert score(response) == 0.0
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < scaled(2.0)
 
 
 def test_parse_expression_rejects_everything_but_arithmetic():

@@ -4,6 +4,8 @@ import pytest
 
 from rltk.rewards.verifiable.format import format_tags, layout_pattern
 
+from tests.waits import scaled
+
 
 def score(response, **args):
     return format_tags(prompt="", response=response, ground_truth="", extras={}, **args)
@@ -54,4 +56,4 @@ def test_hostile_responses_are_fast():
     assert score("<think>" * 100_000 + "</think>" * 100_000 + "<answer>x</answer>") == 0.0
     assert score("<think>" + "x" * 1_000_000 + "</think><answer>1</answer>", max_chars=2_000_000) == 1.0
     assert score("<think>x</think><answer>1</answer>" + " " * 200_000) == 0.0  # over max_chars
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < scaled(2.0)

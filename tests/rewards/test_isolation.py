@@ -25,6 +25,7 @@ from rltk.rewards.compose import RewardComposer
 from rltk.rewards.pool import RewardWorkerError
 from rltk.rewards.verifiable.math import math_answer
 from tests.rewards import reward_fns as rf
+from tests.waits import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +89,7 @@ def test_a_hung_reward_with_subprocesses_takes_them_down_too(tmp_path, composers
 
 def test_one_step_pays_one_timeout_for_several_hung_samples(composers):
     """Hung calls are timed in parallel: 3 hung samples of 12 cost one timeout, not three."""
-    timeout = 0.5
+    timeout = scaled(0.5)
     composer = RewardComposer([("hang", rf.sleep_if, 1.0, {}), ("math", math_answer, 0.5, {})],
                               timeout_s=timeout, workers=4)
     composers.append(composer)
@@ -159,7 +160,7 @@ def test_the_rest_of_a_lost_workers_chunk_is_scored_elsewhere(word, composers):
     start = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="RewardTimeout" if word == "HANG" else "RewardWorkerDied"):
         results = composer.score_batch(batch)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < scaled(1.0)
     assert [s for s, _ in results] == [-1.0] + [1.0] * 39
     assert composer.stats()["failures/r"] == 1.0
 
@@ -321,7 +322,7 @@ def test_workers_end_with_the_trainer(how, tmp_path):
             # SIGKILL runs no exit hook: the fork server sees its pipe close and exits, and the
             # workers, which die with their parent (Linux), follow it.
             proc.send_signal(signal.SIGINT if how.startswith("ctrl") else signal.SIGKILL)
-        code = proc.wait(timeout=20)
+        code = proc.wait(timeout=scaled(20))
         stderr = proc.stderr.read()
     finally:
         proc.kill()

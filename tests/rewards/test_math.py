@@ -13,6 +13,8 @@ from rltk.rewards.verifiable.math import (
     parse_number,
 )
 
+from tests.waits import scaled
+
 
 def score(fn, response, ground_truth, **args):
     return fn(prompt="", response=response, ground_truth=ground_truth, extras={}, **args)
@@ -42,7 +44,7 @@ def test_parse_number_refuses_huge_inputs_quickly():
     start = time.perf_counter()
     assert parse_number("9" * 1_000_000) is None
     assert parse_number("1" + "0" * 399) == 10**399  # up to MAX_NUMBER_CHARS is fine
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < scaled(0.5)
 
 
 def test_extract_boxed_balances_braces():
@@ -133,7 +135,7 @@ def test_math_answer_survives_hostile_output_quickly():
     ]
     for response in hostile:
         assert score(math_answer, response, "72", flexible=True) == 0.0
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < scaled(2.0)
 
 
 @pytest.mark.parametrize(

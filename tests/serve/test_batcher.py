@@ -11,6 +11,8 @@ import pytest
 from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
 from rltk.serve.batcher import Batcher
 
+from tests.waits import scaled
+
 
 class CountingEngine(RolloutEngine):
     """Completion of prompt p is [sum(p), call number]; remembers each call's prompts, params and thread."""
@@ -39,7 +41,7 @@ def test_concurrent_jobs_share_engine_calls_and_each_gets_its_own_completions():
     try:
         with ThreadPoolExecutor(16) as pool:
             futures = list(pool.map(lambda k: batcher.submit([[k, 1], [k, 2]], params), range(16)))
-        results = [f.result(timeout=10) for f in futures]
+        results = [f.result(timeout=scaled(10)) for f in futures]
     finally:
         batcher.close()
     assert len(engine.calls) < 16
@@ -56,7 +58,7 @@ def test_n_is_expanded_into_repeated_prompts_so_different_n_share_a_call():
     try:
         a = batcher.submit([[1]], SamplingParams(n=3))
         b = batcher.submit([[2], [3]], SamplingParams(n=1))
-        out_a, out_b = a.result(timeout=10), b.result(timeout=10)
+        out_a, out_b = a.result(timeout=scaled(10)), b.result(timeout=scaled(10))
     finally:
         batcher.close()
     [(prompts, params, _)] = engine.calls
@@ -76,7 +78,7 @@ def test_jobs_with_different_sampling_params_or_a_seed_get_separate_calls():
             batcher.submit([[5]], SamplingParams(temperature=1.0, seed=7)),
         ]
         for f in futures:
-            f.result(timeout=10)
+            f.result(timeout=scaled(10))
     finally:
         batcher.close()
     assert sorted(sorted(p[0] for p in prompts) for prompts, _, _ in engine.calls) == [[1, 3], [2], [4], [5]]
@@ -88,7 +90,7 @@ def test_max_batch_splits_a_round_at_job_boundaries():
     try:
         futures = [batcher.submit([[k]], SamplingParams(n=2)) for k in range(4)]  # 8 sequences
         for f in futures:
-            f.result(timeout=10)
+            f.result(timeout=scaled(10))
     finally:
         batcher.close()
     assert [len(prompts) for prompts, _, _ in engine.calls] == [4, 4]
@@ -100,10 +102,10 @@ def test_an_engine_failure_reaches_every_job_of_that_call_and_the_worker_keeps_s
     try:
         bad, sibling = batcher.submit([[13]], SamplingParams()), batcher.submit([[1]], SamplingParams())
         with pytest.raises(RuntimeError, match="engine exploded"):
-            bad.result(timeout=10)
+            bad.result(timeout=scaled(10))
         with pytest.raises(RuntimeError, match="engine exploded"):
-            sibling.result(timeout=10)
-        assert batcher.submit([[2]], SamplingParams()).result(timeout=10)[0][0].token_ids[0] == 2
+            sibling.result(timeout=scaled(10))
+        assert batcher.submit([[2]], SamplingParams()).result(timeout=scaled(10))[0][0].token_ids[0] == 2
     finally:
         batcher.close()
     with pytest.raises(RuntimeError, match="after close"):
@@ -125,7 +127,7 @@ def test_a_round_keeps_collecting_while_jobs_keep_arriving_but_no_longer_than_ma
             futures.append(batcher.submit([[k]], SamplingParams()))
             time.sleep(0.1)
         for f in futures:
-            f.result(timeout=10)
+            f.result(timeout=scaled(10))
         assert [len(prompts) for prompts, _, _ in engine.calls] == [3]
         start = time.monotonic()
         late = []
@@ -133,7 +135,7 @@ def test_a_round_keeps_collecting_while_jobs_keep_arriving_but_no_longer_than_ma
             late.append(batcher.submit([[9]], SamplingParams()))
             time.sleep(0.1)
         for f in late:
-            f.result(timeout=10)
+            f.result(timeout=scaled(10))
     finally:
         batcher.close()
     assert len(engine.calls) - 1 >= 2
@@ -143,15 +145,16 @@ def test_a_round_keeps_collecting_while_jobs_keep_arriving_but_no_longer_than_ma
 
 def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it():
     engine = CountingEngine(delay_s=0.0)
-    batcher = Batcher(engine, window_s=2.0, max_wait_s=10.0)  # without expect(), a round would wait >= 2 s
+    window_s = scaled(2.0)  # the bounds below tell a round that waited it from one that did not: they scale with it
+    batcher = Batcher(engine, window_s=window_s, max_wait_s=5 * window_s)  # without expect(), it waits >= window_s
     try:
         batcher.expect(4)
         start = time.monotonic()
         with ThreadPoolExecutor(4) as pool:
             futures = list(pool.map(lambda k: batcher.submit([[k]], SamplingParams()), range(4)))
         for f in futures:
-            f.result(timeout=10)
-        assert time.monotonic() - start < 1.0
+            f.result(timeout=scaled(10))
+        assert time.monotonic() - start < window_s / 2
         assert [len(prompts) for prompts, _, _ in engine.calls] == [4]  # all four in one call, no window wait
 
         # Three of four live requesters asked; the fourth finished instead (expect(3)): the round goes at once.
@@ -161,14 +164,14 @@ def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it()
         start = time.monotonic()
         batcher.expect(3)
         for f in futures:
-            f.result(timeout=10)
-        assert time.monotonic() - start < 1.0
+            f.result(timeout=scaled(10))
+        assert time.monotonic() - start < window_s / 2
         assert [len(prompts) for prompts, _, _ in engine.calls] == [4, 3]
 
         batcher.expect(None)  # off again: the window applies
         start = time.monotonic()
-        batcher.submit([[7]], SamplingParams()).result(timeout=10)
-        assert time.monotonic() - start >= 1.9
+        batcher.submit([[7]], SamplingParams()).result(timeout=scaled(10))
+        assert time.monotonic() - start >= window_s - 0.1
     finally:
         batcher.close()
     with pytest.raises(ValueError, match="expect"):
@@ -177,19 +180,20 @@ def test_expect_closes_a_round_as_soon_as_every_live_requester_has_a_job_in_it()
 
 def test_with_expect_a_round_waits_past_the_window_for_the_requesters_just_answered():
     """No gap closes the round while a count is set: those answered by the last call get to send again."""
-    engine = CountingEngine(delay_s=1.0)
-    batcher = Batcher(engine, window_s=0.1, max_wait_s=0.6)
+    unit = scaled(1.0)  # the whole choreography stretches alike on a slow machine
+    engine = CountingEngine(delay_s=1.0 * unit)
+    batcher = Batcher(engine, window_s=0.1 * unit, max_wait_s=0.6 * unit)
     try:
         batcher.expect(4)
         first = [batcher.submit([[k]], SamplingParams()) for k in range(2)]  # 2 of 4: closes by max_wait_s
-        time.sleep(0.8)  # the engine is busy with those two
+        time.sleep(0.8 * unit)  # the engine is busy with those two
         backlog = [batcher.submit([[k]], SamplingParams()) for k in (2, 3)]
         for f in first:
-            f.result(timeout=10)
-        time.sleep(0.3)  # the two answered think for 3x the window before asking again
+            f.result(timeout=scaled(10))
+        time.sleep(0.3 * unit)  # the two answered think for 3x the window before asking again
         again = [batcher.submit([[k]], SamplingParams()) for k in (0, 1)]
         for f in backlog + again:
-            f.result(timeout=10)
+            f.result(timeout=scaled(10))
     finally:
         batcher.close()
     assert [len(prompts) for prompts, _, _ in engine.calls] == [2, 4]
@@ -204,7 +208,7 @@ def test_a_round_samples_its_jobs_in_requester_order_whatever_order_they_arrived
         # arrival order: c, unnamed, a, b -> sampled a, b, c, then the unnamed one
         futures = {name: batcher.submit([[ord(name[0])]], params, order=name if name != "?" else None)
                    for name in ("c", "?", "a", "b")}
-        answers = {name: future.result(timeout=5)[0][0].token_ids[0] for name, future in futures.items()}
+        answers = {name: future.result(timeout=scaled(5))[0][0].token_ids[0] for name, future in futures.items()}
     finally:
         batcher.close()
     assert len(engine.calls) == 1

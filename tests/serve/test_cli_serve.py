@@ -15,6 +15,8 @@ import pytest
 
 from rltk.commands.cli import main
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -38,7 +40,7 @@ def start_serving(path, *extra, timeout_s: float = 120):
 def stop(proc):
     proc.terminate()
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
@@ -131,7 +133,7 @@ def test_rltk_imports_and_builds_the_agentic_workflow_without_the_serve_extra_an
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     setup = "from tests.serve.helpers import ensure_serve_builtins; ensure_serve_builtins()\n"
-    out = subprocess.run([sys.executable, "-c", setup + code], capture_output=True, text=True, env=env, timeout=300,
+    out = subprocess.run([sys.executable, "-c", setup + code], capture_output=True, text=True, env=env, timeout=scaled(300),
                          cwd=REPO)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "ERROR: the agentic workflow needs fastapi, uvicorn, openai" in out.stdout

@@ -14,6 +14,7 @@ from rltk.rollout.base import Completion, RolloutEngine, SamplingParams
 from rltk.serve.app import BackgroundServer, create_app
 from rltk.serve.batcher import Batcher
 from tests.serve.helpers import tiny_chat_model
+from tests.waits import scaled, wait_until
 
 STOP = 99
 
@@ -56,8 +57,8 @@ def test_a_completion_made_in_slices_equals_one_made_in_one_call(slice_tokens):
     whole = Batcher(CountUpEngine(), window_s=0.0)
     sliced = Batcher(CountUpEngine(), window_s=0.0, slice_tokens=slice_tokens, max_batch_tokens=10**6)
     try:
-        expected = whole.submit(prompts, SamplingParams(max_new_tokens=20, n=2)).result(timeout=10)
-        got = sliced.submit(prompts, SamplingParams(max_new_tokens=20, n=2)).result(timeout=10)
+        expected = whole.submit(prompts, SamplingParams(max_new_tokens=20, n=2)).result(timeout=scaled(10))
+        got = sliced.submit(prompts, SamplingParams(max_new_tokens=20, n=2)).result(timeout=scaled(10))
     finally:
         whole.close()
         sliced.close()
@@ -75,9 +76,9 @@ def test_rows_are_shared_round_robin_between_requesters_within_the_work_cap():
         big = batcher.submit([[1]] * 40, SamplingParams(max_new_tokens=8), requester="big")
         time.sleep(0.02)  # the big one's first call is running
         small = batcher.submit([[50]], SamplingParams(max_new_tokens=4), requester="small")
-        assert small.result(timeout=10)[0][0].token_ids == [51, 52, 53, 54]
+        assert small.result(timeout=scaled(10))[0][0].token_ids == [51, 52, 53, 54]
         assert not big.done()
-        big.result(timeout=30)
+        big.result(timeout=scaled(30))
     finally:
         batcher.close()
     # a row costs its prompt + tokens so far + 4: 10 fresh rows fit in 50; the second call takes the small one
@@ -102,17 +103,18 @@ def test_a_request_whose_client_hung_up_is_dropped_before_its_next_engine_call(s
     with pytest.raises(httpx.ReadTimeout):  # 40 tokens in 2-token slices of 0.1 s: 2 s; the client leaves at 0.35 s
         httpx.post(server.base_url + "/completions", timeout=0.35,
                    json={"model": "tiny", "prompt": [[5]] * 8, "max_tokens": 40})
-    time.sleep(0.5)  # the server notices within its 0.05 s poll; the call running then finishes
+    # the server notices within its 0.05 s poll (a loaded machine: later); the call running then finishes
+    wait_until(lambda: server.app.state.rltk.batcher.stats()["cancelled"] == 1, "the server to drop the request", 30)
+    time.sleep(scaled(0.2))
     calls = len(engine.calls)
-    assert calls <= 8, engine.calls  # not the 20 slices the request asked for
-    time.sleep(0.5)
+    assert calls <= min(19, scaled(8)), engine.calls  # not the 20 slices the request asked for
+    time.sleep(scaled(0.5))
     assert len(engine.calls) == calls  # nothing more for it
-    stats = server.app.state.rltk.batcher.stats()
-    assert stats["cancelled"] == 1 and server.app.state.rltk.counters["cancelled"] == 1
+    assert server.app.state.rltk.counters["cancelled"] == 1
     start = time.monotonic()
-    reply = httpx.post(server.base_url + "/completions", timeout=10,
+    reply = httpx.post(server.base_url + "/completions", timeout=scaled(10),
                        json={"model": "tiny", "prompt": [[5]], "max_tokens": 2}).json()
-    assert reply["choices"][0]["finish_reason"] == "length" and time.monotonic() - start < 1.0
+    assert reply["choices"][0]["finish_reason"] == "length" and time.monotonic() - start < scaled(1.0)
 
 
 def test_a_small_request_is_answered_between_the_slices_of_a_large_one(slow_server):
@@ -120,7 +122,7 @@ def test_a_small_request_is_answered_between_the_slices_of_a_large_one(slow_serv
     result = {}
 
     def large():
-        result["large"] = httpx.post(server.base_url + "/completions", timeout=30,
+        result["large"] = httpx.post(server.base_url + "/completions", timeout=scaled(30),
                                      json={"model": "tiny", "prompt": [[5]] * 16, "max_tokens": 40})
         result["large_done"] = time.monotonic()
 
@@ -128,7 +130,7 @@ def test_a_small_request_is_answered_between_the_slices_of_a_large_one(slow_serv
     thread.start()
     time.sleep(0.3)
     start = time.monotonic()
-    small = httpx.post(server.base_url + "/completions", timeout=30, json={"model": "tiny", "prompt": [[5]],
+    small = httpx.post(server.base_url + "/completions", timeout=scaled(30), json={"model": "tiny", "prompt": [[5]],
                                                                             "max_tokens": 2})
     small_done = time.monotonic()
     thread.join()
@@ -145,7 +147,7 @@ def test_many_small_requesters_share_one_call_while_a_large_one_gets_its_share()
         big = batcher.submit([[1]] * 40, SamplingParams(max_new_tokens=4), requester="big")
         small = [batcher.submit([[50 + k]], SamplingParams(max_new_tokens=4), requester=f"s{k}") for k in range(10)]
         for future in small + [big]:
-            future.result(timeout=10)
+            future.result(timeout=scaled(10))
     finally:
         batcher.close()
     # every row costs 1 + 0 + 4 = 5: the large requester's share of 20 is 4 rows a call, the ten small ones all go

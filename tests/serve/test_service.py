@@ -19,6 +19,7 @@ from rltk.serve.auth import exposure_warning
 from rltk.serve.limits import Limits
 from rltk.serve.sessions import SessionStore
 from tests.serve.helpers import SpyEngine, tiny_chat_model
+from tests.waits import scaled
 
 MODEL = "tiny"
 KEYS = ["key-alice", "key-bob"]
@@ -64,10 +65,10 @@ def client(server, key, session=None):
 def test_a_missing_or_wrong_key_is_a_401_on_every_route_but_health(keyed):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic key-alice"}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/rltk/sessions/default")):
-            response = httpx.request(method, root(keyed) + path, headers=headers, json={}, timeout=10)
+            response = httpx.request(method, root(keyed) + path, headers=headers, json={}, timeout=scaled(10))
             assert response.status_code == 401, (headers, path)
             assert response.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(root(keyed) + "/health", timeout=10).status_code == 200
+    assert httpx.get(root(keyed) + "/health", timeout=scaled(10)).status_code == 200
     with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
         client(keyed, "wrong").models.list()
     assert [m.id for m in client(keyed, "key-bob").models.list().data] == [MODEL]
@@ -75,11 +76,11 @@ def test_a_missing_or_wrong_key_is_a_401_on_every_route_but_health(keyed):
 
 def test_docs_and_the_openapi_schema_are_off_unless_asked_for(keyed):
     for path in ("/docs", "/openapi.json", "/redoc"):
-        response = httpx.get(root(keyed) + path, headers={"Authorization": "Bearer key-alice"}, timeout=10)
+        response = httpx.get(root(keyed) + path, headers={"Authorization": "Bearer key-alice"}, timeout=scaled(10))
         assert response.status_code == 404
     server, _ = serve(docs=True)
     with server:
-        assert httpx.get(root(server) + "/openapi.json", timeout=10).json()["info"]["title"] == "rltk"
+        assert httpx.get(root(server) + "/openapi.json", timeout=scaled(10)).json()["info"]["title"] == "rltk"
 
 
 def test_one_key_never_reads_another_keys_prompts_even_under_the_same_session_id(keyed):
@@ -90,7 +91,7 @@ def test_one_key_never_reads_another_keys_prompts_even_under_the_same_session_id
         sid = session or "default"
         for key, text in (("key-alice", secret), ("key-bob", "hello")):
             body = httpx.get(f"{root(keyed)}/rltk/sessions/{sid}", headers={"Authorization": f"Bearer {key}"},
-                             timeout=10).json()
+                             timeout=scaled(10)).json()
             tokenizer = keyed.app.state.rltk.tokenizer
             prompts = {tokenizer.decode(r["prompt_ids"]) for r in body["records"]}
             assert prompts == {text}, (key, sid)
@@ -118,7 +119,7 @@ def test_without_a_store_nothing_is_recorded_and_sessions_are_not_served():
     with server:
         client(server, "unused").completions.create(model=MODEL, prompt="12", max_tokens=2)
         assert server.app.state.rltk.store is None
-        response = httpx.get(root(server) + "/rltk/sessions/default", timeout=10)
+        response = httpx.get(root(server) + "/rltk/sessions/default", timeout=scaled(10))
         assert response.status_code == 404 and "--record-sessions" in response.json()["error"]["message"]
 
 
@@ -151,7 +152,7 @@ def test_reading_a_large_session_does_not_stall_the_server():
 
         def read():
             start = time.monotonic()
-            response = httpx.get(root(server) + "/rltk/sessions/big", timeout=120)
+            response = httpx.get(root(server) + "/rltk/sessions/big", timeout=scaled(120))
             done["seconds"] = time.monotonic() - start
             done["content"] = response.content  # parsed after the /health loop: 30 MB of json.loads holds this GIL
 
@@ -161,13 +162,13 @@ def test_reading_a_large_session_does_not_stall_the_server():
         waits = []
         while reader.is_alive() and len(waits) < 20:
             start = time.monotonic()
-            assert httpx.get(root(server) + "/health", timeout=30).status_code == 200
+            assert httpx.get(root(server) + "/health", timeout=scaled(30)).status_code == 200
             waits.append(time.monotonic() - start)
             time.sleep(0.02)
         reader.join()
     assert len(json.loads(done["content"])["records"]) == 1000
     assert waits, "the session was read before /health could be asked"
-    assert max(waits) < max(0.5, done["seconds"] / 3), (waits, done)
+    assert max(waits) < scaled(max(0.5, done["seconds"] / 3)), (waits, done)
 
 
 # ---------------------------------------------------------------------- 3. limits before the work
@@ -177,7 +178,7 @@ def test_a_body_over_the_limit_is_a_413_with_or_without_a_content_length(limited
     server, engine = limited
     calls = len(engine.calls)
     big = json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode()
-    response = httpx.post(server.base_url + "/completions", content=big, timeout=30,
+    response = httpx.post(server.base_url + "/completions", content=big, timeout=scaled(30),
                           headers={"content-type": "application/json"})
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
     assert "65536 bytes" in response.json()["error"]["message"]
@@ -186,7 +187,7 @@ def test_a_body_over_the_limit_is_a_413_with_or_without_a_content_length(limited
         for start in range(0, len(big), 8192):
             yield big[start:start + 8192]
 
-    response = httpx.post(server.base_url + "/completions", content=chunks(), timeout=30,
+    response = httpx.post(server.base_url + "/completions", content=chunks(), timeout=scaled(30),
                           headers={"content-type": "application/json"})
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
     assert len(engine.calls) == calls
@@ -196,14 +197,14 @@ def test_a_long_prompt_is_refused_by_its_characters_before_it_is_tokenized(limit
     server, _ = limited
     start = time.monotonic()
     response = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": "1" * 50_000},
-                          timeout=30)
+                          timeout=scaled(30))
     assert response.status_code == 400 and response.json()["error"]["code"] == "prompt_too_long"
     message = response.json()["error"]["message"]
     assert "50000 characters" in message and "not tokenized" in message
-    chat = httpx.post(server.base_url + "/chat/completions", timeout=30,
+    chat = httpx.post(server.base_url + "/chat/completions", timeout=scaled(30),
                       json={"model": MODEL, "messages": [{"role": "user", "content": "2" * 600}] * 2})
     assert chat.status_code == 400 and chat.json()["error"]["code"] == "prompt_too_long"
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < scaled(5)
 
 
 @pytest.mark.parametrize("depth", [40, 100_000])
@@ -213,10 +214,10 @@ def test_json_nested_too_deep_is_a_400_not_a_500(limited, depth):
     if len(body) > 60_000:
         server2, _ = serve()  # the default 4 MiB body limit, so the depth is what is refused
         with server2:
-            response = httpx.post(server2.base_url + "/completions", content=body, timeout=30,
+            response = httpx.post(server2.base_url + "/completions", content=body, timeout=scaled(30),
                                   headers={"content-type": "application/json"})
     else:
-        response = httpx.post(server.base_url + "/completions", content=body, timeout=30,
+        response = httpx.post(server.base_url + "/completions", content=body, timeout=scaled(30),
                               headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "json_too_deep"
 
@@ -224,18 +225,18 @@ def test_json_nested_too_deep_is_a_400_not_a_500(limited, depth):
 def test_prompts_and_choices_times_tokens_per_request_are_capped_before_the_engine_runs(limited):
     server, engine = limited
     calls = len(engine.calls)
-    many = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": [[10]] * 10_000}, timeout=30)
+    many = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": [[10]] * 10_000}, timeout=scaled(30))
     assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_prompts"
     assert "10000 prompts" in many.json()["error"]["message"] and "limit of 8" in many.json()["error"]["message"]
-    wide = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": [[10]] * 4, "n": 8}, timeout=30)
+    wide = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": [[10]] * 4, "n": 8}, timeout=scaled(30))
     assert wide.status_code == 400 and wide.json()["error"]["code"] == "too_many_choices"
-    costly = httpx.post(server.base_url + "/completions", timeout=30,
+    costly = httpx.post(server.base_url + "/completions", timeout=scaled(30),
                         json={"model": MODEL, "prompt": "1", "n": 8, "max_tokens": 16})
     assert costly.status_code == 400 and costly.json()["error"]["code"] == "request_too_large"
     assert "8 choices x 16 tokens = 128" in costly.json()["error"]["message"]
     assert len(engine.calls) == calls
     fine = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": "1", "n": 8, "max_tokens": 8},
-                      timeout=30)
+                      timeout=scaled(30))
     assert fine.status_code == 200 and len(fine.json()["choices"]) == 8
 
 
@@ -245,7 +246,7 @@ def test_tokenizing_a_long_prompt_does_not_hold_the_event_loop():
         result = {}
 
         def send():
-            result["response"] = httpx.post(server.base_url + "/completions", timeout=120,
+            result["response"] = httpx.post(server.base_url + "/completions", timeout=scaled(120),
                                             json={"model": MODEL, "prompt": "12+" * 200_000})
 
         sender = threading.Thread(target=send)
@@ -254,11 +255,11 @@ def test_tokenizing_a_long_prompt_does_not_hold_the_event_loop():
         waits = []
         while sender.is_alive() and len(waits) < 10:
             start = time.monotonic()
-            httpx.get(root(server) + "/health", timeout=60)
+            httpx.get(root(server) + "/health", timeout=scaled(60))
             waits.append(time.monotonic() - start)
         sender.join()
     assert result["response"].json()["error"]["code"] == "context_length_exceeded"  # tokenized, then refused
-    assert not waits or max(waits) < 1.0, waits
+    assert not waits or max(waits) < scaled(1.0), waits
 
 
 # ---------------------------------------------------------------------- 5. numbers and tools: 400s naming the field
@@ -281,7 +282,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 ], ids=lambda v: str(v)[:30] if isinstance(v, dict) else v)
 def test_bad_numbers_and_tool_schemas_are_400s_naming_the_field(limited, extra, param):
     server, _ = limited
-    response = httpx.post(server.base_url + "/chat/completions", timeout=30,
+    response = httpx.post(server.base_url + "/chat/completions", timeout=scaled(30),
                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -293,7 +294,7 @@ def test_bad_numbers_and_tool_schemas_are_400s_naming_the_field(limited, extra, 
 def test_an_integer_of_5001_digits_is_a_400(limited):
     server, _ = limited
     body = b'{"model": "tiny", "prompt": "1", "seed": ' + b"9" * 5001 + b"}"
-    response = httpx.post(server.base_url + "/completions", content=body, timeout=30,
+    response = httpx.post(server.base_url + "/completions", content=body, timeout=scaled(30),
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 

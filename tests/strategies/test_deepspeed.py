@@ -43,6 +43,8 @@ from rltk.strategies.deepspeed_config import (
 )
 from rltk.strategies.deepspeed_strategy import DeepSpeedStrategy
 
+from tests.waits import scaled
+
 HERE = Path(__file__).parent
 CPU = torch.device("cpu")
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -335,7 +337,7 @@ def _launch(command: list[str], *, single_process: bool = False) -> None:
     if single_process:  # exercise the no-launcher defaults
         for name in RENDEZVOUS_VARIABLES:
             env.pop(name, None)
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(900))
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(command[-4:])} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-8000:]}")

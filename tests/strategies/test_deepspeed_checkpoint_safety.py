@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.isolated import run_isolated
+from tests.waits import scaled
 
 HERE = Path(__file__).parent
 ZERO2_FILES = ["deepspeed/latest", "deepspeed/state/mp_rank_00_model_states.pt",
@@ -31,7 +32,7 @@ CHECKED_ENTRY_POINTS = ("strategy.load", "convert_to_universal", "export_model_f
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[Path, dict]:
     out_dir = tmp_path_factory.mktemp("ds_safety")
-    run_isolated([sys.executable, str(HERE / "ds_safety_worker.py"), str(out_dir)], timeout=900,
+    run_isolated([sys.executable, str(HERE / "ds_safety_worker.py"), str(out_dir)], timeout=scaled(900),
                  extra_env={"RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"})
     return out_dir, json.loads((out_dir / "results.json").read_text())
 

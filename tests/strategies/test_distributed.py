@@ -16,6 +16,8 @@ import torch
 from rltk.checkpoint import CheckpointManager
 from rltk.strategies.accelerate_strategy import AccelerateStrategy
 
+from tests.waits import scaled
+
 WORKER_PATH = Path(__file__).with_name("distributed_worker.py")
 
 
@@ -40,7 +42,7 @@ def two_process_results(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKER_PATH), str(out_dir)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(180))
     if proc.returncode != 0:
         pytest.fail(f"torchrun worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     results = {path.stem: torch.load(path, weights_only=True) for path in out_dir.glob("*.pt")}
@@ -141,7 +143,7 @@ def lora_two_process_results(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKER_PATH), str(out_dir), "ddp_lora"]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(180))
     if proc.returncode != 0:
         pytest.fail(f"torchrun worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {path.stem: torch.load(path, weights_only=True) for path in out_dir.glob("*.pt")}

@@ -22,6 +22,8 @@ tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
 from tinker import types  # noqa: E402
 
+from tests.waits import scaled
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +58,7 @@ def server(tmp_path_factory):
         yield {"url": url, "folder": folder, "state": root / "state", "tokenizer": tokenizer}
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(scaled(30))
 
 
 def _client(server, key=KEY_A):
@@ -70,7 +72,7 @@ def _sft_data(tokenizer):
 def _status(server, key=KEY_A) -> dict:
     import httpx
 
-    return httpx.get(f"{server['url']}/rltk/status", headers={"X-API-Key": key}, timeout=60).json()
+    return httpx.get(f"{server['url']}/rltk/status", headers={"X-API-Key": key}, timeout=scaled(60)).json()
 
 
 def _train(client, data, steps, lr=1e-2):
@@ -204,15 +206,15 @@ def test_one_keys_clients_are_invisible_to_another(server):
     url = server["url"]
     other = {"X-API-Key": KEY_B}
     info = httpx.post(f"{url}/api/v1/get_info", json={"model_id": client.model_id, "type": "get_info"},
-                      headers=other, timeout=60)
+                      headers=other, timeout=scaled(60))
     assert info.status_code == 404 and "model_id" in info.json()["error"]["message"]
     assert httpx.get(f"{url}/api/v1/samplers/{sampler._sampling_session_id}", headers=other,
-                     timeout=60).status_code == 404
+                     timeout=scaled(60)).status_code == 404
     mine = httpx.get(f"{url}/api/v1/samplers/{sampler._sampling_session_id}", headers={"X-API-Key": KEY_A},
-                     timeout=60)
+                     timeout=scaled(60))
     assert mine.status_code == 200
     assert httpx.post(f"{url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"},
-                      timeout=60).status_code == 401
+                      timeout=scaled(60)).status_code == 401
     service_b = _client(server, KEY_B)
     with pytest.raises(Exception, match=r"no checkpoint .*private"):
         service_b.create_training_client_from_state(path).result()
@@ -279,7 +281,7 @@ def test_clients_elsewhere_get_the_served_tokenizer_exactly(server, tmp_path):
     env = {**os.environ, "HF_ENDPOINT": f"{server['url']}/hub", "HF_TOKEN": KEY_A, "HF_HOME": str(tmp_path / "hf"),
            "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "TINKER_TELEMETRY": "0"}
     out = subprocess.run([sys.executable, "-c", TOKENIZER_CHILD, server["url"], KEY_A, json.dumps(texts)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     expected = [server["tokenizer"].encode(t, add_special_tokens=False) for t in texts]
@@ -290,12 +292,12 @@ def test_clients_elsewhere_get_the_served_tokenizer_exactly(server, tmp_path):
 def test_nothing_is_held_after_a_client_disconnects(server):
     key = "tml-key-a"
     before = _status(server, key)
-    subprocess.run([sys.executable, "-c", CHILD, server["url"], key], check=True, timeout=180,
+    subprocess.run([sys.executable, "-c", CHILD, server["url"], key], check=True, timeout=scaled(180),
                    env={**os.environ, "TINKER_TELEMETRY": "0"}, capture_output=True)
     held = _status(server, key)
     assert held["training_clients"] == before["training_clients"] + 1
     assert held["adapters_loaded"] == before["adapters_loaded"] + 2  # its adapter and its sampler's copy
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while time.monotonic() < deadline and _status(server, key)["training_clients"] > before["training_clients"]:
         time.sleep(1)
     after = _status(server, key)

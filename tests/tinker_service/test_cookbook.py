@@ -22,6 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("tinker_cookbook")
 
 from tests.tinker_service.test_app import _benchmark  # noqa: E402
+from tests.waits import scaled
 
 pytestmark = pytest.mark.slow
 KEY = "tml-cookbook"
@@ -50,11 +51,11 @@ def test_the_cookbooks_rl_train_main_runs_against_the_service(tmp_path):
                "TINKER_TELEMETRY": "0", "WANDB_MODE": "disabled"}
         log = tmp_path / "run"
         out = subprocess.run([sys.executable, "-c", COOKBOOK_RUN, str(log), str(STEPS)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=900)
+                             capture_output=True, text=True, timeout=scaled(900))
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(scaled(30))
     rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines() if line.strip()]
     trained = [row for row in rows if "optim/lr" in row]  # the cookbook's training steps (a last row follows)
     assert [row["step"] for row in trained] == list(range(STEPS)), rows

@@ -25,6 +25,7 @@ from rltk.tools.resolve import resolve_tools  # noqa: E402
 from rltk.workflows.multi_turn import MultiTurnWorkflow  # noqa: E402
 from tests.builtin_plugins import ensure_registered  # noqa: E402
 from tests.workflows.multi_turn_helpers import MatchReward, ScriptedEngine, tool_tokenizer  # noqa: E402
+from tests.waits import scaled, wait_until
 
 SERVER = Path(__file__).with_name("mcp_units_server.py")
 STDIO = {"command": [sys.executable, str(SERVER)], "timeout_s": 20}
@@ -90,7 +91,7 @@ def test_a_call_past_the_timeout_is_an_error_naming_the_server_and_the_next_call
     with pytest.raises(McpError, match=r"MCP server 'units' .* did not answer tools/call 'slow' within "
                                        r"timeout_s=1 s"):
         tools["slow"](seconds=30)
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < scaled(5)
     assert tools["convert"](value=5, from_unit="m", to_unit="cm") == "500"
 
 
@@ -112,21 +113,21 @@ def test_a_server_over_streamable_http():
     server = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while True:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                socket.create_connection(("127.0.0.1", port), timeout=scaled(1)).close()
                 break
             except OSError:
                 if time.monotonic() > deadline or server.poll() is not None:
-                    pytest.fail("the MCP test server did not start listening within 60 s")
+                    pytest.fail(f"the MCP test server did not start listening within {scaled(60):.0f} s")
                 time.sleep(0.2)
         _, _, e = episode(env(["units.convert"], server={"url": f"http://127.0.0.1:{port}/mcp"}),
                           [call("convert", value=7, from_unit="m", to_unit="cm"), "3000"])
         assert e.info["messages"][2]["content"] == "700"
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        server.wait(timeout=scaled(30))
 
 
 def test_a_tool_the_server_does_not_serve_is_a_config_error_listing_what_it_serves():
@@ -176,25 +177,29 @@ def test_a_server_hanging_in_its_handshake_is_killed_and_does_not_hold_rltks_out
     # the server (and a child of it) would sleep 60 s; before, it outlived `rltk validate`, holding the stderr
     # pipe, so a caller reading rltk's output to its end waited the whole 60 s
     pid_file = tmp_path / "pids"
+    # rltk's handshake clock starts when it spawns the server: the server's own start (a Python interpreter,
+    # seconds on a loaded machine) must fit in it, or rltk kills it before it hangs and nothing is tested
+    connect_s = scaled(2)
     server = {"command": [sys.executable, str(Path(__file__).with_name("mcp_hang_server.py")), str(pid_file)],
-              "connect_timeout_s": 2}
+              "connect_timeout_s": connect_s}
     command = [sys.executable, "-m", "rltk.commands.cli", "validate", "grpo", *MULTI_TURN, "env.tools=[hang.*]",
                f"env.mcp_servers={{hang: {json.dumps(server)}}}"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[2])
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 120  # rltk's own start: imports, the config
-        while not pid_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the hang server never started"
-            time.sleep(0.05)
+        # the server writes its pids once it runs (and its child with it); rltk ending first means it gave up on
+        # the server before that: a start slower than connect_s, not a hang
+        wait_until(pid_file.exists, f"the hang server's pids (rltk ended first: the server took over "
+                                    f"connect_timeout_s={connect_s:g} s to start)", 120,
+                   alive=lambda: proc.poll() is None)
         started = time.monotonic()
         pids = [int(p) for p in pid_file.read_text().split()]
-        out, err = proc.communicate(timeout=30)  # end of output: every writer of both pipes has closed them
-        # 2 s of handshake, the SDK's 2 s for the server to leave once its stdin closes, then SIGTERM (SIGKILL
-        # 2 s later), and rltk's own exit: about 6 s here; 60 s when the server outlived rltk
-        assert time.monotonic() - started < 2 + 10, time.monotonic() - started
+        out, err = proc.communicate(timeout=scaled(30))  # end of output: every writer of both pipes has closed them
+        # the rest of the handshake, the SDK's 2 s for the server to leave once its stdin closes, then SIGTERM
+        # (SIGKILL 2 s later), and rltk's own exit: about 6 s on a quiet machine; 60 s when the server outlived rltk
+        assert time.monotonic() - started < connect_s + scaled(10), time.monotonic() - started
         assert proc.returncode == 2, (out, err)
-        assert b"did not finish connecting within connect_timeout_s=2 s" in err
+        assert f"did not finish connecting within connect_timeout_s={connect_s:g} s".encode() in err
         assert all(dead(pid) for pid in pids), [Path(f"/proc/{p}/stat").read_text() for p in pids if not dead(p)]
     finally:
         for pid in pids:  # only when the test failed: leave nothing running

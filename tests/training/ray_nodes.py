@@ -16,17 +16,18 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ray.cluster_utils import Cluster
+
+from tests.waits import scaled, wait_until
 
 RL_STEPS = 8
 NAME = "ray-test"
 RUN = [f"name={NAME}", "data.task_args.max_digits=1", "data.train_size=70", "data.eval_size=20",
        f"trainer.total_steps={RL_STEPS}", "trainer.warmup_steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
        "trainer.eval_every=8", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=2",
-       "buffer.queue_timeout_s=240", "stages=[{name: rl, type: rl}]", "trainer.mode=async",
+       f"buffer.queue_timeout_s={scaled(240):.0f}", "stages=[{name: rl, type: rl}]", "trainer.mode=async",
        "trainer.max_staleness=1", "launcher=ray", "launcher_args.producer.resources={rollout: 1}"]
 QUEUE = Path("async") / "stage_0" / "experience_queue.sqlite"
 RLTK = str(Path(sys.executable).with_name("rltk"))
@@ -125,19 +126,15 @@ def _signal(pids: list[int], signum: int) -> None:
 
 
 def wait_for(what: str, done, timeout_s: float, proc: subprocess.Popen, log: Path, poll_s: float = 0.5):
-    start = time.monotonic()
-    while not (result := done()):
-        assert proc.poll() is None, f"the trainer exited ({proc.returncode}) while waiting for {what}:\n" + \
-            log.read_text()[-5000:]
-        assert time.monotonic() - start < timeout_s, f"waited {timeout_s} s for {what}:\n" + log.read_text()[-5000:]
-        time.sleep(poll_s)
-    return result
+    """:func:`tests.waits.wait_until` for the trainer ``proc``, whose log's tail the failure shows."""
+    return wait_until(done, what, timeout_s, poll_s=poll_s, alive=lambda: proc.poll() is None,
+                      details=lambda: log.read_text()[-5000:])
 
 
 def put_count(run_dir: Path) -> int:
     if not (run_dir / QUEUE).exists():
         return 0
-    with sqlite3.connect(f"file:{run_dir / QUEUE}?mode=ro", uri=True, timeout=30) as db:
+    with sqlite3.connect(f"file:{run_dir / QUEUE}?mode=ro", uri=True, timeout=scaled(30)) as db:
         try:
             return db.execute("SELECT COUNT(*) FROM experiences").fetchone()[0]
         except sqlite3.OperationalError:  # the table is not there yet

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.isolated import run_isolated
+from tests.waits import scaled
 
 WORKER = Path(__file__).with_name("handoff_worker.py")
 
@@ -18,7 +19,7 @@ WORKER = Path(__file__).with_name("handoff_worker.py")
 @pytest.mark.distributed
 def test_rank_0_hands_out_shares_errors_and_a_stuck_rank_0_is_named(tmp_path):
     run_isolated([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                  str(WORKER), str(tmp_path)], timeout=300, extra_env={"RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"})
+                  str(WORKER), str(tmp_path)], timeout=scaled(300), extra_env={"RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"})
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # three groups of two: groups 0 and 2 to rank 0, group 1 to rank 1; the lease's metrics on both
     assert ranks[0]["share"]["groups"] == [0, 2] and ranks[1]["share"]["groups"] == [1]

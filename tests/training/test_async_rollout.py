@@ -23,6 +23,7 @@ from rltk.training.step.loss_components import LossComponents
 from rltk.training.rollouts.asynchronous.producer import batch_of, gate_open
 from rltk.training.updates.rl import policy_update
 from tests.training.rl_step_helpers import one_process_strategy, worker
+from tests.waits import scaled
 
 
 @pytest.mark.parametrize("taken, ready, version, bound, open_", [
@@ -108,10 +109,10 @@ def test_a_producer_that_dies_is_restarted_once_then_reported_with_its_log(tmp_p
             "--weights", str(tmp_path / "w.safetensors"), "--timeout", "5"]
     producer = ProducerProcess("producer-0", args, tmp_path / "producer-0.log")
     producer.start()
-    producer.proc.wait(60)
+    producer.proc.wait(scaled(60))
     producer.check()  # the first exit: started again
     assert producer.starts == 2
-    producer.proc.wait(60)
+    producer.proc.wait(scaled(60))
     with pytest.raises(ProducerFailed, match=r"(?s)rollout producer 'producer-0' \(pid \d+\) exited with status 1 "
                                              r"after 2 starts; its log is .*producer-0\.log.*missing\.yaml"):
         producer.check()
@@ -132,7 +133,7 @@ def test_a_producer_waiting_for_weights_stops_after_its_timeout_naming_the_file(
     done = subprocess.run(
         [sys.executable, "-m", "rltk.training.rollouts.asynchronous.producer", "--config", str(tmp_path / "c.yaml"), "--stage", "1",
          "--queue", str(tmp_path / "q.sqlite"), "--weights", str(tmp_path / "w.safetensors"), "--timeout", "1",
-         "--name", "p"], capture_output=True, text=True, timeout=300)
+         "--name", "p"], capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == EXIT_TIMEOUT, done.stderr
     assert (f"rltk producer p: error: waited 1 s (buffer.queue_timeout_s) for the trainer's first weights in "
             f"{tmp_path / 'w.safetensors'}") in done.stderr

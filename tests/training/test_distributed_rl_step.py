@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.waits import scaled
+
 WORKER_PATH = Path(__file__).with_name("rl_step_worker.py")
 PHASES = ["ddp", "fsdp", "zero3", "ddp+budget", "fsdp+budget+pack", "zero3+budget+pack"]
 
@@ -41,7 +43,7 @@ def two_process_results(tmp_path_factory):
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rltk" / "torch_extensions"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKER_PATH), str(out_dir), *PHASES]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(300))
     if proc.returncode != 0:
         pytest.fail(f"torchrun worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {path.stem: torch.load(path, weights_only=True) for path in out_dir.glob("*.pt")}

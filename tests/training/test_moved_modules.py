@@ -8,6 +8,8 @@ import sys
 
 from rltk.training import MOVED
 
+from tests.waits import scaled
+
 
 def test_every_old_name_imports_the_module_in_its_room_and_says_where_it_went():
     script = (
@@ -30,7 +32,7 @@ def test_every_old_name_imports_the_module_in_its_room_and_says_where_it_went():
         "    assert module is importlib.import_module(f'rltk.commands.{new}'), old\n"
         "    assert any(f'rltk.{old} moved to rltk.commands.{new}' in str(w.message) for w in caught), old\n"
         "print('ok', len(MOVED))\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ok", str(len(MOVED))]
 

@@ -12,6 +12,8 @@ import pytest
 from rltk.batch import Experience
 from rltk.training.rollouts.asynchronous.queue import ExperienceQueue, QueueFileError, QueueTimeout
 
+from tests.waits import scaled
+
 
 def group(group_id, size=2, tokens=3, score=1.0):
     return [Experience(prompt_ids=[7, group_id], response_ids=list(range(1, tokens + 1)), score=score + i,
@@ -225,7 +227,7 @@ def test_wait_policy_times_out_naming_what_it_waited_for(tmp_path):
         start = time.monotonic()
         with pytest.raises(QueueTimeout) as info:
             q.take(4, step=1, version=5)
-        assert 0.3 <= time.monotonic() - start < 5
+        assert 0.3 <= time.monotonic() - start < scaled(5)
         msg = str(info.value)
         assert "waited 0.3 s for 4 experiences of policy version >= 4 (trainer version 5, max_staleness 1)" in msg
         assert "2 trainable ones are there" in msg and "2 older ones (policy versions [2])" in msg
@@ -297,7 +299,7 @@ def test_several_producer_processes_write_at_once(tmp_path):
     for w in workers:
         w.start()
     for w in workers:
-        w.join(60)
+        w.join(scaled(60))
         assert w.exitcode == 0
     with ExperienceQueue(path) as q:
         ids = q.ids("ready")

@@ -23,6 +23,8 @@ import pytest
 from rltk.batch import Experience
 from rltk.training.rollouts.asynchronous.queue import ExperienceQueue, QueueTimeout
 
+from tests.waits import scaled
+
 GROUP_SIZE = 2
 PRODUCERS = ("p0", "p1")
 GROUPS = 24  # per producer
@@ -79,7 +81,7 @@ def trainer_main(path: str, workdir: str, seed: int, batch: int, ckpt_every: int
         q.commit(step)
         _crash_here(workdir, step, "after_commit", crash_points)
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while len(trained) + q.counts()["dropped"] < TOTAL:
         try:
             lease = q.take(batch, step=step + 1, version=step)
@@ -126,11 +128,12 @@ def run(tmp_path: Path, seed: int, *, kills: int, batch=4, ckpt_every=3, max_sta
             break
         victim = rng.choice(live)
         os.kill(procs[victim].pid, signal.SIGKILL)
-        procs[victim].join(10)
+        procs[victim].join(scaled(10))
         procs[victim] = start(victim)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + scaled(90)
     while any(p.exitcode != 0 for p in procs.values()):
-        assert time.monotonic() < deadline, f"not finished within 90 s: {[n for n, p in procs.items() if p.is_alive()]}"
+        assert time.monotonic() < deadline, \
+            f"not finished within {scaled(90):.0f} s: {[n for n, p in procs.items() if p.is_alive()]}"
         trainer = procs["trainer"]
         if trainer.exitcode == -signal.SIGKILL:  # it died at one of its crash points: restart it at once
             procs["trainer"] = start("trainer")

@@ -31,6 +31,8 @@ from ray.util.state import list_actors  # noqa: E402
 
 from .test_ray_source import NAME, QUEUE, RL_STEPS, RUN, trained_steps  # noqa: E402
 
+from tests.waits import scaled
+
 pytestmark = pytest.mark.slow
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -57,7 +59,7 @@ class JobCluster:
         try:
             self.rollout = self.cluster.add_node(num_cpus=1, resources={"rollout": 1},
                                                  env_vars={**ONE_THREAD, "RLTK_RAY_WORK_DIR": str(rollout_dir)})
-            self.cluster.wait_for_nodes(timeout=120)
+            self.cluster.wait_for_nodes(timeout=scaled(120))
             self.url = f"http://{self.cluster.webui_url}"
             self._wait_for_the_job_server(deadline_s)
         except BaseException:
@@ -77,7 +79,7 @@ class JobCluster:
         while time.monotonic() - start < deadline_s:
             try:
                 request = urllib.request.Request(f"{self.url}/api/version", headers=token)
-                with urllib.request.urlopen(request, timeout=10) as answer:
+                with urllib.request.urlopen(request, timeout=scaled(10)) as answer:
                     if answer.status == 200:
                         return
             except OSError as exc:

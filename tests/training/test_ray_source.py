@@ -24,6 +24,7 @@ from tests.training.ray_nodes import (  # noqa: E402
     NAME, QUEUE, RL_STEPS, RUN, Nodes, assert_no_node_touched_another_nodes_folder, committed, put_count,
     trained_steps, wait_for,
 )
+from tests.waits import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def lose_the_producers_node_mid_run(nodes: Nodes, overrides: list[str], run_dir:
                  poll_s=0.02)
         nodes.lose(lost)
         assert put_count(run_dir) < 16 * RL_STEPS, "the producer put the whole stage before its node was lost"
-        trainer.wait(timeout=480)
+        trainer.wait(timeout=scaled(480))
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -118,7 +119,7 @@ def test_a_producer_on_another_node_feeds_the_trainer_over_the_network_and_survi
 
 def test_a_producer_whose_node_is_lost_with_no_restarts_left_stops_the_run_naming_it(nodes):
     run_dir = nodes.folders["head"] / "run"
-    overrides = [*RUN, "launcher_args.max_restarts=0", "buffer.queue_timeout_s=120"]
+    overrides = [*RUN, "launcher_args.max_restarts=0", f"buffer.queue_timeout_s={scaled(120):.0f}"]
     _, code, output = lose_the_producers_node_mid_run(nodes, overrides, run_dir, address=nodes.cluster.address)
     assert code == 1, output[-6000:]
     error = output[output.index("rltk: error:"):]
@@ -145,7 +146,7 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
         with pytest.raises(ConfigError, match=r"'launcher_args\.address': .* within 5 s .*something listens there, "
                                               r"but it did not answer as a Ray cluster's head does"):
             connect(load_config([], [*ray_run, *elsewhere]))
-        assert time.monotonic() - start < 30
+        assert time.monotonic() - start < scaled(30)
     assert not ray.is_initialized()
     nodes = Nodes(tmp_path, rollout_nodes=1)
     try:
@@ -168,7 +169,7 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
         run_dir = nodes.folders["head"] / "run"
         trainer = nodes.trainer([*RUN, "trainer.producers=2", "launcher_args.placement_timeout_s=10"],
                                 run_dir=run_dir)
-        trainer.wait(timeout=240)
+        trainer.wait(timeout=scaled(240))
         output = (run_dir.parent / "run.log").read_text()
         assert trainer.returncode == 2, output[-5000:]
         assert ("bad value for 'launcher_args.producer': the Ray cluster placed 1 of 2 rollout producer actors "
@@ -233,7 +234,7 @@ def test_every_trainer_rank_scores_its_held_out_share_through_the_reward_service
         out = run_isolated([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *RUN,
                             "launcher_args.rewards={exact_match: {resources: {reward: 1}}}"],
-                           extra_env={**nodes.env("head"), "RAY_ADDRESS": nodes.cluster.address}, timeout=600)
+                           extra_env={**nodes.env("head"), "RAY_ADDRESS": nodes.cluster.address}, timeout=scaled(600))
     finally:
         nodes.shutdown()
     assert [r["step"] for r in trained_steps(run_dir)] == list(range(1, RL_STEPS + 1))

@@ -15,6 +15,8 @@ from rltk.errors import ConfigError
 from rltk.training.scaffold.resume import config_differences, resume_or_start_over
 from rltk.training.scaffold.run_outputs import prepare_run_dir
 
+from tests.waits import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 GRPO_YAML = REPO / "recipes" / "configs" / "grpo.yaml"
 
@@ -125,7 +127,7 @@ def test_rltk_run_with_another_config_in_a_finished_run_folder_exits_2(tmp_path)
     finished_run(run_dir)
     before = snapshot(run_dir)
     out = subprocess.run([sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}",
-                          "algorithm.name=rloo"], capture_output=True, text=True, timeout=300)
+                          "algorithm.name=rloo"], capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 2, out.stderr
     lines = [l for l in out.stderr.splitlines() if l.startswith("rltk: error:")]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
@@ -143,10 +145,10 @@ TINY = ["data.train_size=40", "data.eval_size=8", "sft.steps=2", "sft.warmup_ste
 def test_running_a_finished_run_again_reports_it_and_rewrites_nothing(tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "rltk.commands.cli", "run", "grpo", f"output_dir={run_dir}", *TINY]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    first = subprocess.run(command, capture_output=True, text=True, timeout=scaled(300))
     assert first.returncode == 0, first.stderr
     before = snapshot(run_dir)
-    again = subprocess.run([*command, "trainer.eval_size=4"], capture_output=True, text=True, timeout=300)
+    again = subprocess.run([*command, "trainer.eval_size=4"], capture_output=True, text=True, timeout=scaled(300))
     assert again.returncode == 0, again.stderr
     assert f"rltk: {run_dir} already finished" in again.stdout and "final held-out" in again.stdout
     assert snapshot(run_dir) == before

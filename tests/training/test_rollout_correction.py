@@ -27,6 +27,7 @@ from rltk.training.updates.rl import policy_update
 from rltk.algorithms.mismatch import weighted_loss_agg
 from rltk.training.step.rollout_correction import WEIGHTS_KEY, _reduce, apply_rollout_correction, correctable_mask
 from tests.training.rl_step_helpers import one_process_strategy, worker
+from tests.waits import scaled
 
 
 def _perturbation(shape) -> torch.Tensor:
@@ -249,7 +250,7 @@ def test_two_ranks_drop_normalise_and_measure_as_one_process_holding_every_rollo
     spec.loader.exec_module(correction_worker)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(path), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+                           str(path), str(tmp_path)], env=env, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     reference = correction_worker.corrected_update(one_process_strategy())

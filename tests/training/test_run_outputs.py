@@ -17,6 +17,8 @@ from rltk.commands.cli import main
 from rltk.training.scaffold.export import export_checkpoint
 from rltk.training.stages.stage_checkpoint import should_checkpoint
 
+from tests.waits import scaled
+
 TINY_RUN = ["sft.steps=2", "sft.warmup_steps=0", "trainer.total_steps=2", "trainer.warmup_steps=0",
             "data.train_size=40", "data.eval_size=8", "trainer.prompts_per_step=4", "rollout.n=2",
             "checkpoint.resume=never"]
@@ -61,7 +63,7 @@ def test_a_run_prints_stage_lines_and_writes_checkpoints_and_exports_with_the_us
     out = subprocess.run(
         [sys.executable, "-c", code, "run", "grpo", f"output_dir={run_dir}", f"model.path={model_dir}", *TINY_RUN,
          "checkpoint.every=1", "logging.logger=[console,jsonl]", "logging.plot=false"],
-        capture_output=True, text=True, timeout=600, umask=0o022, env={**env, "OMP_NUM_THREADS": "1"})
+        capture_output=True, text=True, timeout=scaled(600), umask=0o022, env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-4000:]
     printed = out.stdout + out.stderr
 

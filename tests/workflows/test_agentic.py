@@ -15,6 +15,8 @@ from rltk.rollout.base import SamplingParams
 from rltk.workflows.agentic import AgenticWorkflow
 from tests.serve.helpers import ScriptedEngine, ensure_serve_builtins, tiny_chat_model
 
+from tests.waits import scaled
+
 
 def answer_last_sum(prompt_text: str) -> str:
     """The scripted policy: the last sum a user asked for, or "9" when there is none."""
@@ -199,7 +201,7 @@ def test_each_turn_of_all_running_episodes_goes_out_in_one_engine_call_without_w
     engine.calls.clear()
     workflow = AgenticWorkflow(engine=engine, tokenizer=tokenizer, reward=exact,
                                sampling=SamplingParams(n=4, max_new_tokens=4), agent="arithmetic_chat",
-                               agent_args={"checks": 1}, batch_window_s=5.0, batch_max_wait_s=5.0,
+                               agent_args={"checks": 1}, batch_window_s=scaled(5.0), batch_max_wait_s=scaled(5.0),
                                concurrency=12)
     try:
         start = time.monotonic()
@@ -207,7 +209,7 @@ def test_each_turn_of_all_running_episodes_goes_out_in_one_engine_call_without_w
         elapsed = time.monotonic() - start
         assert len(experiences) == 12
         assert [len(prompts) for prompts, _ in engine.calls] == [12, 12]  # one call per turn, all episodes in it
-        assert elapsed < 5.0  # a round closed by the window or max_wait_s would take 5 s each
+        assert elapsed < scaled(5.0)  # a round closed by the window or max_wait_s would take that each
         assert workflow.app_state.batcher._expected is None  # off between steps (rltk serve-like traffic)
         # fewer threads than episodes: the live count is the running ones, and the eval path does the same
         engine.calls.clear()

@@ -12,6 +12,8 @@ from rltk.workflows.single_turn import SingleTurnWorkflow
 
 from .conftest import build_model
 
+from tests.waits import scaled
+
 EOS = 1
 
 
@@ -227,7 +229,7 @@ def test_hung_samples_of_a_step_cost_one_timeout(tokenizer):
     from rltk.rewards.compose import RewardComposer
     from tests.rewards import reward_fns as rf
 
-    timeout = 1.0
+    timeout = scaled(1.0)
     script = {"1+2=": ["3", "99", "3"], "2+2=": ["99", "4", "4"]}  # "99" hangs (the tokenizer knows digits)
     composer = RewardComposer([("hang", rf.sleep_if, 1.0, {"word": "99"}), ("exact", rf.correct, 1.0, {})],
                               timeout_s=timeout, workers=4)

@@ -1,7 +1,9 @@
-"""An installable rltk plugin: one advantage function and one reward function.
+"""An installable rltk plugin: one advantage function, one reward function and one training loop.
 
 ``pip install ./plugins/rltk-plugin-example`` and then
-``algorithm.advantage_fn=group_rank`` or ``reward.reward_fn=[exact_match,overlong_penalty]``.
+``algorithm.advantage_fn=group_rank``, ``reward.reward_fn=[exact_match,overlong_penalty]``, or the
+rejection-sampling fine-tuning stage after a supervised one:
+``rltk run grpo 'stages=[{name: warmup, type: sft}, {name: rft, type: rft}]'``.
 """
 
 from __future__ import annotations
@@ -73,3 +75,12 @@ def rltk_advantage_fns():
 @rltk.hookimpl
 def rltk_reward_fns():
     return {"overlong_penalty": overlong_penalty}
+
+
+@rltk.hookimpl
+def rltk_stages():
+    # the loop is named, not imported: `rltk validate` and `rltk list stage` read this spec without loading it
+    return {"rft": rltk.StageSpec(
+        "rltk_plugin_example.rft:run_rft_stage",
+        "Rejection-sampling fine-tuning: sample n per prompt, keep what the reward accepts, SFT on the kept ones.",
+        rl=True)}

@@ -40,6 +40,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltk.parsing import parse_python
 from rltk.rewards.programs.plain_data import decode_values
 
 # Builtins a check may call on the probes' values: pure functions of plain data.
@@ -69,7 +70,7 @@ class AssertTest:
 def compile_test(source: str) -> AssertTest:
     """Split ``source`` into probes and checks; ``ValueError`` naming the test when it cannot be judged outside."""
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except SyntaxError as exc:
         raise ValueError(f"code_execution: assert test {source[:80]!r} is not Python ({exc.msg})") from None
     setup, asserts = [], []

@@ -26,6 +26,7 @@ import re
 from collections import Counter
 from fractions import Fraction
 
+from rltk.parsing import parse_python
 from rltk.rewards.marks import bounded
 
 RULES = ("exactly_once", "at_most_once")
@@ -65,7 +66,7 @@ def parse_expression(text: str) -> ast.Expression:
     if not _EXPRESSION_CHARS.fullmatch(text):
         raise ExpressionError(f"expression {text[:40]!r} contains characters other than digits, + - * / ( )")
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = parse_python(text.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise ExpressionError(f"not a valid expression: {text[:40]!r} ({type(exc).__name__})") from None
     for node in ast.walk(tree):

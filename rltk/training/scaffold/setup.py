@@ -164,3 +164,12 @@ def build_strategy(cfg: DictConfig, model, *, lr: float, total_steps: int, warmu
                    betas=tuple(t.betas), warmup_steps=warmup_steps, lr_schedule=lr_schedule,
                    min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip)
     return strategy
+
+
+def samples_every_step(stage_type: str) -> bool:
+    """Whether a stage of ``stage_type`` samples from the rollout workflow every step: ``rl`` (a recipe's RL
+    loop) or a registered stage whose spec says so (:attr:`StageSpec.rl`)."""
+    from rltk.registry import get_registry
+
+    entry = get_registry().entries["stage"].get(stage_type)
+    return stage_type == "rl" or (entry is not None and entry.obj.rl)

@@ -36,6 +36,8 @@ from rltk.training.step.ranks import any_rank
 from rltk.training.step.reference import FrozenReference
 from rltk.training.updates.rl import old_logprobs_from_update
 from rltk.training.scaffold.setup import args_of
+# what a stage on rl_steps provides (kept here under their old names: rltk.recipes exports them too)
+from rltk.stage_spec import RL_STEP_FIELDS, rl_provides  # noqa: F401
 
 #: The name of the mini-batch generator in a checkpoint's RNG files (see :meth:`LoopState.generators`).
 MINIBATCH_GENERATOR = "minibatch_order"
@@ -222,29 +224,6 @@ def rl_steps(stage, loop: LoopState, parts: RLParts, strategy, rollouts):
             rollouts.after_update(step)
             continue
         yield step, tick, rollout, batch
-
-
-#: The batch fields every step of :func:`rl_steps` holds once its old log-probs are taken: what collate builds
-#: from any experiences (``baseline_scores`` and ``reward_components`` only when the estimator names them)
-#: and ``old_logprobs``.
-RL_STEP_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "has_rollout_logprobs",
-                  "token_rewards", "scores", "group_ids", "response_lengths", "sequence_rewards", "policy_lengths",
-                  "old_logprobs")
-
-
-def rl_provides(*fields: str, expert_data: bool = False) -> dict[str, Any]:
-    """The ``PROVIDES`` of a recipe whose loop is :func:`rl_steps`: what it serves its components, which
-    ``rltk run`` and ``rltk validate`` check a config's components against (see
-    :func:`rltk.recipe_utils.recipe_spec`).
-
-    :data:`RL_STEP_FIELDS` plus ``fields``, the batch fields of the passes the recipe adds (a reference, a
-    critic, a teacher); the ``policy`` buffer source; every ``trainer.mode``
-    (:func:`~rltk.training.rollouts.rollout_source.open_rollout_source` samples in the trainer or in
-    producers); ``expert_data``: it lets ``buffer.expert.path``'s experiences into the buffer
-    (:func:`start_rl_stage` puts them there).
-    """
-    return {"batch_fields": [*RL_STEP_FIELDS, *fields], "buffer_sources": ["policy"], "expert_data": expert_data,
-            "trainer_modes": ["sync", "one_step_off", "async"]}
 
 
 def kl_to_reference(loss: LossComponents, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -177,11 +177,12 @@ def open_run(cfg: DictConfig) -> Run:
                stage_steps, resume, finished, traces, stage_ends=ends, spans=spans)
 
 
-def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], None]]) -> None:
+def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], Any]]) -> None:
     """Run each configured stage with the runner of its type, skipping what a checkpoint already holds.
 
-    ``runners`` maps a stage type to its loop: a recipe's own, and those other recipes lend
-    (:func:`rltk.recipe_utils.stage_runners`). Each stage starts from the weights the one before ended with.
+    ``runners`` maps a stage type to its loop: the registered stages (:class:`rltk.StageSpec`, whose loop is
+    imported as the stage starts) and the recipe's own ``rl`` (:func:`rltk.recipes.recipe_stages`). Each
+    stage starts from the weights the one before ended with.
     """
     unknown = [f"stages[{i}] ('{st.name}', type {st.type})" for i, st in enumerate(run.cfg.stages)
                if st.type not in runners]

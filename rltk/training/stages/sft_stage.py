@@ -7,7 +7,6 @@ Both the warm-up before RL (``type: sft`` in a GRPO/PPO run's ``stages``) and
 from __future__ import annotations
 
 from rltk.config.env_checks import check_demonstrations
-from rltk.config.schema import RL_STAGE_TYPES
 from rltk.data.sampler import RowSampler
 from rltk.distributed import process_rank
 from rltk.training.rollouts.engine_weights import connect_rollout_engine
@@ -15,7 +14,7 @@ from rltk.training.scaffold.evaluation import evaluate, probe
 from rltk.training.stages.loop_state import LoopState
 from rltk.training.stages.run import Stage, require_rows_per_rank
 from rltk.training.scaffold.rows import sft_pairs, tool_schemas
-from rltk.training.scaffold.setup import build_strategy
+from rltk.training.scaffold.setup import build_strategy, samples_every_step
 from rltk.training.updates.sft import sft_batch, sft_step
 from rltk.training.stages.stage_checkpoint import should_checkpoint
 
@@ -41,7 +40,7 @@ def run_sft_stage(stage: Stage):
     probe_rows = run.train_rows[: s.probe_size]
     pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
     # before the first step of a run with RL: tools and turn caps fit the rollout
-    if any(st.type in RL_STAGE_TYPES for st in run.cfg.stages):
+    if any(samples_every_step(st.type) for st in run.cfg.stages):
         check_demonstrations(cfg, run.train_rows, pairs)  # (`rltk run sft` samples only to evaluate)
     sampler = RowSampler(pairs, s.batch_size, seed=cfg.seed + stage.index, shuffle=cfg.data.shuffle)
     loop = LoopState(sampler)

@@ -1,0 +1,53 @@
+"""rltk's own training loops, registered as stages (kind ``stage``) through rltk's entry points like a plugin's.
+
+Each spec names its loop as ``"module:function"``, imported the first time the stage runs, and says what the
+loop provides its components (see :class:`rltk.StageSpec`), so ``rltk validate`` and ``rltk list stage`` read
+this module without importing torch or any training code (the layers' ground floor: config validation loads
+it). ``type: grpo`` in any run's ``stages`` runs :mod:`rltk.training.stages.grpo_stage`'s loop;
+``type: rl`` in ``rltk run grpo`` runs the same loop (:func:`rltk.recipes.recipe_stages`).
+"""
+
+from __future__ import annotations
+
+import rltk
+from rltk.stage_spec import StageSpec, rl_provides
+
+_HERE = "rltk.training.stages"
+
+STAGES = rltk.ComponentTable("stage")
+STAGES["sft"] = StageSpec(
+    f"{_HERE}.sft_stage:run_sft_stage",
+    "Supervised fine-tuning: cross-entropy on demonstrations (a warm-up before RL, or a run of its own).")
+# baseline_scores come from one greedy response per prompt (ReMax), reward_components (gdpo) and
+# sum_pi_squared (optimal_token_baseline) from the old-log-prob pass, each only when the estimator names them;
+# expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
+STAGES["grpo"] = StageSpec(
+    f"{_HERE}.grpo_stage:run_grpo_stage",
+    "GRPO and its relatives (Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO, CISPO, ReMax): critic-free RL.",
+    provides=rl_provides("baseline_scores", "reward_components", "sum_pi_squared", "ref_logprobs", expert_data=True),
+    rl=True)
+# as grpo, and the critic's values
+STAGES["ppo"] = StageSpec(
+    f"{_HERE}.ppo_stage:run_ppo_stage",
+    "PPO with a learned critic: GAE advantages, clipped policy and value losses, KL in the reward.",
+    provides=rl_provides("values", "baseline_scores", "reward_components", "sum_pi_squared", "ref_logprobs",
+                         expert_data=True),
+    rl=True)
+# the teacher's log-probs; no KL reference, no greedy baseline, no expert data
+STAGES["distill"] = StageSpec(
+    f"{_HERE}.distill_stage:run_distill_stage",
+    "On-policy distillation: the student samples, a frozen teacher scores every sampled token.",
+    provides=rl_provides("teacher_logprobs"), rl=True)
+# DPO trains on pairs, not advantages: the algorithm.* components are not used, nothing of theirs to check
+STAGES["dpo"] = StageSpec(
+    f"{_HERE}.dpo_stage:run_dpo_stage",
+    "DPO and its variants (IPO, SLiC hinge, cDPO), offline from preference pairs or online from samples.")
+STAGES["reward_model"] = StageSpec(
+    f"{_HERE}.reward_model_stage:run_reward_model_stage",
+    "Reward-model training (Bradley-Terry on preference pairs), after the stages of `rltk run reward_model`.",
+    chainable=False)
+
+
+@rltk.hookimpl
+def rltk_stages():
+    return STAGES
