@@ -284,6 +284,11 @@ def test_under_ray_a_producer_launches_its_server_on_its_node_under_its_request_
             time.sleep(0.5)
         output = log.read_text()
         assert trainer.returncode == 0, output[-6000:]
+        # the three nodes on the loopback, and the trainer reached them there (Ray alone would have gone to
+        # this machine's interface address)
+        assert {n["NodeManagerAddress"] for n in nodes.cluster.global_state.node_table()} == {"127.0.0.1"}
+        assert f"Connecting to existing Ray cluster at address: {nodes.cluster.address}" in output, output[-3000:]
+        assert nodes.cluster.address.startswith("127.0.0.1:")
         assert server is not None, "no vLLM server ran on the rollout node:\n" + output[-3000:]
         assert f"folder {nodes.folders['rewards'] / NAME / 'reward-exact_match-0'})" in output, output[-3000:]
         scored = int(output.split(f"rltk: reward service rltk-reward/{NAME}/exact_match/0 scored ")[1].split()[0])

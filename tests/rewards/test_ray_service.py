@@ -17,6 +17,7 @@ from rltk.rewards.ray_service import RemoteReward, RewardServiceGone, service_na
 from rltk.training.rollouts import ray_cluster  # noqa: E402
 from rltk.training.scaffold.setup import build_reward  # noqa: E402
 from tests.rewards.slow_http import SlowServer  # noqa: E402
+from tests.waits import scaled  # noqa: E402
 from tests.rewards.test_code_execution import LIMITS, needs_sandbox  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Ray of its own, actors that import torch
@@ -31,7 +32,8 @@ SAMPLES = [{"prompt": p, "response": r, "ground_truth": g} for p, r, g in [
 @pytest.fixture(scope="module")
 def a_ray():
     ray.shutdown()  # whatever an earlier test of this process left connected
-    ray.init(address="local", num_cpus=3, include_dashboard=False, namespace="rltk-test", log_to_driver=False)
+    # rltk's own start of a local Ray: on the loopback, as a run's is
+    ray_cluster.init_ray("local", num_cpus=3, include_dashboard=False, namespace="rltk-test", log_to_driver=False)
     yield
     ray_cluster.release_reward_services(report=False)
     ray.shutdown()
@@ -46,7 +48,8 @@ def rm_folder(tmp_path_factory):
 
 def placed(overrides: list[str], name: str = "svc"):
     """The config of a run named ``name`` with ``overrides``, its reward services placed; its composer."""
-    cfg = load_config([], ["launcher=ray", f"name={name}", "launcher_args.placement_timeout_s=60", *overrides])
+    cfg = load_config([], ["launcher=ray", f"name={name}", f"launcher_args.placement_timeout_s={round(scaled(60))}",
+                           *overrides])
     ray_cluster.place_reward_services(cfg, ray_launcher_settings(cfg))
     return cfg, build_reward(cfg)
 

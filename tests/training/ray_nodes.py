@@ -31,6 +31,10 @@ RUN = [f"name={NAME}", "data.task_args.max_digits=1", "data.train_size=70", "dat
        "trainer.max_staleness=1", "launcher=ray", "launcher_args.producer.resources={rollout: 1}"]
 QUEUE = Path("async") / "stage_0" / "experience_queue.sqlite"
 RLTK = str(Path(sys.executable).with_name("rltk"))
+#: Every node of a test's cluster on the loopback (``ray start --node-ip-address=127.0.0.1``): its raylet, object
+#: store, agents and workers listen there, and ``cluster.address`` is 127.0.0.1:port. Without it Ray puts the
+#: nodes on this machine's interface address, and the tests' traffic on the network.
+LOOPBACK = {"node_ip_address": "127.0.0.1"}
 
 AUDIT_HOOK = '''
 import os, sys
@@ -64,7 +68,7 @@ class Nodes:
         (self.audit / "sitecustomize.py").write_text(AUDIT_HOOK)
         self.folders = {"head": self.root / "head"}
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=1, resources={"trainer": 1}, include_dashboard=False, env_vars=self.env("head"),
+            num_cpus=1, resources={"trainer": 1}, include_dashboard=False, env_vars=self.env("head"), **LOOPBACK,
             # a node that stops answering is declared dead within a few seconds, not half a minute
             _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}))
         self.rollout = {}
@@ -72,11 +76,11 @@ class Nodes:
             name = f"node_{k}"
             self.folders[name] = self.root / name
             self.rollout[name] = self.cluster.add_node(
-                num_cpus=1, num_gpus=rollout_gpus, resources={"rollout": 1},
+                num_cpus=1, num_gpus=rollout_gpus, resources={"rollout": 1}, **LOOPBACK,
                 env_vars={**self.env(name), "RLTK_RAY_WORK_DIR": str(self.folders[name])})
         if reward_node:  # a node of its own for reward services (resource ``reward``), never lost
             self.folders["rewards"] = self.root / "rewards"
-            self.cluster.add_node(num_cpus=1, resources={"reward": 1}, env_vars={
+            self.cluster.add_node(num_cpus=1, resources={"reward": 1}, **LOOPBACK, env_vars={
                 **self.env("rewards"), "RLTK_RAY_WORK_DIR": str(self.folders["rewards"])})
         for folder in self.folders.values():
             folder.mkdir(exist_ok=True)

@@ -12,6 +12,7 @@ Slow (a cluster with its dashboard, a trainer, a producer actor): about a minute
 
 from __future__ import annotations
 
+import os
 import shlex
 import socket
 import sqlite3
@@ -20,6 +21,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -29,6 +31,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
+from .ray_nodes import LOOPBACK  # noqa: E402
 from .test_ray_source import NAME, QUEUE, RL_STEPS, RUN, trained_steps  # noqa: E402
 
 from tests.waits import scaled
@@ -53,12 +56,21 @@ class JobCluster:
 
     def __init__(self, rollout_dir: Path, deadline_s: float = 180):
         self.rollout_dir = rollout_dir
-        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=1, resources={"trainer": 1}, include_dashboard=True, dashboard_host="127.0.0.1",
-            dashboard_port=free_port(), dashboard_agent_listen_port=free_port(), env_vars=ONE_THREAD))
+        # the nodes on the loopback; the Ray processes they start (the job server among them) keep it too, with
+        # Ray's switch for that: else the job server looks for the GCS at this machine's interface address,
+        # where nothing answers, and `ray job submit` hangs
+        with mock.patch.dict(os.environ, {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}):
+            self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+                num_cpus=1, resources={"trainer": 1}, include_dashboard=True, dashboard_host="127.0.0.1",
+                dashboard_port=free_port(), dashboard_agent_listen_port=free_port(), env_vars=ONE_THREAD,
+                **LOOPBACK))
+            try:
+                self.rollout = self.cluster.add_node(num_cpus=1, resources={"rollout": 1}, **LOOPBACK,
+                                                     env_vars={**ONE_THREAD, "RLTK_RAY_WORK_DIR": str(rollout_dir)})
+            except BaseException:
+                self.cluster.shutdown()
+                raise
         try:
-            self.rollout = self.cluster.add_node(num_cpus=1, resources={"rollout": 1},
-                                                 env_vars={**ONE_THREAD, "RLTK_RAY_WORK_DIR": str(rollout_dir)})
             self.cluster.wait_for_nodes(timeout=scaled(120))
             self.url = f"http://{self.cluster.webui_url}"
             self._wait_for_the_job_server(deadline_s)

@@ -135,16 +135,21 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
 
     ray_run = ["trainer.mode=async", "launcher=ray"]
     ray.shutdown()  # whatever an earlier test of this process left connected: connect() would use it
+    # the address tried is the one given: Ray's own resolving would have turned 127.0.0.1 into this machine's
+    # interface address
     with pytest.raises(ConfigError, match=r"bad value '127\.0\.0\.1:9' for 'launcher_args\.address': no Ray "
-                                          r"cluster at [\d.]+:9 within 5 s \(launcher_args\.connect_timeout_s\): "
-                                          r"nothing listens there"):
+                                          r"cluster at 127\.0\.0\.1:9 within 5 s "
+                                          r"\(launcher_args\.connect_timeout_s\): nothing listens there"):
         connect(load_config([], [*ray_run, "launcher_args.address=127.0.0.1:9", "launcher_args.connect_timeout_s=5"]))
-    # something else listens at the address: refused in time, not after ray.init's minutes of retries
-    with socket.create_server(("", 0)) as other:  # every interface: Ray turns 127.0.0.1 into this host's address
-        elsewhere = [f"launcher_args.address=127.0.0.1:{other.getsockname()[1]}", "launcher_args.connect_timeout_s=5"]
+    # something else listens at the address (on the loopback only): refused in time, not after ray.init's
+    # minutes of retries
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+        elsewhere = [f"launcher_args.address=127.0.0.1:{port}", "launcher_args.connect_timeout_s=5"]
         start = time.monotonic()
-        with pytest.raises(ConfigError, match=r"'launcher_args\.address': .* within 5 s .*something listens there, "
-                                              r"but it did not answer as a Ray cluster's head does"):
+        with pytest.raises(ConfigError, match=rf"'launcher_args\.address': no Ray cluster at 127\.0\.0\.1:{port} "
+                                              r"within 5 s .*something listens there, but it did not answer as a "
+                                              r"Ray cluster's head does"):
             connect(load_config([], [*ray_run, *elsewhere]))
         assert time.monotonic() - start < scaled(30)
     assert not ray.is_initialized()
@@ -153,8 +158,8 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
         address = f"launcher_args.address={nodes.cluster.address}"
         unmet = [(["launcher_args.producer.resources={gpu_pool: 1}"],
                   r"'launcher_args\.producer\.resources\.gpu_pool': no node of the Ray cluster has 1 of resource "
-                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \([\d.]+\): CPU 1, trainer 1)"
-                  r"(?=.*node \w+ \([\d.]+\): CPU 1, rollout 1)"),
+                  r"'gpu_pool'\. The nodes: (?=.*node \w+ \(127\.0\.0\.1\): CPU 1, trainer 1)"
+                  r"(?=.*node \w+ \(127\.0\.0\.1\): CPU 1, rollout 1)"),
                  (["launcher_args.producer.cpus=2"], r"'launcher_args\.producer\.cpus': no node .* has 2 CPUs"),
                  (["launcher_args.producer.labels={pool: big}"],
                   r"'launcher_args\.producer\.labels\.pool': no node .* has label pool=big"),
@@ -167,13 +172,14 @@ def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_
         ray.shutdown()
         # two producers for the one rollout node: the second is never placed, and the run says so in time
         run_dir = nodes.folders["head"] / "run"
-        trainer = nodes.trainer([*RUN, "trainer.producers=2", "launcher_args.placement_timeout_s=10"],
+        placement_s = round(scaled(10))  # long enough for the first actor to start on a loaded machine
+        trainer = nodes.trainer([*RUN, "trainer.producers=2", f"launcher_args.placement_timeout_s={placement_s}"],
                                 run_dir=run_dir)
         trainer.wait(timeout=scaled(240))
         output = (run_dir.parent / "run.log").read_text()
         assert trainer.returncode == 2, output[-5000:]
         assert ("bad value for 'launcher_args.producer': the Ray cluster placed 1 of 2 rollout producer actors "
-                "within 10 s (launcher_args.placement_timeout_s); not placed: producer-1") in output, output[-5000:]
+                f"within {placement_s} s (launcher_args.placement_timeout_s); not placed: producer-1") in output, output[-5000:]
     finally:
         ray.shutdown()
         nodes.shutdown()

@@ -14,10 +14,17 @@ Empty ``address`` connects to ``RAY_ADDRESS`` when it is set (``ray job submit``
 runs), else starts a Ray of its own on this machine; unlike ``ray.init()`` it never joins a cluster it
 happens to find on the machine (another user's, or a dead one's leftover address file). A driver already
 connected (a script that called ``ray.init`` itself) is used as it is.
+
+A loopback address stays the loopback (:func:`init_ray`): Ray on its own turns ``127.0.0.1`` into this
+machine's interface address, both in an address to connect to and in the node address of a driver or of a Ray
+it starts, so a cluster on ``127.0.0.1`` could not be reached as given, and a Ray of rltk's own would listen
+on the network. Errors name the address that was tried, which is the one given.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import socket
 
@@ -42,6 +49,10 @@ _PROBE = ("import sys\nfrom ray._raylet import GcsClient\n"
           "GcsClient(address=sys.argv[1]).get_all_node_info(timeout=float(sys.argv[2]))\n")
 
 
+#: What Ray's client reports when the cluster wants a token this process did not send (or a different one).
+_TOKEN_REFUSED = ("AuthenticationError", "InvalidAuthToken", "UNAUTHENTICATED", "Unauthenticated")
+
+
 def _gcs_answers(address: str, timeout_s: float) -> str | None:
     """None if the Ray GCS at ``address`` lists its nodes within ``timeout_s``, else why not."""
     import subprocess
@@ -54,14 +65,76 @@ def _gcs_answers(address: str, timeout_s: float) -> str | None:
         return "something listens there, but it did not answer as a Ray cluster's head does"
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
-        return f"it is not a Ray cluster that answers ({lines[-1] if lines else f'status {done.returncode}'})"
+        last = lines[-1] if lines else f"status {done.returncode}"
+        if any(word in done.stderr for word in _TOKEN_REFUSED):
+            return token_refused(last)
+        return f"it is not a Ray cluster that answers ({last})"
     return None
+
+
+_WANTS_TOKEN = "a Ray cluster answers there, but it wants its authentication token"
+
+
+def token_refused(said: str) -> str:
+    """Why a cluster that refused this process's (missing or wrong) token did, and what to set."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    here = f"RAY_AUTH_MODE={mode}" if mode else "RAY_AUTH_MODE is unset"
+    return (f"{_WANTS_TOKEN} ({said}; Ray token authentication; here {here}). Set RAY_AUTH_MODE=token for rltk, "
+            f"with the cluster's token in ~/.ray/auth_token (a head started on this machine wrote it there), "
+            f"RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; or start the cluster with RAY_AUTH_MODE=disabled")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 in brackets or not) is this machine's loopback."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def _loopback_kept():
+    """Within it, Ray keeps a loopback host as 127.0.0.1, where it would otherwise put this machine's interface
+    address (``services.resolve_ip_for_localhost``): in the address it connects to and in the node address of
+    the driver or the Ray it starts. It is Ray's own switch for the same (``ENABLE_RAY_CLUSTER``, off on macOS
+    and Windows so that a local Ray stays on the loopback), read each time Ray asks for this node's address."""
+    from ray._private import ray_constants
+
+    kept = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = kept
+
+
+def bootstrap_address(address: str) -> str | None:
+    """What ``ray.init(address=...)`` would connect to (host:port, the cluster ``auto`` finds, or None for a Ray of
+    its own), with a loopback host kept as the loopback; Ray's ValueError or ConnectionError if none."""
+    from ray._private import services
+
+    with _loopback_kept():
+        return services.canonicalize_bootstrap_address(address)
+
+
+def init_ray(address: str, **kwargs) -> None:
+    """``ray.init(address=address, **kwargs)``, on the loopback when the cluster is (``address`` names a loopback
+    host) or when it starts a Ray of its own (``local``): that Ray's processes and this driver then listen on
+    127.0.0.1 only, and a cluster on 127.0.0.1 is reached there."""
+    import ray
+
+    gcs = bootstrap_address(address)
+    on_loopback = gcs is None or is_loopback(gcs.rpartition(":")[0])
+    with _loopback_kept() if on_loopback else contextlib.nullcontext():
+        ray.init(address=gcs or "local", **kwargs)
 
 
 def connect(cfg) -> RayLauncherSettings:
     """Connect this process to the cluster of ``launcher_args`` (or start a local Ray); the settings."""
     import ray
-    from ray._private import services
 
     settings = ray_launcher_settings(cfg)
     if ray.is_initialized():
@@ -72,7 +145,7 @@ def connect(cfg) -> RayLauncherSettings:
         "" if settings.address else f" (RAY_ADDRESS={wanted})" if wanted != "local" else "")
     try:
         # what ray.init would connect to: host:port, or (auto) the cluster `ray start` runs on this node
-        gcs = services.canonicalize_bootstrap_address(wanted)
+        gcs = bootstrap_address(wanted)
     except (ConnectionError, ValueError) as exc:
         raise ConfigError(f"{value}: no Ray cluster to connect to ({exc}). Start one (`ray start --head` on this "
                           f"node), give the head's host:port, or leave it empty for a Ray of its own on this "
@@ -82,15 +155,18 @@ def connect(cfg) -> RayLauncherSettings:
         if why is not None:
             raise ConfigError(
                 f"{value}: no Ray cluster at {gcs} within {settings.connect_timeout_s:g} s "
-                f"(launcher_args.connect_timeout_s): {why}. Is the cluster's head running (`ray status`)?")
+                f"(launcher_args.connect_timeout_s): {why}" + (
+                    "" if why.startswith(_WANTS_TOKEN) else ". Is the cluster's head running (`ray status`)?"))
     try:
         if gcs is None:
-            ray.init(address="local", namespace=settings.namespace, include_dashboard=False, log_to_driver=True)
+            init_ray("local", namespace=settings.namespace, include_dashboard=False, log_to_driver=True)
         else:
-            ray.init(address=gcs, namespace=settings.namespace, log_to_driver=True)
+            init_ray(gcs, namespace=settings.namespace, log_to_driver=True)
     except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError ... by cause
+        said = f"{type(exc).__name__}: {exc}"
+        why = token_refused(said) if any(word in said for word in _TOKEN_REFUSED) else said
         raise ConfigError(f"{value}: could not connect to the Ray cluster at {gcs or 'a new local Ray'}: "
-                          f"{type(exc).__name__}: {exc}") from None
+                          f"{why}") from None
     return settings
 
 
