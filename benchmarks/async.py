@@ -1,9 +1,9 @@
 """RL steps per hour and held-out gain of GRPO in each trainer.mode: sync, one_step_off, async (staleness 1, 4).
 
 Each (mode, seed) is one `rltk run grpo` in a fresh process, one producer process beside the trainer in the
-asynchronous modes (`rltk.training.rollouts.producer`). Modes run one after another within a seed, their order rotated
-from seed to seed, so a load that drifts over the benchmark is spread over the modes. Same seed, same
-warm-up: the modes differ only in the RL stage.
+asynchronous modes (`rltk.training.rollouts.asynchronous.producer`). Modes run one after another within a
+seed, their order rotated from seed to seed, so a load that drifts over the benchmark is spread over the
+modes. Same seed, same warm-up: the modes differ only in the RL stage.
 
 Reported per run, from its metrics.jsonl:
 

@@ -26,8 +26,8 @@ import subprocess
 import sys
 import time
 
-from rltk.rewards.code_execution import code_execution
 from rltk.rewards.compose import build_reward_composer
+from rltk.rewards.programs.code_execution import code_execution
 
 TESTS = '["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 5) == 5"]'
 GOOD = "```python\ndef add(a, b):\n    return a + b\n```"

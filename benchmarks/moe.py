@@ -38,7 +38,7 @@ def disagreeing_engine(seed: int) -> dict:
     from rltk.batch import Experience, collate
     from rltk.models.moe import route_by_rank
     from rltk.models.tiny import build_char_tokenizer
-    from rltk.models.tiny_moe import build_tiny_moe_model
+    from rltk.models.tiny import build_tiny_moe_model
     from rltk.rollout.base import SamplingParams
     from rltk.rollout.hf import HFRolloutEngine
     from rltk.training.step.forward import ForwardSettings

@@ -10,8 +10,8 @@ version both ways, the order alternating from round to round:
   and the actor reads it into its module (``read_weights_file``), as a local producer does. The file is on this
   machine's disk; across machines it would be on a network file system, slower.
 * ``ray``: the trainer puts a CPU copy of the weights into the object store and announces the version on a
-  :class:`~rltk.training.rollouts.ray_source.QueueFront` (``publish_weights``), and the actor's
-  :class:`~rltk.training.rollouts.ray_source.RayWeightsFollower` asks the version, fetches the object and
+  :class:`~rltk.training.rollouts.asynchronous.ray_source.QueueFront` (``publish_weights``), and the actor's
+  :class:`~rltk.training.rollouts.asynchronous.ray_source.RayWeightsFollower` asks the version, fetches the object and
   loads it, as a Ray producer does.
 
 Timed from the start of the publish to the actor's return (one actor call in both). Medians over ``--rounds``,
@@ -48,7 +48,7 @@ class Loader:
         import torch
 
         from rltk.models.tiny import build_char_tokenizer, build_tiny_model
-        from rltk.training.rollouts.ray_source import RayWeightsFollower
+        from rltk.training.rollouts.asynchronous.ray_source import RayWeightsFollower
 
         torch.set_num_threads(1)
         self.model = build_tiny_model(build_char_tokenizer(), **MODELS[name], max_position_embeddings=256, seed=1)
@@ -71,8 +71,8 @@ def bench(name: str, rounds: int, folder: Path) -> dict:
 
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model
     from rltk.training.rollouts.engine_weights import write_weights_file
-    from rltk.training.rollouts.ray_cluster import pinned_here
-    from rltk.training.rollouts.ray_source import QueueFront, publish_weights
+    from rltk.training.scaffold.ray_cluster import pinned_here
+    from rltk.training.rollouts.asynchronous.ray_source import QueueFront, publish_weights
 
     model = build_tiny_model(build_char_tokenizer(), **MODELS[name], max_position_embeddings=256, seed=0)
     params = sum(p.numel() for p in model.parameters())

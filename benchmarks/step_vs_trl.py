@@ -208,7 +208,7 @@ def trl_worker(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from rltk.config.loader import load_config
-    from rltk.rewards.math import exact_match
+    from rltk.rewards.verifiable.math import exact_match
     from rltk.training.scaffold.rows import build_rows
 
     overrides = rl_overrides(Path(args.model), *run_settings(args))
@@ -267,7 +267,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     """Greedy exact-match accuracy on ``rows``, decoded as rltk's workflow decodes (special tokens skipped)."""
     import torch
 
-    from rltk.rewards.math import exact_match
+    from rltk.rewards.verifiable.math import exact_match
 
     model.eval()
     correct = 0

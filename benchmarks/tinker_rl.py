@@ -90,7 +90,7 @@ def rl_loop(base_url: str, *, seed: int, api_key: str = API_KEY, problems: int =
     from tinker import types
 
     from rltk.models.tiny import build_char_tokenizer
-    from rltk.rewards.math import answers_match
+    from rltk.rewards.verifiable.math import answers_match
 
     tokenizer = build_char_tokenizer()
     rows = arithmetic_rows(seed, problems)

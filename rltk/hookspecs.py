@@ -306,7 +306,14 @@ def rltk_on_train_start(config, run_dir) -> None:
 
 @hookspec
 def rltk_on_step_end(step, metrics) -> None:
-    """Called after every optimizer step with the step's metrics dict.
+    """Called once at the end of every training step of every stage, with its metrics, before they are logged.
+
+    ``step`` counts on across a run's stages (the global step of ``metrics.jsonl``: an SFT warm-up of 100
+    steps ends at step 100, the RL stage after it runs steps 101...). A step is one update of the stage's
+    model, however many optimizer steps it takes (PPO's epochs and mini-batches, a critic's update); a step
+    whose batch came up empty (``skipped_empty_batch``) still ends and calls it. ``metrics`` is the step's
+    row, its evaluation included on an evaluation step. A stage's opening evaluation is no step and does
+    not call it. As HF Trainer's ``on_step_end`` and Lightning's ``on_train_batch_end``: one call per step.
 
     Implementations may add entries to ``metrics`` before it is logged.
     """

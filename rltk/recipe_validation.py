@@ -18,9 +18,9 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
 from rltk.config.recipe_capabilities import RecipeSpec
+from rltk.errors import ConfigError
 from rltk.registry import RegistryError, get_registry, unknown_name_message
 from rltk.stage_spec import StageSpec
 

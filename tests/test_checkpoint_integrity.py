@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rltk.checkpoint import CheckpointManager
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
+from rltk.errors import ConfigError
 from rltk.serialization import CheckpointFileError, DamagedCheckpointError, UnsafeCheckpointError
 from rltk.training.scaffold.export import export_checkpoint
 from rltk.training.scaffold.resume import load_weights, resume_or_start_over, save_weights_atomically

@@ -64,7 +64,7 @@ def test_validate_loads_no_model_code():
 
 
 def test_a_short_run_cuts_the_recipes_warmup_to_fit_and_a_warmup_you_set_must_fit(tmp_path, capsys):
-    from rltk.config import ConfigError
+    from rltk.errors import ConfigError
     from rltk.recipe_validation import validate
 
     cfg, _ = validate("grpo", [], [])

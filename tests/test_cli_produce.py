@@ -91,7 +91,7 @@ def test_overrides_change_known_keys_and_a_components_arguments_and_refuse_typos
     cfg = OmegaConf.create({"rollout": {"engine": "hf", "engine_args": {}}, "seed": 1})
     got = _apply_overrides(cfg, ["rollout.engine=vllm_server", "rollout.engine_args.servers=[http://h:8000]"])
     assert got.rollout.engine == "vllm_server" and list(got.rollout.engine_args.servers) == ["http://h:8000"]
-    from rltk.config.errors import ConfigError
+    from rltk.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown config key 'rollout.engin' in override 'rollout.engin=hf'"):
         _apply_overrides(cfg, ["rollout.engin=hf"])

@@ -20,8 +20,8 @@ import pytest
 
 from rltk.dashboard import schema
 from rltk.parsing import parse_python
-from rltk.rewards.assert_tests import compile_test
-from rltk.rewards.countdown import parse_expression
+from rltk.rewards.programs.assert_tests import compile_test
+from rltk.rewards.verifiable.countdown import parse_expression
 from tests.waits import scaled
 
 SOURCE = "x = " + "(" * 50 + "1" + ")" * 50 + "\n" + "def f(a, b):\n    return [a + b for _ in range(3)]\n" * 200

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rltk
-from rltk.config import ConfigError
+from rltk.errors import ConfigError
 from rltk.recipe_validation import recipe_stages, shipped_recipe_spec, validate
 from rltk.stage_spec import RL_STEP_FIELDS, StageSpec
 

@@ -25,8 +25,8 @@ from rltk.commands.new_plugin import cmd_new
 from rltk.commands.produce import cmd_produce
 from rltk.commands.serve import cmd_serve
 from rltk.commands.serve_tinker import cmd_serve_tinker
-from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
+from rltk.errors import ConfigError
 from rltk.recipe_validation import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
     VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, _recipes_dir, config_layers, default_config_for, resolve_recipe,
     shipped_recipe_spec, shipped_recipes, validate,
@@ -34,9 +34,9 @@ from rltk.recipe_validation import (  # noqa: F401 (shipped_recipes, VALIDATE_DE
 from rltk.registry import (
     KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
 )
+from rltk.rewards.judges.reward_server import run as serve_reward
 from rltk.training.scaffold.guard import EXIT_DIVERGED, TrainingDiverged
 from rltk.errors import ProcessWaitError
-from rltk.rewards.reward_server import run as serve_reward
 from rltk.serialization import CheckpointFileError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     from rltk.commands.new_plugin import add_parser as add_new_parser
 
     add_new_parser(sub)
-    from rltk.rewards.reward_server import add_arguments as add_reward_server_arguments
+    from rltk.rewards.judges.reward_server import add_arguments as add_reward_server_arguments
 
     p = sub.add_parser("serve-reward", help="a reward model (sequence classification, num_labels=1) over HTTP, "
                                             "for reward_model's url= (POST /score)")

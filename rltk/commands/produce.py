@@ -16,7 +16,7 @@ are. The producer waits for it (a producer may start before the trainer, or
 while a supervised warm-up stage runs), builds the stage's model and workflow
 from that config (``key=value`` overrides after the folder change what this
 producer uses, e.g. its inference servers), and then runs exactly as a local
-producer (:mod:`rltk.training.rollouts.producer`): the newest published weights, the
+producer (:mod:`rltk.training.rollouts.asynchronous.producer`): the newest published weights, the
 staleness gate, batches put into the queue, each experience id
 ``<name>-b<batch>-<index>``. It exits 0 when the trainer records the stage's
 end in the queue.
@@ -51,7 +51,7 @@ import time
 import zlib
 from pathlib import Path
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 
 #: Exit status of a wait for the run's asynchronous stage that ran out.
 EXIT_TIMEOUT = 3
@@ -109,7 +109,7 @@ def _run_mode(run_dir: Path) -> str | None:
 
 
 def _finished(rendezvous: dict) -> bool:
-    from rltk.buffer.queue import ExperienceQueue
+    from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
 
     if not Path(rendezvous["queue"]).is_file():
         return False
@@ -118,12 +118,13 @@ def _finished(rendezvous: dict) -> bool:
 
 
 def find_stage(run_dir: Path, stage: int | None, timeout_s: float, poll_s: float = 0.5) -> dict:
-    """The rendezvous (:data:`rltk.training.rollouts.async_rollout.RENDEZVOUS`) of the stage to produce for.
+    """The rendezvous (:data:`rltk.training.rollouts.asynchronous.async_rollout.RENDEZVOUS`) of the stage to
+    produce for.
 
     Waits up to ``timeout_s`` for the trainer to start it. Refuses (``ConfigError``) a run whose
     saved config trains synchronously: its trainer never reads a queue.
     """
-    from rltk.training.rollouts.async_rollout import RENDEZVOUS, stage_folder
+    from rltk.training.rollouts.asynchronous.async_rollout import RENDEZVOUS, stage_folder
 
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"rltk produce: '{run_dir}' is a file; pass the run's output_dir")
@@ -199,7 +200,7 @@ def _claim(folder: Path, name: str):
 def cmd_produce(args) -> int:
     from omegaconf import OmegaConf
 
-    from rltk.training.rollouts.producer import run_producer
+    from rltk.training.rollouts.asynchronous.producer import run_producer
 
     run_dir = Path(args.run_dir).expanduser()
     name = args.name or socket.gethostname()

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"
 LIMIT_FLAGS = ("max_body_bytes", "max_json_depth", "max_prompt_chars", "max_prompts", "max_choices",

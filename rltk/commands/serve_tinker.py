@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 
 #: The tiny default's random embeddings are scaled up this much. LoRA leaves the embeddings and the final norm
 #: frozen, and at the default initialisation (std 0.02, tied head) every logit stays within about +-1.5: no

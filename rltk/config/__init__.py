@@ -7,21 +7,27 @@ schema with errors that name the key; stage overrides), ``resolvers``
 config, one section's checks after another), ``components`` (component names
 and arguments), ``env_checks`` and ``lora_checks`` (the two sections whose
 checks build components or a model), ``recipe_capabilities`` (what a recipe
-serves), ``kl_warnings`` and ``preset_warnings`` (settings without effect) and
-``errors`` (:class:`ConfigError`, defined in :mod:`rltk.errors`).
+serves), ``kl_warnings`` and ``preset_warnings`` (settings without effect).
+
+Every config problem raises :class:`rltk.errors.ConfigError`, imported from there (below every layer) and
+nowhere else. Its two other names, ``rltk.config.ConfigError`` and ``rltk.config.errors.ConfigError``, keep
+working for one release, with a ``DeprecationWarning``.
 """
 
+import warnings
+
 from rltk.config.components import check_component_args
-from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config, load_yaml, parse_overrides
 from rltk.config.merge import apply_overrides
 from rltk.config.recipe_capabilities import RecipeSpec
 from rltk.config.schema import COMPONENT_KEYS, RunConfig
 from rltk.config.validation import check_critic_config, validate_config
+from rltk.notices import alias_moved_modules
+
+alias_moved_modules({f"{__name__}.errors": "rltk.errors"})
 
 __all__ = [
     "COMPONENT_KEYS",
-    "ConfigError",
     "RecipeSpec",
     "RunConfig",
     "apply_overrides",
@@ -32,3 +38,13 @@ __all__ = [
     "parse_overrides",
     "validate_config",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ConfigError":
+        warnings.warn("rltk.config.ConfigError moved to rltk.errors.ConfigError: import it from there (the old name "
+                      "goes in the next release)", DeprecationWarning, stacklevel=2)
+        from rltk.errors import ConfigError
+
+        return ConfigError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,8 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rltk.config.errors import ConfigError
 from rltk.config.schema import COMPONENT_KEYS
+from rltk.errors import ConfigError
 from rltk.registry import KINDS, Registry, did_you_mean, unknown_name_message
 
 

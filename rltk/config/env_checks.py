@@ -12,7 +12,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rltk.config.components import check_component_args, signature_params
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.registry import Registry, did_you_mean, unknown_name_message
 from rltk.tools.mcp import check_server_config
 from rltk.tools.resolve import is_mcp_name

@@ -2,10 +2,10 @@
 
 ``launcher=local`` (the default) starts producer processes beside the trainer, which share its run folder.
 ``launcher=ray`` places them as Ray actors on the nodes of a Ray cluster
-(:mod:`rltk.training.rollouts.ray_source`); :func:`ray_launcher_settings` reads ``launcher_args`` into
+(:mod:`rltk.training.rollouts.asynchronous.ray_source`); :func:`ray_launcher_settings` reads ``launcher_args`` into
 :class:`RayLauncherSettings`, checking every value without touching Ray, so a typo exits 2 before anything
 starts. Whether the cluster is reachable and can meet the requests is checked when the run connects
-(:mod:`rltk.training.rollouts.ray_cluster`), still before a model is built.
+(:mod:`rltk.training.scaffold.ray_cluster`), still before a model is built.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.registry import did_you_mean
 
 #: ``launcher_args`` keys and what each holds, for messages.

@@ -4,7 +4,7 @@
 (:mod:`rltk.config.validation`) and warns about KL settings without effect
 (:mod:`rltk.config.kl_warnings`) and about YAML settings that override a preset
 switched on the command line (:mod:`rltk.config.preset_warnings`). Every error is a
-:class:`~rltk.config.errors.ConfigError` naming the full key path, the bad
+:class:`~rltk.errors.ConfigError` naming the full key path, the bad
 value and what would be valid.
 """
 
@@ -17,13 +17,13 @@ from typing import Iterable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rltk.config.errors import ConfigError
 from rltk.config.kl_warnings import kl_warnings
 from rltk.config.merge import checked_merge, one_name_as_list, schema_node
 from rltk.config.preset_warnings import preset_override_warnings
 from rltk.config.recipe_capabilities import RecipeSpec
 from rltk.config.resolvers import register_resolvers
 from rltk.config.validation import validate_config
+from rltk.errors import ConfigError
 from rltk.registry import RegistryError, get_registry
 
 # Configs are built here, so importing this module (rltk.config does) registers the resolvers they may use.

@@ -15,8 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rltk.config.errors import ConfigError
 from rltk.config.schema import RunConfig
+from rltk.errors import ConfigError
 from rltk.registry import did_you_mean
 
 

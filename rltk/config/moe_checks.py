@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 
 #: config.json keys whose positive value makes a model a mixture of experts (Qwen2/3-MoE, Mixtral, DeepSeek).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rltk.config.components import signature_params
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.registry import KINDS, get_registry
 
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 @dataclass
 class TinyMoeConfig:
-    """``model.tiny.moe``: make the tiny model a mixture of experts (Qwen3-MoE; :mod:`rltk.models.tiny_moe`)."""
+    """``model.tiny.moe``: make the tiny model a mixture of experts (Qwen3-MoE; :func:`rltk.models.tiny.build_tiny_moe_model`)."""
 
     num_experts: int = 0  # experts per layer; 0 keeps the dense Qwen2, e.g. 8 for the tiny MoE default
     top_k: int = 2  # experts each token is routed to
@@ -227,7 +227,7 @@ class BufferConfig:
     sample_strategy: str = "on_policy"
     sample_strategy_args: Dict[str, Any] = field(default_factory=dict)
     expert: ExpertDataConfig = field(default_factory=ExpertDataConfig)
-    # The persistent experience queue of asynchronous training (rltk.buffer.queue, SQLite): producers write
+    # The persistent experience queue of asynchronous training (rltk.training.rollouts.asynchronous.queue, SQLite): producers write
     # experiences tagged with their policy version, the trainer takes them. null: a file in the run folder.
     queue_path: Optional[str] = None
     queue_timeout_s: float = 600.0  # the longest any wait lasts: trainer for experiences, producer for weights

@@ -1,7 +1,7 @@
 """Validate a merged run config before anything heavy is built.
 
 :func:`validate_config` runs every check in turn and raises a
-:class:`~rltk.config.errors.ConfigError` on the first problem: component
+:class:`~rltk.errors.ConfigError` on the first problem: component
 names and arguments (:mod:`rltk.config.components`), choices and value
 ranges, the seed and local paths, the divergence guard's keys, the ``env``
 section of multi-turn episodes (:mod:`rltk.config.env_checks`), ``model.lora``
@@ -24,11 +24,11 @@ from rltk.algorithms.mismatch import check_rollout_correction, correction_active
 
 from rltk.config.components import check_components, check_task
 from rltk.config.env_checks import check_agent_tools, check_env
-from rltk.config.errors import ConfigError
 from rltk.config.launcher_checks import check_launcher
 from rltk.config.lora_checks import check_lora_fits_model, check_lora_values, check_no_stage_lora
 from rltk.config.merge import apply_overrides
 from rltk.config.moe_checks import check_moe_config
+from rltk.errors import ConfigError
 from rltk.config.recipe_capabilities import (
     RecipeSpec, check_recipe_serves, check_workflow_serves, required_batch_fields,
 )

@@ -20,8 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rltk.errors import ConfigError
 from rltk.recipe_validation import UsageError, default_config_for, resolve_recipe, shipped_recipes, validate
-from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config, load_yaml, parse_overrides
 from rltk.registry import RegistryError
 

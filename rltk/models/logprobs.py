@@ -149,6 +149,18 @@ def response_logprobs(
         return _response_logprobs_through_forward(model, input_ids, attention_mask, width,
                                                   temperature=temperature, with_entropy=with_entropy,
                                                   with_sum_pi_squared=with_sum_pi_squared)
+    return _padded_head_outputs(model, head, hidden, input_ids, attention_mask, prompt_len, width,
+                                gather_in_forward=gather_in_forward, temperature=temperature, impl=impl,
+                                with_entropy=with_entropy, chunk_size=chunk_size,
+                                with_sum_pi_squared=with_sum_pi_squared)
+
+
+def _padded_head_outputs(model, head, hidden, input_ids, attention_mask, prompt_len, width, *, gather_in_forward,
+                         temperature, impl, with_entropy, chunk_size,
+                         with_sum_pi_squared) -> tuple[torch.Tensor, ...]:
+    """:func:`response_logprobs`' head op over the padded response hidden states ``hidden`` ``[B, T, D]``,
+    gathering the head inside its forward where only that makes it whole."""
+    batch_size = input_ids.shape[0]
     response_valid = attention_mask[:, prompt_len:].bool()  # [B, T]
     labels = input_ids[:, prompt_len:].masked_fill(~response_valid, IGNORE_INDEX).reshape(-1)
     fused = _head_op(model, labels, temperature=temperature * logit_temperature_factor(model), impl=impl,

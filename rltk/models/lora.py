@@ -12,7 +12,7 @@ the layers; this module connects them to rltk:
 * :func:`apply_lora` turns a causal LM into a ``peft.PeftModel`` from the
   ``model.lora`` section (a new adapter, or one loaded from ``model.lora.path``),
   after checking the targets or the folder against the model (a
-  :class:`~rltk.config.errors.ConfigError` naming the key otherwise).
+  :class:`~rltk.errors.ConfigError` naming the key otherwise).
 * :func:`adapters_disabled` gives the base model's forward from the same
   module (peft's ``disable_adapter``): the KL reference of a LoRA run costs no
   second copy of the weights. The reference is therefore the base model the

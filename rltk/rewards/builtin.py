@@ -13,12 +13,12 @@ are batched (:func:`rltk.rewards.batched`): one call per step, lists in and out.
 from __future__ import annotations
 
 import rltk
-from rltk.rewards.code_execution import code_execution
-from rltk.rewards.countdown import countdown
-from rltk.rewards.format import format_tags
-from rltk.rewards.llm_judge import llm_judge
-from rltk.rewards.math import exact_match, math_answer
-from rltk.rewards.reward_model import reward_model
+from rltk.rewards.judges.llm_judge import llm_judge
+from rltk.rewards.judges.reward_model import reward_model
+from rltk.rewards.programs.code_execution import code_execution
+from rltk.rewards.verifiable.countdown import countdown
+from rltk.rewards.verifiable.format import format_tags
+from rltk.rewards.verifiable.math import exact_match, math_answer
 
 
 @rltk.hookimpl

@@ -5,7 +5,7 @@ takes the reward function ``<name>`` of ``reward.reward_fn`` out of the processe
 producers, the trainer's held-out evaluation) and into ``replicas`` :class:`RewardService` actors, placed like
 producers: a reward model on a GPU node (``reward_model`` with its ``path`` loads it there once), code sandboxes
 on nodes kept for untrusted programs (``code_execution``), an LLM judge beside its endpoint. The trainer places
-them as the run opens (:func:`rltk.training.rollouts.ray_cluster.place_reward_services`), so they live as long
+them as the run opens (:func:`rltk.training.scaffold.ray_cluster.place_reward_services`), so they live as long
 as the trainer's process, and a resumed run places new ones: nothing about them is saved in the config.
 
 Each actor runs the function as the run's own :class:`~rltk.rewards.compose.RewardComposer` would (in worker

@@ -10,7 +10,8 @@ import pytest
 
 import rltk
 from rltk.commands.cli import main
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
+from rltk.errors import ConfigError
 from rltk.recipe_validation import shipped_recipe_spec
 from rltk.workflows.base import Workflow
 

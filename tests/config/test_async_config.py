@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rltk.commands.cli import main
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
+from rltk.errors import ConfigError
 from rltk.rollout.base import RolloutEngine
 
 

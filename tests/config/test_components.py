@@ -8,8 +8,8 @@ from typing import Literal
 import pytest
 
 from rltk.config.components import check_component_args, expected_types
-from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
+from rltk.errors import ConfigError
 
 
 @pytest.mark.parametrize("override, message", [

@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rltk.config import ConfigError, RecipeSpec, apply_overrides, load_config, validate_config
+from rltk.config import RecipeSpec, apply_overrides, load_config, validate_config
+from rltk.errors import ConfigError
 
 from tests.waits import scaled
 

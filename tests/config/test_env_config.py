@@ -1,7 +1,7 @@
 import pytest
 
-from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
+from rltk.errors import ConfigError
 from tests.builtin_plugins import ensure_registered
 
 

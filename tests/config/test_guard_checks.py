@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
+from rltk.errors import ConfigError
 from rltk.training.scaffold.guard import GuardSettings
 from rltk.training.scaffold.resume import config_differences
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from rltk.commands.cli import main
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
 from rltk.config.launcher_checks import ActorRequest, RayLauncherSettings, RewardServiceRequest, ray_launcher_settings
+from rltk.errors import ConfigError
 
 from tests.waits import scaled
 

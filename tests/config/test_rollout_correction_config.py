@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
+from rltk.errors import ConfigError
 
 KEY = "algorithm.rollout_correction"
 

@@ -228,7 +228,7 @@ def test_the_sft_step_loss_is_the_mean_nll_of_the_assistant_tokens_only(tokenize
 
 
 def test_sft_pairs_tokenize_demonstrations_and_plain_rows(tokenizer):
-    from rltk.config.errors import ConfigError
+    from rltk.errors import ConfigError
     from rltk.training.scaffold.rows import sft_pairs
 
     demo = guess_number("train", 1, 0)[0]

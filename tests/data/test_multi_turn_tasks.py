@@ -48,7 +48,7 @@ def test_config_validation_refuses_an_unknown_task_with_the_closest_name():
     from omegaconf import OmegaConf
 
     from rltk.config.components import check_task
-    from rltk.config.errors import ConfigError
+    from rltk.errors import ConfigError
 
     cfg = OmegaConf.create({"data": {"path": None, "task": "calculator_arithmetik", "task_args": {}}})
     with pytest.raises(ConfigError, match=r"unknown task 'calculator_arithmetik' at 'data.task'. "

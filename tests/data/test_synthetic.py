@@ -30,7 +30,7 @@ def countdown_key(row):
 
 def value_of_generated_solution(text):
     # Our own generator's output, checked to be pure arithmetic first; model
-    # output is never evaluated like this (see rltk.rewards.countdown).
+    # output is never evaluated like this (see rltk.rewards.verifiable.countdown).
     assert re.fullmatch(r"[0-9+\-*/()]+", text), text
     return Fraction(eval(text.replace("/", "*Fraction(1)/")))  # exact division
 

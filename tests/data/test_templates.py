@@ -7,10 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rltk.config import load_config
-from rltk.config.errors import ConfigError
 from rltk.data.loading import format_prompts
 from rltk.data.synthetic import countdown
 from rltk.data.templates import fill_template, template_fields
+from rltk.errors import ConfigError
 from rltk.models.tiny import build_char_tokenizer
 
 KEY = "data.prompt_template"

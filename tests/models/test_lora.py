@@ -8,8 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rltk.config.errors import ConfigError
 from rltk.config.lora_checks import check_lora_fits_model, check_lora_values
+from rltk.errors import ConfigError
 from rltk.models.lora import adapter_mismatches, unmatched_targets
 from rltk.config.schema import RunConfig
 from rltk.models.logprobs import response_logprobs

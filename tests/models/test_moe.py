@@ -1,5 +1,5 @@
 """The tiny MoE default, routing recorded by the hf engine, replayed in the trainer's forward, and the MoE
-metrics and load-balancing loss (rltk.models.moe, rltk.models.tiny_moe, rltk.rollout.hf_routing)."""
+metrics and load-balancing loss (rltk.models.moe, rltk.models.tiny, rltk.rollout.hf_routing)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from rltk.batch import Experience, collate
-from rltk.buffer.queue import ExperienceQueue
+from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
 from rltk.models.loading import load_model, load_tokenizer
 from rltk.models.moe import (RouterTrace, is_moe, load_balancing_loss, moe_routers, route, route_by_rank,
                              routing_metrics, routing_shape)
-from rltk.models.tiny import build_char_tokenizer, build_tiny_model, save_pretrained_dir
-from rltk.models.tiny_moe import build_tiny_moe_model
+from rltk.models.tiny import build_char_tokenizer, build_tiny_model, build_tiny_moe_model, save_pretrained_dir
 from rltk.rollout.base import SamplingParams
 from rltk.rollout.hf import HFRolloutEngine
 from rltk.models.critic import build_critic_from_policy

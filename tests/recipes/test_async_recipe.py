@@ -25,7 +25,7 @@ import pytest
 import rltk
 from rltk.commands.cli import main
 from rltk.rewards import bounded
-from rltk.training.rollouts.producer import producer_rows
+from rltk.training.rollouts.asynchronous.producer import producer_rows
 from tests.crash import crash_at_step
 from tests.isolated import run_isolated
 from tests.waits import scaled
@@ -353,7 +353,7 @@ RANKS_DRIVER = """
 import hashlib, json, os, sys, types
 import torch
 import rltk
-import rltk.training.rollouts.async_rollout as ar
+import rltk.training.rollouts.asynchronous.async_rollout as ar
 from rltk.commands.cli import main
 
 out, crash_step = sys.argv[1], int(sys.argv[2])

@@ -16,7 +16,7 @@ import torch
 
 from rltk.commands.cli import main
 from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save_pretrained_dir
-from rltk.rewards.reward_model import reward_model
+from rltk.rewards.judges.reward_model import reward_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is present")]

@@ -61,8 +61,8 @@ def test_the_saved_folder_is_a_standard_sequence_classifier(trained):
 
 
 def test_the_reward_model_reward_function_scores_with_it(trained):
-    # The folder is what `reward.reward_fn_args.reward_model.path` loads (rltk/rewards/reward_model.py).
-    from rltk.rewards import reward_model
+    # The folder is what `reward.reward_fn_args.reward_model.path` loads (rltk/rewards/judges/reward_model.py).
+    from rltk.rewards.judges import reward_model
 
     scorer = reward_model.load_scorer(str(trained / "reward_model"))
     cfg = load_config([CONFIG], ["stages=[]", "data.train_size=200", "data.eval_size=50"])

@@ -1,10 +1,10 @@
 import rltk
-from rltk.rewards.countdown import countdown
-from rltk.rewards.format import format_tags
-from rltk.rewards.llm_judge import llm_judge
+from rltk.rewards.judges.llm_judge import llm_judge
+from rltk.rewards.judges.reward_model import reward_model
 from rltk.rewards.marks import is_batched
-from rltk.rewards.math import exact_match, math_answer
-from rltk.rewards.reward_model import reward_model
+from rltk.rewards.verifiable.countdown import countdown
+from rltk.rewards.verifiable.format import format_tags
+from rltk.rewards.verifiable.math import exact_match, math_answer
 
 
 def test_builtin_reward_functions_are_registered():

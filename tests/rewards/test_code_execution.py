@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from rltk.errors import ConfigError
-from rltk.rewards import sandbox
-from rltk.rewards.code_execution import check_args, code_execution, extract_program, parse_tests
 from rltk.rewards.compose import build_reward_composer
 from rltk.batch import Experience
+from rltk.rewards.programs import sandbox
+from rltk.rewards.programs.code_execution import check_args, code_execution, extract_program, parse_tests
 from rltk.workflows.base import reward_means
 
 from tests.waits import scaled
@@ -36,7 +36,7 @@ needs_sandbox = pytest.mark.skipif(
 
 
 def sandbox_uids(pids) -> set[int]:
-    """The uids sandboxes started by processes ``pids`` run as (:func:`rltk.rewards.sandbox._uid`)."""
+    """The uids sandboxes started by processes ``pids`` run as (:func:`rltk.rewards.programs.sandbox._uid`)."""
     return {sandbox.UID_BASE + (pid * 16 + n) % sandbox.UID_SPAN for pid in pids for n in range(16)}
 
 
@@ -374,7 +374,8 @@ def _world_readable(path: Path) -> bool:
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0 or not SYSTEM_PYTHON.exists()
-                    or not Path("/usr/bin/setpriv").exists() or not _world_readable(REPO / "rltk" / "rewards"),
+                    or not Path("/usr/bin/setpriv").exists()
+                    or not _world_readable(REPO / "rltk" / "rewards" / "programs"),
                     reason="needs root to become another user, /usr/bin/python3, setpriv and a world-readable checkout")
 def test_without_root_a_user_namespace_gives_the_same_protection(tmp_path):
     """As an ordinary user the sandbox adds a user namespace: the program keeps uid 0 there but has no
@@ -402,7 +403,7 @@ def test_without_root_a_user_namespace_gives_the_same_protection(tmp_path):
     }
     script = (
         "import json, sys\n"
-        f"sys.path.insert(0, {str(REPO / 'rltk' / 'rewards')!r})\n"
+        f"sys.path.insert(0, {str(REPO / 'rltk' / 'rewards' / 'programs')!r})\n"
         "from sandbox import SandboxLimits, check_sandbox, run_in_sandbox\n"
         "cases = json.loads(sys.stdin.read())\n"
         "out = {'probe': check_sandbox()}\n"

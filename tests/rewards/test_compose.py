@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 import rltk
 from rltk.rewards.compose import RewardComposer, RewardSpec, build_reward_composer
-from rltk.rewards.format import format_tags
-from rltk.rewards.math import math_answer
+from rltk.rewards.verifiable.format import format_tags
+from rltk.rewards.verifiable.math import math_answer
 
 from tests.rewards import reward_fns as rf  # absolute: worker processes import these by this name
 

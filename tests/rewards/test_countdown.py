@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rltk.data.synthetic import countdown as countdown_task
-from rltk.rewards.countdown import (
+from rltk.rewards.verifiable.countdown import (
     ExpressionError,
     check_countdown,
     countdown,

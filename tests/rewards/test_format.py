@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from rltk.rewards.format import format_tags, layout_pattern
+from rltk.rewards.verifiable.format import format_tags, layout_pattern
 
 from tests.waits import scaled
 

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rltk.rewards import countdown as cd
-from rltk.rewards import math as rm
-from rltk.rewards.countdown import countdown, extract_expression
-from rltk.rewards.format import format_tags
-from rltk.rewards.math import (
+from rltk.rewards.verifiable import countdown as cd
+from rltk.rewards.verifiable import math as rm
+from rltk.rewards.verifiable.countdown import countdown, extract_expression
+from rltk.rewards.verifiable.format import format_tags
+from rltk.rewards.verifiable.math import (
     MAX_ANSWER_CHARS, answers_match, exact_match, extract_boxed, extract_hash_answer, extract_last_number,
     math_answer, parse_number,
 )

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from rltk.rewards import bounded
 from rltk.rewards.compose import RewardComposer
-from rltk.rewards.math import math_answer
 from rltk.rewards.pool import RewardWorkerError
+from rltk.rewards.verifiable.math import math_answer
 from tests.rewards import reward_fns as rf
 from tests.waits import scaled
 

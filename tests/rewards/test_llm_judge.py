@@ -11,7 +11,7 @@ import pytest
 
 from rltk.commands.cli import main
 from rltk.rewards.compose import build_reward_composer
-from rltk.rewards.llm_judge import UnparsedVerdict, llm_judge, parse_verdict
+from rltk.rewards.judges.llm_judge import UnparsedVerdict, llm_judge, parse_verdict
 from rltk.rollout.base import SamplingParams
 from rltk.serve.app import BackgroundServer, create_app
 from rltk.serve.sessions import SessionStore

@@ -5,7 +5,7 @@ import pytest
 
 from rltk.rewards import batched, bounded, builtin, is_batched, is_bounded
 from rltk.rewards.compose import build_reward_composer
-from rltk.rewards.format import format_tags
+from rltk.rewards.verifiable.format import format_tags
 from tests.rewards import reward_fns as rf
 
 from tests.waits import scaled
@@ -91,7 +91,7 @@ def test_a_batched_reward_gets_one_call_per_batch_with_lists_and_its_per_sample_
 
     assert is_batched(by_length) and is_batched(partial(by_length, scale=2.0)) and not is_batched(rf.constant)
     from rltk.rewards.compose import RewardComposer
-    from rltk.rewards.math import exact_match
+    from rltk.rewards.verifiable.math import exact_match
 
     composer = RewardComposer([("exact_match", exact_match, 1.0, {}), ("len", by_length, 1.0, {"scale": 0.5})],
                               fallback=-1.0)

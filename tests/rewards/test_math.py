@@ -3,7 +3,7 @@ from fractions import Fraction
 
 import pytest
 
-from rltk.rewards.math import (
+from rltk.rewards.verifiable.math import (
     exact_match,
     extract_boxed,
     extract_final_answer,

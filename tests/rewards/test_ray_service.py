@@ -9,8 +9,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rltk.config import ConfigError, load_config  # noqa: E402
+from rltk.config import load_config  # noqa: E402
 from rltk.config.launcher_checks import ray_launcher_settings  # noqa: E402
+from rltk.errors import ConfigError  # noqa: E402
 from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save_pretrained_dir  # noqa: E402
 from rltk.rewards.ray_service import RemoteReward, RewardServiceGone, service_name  # noqa: E402
 from rltk.training.rollouts import ray_cluster  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from rltk.commands.cli import main
 from rltk.models.tiny import build_char_tokenizer, build_tiny_reward_model, save_pretrained_dir
 from rltk.rewards.compose import build_reward_composer
-from rltk.rewards.reward_model import load_scorer, reward_model
+from rltk.rewards.judges.reward_model import load_scorer, reward_model
 from tests.rewards.slow_http import SlowServer, timed
 from tests.waits import scaled
 
@@ -161,7 +161,7 @@ def test_the_url_form_scores_like_the_local_model_through_rltk_serve_reward(rm_f
 
 def test_a_reward_server_that_is_down_gives_the_counted_fallback_quickly(monkeypatch):
     # a long backoff, so that one round of retries and four differ by far more than a loaded machine's delays
-    monkeypatch.setattr("rltk.rewards.reward_model.RETRY_BACKOFF_S", 3.0)
+    monkeypatch.setattr("rltk.rewards.judges.reward_model.RETRY_BACKOFF_S", 3.0)
     with socket.socket() as sock:  # a port nothing listens on: bound, then closed
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -182,7 +182,7 @@ def test_a_reward_server_that_trickles_or_never_answers_costs_timeout_s_a_try_an
                                                                                                 byte_every_s):
     # a trickle of a byte every 0.2 s, under any socket timeout over 0.2 s, used to hold a request as long as
     # the answer (24 bytes: ~5 s of body here) and then score it; each try now ends at its timeout_s
-    monkeypatch.setattr("rltk.rewards.reward_model.RETRY_BACKOFF_S", 0.1)
+    monkeypatch.setattr("rltk.rewards.judges.reward_model.RETRY_BACKOFF_S", 0.1)
     with SlowServer({"scores": [3.0, 3.0]}, byte_every_s=byte_every_s) as server:
         composer = build_reward_composer(["reward_model"], args={"reward_model": {
             "url": server.url + "/score", "timeout_s": 1, "retries": 1}}, fallback=-1.0)

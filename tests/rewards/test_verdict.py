@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rltk.rewards import sandbox
-from rltk.rewards.assert_tests import compile_test, judge
-from rltk.rewards.code_execution import code_execution, parse_tests
-from rltk.rewards.plain_data import decode_values, encode_value
+from rltk.rewards.programs import sandbox
+from rltk.rewards.programs.assert_tests import compile_test, judge
+from rltk.rewards.programs.code_execution import code_execution, parse_tests
+from rltk.rewards.programs.plain_data import decode_values, encode_value
 
 needs_sandbox = pytest.mark.skipif(
     os.geteuid() != 0 and (sys.platform != "linux" or sandbox.check_sandbox() is not None),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rltk
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.rollout.base import SamplingParams
 from rltk.rollout import vllm_weight_sync
 from rltk.rollout.vllm_engine import (VLLMRolloutEngine, completions_from_outputs, memory_kwargs,

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.rollout.base import SamplingParams
 
 from .test_hf import reference_logprobs
@@ -180,8 +180,8 @@ def test_a_lora_policy_reaches_the_engine_merged(served, tok):
 
 def test_a_lora_policy_syncs_its_adapter_alone(tok):
     """lora_sync=adapter (the default for a LoRA policy): the base goes in once, each sync is the adapter."""
-    from rltk.models.lora import merged_copy
     from rltk.rollout.vllm_engine import VLLMRolloutEngine
+    from rltk.models.lora import merged_copy
 
     from .test_vllm_lora import adapted
 

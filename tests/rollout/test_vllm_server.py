@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.rollout.base import SamplingParams
 
 from .test_hf import reference_logprobs

@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rltk.batch import Experience
-from rltk.buffer.queue import Lease
-from rltk.training.rollouts.async_rollout import AsyncRollouts, HandoffTimeout, TrainerWaitTimeout
+from rltk.training.rollouts.asynchronous.queue import Lease
+from rltk.training.rollouts.asynchronous.async_rollout import AsyncRollouts, HandoffTimeout, TrainerWaitTimeout
 
 GROUP_TIMEOUT_S = 3.0
 

@@ -13,14 +13,14 @@ import torch
 
 import rltk
 from rltk.batch import Experience, collate
-from rltk.buffer.queue import ExperienceQueue, QueueFileError
-from rltk.config import ConfigError
-from rltk.training.rollouts.async_rollout import ProducerFailed, ProducerProcess, open_stage_queue
+from rltk.training.rollouts.asynchronous.queue import ExperienceQueue, QueueFileError
+from rltk.errors import ConfigError
+from rltk.training.rollouts.asynchronous.async_rollout import ProducerFailed, ProducerProcess, open_stage_queue
 from rltk.training.rollouts.engine_weights import read_weights_file, weights_file_version, write_weights_file
 from rltk.training.step.estimator import compute_advantages
 from rltk.training.step.forward import ForwardSettings, batched_logprobs
 from rltk.training.step.loss_components import LossComponents
-from rltk.training.rollouts.producer import batch_of, gate_open
+from rltk.training.rollouts.asynchronous.producer import batch_of, gate_open
 from rltk.training.updates.rl import policy_update
 from tests.training.rl_step_helpers import one_process_strategy, worker
 from tests.waits import scaled
@@ -125,13 +125,13 @@ def test_a_producer_waiting_for_weights_stops_after_its_timeout_naming_the_file(
     from omegaconf import OmegaConf
 
     from rltk.config import load_config
-    from rltk.training.rollouts.producer import EXIT_TIMEOUT
+    from rltk.training.rollouts.asynchronous.producer import EXIT_TIMEOUT
 
     cfg = load_config([], ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
                            "data.train_size=8", "data.eval_size=4"])
     OmegaConf.save(cfg, tmp_path / "c.yaml", resolve=True)
     done = subprocess.run(
-        [sys.executable, "-m", "rltk.training.rollouts.producer", "--config", str(tmp_path / "c.yaml"), "--stage", "1",
+        [sys.executable, "-m", "rltk.training.rollouts.asynchronous.producer", "--config", str(tmp_path / "c.yaml"), "--stage", "1",
          "--queue", str(tmp_path / "q.sqlite"), "--weights", str(tmp_path / "w.safetensors"), "--timeout", "1",
          "--name", "p"], capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == EXIT_TIMEOUT, done.stderr
@@ -141,7 +141,7 @@ def test_a_producer_waiting_for_weights_stops_after_its_timeout_naming_the_file(
 
 def _lease(groups: list[int]):
     from rltk.batch import Experience
-    from rltk.buffer.queue import Lease
+    from rltk.training.rollouts.asynchronous.queue import Lease
 
     experiences, ids = [], []
     for g, size in enumerate(groups):
@@ -153,7 +153,7 @@ def _lease(groups: list[int]):
 
 
 def test_rank_shares_give_whole_groups_round_robin_and_every_id_once():
-    from rltk.training.rollouts.async_rollout import rank_shares
+    from rltk.training.rollouts.asynchronous.async_rollout import rank_shares
 
     lease = _lease([4, 4, 4, 4, 4])  # five groups of four over two ranks: groups 0, 2, 4 and 1, 3
     shares = rank_shares(lease, 2)
@@ -182,7 +182,7 @@ def test_full_weights_from_a_state_dict_round_trip_with_tied_tensors_stored_apar
 
 def test_the_queue_records_the_trainers_end_and_who_put(tmp_path):
     from rltk.batch import Experience
-    from rltk.buffer.queue import ExperienceQueue
+    from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
 
     with ExperienceQueue(tmp_path / "q.sqlite") as queue:
         assert queue.finished_step is None and queue.producers() == {}
@@ -198,7 +198,7 @@ def test_the_queue_records_the_trainers_end_and_who_put(tmp_path):
 
 def _produce(queue, batches: int, name: str = "p") -> None:
     """Put ``batches`` batches of two groups of two, going on after the producer's last id as
-    :func:`rltk.training.rollouts.producer.run_producer` does (ids ``<name>-b<batch>-<i>``)."""
+    :func:`rltk.training.rollouts.asynchronous.producer.run_producer` does (ids ``<name>-b<batch>-<i>``)."""
 
     last = queue.last_id(name)
     start = 0 if last is None else batch_of(last) + 1

@@ -13,7 +13,7 @@ from rltk.batch import Experience
 from rltk.rollout.base import POLICY_VERSIONS, Completion, RolloutEngine
 from rltk.rollout.vllm_server import VLLMServerEngine, _choice_tokens, _savable_names, token_versions
 from rltk.training.rollouts.engine_weights import weights_file_version, write_weights_file
-from rltk.training.rollouts.producer import WeightsFollower, experience_versions
+from rltk.training.rollouts.asynchronous.producer import WeightsFollower, experience_versions
 from tests.rollout.conftest import build_model
 
 

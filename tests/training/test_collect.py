@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rltk.batch import Experience
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
 from rltk.data.sampler import RowSampler
+from rltk.errors import ConfigError
 from rltk.training.rollouts.collect import RolloutPlan, collect_experiences, expert_experiences, scores_differ
 
 

@@ -8,7 +8,7 @@ import torch
 import rltk
 from rltk.models.moe import moe_routers
 from rltk.models.tiny import build_char_tokenizer
-from rltk.models.tiny_moe import build_tiny_moe_model
+from rltk.models.tiny import build_tiny_moe_model
 from rltk.training.step.estimator import compute_advantages
 from rltk.training.step.forward import ForwardSettings, batched_logprobs
 from rltk.training.step.loss_components import LossComponents

@@ -43,5 +43,61 @@ def test_every_old_name_points_at_a_file_in_its_room_and_none_is_left_flat():
     import rltk.training as training
 
     package = Path(training.__file__).parent
-    assert all((package / room / f"{name}.py").is_file() for name, room in MOVED.items())
+    assert all((package / room.replace(".", "/") / f"{name}.py").is_file() for name, room in MOVED.items())
     assert sorted(p.name for p in package.glob("*.py")) == ["__init__.py"]  # a new module goes into a room
+
+
+def test_the_second_house_steps_moves_keep_every_old_name_for_a_release():
+    """The async wing, the reward rooms, ConfigError's one home and the tiny MoE: every old name imports the very
+    module under its new one, with a DeprecationWarning naming it, each in a fresh process (an old name is
+    importable before anything else of rltk was), and ``python -m`` of the old producer name still runs it."""
+    script = (
+        "import importlib, sys, warnings\n"
+        "old, new = sys.argv[1:]\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    module = importlib.import_module(old)\n"
+        "assert module is importlib.import_module(new), (module, new)\n"
+        "assert any(issubclass(w.category, DeprecationWarning) and f'{old} moved' in str(w.message)\n"
+        "           and new in str(w.message) for w in caught), [str(w.message) for w in caught]\n"
+        "print('ok')\n")
+    moved = {
+        "rltk.buffer.queue": "rltk.training.rollouts.asynchronous.queue",
+        "rltk.training.rollouts.async_rollout": "rltk.training.rollouts.asynchronous.async_rollout",
+        "rltk.training.rollouts.producer": "rltk.training.rollouts.asynchronous.producer",
+        "rltk.training.rollouts.ray_cluster": "rltk.training.scaffold.ray_cluster",
+        "rltk.training.producer": "rltk.training.rollouts.asynchronous.producer",
+        "rltk.rewards.math": "rltk.rewards.verifiable.math",
+        "rltk.rewards.sandbox": "rltk.rewards.programs.sandbox",
+        "rltk.rewards.reward_model": "rltk.rewards.judges.reward_model",
+        "rltk.config.errors": "rltk.errors",
+        "rltk.models.tiny_moe": "rltk.models.tiny",
+    }
+    for old, new in moved.items():
+        out = subprocess.run([sys.executable, "-c", script, old, new], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.split() == ["ok"], (old, out.stderr[-2000:])
+    # every alias the packages declare points at a module file that exists
+    import importlib.util
+
+    import rltk.buffer, rltk.config, rltk.rewards, rltk.training.rollouts  # noqa: E401, F401  (each declares its own)
+    from rltk.notices import moved_modules
+
+    declared = moved_modules()
+    assert set(moved) - {"rltk.models.tiny_moe", "rltk.training.producer"} <= set(declared)
+    assert all(importlib.util.find_spec(new) is not None for new in declared.values())
+    ran = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-m", "rltk.training.rollouts.producer",
+                          "--help"], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "rltk.training.rollouts.asynchronous.producer" in ran.stdout, ran.stderr[-2000:]
+    assert "rltk.training.rollouts.producer moved to rltk.training.rollouts.asynchronous.producer" in ran.stderr
+
+
+def test_rltk_config_config_error_is_the_one_error_with_a_warning():
+    import warnings
+
+    import rltk.config
+    from rltk.errors import ConfigError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert rltk.config.ConfigError is ConfigError
+    assert any("rltk.config.ConfigError moved to rltk.errors.ConfigError" in str(w.message) for w in caught)

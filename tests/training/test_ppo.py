@@ -15,8 +15,8 @@ import rltk
 from rltk.algorithms.aggregation import token_mean
 from rltk.batch import Experience, collate
 from rltk.checkpoint import CheckpointManager
-from rltk.config.errors import ConfigError
 from rltk.config.loader import load_config
+from rltk.errors import ConfigError
 from rltk.models.critic import build_critic_from_policy, response_values
 from rltk.strategies.accelerate_strategy import AccelerateStrategy
 from rltk.training.step.forward import ForwardSettings

@@ -11,8 +11,8 @@ import torch
 import rltk
 
 from rltk.batch import Experience
-from rltk.config.errors import ConfigError
 from rltk.data.preferences import near_miss, synthetic_preferences
+from rltk.errors import ConfigError
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.updates.preference import (
     PairExample, PreferenceLoss, online_pairs, pair_batch, pair_settings, preference_examples, preference_step,

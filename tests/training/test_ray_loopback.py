@@ -116,7 +116,7 @@ def test_a_two_node_cluster_on_the_loopback_is_reached_as_given_and_nothing_leav
 
 def test_a_ray_of_rltks_own_listens_on_the_loopback_only(tmp_path):
     from rltk.config import load_config
-    from rltk.training.rollouts.ray_cluster import connect
+    from rltk.training.scaffold.ray_cluster import connect
 
     ray.shutdown()
     connect(load_config([], ["trainer.mode=async", "launcher=ray"]))
@@ -148,7 +148,7 @@ cluster.shutdown()
 CONNECT = """
 import sys, ray
 from rltk.config import load_config
-from rltk.training.rollouts.ray_cluster import connect
+from rltk.training.scaffold.ray_cluster import connect
 connect(load_config([], ["trainer.mode=async", "launcher=ray", "launcher_args.address=" + sys.argv[1]]))
 print("nodes at", sorted({n["NodeManagerAddress"] for n in ray.nodes()}))
 """

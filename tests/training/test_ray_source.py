@@ -129,8 +129,9 @@ def test_a_producer_whose_node_is_lost_with_no_restarts_left_stops_the_run_namin
 
 
 def test_requests_no_node_meets_and_unreachable_clusters_are_refused_naming_the_key(tmp_path):
-    from rltk.config import ConfigError, load_config
-    from rltk.training.rollouts.ray_cluster import connect, open_cluster
+    from rltk.config import load_config
+    from rltk.errors import ConfigError
+    from rltk.training.scaffold.ray_cluster import connect, open_cluster
 
     ray_run = ["trainer.mode=async", "launcher=ray"]
     ray.shutdown()  # whatever an earlier test of this process left connected: connect() would use it
@@ -214,7 +215,7 @@ def test_weights_travel_as_arrays_of_their_dtype_with_a_tied_weight_once():
 
     from rltk.models.tiny import build_char_tokenizer, build_tiny_model
     from rltk.training.rollouts.engine_weights import load_weights_state
-    from rltk.training.rollouts.ray_source import as_arrays, from_arrays
+    from rltk.training.rollouts.asynchronous.ray_source import as_arrays, from_arrays
 
     mixed = {"a": torch.randn(3, 4).bfloat16(), "b": torch.arange(5), "c": torch.randn(2).half()}
     back = from_arrays(as_arrays(mixed))

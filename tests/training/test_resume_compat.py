@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from rltk.checkpoint import CheckpointManager
-from rltk.config import ConfigError, load_config
+from rltk.config import load_config
+from rltk.errors import ConfigError
 from rltk.training.scaffold.resume import config_differences, resume_or_start_over
 from rltk.training.scaffold.run_outputs import prepare_run_dir
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.training.stages.run import require_rows_per_rank
 
 

@@ -85,7 +85,7 @@ def test_an_async_steps_traces_count_staleness_from_the_policy_version_the_queue
     staleness is the trainer's version minus the version of the sample's oldest token, the queue's
     staleness/* (not 0 because the lease and the training step are the same step)."""
     from rltk.buffer.buffer import trainer_version
-    from rltk.buffer.queue import ExperienceQueue
+    from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
     from rltk.buffer.strategies import OnPolicy
     from rltk.training.rollouts.collect import Rollout
     from rltk.training.stages.loop_state import LoopState, sampled_batch

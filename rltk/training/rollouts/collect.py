@@ -20,8 +20,8 @@ import torch
 from omegaconf import DictConfig
 
 from rltk.batch import Experience
-from rltk.config.errors import ConfigError
 from rltk.config.recipe_capabilities import required_batch_fields
+from rltk.errors import ConfigError
 from rltk.training.step.ranks import any_rank
 
 #: Scores closer than this count as equal: a group of them carries no group-relative signal.

@@ -9,19 +9,21 @@ A recipe's loop reads the same whatever ``trainer.mode`` is::
             end_step(..., rollouts=rollouts)             # rollouts.cursor, checkpoint, rollouts.commit
 
 :class:`SyncRollouts` samples with the trainer's own engine on every rank
-(``trainer.mode=sync``); :class:`rltk.training.rollouts.async_rollout.AsyncRollouts`
+(``trainer.mode=sync``); :class:`rltk.training.rollouts.asynchronous.async_rollout.AsyncRollouts`
 takes batches a producer process sampled with older weights (``one_step_off``,
-``async``). Another source (one fed over the network, say) implements
-:class:`RolloutSource` and plugs in the same way.
+``async``; the async wing, :mod:`rltk.training.rollouts.asynchronous`, imported only then). Another
+source (one fed over the network, say) implements :class:`RolloutSource` and plugs in the same way.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from rltk.training.rollouts.async_rollout import AsyncRollouts
 from rltk.training.rollouts.collect import Rollout, collect_experiences, produced_metrics
+
+if TYPE_CHECKING:
+    from rltk.training.rollouts.asynchronous.async_rollout import AsyncRollouts
 
 
 class RolloutSource(Protocol):
@@ -121,11 +123,13 @@ def open_rollout_source(stage, strategy, loop, parts) -> RolloutSource:
     """The stage's source by ``trainer.mode``: :class:`SyncRollouts`, or producers started now
     (``one_step_off``/``async``: they sample with weights at most ``trainer.max_staleness`` steps old):
     processes beside the trainer, or with ``launcher=ray`` Ray actors on the cluster's nodes
-    (:class:`rltk.training.rollouts.ray_source.RayRollouts`). Collective with several ranks."""
+    (:class:`rltk.training.rollouts.asynchronous.ray_source.RayRollouts`). Collective with several ranks."""
     if stage.cfg.trainer.mode == "sync":
         return SyncRollouts(stage.run.workflow, loop.sampler, parts.plan, strategy)
-    source = AsyncRollouts
+    # the async wing is imported only by a stage that runs it (rltk.training.rollouts.asynchronous)
     if stage.cfg.get("launcher", "local") == "ray":  # producers as Ray actors on other nodes; imports Ray
-        from rltk.training.rollouts.ray_source import RayRollouts as source
+        from rltk.training.rollouts.asynchronous.ray_source import RayRollouts as source
+    else:
+        from rltk.training.rollouts.asynchronous.async_rollout import AsyncRollouts as source
     # a resumed stage goes on only from the queue its checkpoint trained from (loop.queue_cursor)
     return ProducedRollouts(source.start(stage, strategy, resumed_step=loop.step, cursor=loop.queue_cursor))

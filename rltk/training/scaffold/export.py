@@ -11,7 +11,7 @@ from rltk.checkpoint import (
     damage_summary,
     strategy_checkpoint_globals,
 )
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.io import give_default_mode
 from rltk.models.lora import is_adapter_folder
 from rltk.serialization import DamagedCheckpointError, check_json

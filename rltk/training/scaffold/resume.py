@@ -41,9 +41,9 @@ from rltk.checkpoint import (
     restore_rng_state,
     strategy_checkpoint_globals,
 )
-from rltk.config.errors import ConfigError
 from rltk.config.saved import config_to_record
 from rltk.config.schema import RunConfig
+from rltk.errors import ConfigError
 from rltk.io import give_default_mode
 from rltk.models.folders import load_full_state_into, load_model_folder
 from rltk.serialization import check_safetensors, torch_load

@@ -7,7 +7,7 @@ import random
 
 from omegaconf import DictConfig, OmegaConf
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 
 
 def build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:

@@ -40,13 +40,24 @@ def build_loggers(cfg: DictConfig, run_dir: Path, total_steps: int, resume_step:
 
 @dataclass
 class MetricLog:
-    """Fans metrics out to every logger and to the lifecycle hook."""
+    """Fans metrics out to every logger; a training step's row goes to the ``rltk_on_step_end`` hook first."""
 
     loggers: list
     history: list[dict] = field(default_factory=list)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Log the row of training step ``step`` (a run's global numbering), which ends there: every plugin's
+        ``rltk_on_step_end`` gets it first, and may add to ``metrics``. Once per step: a step that evaluates
+        puts its evaluation into this row."""
         rltk.call_lifecycle_hook("rltk_on_step_end", step=step, metrics=metrics)
+        self._write(metrics, step)
+
+    def log_evaluation(self, metrics: dict[str, Any], step: int) -> None:
+        """Log a row that is no training step's: a stage's opening evaluation of the weights it starts from,
+        at the global step before its first (the previous stage's last, whose hook already fired)."""
+        self._write(metrics, step)
+
+    def _write(self, metrics: dict[str, Any], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.floating, np.integer))}
         self.history.append({"step": step, **clean})
         for logger in self.loggers:

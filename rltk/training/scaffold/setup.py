@@ -12,8 +12,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rltk
-from rltk.config.errors import ConfigError
 from rltk.config.merge import apply_overrides
+from rltk.errors import ConfigError
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.workflows.base import Workflow
 
@@ -109,7 +109,7 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
     """The configured rollout workflow on an engine of ``rollout.engine`` sampling from ``policy``.
 
     The trainer builds one on its own policy; an asynchronous run's producer
-    process (:mod:`rltk.training.rollouts.producer`) builds the same on its copy.
+    process (:mod:`rltk.training.rollouts.asynchronous.producer`) builds the same on its copy.
     """
     from rltk.config.components import signature_params
 

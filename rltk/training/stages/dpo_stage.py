@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from rltk.config.errors import ConfigError
 from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
+from rltk.errors import ConfigError
 from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
 from rltk.training.scaffold.rows import tool_schemas
 from rltk.training.stages.loop_state import LoopState

@@ -58,7 +58,7 @@ class LoopState:
         kl_ctl: the KL controller; its ``value`` is the coefficient of the next step.
         generator: shuffles rows into mini-batches; each rank's own.
         reference: the frozen reference policy (None without a KL penalty).
-        queue_cursor: an asynchronous stage's :meth:`rltk.buffer.queue.ExperienceQueue.cursor` at ``step``,
+        queue_cursor: an asynchronous stage's :meth:`rltk.training.rollouts.asynchronous.queue.ExperienceQueue.cursor` at ``step``,
             set before each checkpoint (main rank): what the checkpoint trained from the queue, which a
             resume checks the queue still holds (None in a synchronous stage).
     """

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 import rltk
-from rltk.config.errors import ConfigError
 from rltk.data.sampler import RowSampler
 from rltk.distributed import end_process_group, process_rank
+from rltk.errors import ConfigError
 from rltk.training.scaffold.run_outputs import write_summary
 from rltk.training.scaffold.setup import args_of, build_strategy
 from rltk.training.stages.run import Run, Stage
@@ -58,7 +58,7 @@ def train_reward_model(run: Run) -> None:
     def evaluate() -> dict[str, float]:
         return pairwise_accuracy(strategy.unwrap(), held_out, tokenizer.pad_token_id, strategy.device, mb)
 
-    run.metric_log.log(evaluate(), first_step)
+    run.metric_log.log_evaluation(evaluate(), first_step)
     for step in range(1, r.steps + 1):
         # every rank draws the same pairs and trains on its share; the loss is a mean over all of them
         pairs = sampler.next_batch()[strategy.rank :: strategy.world_size]

@@ -32,8 +32,8 @@ from torch import nn
 
 import rltk
 from rltk.checkpoint import CheckpointManager
-from rltk.config.errors import ConfigError
 from rltk.distributed import end_process_group, limit_torch_threads, process_rank, seed_everything
+from rltk.errors import ConfigError
 from rltk.loggers.base import StageSpan, stage_ended, stage_spans
 from rltk.loggers.plot import plot_training_curves
 from rltk.training.rollouts.engine_weights import connect_rollout_engine, engine_follows
@@ -134,7 +134,7 @@ def open_run(cfg: DictConfig) -> Run:
     if cfg.get("launcher", "local") == "ray":
         # the cluster reached, the requests checked against its nodes and the reward services placed, before a
         # model is built
-        from rltk.training.rollouts.ray_cluster import join_cluster
+        from rltk.training.scaffold.ray_cluster import join_cluster
 
         join_cluster(cfg, main_process=process_rank() == 0, finished=finished)
     run_dir = prepare_run_dir(cfg, write_config=not finished and process_rank() == 0)
@@ -275,7 +275,7 @@ def finish_run(run: Run) -> dict:
     run.workflow.close()  # its own resources (agentic: the endpoint's threads)
     run.workflow.engine.close()  # vllm: its worker and the process group it made
     if run.cfg.get("launcher", "local") == "ray":
-        from rltk.training.rollouts.ray_cluster import release_reward_services
+        from rltk.training.scaffold.ray_cluster import release_reward_services
 
         release_reward_services()  # each says how many samples it scored
     summary = {"final": final, "steps": run.last_step}

@@ -50,7 +50,7 @@ def run_sft_stage(stage: Stage):
         if not probing:
             connect_rollout_engine(run.workflow.engine, strategy)
         if loop.step == 0:
-            run.metric_log.log(evaluate(run.workflow, run.eval_rows, cfg), stage.first_step)
+            run.metric_log.log_evaluation(evaluate(run.workflow, run.eval_rows, cfg), stage.first_step)
 
     for step in range(loop.step + 1, s.steps + 1):
         # every rank draws the same global batch and trains on its share of the rows

@@ -10,7 +10,8 @@ from rltk.training.stages.stage_checkpoint import should_checkpoint
 def evaluate_at_start(stage, loop) -> None:
     """Log the held-out evaluation of the weights the stage starts from (not when it resumes mid-way)."""
     if loop.step == 0:
-        stage.run.metric_log.log(evaluate(stage.run.workflow, stage.run.eval_rows, stage.cfg), stage.first_step)
+        stage.run.metric_log.log_evaluation(evaluate(stage.run.workflow, stage.run.eval_rows, stage.cfg),
+                                            stage.first_step)
 
 
 def end_step(stage, loop, step: int, metrics: dict, checkpointed, rollouts=None) -> None:

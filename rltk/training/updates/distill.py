@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rltk.checkpoint import STATE_FILE
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.strategies.base import MODEL_SUBDIR
 from rltk.training.step.reference import FrozenReference
 

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from rltk.batch import Experience, collate
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 from rltk.training.rollouts.collect import scores_differ
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.step.micro_batches import MicroBatch

@@ -1,7 +1,7 @@
 """Reward-model training pieces: preference pairs, the Bradley-Terry model on the policy architecture,
 its pairwise forward, and the held-out pairwise accuracy (the loop is recipes/reward_model.py).
 
-A reward model here is what :mod:`rltk.rewards.reward_model` loads: an
+A reward model here is what :mod:`rltk.rewards.judges.reward_model` loads: an
 ``AutoModelForSequenceClassification`` with one output (``num_labels=1``; for
 the tiny model ``Qwen2ForSequenceClassification``) that reads
 ``prompt + response`` tokenized without special tokens, the longest texts cut
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from rltk.config.errors import ConfigError
+from rltk.errors import ConfigError
 
 # The chosen/rejected texts of one pair, the prompt already rendered as the policy sees it.
 Pair = tuple[str, str, str]  # (prompt, chosen response, rejected response)

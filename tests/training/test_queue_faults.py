@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from rltk.batch import Experience
-from rltk.buffer.queue import ExperienceQueue, QueueTimeout
+from rltk.training.rollouts.asynchronous.queue import ExperienceQueue, QueueTimeout
 
 from tests.waits import scaled
 

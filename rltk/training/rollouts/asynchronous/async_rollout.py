@@ -15,7 +15,7 @@ the weights file they follow.
 
 Versions count RL steps: the weights before step ``s`` are version ``s - 1``;
 the stage's starting weights are version 0 (after a resume, the resumed
-step). The producer (:mod:`rltk.training.rollouts.producer`) never runs more than
+step). The producer (:mod:`rltk.training.rollouts.asynchronous.producer`) never runs more than
 ``trainer.max_staleness`` versions ahead, and the queue drops (or waits past)
 anything staler, so every trained token lags the trainer by at most that.
 
@@ -28,7 +28,7 @@ other producers (``producers/alive`` counts them); when none is left the run
 stops with that report.
 
 Exactly once: the queue's leases are committed with each checkpoint and
-settled on resume (:meth:`rltk.buffer.queue.ExperienceQueue.recover`). Each
+settled on resume (:meth:`rltk.training.rollouts.asynchronous.queue.ExperienceQueue.recover`). Each
 checkpoint also keeps the queue's cursor (what its steps took from the queue,
 :meth:`AsyncRollouts.cursor`, in the loop state), and a resume refuses a queue
 that does not hold it: deleted, empty, damaged, another file, rows missing
@@ -73,12 +73,12 @@ import torch
 from omegaconf import OmegaConf
 
 from rltk.buffer.buffer import trainer_version
-from rltk.buffer.queue import ExperienceQueue, Lease, QueueFileError, QueueTimeout
+from rltk.training.rollouts.asynchronous.queue import ExperienceQueue, Lease, QueueFileError, QueueTimeout
 from rltk.distributed import share_cores
 from rltk.errors import ConfigError, ProcessWaitError
 from rltk.training.rollouts.engine_weights import write_weights_file, write_weights_state
 from rltk.training.rollouts.collect import produced_metrics
-from rltk.training.rollouts.producer import EXIT_TIMEOUT, batch_size
+from rltk.training.rollouts.asynchronous.producer import EXIT_TIMEOUT, batch_size
 
 #: How often a waiting take looks at the producer process.
 CHECK_S = 2.0
@@ -139,7 +139,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class ProducerProcess:
-    """One local rollout worker process (:mod:`rltk.training.rollouts.producer`), its log, and its restarts."""
+    """One local rollout worker process (:mod:`rltk.training.rollouts.asynchronous.producer`), its log, and its
+    restarts."""
 
     def __init__(self, name: str, args: list[str], log: Path, threads: int | None = None):
         self.name, self.args, self.log = name, args, log
@@ -153,8 +154,8 @@ class ProducerProcess:
         with open(self.log, "a", encoding="utf-8") as out:
             out.write(f"--- start {self.starts} ---\n")
             out.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "rltk.training.rollouts.producer", *self.args,
-                                          "--name", self.name], stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([sys.executable, "-m", "rltk.training.rollouts.asynchronous.producer",
+                                          *self.args, "--name", self.name], stdout=out, stderr=subprocess.STDOUT,
                                          env=self.env)
 
     def check(self) -> None:

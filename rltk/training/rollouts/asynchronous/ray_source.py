@@ -1,9 +1,9 @@
 """``launcher=ray``: an asynchronous stage's producers as Ray actors on other machines, with no shared folder.
 
 The trainer keeps the durable record, as with local producers: the stage's SQLite
-:class:`~rltk.buffer.queue.ExperienceQueue` in its own run folder, with the same leases, exactly-once
-commits with each checkpoint, and cursor checks on resume (:class:`RayRollouts` is an
-:class:`~rltk.training.rollouts.async_rollout.AsyncRollouts`; only where producers run and how they reach
+:class:`~rltk.training.rollouts.asynchronous.queue.ExperienceQueue` in its own run folder, with the same leases,
+exactly-once commits with each checkpoint, and cursor checks on resume (:class:`RayRollouts` is an
+:class:`~rltk.training.rollouts.asynchronous.async_rollout.AsyncRollouts`; only where producers run and how they reach
 the queue and the weights differ). Over the network instead of through files:
 
 * **Experiences.** A :class:`QueueFront` actor, pinned to the trainer's node (a hard node affinity), opens
@@ -19,7 +19,7 @@ the queue and the weights differ). Over the network instead of through files:
   on its own node. Ray's object store was chosen over a torch.distributed broadcast because producers come
   and go (a restarted actor joins with no process-group rendezvous) and the object is pulled only by
   producers that want it.
-* **Producers.** :class:`ProducerActor` runs :class:`~rltk.training.rollouts.producer.Producer` in a Ray
+* **Producers.** :class:`ProducerActor` runs :class:`~rltk.training.rollouts.asynchronous.producer.Producer` in a Ray
   actor placed by ``launcher_args.producer`` (cpus, gpus, custom resources, node labels). The vLLM servers a
   producer launches (``vllm_server`` with ``launch``) are its child processes on its node, in its folder, with
   the devices Ray gave the actor (``CUDA_VISIBLE_DEVICES``; none when it asked for no GPU) and ended with it
@@ -50,14 +50,14 @@ import torch
 from omegaconf import OmegaConf
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from rltk.buffer.queue import ExperienceQueue
+from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
 from rltk.errors import ConfigError, ProcessWaitError
-from rltk.training.rollouts.async_rollout import (
+from rltk.training.rollouts.asynchronous.async_rollout import (
     HANDOFF_MARGIN_S, AsyncRollouts, ProducerFailed, _handoff_group, open_trainer_queue,
 )
-from rltk.training.rollouts.producer import EXIT_TIMEOUT, WeightsFollower
+from rltk.training.rollouts.asynchronous.producer import EXIT_TIMEOUT, WeightsFollower
 from rltk.io import node_work_dir
-from rltk.training.rollouts.ray_cluster import actor_options, open_cluster, pinned_here
+from rltk.training.scaffold.ray_cluster import actor_options, open_cluster, pinned_here
 
 #: Seconds between a Ray producer's looks at the queue and the weights (each is a call to another node).
 POLL_S = 0.05
@@ -158,7 +158,7 @@ class QueueFront:
 
 
 class RemoteQueue:
-    """What a producer calls on its queue (:class:`~rltk.training.rollouts.producer.Producer`), through the
+    """What a producer calls on its queue (:class:`~rltk.training.rollouts.asynchronous.producer.Producer`), through the
     :class:`QueueFront` actor; every call waits at most ``timeout_s``."""
 
     def __init__(self, front, timeout_s: float):
@@ -180,7 +180,7 @@ class RemoteQueue:
 
 
 class RayWeightsFollower(WeightsFollower):
-    """:class:`~rltk.training.rollouts.producer.WeightsFollower` over Ray: the version announced on the
+    """:class:`~rltk.training.rollouts.asynchronous.producer.WeightsFollower` over Ray: the version announced on the
     :class:`QueueFront`, the weights fetched from Ray's object store. ``path`` is the producer's own file, on
     its own node, which a ``vllm_server`` engine's servers load."""
 
@@ -209,8 +209,8 @@ class RayWeightsFollower(WeightsFollower):
 
 
 class ProducerActor:
-    """One rollout producer as a Ray actor: :func:`~rltk.training.rollouts.producer.run_producer` in a folder
-    of its own node, with its queue and weights reached through the :class:`QueueFront`."""
+    """One rollout producer as a Ray actor: :func:`~rltk.training.rollouts.asynchronous.producer.run_producer` in a
+    folder of its own node, with its queue and weights reached through the :class:`QueueFront`."""
 
     def __init__(self, cfg: str, *, stage_index: int, name: str, index: int, count: int, timeout_s: float,
                  work_dir: str | None, front):
@@ -233,7 +233,7 @@ class ProducerActor:
 
     def run(self) -> int:
         """Produce until the trainer ends the stage (0) or a wait runs out (the producer's exit status)."""
-        from rltk.training.rollouts.producer import run_producer
+        from rltk.training.rollouts.asynchronous.producer import run_producer
 
         follower = functools.partial(RayWeightsFollower, front=self.front, timeout_s=self.timeout_s)
         try:
@@ -279,7 +279,7 @@ class RayProducer:
 
     def check(self) -> None:
         """Start the producer's loop again if it ended (at most ``max_restarts`` times); then
-        :class:`~rltk.training.rollouts.async_rollout.ProducerFailed`."""
+        :class:`~rltk.training.rollouts.asynchronous.async_rollout.ProducerFailed`."""
         if self.probe is not None:
             if ray.wait([self.probe], timeout=0)[0]:
                 self._answered()
@@ -324,7 +324,7 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
 
 
 class RayRollouts(AsyncRollouts):
-    """:class:`~rltk.training.rollouts.async_rollout.AsyncRollouts` whose producers are Ray actors, fed and
+    """:class:`~rltk.training.rollouts.asynchronous.async_rollout.AsyncRollouts` whose producers are Ray actors, fed and
     kept up to date over the network (module docstring). ``weights`` is None: no file is written."""
 
     front = None

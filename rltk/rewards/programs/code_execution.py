@@ -15,7 +15,7 @@ list/dict), in one of two forms:
   program: only the parts that call the program (``add(1, 2)``) run in the
   sandbox, in a fresh interpreter after the program, and their values come
   back as plain data to be compared here with the expected ones, which the
-  program never sees (:mod:`rltk.rewards.assert_tests` says what a test may
+  program never sees (:mod:`rltk.rewards.programs.assert_tests` says what a test may
   hold). The program runs as a module named ``solution`` (its
   ``if __name__ == "__main__":`` block does not run; stdin is empty), and a
   ``sys.exit()`` in it fails the test. A value that is not plain data (an
@@ -45,7 +45,7 @@ refused) and ``signal`` (killed by another signal, e.g. a crash). Each test
 lands in exactly one of ``passed``, ``failed``, ``errors``, ``denied`` and
 ``killed/*``, so those sum to ``tests``.
 
-**Isolation** is :mod:`rltk.rewards.sandbox` (Linux namespaces, a private
+**Isolation** is :mod:`rltk.rewards.programs.sandbox` (Linux namespaces, a private
 read-only root, rlimits, an unused uid or no capabilities, no network; its
 docstring says what it protects against and what it does not). The program
 runs on the interpreter rltk runs on, with the standard library only
@@ -86,12 +86,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from rltk.errors import ConfigError
-from rltk.rewards.assert_tests import compile_test, judge
-from rltk.rewards.sandbox import SandboxLimits, check_sandbox, run_in_sandbox
+from rltk.rewards.programs.assert_tests import compile_test, judge
+from rltk.rewards.programs.sandbox import SandboxLimits, check_sandbox, run_in_sandbox
 
 LIMIT_ARGS = ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "processes", "scratch_mb", "sample_timeout_s")
 KILL_REASONS = ("timeout", "cpu", "memory", "file_size", "processes", "signal")
-# Outcomes of rltk.rewards.sandbox as the detail each one counts in.
+# Outcomes of rltk.rewards.programs.sandbox as the detail each one counts in.
 _DETAIL = {"pass": "passed", "failed": "failed", "wrong_output": "failed", "error": "errors", "denied": "denied",
            "timeout": "killed/timeout", "cpu": "killed/cpu", "memory": "killed/memory",
            "file_size": "killed/file_size", "processes": "killed/processes", "crashed": "killed/signal",

@@ -20,9 +20,9 @@ Two ways to reach the model (exactly one of ``path`` and ``url``):
   per process and kept (:func:`load_scorer`), not per call; it scores in micro-batches of
   ``micro_batch_size`` texts, each cut to ``max_length`` tokens from the ``truncation_side``
   (``left`` by default: the end of the response, where the answer is, is kept).
-* ``url``: a reward server (``rltk serve-reward PATH``, or ``python -m rltk.rewards.reward_server
+* ``url``: a reward server (``rltk serve-reward PATH``, or ``python -m rltk.rewards.judges.reward_server
   PATH``, on another machine), spoken to with the small protocol of
-  :mod:`rltk.rewards.reward_server`: ``POST {"prompts": [...], "responses": [...]}`` ->
+  :mod:`rltk.rewards.judges.reward_server`: ``POST {"prompts": [...], "responses": [...]}`` ->
   ``{"scores": [raw, ...]}``. Truncation, micro-batching and the device are the server's then
   (its flags); here ``micro_batch_size`` texts go in each request, ``concurrency`` requests at
   once, each given at most ``timeout_s`` in all (connecting, sending, reading the whole answer),
@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rltk.rewards.http import ServerError, call_all, post_json, with_retries
+from rltk.rewards.judges.http import ServerError, call_all, post_json, with_retries
 from rltk.rewards.marks import batched
 
 TRUNCATION_SIDES = ("left", "right")

@@ -1,6 +1,6 @@
 """The sandbox's inside half: run as PID 1 of fresh namespaces, build a private root, run each test.
 
-Not imported by rltk: :mod:`rltk.rewards.sandbox` starts it as
+Not imported by rltk: :mod:`rltk.rewards.programs.sandbox` starts it as
 ``unshare --net --pid --mount --ipc --uts --fork --kill-child -- PYTHON -I -S -B sandbox_launcher.py``
 with an empty environment and a JSON job on stdin, and reads one JSON line of
 results from its stdout. It uses the standard library only (``-S``: no
@@ -48,7 +48,7 @@ ROOT = "/tmp/root"
 # What the harness (the program's own interpreter, pid != launcher) reports on fd 3, and how it exits.
 # It never judges a probe test: it evaluates the probes (the parts of the test that call the program)
 # and reports their values as plain data; the supervisor outside compares them with the expected ones,
-# which never enter the sandbox (rltk.rewards.assert_tests).
+# which never enter the sandbox (rltk.rewards.programs.assert_tests).
 HARNESS = r'''
 import errno, json as _json, os, sys
 _status = os.fdopen(3, "w")

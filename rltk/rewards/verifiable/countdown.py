@@ -16,7 +16,7 @@ so ``(1/3)*3`` hits 1 and rounding never turns a miss into a hit.
 The work per call is bounded whatever the response's length: the answer is
 located with C-speed ``rfind``/``rstrip`` and only its last
 :data:`MAX_ANSWER_CHARS` characters are split and parsed; a longer answer
-scores 0. Numbers are ASCII digits only (see :mod:`rltk.rewards.math`).
+scores 0. Numbers are ASCII digits only (see :mod:`rltk.rewards.verifiable.math`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Run it where the reward model fits (another machine, another GPU)::
 
     rltk serve-reward runs/rm/model --host 0.0.0.0 --port 8001 --device cuda
-    # or, without the CLI:  python -m rltk.rewards.reward_server runs/rm/model --port 8001
+    # or, without the CLI:  python -m rltk.rewards.judges.reward_server runs/rm/model --port 8001
 
 and point the trainer at it: ``reward.reward_fn_args.reward_model.url=http://HOST:8001/score``.
 
@@ -30,7 +30,7 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from rltk.rewards.reward_model import DTYPES, TRUNCATION_SIDES, RewardModelScorer
+from rltk.rewards.judges.reward_model import DTYPES, TRUNCATION_SIDES, RewardModelScorer
 
 
 def _is_strings(value: Any) -> bool:
@@ -107,7 +107,7 @@ def make_server(scorer: RewardModelScorer, host: str = "127.0.0.1", port: int = 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``rltk serve-reward`` (and of ``python -m rltk.rewards.reward_server``)."""
+    """The flags of ``rltk serve-reward`` (and of ``python -m rltk.rewards.judges.reward_server``)."""
     parser.add_argument("path", help="the reward model's Hugging Face folder (num_labels=1, with its tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8001, help="port (default 8001; 0 picks a free one)")
@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rltk.rewards.reward_server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rltk.rewards.judges.reward_server",
+                                     description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rltk.batch import Experience
-from rltk.buffer.queue import ExperienceQueue, QueueFileError, QueueTimeout
+from rltk.training.rollouts.asynchronous.queue import ExperienceQueue, QueueFileError, QueueTimeout
 
 from tests.waits import scaled
 
@@ -61,7 +61,7 @@ def test_an_interrupted_rollout_is_as_stale_as_its_oldest_token_and_counted_per_
 
 
 def test_token_staleness_by_hand():
-    from rltk.buffer.queue import token_staleness
+    from rltk.training.rollouts.asynchronous.queue import token_staleness
 
     assert token_staleness(5, [[5, 5], [3, 4, 5], [4]]) == {
         "staleness/token_mean": (0 + 0 + 2 + 1 + 0 + 1) / 6, "staleness/mixed": 1 / 3}

@@ -10,7 +10,7 @@ and cuts it in two:
   expression rooted in a name the test does not know itself (a function, class
   or variable of the program), with its arguments. Only probes enter the sandbox;
   they are evaluated after the program, in its namespace, and each value comes
-  back as plain data (:mod:`rltk.rewards.plain_data`'s tagged JSON: ``None``, ``bool``,
+  back as plain data (:mod:`rltk.rewards.programs.plain_data`'s tagged JSON: ``None``, ``bool``,
   ``int``, ``float``, ``complex``, ``str``, ``bytes``, and lists, tuples,
   dicts, sets of those; anything else makes the test an error).
 * **the check**: the rest, ``_probe[0] == 3``, with the expected values. It
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rltk.parsing import parse_python
-from rltk.rewards.plain_data import decode_values
+from rltk.rewards.programs.plain_data import decode_values
 
 # Builtins a check may call on the probes' values: pure functions of plain data.
 SAFE_BUILTINS = {name: getattr(builtins, name) for name in (

@@ -2,7 +2,7 @@
 
 :func:`run_in_sandbox` is the parent half: it starts
 ``unshare --net --pid --mount --ipc --uts --fork --kill-child`` on
-:mod:`rltk.rewards.sandbox_launcher` (the inside half, which builds the
+:mod:`rltk.rewards.programs.sandbox_launcher` (the inside half, which builds the
 private root and runs each test; read its docstring for the steps) and reads
 its results. :func:`check_sandbox` says whether this machine can do that, once
 per process, by running a two-line program through it.
@@ -57,7 +57,7 @@ What it does **not** protect against:
   the world-readable files of ``/usr`` and ``/etc``.
 * Reward hacking of the verdict: nothing the program controls takes part in
   judging it. stdin/stdout cases are compared here, outside; assert tests are
-  split by :mod:`rltk.rewards.assert_tests` so that only their calls into the
+  split by :mod:`rltk.rewards.programs.assert_tests` so that only their calls into the
   program run inside, come back as plain data, and are compared outside with
   expected values the sandbox never sees. A program that exits early, forges
   the harness's report, patches builtins or returns an object with its own
@@ -191,7 +191,7 @@ def run_in_sandbox(program: str, mode: str, tests: list, limits: SandboxLimits) 
     ``mode`` is ``"probe"`` (each test is ``{"setup": [import statements], "probes": [expressions]}``:
     the program runs as module ``solution``, then the setup and each probe run in its namespace; a run
     that gets that far ends ``"evaluated"`` with ``"values"``, the probes' values as tagged JSON text
-    for :func:`rltk.rewards.assert_tests.judge`, which gives the verdict outside) or ``"io"`` (each
+    for :func:`rltk.rewards.programs.assert_tests.judge`, which gives the verdict outside) or ``"io"`` (each
     test is ``{"input": str, "output": str}``: the program reads ``input`` on stdin and passes when its
     stdout equals ``output``, trailing whitespace of each line and trailing blank lines ignored).
 

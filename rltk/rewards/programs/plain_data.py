@@ -3,7 +3,7 @@
 The sandbox's harness runs this module's text (it uses the standard library only and no
 ``__future__`` import, so it can sit inside the harness) to encode each probe's value; the supervisor
 decodes with :func:`decode_values`, which rebuilds only plain Python values (no object of the
-program's, so no ``__eq__`` of its own). :mod:`rltk.rewards.sandbox` reads the file's text, so
+program's, so no ``__eq__`` of its own). :mod:`rltk.rewards.programs.sandbox` reads the file's text, so
 the sandbox needs nothing else of rltk.
 """
 

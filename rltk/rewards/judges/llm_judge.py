@@ -46,7 +46,7 @@ import string
 import functools
 from typing import Any
 
-from rltk.rewards.http import ServerError, call_all, post_json, with_retries
+from rltk.rewards.judges.http import ServerError, call_all, post_json, with_retries
 from rltk.rewards.marks import batched
 
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")

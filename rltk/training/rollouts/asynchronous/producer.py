@@ -1,8 +1,8 @@
 """A rollout producer process of an asynchronous run: sample, score, put into the experience queue, repeat.
 
-The trainer (:mod:`rltk.training.rollouts.async_rollout`) starts it beside itself::
+The trainer (:mod:`rltk.training.rollouts.asynchronous.async_rollout`) starts it beside itself::
 
-    python -m rltk.training.rollouts.producer --config STAGE.yaml --stage I --queue Q.sqlite \\
+    python -m rltk.training.rollouts.asynchronous.producer --config STAGE.yaml --stage I --queue Q.sqlite \\
         --weights policy.safetensors --name producer-0 [--index 0 --count 1]
 
 With ``trainer.producers`` = N, producer ``k`` samples only the rows ``k, k + N, ...``
@@ -125,7 +125,7 @@ class Producer:
 
     Where the queue and the weights are: by default the SQLite file at ``queue_path`` and the weights file
     at ``weights_path``. A producer on another machine (``launcher=ray``,
-    :mod:`rltk.training.rollouts.ray_source`) passes ``queue``, an object with the queue methods a producer
+    :mod:`rltk.training.rollouts.asynchronous.ray_source`) passes ``queue``, an object with the queue methods a producer
     calls (``put``, ``progress``, ``last_id``, ``finished_step``), and ``follower_type``, a
     :class:`WeightsFollower` that fetches published weights over the network (``weights_path`` is then its
     own file, on its own machine).
@@ -135,7 +135,7 @@ class Producer:
                  timeout_s: float, index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True,
                  seed_salt: int = 0, queue=None, follower_type=None):
         import rltk
-        from rltk.buffer.queue import ExperienceQueue
+        from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
         from rltk.data.sampler import RowSampler
         from rltk.distributed import limit_torch_threads, seed_everything
         from rltk.training.rollouts.collect import RolloutPlan
@@ -390,7 +390,7 @@ class WeightsFollower:
 def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
-    parser = argparse.ArgumentParser(prog="python -m rltk.training.rollouts.producer",
+    parser = argparse.ArgumentParser(prog="python -m rltk.training.rollouts.asynchronous.producer",
                                      description="A rollout producer of an asynchronous rltk run")
     parser.add_argument("--config", required=True, help="the stage's resolved config (YAML)")
     parser.add_argument("--stage", type=int, required=True, help="the stage's index (seeds its prompt order)")
