@@ -56,6 +56,8 @@ def parity_reward():
 def calls(monkeypatch):
     """What the recipe hands the shared training functions, step by step."""
     import rltk.training.step.estimator as estimator
+    import rltk.training.stages.grpo_stage as grpo_stage
+    import rltk.training.stages.ppo_stage as ppo_stage
     import rltk.training.updates.rl as rl
 
     seen = {"advantages": [], "updates": []}
@@ -73,9 +75,10 @@ def calls(monkeypatch):
         seen["updates"].append({"loss": loss, "kl_coef": kwargs["kl_coef"], "metrics": update.metrics})
         return update
 
-    # The recipes import policy_update when they run, so they get the recording version.
+    # The stage modules bind policy_update when first imported (by an earlier test, perhaps): patch their names.
     monkeypatch.setattr(estimator.Estimator, "__call__", recording_advantages)
-    monkeypatch.setattr(rl, "policy_update", recording_update)
+    for stage in (grpo_stage, ppo_stage):
+        monkeypatch.setattr(stage, "policy_update", recording_update)
     return seen
 
 
