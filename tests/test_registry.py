@@ -24,6 +24,7 @@ def test_kind_vocabulary_is_exactly_the_public_one():
         "agent",  # #11: agents of the agentic workflow
         "preference_loss",  # #32: the DPO family
         "reward_model_loss",  # #32: reward-model training (recipes/reward_model.py)
+        "stage",  # #55: training loops (rltk.StageSpec)
     }
     for kind in KINDS.values():
         assert hasattr(rltk.hookspecs, kind.hook), kind.hook
