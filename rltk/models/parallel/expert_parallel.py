@@ -233,6 +233,8 @@ def reduce_expert_gradients(params: list[nn.Parameter], data_world_size: int) ->
     gradient and takes part with zeros.
     """
     for param in params:
+        if not param.requires_grad:  # frozen (a LoRA run's base): nothing to reduce
+            continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         shard = expert_shard_of(param)
