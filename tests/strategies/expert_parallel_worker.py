@@ -4,8 +4,9 @@ Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 expert_
 Each rank takes half of fixed global batches (its own rows: expert parallelism does not split rows), and writes
 to ``OUT_DIR/rank<r>.pt``:
 
-* ``logprobs`` / ``grads`` (and ``*_replay``, with recorded routing replayed): its rows' per-token log-probs
-  and every parameter's gradient after the strategy's reduction, expert slices gathered back to whole;
+* ``logprobs`` / ``grads`` (and ``*_replay``, with recorded routing replayed; ``*_one_sided``, every token
+  replayed to rank 0's experts): its rows' per-token log-probs and every parameter's gradient after the
+  strategy's reduction, expert slices gathered back to whole;
 * ``trained``: whole weights after ``STEPS`` optimizer steps, ``resumed``: the same after saving at step
   ``CHECKPOINT_STEP`` and resuming into a fresh model and strategy, and the checkpoint directory.
 
@@ -48,6 +49,13 @@ def global_batch(vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": mask, "routed_experts": routed}
 
 
+def one_sided(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with every token replayed to experts 0 and 1: rank 1's experts receive no token at all."""
+    routed = torch.empty_like(batch["routed_experts"])
+    routed[..., 0], routed[..., 1] = 0, 1
+    return {**batch, "routed_experts": routed}
+
+
 def forward_backward(strategy, batch: dict[str, torch.Tensor], replay: bool):
     """Per-token log-probs of the rows, and the backward of their sum over the *global* token count."""
     from rltk.models.logprobs import response_logprobs
@@ -88,16 +96,19 @@ def main(out_dir: Path) -> None:
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
 
     results = {}
-    for replay in (False, True):
+    for suffix in ("", "_replay", "_one_sided"):
         strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
         strategy.setup(tiny_moe(), **SETUP)
         rows = rows_of(global_batch(strategy.unwrap().config.vocab_size), strategy.rank, strategy.world_size)
-        suffix = "_replay" if replay else ""
+        replay = bool(suffix)
+        if suffix == "_one_sided":
+            rows = one_sided(rows)
         results["logprobs" + suffix] = forward_backward(strategy, rows, replay)
         results["grads" + suffix] = reduced_gradients(strategy)
         results["rows"] = torch.arange(ROWS)[strategy.rank::strategy.world_size]
     strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
     strategy.setup(tiny_moe(), **SETUP)
+    rows = rows_of(global_batch(strategy.unwrap().config.vocab_size), strategy.rank, strategy.world_size)
     train(strategy, rows, CHECKPOINT_STEP)
     strategy.save(out_dir / "checkpoint")
     train(strategy, rows, STEPS - CHECKPOINT_STEP)

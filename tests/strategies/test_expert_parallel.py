@@ -48,11 +48,11 @@ def two_ranks(tmp_path_factory):
     return out_dir, ranks
 
 
-def _one_process(replay: bool):
+def _one_process(replay: bool, one_sided: bool = False):
     strategy = AccelerateStrategy(cpu=True)
     strategy.setup(worker.tiny_moe(), **worker.SETUP)
     batch = worker.rows_of(worker.global_batch(strategy.unwrap().config.vocab_size), 0, 1)
-    logprobs = worker.forward_backward(strategy, batch, replay)
+    logprobs = worker.forward_backward(strategy, worker.one_sided(batch) if one_sided else batch, replay)
     return logprobs, worker.reduced_gradients(strategy)
 
 
@@ -76,6 +76,18 @@ def test_logprobs_and_every_gradient_match_one_process(two_ranks, replay):
     # replay changes the routing (the replayed experts are not the router's own)
     other_logprobs, _ = _one_process(not replay)
     assert (other_logprobs - logprobs).abs().max() > 1e-3
+
+
+@pytest.mark.distributed
+def test_experts_no_token_reaches_take_part_in_the_backward(two_ranks):
+    # every token replayed to experts 0 and 1 (rank 0's): rank 1 still joins the backward all-to-all
+    _, ranks = two_ranks
+    logprobs, grads = _one_process(True, one_sided=True)
+    for rank in ranks:
+        assert torch.allclose(rank["logprobs_one_sided"], logprobs[rank["rows"]], atol=ATOL, rtol=0)
+        assert _max_diff(rank["grads_one_sided"], grads) < ATOL
+    unused = grads["model.layers.0.mlp.experts.down_proj"][2:]
+    assert unused.abs().max() == 0 and grads["model.layers.0.mlp.experts.down_proj"][:2].abs().max() > 1e-4
 
 
 @pytest.mark.distributed
