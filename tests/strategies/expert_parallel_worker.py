@@ -5,7 +5,7 @@ Each rank takes half of fixed global batches (its own rows: expert parallelism d
 to ``OUT_DIR/rank<r>.pt``:
 
 * ``logprobs`` / ``grads`` (and ``*_replay``, with recorded routing replayed; ``*_one_sided``, every token
-  replayed to rank 0's experts): its rows' per-token log-probs and every parameter's gradient after the
+  replayed to rank 0's experts; ``*_qwen2_moe``, a Qwen2-MoE with a shared expert): its rows' per-token log-probs and every parameter's gradient after the
   strategy's reduction, expert slices gathered back to whole;
 * ``trained``: whole weights after ``STEPS`` optimizer steps, ``resumed``: the same after saving at step
   ``CHECKPOINT_STEP`` and resuming into a fresh model and strategy, and the checkpoint directory.
@@ -31,6 +31,18 @@ def tiny_moe(seed: int = 0) -> torch.nn.Module:
 
     return build_tiny_moe_model(build_char_tokenizer(), num_experts=4, top_k=2, expert_size=16, seed=seed,
                                 hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+def tiny_qwen2_moe(seed: int = 0) -> torch.nn.Module:
+    """A Qwen2-MoE (a shared expert beside 4 routed ones, top-2): the shared expert stays replicated."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        intermediate_size=16, decoder_sparse_step=1, norm_topk_prob=False)
+    return transformers.Qwen2MoeForCausalLM(config)
 
 
 def global_batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -106,6 +118,10 @@ def main(out_dir: Path) -> None:
         results["logprobs" + suffix] = forward_backward(strategy, rows, replay)
         results["grads" + suffix] = reduced_gradients(strategy)
         results["rows"] = torch.arange(ROWS)[strategy.rank::strategy.world_size]
+    strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
+    strategy.setup(tiny_qwen2_moe(), **SETUP)
+    results["logprobs_qwen2_moe"] = forward_backward(strategy, rows_of(global_batch(50), strategy.rank, 2), False)
+    results["grads_qwen2_moe"] = reduced_gradients(strategy)
     strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
     strategy.setup(tiny_moe(), **SETUP)
     rows = rows_of(global_batch(strategy.unwrap().config.vocab_size), strategy.rank, strategy.world_size)

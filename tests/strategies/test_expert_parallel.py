@@ -91,6 +91,19 @@ def test_experts_no_token_reaches_take_part_in_the_backward(two_ranks):
 
 
 @pytest.mark.distributed
+def test_a_qwen2_moe_with_a_shared_expert_matches_one_process(two_ranks):
+    _, ranks = two_ranks
+    strategy = AccelerateStrategy(cpu=True)
+    strategy.setup(worker.tiny_qwen2_moe(), **worker.SETUP)
+    logprobs = worker.forward_backward(strategy, worker.rows_of(worker.global_batch(50), 0, 1), False)
+    grads = worker.reduced_gradients(strategy)
+    assert any("shared_expert." in name for name in grads)
+    for rank in ranks:
+        assert torch.allclose(rank["logprobs_qwen2_moe"], logprobs[rank["rows"]], atol=ATOL, rtol=0)
+        assert _max_diff(rank["grads_qwen2_moe"], grads) < ATOL
+
+
+@pytest.mark.distributed
 def test_training_and_resuming_at_two_ranks_match_one_process(two_ranks):
     out_dir, ranks = two_ranks
     strategy = AccelerateStrategy(cpu=True)
