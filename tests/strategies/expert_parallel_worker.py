@@ -1,6 +1,7 @@
 """Two-process worker for test_expert_parallel.py: the tiny MoE with its experts split over both ranks.
 
-Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 expert_parallel_worker.py OUT_DIR``.
+Run as ``python -m torch.distributed.run --standalone --nproc_per_node 2 expert_parallel_worker.py OUT_DIR``
+(or ``--nproc_per_node 4 ... OUT_DIR grads``: two expert groups of two ranks, the gradient phases only).
 Each rank takes half of fixed global batches (its own rows: expert parallelism does not split rows), and writes
 to ``OUT_DIR/rank<r>.pt``:
 
@@ -104,11 +105,12 @@ def reduced_gradients(strategy) -> dict[str, torch.Tensor]:
     return {name: full_cpu_copy(p.grad, of=p) for name, p in strategy.unwrap().named_parameters()}
 
 
-def main(out_dir: Path) -> None:
+def main(out_dir: Path, phases: str) -> None:
+    """``phases``: ``all``, or ``grads`` (the gradients and a short training run only: the 4-process run)."""
     from rltk.strategies.accelerate_strategy import AccelerateStrategy
 
     results = {}
-    for suffix in ("", "_replay", "_one_sided"):
+    for suffix in ("", "_replay", "_one_sided") if phases == "all" else ("", "_replay"):
         strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
         strategy.setup(tiny_moe(), **SETUP)
         rows = rows_of(global_batch(strategy.unwrap().config.vocab_size), strategy.rank, strategy.world_size)
@@ -118,26 +120,29 @@ def main(out_dir: Path) -> None:
         results["logprobs" + suffix] = forward_backward(strategy, rows, replay)
         results["grads" + suffix] = reduced_gradients(strategy)
         results["rows"] = torch.arange(ROWS)[strategy.rank::strategy.world_size]
-    strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
-    strategy.setup(tiny_qwen2_moe(), **SETUP)
-    results["logprobs_qwen2_moe"] = forward_backward(strategy, rows_of(global_batch(50), strategy.rank, 2), False)
-    results["grads_qwen2_moe"] = reduced_gradients(strategy)
+    if phases == "all":
+        strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
+        strategy.setup(tiny_qwen2_moe(), **SETUP)
+        results["logprobs_qwen2_moe"] = forward_backward(strategy, rows_of(global_batch(50), strategy.rank, 2), False)
+        results["grads_qwen2_moe"] = reduced_gradients(strategy)
     strategy = AccelerateStrategy(cpu=True, expert_parallel_size=2)
     strategy.setup(tiny_moe(), **SETUP)
     rows = rows_of(global_batch(strategy.unwrap().config.vocab_size), strategy.rank, strategy.world_size)
     train(strategy, rows, CHECKPOINT_STEP)
-    strategy.save(out_dir / "checkpoint")
+    if phases == "all":
+        strategy.save(out_dir / "checkpoint")
     train(strategy, rows, STEPS - CHECKPOINT_STEP)
     results["trained"] = strategy.full_state_dict()
-    results["reference_copy"] = strategy.full_model_copy().state_dict()
-    resumed = AccelerateStrategy(cpu=True, expert_parallel_size=2)
-    resumed.setup(tiny_moe(seed=1), **SETUP)
-    resumed.load(out_dir / "checkpoint")
-    train(resumed, rows, STEPS - CHECKPOINT_STEP)
-    results["resumed"] = resumed.full_state_dict()
-    results["local_expert_shape"] = tuple(resumed.unwrap().model.layers[0].mlp.experts.gate_up_proj.shape)
+    if phases == "all":
+        results["reference_copy"] = strategy.full_model_copy().state_dict()
+        resumed = AccelerateStrategy(cpu=True, expert_parallel_size=2)
+        resumed.setup(tiny_moe(seed=1), **SETUP)
+        resumed.load(out_dir / "checkpoint")
+        train(resumed, rows, STEPS - CHECKPOINT_STEP)
+        results["resumed"] = resumed.full_state_dict()
+    results["local_expert_shape"] = tuple(strategy.unwrap().model.layers[0].mlp.experts.gate_up_proj.shape)
     torch.save(results, out_dir / f"rank{strategy.rank}.pt")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "all")

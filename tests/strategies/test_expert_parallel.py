@@ -35,17 +35,20 @@ def _load_worker():
 worker = _load_worker()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("expert_parallel")
+def _launch(out_dir: Path, processes: int, phases: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKER_PATH), str(out_dir)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               str(WORKER_PATH), str(out_dir), phases]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(240))
     if proc.returncode != 0:
         pytest.fail(f"torchrun worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    return out_dir, ranks
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("expert_parallel")
+    return out_dir, _launch(out_dir, 2, "all")
 
 
 def _one_process(replay: bool, one_sided: bool = False):
@@ -120,6 +123,27 @@ def test_training_and_resuming_at_two_ranks_match_one_process(two_ranks):
     resumed.setup(worker.tiny_moe(seed=1), **worker.SETUP)
     resumed.load(out_dir / "checkpoint")
     assert resumed.optimizer_steps == worker.CHECKPOINT_STEP
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # four processes on a loaded 2-core machine (~60 s): the expert-data reduction runs here only
+def test_two_expert_groups_of_two_ranks_match_one_process(tmp_path):
+    # ranks {0, 1} and {2, 3} each split the experts; ranks 0 and 2 (1 and 3) sum their slice's gradients
+    ranks = _launch(tmp_path, 4, "grads")
+    strategy = AccelerateStrategy(cpu=True)
+    strategy.setup(worker.tiny_moe(), **worker.SETUP)
+    batch = worker.rows_of(worker.global_batch(strategy.unwrap().config.vocab_size), 0, 1)
+    worker.train(strategy, batch, worker.STEPS)
+    alone = strategy.full_state_dict()
+    for replay in (False, True):
+        suffix = "_replay" if replay else ""
+        logprobs, grads = _one_process(replay)
+        for rank in ranks:
+            assert torch.allclose(rank["logprobs" + suffix], logprobs[rank["rows"]], atol=ATOL, rtol=0)
+            assert _max_diff(rank["grads" + suffix], grads) < ATOL
+    for rank in ranks:
+        assert rank["local_expert_shape"][0] == 2
+        assert _max_diff(rank["trained"], alone) < ATOL
 
 
 def test_a_moe_checkpoint_resumes_in_one_process(tmp_path):
