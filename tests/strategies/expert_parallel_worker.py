@@ -134,7 +134,9 @@ def main(out_dir: Path, phases: str) -> None:
     train(strategy, rows, STEPS - CHECKPOINT_STEP)
     results["trained"] = strategy.full_state_dict()
     if phases == "all":
-        results["reference_copy"] = strategy.full_model_copy().state_dict()
+        copy = strategy.full_model_copy()
+        results["reference_copy"] = copy.state_dict()
+        results["copy_ddp_ignores"] = list(getattr(copy, "_ddp_params_and_buffers_to_ignore", []))
         resumed = AccelerateStrategy(cpu=True, expert_parallel_size=2)
         resumed.setup(tiny_moe(seed=1), **SETUP)
         resumed.load(out_dir / "checkpoint")

@@ -118,6 +118,7 @@ def test_training_and_resuming_at_two_ranks_match_one_process(two_ranks):
         assert _max_diff(rank["trained"], alone) < ATOL
         assert _max_diff(rank["resumed"], rank["trained"]) == 0.0  # resumed at EP=2: exactly the same run
         assert _max_diff(rank["reference_copy"], rank["trained"]) == 0.0  # the plain copy has whole experts
+        assert rank["copy_ddp_ignores"] == []  # a later stage's DDP over the copy syncs the experts too
     # the checkpoint holds whole experts in the hub format: it resumes in one process (another layout) too
     resumed = AccelerateStrategy(cpu=True)
     resumed.setup(worker.tiny_moe(seed=1), **worker.SETUP)

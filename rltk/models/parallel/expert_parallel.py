@@ -212,6 +212,8 @@ def local_expert_slice(full: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
 def unsharded_copy(model: nn.Module) -> nn.Module:
     """A plain copy of ``model`` with whole experts and the block's own forward. Collective (all-gathers)."""
     plain = copy.deepcopy(model)
+    # The strategy told DDP to leave the slices alone; a DDP wrapping the whole copy must not (a later stage)
+    plain.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
     for module in _expert_modules(plain):
         if not isinstance(module, ExpertParallelExperts):
             continue
