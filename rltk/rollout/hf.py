@@ -47,6 +47,7 @@ import rltk
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.moe import is_moe
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
+from rltk.models.vision.tower import forget_rope_deltas
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 from rltk.rollout.base import (
@@ -254,13 +255,16 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         )
         # an MoE policy's routers are recorded over every forward, the shared prompt prefill included
         recording = record_generation_routing(model) if is_moe(model) else contextlib.nullcontext()
+        # a VLM's rotary offsets of its last forward must not reach this batch, and its prompts run in full:
+        # the shared prefill would leave offsets for the distinct prompts, not for the rows (forget_rope_deltas)
+        shared = {} if forget_rope_deltas(model) else _shared_prompt_cache(model, input_ids, attention_mask)
         with recording as routing:
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=config,
                 logits_processor=processors,
-                **_shared_prompt_cache(model, input_ids, attention_mask),
+                **shared,
             )
         generated = sequences[:, width:]  # [N, L], L <= max_new_tokens
         logprobs = recorder.finish(generated)  # [N, L]
