@@ -99,6 +99,7 @@ class DataConfig:
     eval_path: Optional[str] = None
     eval_split: Optional[str] = None
     prompt_key: str = "prompt"
+    image_key: str = "images"  # column of each row's images (paths, bytes, arrays; rltk/data/images.py), if any
     messages_key: str = "messages"  # column of chat messages (rltk/data/chat.py); a transcript also feeds the warm-up
     answer_key: Optional[str] = "answer"  # null: the rows have no answer (preference data, plain SFT text)
     extras_keys: Optional[List[str]] = None  # columns kept as row extras; null keeps all others
