@@ -54,3 +54,21 @@ def forget_rope_deltas(model: nn.Module) -> bool:
             module.rope_deltas = None
             kept = True
     return kept
+
+
+#: Config keys of the tokens that stand for images and videos (placeholders and their markers).
+VISION_TOKEN_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(model: nn.Module) -> list[int]:
+    """The ids of ``model``'s image and video tokens (none for a text model).
+
+    A response must never hold one: the next forward would look for image features for it (and fail, or
+    take another image's). The hf engine gives them probability 0 when it samples from a VLM.
+    """
+    from rltk.models.wrappers import unwrap_model
+
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None or getattr(config, "vision_config", None) is None:
+        return []
+    return sorted({value for key in VISION_TOKEN_ID_KEYS if isinstance(value := getattr(config, key, None), int)})
