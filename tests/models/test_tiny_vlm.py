@@ -134,3 +134,15 @@ def test_hf_engine_generates_batches_of_different_sizes(tokenizer, model):
     again = engine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=3, temperature=1.0, seed=0))
     assert [len(c) for c in first] == [4, 4] and len(again[0]) == 2
     assert all(len(c.token_ids) <= 3 for group in first + again for c in group)
+
+
+def test_lora_adapts_the_language_model_only():
+    from rltk.config.loader import load_config
+    from rltk.training.scaffold.setup import build_tokenizer_and_policy
+
+    cfg = load_config([], ["model.tiny.vision.depth=2", "model.lora.r=4"])
+    _, policy = build_tokenizer_and_policy(cfg)
+    adapters = [n for n, p in policy.named_parameters() if "lora_" in n]
+    assert adapters and all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)
+    assert not [n for n in adapters if ".visual." in n]
+    assert any(".language_model." in n for n in adapters)
