@@ -146,3 +146,26 @@ def test_lora_adapts_the_language_model_only():
     assert adapters and all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)
     assert not [n for n in adapters if ".visual." in n]
     assert any(".language_model." in n for n in adapters)
+
+
+def test_the_runs_tokenizer_folder_makes_an_exported_vlm_folder_complete(tmp_path):
+    """What a run saves at <output_dir>/tokenizer and `rltk export` copies beside the weights: with the processor,
+    the folder loads through AutoModelForImageTextToText and AutoTokenizer reads the ids the run trained with."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from rltk.config.loader import load_config
+    from rltk.models.loading import make_auto_tokenizer_exact
+    from rltk.training.scaffold.setup import build_tokenizer_and_policy, save_tokenizer_folder
+
+    cfg = load_config([], ["model.tiny.vision.depth=2"])
+    tokenizer, policy = build_tokenizer_and_policy(cfg)
+    folder = tmp_path / "export"
+    save_tokenizer_folder(cfg, tokenizer, folder)
+    assert (folder / "processor_config.json").is_file()
+    policy.save_pretrained(folder)  # the checkpoint's weights and config, as the export copies them
+    make_auto_tokenizer_exact(folder)
+    assert type(AutoModelForImageTextToText.from_pretrained(folder)).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert AutoTokenizer.from_pretrained(folder)("a b<|image_pad|>")["input_ids"] == [25, 17, 26, 106]
+    processor = load_processor(folder, load_tokenizer(folder))
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[_image("red")], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]]

@@ -93,6 +93,15 @@ def build_processor(cfg: DictConfig, tokenizer):
         raise ConfigError(str(exc).strip().splitlines()[0]) from exc
 
 
+def save_tokenizer_folder(cfg: DictConfig, tokenizer, folder) -> None:
+    """The run's tokenizer, and a VLM's processor (image processor config, chat template), into ``folder``:
+    what ``rltk export`` copies beside the weights, so that the exported folder is a complete model folder."""
+    processor = build_processor(cfg, tokenizer)
+    if processor is not None:
+        processor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 # ---------------------------------------------------------------- components
 
 def build_reward(cfg: DictConfig):
