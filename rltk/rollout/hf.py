@@ -277,8 +277,9 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         recording = record_generation_routing(model) if is_moe(model) else contextlib.nullcontext()
         # a VLM's rotary offsets of its last forward must not reach this batch, and its prompts run in full:
         # the shared prefill would leave offsets for the distinct prompts, not for the rows (forget_rope_deltas)
-        shared = {} if forget_rope_deltas(model) else _shared_prompt_cache(model, input_ids, attention_mask)
         with recording as routing:
+            # inside the recording: the shared prefill's routing is the prompt's
+            shared = {} if forget_rope_deltas(model) else _shared_prompt_cache(model, input_ids, attention_mask)
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
