@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.errors import ConfigError
 from rltk.models.lora import adapter_live_names
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
@@ -40,6 +41,7 @@ from rltk.strategies.base import (
     load_weights_only, optimizer_state_by_name, read_strategy_meta,
 )
 from rltk.models.folders import full_cpu_copy, load_full_state_into, load_model_folder, save_model_folder
+from rltk.strategies.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,14 @@ class AccelerateStrategy(TrainingStrategy):
         fsdp: shard parameters, gradients and optimizer state with FSDP2 when
             more than one process runs (with one process there is nothing to
             shard and this is plain training).
+        tensor_parallel_size: ranks that split every layer's weights (DTensor tensor parallelism,
+            :mod:`rltk.models.parallel.tensor_parallel`), consecutive ranks forming a group; the
+            ``world_size / tensor_parallel_size`` data-parallel ranks shard with FSDP2 over the other
+            dimension of a 2-D mesh (``fsdp=True`` is then required).
     """
 
     def __init__(self, *, mixed_precision: str = "no", cpu: bool | None = None, seed: int | None = None,
-                 fsdp: bool = False):
+                 fsdp: bool = False, tensor_parallel_size: int = 1):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -88,6 +94,7 @@ class AccelerateStrategy(TrainingStrategy):
             torch.amp.GradScaler(self.accelerator.device.type) if self._autocast_dtype == torch.float16 else None
         )
         self.fsdp = fsdp
+        self.layout = _tensor_parallel_layout(self._world_size, tensor_parallel_size, fsdp)
         self.seed = seed
         if seed is not None:
             set_seed(seed)
@@ -102,7 +109,11 @@ class AccelerateStrategy(TrainingStrategy):
     # ---------------------------------------------------------------- setup
 
     def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
-        if self.fsdp and self.world_size > 1:
+        if self.layout.tensor_parallel_size > 1:
+            self._skeleton = weightless_copy(model)
+            model = self._shard_tensor_parallel(model)
+            self._sharded = True
+        elif self.fsdp and self.world_size > 1:
             # fully_shard swaps the module's class and parameters in place: keep its structure
             # (no memory) to build plain copies from (full_model_copy, release_model).
             self._skeleton = weightless_copy(model)
@@ -114,6 +125,8 @@ class AccelerateStrategy(TrainingStrategy):
         # The optimizer is built after wrapping: FSDP2 replaced the parameters by DTensors.
         self._model = model
         self._optimizer = build_adamw(model, settings)
+        if self.layout.tensor_parallel_size > 1:
+            split_groups_by_mesh(self._optimizer)
         self._scheduler = build_lr_scheduler(self._optimizer, settings)
 
     def _shard(self, model: nn.Module) -> nn.Module:
@@ -127,6 +140,24 @@ class AccelerateStrategy(TrainingStrategy):
             if module is not model and type(module).__name__ in block_classes:
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        return model
+
+    def _shard_tensor_parallel(self, model: nn.Module) -> nn.Module:
+        """Tensor parallel over the mesh's ``tp`` dimension, then FSDP2 over ``dp`` (2-D) when it has several ranks.
+        A tied head is in the root unit with its embedding (one unit owns the shared matrix)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from rltk.models.parallel.tensor_parallel import apply_tensor_parallel
+
+        model.to(self.device)
+        mesh = self.layout.device_mesh(self.device.type)
+        apply_tensor_parallel(model, mesh["tp"])
+        if self.layout.data_world_size > 1:
+            block_classes = set(getattr(model, "_no_split_modules", None) or [])
+            for module in model.modules():
+                if module is not model and type(module).__name__ in block_classes:
+                    fully_shard(module, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
         return model
 
     # ---------------------------------------------------------------- properties
@@ -189,7 +220,8 @@ class AccelerateStrategy(TrainingStrategy):
         back into the sum, so the result equals one process on the global batch.
         """
         self._require_setup("backward()")
-        scaled = loss * self.world_size
+        # the average is over the data-parallel ranks; the ranks of a tensor-parallel group share their rows
+        scaled = loss * self.layout.data_world_size
         if self._grad_scaler is not None:
             scaled = self._grad_scaler.scale(scaled)
         self.accelerator.backward(scaled)
@@ -206,7 +238,10 @@ class AccelerateStrategy(TrainingStrategy):
         lr = self.current_lr
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self._optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), self.settings.clip_norm)
+        if self.layout.tensor_parallel_size > 1:
+            norm = clip_mixed_grad_norm_(self._model.parameters(), self.settings.clip_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), self.settings.clip_norm)
         grad_norm = float(full_cpu_copy(norm))  # FSDP2 returns a DTensor norm
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -343,5 +378,44 @@ class AccelerateStrategy(TrainingStrategy):
 
 
 @rltk.hookimpl
+def _tensor_parallel_layout(world_size: int, tensor_parallel_size: int, fsdp: bool) -> ParallelLayout:
+    """The run's grid for ``strategy_args.tensor_parallel_size``; ConfigError for a size that does not divide
+    the world, or several data-parallel ranks without FSDP2 (DDP takes no DTensor parameters)."""
+    layout = ParallelLayout(world_size=world_size, tensor_parallel_size=tensor_parallel_size)
+    if tensor_parallel_size > 1 and layout.data_world_size > 1 and not fsdp:
+        raise ConfigError(
+            f"strategy_args.tensor_parallel_size={tensor_parallel_size} over {world_size} processes leaves "
+            f"{layout.data_world_size} data-parallel ranks, which shard with FSDP2 on the 2-D mesh: set "
+            "strategy_args.fsdp=true (DDP takes no tensor-parallel parameters)")
+    return layout
+
+
+def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> None:
+    """Split each parameter group of a not yet stepped ``optimizer`` into one group per device mesh (plain
+    tensors: one more), in place: a fused or foreach update takes tensors of one kind only, and tensor
+    parallelism leaves DTensors on the tp mesh, FSDP2 shards on others and replicated plain tensors side by side."""
+    groups = []
+    for group in optimizer.param_groups:
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for param in group["params"]:
+            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+        groups.extend({**group, "params": params} for params in by_mesh.values())
+    optimizer.param_groups[:] = groups
+
+
+def clip_mixed_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over parameters on different device meshes (tensor-parallel DTensors, FSDP2 shards on
+    the data-parallel mesh, replicated plain tensors), whose norms torch's one foreach call cannot mix: each
+    gradient's norm made whole (a DTensor's over its mesh), then one scale for all. Returns the total norm."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = [full_cpu_copy(torch.linalg.vector_norm(g.detach(), dtype=torch.float32)).double() ** 2 for g in grads]
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.detach().mul_(scale)
+    return total.float()
+
+
 def rltk_training_strategies():
     return {"accelerate": AccelerateStrategy}
