@@ -485,7 +485,8 @@ TINY_SIZES = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv
 
 def check_tensor_parallel_config(cfg: DictConfig) -> None:
     """ConfigError naming ``strategy_args.tensor_parallel_size`` for a size that is not a whole number >= 1, a size that does not divide the model's heads, KV heads, MLP width or
-    vocabulary, or (under a launcher, ``WORLD_SIZE`` set) the process count, or data ranks without FSDP2."""
+    vocabulary, or (under a launcher, ``WORLD_SIZE`` set) the process count, or data ranks without FSDP2; then, for
+    now, any size > 1 (the recipes' loop is not tensor-parallel yet)."""
     args = OmegaConf.to_container(cfg.strategy_args, resolve=True) or {}
     size = args.get("tensor_parallel_size", 1)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -503,6 +504,13 @@ def check_tensor_parallel_config(cfg: DictConfig) -> None:
         if processes > size and not args.get("fsdp", False):
             raise ConfigError(f"{TP_KEY}={size} over {processes} processes leaves {processes // size} data-parallel "
                               "ranks, which shard with FSDP2 on the 2-D mesh: set strategy_args.fsdp=true")
+    # Remove once the update loop splits rows by data rank and scores log-probs through the vocabulary-parallel
+    # head: until then the ranks of a group would each take other rows, and a run would train on garbage.
+    raise ConfigError(
+        f"{TP_KEY}={size}: the recipes' training loop does not run tensor-parallel models yet (it splits rows by "
+        "rank, where the ranks of a tensor-parallel group must share theirs); tensor parallelism is available to "
+        "code that drives the strategy itself (AccelerateStrategy(tensor_parallel_size=...), "
+        "rltk.models.parallel.tensor_parallel). Use strategy_args.tensor_parallel_size=1")
 
 
 def _model_sizes(cfg: DictConfig) -> tuple[dict, str]:
