@@ -484,9 +484,10 @@ TINY_SIZES = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv
 
 
 def check_tensor_parallel_config(cfg: DictConfig) -> None:
-    """ConfigError naming ``strategy_args.tensor_parallel_size`` for a size that is not a whole number >= 1, a size that does not divide the model's heads, KV heads, MLP width or
-    vocabulary, or (under a launcher, ``WORLD_SIZE`` set) the process count, or data ranks without FSDP2; then, for
-    now, any size > 1 (the recipes' loop is not tensor-parallel yet)."""
+    """ConfigError naming ``strategy_args.tensor_parallel_size`` for a size that is not a whole number >= 1, or
+    that does not divide the model's heads, KV heads, MLP width or vocabulary, or (under a launcher, ``WORLD_SIZE``
+    set) the process count, or data ranks without FSDP2; then, for now, any size > 1 (the recipes' loop is not
+    tensor-parallel yet)."""
     args = OmegaConf.to_container(cfg.strategy_args, resolve=True) or {}
     size = args.get("tensor_parallel_size", 1)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:

@@ -94,7 +94,7 @@ class AccelerateStrategy(TrainingStrategy):
             torch.amp.GradScaler(self.accelerator.device.type) if self._autocast_dtype == torch.float16 else None
         )
         self.fsdp = fsdp
-        self.layout = _tensor_parallel_layout(self._world_size, tensor_parallel_size, fsdp)
+        self._layout = _tensor_parallel_layout(self._world_size, tensor_parallel_size, fsdp)
         self.seed = seed
         if seed is not None:
             set_seed(seed)
@@ -161,6 +161,11 @@ class AccelerateStrategy(TrainingStrategy):
         return model
 
     # ---------------------------------------------------------------- properties
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """How the processes split data and layers (:class:`rltk.strategies.layout.ParallelLayout`)."""
+        return self._layout
 
     @property
     def model(self) -> nn.Module:

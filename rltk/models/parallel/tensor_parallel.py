@@ -7,9 +7,10 @@ all-reduce), so a block costs two all-reduces forward and two backward. The plan
 ``base_model_tp_plan`` (the config's, as ``from_pretrained(tp_plan="auto")`` reads it) where it has one,
 else the Llama/Qwen names (:data:`DEFAULT_PLAN`). The LM head is column-parallel too, by vocabulary rows: its
 output is gathered for callers of ``model(...).logits``, while the log-prob pass reads the shard and never
-gathers (:func:`vocab_parallel_head_outputs`); a tied input embedding is sharded by the same rows
-(row-parallel embedding) and stays tied. Norms and anything else outside the plan stay replicated: every rank
-of a group computes them on the same inputs, so their gradients agree without communication.
+gathers (:func:`vocab_parallel_head_outputs`); the input embedding is sharded by the same rows (row-parallel
+embedding: each rank looks up its rows, one all-reduce sums them), and a tied head stays tied to it. Norms and
+anything else outside the plan stay replicated: every rank of a group computes them on the same inputs, so their
+gradients agree without communication.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
     head_path = _module_path(model, head)
     # whole logits for callers of model(...).logits; the log-prob pass reads the vocabulary shard instead
     plan[head_path] = ColwiseParallel(output_layouts=Replicate())
-    if head.weight is embedding.weight:
-        plan[_module_path(model, embedding)] = RowwiseParallel(input_layouts=Replicate())
+    # the input embedding by the same rows (a tied head shares them): replicated, an untied one would keep
+    # V x D per rank, 0.63x the state of one process instead of 0.50x (benchmarks/parallel.py tp-memory)
+    plan.setdefault(_module_path(model, embedding), RowwiseParallel(input_layouts=Replicate()))
     return plan
 
 

@@ -70,7 +70,10 @@ def main(out_dir: Path, fsdp: bool, tie: bool) -> None:
     strategy.backward(loss_of(logprobs, entropy, mask[share], global_tokens))
     grads = {name: full_cpu_copy(p.grad) for name, p in strategy.unwrap().named_parameters()}
     grad_norm = strategy.step()["grad_norm"]
-    torch.save({"rows": (share.start, share.stop), "logprobs": logprobs.detach(), "entropy": entropy.detach(),
+    copy = strategy.full_model_copy()  # a plain module (a rollout engine's, a reference's), rebuilt whole
+    torch.save({"copy": {name: tensor.detach().clone() for name, tensor in copy.state_dict().items()},
+                "copy_tied": copy.get_output_embeddings().weight is copy.get_input_embeddings().weight, "tied": tie,
+                "rows": (share.start, share.stop), "logprobs": logprobs.detach(), "entropy": entropy.detach(),
                 "grads": grads, "grad_norm": grad_norm, "weights": strategy.full_state_dict()},
                out_dir / f"rank{strategy.rank}.pt")
     dist.barrier()

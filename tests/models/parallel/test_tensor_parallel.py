@@ -70,6 +70,8 @@ def _compare(ranks: list[dict], reference: dict) -> None:
         assert rank["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
         for name, weight in reference["weights"].items():
             _assert_close(f"{name} after the step", rank["weights"][name], weight)
+            assert torch.equal(rank["copy"][name], rank["weights"][name]), f"full_model_copy: {name}"
+        assert rank["copy_tied"] == rank["tied"]  # the copy's head is its embedding exactly when the model's is
     assert {rank["rows"] for rank in ranks} == {(0, worker.BATCH)} or len(ranks) == 4
 
 
