@@ -22,8 +22,6 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rltk.algorithms.mismatch import check_rollout_correction, correction_active
-
 from rltk.config.components import check_components, check_task
 from rltk.config.env_checks import check_agent_tools, check_env
 from rltk.config.launcher_checks import check_launcher
@@ -407,6 +405,9 @@ def check_rollout_correction_config(cfg: DictConfig) -> None:
     rollout log-probs, every ratio is 1 and a correction would silently do
     nothing, so that combination is refused.
     """
+    # imported here: the module's other functions need torch, and importing rltk.config must not
+    from rltk.algorithms.mismatch import check_rollout_correction, correction_active
+
     settings = OmegaConf.to_container(OmegaConf.select(cfg, _CORRECTION_KEY), resolve=True)
     settings.pop("log_metrics", None)
     try:
