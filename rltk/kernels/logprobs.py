@@ -43,6 +43,10 @@ Backends (``impl``):
 * ``"naive"``: full logits and ``log_softmax``; the reference the others are
   tested against, and the right choice when memory is no concern.
 * ``"auto"``: ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``.
+
+For a head split by vocabulary rows over ranks, :func:`shard_softmax_partials` gives one shard's online-softmax
+statistics (torch or Triton) and :func:`backward_from_stats` its part of the backward from the whole
+vocabulary's ``lse`` and ``E_p[z]``; ``rltk.models.parallel.vocab_parallel`` combines them across ranks.
 """
 
 from __future__ import annotations
