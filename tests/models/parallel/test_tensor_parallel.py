@@ -76,6 +76,7 @@ def _compare(ranks: list[dict], reference: dict) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two torchrun processes importing transformers and a DTensor model: ~35 s on a loaded 2-core machine
 @pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "own-head"])
 def test_tp2_matches_one_process(tmp_path, tie):
     ranks = _launch(tmp_path, 2, fsdp=False, tie=tie)
