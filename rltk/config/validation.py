@@ -61,6 +61,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_rollout_correction_config(cfg)
     check_moe_config(cfg, registry)
     check_tensor_parallel_config(cfg)
+    check_vision_config(cfg)
     check_async_config(cfg, recipe, registry)
     check_launcher(cfg)
     check_seed(cfg)
@@ -266,6 +267,49 @@ def check_async_config(cfg: DictConfig, recipe=None, registry=None) -> None:
             f"bad value {t.sync_every!r} for 'trainer.sync_every': with trainer.max_staleness={t.max_staleness} it "
             f"must be at most {t.max_staleness + 1} (the producer may not sample with weights older than that, "
             f"and gets new ones only every sync_every steps)")
+
+
+# --------------------------------------------------------------------------
+# model.tiny.vision and vision-language policies: whether the configured policy is a VLM (the tiny
+# section, or model.path's config.json), and whether the rest of the config can run one
+# --------------------------------------------------------------------------
+
+#: Rollout engines that generate with a VLM's images (the others take token ids only).
+VISION_ENGINES = ("hf",)
+
+
+def policy_is_vlm(cfg: DictConfig) -> tuple[bool, str]:
+    """``(is a vision-language model, how a message names the policy)`` from the config alone."""
+    if not cfg.model.path:
+        depth = cfg.model.tiny.vision.depth
+        return bool(depth), f"the tiny VLM (model.tiny.vision.depth={depth})"
+    config_file = Path(cfg.model.path).expanduser() / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False, f"model.path='{cfg.model.path}' (no readable config.json)"
+    return "vision_config" in config, f"model.path='{cfg.model.path}' ({config.get('model_type', 'unknown')})"
+
+
+def check_vision_config(cfg: DictConfig) -> None:
+    """The tiny VLM's sizes; a VLM needs a rollout engine that passes images, and the tiny VLM is dense."""
+    tiny = cfg.model.tiny
+    if not cfg.model.path and tiny.vision.depth:
+        step = 28
+        if tiny.vision.depth < 0 or tiny.vision.image_size < step or tiny.vision.image_size % step:
+            raise ConfigError(
+                f"model.tiny.vision: depth={tiny.vision.depth}, image_size={tiny.vision.image_size}: depth >= 0 "
+                f"(0: a text-only model) and image_size a positive multiple of {step} (patch 14 x merge 2), e.g. 56")
+        if tiny.moe.num_experts:
+            raise ConfigError(
+                f"model.tiny.vision.depth={tiny.vision.depth} with model.tiny.moe.num_experts="
+                f"{tiny.moe.num_experts}: the tiny VLM is a dense Qwen2.5-VL; set one of them to 0")
+    vlm, described = policy_is_vlm(cfg)
+    if vlm and cfg.rollout.engine not in VISION_ENGINES:
+        raise ConfigError(
+            f"bad value '{cfg.rollout.engine}' for 'rollout.engine' with a vision-language policy ({described}): "
+            f"rltk passes images to {', '.join(VISION_ENGINES)} only (vLLM's multimodal inputs are not wired "
+            f"yet); set rollout.engine=hf")
 
 
 # --------------------------------------------------------------------------
