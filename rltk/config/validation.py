@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -34,6 +35,7 @@ from rltk.config.recipe_capabilities import (
 from rltk.config.schema import CHOICES
 from rltk.data.templates import template_fields
 from rltk.io import model_folder_problem
+from rltk.models.parallel.sizes import TP_KEY, check_tensor_parallel_sizes
 from rltk.registry import did_you_mean, get_registry
 
 
@@ -58,6 +60,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     _check_positive(cfg)
     check_rollout_correction_config(cfg)
     check_moe_config(cfg, registry)
+    check_tensor_parallel_config(cfg)
     check_vision_config(cfg)
     check_async_config(cfg, recipe, registry)
     check_launcher(cfg)
@@ -516,3 +519,54 @@ def check_reward_components(cfg: DictConfig, needs: frozenset[str]) -> None:
             f"column per function of reward.reward_fn {names}); unset buffer.expert.score so that the reward "
             f"functions score the expert responses"
         )
+
+
+# ---------------------------------------------------------------- strategy_args.tensor_parallel_size
+
+#: the tiny section's names of the sizes (its vocabulary comes from the tokenizer: checked when the model is sharded)
+TINY_SIZES = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+              "intermediate_size": "intermediate_size"}
+
+
+def check_tensor_parallel_config(cfg: DictConfig) -> None:
+    """ConfigError naming ``strategy_args.tensor_parallel_size`` for a size that is not a whole number >= 1, or
+    that does not divide the model's heads, KV heads, MLP width or vocabulary, or (under a launcher, ``WORLD_SIZE``
+    set) the process count, or data ranks without FSDP2; then, for now, any size > 1 (the recipes' loop is not
+    tensor-parallel yet)."""
+    args = OmegaConf.to_container(cfg.strategy_args, resolve=True) or {}
+    size = args.get("tensor_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"{TP_KEY}: {size!r} is not a whole number of ranks >= 1")
+    if size == 1:
+        return
+    sizes, described = _model_sizes(cfg)
+    check_tensor_parallel_sizes(sizes, size, described)
+    world = os.environ.get("WORLD_SIZE")
+    if world and world.isdigit():
+        processes = int(world)
+        if processes % size:
+            raise ConfigError(f"{TP_KEY}={size} does not divide the {processes} processes of the run: launch a "
+                              f"multiple of {size} processes")
+        if processes > size and not args.get("fsdp", False):
+            raise ConfigError(f"{TP_KEY}={size} over {processes} processes leaves {processes // size} data-parallel "
+                              "ranks, which shard with FSDP2 on the 2-D mesh: set strategy_args.fsdp=true")
+    # Remove once the update loop splits rows by data rank and scores log-probs through the vocabulary-parallel
+    # head: until then the ranks of a group would each take other rows, and a run would train on garbage.
+    raise ConfigError(
+        f"{TP_KEY}={size}: the recipes' training loop does not run tensor-parallel models yet (it splits rows by "
+        "rank, where the ranks of a tensor-parallel group must share theirs); tensor parallelism is available to "
+        "code that drives the strategy itself (AccelerateStrategy(tensor_parallel_size=...), "
+        "rltk.models.parallel.tensor_parallel). Use strategy_args.tensor_parallel_size=1")
+
+
+def _model_sizes(cfg: DictConfig) -> tuple[dict, str]:
+    if not cfg.model.path:
+        tiny = cfg.model.tiny
+        return {name: tiny[key] for name, key in TINY_SIZES.items()}, "the tiny model (model.tiny)"
+    config_file = Path(cfg.model.path).expanduser() / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return {}, f"model.path='{cfg.model.path}'"
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return text, f"model.path='{cfg.model.path}' ({text.get('model_type', 'unknown')})"

@@ -43,6 +43,10 @@ Backends (``impl``):
 * ``"naive"``: full logits and ``log_softmax``; the reference the others are
   tested against, and the right choice when memory is no concern.
 * ``"auto"``: ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``.
+
+For a head split by vocabulary rows over ranks, :func:`shard_softmax_partials` gives one shard's online-softmax
+statistics (torch or Triton) and :func:`backward_from_stats` its part of the backward from the whole
+vocabulary's ``lse`` and ``E_p[z]``; ``rltk.models.parallel.vocab_parallel`` combines them across ranks.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from typing import Sequence
 import torch
 
 from rltk.kernels.chunks import parse_chunk_size
+from rltk.kernels.softmax_stats import finish_softmax_stats
 
 IMPLS = ("auto", "triton", "triton-hopper", "torch", "naive")
 TRITON_IMPLS = ("triton", "triton-hopper")
@@ -185,6 +190,41 @@ def triton_token_logprobs_and_entropy(
                          with_sum_pi_squared)
     config = config or triton_logprobs.config_for(hidden, weight, None)
     return _apply_op(hidden, weight, bias, labels, temperature, "triton", config, ignore_index, with_sum_pi_squared)
+
+
+#: backends of the vocabulary-shard entry points (:func:`shard_backend_and_tiling`); the Hopper kernels
+#: merge their splits inside their own forward and have no shard form yet
+SHARD_IMPLS = ("auto", "triton", "torch")
+
+
+def shard_backend_and_tiling(impl: str, hidden: torch.Tensor, weight_shard: torch.Tensor,
+                             chunk_size: int | Sequence[int] | None):
+    """``(backend, tiling)`` for :func:`shard_softmax_partials` and :func:`backward_from_stats` on one shard
+    of the head's rows ``weight_shard`` (V/TP, D); ValueError for an ``impl`` without a shard form."""
+    if impl not in SHARD_IMPLS:
+        raise ValueError(f"impl={impl!r} has no vocabulary-shard form; valid: {', '.join(map(repr, SHARD_IMPLS))}")
+    backend = resolve_impl(impl, hidden)
+    if backend == "torch":
+        return backend, torch_tiling(hidden.shape[0], weight_shard.shape[0], chunk_size)
+    from rltk.kernels import triton_logprobs
+
+    return backend, triton_logprobs.config_for(hidden, weight_shard, chunk_size)
+
+
+def shard_softmax_partials(backend, tiling, hidden, weight_shard, bias_shard, shard_labels, inv_temperature, *,
+                           with_sum_pi_squared=False) -> tuple[torch.Tensor | None, ...]:
+    """Online-softmax stats of each token over one shard of the vocabulary, for a combine across shards:
+    ``(m, s, w, label logit, q or None)`` with ``s = sum e^(z-m)``, ``w = sum e^(z-m) (z-m)`` and
+    ``q = sum e^(2(z-m))`` over the shard's logits ``z = (h W_shard^T + b_shard) / t``. ``shard_labels`` index
+    the shard's rows; a label outside them (-1) gives a label logit of 0. fp32, shape (N,) each."""
+    with _fp32_math(hidden):
+        if backend == "torch":
+            return _torch_partials(hidden, weight_shard, bias_shard, shard_labels, inv_temperature, tiling,
+                                   with_sum_pi_squared=with_sum_pi_squared)
+        from rltk.kernels import triton_logprobs
+
+        return triton_logprobs.triton_partials(hidden, weight_shard, bias_shard, shard_labels, inv_temperature,
+                                               tiling, with_sum_pi_squared=with_sum_pi_squared)
 
 
 @lru_cache(maxsize=1)
@@ -377,29 +417,42 @@ class _TokenLogprobsEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy, _grad_sum_pi_squared):
         hidden, weight, bias, labels, lse, expected_logit = ctx.saved_tensors
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 9
-        inv_t = ctx.inv_temperature
-        # Fold 1/t and the ignore mask into per-token scales once, so the tiles
-        # produce the gradient with respect to the raw logits h W^T + b.
-        ignored = labels == ctx.ignore_index
-        grad_lp = None
-        if grad_logprobs is not None:
-            grad_lp = (grad_logprobs.float() * inv_t).masked_fill_(ignored, 0.0)
-        grad_ent = None if grad_entropy is None else grad_entropy.float() * inv_t
-        _, backward_fn = _backend_fns(ctx.backend)
-        with _fp32_math(hidden):
-            grad_hidden, grad_weight, grad_bias = backward_fn(
-                hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_t, ctx.tiling,
-                need_hidden=needs_hidden, need_weight=needs_weight, need_bias=bias is not None and needs_bias,
-            )
-        return (
-            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None, None, None,
+        grads = backward_from_stats(
+            ctx.backend, ctx.tiling, hidden, weight, bias, labels, lse, expected_logit, grad_logprobs, grad_entropy,
+            inv_temperature=ctx.inv_temperature, ignored=labels == ctx.ignore_index, needs=ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None, None, None)
+
+
+def backward_from_stats(backend, tiling, hidden, weight, bias, labels, lse, expected_logit, grad_logprobs,
+                        grad_entropy, *, inv_temperature, ignored, needs):
+    """Gradients ``(hidden, weight, bias)`` of the op (each None where not needed or not reached, in the
+    inputs' dtypes) from the saved per-token ``lse`` and ``E_p[z]``, the logits recomputed tile by tile.
+
+    ``labels`` index the rows of ``weight`` (a label outside them, e.g. -1, adds no one-hot term), ``ignored``
+    marks the tokens whose log-prob sends no gradient, and ``needs`` is ``needs_input_grad`` of
+    (hidden, weight, bias). Shared by the single-device op and the vocabulary-parallel one, where ``lse`` and
+    ``E_p[z]`` are those of the whole vocabulary and ``weight`` one shard of its rows.
+    """
+    if grad_logprobs is None and grad_entropy is None:
+        return None, None, None
+    needs_hidden, needs_weight, needs_bias = needs
+    # Fold 1/t and the ignore mask into per-token scales once, so the tiles
+    # produce the gradient with respect to the raw logits h W^T + b.
+    grad_lp = None
+    if grad_logprobs is not None:
+        grad_lp = (grad_logprobs.float() * inv_temperature).masked_fill_(ignored, 0.0)
+    grad_ent = None if grad_entropy is None else grad_entropy.float() * inv_temperature
+    _, backward_fn = _backend_fns(backend)
+    with _fp32_math(hidden):
+        grad_hidden, grad_weight, grad_bias = backward_fn(
+            hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_temperature, tiling,
+            need_hidden=needs_hidden, need_weight=needs_weight, need_bias=bias is not None and needs_bias,
         )
+    return (
+        None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+    )
 
 
 def _backend_fns(backend: str):
@@ -484,14 +537,22 @@ def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore
                    with_sum_pi_squared=False):
     """Chunked forward: per-token log-prob, entropy, lse, E_p[z] and sum_v p_v^2 (None unless
     ``with_sum_pi_squared``), all fp32. Shape: (N,) each."""
+    run_max, run_sum, run_wsum, label_logit, run_sq = _torch_partials(
+        hidden, weight, bias, labels, inv_temperature, tiling, with_sum_pi_squared=with_sum_pi_squared)
+    lse, expected_logit, entropy = finish_softmax_stats(run_max, run_sum, run_wsum)
+    logprobs = (label_logit - lse).masked_fill_(labels == ignore_index, 0.0)
+    sum_pi_squared = run_sq / run_sum.square() if with_sum_pi_squared else None  # q / s^2 at the common max
+    return logprobs, entropy, lse, expected_logit, sum_pi_squared
+
+
+def _torch_partials(hidden, weight, bias, labels, inv_temperature, tiling, *, with_sum_pi_squared=False):
+    """Online-softmax stats of each token over the vocabulary rows of ``weight``: ``(m, s, w, label logit,
+    q or None)`` with ``s = sum e^(z-m)``, ``w = sum e^(z-m)(z-m)``, ``q = sum e^(2(z-m))``; the label logit
+    is 0 where the label is not one of these rows. fp32, shape (N,) each."""
     num_tokens = hidden.shape[0]
     token_chunk, vocab_chunk = tiling
     device = hidden.device
-    logprobs = torch.empty(num_tokens, dtype=torch.float32, device=device)
-    entropy = torch.empty_like(logprobs)
-    lse = torch.empty_like(logprobs)
-    expected_logit = torch.empty_like(logprobs)
-    sum_pi_squared = torch.empty_like(logprobs) if with_sum_pi_squared else None
+    stats = torch.empty(5 if with_sum_pi_squared else 4, num_tokens, dtype=torch.float32, device=device)
     tiles = _Tiles(weight, bias, token_chunk, vocab_chunk, inv_temperature, n_buffers=2)
     labels = labels.long()
     for row in range(0, num_tokens, token_chunk):
@@ -524,16 +585,11 @@ def _torch_forward(hidden, weight, bias, labels, inv_temperature, tiling, ignore
                 if with_sum_pi_squared:
                     run_sq = run_sq * scale.square() + tile_sq
                 run_max = new_max
-        log_sum = run_sum.log()
-        mean_shifted = run_wsum / run_sum  # E_p[z] - m
-        lse[row : row + rows] = run_max + log_sum
-        expected_logit[row : row + rows] = run_max + mean_shifted
-        entropy[row : row + rows] = log_sum - mean_shifted  # lse - E_p[z], both relative to m
-        logprobs[row : row + rows] = label_logit - lse[row : row + rows]
+        chunk = stats[:, row : row + rows]
+        chunk[0], chunk[1], chunk[2], chunk[3] = run_max, run_sum, run_wsum, label_logit
         if with_sum_pi_squared:
-            sum_pi_squared[row : row + rows] = run_sq / run_sum.square()  # sum e^(2(z-m)) / (sum e^(z-m))^2
-    logprobs.masked_fill_(labels == ignore_index, 0.0)
-    return logprobs, entropy, lse, expected_logit, sum_pi_squared
+            chunk[4] = run_sq
+    return stats[0], stats[1], stats[2], stats[3], (stats[4] if with_sum_pi_squared else None)
 
 
 def _torch_backward(hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_temperature,

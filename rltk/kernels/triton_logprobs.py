@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from rltk.kernels.chunks import parse_chunk_size
+from rltk.kernels.softmax_stats import finish_softmax_stats
 
 
 @dataclass(frozen=True)
@@ -345,30 +346,32 @@ def _splits(config: TritonConfig, num_tokens: int, vocab_size: int, device: torc
 
 
 def _merge_partials(part_max, part_sum, part_wsum, part_label):
-    """Combine per-split online-softmax stats ``[S, N]`` into per-token ``(lse, E_p[z], entropy, label logit)``.
+    """Combine per-split online-softmax stats ``[S, N]`` into per-token ``(lse, E_p[z], entropy, label logit)``
+    (:func:`reduce_splits`, then ``lse = M + log s``, ``E_p[z] = M + w / s`` and entropy ``= log s - w / s``)."""
+    top, total_sum, total_wsum, _ = reduce_splits(part_max, part_sum, part_wsum)
+    lse, expected_logit, entropy = finish_softmax_stats(top, total_sum, total_wsum)
+    return lse, expected_logit, entropy, part_label.sum(dim=0)
 
-    With ``M = max_k m_k`` and ``c_k = e^(m_k - M)``: ``s = sum_k s_k c_k`` and
-    ``w = sum_k (w_k + (m_k - M) s_k) c_k``; then ``lse = M + log s``,
-    ``E_p[z] = M + w / s`` and entropy ``= log s - w / s``.
+
+def reduce_splits(part_max, part_sum, part_wsum, part_sq=None):
+    """Per-split online-softmax stats ``[S, N]`` moved to their common max: per-token ``(M, s, w, q or None)``.
+
+    With ``M = max_k m_k`` and ``c_k = e^(m_k - M)``: ``s = sum_k s_k c_k``,
+    ``w = sum_k (w_k + (m_k - M) s_k) c_k`` and ``q = sum_k q_k c_k^2`` (each ``q_k`` sums ``e^(2(z - m_k))``).
     """
     top = part_max.amax(dim=0)  # [N]
     offset = part_max - top  # [S, N], <= 0
     scale = offset.exp()
     total_sum = (part_sum * scale).sum(dim=0)
     total_wsum = ((part_wsum + offset * part_sum) * scale).sum(dim=0)
-    log_sum = total_sum.log()
-    mean_shifted = total_wsum / total_sum
-    return top + log_sum, top + mean_shifted, log_sum - mean_shifted, part_label.sum(dim=0)
+    total_sq = None if part_sq is None else (part_sq * scale.square()).sum(dim=0)
+    return top, total_sum, total_wsum, total_sq
 
 
 def _merge_sum_pi_squared(part_max, part_sum, part_sq):
-    """``sum_v p_v^2`` per token from per-split ``[S, N]`` stats: ``q / s^2`` at the common max.
-
-    With ``M = max_k m_k`` and ``c_k = e^(m_k - M)``: ``s = sum_k s_k c_k`` and
-    ``q = sum_k q_k c_k^2`` (each ``q_k`` sums ``e^(2(z - m_k))``).
-    """
-    scale = (part_max - part_max.amax(dim=0)).exp()  # [S, N], <= 1
-    return (part_sq * scale.square()).sum(dim=0) / (part_sum * scale).sum(dim=0).square()
+    """``sum_v p_v^2`` per token from per-split ``[S, N]`` stats: ``q / s^2`` at the common max."""
+    _, total_sum, _, total_sq = reduce_splits(part_max, part_sum, part_sum, part_sq)
+    return total_sq / total_sum.square()
 
 
 def _device_guard(tensor: torch.Tensor):
@@ -380,12 +383,36 @@ def triton_forward(hidden, weight, bias, labels, inv_temperature, config: Triton
                    with_sum_pi_squared=False):
     """Forward launch: ``(logprobs, entropy, lse, E_p[z], sum_v p_v^2)``, fp32. Shape: (N,) each; the last is
     None unless ``with_sum_pi_squared``."""
+    device = hidden.device
+    if hidden.shape[0] == 0:
+        empty = torch.empty(0, dtype=torch.float32, device=device)
+        return empty, empty.clone(), empty.clone(), empty.clone(), (empty.clone() if with_sum_pi_squared else None)
+    partials = _split_partials(hidden, weight, bias, labels, inv_temperature, config, with_sum_pi_squared)
+    lse, expected_logit, entropy, label_logit = _merge_partials(*partials[:4])
+    logprobs = (label_logit - lse).masked_fill_(labels == ignore_index, 0.0)
+    sum_pi_squared = _merge_sum_pi_squared(partials[0], partials[1], partials[4]) if with_sum_pi_squared else None
+    return logprobs, entropy, lse, expected_logit, sum_pi_squared
+
+
+def triton_partials(hidden, weight, bias, labels, inv_temperature, config: TritonConfig, *,
+                    with_sum_pi_squared=False):
+    """Online-softmax stats of each token over the rows of ``weight`` (one shard of a vocabulary):
+    ``(m, s, w, label logit, q or None)`` as in :func:`rltk.kernels.logprobs._torch_partials`, the kernel's
+    vocab splits already reduced (:func:`reduce_splits`). fp32, shape (N,) each."""
+    if hidden.shape[0] == 0:
+        empty = torch.empty(0, dtype=torch.float32, device=hidden.device)
+        return empty, empty.clone(), empty.clone(), empty.clone(), (empty.clone() if with_sum_pi_squared else None)
+    partials = _split_partials(hidden, weight, bias, labels, inv_temperature, config, with_sum_pi_squared)
+    top, total_sum, total_wsum, total_sq = reduce_splits(partials[0], partials[1], partials[2],
+                                                         partials[4] if with_sum_pi_squared else None)
+    return top, total_sum, total_wsum, partials[3].sum(dim=0), total_sq
+
+
+def _split_partials(hidden, weight, bias, labels, inv_temperature, config, with_sum_pi_squared) -> torch.Tensor:
+    """The forward kernel's per-split stats ``(m, s, w, label logit[, q])``. Shape: (4 or 5, S, N)."""
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
-    if num_tokens == 0:
-        empty = torch.empty(0, dtype=torch.float32, device=device)
-        return empty, empty.clone(), empty.clone(), empty.clone(), (empty.clone() if with_sum_pi_squared else None)
     num_splits, tiles_per_split = _splits(config, num_tokens, vocab_size, device)
     partials = torch.empty(5 if with_sum_pi_squared else 4, num_splits, num_tokens, dtype=torch.float32,
                            device=device)
@@ -401,10 +428,7 @@ def triton_forward(hidden, weight, bias, labels, inv_temperature, config: Triton
             BLOCK_V=config.block_v, BLOCK_D=config.block_d, DOT_PRECISION=_dot_precision(hidden.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    lse, expected_logit, entropy, label_logit = _merge_partials(*partials[:4])
-    logprobs = (label_logit - lse).masked_fill_(labels == ignore_index, 0.0)
-    sum_pi_squared = _merge_sum_pi_squared(partials[0], partials[1], partials[4]) if with_sum_pi_squared else None
-    return logprobs, entropy, lse, expected_logit, sum_pi_squared
+    return partials
 
 
 def triton_backward(hidden, weight, bias, labels, lse, expected_logit, grad_lp, grad_ent, inv_temperature,

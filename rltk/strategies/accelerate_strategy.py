@@ -34,6 +34,7 @@ from torch import nn
 
 import rltk
 from rltk.distributed import start_loopback_process_group
+from rltk.errors import ConfigError
 from rltk.models.lora import adapter_live_names
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
@@ -42,9 +43,9 @@ from rltk.strategies.base import (
     load_weights_only, optimizer_state_by_name, read_strategy_meta,
 )
 from rltk.models.folders import full_cpu_copy, load_full_state_into, load_model_folder, save_model_folder
-from rltk.errors import ConfigError
 from rltk.models.parallel.expert_parallel import unsharded_copy
 from rltk.strategies.expert_parallel import ExpertParallelism, check_expert_parallel_size
+from rltk.strategies.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,14 @@ class AccelerateStrategy(TrainingStrategy):
         expert_parallel_size: split a mixture of experts' experts over this
             many consecutive ranks, tokens sent to them by all-to-all
             (:mod:`rltk.strategies.expert_parallel`; with DDP, not FSDP2).
+        tensor_parallel_size: ranks that split every layer's weights (DTensor tensor parallelism,
+            :mod:`rltk.models.parallel.tensor_parallel`), consecutive ranks forming a group; the
+            ``world_size / tensor_parallel_size`` data-parallel ranks shard with FSDP2 over the other
+            dimension of a 2-D mesh (``fsdp=True`` is then required). Not with expert parallelism.
     """
 
     def __init__(self, *, mixed_precision: str = "no", cpu: bool | None = None, seed: int | None = None,
-                 fsdp: bool = False, expert_parallel_size: int = 1):
+                 fsdp: bool = False, expert_parallel_size: int = 1, tensor_parallel_size: int = 1):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -98,6 +103,11 @@ class AccelerateStrategy(TrainingStrategy):
             torch.amp.GradScaler(self.accelerator.device.type) if self._autocast_dtype == torch.float16 else None
         )
         self.fsdp = fsdp
+        self._layout = _tensor_parallel_layout(self._world_size, tensor_parallel_size, fsdp)
+        if tensor_parallel_size > 1 and expert_parallel_size > 1:
+            raise ConfigError(f"strategy_args.tensor_parallel_size={tensor_parallel_size} with "
+                              f"strategy_args.expert_parallel_size={expert_parallel_size}: the two do not combine "
+                              "yet; set one of them to 1")
         self._experts = None  # ExpertParallelism when expert_parallel_size > 1
         if check_expert_parallel_size(expert_parallel_size) > 1:
             if fsdp:
@@ -118,7 +128,11 @@ class AccelerateStrategy(TrainingStrategy):
     # ---------------------------------------------------------------- setup
 
     def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
-        if self.fsdp and self.world_size > 1:
+        if self.layout.tensor_parallel_size > 1:
+            self._skeleton = weightless_copy(model)
+            model = self._shard_tensor_parallel(model)
+            self._sharded = True
+        elif self.fsdp and self.world_size > 1:
             # fully_shard swaps the module's class and parameters in place: keep its structure
             # (no memory) to build plain copies from (full_model_copy, release_model).
             self._skeleton = weightless_copy(model)
@@ -132,6 +146,8 @@ class AccelerateStrategy(TrainingStrategy):
         # The optimizer is built after wrapping: FSDP2 replaced the parameters by DTensors.
         self._model = model
         self._optimizer = build_adamw(model, settings)
+        if self.layout.tensor_parallel_size > 1:
+            split_groups_by_mesh(self._optimizer)
         self._scheduler = build_lr_scheduler(self._optimizer, settings)
 
     def _shard(self, model: nn.Module) -> nn.Module:
@@ -147,7 +163,30 @@ class AccelerateStrategy(TrainingStrategy):
         fully_shard(model, mesh=mesh)
         return model
 
+    def _shard_tensor_parallel(self, model: nn.Module) -> nn.Module:
+        """Tensor parallel over the mesh's ``tp`` dimension, then FSDP2 over ``dp`` (2-D) when it has several ranks.
+        A tied head is in the root unit with its embedding (one unit owns the shared matrix)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from rltk.models.parallel.tensor_parallel import apply_tensor_parallel
+
+        model.to(self.device)
+        mesh = self.layout.device_mesh(self.device.type)
+        apply_tensor_parallel(model, mesh["tp"])
+        if self.layout.data_world_size > 1:
+            block_classes = set(getattr(model, "_no_split_modules", None) or [])
+            for module in model.modules():
+                if module is not model and type(module).__name__ in block_classes:
+                    fully_shard(module, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        return model
+
     # ---------------------------------------------------------------- properties
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """How the processes split data and layers (:class:`rltk.strategies.layout.ParallelLayout`)."""
+        return self._layout
 
     @property
     def model(self) -> nn.Module:
@@ -208,7 +247,8 @@ class AccelerateStrategy(TrainingStrategy):
         back into the sum, so the result equals one process on the global batch.
         """
         self._require_setup("backward()")
-        scaled = loss * self.world_size
+        # the average is over the data-parallel ranks; the ranks of a tensor-parallel group share their rows
+        scaled = loss * self.layout.data_world_size
         if self._grad_scaler is not None:
             scaled = self._grad_scaler.scale(scaled)
         self.accelerator.backward(scaled)
@@ -227,6 +267,8 @@ class AccelerateStrategy(TrainingStrategy):
             self._grad_scaler.unscale_(self._optimizer)
         if self._experts is not None:
             norm = self._experts.reduce_and_clip(list(self._model.parameters()), self.settings.clip_norm)
+        elif self.layout.tensor_parallel_size > 1:
+            norm = clip_mixed_grad_norm_(self._model.parameters(), self.settings.clip_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), self.settings.clip_norm)
         grad_norm = float(full_cpu_copy(norm))  # FSDP2 returns a DTensor norm
@@ -369,5 +411,44 @@ class AccelerateStrategy(TrainingStrategy):
 
 
 @rltk.hookimpl
+def _tensor_parallel_layout(world_size: int, tensor_parallel_size: int, fsdp: bool) -> ParallelLayout:
+    """The run's grid for ``strategy_args.tensor_parallel_size``; ConfigError for a size that does not divide
+    the world, or several data-parallel ranks without FSDP2 (DDP takes no DTensor parameters)."""
+    layout = ParallelLayout(world_size=world_size, tensor_parallel_size=tensor_parallel_size)
+    if tensor_parallel_size > 1 and layout.data_world_size > 1 and not fsdp:
+        raise ConfigError(
+            f"strategy_args.tensor_parallel_size={tensor_parallel_size} over {world_size} processes leaves "
+            f"{layout.data_world_size} data-parallel ranks, which shard with FSDP2 on the 2-D mesh: set "
+            "strategy_args.fsdp=true (DDP takes no tensor-parallel parameters)")
+    return layout
+
+
+def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> None:
+    """Split each parameter group of a not yet stepped ``optimizer`` into one group per device mesh (plain
+    tensors: one more), in place: a fused or foreach update takes tensors of one kind only, and tensor
+    parallelism leaves DTensors on the tp mesh, FSDP2 shards on others and replicated plain tensors side by side."""
+    groups = []
+    for group in optimizer.param_groups:
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for param in group["params"]:
+            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+        groups.extend({**group, "params": params} for params in by_mesh.values())
+    optimizer.param_groups[:] = groups
+
+
+def clip_mixed_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over parameters on different device meshes (tensor-parallel DTensors, FSDP2 shards on
+    the data-parallel mesh, replicated plain tensors), whose norms torch's one foreach call cannot mix: each
+    gradient's norm made whole (a DTensor's over its mesh), then one scale for all. Returns the total norm."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = [full_cpu_copy(torch.linalg.vector_norm(g.detach(), dtype=torch.float32)).double() ** 2 for g in grads]
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.detach().mul_(scale)
+    return total.float()
+
+
 def rltk_training_strategies():
     return {"accelerate": AccelerateStrategy}
