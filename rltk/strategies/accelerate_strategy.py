@@ -63,10 +63,15 @@ class AccelerateStrategy(TrainingStrategy):
         fsdp: shard parameters, gradients and optimizer state with FSDP2 when
             more than one process runs (with one process there is nothing to
             shard and this is plain training).
+        sequence_parallel_size, tensor_parallel_size, expert_parallel_size: the parallel layout
+            (:class:`rltk.strategies.layout.ParallelLayout`); each must divide the process count.
     """
 
+    built_parallel_sizes = frozenset({"sequence_parallel_size"})
+
     def __init__(self, *, mixed_precision: str = "no", cpu: bool | None = None, seed: int | None = None,
-                 fsdp: bool = False):
+                 fsdp: bool = False, sequence_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                 expert_parallel_size: int = 1):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -82,6 +87,8 @@ class AccelerateStrategy(TrainingStrategy):
         self.accelerator = accelerator = Accelerator(cpu=cpu, mixed_precision="no")
         self._device, self._rank = accelerator.device, accelerator.process_index
         self._world_size = accelerator.num_processes
+        self._init_layout(sequence_parallel_size=sequence_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                          expert_parallel_size=expert_parallel_size)
         self.mixed_precision = mixed_precision
         self._autocast_dtype = check_mixed_precision(mixed_precision, self.accelerator.device)
         self._grad_scaler = (
@@ -102,6 +109,10 @@ class AccelerateStrategy(TrainingStrategy):
     # ---------------------------------------------------------------- setup
 
     def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
+        if self.layout.sequence_parallel_size > 1:
+            from rltk.models.parallel.sequence import check_heads_divide
+
+            check_heads_divide(model, self.layout.sequence_parallel_size)
         if self.fsdp and self.world_size > 1:
             # fully_shard swaps the module's class and parameters in place: keep its structure
             # (no memory) to build plain copies from (full_model_copy, release_model).

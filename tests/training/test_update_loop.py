@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from rltk.strategies.base import TrainingStrategy
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.updates.update_loop import MicroLoss, optimizer_epochs
 
@@ -16,8 +17,11 @@ class StubStrategy:
 
     device = torch.device("cpu")
 
+    forward_backward = TrainingStrategy.forward_backward
+
     def __init__(self, world_size: int = 1, busiest: int = 0):
-        self.world_size, self.busiest = world_size, busiest
+        self.world_size = self.data_world_size = world_size
+        self.busiest = busiest
         self.backwards: list[float] = []
         self.steps = 0
 

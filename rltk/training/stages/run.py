@@ -233,9 +233,9 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], Any]]) -> None:
 
 def require_rows_per_rank(strategy, key: str, rows: int) -> None:
     """Refuse a per-step row count that leaves some process nothing: ranks split each step's rows."""
-    if rows < strategy.world_size:
-        raise ConfigError(f"{key}={rows} leaves some of the {strategy.world_size} processes without a row each step "
-                          f"(every process takes its share); set {key} to at least {strategy.world_size}")
+    if rows < strategy.data_world_size:
+        raise ConfigError(f"{key}={rows} leaves some of the {strategy.data_world_size} data-parallel ranks without a row "
+                          f"each step (every one takes its share); set {key} to at least {strategy.data_world_size}")
 
 
 def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_steps: int, lr_schedule: str):

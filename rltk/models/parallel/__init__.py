@@ -1,0 +1,1 @@
+"""Model parallelism inside one forward: sequence (Ulysses), tensor and expert parallel layers."""
