@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from rltk.distributed import set_ranks_per_data_share
 from rltk.errors import ConfigError
 from rltk.models.folders import full_cpu_copy, shard_like
 from rltk.registry import unknown_name_message
@@ -470,6 +471,7 @@ class TrainingStrategy(abc.ABC):
                     f"strategy_args.{key}={getattr(layout, key)}: {type(self).__name__} does not run this kind of "
                     f"parallelism (sizes above 1 it runs: {built}); set strategy_args.{key}=1")
         self._layout = layout
+        set_ranks_per_data_share(layout.sequence_parallel_size * layout.tensor_parallel_size)
 
     def _require_setup(self, what: str) -> None:
         if self.settings is None:
@@ -588,13 +590,27 @@ class TrainingStrategy(abc.ABC):
         for micro in micro_batches:
             data = {k: v.to(self.device) for k, v in micro.data.items()}
             with self.accumulate(micro.is_last):
+                split_before = self._split_forwards
                 with self.autocast():
                     loss, read_shares = micro_loss(data, micro)
+                self._check_split(split_before)
                 # backward outside autocast (torch's advice) but inside accumulate, whose no-sync must cover it
                 self.backward(loss * 0.0 if micro.padding else loss)
             for name, value in read_shares().items():
                 totals[name] = totals.setdefault(name, 0.0) if micro.padding else totals.get(name, 0.0) + value
         return totals
+
+    _split_forwards = 0  # sequence-split passes run so far (:meth:`logprobs`)
+
+    def _check_split(self, split_before: int) -> None:
+        """Refuse a loss whose forward ran whole on every rank of a sequence group: its gradient, summed over
+        the group like a split one's, would count ``SP`` times (the PPO critic's values, a reward model)."""
+        sp = self.layout.sequence_parallel_size
+        if sp > 1 and self._split_forwards == split_before:
+            raise ConfigError(
+                f"strategy_args.sequence_parallel_size={sp}: this update's forward does not go through "
+                "strategy.logprobs, so it cannot split sequences (the PPO critic, the reward model); run it "
+                "with strategy_args.sequence_parallel_size=1")
 
     def logprobs(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  response_width: int, **options: Any) -> tuple[torch.Tensor, ...]:
@@ -617,6 +633,7 @@ class TrainingStrategy(abc.ABC):
             if options.pop(option, None) not in (None, False):
                 raise ConfigError(f"{key} does not combine with strategy_args.sequence_parallel_size={sp} yet; "
                                   f"turn it off or set strategy_args.sequence_parallel_size=1")
+        self._split_forwards += 1
         return ulysses_response_logprobs(model, input_ids, attention_mask, response_width,
                                          group=self._axis_group("sp"), **options)
 
