@@ -115,3 +115,12 @@ def test_the_data_coordinates_follow_the_layout():
     assert (strategy.data_rank, strategy.data_world_size, strategy.world_size) == (1, 2, 4)
     strategy._init_layout()
     assert (strategy.data_rank, strategy.data_world_size) == (3, 4)
+
+
+def test_a_run_with_a_size_that_does_not_divide_exits_2_naming_the_key(tmp_path, capsys):
+    from rltk.commands.cli import main
+
+    code = main(["run", "sft", f"output_dir={tmp_path / 'run'}", "strategy_args.tensor_parallel_size=2",
+                 "sft.steps=1", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=0"])
+    assert code == 2
+    assert "strategy_args.tensor_parallel_size=2" in capsys.readouterr().err
