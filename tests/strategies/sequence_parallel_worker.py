@@ -2,7 +2,7 @@
 sequence parallelism, and the same on one process, through the strategy seam.
 
 Run as ``python -m torch.distributed.run --standalone --nproc_per_node N sequence_parallel_worker.py OUT SP
-[fsdp]``: each rank builds the same tiny Qwen2 (:func:`tiny_qwen2`), takes its data rank's rows of
+[fsdp] [lora]``: each rank builds the same tiny Qwen2 (:func:`tiny_qwen2`), takes its data rank's rows of
 :func:`global_batch`, runs ``strategy.forward_backward`` over two micro-batches of :func:`micro_loss`, and
 writes its rows' log-probs and entropy and every parameter's full gradient to ``OUT/rank<r>.pt``.
 """
@@ -28,6 +28,19 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     config = transformers.Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB)
     return transformers.Qwen2ForCausalLM(config)
+
+
+def tiny_lora_qwen2(seed: int = 0) -> torch.nn.Module:
+    """:func:`tiny_qwen2` with a rank-4 LoRA adapter on every linear layer, B drawn non-zero (so every
+    adapter weight has a gradient)."""
+    from rltk.models.lora import apply_lora
+
+    model = apply_lora(tiny_qwen2(seed), {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"})
+    torch.manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model
 
 
 def global_batch() -> dict[str, torch.Tensor]:
@@ -74,6 +87,8 @@ def run(strategy, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     totals = strategy.forward_backward(micro, micro_loss(strategy, global_tokens, outputs))
     grads = {}
     for name, param in strategy.unwrap().named_parameters():
+        if not param.requires_grad:  # a LoRA model's base weights
+            continue
         grad = param.grad
         if hasattr(grad, "full_tensor"):
             grad = grad.full_tensor()
@@ -87,7 +102,7 @@ def main() -> None:
 
     out, sp = Path(sys.argv[1]), int(sys.argv[2])
     strategy = AccelerateStrategy(cpu=True, sequence_parallel_size=sp, fsdp="fsdp" in sys.argv[3:])
-    strategy.setup(tiny_qwen2(), **SETUP)
+    strategy.setup(tiny_lora_qwen2() if "lora" in sys.argv[3:] else tiny_qwen2(), **SETUP)
     rows = torch.arange(GLOBAL_BATCH)[strategy.data_rank::strategy.data_world_size]
     result = run(strategy, rows)
     torch.save(result, out / f"rank{strategy.rank}.pt")

@@ -76,6 +76,15 @@ def test_two_ranks_splitting_every_sequence_match_one_process(tmp_path, one_proc
 
 
 @pytest.mark.distributed
+def test_a_lora_adapter_split_over_two_ranks_matches_one_process(tmp_path):
+    strategy = AccelerateStrategy(cpu=True)
+    strategy.setup(worker.tiny_lora_qwen2(), **worker.SETUP)
+    reference = worker.run(strategy, torch.arange(worker.GLOBAL_BATCH))
+    assert all("lora_" in name for name in reference["grads"])  # only the adapter trains
+    _assert_like_one_process(_launch(tmp_path, 2, "2", "lora"), reference, data_ranks=1)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow  # four torchrun processes on the CI's two cores: about a minute
 def test_sequence_parallel_2_by_data_parallel_2_match_one_process(tmp_path, one_process):
     ranks = _launch(tmp_path, 4, "2")
@@ -124,3 +133,35 @@ def test_a_run_with_a_size_that_does_not_divide_exits_2_naming_the_key(tmp_path,
                  "sft.steps=1", "logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=0"])
     assert code == 2
     assert "strategy_args.tensor_parallel_size=2" in capsys.readouterr().err
+
+
+GRPO_SHORT = ["logging.logger=[jsonl]", "logging.plot=false", "checkpoint.every=0", "data.task_args.max_digits=1",
+              "data.train_size=70", "data.eval_size=20", "sft.steps=6", "sft.stop_at_accuracy=null",
+              "sft.warmup_steps=2", "trainer.total_steps=3", "trainer.warmup_steps=1", "trainer.eval_every=2"]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_per_s"))} for row in rows]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # an SFT warm-up and three GRPO steps, once in two processes and once in one: about two minutes
+def test_seeded_grpo_steps_with_sequence_parallel_log_what_one_process_logs(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1", "WANDB_MODE": "offline"}
+    cli = ["-m", "rltk.commands.cli", "run", "grpo"]
+    runs = {"one": [sys.executable, *cli, f"output_dir={tmp_path / 'one'}", *GRPO_SHORT],
+            "split": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cli,
+                      f"output_dir={tmp_path / 'split'}", "strategy_args.sequence_parallel_size=2", *GRPO_SHORT]}
+    for name, command in runs.items():
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(600))
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
+    one, split = _metrics(tmp_path / "one"), _metrics(tmp_path / "split")
+    assert [r["step"] for r in one] == [r["step"] for r in split] and any("grad_norm" in r for r in one)
+    for a, b in zip(one, split):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            # the same samples and rewards; losses, norms and entropy up to fp32 rounding of the split forward
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), f"step {a['step']}: {key}"
