@@ -629,7 +629,7 @@ class TrainingStrategy(abc.ABC):
         from rltk.models.parallel.sequence import ulysses_response_logprobs
 
         for option, key in (("pack", "trainer.pack_sequences"), ("routed_experts", "algorithm.routing_replay"),
-                            ("router_trace", "trainer.router_aux_loss_coef")):
+                            ("router_trace", "trainer.router_aux_loss_coef"), ("vision_inputs", "data.image_key")):
             if options.pop(option, None) not in (None, False):
                 raise ConfigError(f"{key} does not combine with strategy_args.sequence_parallel_size={sp} yet; "
                                   f"turn it off or set strategy_args.sequence_parallel_size=1")

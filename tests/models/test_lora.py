@@ -14,6 +14,7 @@ from rltk.models.lora import adapter_mismatches, unmatched_targets
 from rltk.config.schema import RunConfig
 from rltk.models.logprobs import response_logprobs
 from rltk.strategies.base import TrainingStrategy
+from rltk.strategies.layout import ParallelLayout
 from rltk.models.lora import (
     adapter_names,
     adapter_state_to_live,
@@ -111,7 +112,7 @@ def test_reference_logprobs_equal_a_separately_loaded_base_model(tmp_path):
 
     class OneProcess:  # the strategy surface FrozenReference uses
         world_size = data_world_size = 1
-        logprobs = TrainingStrategy.logprobs
+        logprobs, layout = TrainingStrategy.logprobs, ParallelLayout()
 
         def unwrap(self):
             return policy

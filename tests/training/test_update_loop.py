@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from rltk.strategies.base import TrainingStrategy
+from rltk.strategies.layout import ParallelLayout
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.updates.update_loop import MicroLoss, optimizer_epochs
 
@@ -17,7 +18,8 @@ class StubStrategy:
 
     device = torch.device("cpu")
 
-    forward_backward = TrainingStrategy.forward_backward
+    forward_backward, _check_split = TrainingStrategy.forward_backward, TrainingStrategy._check_split
+    layout, _split_forwards = ParallelLayout(), 0  # data parallel only
 
     def __init__(self, world_size: int = 1, busiest: int = 0):
         self.world_size = self.data_world_size = world_size
