@@ -35,6 +35,34 @@ def process_group() -> tuple[int, int]:
     return 1, 0
 
 
+# Ranks that hold the same rows (a sequence- and tensor-parallel group), set by the training strategy
+# (rltk.strategies.base.TrainingStrategy._init_layout) as it places this process in its grid.
+_ranks_per_data_share = 1
+
+
+def set_ranks_per_data_share(size: int) -> None:
+    """Record how many consecutive ranks hold the same rows (1: every rank its own)."""
+    global _ranks_per_data_share
+    _ranks_per_data_share = size
+
+
+def data_coordinates() -> tuple[int, int]:
+    """(data world size, data rank) of this process: which share of the rows it holds, for work split by
+    rows outside a strategy (the held-out evaluation); :func:`process_group` with one data rank per rank."""
+    world, rank = process_group()
+    share = _ranks_per_data_share if world % _ranks_per_data_share == 0 else 1
+    return world // share, rank // share
+
+
+def every_data_rank(obj: Any) -> list:
+    """``[obj of data rank 0, obj of data rank 1, ...]`` on every rank: :func:`every_rank`, one rank of each
+    group that holds the same rows (their objects are the same)."""
+    gathered = every_rank(obj)
+    world, _ = process_group()
+    data_world, _ = data_coordinates()
+    return gathered[:: world // data_world]
+
+
 def every_rank(obj: Any) -> list:
     """``[obj of rank 0, obj of rank 1, ...]`` on every rank (``[obj]`` without a process group)."""
     import torch.distributed as dist

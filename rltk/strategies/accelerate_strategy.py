@@ -69,6 +69,8 @@ class AccelerateStrategy(TrainingStrategy):
         fsdp: shard parameters, gradients and optimizer state with FSDP2 when
             more than one process runs (with one process there is nothing to
             shard and this is plain training).
+        sequence_parallel_size: ranks that split every row's tokens (Ulysses: attention exchanges heads
+            by all-to-all, :mod:`rltk.models.parallel.sequence`); not with tensor or expert parallelism yet.
         expert_parallel_size: split a mixture of experts' experts over this
             many consecutive ranks, tokens sent to them by all-to-all
             (:mod:`rltk.strategies.expert_parallel`; with DDP, not FSDP2).
@@ -76,10 +78,14 @@ class AccelerateStrategy(TrainingStrategy):
             :mod:`rltk.models.parallel.tensor_parallel`), consecutive ranks forming a group; the
             ``world_size / tensor_parallel_size`` data-parallel ranks shard with FSDP2 over the other
             dimension of a 2-D mesh (``fsdp=True`` is then required). Not with expert parallelism.
+        Each size must divide the process count (:class:`rltk.strategies.layout.ParallelLayout`).
     """
 
+    built_parallel_sizes = frozenset({"sequence_parallel_size", "tensor_parallel_size", "expert_parallel_size"})
+
     def __init__(self, *, mixed_precision: str = "no", cpu: bool | None = None, seed: int | None = None,
-                 fsdp: bool = False, expert_parallel_size: int = 1, tensor_parallel_size: int = 1):
+                 fsdp: bool = False, sequence_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                 expert_parallel_size: int = 1):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -97,13 +103,15 @@ class AccelerateStrategy(TrainingStrategy):
         self.accelerator = accelerator = Accelerator(cpu=cpu, mixed_precision="no")
         self._device, self._rank = accelerator.device, accelerator.process_index
         self._world_size = accelerator.num_processes
+        self._init_layout(sequence_parallel_size=sequence_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                          expert_parallel_size=expert_parallel_size)
         self.mixed_precision = mixed_precision
         self._autocast_dtype = check_mixed_precision(mixed_precision, self.accelerator.device)
         self._grad_scaler = (
             torch.amp.GradScaler(self.accelerator.device.type) if self._autocast_dtype == torch.float16 else None
         )
         self.fsdp = fsdp
-        self._layout = _tensor_parallel_layout(self._world_size, tensor_parallel_size, fsdp)
+        _check_combinations(self.layout, fsdp)
         if tensor_parallel_size > 1 and expert_parallel_size > 1:
             raise ConfigError(f"strategy_args.tensor_parallel_size={tensor_parallel_size} with "
                               f"strategy_args.expert_parallel_size={expert_parallel_size}: the two do not combine "
@@ -128,6 +136,10 @@ class AccelerateStrategy(TrainingStrategy):
     # ---------------------------------------------------------------- setup
 
     def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
+        if self.layout.sequence_parallel_size > 1:
+            from rltk.models.parallel.sequence import check_heads_divide
+
+            check_heads_divide(model, self.layout.sequence_parallel_size)
         if self.layout.tensor_parallel_size > 1:
             self._skeleton = weightless_copy(model)
             model = self._shard_tensor_parallel(model)
@@ -182,11 +194,6 @@ class AccelerateStrategy(TrainingStrategy):
         return model
 
     # ---------------------------------------------------------------- properties
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """How the processes split data and layers (:class:`rltk.strategies.layout.ParallelLayout`)."""
-        return self._layout
 
     @property
     def model(self) -> nn.Module:
@@ -247,8 +254,10 @@ class AccelerateStrategy(TrainingStrategy):
         back into the sum, so the result equals one process on the global batch.
         """
         self._require_setup("backward()")
-        # the average is over the data-parallel ranks; the ranks of a tensor-parallel group share their rows
-        scaled = loss * self.layout.data_world_size
+        # the factor is the number of ranks the gradient sync averages over: every rank under DDP/FSDP (a
+        # sequence group's ranks each hold their tokens' share of one loss), the data-parallel ranks under
+        # tensor parallelism (FSDP2 over the mesh's dp dimension; a tensor group shares its rows and gradients)
+        scaled = loss * (self.layout.data_world_size if self.layout.tensor_parallel_size > 1 else self.world_size)
         if self._grad_scaler is not None:
             scaled = self._grad_scaler.scale(scaled)
         self.accelerator.backward(scaled)
@@ -411,16 +420,20 @@ class AccelerateStrategy(TrainingStrategy):
 
 
 @rltk.hookimpl
-def _tensor_parallel_layout(world_size: int, tensor_parallel_size: int, fsdp: bool) -> ParallelLayout:
-    """The run's grid for ``strategy_args.tensor_parallel_size``; ConfigError for a size that does not divide
-    the world, or several data-parallel ranks without FSDP2 (DDP takes no DTensor parameters)."""
-    layout = ParallelLayout(world_size=world_size, tensor_parallel_size=tensor_parallel_size)
-    if tensor_parallel_size > 1 and layout.data_world_size > 1 and not fsdp:
+def _check_combinations(layout: ParallelLayout, fsdp: bool) -> None:
+    """ConfigError for the parallel sizes that do not combine here: sequence parallel with tensor or expert
+    parallel (not built together), or tensor parallel over several data-parallel ranks without FSDP2 (DDP
+    takes no DTensor parameters)."""
+    sp, tp, ep = layout.sequence_parallel_size, layout.tensor_parallel_size, layout.expert_parallel_size
+    for other, size in (("tensor_parallel_size", tp), ("expert_parallel_size", ep)):
+        if sp > 1 and size > 1:
+            raise ConfigError(f"strategy_args.sequence_parallel_size={sp} with strategy_args.{other}={size}: the "
+                              "two do not combine yet; set one of them to 1")
+    if tp > 1 and layout.data_world_size > 1 and not fsdp:
         raise ConfigError(
-            f"strategy_args.tensor_parallel_size={tensor_parallel_size} over {world_size} processes leaves "
+            f"strategy_args.tensor_parallel_size={tp} over {layout.world_size} processes leaves "
             f"{layout.data_world_size} data-parallel ranks, which shard with FSDP2 on the 2-D mesh: set "
             "strategy_args.fsdp=true (DDP takes no tensor-parallel parameters)")
-    return layout
 
 
 def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> None:

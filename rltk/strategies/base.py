@@ -40,13 +40,16 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from rltk.distributed import set_ranks_per_data_share
+from rltk.errors import ConfigError
 from rltk.models.folders import full_cpu_copy, shard_like
 from rltk.registry import unknown_name_message
+from rltk.strategies.layout import SIZE_KEYS, ParallelLayout
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 MIXED_PRECISION_MODES = ("no", "bf16", "fp16")
@@ -406,6 +409,7 @@ class TrainingStrategy(abc.ABC):
     _device: torch.device = torch.device("cpu")
     _rank: int = 0
     _world_size: int = 1
+    _layout: ParallelLayout | None = None
     # What :meth:`_setup` builds.
     _optimizer: torch.optim.Optimizer | None = None
     _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -450,6 +454,25 @@ class TrainingStrategy(abc.ABC):
     def _setup(self, model: nn.Module, settings: OptimizerSettings) -> None:
         """Engine-specific part of :meth:`setup`: wrap, then build optimizer and scheduler."""
 
+    #: the ``strategy_args`` sizes beyond data parallelism this engine builds (others > 1 are refused by name)
+    built_parallel_sizes: frozenset[str] = frozenset()
+
+    def _init_layout(self, **sizes: int) -> None:
+        """Place this process in the grid ``strategy_args``' sizes ask for (call once ``_world_size`` is known).
+
+        A size that does not divide the process count, or one this engine does not build, is a
+        :class:`~rltk.errors.ConfigError` naming its ``strategy_args`` key.
+        """
+        layout = ParallelLayout.from_strategy_args(sizes, self.world_size)
+        for key in SIZE_KEYS.values():
+            if getattr(layout, key) > 1 and key not in self.built_parallel_sizes:
+                built = ", ".join(f"strategy_args.{k}" for k in sorted(self.built_parallel_sizes)) or "none"
+                raise ConfigError(
+                    f"strategy_args.{key}={getattr(layout, key)}: {type(self).__name__} does not run this kind of "
+                    f"parallelism (sizes above 1 it runs: {built}); set strategy_args.{key}=1")
+        self._layout = layout
+        set_ranks_per_data_share(layout.sequence_parallel_size * layout.tensor_parallel_size)
+
     def _require_setup(self, what: str) -> None:
         if self.settings is None:
             raise RuntimeError(f"{type(self).__name__}.{what} needs setup(model, lr=..., total_steps=...) first.")
@@ -473,8 +496,27 @@ class TrainingStrategy(abc.ABC):
 
     @property
     def world_size(self) -> int:
-        """Number of data-parallel processes (1 in a single process)."""
+        """Number of processes of the run (1 in a single process)."""
         return self._world_size
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """How the processes split data, sequences and layers (:class:`rltk.strategies.layout.ParallelLayout`);
+        data-parallel only unless the engine was built with other sizes (:meth:`_init_layout`)."""
+        layout = self._layout
+        return layout if layout is not None and layout.world_size == self.world_size else ParallelLayout(
+            world_size=self.world_size)
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the rows this process holds: what ``rows[data_rank::data_world_size]``, a data
+        loader's seed or a group's gathers use (the same on every rank of a sequence/tensor group)."""
+        return self.layout.data_rank(self.rank)
+
+    @property
+    def data_world_size(self) -> int:
+        """How many distinct shares of the rows there are (``world_size`` when only data is split)."""
+        return self.layout.data_world_size
 
     @property
     def is_main(self) -> bool:
@@ -532,6 +574,88 @@ class TrainingStrategy(abc.ABC):
         skipped (gradients dropped, schedule not advanced) else 0.0}``.
         """
 
+    def forward_backward(self, micro_batches: Iterable, micro_loss: Callable) -> dict[str, float]:
+        """Run one optimizer step's micro-batches forward and backward; this rank's shares of the metrics.
+
+        Each micro-batch (a :class:`rltk.training.step.micro_batches.MicroBatch`: ``data``, ``is_last``,
+        ``padding``) is moved to :attr:`device` and handed to ``micro_loss(data, micro)``, which returns
+        ``(loss, read_shares)``: the loss, a share of a globally normalised sum (see the module docstring),
+        is backwarded inside :meth:`accumulate` and outside :meth:`autocast`; ``read_shares()``, read after
+        the backward, gives its share of each logged number. A padding micro-batch (every rank runs as
+        many as the busiest: sharded engines gather parameters in each forward) is backwarded times 0 and
+        adds 0 under each of its names, so every rank holds the same names. Returns each name's shares
+        summed over this rank's micro-batches; summed over data ranks they are the step's numbers.
+        """
+        totals: dict[str, float] = {}
+        for micro in micro_batches:
+            data = {k: v.to(self.device) for k, v in micro.data.items()}
+            with self.accumulate(micro.is_last):
+                split_before = self._split_forwards
+                with self.autocast():
+                    loss, read_shares = micro_loss(data, micro)
+                self._check_split(split_before)
+                # backward outside autocast (torch's advice) but inside accumulate, whose no-sync must cover it
+                self.backward(loss * 0.0 if micro.padding else loss)
+            for name, value in read_shares().items():
+                totals[name] = totals.setdefault(name, 0.0) if micro.padding else totals.get(name, 0.0) + value
+        return totals
+
+    _split_forwards = 0  # sequence-split passes run so far (:meth:`logprobs`)
+
+    def _check_split(self, split_before: int) -> None:
+        """Refuse a loss whose forward ran whole on every rank of a sequence group: its gradient, summed over
+        the group like a split one's, would count ``SP`` times (the PPO critic's values, a reward model)."""
+        sp = self.layout.sequence_parallel_size
+        if sp > 1 and self._split_forwards == split_before:
+            raise ConfigError(
+                f"strategy_args.sequence_parallel_size={sp}: this update's forward does not go through "
+                "strategy.logprobs, so it cannot split sequences (the PPO critic, the reward model); run it "
+                "with strategy_args.sequence_parallel_size=1")
+
+    def logprobs(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 response_width: int, **options: Any) -> tuple[torch.Tensor, ...]:
+        """Response log-probs (and entropy, ...) of ``model``, a module this strategy trains or holds
+        (:attr:`model`, :meth:`unwrap`, :meth:`reference_model`): every log-prob pass of training goes
+        through here, so an engine that splits sequences or layers runs it its way. The default is
+        :func:`rltk.models.logprobs.response_logprobs` (``options`` are its keywords, shapes its); with
+        ``strategy_args.sequence_parallel_size > 1`` each rank of a sequence group runs its slice of every
+        row (:func:`rltk.models.parallel.sequence.ulysses_response_logprobs`) and every rank of the group
+        gets the whole ``[B, T]``."""
+        sp = self.layout.sequence_parallel_size
+        if sp == 1:
+            from rltk.models.logprobs import response_logprobs
+
+            return response_logprobs(model, input_ids, attention_mask, response_width, **options)
+        from rltk.models.parallel.sequence import ulysses_response_logprobs
+
+        for option, key in (("pack", "trainer.pack_sequences"), ("routed_experts", "algorithm.routing_replay"),
+                            ("router_trace", "trainer.router_aux_loss_coef"), ("vision_inputs", "data.image_key")):
+            if options.pop(option, None) not in (None, False):
+                raise ConfigError(f"{key} does not combine with strategy_args.sequence_parallel_size={sp} yet; "
+                                  f"turn it off or set strategy_args.sequence_parallel_size=1")
+        self._split_forwards += 1
+        return ulysses_response_logprobs(model, input_ids, attention_mask, response_width,
+                                         group=self._axis_group("sp"), **options)
+
+    def reference_model(self, *, frozen: bool = True) -> nn.Module:
+        """A second model with the weights as they are now, held the way this engine holds one. Collective.
+
+        ``frozen``: in eval mode without gradients (a KL reference); ``False`` for a model that trains
+        on its own (the PPO critic built from the policy). It shares no storage with the training
+        weights, and its forwards go through :meth:`logprobs` like the policy's. The default is a whole
+        copy on every rank (:meth:`full_model_copy`).
+        """
+        copy = self.full_model_copy()
+        return copy.eval().requires_grad_(False) if frozen else copy
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full weights under their Hugging Face names, as CPU copies, on every rank. Collective.
+
+        What rollout engines load and exports write, whatever this engine splits or renames while it
+        trains. The default is :meth:`full_state_dict`.
+        """
+        return self.full_state_dict()
+
     # ---------------------------------------------------------------- weights
 
     @abc.abstractmethod
@@ -587,49 +711,68 @@ class TrainingStrategy(abc.ABC):
     def _distributed(self) -> bool:
         return self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Element-wise sum of ``tensor`` over ranks, as a new tensor on the input's device.
+    def _axis_group(self, axis: str):
+        """The process group of the ranks that differ from this one along ``axis`` of :attr:`layout` only
+        (``None``, the default group, when that is every rank). Built on first use, by every rank
+        together: one group for each place on the other axes."""
+        layout = self.layout
+        if len(layout.group_ranks(axis, self.rank)) == self.world_size:
+            return None
+        groups = self.__dict__.setdefault("_axis_groups", {})
+        if axis not in groups:
+            places = sorted({tuple(layout.group_ranks(axis, r)) for r in range(self.world_size)})
+            groups[axis] = {ranks: torch.distributed.new_group(list(ranks)) for ranks in places}
+        return groups[axis][tuple(layout.group_ranks(axis, self.rank))]
 
-        Use it for global normalisers: ``n_tokens = strategy.all_reduce_sum(mask.sum())``.
-        The input is not modified. Single process: a copy of the input.
+    def _data_group(self):
+        """The process group of this rank's data-parallel peers (see :meth:`_axis_group`)."""
+        return self._axis_group("dp")
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``tensor`` over data ranks, as a new tensor on the input's device.
+
+        Use it for global normalisers: ``n_tokens = strategy.all_reduce_sum(mask.sum())``. The ranks
+        of one sequence- or tensor-parallel group hold the same rows, so each share counts once (over
+        every rank when only data is split). The input is not modified. Single process: a copy.
         """
-        if not self._distributed:
-            return tensor.detach().clone()
-        buffer = tensor.detach().to(self.device, copy=True)
-        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.SUM)
-        return buffer.to(tensor.device)
+        return self._all_reduce(tensor, torch.distributed.ReduceOp.SUM)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum of ``tensor`` over ranks, as a new tensor on the input's device.
+        """Element-wise maximum of ``tensor`` over data ranks, as a new tensor on the input's device.
 
         Use it to keep ranks in lockstep: ``n = strategy.all_reduce_max(torch.tensor(local_n))``.
         """
+        return self._all_reduce(tensor, torch.distributed.ReduceOp.MAX)
+
+    def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
         if not self._distributed:
             return tensor.detach().clone()
         buffer = tensor.detach().to(self.device, copy=True)
-        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(buffer, op=op, group=self._data_group())
         return buffer.to(tensor.device)
 
     def gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Every rank's rows, concatenated in rank order, and each rank's row count.
+        """Every data rank's rows, concatenated in data-rank order, and each data rank's row count.
 
         Ranks may hold different numbers of rows and, for ``[B, T, ...]``
         tensors, different widths: every trailing dimension is right-padded
-        with zeros to the widest rank's. Rank ``r``'s own rows are
+        with zeros to the widest rank's. Data rank ``r``'s own rows are
         ``out[sum(counts[:r]) : sum(counts[:r + 1]), :T_r]``. Single process:
         ``(tensor, [B])``.
         """
         if not self._distributed:
             return tensor, [tensor.shape[0]]
-        shapes = self.all_gather_object(tuple(tensor.shape))
+        group = self._data_group()
+        shapes: list[Any] = [None] * self.data_world_size
+        torch.distributed.all_gather_object(shapes, tuple(tensor.shape), group=group)
         counts = [shape[0] for shape in shapes]
         widest = [max(sizes) for sizes in zip(*shapes)]
         # gloo has no bool collectives
         wire_dtype = torch.uint8 if tensor.dtype == torch.bool else tensor.dtype
         padded = torch.zeros(widest, dtype=wire_dtype, device=self.device)
         padded[tuple(slice(0, n) for n in tensor.shape)] = tensor.to(self.device, wire_dtype)
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, padded)
+        parts = [torch.empty_like(padded) for _ in range(self.data_world_size)]
+        torch.distributed.all_gather(parts, padded, group=group)
         rows = torch.cat([part[:n] for part, n in zip(parts, counts)])
         return rows.to(tensor.device, tensor.dtype), counts
 

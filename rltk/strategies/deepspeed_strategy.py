@@ -158,6 +158,8 @@ class DeepSpeedStrategy(TrainingStrategy):
             model copy in CPU memory on the main rank at every checkpoint;
             turn it off for very large models: :func:`export_model_folder`
             consolidates the shards offline.
+        sequence_parallel_size, tensor_parallel_size, expert_parallel_size: the parallel layout
+            (:class:`rltk.strategies.layout.ParallelLayout`); each must divide the process count.
 
     The process group is started at construction (``deepspeed.init_distributed``,
     gloo on CPU, NCCL on CUDA). Call :meth:`close` at the end of the run.
@@ -165,7 +167,8 @@ class DeepSpeedStrategy(TrainingStrategy):
 
     def __init__(self, *, zero_stage: int = 2, offload_optimizer: bool = False, offload_params: bool = False,
                  mixed_precision: str = "no", config: str | Path | Mapping | None = None, seed: int | None = None,
-                 save_full_weights: bool = True):
+                 save_full_weights: bool = True, sequence_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                 expert_parallel_size: int = 1):
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
             raise ValueError(
                 f"DeepSpeedStrategy: zero_stage={zero_stage!r} is invalid; valid: 1 (optimizer state), "
@@ -184,11 +187,16 @@ class DeepSpeedStrategy(TrainingStrategy):
         # Fail before the (slow) process-group start on what can be checked without it.
         check_mixed_precision(mixed_precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
+        sizes = dict(sequence_parallel_size=sequence_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                     expert_parallel_size=expert_parallel_size)
+        self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._init_layout(**sizes)  # refused sizes fail before the process group starts
         self._started_process_group = self._init_distributed()
         import deepspeed.comm
 
         self._rank = deepspeed.comm.get_rank()
         self._world_size = deepspeed.comm.get_world_size()
+        self._init_layout(**sizes)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)

@@ -13,6 +13,8 @@ from rltk.errors import ConfigError
 from rltk.models.lora import adapter_mismatches, unmatched_targets
 from rltk.config.schema import RunConfig
 from rltk.models.logprobs import response_logprobs
+from rltk.strategies.base import TrainingStrategy
+from rltk.strategies.layout import ParallelLayout
 from rltk.models.lora import (
     adapter_names,
     adapter_state_to_live,
@@ -109,7 +111,8 @@ def test_reference_logprobs_equal_a_separately_loaded_base_model(tmp_path):
     randomise_adapters(policy)
 
     class OneProcess:  # the strategy surface FrozenReference uses
-        world_size = 1
+        world_size = data_world_size = 1
+        logprobs, layout = TrainingStrategy.logprobs, ParallelLayout()
 
         def unwrap(self):
             return policy
@@ -142,7 +145,8 @@ def test_reference_without_lora_is_a_frozen_copy():
     _, model = tiny()
 
     class OneProcess:
-        world_size = 1
+        world_size = data_world_size = 1
+        reference_model = TrainingStrategy.reference_model
 
         def unwrap(self):
             return model

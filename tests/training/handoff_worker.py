@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rltk.batch import Experience
+from rltk.strategies.layout import ParallelLayout
 from rltk.training.rollouts.asynchronous.queue import Lease
 from rltk.training.rollouts.asynchronous.async_rollout import AsyncRollouts, HandoffTimeout, TrainerWaitTimeout
 
@@ -36,7 +37,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     rollouts = AsyncRollouts.__new__(AsyncRollouts)
-    rollouts.strategy = types.SimpleNamespace(world_size=2, rank=rank, is_main=rank == 0)
+    rollouts.strategy = types.SimpleNamespace(world_size=2, data_world_size=2, layout=ParallelLayout(world_size=2),
+                                              rank=rank, is_main=rank == 0)
     rollouts.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     rollouts.handoff_s = GROUP_TIMEOUT_S
     seen = {}

@@ -96,10 +96,11 @@ def test_the_greedy_baseline_is_asked_for_in_every_round():
 class FakeStrategy:
     """Two ranks in one process: ``others_short`` is what the other rank reports each round."""
 
-    world_size = 2
+    world_size = data_world_size = 2
 
     def __init__(self, rank, others_short):
-        self.rank, self.others_short = rank, list(others_short)
+        self.rank = self.data_rank = rank
+        self.others_short = list(others_short)
 
     def all_reduce_sum(self, tensor):
         if tensor.numel() == 1:  # the "does any rank still need groups" vote

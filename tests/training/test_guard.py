@@ -126,7 +126,7 @@ def test_a_stage_that_ends_without_one_update_stops_however_short():
 
 def test_nonfinite_weights_are_named_and_checked_every_k_steps():
     class Strategy:
-        world_size = 1
+        world_size = data_world_size = 1
 
         def __init__(self, module):
             self.module = module
@@ -157,7 +157,7 @@ def test_nonfinite_weights_are_named_and_checked_every_k_steps():
 
 def test_the_weights_check_before_a_checkpoint_calls_every_checkpoint_good(tmp_path):
     class Strategy:
-        world_size = 1
+        world_size = data_world_size = 1
 
         def unwrap(self):
             return bad

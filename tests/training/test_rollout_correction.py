@@ -157,7 +157,7 @@ def test_weighted_loss_agg_weighs_the_matrix_and_refuses_another_shape():
 class _TwoRanks:
     """A strategy stand-in whose other rank contributed ``other``: sums add it, maxima take the larger."""
 
-    world_size = 2
+    world_size = data_world_size = 2
 
     def __init__(self, other: torch.Tensor):
         self.other = other

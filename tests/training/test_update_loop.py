@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from rltk.strategies.base import TrainingStrategy
+from rltk.strategies.layout import ParallelLayout
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.updates.update_loop import MicroLoss, optimizer_epochs
 
@@ -16,8 +18,12 @@ class StubStrategy:
 
     device = torch.device("cpu")
 
+    forward_backward, _check_split = TrainingStrategy.forward_backward, TrainingStrategy._check_split
+    layout, _split_forwards = ParallelLayout(), 0  # data parallel only
+
     def __init__(self, world_size: int = 1, busiest: int = 0):
-        self.world_size, self.busiest = world_size, busiest
+        self.world_size = self.data_world_size = world_size
+        self.busiest = busiest
         self.backwards: list[float] = []
         self.steps = 0
 

@@ -1,1 +1,2 @@
-"""Model-parallel pieces: sequence, tensor, vocabulary and expert parallelism (each module on its own)."""
+"""Model parallelism inside one forward: sequence (Ulysses), tensor, vocabulary and expert parallel pieces
+(each module on its own; this package imports none of them)."""

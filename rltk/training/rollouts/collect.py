@@ -87,7 +87,7 @@ def _groups(experiences: list[Experience]) -> list[list[Experience]]:
 
 def _rank_rows(sampler, strategy) -> list[dict]:
     rows = sampler.next_batch()
-    return rows if strategy is None else rows[strategy.rank :: strategy.world_size]
+    return rows if strategy is None else rows[strategy.data_rank :: strategy.data_world_size]
 
 
 def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> tuple[list[Experience], dict]:
@@ -153,7 +153,7 @@ def collect_experiences(workflow, sampler, plan: RolloutPlan, strategy=None) -> 
     counts = torch.tensor([len(kept), target, dropped, surplus, float(len(kept) < target), generated],
                           dtype=torch.float64)
     counts = torch.cat([counts, produced])  # one collective for both
-    if strategy is not None and strategy.world_size > 1:
+    if strategy is not None and strategy.data_world_size > 1:
         counts = strategy.all_reduce_sum(counts)
     groups, wanted, dropped_all, surplus_all, short, tokens = counts[:6].tolist()
     metrics = {
@@ -184,7 +184,7 @@ def _produced_counts(experiences: list[Experience]) -> torch.Tensor:
 
 def _produced_metrics(counts: torch.Tensor, strategy) -> dict[str, float]:
     """The ``rollout/`` means and counts of :func:`_produced_counts`, summed over ranks first with a ``strategy``."""
-    if strategy is not None and strategy.world_size > 1:
+    if strategy is not None and strategy.data_world_size > 1:
         counts = strategy.all_reduce_sum(counts)
     score_sum, correct, samples, groups = counts.tolist()
     return {"rollout/reward": score_sum / max(samples, 1), "rollout/accuracy": correct / max(samples, 1),

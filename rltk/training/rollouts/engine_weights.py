@@ -27,7 +27,7 @@ def connect_rollout_engine(engine, strategy) -> None:
     if engine.samples_from_module:
         engine.use_model(strategy.full_model_copy() if strategy.shards_parameters else strategy.unwrap())
     else:
-        engine.update_weights(strategy.full_state_dict())
+        engine.update_weights(strategy.export_state_dict())
 
 
 def engine_follows(engine, policy: nn.Module) -> None:

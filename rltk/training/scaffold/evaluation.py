@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from omegaconf import DictConfig
 
-from rltk.distributed import every_rank, process_group
+from rltk.distributed import data_coordinates, every_data_rank
 from rltk.training.scaffold.setup import sampling_params
 
 
@@ -20,12 +20,13 @@ def evaluate(workflow, rows: list[dict], cfg: DictConfig) -> dict[str, float]:
     """Held-out metrics of the current policy: greedy (``eval/*``) and one sample per
     prompt at the training temperature (``eval/sampled_accuracy``, what RL sharpens first).
 
-    With several processes each evaluates its share of the rows (``rows[rank::world]``)
-    and the results are combined, weighted by responses: every rank returns the numbers
-    of the whole held-out set, ``eval/num_responses`` included.
+    With several processes each data rank evaluates its share of the rows (``rows[rank::world]`` in data
+    coordinates: the ranks of a sequence- or tensor-parallel group evaluate the same rows together) and
+    the results are combined, weighted by responses: every rank returns the numbers of the whole held-out
+    set, ``eval/num_responses`` included.
     """
     rows = rows[: cfg.trainer.eval_size or len(rows)]
-    world, rank = process_group()
+    world, rank = data_coordinates()
     share = rows[rank::world]
     greedy = workflow.evaluate(share, sampling_params(cfg, greedy=True)) if share else {}
     with seeded_sampling(cfg.trainer.get("eval_seed"), rank):
@@ -54,7 +55,7 @@ def probe(workflow, rows: list[dict], cfg: DictConfig, *, sampled: bool = False)
     """The workflow's evaluation of ``rows`` (``accuracy``, ``truncated_fraction`` ...), each process
     taking its share, combined over processes: greedy, or (``sampled``) one answer per row at the
     training temperature, seeded by ``trainer.eval_seed`` as :func:`evaluate`'s sampled pass is."""
-    world, rank = process_group()
+    world, rank = data_coordinates()
     share = rows[rank::world]
     if not share:
         return _combine_over_ranks({}, world)
@@ -70,7 +71,7 @@ def _combine_over_ranks(metrics: dict[str, float], world: int) -> dict[str, floa
     """Every rank's evaluation means as one: weighted by ``num_responses``, which is summed."""
     if world == 1:
         return metrics
-    ranks = [m for m in every_rank(metrics) if m]  # a rank with no held-out row contributes nothing
+    ranks = [m for m in every_data_rank(metrics) if m]  # a rank with no held-out row contributes nothing
     total = sum(m["num_responses"] for m in ranks)
     combined = {k: sum(m[k] * m["num_responses"] for m in ranks) / total for k in ranks[0]}
     combined["num_responses"] = total

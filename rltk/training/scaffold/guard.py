@@ -140,7 +140,7 @@ def first_nonfinite_parameter(module: torch.nn.Module) -> str | None:
 
 def _agreed(strategy, flag: bool) -> bool:
     """True on every rank when ``flag`` is True on any: ranks must stop at the same step or the rest hang."""
-    if strategy is None or strategy.world_size == 1:
+    if strategy is None or strategy.data_world_size == 1:
         return flag
     return bool(strategy.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
 

@@ -86,7 +86,7 @@ def run_dpo_stage(stage: Stage):
                 run.metric_log.log({"skipped_empty_batch": 1.0, **collect_metrics}, stage.first_step + step)
                 continue
         else:
-            index = sampler.next_batch()[strategy.rank :: strategy.world_size]
+            index = sampler.next_batch()[strategy.data_rank :: strategy.data_world_size]
             step_pairs = [pairs[i] for i in index]
             ref = precomputed[torch.tensor(index)].reshape(-1) if precomputed is not None else None
         batch = pair_batch(step_pairs, run.tokenizer.pad_token_id)

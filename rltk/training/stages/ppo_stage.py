@@ -32,7 +32,7 @@ def run_ppo_stage(stage: Stage):
     # The critic starts from the policy as this stage begins (after any warm-up), copied from a
     # plain copy of it (ZeRO-3 has partitioned the policy); a resumed run overwrites its weights
     # from the checkpoint below.
-    critic_strategy = build_critic_strategy(cfg, build_critic(cfg, strategy.full_model_copy()),
+    critic_strategy = build_critic_strategy(cfg, build_critic(cfg, strategy.reference_model(frozen=False)),
                                             total_steps=t.total_steps)
     strategies = PolicyAndCritic(strategy, critic_strategy)  # one checkpoint holds both
 

@@ -61,7 +61,7 @@ def train_reward_model(run: Run) -> None:
     run.metric_log.log_evaluation(evaluate(), first_step)
     for step in range(1, r.steps + 1):
         # every rank draws the same pairs and trains on its share; the loss is a mean over all of them
-        pairs = sampler.next_batch()[strategy.rank :: strategy.world_size]
+        pairs = sampler.next_batch()[strategy.data_rank :: strategy.data_world_size]
         total = strategy.all_reduce_sum(torch.tensor([float(len(pairs))], dtype=torch.float64)).item()
         metrics: dict[str, float] = {}
         starts = range(0, len(pairs), mb)

@@ -46,7 +46,7 @@ from rltk.training.scaffold.resume import (
 from rltk.training.scaffold.rows import build_rows
 from rltk.training.scaffold.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
 from rltk.training.scaffold.setup import (
-    build_strategy, build_tokenizer_and_policy, build_workflow, stage_config, trainer_workflow_config,
+    build_strategy, build_tokenizer_and_policy, build_workflow, data_rank_of_run, stage_config, trainer_workflow_config,
     save_tokenizer_folder,
 )
 from rltk.training.stages.stage_checkpoint import LOG_ROWS_KEY, StageCheckpoint, restore_rollout_state
@@ -142,7 +142,7 @@ def open_run(cfg: DictConfig) -> Run:
     tokenizer, policy = build_tokenizer_and_policy(cfg)
     if process_rank() == 0 and not finished:
         save_tokenizer_folder(cfg, tokenizer, run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
-    seed_everything(cfg.seed + process_rank())  # same initial weights, different samples per rank
+    seed_everything(cfg.seed + data_rank_of_run(cfg))  # same initial weights, different samples per data rank
     train_rows, eval_rows = build_rows(cfg, tokenizer)
 
     # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
@@ -234,9 +234,10 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], Any]]) -> None:
 
 def require_rows_per_rank(strategy, key: str, rows: int) -> None:
     """Refuse a per-step row count that leaves some process nothing: ranks split each step's rows."""
-    if rows < strategy.world_size:
-        raise ConfigError(f"{key}={rows} leaves some of the {strategy.world_size} processes without a row each step "
-                          f"(every process takes its share); set {key} to at least {strategy.world_size}")
+    if rows < strategy.data_world_size:
+        raise ConfigError(f"{key}={rows} leaves some of the {strategy.data_world_size} data-parallel ranks without "
+                          f"a row each step (every one takes its share); set {key} to at least "
+                          f"{strategy.data_world_size}")
 
 
 def build_stage_strategy(stage: Stage, *, lr: float, total_steps: int, warmup_steps: int, lr_schedule: str):

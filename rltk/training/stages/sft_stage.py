@@ -54,7 +54,7 @@ def run_sft_stage(stage: Stage):
 
     for step in range(loop.step + 1, s.steps + 1):
         # every rank draws the same global batch and trains on its share of the rows
-        batch = sft_batch(sampler.next_batch()[strategy.rank :: strategy.world_size], run.tokenizer.pad_token_id)
+        batch = sft_batch(sampler.next_batch()[strategy.data_rank :: strategy.data_world_size], run.tokenizer.pad_token_id)
         metrics = {f"sft/{k}": v for k, v in sft_step(
             strategy, batch, micro_batch_size=cfg.trainer.micro_batch_size, impl=cfg.model.logprob_impl,
             chunk_size=cfg.model.logprob_chunk_size, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,

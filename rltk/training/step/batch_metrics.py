@@ -36,7 +36,7 @@ def rollout_metrics(batch: dict[str, torch.Tensor], workflow, sample_strategy, e
         **{f"reward_fn/{k}": v for k, v in workflow.reward.stats().items()},
         **sample_strategy.metrics(),
     }
-    if strategy is not None and strategy.world_size > 1:
+    if strategy is not None and strategy.data_world_size > 1:
         every_rank = strategy.all_gather_object(counters)
         counters = {k: sum(float(c.get(k, 0.0)) for c in every_rank) / len(every_rank)
                     for k in sorted(set().union(*every_rank))}

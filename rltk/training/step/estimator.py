@@ -92,7 +92,7 @@ class Estimator:
         # A stale sum would silently change R_i: never pass one (costs a row sum only when retaken).
         refresh_row_sums(batch, [name for name in ROW_SUMS if name in params and name not in args])
         fields = {k: v for k, v in batch.items() if k in params and k not in args}
-        if strategy is None or strategy.world_size == 1:
+        if strategy is None or strategy.data_world_size == 1:
             advantages, returns = self.fn(**fields, **args)
         else:
             B, T = batch["response_mask"].shape
@@ -105,7 +105,7 @@ class Estimator:
                 gathered["group_ids"] = torch.unique(pairs, dim=0, return_inverse=True)[1].to(
                     batch["group_ids"].device)
             advantages, returns = self.fn(**gathered, **args)
-            start = sum(counts[: strategy.rank])
+            start = sum(counts[: strategy.data_rank])
             advantages = advantages[start : start + B, :T].contiguous()
             returns = returns[start : start + B, :T].contiguous()
         return advantages.float(), returns.float()

@@ -76,13 +76,14 @@ class ForwardSettings:
 
     def logprobs(self, model: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int, *,
                  with_entropy: bool = False, with_sum_pi_squared: bool = False,
-                 router_trace=None) -> tuple[torch.Tensor, ...]:
+                 router_trace=None, strategy=None) -> tuple[torch.Tensor, ...]:
         """One micro-batch's response log-probs (see :func:`rltk.training.step.micro_batches.run_logprobs`), run
         these settings' way; with gradients unless the caller turned them off. With ``routing_replay`` the
         rows' ``routed_experts`` are replayed; ``router_trace`` (:class:`rltk.models.moe.RouterTrace`)
-        records an MoE policy's routers."""
+        records an MoE policy's routers. With the ``strategy`` that trains or holds ``model`` the pass is
+        its :meth:`~rltk.strategies.base.TrainingStrategy.logprobs`."""
         routed = data.get("routed_experts") if self.routing_replay else None
-        return run_logprobs(model, data, response_width, trim=self.trim, pack=self.pack_sequences,
+        return run_logprobs(model, data, response_width, trim=self.trim, pack=self.pack_sequences, strategy=strategy,
                             temperature=self.temperature, impl=self.impl, chunk_size=self.chunk_size,
                             share_prompts=self.share_prompts, with_entropy=with_entropy,
                             with_sum_pi_squared=with_sum_pi_squared, routed_experts=routed,
@@ -110,10 +111,11 @@ def batched_logprobs(
 ) -> tuple[torch.Tensor, ...]:
     """Response log-probs (and entropy) of ``model`` for a whole batch, without gradients.
 
-    Pass the ``strategy`` that shards ``model`` (ZeRO-3, FSDP): every forward
-    then gathers parameters collectively, so each rank runs as many forwards
-    as the rank with the most micro-batches, repeating its first micro-batch
-    and discarding the result.
+    Pass the ``strategy`` that trains or holds ``model`` (its policy, its
+    :meth:`~rltk.strategies.base.TrainingStrategy.reference_model`): each pass
+    is its ``logprobs``, and each rank runs as many forwards as the rank with
+    the most micro-batches, repeating its first micro-batch and discarding the
+    result (a sharded engine gathers parameters in every forward, a collective).
 
     ``settings`` (:class:`ForwardSettings`): micro-batching (a token budget and
     packed rows reorder micro-batches, the rows come back in the batch's order
@@ -133,7 +135,8 @@ def batched_logprobs(
     outputs: list[torch.Tensor | None] = [None, None, None]
     for mb in settings.micro_batches(strategy, batch):
         data = {k: v.to(model_device) for k, v in mb.data.items()}
-        parts = settings.logprobs(model, data, T, with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared)
+        parts = settings.logprobs(model, data, T, with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
+                                  strategy=strategy)
         if mb.padding:
             continue
         for i, part in enumerate(parts):

@@ -212,17 +212,20 @@ def micro_batches(strategy, rows: dict[str, torch.Tensor], *, micro_batch_size: 
 
 
 def run_logprobs(model: torch.nn.Module, data: dict[str, torch.Tensor], response_width: int, *,
-                 trim: bool, pack: bool, **kwargs) -> tuple[torch.Tensor, ...]:
+                 trim: bool, pack: bool, strategy=None, **kwargs) -> tuple[torch.Tensor, ...]:
     """:func:`rltk.models.logprobs.response_logprobs` of one micro-batch, padded, trimmed or packed,
     with outputs ``[b, T]`` at the batch's response width ``T`` whichever way it ran.
 
     ``trim`` drops the columns that are padding in every row first
     (:func:`rltk.models.packing.trim_padding`); ``pack`` packs the rows into one
-    (``response_logprobs(pack=True)``); ``kwargs`` go to ``response_logprobs``.
+    (``response_logprobs(pack=True)``); ``kwargs`` go to ``response_logprobs``. With a ``strategy`` the
+    pass is its :meth:`~rltk.strategies.base.TrainingStrategy.logprobs` (an engine that splits sequences
+    or layers runs it its way).
     """
     input_ids, attention_mask, width, routed = _cut(data, response_width, kwargs.pop("routed_experts", None),
                                                     trim=trim or pack)
-    outputs = response_logprobs(model, input_ids, attention_mask, width, pack=pack, routed_experts=routed, **kwargs)
+    forward = response_logprobs if strategy is None else strategy.logprobs
+    outputs = forward(model, input_ids, attention_mask, width, pack=pack, routed_experts=routed, **kwargs)
     return tuple(None if o is None else _pad_columns(o, response_width) for o in outputs)
 
 

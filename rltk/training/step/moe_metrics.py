@@ -48,8 +48,8 @@ def moe_step_metrics(policy: torch.nn.Module, batch: dict[str, torch.Tensor], se
         for mb in aligned.micro_batches(strategy, batch):
             data = {k: v.to(device) for k, v in mb.data.items()}
             trace = RouterTrace(replay=False)
-            own = aligned.logprobs(policy, data, width, router_trace=trace)[0]
-            replayed = aligned.logprobs(policy, data, width)[0]
+            own = aligned.logprobs(policy, data, width, router_trace=trace, strategy=strategy)[0]
+            replayed = aligned.logprobs(policy, data, width, strategy=strategy)[0]
             if mb.padding:
                 continue
             own_lp[mb.rows], replay_lp[mb.rows] = own.float().cpu(), replayed.float().cpu()

@@ -34,7 +34,7 @@ def all_ranks_max(strategy, local_count: int) -> int:
     Sharded engines gather parameters inside every forward, a collective: a
     rank that ran fewer forwards than another would leave it waiting forever.
     """
-    if strategy is None or strategy.world_size == 1:
+    if strategy is None or strategy.data_world_size == 1:
         return local_count
     return int(strategy.all_reduce_max(torch.tensor([local_count], dtype=torch.int64)).item())
 
@@ -48,7 +48,7 @@ def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, strategy=None) 
 
 def any_rank(strategy, flag: bool) -> bool:
     """True on every rank if ``flag`` is True on at least one."""
-    if strategy is None or strategy.world_size == 1:
+    if strategy is None or strategy.data_world_size == 1:
         return flag
     return bool(strategy.all_reduce_sum(torch.tensor([float(flag)])).item() > 0)
 

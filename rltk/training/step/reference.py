@@ -41,7 +41,7 @@ class FrozenReference:
             return None
         if is_lora_model(strategy.unwrap()):
             return cls(strategy, None)
-        return cls(strategy, strategy.full_model_copy().eval().requires_grad_(False))
+        return cls(strategy, strategy.reference_model())
 
     @property
     def shares_policy(self) -> bool:
@@ -56,7 +56,7 @@ class FrozenReference:
         in lockstep (the strategy is passed on for that).
         """
         if self.copy is not None:
-            return batched_logprobs(self.copy, batch, settings)[0]
+            return batched_logprobs(self.copy, batch, settings, strategy=self.strategy)[0]
         policy = self.strategy.unwrap()
         with adapters_disabled(policy):
             return batched_logprobs(policy, batch, settings, strategy=self.strategy)[0]

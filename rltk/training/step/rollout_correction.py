@@ -57,7 +57,7 @@ def correctable_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 def _reduce(strategy, stats: dict[str, torch.Tensor]) -> dict[str, float]:
     """Sum, max or min each statistic over ranks, by its name."""
-    if strategy is None or strategy.world_size == 1:
+    if strategy is None or strategy.data_world_size == 1:
         return {k: float(v) for k, v in stats.items()}
     names = sorted(stats)
     sums = [n for n in names if not n.endswith((MAX_SUFFIX, MIN_SUFFIX))]

@@ -209,7 +209,7 @@ def _micro_preference_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, st
                            global_pairs: float, global_tokens: float, chosen_tokens: float) -> MicroLoss:
     """One micro-batch's share of :func:`preference_step`'s loss (whole pairs), and its sums of the metrics
     (divided by the global pairs once summed)."""
-    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True)
+    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True, strategy=strategy)
     seq = sequence_logps(logprobs, mb["response_mask"])  # [b]: chosen at even rows, rejected at odd
     ref = ref_logps[micro.rows].to(seq.device)
     losses = loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2])  # [b / 2]

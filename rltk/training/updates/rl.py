@@ -171,7 +171,8 @@ def _micro_policy_loss(mb: dict[str, torch.Tensor], micro: MicroBatch, *, mini: 
     shares of the metrics. ``taken`` (on-policy only) collects the training forward's detached log-probs."""
     agg = mini.loss_agg(loss.loss_agg, **loss.loss_agg_args)
     trace = RouterTrace() if loss.router_aux_loss_coef else None  # the routers' logits, for the aux loss
-    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True, router_trace=trace)
+    logprobs, entropy = settings.logprobs(strategy.model, mb, width, with_entropy=True, router_trace=trace,
+                                         strategy=strategy)
     # on-policy, pi_old is the policy this forward evaluates (no step has run yet)
     on_policy = taken is not None
     old_logprobs = logprobs.detach() if on_policy else mb["old_logprobs"]

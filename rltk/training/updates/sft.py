@@ -7,7 +7,6 @@ import functools
 import torch
 
 from rltk.batch import Experience, collate
-from rltk.models.logprobs import response_logprobs
 from rltk.training.step.micro_batches import MicroBatch, micro_batches, run_logprobs
 from rltk.training.updates.update_loop import MicroLoss, optimizer_step
 
@@ -56,9 +55,9 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
         torch.tensor([batch["response_mask"].sum().item()], dtype=torch.float64)
     ).item()
     if pack_sequences or max_tokens_per_micro_batch is not None:
-        forward = functools.partial(run_logprobs, trim=True, pack=pack_sequences)
+        forward = functools.partial(run_logprobs, trim=True, pack=pack_sequences, strategy=strategy)
     else:
-        forward = _padded_logprobs
+        forward = functools.partial(_padded_logprobs, strategy=strategy)
     micro_loss = functools.partial(_micro_nll, strategy=strategy, width=T, global_tokens=global_tokens,
                                    forward=forward, impl=impl, chunk_size=chunk_size)
     # as many micro-batches as the busiest rank; padding ones have zero weight (see optimizer_step)
@@ -68,9 +67,11 @@ def sft_step(strategy, batch: dict[str, torch.Tensor], *, micro_batch_size: int,
     return {"sft_loss": sums["sft_loss"], "entropy": sums["entropy"], **info}
 
 
-def _padded_logprobs(model, mb: dict[str, torch.Tensor], width: int, **kwargs) -> tuple[torch.Tensor, ...]:
-    """The micro-batch's log-probs at the batch's full widths (rows cut by count: nothing to trim)."""
-    return response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, **kwargs)
+def _padded_logprobs(model, mb: dict[str, torch.Tensor], width: int, *, strategy,
+                     **kwargs) -> tuple[torch.Tensor, ...]:
+    """The micro-batch's log-probs at the batch's full widths (rows cut by count: nothing to trim), the
+    strategy's pass (:meth:`~rltk.strategies.base.TrainingStrategy.logprobs`)."""
+    return strategy.logprobs(model, mb["input_ids"], mb["attention_mask"], width, **kwargs)
 
 
 def _micro_nll(mb: dict[str, torch.Tensor], micro: MicroBatch, *, strategy, width: int, global_tokens: float,

@@ -19,8 +19,9 @@ mini-batch's.
 What the skeleton owns, so that no update writes it again: the shuffle (one ``randperm`` of the batch per
 epoch from ``generator``: seeded runs depend on the order of these draws), the all-reduced counts, the
 lockstep of ranks (every rank runs as many micro-batches as the busiest; padding ones are backwarded times
-0 and add nothing), autocast around the forward and the backward outside it, the optimizer step, and the
-metrics: summed over micro-batches and ranks per step, averaged over steps.
+0 and add nothing), the optimizer step, and the metrics: summed over micro-batches and ranks per step,
+averaged over steps. The micro-batch schedule itself (autocast around the forward, the backward outside it,
+gradient sync in the last) is the strategy's :meth:`~rltk.strategies.base.TrainingStrategy.forward_backward`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def shares(values: dict[str, Any], weight: float = 1.0) -> dict[str, float]:
 def optimizer_step(strategy, micro_batches: Iterable[MicroBatch],
                    micro_loss: Callable[[dict[str, torch.Tensor], MicroBatch], MicroLoss],
                    ) -> tuple[dict[str, float], dict[str, float]]:
-    """Accumulate ``micro_loss`` over ``micro_batches``, then take one optimizer step.
+    """Accumulate ``micro_loss`` over ``micro_batches`` (the strategy's schedule:
+    :meth:`rltk.strategies.base.TrainingStrategy.forward_backward`), then take one optimizer step.
 
     Every rank must pass as many micro-batches as the busiest (sharded engines gather parameters in each
     forward; DDP all-reduces in the last backward): the padding ones are backwarded times 0, and add 0
@@ -89,22 +91,9 @@ def optimizer_step(strategy, micro_batches: Iterable[MicroBatch],
     Returns ``(metrics, step info)``: each metric's micro-batch shares summed over micro-batches and ranks,
     and the strategy's step info (``grad_norm``, ``lr``, ``skipped``) as floats.
     """
-    totals: dict[str, float] = {}
-    for micro in micro_batches:
-        mb = {k: v.to(strategy.device) for k, v in micro.data.items()}
-        with strategy.accumulate(micro.is_last):
-            with strategy.autocast():
-                loss, read_shares = micro_loss(mb, micro)
-            # backward outside autocast (torch's advice) but inside accumulate, whose no-sync must cover it
-            strategy.backward(loss * 0.0 if micro.padding else loss)
-        if micro.padding:
-            for name in read_shares():
-                totals.setdefault(name, 0.0)
-            continue
-        for name, value in read_shares().items():
-            totals[name] = totals.get(name, 0.0) + value
+    totals = strategy.forward_backward(micro_batches, micro_loss)
     info = {k: float(v) for k, v in strategy.step().items()}
-    if strategy.world_size > 1:  # every rank's shares add up to the global numbers
+    if strategy.data_world_size > 1:  # every data rank's shares add up to the global numbers
         names = sorted(totals)
         summed = strategy.all_reduce_sum(torch.tensor([totals[k] for k in names], dtype=torch.float64))
         totals = dict(zip(names, summed.tolist()))

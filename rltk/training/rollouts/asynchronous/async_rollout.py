@@ -391,7 +391,7 @@ class AsyncRollouts:
         """Write the weights file as ``version`` (rank 0). Collective under a strategy that shards parameters:
         every rank gathers the full weights, rank 0 writes them."""
         if self.strategy.shards_parameters:
-            state = self.strategy.full_state_dict()
+            state = self.strategy.export_state_dict()
             if self.strategy.is_main:
                 write_weights_state(state, self.weights, version)
         elif self.strategy.is_main:
@@ -420,7 +420,10 @@ class AsyncRollouts:
         if rank == 0:
             try:
                 lease = self._take(step)
-                outgoing = rank_shares(lease, world)
+                # one share per data rank; the ranks of a sequence/tensor group get the same one
+                shares = rank_shares(lease, self.strategy.data_world_size)
+                layout = self.strategy.layout
+                outgoing = [shares[layout.data_rank(r)] for r in range(world)]
             except Exception as exc:  # every rank stops with rank 0's message, none waits for a share
                 error = exc
                 try:

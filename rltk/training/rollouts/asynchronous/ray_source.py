@@ -395,7 +395,7 @@ class RayRollouts(AsyncRollouts):
     def _publish(self, version: int) -> None:
         """Put the weights into Ray's object store as ``version`` and announce them on the front (rank 0).
         Collective under a strategy that shards parameters (every rank gathers)."""
-        state = self.strategy.full_state_dict() if self.strategy.shards_parameters else None
+        state = self.strategy.export_state_dict() if self.strategy.shards_parameters else None
         if not self.strategy.is_main:
             return
         if state is None:
