@@ -103,6 +103,9 @@ class AccelerateStrategy(TrainingStrategy):
         self.accelerator = accelerator = Accelerator(cpu=cpu, mixed_precision="no")
         self._device, self._rank = accelerator.device, accelerator.process_index
         self._world_size = accelerator.num_processes
+        if check_expert_parallel_size(expert_parallel_size) > 1 and fsdp:  # before the sizes meet the world
+            raise ConfigError(f"strategy_args.expert_parallel_size={expert_parallel_size} with "
+                              "strategy_args.fsdp=true: expert parallelism runs with DDP here; set fsdp=false")
         self._init_layout(sequence_parallel_size=sequence_parallel_size, tensor_parallel_size=tensor_parallel_size,
                           expert_parallel_size=expert_parallel_size)
         self.mixed_precision = mixed_precision
@@ -117,10 +120,7 @@ class AccelerateStrategy(TrainingStrategy):
                               f"strategy_args.expert_parallel_size={expert_parallel_size}: the two do not combine "
                               "yet; set one of them to 1")
         self._experts = None  # ExpertParallelism when expert_parallel_size > 1
-        if check_expert_parallel_size(expert_parallel_size) > 1:
-            if fsdp:
-                raise ConfigError(f"strategy_args.expert_parallel_size={expert_parallel_size} with "
-                                  "strategy_args.fsdp=true: expert parallelism runs with DDP here; set fsdp=false")
+        if expert_parallel_size > 1:
             self._experts = ExpertParallelism(expert_parallel_size, self._world_size, self._rank)
         self.seed = seed
         if seed is not None:
