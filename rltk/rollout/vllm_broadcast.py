@@ -150,13 +150,13 @@ class BroadcastSync:
         if engine.weights_torn:
             raise engine.server_error(engine.weights_torn)
         start = time.perf_counter()
-        pieces, payloads, base_version = self.plan(engine, state)
-        update = {"pieces": pieces, "version": version, "base_version": base_version,
-                  "digests": {name: wire.digest(t) for name, t in state.items()} if self.verify else {}}
         servers = list(engine._servers)
         device = wire.device_of(self.backend)
         sent = 0
         try:
+            pieces, payloads, base_version = self.plan(engine, state)
+            update = {"pieces": pieces, "version": version, "base_version": base_version,
+                      "digests": {name: wire.digest(t) for name, t in state.items()} if self.verify else {}}
             for server in servers:
                 engine.post(server, "/update_weight_version", {"new_version": f"{LOADING}{version}"})
                 engine.post(server, "/start_weight_update")
