@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.distributed import start_loopback_process_group
 from rltk.models.lora import adapter_live_names
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
@@ -79,6 +81,8 @@ class AccelerateStrategy(TrainingStrategy):
         if cpu is None:
             cpu = not torch.cuda.is_available()
         # mixed_precision="no": Accelerate must not patch forward (see module docstring).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            start_loopback_process_group()  # before Accelerate starts one listening on every interface
         self.accelerator = accelerator = Accelerator(cpu=cpu, mixed_precision="no")
         self._device, self._rank = accelerator.device, accelerator.process_index
         self._world_size = accelerator.num_processes
