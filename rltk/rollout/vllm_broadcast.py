@@ -9,7 +9,7 @@ another machine needs only to reach the trainer's address.
 One update, as vLLM's own NCCL backend drives it: ``/start_weight_update`` on every server, then
 ``/update_weights`` with the layout (names, dtypes, shapes) on every server *while* the trainer broadcasts the
 buckets (the call returns once the worker has received and loaded them), then ``/finish_weight_update`` with
-the version, ``/reset_prefix_cache``, and ``/weight_info`` read back.
+the version, ``/reset_prefix_cache``, and ``/weight_info`` read back (``engine.check_version``).
 
 **Deltas** (``delta: true``): the trainer keeps a CPU copy of the version the servers hold and sends, per
 tensor, only the elements whose bits changed (or the tensor dense above ``delta_density``); the workers keep a
@@ -175,10 +175,13 @@ class BroadcastSync:
             for server in servers:
                 engine.post(server, "/finish_weight_update", {"weight_version": str(version)})
                 engine.post(server, "/reset_prefix_cache")  # cached keys and values belong to the old weights
+                engine.check_version(server, version)
         except Exception as exc:
-            if not engine.weights_torn:
-                self._tear(engine, servers, f"weight update to version {version} failed: {exc}")
-            raise
+            if engine.weights_torn:  # _fail's own error, naming the server
+                raise
+            message = f"weight update to version {version} failed: {exc}"
+            self._tear(engine, servers, message)
+            raise engine.server_error(message) from None
         self._remember(state, version, base_version is None)
         changed = sum(entry.get("nnz", _numel(entry)) for entry in pieces)  # a dense piece counts whole
         density = changed / max(1, sum(tensor.numel() for tensor in state.values()))

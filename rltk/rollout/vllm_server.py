@@ -18,7 +18,9 @@ machine (rltk starts them, ``launch: N``) or elsewhere (``servers: [url, ...]``)
   RL endpoints (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update`` with ``weight_version``), then drops its prefix
   cache; ``/weight_info`` confirms the version. Remote servers need the file on
-  a file system they share with the trainer (``weight_dir``). The servers must
+  a file system they share with the trainer (``weight_dir``); with ``weight_sync: broadcast`` no file is
+  written: the weights go in buckets over a process group the trainer and the servers' workers form
+  (:mod:`rltk.rollout.vllm_broadcast`, the ``rltk_broadcast`` backend), whole or as deltas. The servers must
   run with ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints) and
   ``--weight-transfer-config '{"backend": "rltk_file"}'`` with rltk installed
   (vLLM loads rltk's backend through its plugin entry point).
@@ -357,6 +359,10 @@ class VLLMServerEngine(ServerPoolEngine):
                        f"run's output_dir, on a file system it shares)")
         self.post(server, "/finish_weight_update", {"weight_version": str(version)})
         self.post(server, "/reset_prefix_cache")  # cached keys and values belong to the old weights
+        self.check_version(server, version)
+
+    def check_version(self, server: Server, version: int) -> None:
+        """Raise naming ``server`` unless its ``/weight_info`` reports ``version``."""
         import httpx
 
         try:

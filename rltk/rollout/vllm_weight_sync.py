@@ -7,7 +7,7 @@ API: ``weight_transfer_config={"backend": NAME}`` when the engine starts, then
 worker calls (``LLM.collective_rpc``) or as the OpenAI server's RL endpoints
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ...). The backends
 vLLM ships move tensors over NCCL or CUDA IPC, which a CPU-only machine has not,
-so rltk adds two through vLLM's ``WeightTransferEngineFactory``:
+so rltk adds three through vLLM's ``WeightTransferEngineFactory``:
 
 * ``rltk_inproc``: the trainer and vLLM's worker share one process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a chunk is the list of ``(name,
@@ -18,7 +18,12 @@ so rltk adds two through vLLM's ``WeightTransferEngineFactory``:
   ``{"path": ...}`` over HTTP (plus ``"aliases"``, ``{name: name in the file}``,
   for a file that stores tied tensors once under one of their names).
 
-Both load through the model's own ``load_weights`` (Hugging Face names, full
+* ``rltk_broadcast``: the trainer and the server's workers form a process group of their own (gloo on CPU,
+  NCCL on CUDA; :mod:`rltk.rollout.weight_broadcast`) at ``init_weight_transfer_engine``; a chunk's
+  ``update_info`` is the layout of buckets the trainer broadcasts meanwhile (the trainer's side:
+  :mod:`rltk.rollout.vllm_broadcast`), whole tensors or exact deltas against a copy the worker keeps.
+
+All three load through the model's own ``load_weights`` (Hugging Face names, full
 tensors; vLLM fuses and shards them) inside vLLM's layerwise reload
 (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), which
 restores the loaders a model drops after its first load (without it the second

@@ -48,11 +48,27 @@ class GroupError(RuntimeError):
 # ---------------------------------------------------------------------------------------------- the group
 
 def store(address: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
-    """The group's rendezvous: the trainer hosts it (``is_master``), the workers connect to it."""
+    """The group's rendezvous: the trainer hosts it (``is_master``; ``port`` 0 picks a free one, read back as
+    ``.port``), the workers connect to it. On a loopback ``address`` the host's socket is bound to it: torch's
+    own store listens on every interface whatever the address (:func:`rltk.distributed.start_loopback_process_group`)."""
+    import socket
+
     import torch.distributed as dist
 
-    return dist.TCPStore(address, port, world_size, is_master, timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    from rltk.distributed import is_loopback_address
+
+    timeout = timedelta(seconds=timeout_s)
+    if not is_master or not is_loopback_address(address):
+        return dist.TCPStore(address, port, world_size, is_master, timeout, wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1" if address.lower() == "localhost" else address.strip("[]"), port))
+    listener.listen(max(64, world_size))
+    port = listener.getsockname()[1]
+    # the store owns the descriptor from here on; the Python object must not close it
+    return dist.TCPStore(address, port, world_size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def join(rendezvous, backend: str, rank: int, world_size: int, timeout_s: float, *, address: str,
@@ -65,6 +81,8 @@ def join(rendezvous, backend: str, rank: int, world_size: int, timeout_s: float,
     """
     import torch.distributed as dist
 
+    from rltk.distributed import is_loopback_address
+
     prefixed = dist.PrefixStore(f"{PREFIX}/{generation}", rendezvous)
     prefixed.set(f"joined/{rank}", "1")
     timeout = timedelta(seconds=timeout_s)
@@ -72,7 +90,7 @@ def join(rendezvous, backend: str, rank: int, world_size: int, timeout_s: float,
         if backend == GLOO:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            host = address if address.startswith("127.") or address == "localhost" else ""
+            host = address if is_loopback_address(address) else ""
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         options = dist.ProcessGroupNCCL.Options()

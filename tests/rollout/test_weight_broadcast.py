@@ -121,6 +121,10 @@ def test_full_then_deltas_rebuild_the_senders_weights_bit_for_bit_on_every_recei
         assert sent[3] == 16 + 1 * (4 + 2)  # one element of each (the first padded to 16 bytes)
         for process in processes:
             assert process.wait(timeout=timeout) == 0
+        # the store and gloo's pairs listen on the loopback only (torch's own store would take every interface)
+        psutil = pytest.importorskip("psutil")
+        listening = {c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        assert listening and all(ip.startswith("127.") or ip.endswith("127.0.0.1") for ip in listening), listening
     finally:
         reap(processes)
 
