@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# here for the launcher's users, defined without torch so that the `rltk` command starts without it
+from rltk.argv import strip_local_rank_argument  # noqa: F401
+
 
 def process_rank() -> int:
     """This process's rank under torchrun / deepspeed / accelerate launchers (0 when alone)."""
@@ -113,29 +116,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)  # numpy refuses 2**32 and above, which cfg.seed + rank may reach
     torch.manual_seed(seed)  # every CUDA device too
-
-
-def strip_local_rank_argument(argv: list[str]) -> list[str]:
-    """``argv`` without the ``--local_rank=N`` / ``--local_rank N`` the ``deepspeed`` launcher appends.
-
-    The launcher also exports ``LOCAL_RANK``; the value is copied there when
-    the variable is missing, so nothing is lost. Call it before parsing a
-    recipe's arguments: ``args = parse(strip_local_rank_argument(sys.argv[1:]))``.
-    """
-    kept: list[str] = []
-    skip_next = False
-    for i, arg in enumerate(argv):
-        if skip_next:
-            skip_next = False
-            continue
-        if arg.startswith(("--local_rank=", "--local-rank=")):
-            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
-        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
-            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
-            skip_next = True
-        else:
-            kept.append(arg)
-    return kept
 
 
 def free_local_port() -> int:
