@@ -21,9 +21,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rltk.batch_types import BATCH_FIELDS
 from rltk.config.components import signature_params
 from rltk.errors import ConfigError
-from rltk.batch_types import BATCH_FIELDS
 from rltk.registry import KINDS, get_registry
 
 
@@ -197,11 +197,10 @@ class StepPlan:
         fills.update({f: FIELD_PASSES[f] for f in ON_DEMAND_IF_NAMED if f in asks and f in available})
         if a.kl_coef > 0 and "ref_logprobs" in available:
             fills["ref_logprobs"] = FIELD_PASSES["ref_logprobs"]
-        for f in ("values", "teacher_logprobs"):
-            if f in available and declared is not None:
-                fills[f] = FIELD_PASSES[f]
-        for f in sorted(available - set(fills) - set(FIELD_PASSES) - set(KINDS["advantage_fn"].provided)):
-            fills[f] = f"stage '{stage}' loop"  # a plugin stage's own field
+        if declared is not None:  # the passes a loop runs whatever the components: what it declares
+            fills.update({f: FIELD_PASSES[f] for f in ("values", "teacher_logprobs") if f in available})
+            for f in sorted(available - set(fills) - set(FIELD_PASSES) - {"advantages", "returns"}):
+                fills[f] = f"stage '{stage}' loop"  # a plugin stage's own field
         fills.update(dict.fromkeys(("advantages", "returns"), f"advantage_fn '{a.advantage_fn}'"))
         unfilled = tuple((f, estimator) for f in sorted(required - available))
         return cls(stage, tuple(fills.items()), _reads(cfg, named, "values" in fills), unfilled,

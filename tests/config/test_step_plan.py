@@ -78,7 +78,7 @@ def plugin_estimator():
     module.rltk_advantage_fns = rltk.hookimpl(lambda: {"needs_fields": needs_pi_squared_and_values})
     module.rltk_stages = rltk.hookimpl(lambda: {"own_critic": StageSpec(
         "rltk.training.stages.ppo_stage:run_ppo_stage", "a plugin loop with a critic of its own",
-        provides=rl_provides("values", "sum_pi_squared", on_policy_update=False), rl=True)})
+        provides=rl_provides("values", "sum_pi_squared", "routed_experts", on_policy_update=False), rl=True)})
     rltk.register_plugin(module, name="rltk_plugin_needs_fields")
     yield "needs_fields"
     rltk.unregister_plugin("rltk_plugin_needs_fields")
@@ -91,6 +91,10 @@ def test_a_plugin_estimator_s_fields_are_named_with_who_fills_them(plugin_estima
         assert plan.filler("values") == "critic pass" and plan.unfilled == ()
         assert dict(plan.reads)[f"advantage_fn '{plugin_estimator}'"] == (
             "response_mask", "sum_pi_squared", "token_rewards", "values")
+    # a field a plugin stage declares beyond rltk's passes is its loop's
+    assert plan_of("own_critic", f"algorithm.advantage_fn={plugin_estimator}").filler(
+        "routed_experts") == "stage 'own_critic' loop"
+    assert plan_of("ppo", f"algorithm.advantage_fn={plugin_estimator}").filler("routed_experts") is None
     # under grpo nothing fills values: the plan names the field and the component that needs it
     plan = plan_of("grpo", f"algorithm.advantage_fn={plugin_estimator}")
     assert plan.unfilled == (("values", f"'algorithm.advantage_fn'='{plugin_estimator}'"),)

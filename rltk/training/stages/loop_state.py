@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from rltk.batch import collate
-from rltk.config.recipe_capabilities import StepPlan
 from rltk.buffer.buffer import ExperienceBuffer
+from rltk.config.recipe_capabilities import StepPlan
 from rltk.data.sampler import RowSampler
 from rltk.notices import warn_old_call
 from rltk.training.rollouts.collect import Rollout, RolloutPlan, expert_experiences
@@ -289,8 +289,8 @@ def rl_steps(ctx, rollouts, *old):
     strategy, rollouts)`` works for one release.)"""
     if old:
         warn_old_call("rl_steps(stage, loop, parts, strategy, rollouts)", "rl_steps(ctx, rollouts)")
-        (loop, parts, strategy, rollouts), ctx = (rollouts, *old), ctx
-        ctx = StageContext(ctx, loop, strategy, parts)
+        stage, loop, (parts, strategy, rollouts) = ctx, rollouts, old
+        ctx = StageContext(stage, loop, strategy, parts)
     for step in range(ctx.loop.step + 1, ctx.cfg.trainer.total_steps + 1):
         tick = time.perf_counter()
         rollout = rollouts.take(step)  # time/rollout_s: sampling, or waiting for a producer's batch
