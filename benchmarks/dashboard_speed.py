@@ -5,8 +5,8 @@
 
 Each repeat starts `rltk dashboard` in a process of its own (loopback, a port the OS picks, empty runs
 folder), times the page from the command's start to its answer, the first validation (which waits for the
-warm-up the server starts with) and each of seven edits after it, the form's ``POST /api/build`` as the page
-sends it. Every answer is checked to be that edit's own validation (a refused value refused, the command
+warm-up the server starts once it has answered the page) and each of seven edits after it, the form's
+``POST /api/build`` as the page sends it. Every answer is checked to be that edit's own validation (a refused value refused, the command
 ending with the edit), so a cached or empty answer cannot look fast.
 
 Wall time swings with whatever else the machine runs (a load of 8 on 2 cores made the page 18 s), so the

@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# here for the launcher's users, defined without torch so that the `rltk` command starts without it
+from rltk.argv import strip_local_rank_argument  # noqa: F401
+
 
 def process_rank() -> int:
     """This process's rank under torchrun / deepspeed / accelerate launchers (0 when alone)."""
@@ -53,34 +56,66 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
+LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+
+
+def is_loopback_address(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) names this machine's loopback."""
+    import ipaddress
+
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def start_loopback_process_group(timeout_s: float = 1800.0) -> bool:
+    """Start the default process group from the launcher's variables with its store on the loopback only;
+    True if it was started here.
+
+    torch's ``env://`` rendezvous makes rank 0's TCPStore listen on every interface (``::``) whatever
+    ``MASTER_ADDR`` says, so a run told to stay on 127.0.0.1 would still open a port to the network. When
+    ``MASTER_ADDR`` is a loopback address, rank 0 binds the store's socket to it and hands it to the store
+    (``master_listen_fd``); Accelerate and DeepSpeed then adopt the group. Nothing happens when a group
+    exists, when no launcher variables are set, when ``MASTER_ADDR`` is another machine's (the store must
+    be reachable from it), or under torchrun, whose agent holds the store (``TORCHELASTIC_USE_AGENT_STORE``).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if any(name not in os.environ for name in needed) or not is_loopback_address(os.environ["MASTER_ADDR"]):
+        return False
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return False
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1" if host.lower() in LOOPBACK_NAMES else host.strip("[]"), port))
+        listener.listen(max(64, world_size))
+        # the store owns the descriptor from here on; the Python object must not close it
+        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return True
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (``seed`` is ``cfg.seed``, validated to 0 .. 2**32 - 1, plus a rank)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)  # numpy refuses 2**32 and above, which cfg.seed + rank may reach
     torch.manual_seed(seed)  # every CUDA device too
-
-
-def strip_local_rank_argument(argv: list[str]) -> list[str]:
-    """``argv`` without the ``--local_rank=N`` / ``--local_rank N`` the ``deepspeed`` launcher appends.
-
-    The launcher also exports ``LOCAL_RANK``; the value is copied there when
-    the variable is missing, so nothing is lost. Call it before parsing a
-    recipe's arguments: ``args = parse(strip_local_rank_argument(sys.argv[1:]))``.
-    """
-    kept: list[str] = []
-    skip_next = False
-    for i, arg in enumerate(argv):
-        if skip_next:
-            skip_next = False
-            continue
-        if arg.startswith(("--local_rank=", "--local-rank=")):
-            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
-        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
-            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
-            skip_next = True
-        else:
-            kept.append(arg)
-    return kept
 
 
 def free_local_port() -> int:

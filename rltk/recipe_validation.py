@@ -90,7 +90,7 @@ def parse_recipe_args(stages: Mapping[str, StageSpec] | None = None, argv: list[
     config's ``stages`` may name, each checked against what it provides. A config error prints the message
     and exits with status 2, whether the recipe runs under ``rltk run`` or as ``python recipes/grpo.py``.
     """
-    from rltk.distributed import strip_local_rank_argument
+    from rltk.argv import strip_local_rank_argument
 
     # The `deepspeed` launcher appends --local_rank=N; it is an environment fact, not config.
     argv = strip_local_rank_argument(list(sys.argv[1:] if argv is None else argv))

@@ -35,11 +35,22 @@ from rltk.registry import (
     KINDS, LifecycleHookError, RegistryError, get_registry, list_components, unknown_name_message,
 )
 from rltk.rewards.judges.reward_server import run as serve_reward
-from rltk.training.scaffold.guard import EXIT_DIVERGED, TrainingDiverged
 from rltk.errors import ProcessWaitError
-from rltk.serialization import CheckpointFileError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+# The two errors below live in modules that import torch; this module does not import them, so that `rltk
+# validate`, `rltk list` and `rltk dashboard` start without torch (tests/test_cli_imports.py). An exception of
+# a class can only have been raised once its module ran, so main() looks them up among the loaded modules.
+_DIVERGED = ("rltk.training.scaffold.guard", "TrainingDiverged")  # exit status guard.EXIT_DIVERGED (3)
+_CHECKPOINT_FILE = ("rltk.serialization", "CheckpointFileError")
+
+
+def _is_loaded_error(exc: BaseException, where: tuple[str, str]) -> bool:
+    """Whether ``exc`` is an instance of the class ``where`` names, without importing its module."""
+    module, name = where
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(exc, cls)
 
 
 def cmd_list(args) -> int:
@@ -237,7 +248,7 @@ COMMANDS = {"list": cmd_list, "plugins": cmd_plugins, "validate": cmd_validate, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rltk.distributed import strip_local_rank_argument
+    from rltk.argv import strip_local_rank_argument
 
     parser = build_parser()
     argv = strip_local_rank_argument(list(sys.argv[1:] if argv is None else argv))
@@ -254,9 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RegistryError, UsageError) as exc:
         print(f"rltk: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except TrainingDiverged as exc:
-        print(f"rltk: error: {exc}", file=sys.stderr)
-        return EXIT_DIVERGED
     except LifecycleHookError as exc:
         # The plugin's own frames are what its author needs; rltk's training loop above them is not.
         cause = exc.__cause__
@@ -267,12 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     except ProcessWaitError as exc:  # a producer that died, a wait that ran out: the message names it
         print(f"rltk: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except CheckpointFileError as exc:  # a refused or damaged checkpoint file: the message names it
-        print(f"rltk: error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("rltk: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if _is_loaded_error(exc, _DIVERGED):  # the divergence guard stopped the run
+            print(f"rltk: error: {exc}", file=sys.stderr)
+            return sys.modules[_DIVERGED[0]].EXIT_DIVERGED
+        if _is_loaded_error(exc, _CHECKPOINT_FILE):  # a refused or damaged checkpoint file: the message names it
+            print(f"rltk: error: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        raise
 
 
 def console_main() -> None:

@@ -22,18 +22,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rltk.errors import ConfigError
-from rltk.models.lora import (
-    adapter_config,
-    check_adapter_fits,
-    check_targets,
-    linear_modules,
-    lora_enabled,
-    target_list,
-)
+
+# rltk.models.lora imports torch: each check imports it when it runs, so that importing rltk.config does not
+# (`rltk dashboard` answers its page before anything has loaded torch).
 
 
 def check_lora_values(cfg: DictConfig) -> None:
     """``model.lora`` on its own: rank, alpha, dropout, targets, adapter folder. Raises ConfigError."""
+    from rltk.models.lora import adapter_config, lora_enabled, target_list
+
     lora = cfg.model.lora
     r = lora.r
     if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
@@ -104,6 +101,8 @@ def model_description(cfg: DictConfig) -> str:
 
 def check_lora_fits_model(cfg: DictConfig) -> None:
     """``model.lora.target_modules`` and ``model.lora.path`` against the modules of the run's model."""
+    from rltk.models.lora import check_adapter_fits, check_targets, linear_modules, lora_enabled, target_list
+
     lora = cfg.model.lora
     if not lora_enabled(lora):
         return

@@ -29,6 +29,16 @@ class TinyMoeConfig:
 
 
 @dataclass
+class TinyVisionConfig:
+    """``model.tiny.vision``: make the tiny model a vision-language model (Qwen2.5-VL; :func:`rltk.models.tiny.build_tiny_vlm`)."""
+
+    depth: int = 0  # vision-tower blocks; 0 keeps a text-only model, e.g. 2 for the tiny VLM default
+    hidden_size: int = 32  # the vision tower's width
+    num_heads: int = 2  # its attention heads
+    image_size: int = 56  # every image is resized to this square (a multiple of 28): (56/28)^2 = 4 tokens
+
+
+@dataclass
 class TinyModelConfig:
     """The embedded default policy: a random-init Qwen2 built locally (a Qwen3-MoE with ``moe.num_experts``)."""
 
@@ -43,6 +53,7 @@ class TinyModelConfig:
     # single-turn default's learning was measured with (a token more redraws the whole random init)
     tool_role: bool = False
     moe: TinyMoeConfig = field(default_factory=TinyMoeConfig)
+    vision: TinyVisionConfig = field(default_factory=TinyVisionConfig)
 
 
 @dataclass
@@ -65,13 +76,14 @@ class LoraConfig:
 class ModelConfig:
     """The policy: a local Hugging Face model folder or the embedded tiny model; its dtype, kernel and LoRA."""
 
-    path: Optional[str] = None  # a local HF causal-LM folder; null builds the tiny model
+    path: Optional[str] = None  # a local HF causal-LM or image-text-to-text folder; null builds the tiny model
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     logprob_impl: str = "auto"  # auto | triton | triton-hopper | torch | naive (rltk/kernels)
     logprob_chunk_size: Optional[int] = None
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    freeze_vision_tower: bool = True  # a VLM's vision tower (and its merger) keeps its weights, as verl and EasyR1 do
 
 
 @dataclass
@@ -87,6 +99,7 @@ class DataConfig:
     eval_path: Optional[str] = None
     eval_split: Optional[str] = None
     prompt_key: str = "prompt"
+    image_key: str = "images"  # column of each row's images (paths, bytes, arrays; rltk/data/images.py), if any
     messages_key: str = "messages"  # column of chat messages (rltk/data/chat.py); a transcript also feeds the warm-up
     answer_key: Optional[str] = "answer"  # null: the rows have no answer (preference data, plain SFT text)
     extras_keys: Optional[List[str]] = None  # columns kept as row extras; null keeps all others

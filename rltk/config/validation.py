@@ -14,13 +14,12 @@ below :func:`validate_config`, under a banner naming the section.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
-from rltk.algorithms.mismatch import check_rollout_correction, correction_active
 
 from rltk.config.components import check_components, check_task
 from rltk.config.env_checks import check_agent_tools, check_env
@@ -59,6 +58,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     _check_positive(cfg)
     check_rollout_correction_config(cfg)
     check_moe_config(cfg, registry)
+    check_vision_config(cfg)
     check_async_config(cfg, recipe, registry)
     check_launcher(cfg)
     check_seed(cfg)
@@ -267,6 +267,49 @@ def check_async_config(cfg: DictConfig, recipe=None, registry=None) -> None:
 
 
 # --------------------------------------------------------------------------
+# model.tiny.vision and vision-language policies: whether the configured policy is a VLM (the tiny
+# section, or model.path's config.json), and whether the rest of the config can run one
+# --------------------------------------------------------------------------
+
+#: Rollout engines that generate with a VLM's images (the others take token ids only).
+VISION_ENGINES = ("hf",)
+
+
+def policy_is_vlm(cfg: DictConfig) -> tuple[bool, str]:
+    """``(is a vision-language model, how a message names the policy)`` from the config alone."""
+    if not cfg.model.path:
+        depth = cfg.model.tiny.vision.depth
+        return bool(depth), f"the tiny VLM (model.tiny.vision.depth={depth})"
+    config_file = Path(cfg.model.path).expanduser() / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False, f"model.path='{cfg.model.path}' (no readable config.json)"
+    return "vision_config" in config, f"model.path='{cfg.model.path}' ({config.get('model_type', 'unknown')})"
+
+
+def check_vision_config(cfg: DictConfig) -> None:
+    """The tiny VLM's sizes; a VLM needs a rollout engine that passes images, and the tiny VLM is dense."""
+    tiny = cfg.model.tiny
+    if not cfg.model.path and tiny.vision.depth:
+        step = 28
+        if tiny.vision.depth < 0 or tiny.vision.image_size < step or tiny.vision.image_size % step:
+            raise ConfigError(
+                f"model.tiny.vision: depth={tiny.vision.depth}, image_size={tiny.vision.image_size}: depth >= 0 "
+                f"(0: a text-only model) and image_size a positive multiple of {step} (patch 14 x merge 2), e.g. 56")
+        if tiny.moe.num_experts:
+            raise ConfigError(
+                f"model.tiny.vision.depth={tiny.vision.depth} with model.tiny.moe.num_experts="
+                f"{tiny.moe.num_experts}: the tiny VLM is a dense Qwen2.5-VL; set one of them to 0")
+    vlm, described = policy_is_vlm(cfg)
+    if vlm and cfg.rollout.engine not in VISION_ENGINES:
+        raise ConfigError(
+            f"bad value '{cfg.rollout.engine}' for 'rollout.engine' with a vision-language policy ({described}): "
+            f"rltk passes images to {', '.join(VISION_ENGINES)} only (vLLM's multimodal inputs are not wired "
+            f"yet); set rollout.engine=hf")
+
+
+# --------------------------------------------------------------------------
 # The run: the seed's range, the local paths it reads, the prompt template
 # --------------------------------------------------------------------------
 
@@ -403,6 +446,9 @@ def check_rollout_correction_config(cfg: DictConfig) -> None:
     rollout log-probs, every ratio is 1 and a correction would silently do
     nothing, so that combination is refused.
     """
+    # imported here: the module's other functions need torch, and importing rltk.config must not
+    from rltk.algorithms.mismatch import check_rollout_correction, correction_active
+
     settings = OmegaConf.to_container(OmegaConf.select(cfg, _CORRECTION_KEY), resolve=True)
     settings.pop("log_metrics", None)
     try:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rltk.loggers.jsonl import METRICS_FILE, read_jsonl_metrics
+from rltk.loggers.jsonl import METRICS_FILE, TRACES_FILE, read_jsonl_metrics
 from rltk.loggers.plot import training_curves
-from rltk.training.scaffold.traces import TRACES_FILE, read_traces
 
 #: Columns of the step table, when logged (the rest of a step's metrics show on demand).
 TABLE_KEYS = ("reward", "accuracy", "eval/accuracy", "eval/sampled_accuracy", "kl", "entropy", "pg_loss",
@@ -99,4 +98,6 @@ def trace_steps(folder: Path) -> dict[int, int]:
 
 def step_traces(folder: Path, step: int) -> list[dict]:
     """The traced trajectories of global step ``step``."""
+    from rltk.training.scaffold.traces import read_traces  # imports torch: loaded when a traced step is opened
+
     return read_traces(folder / TRACES_FILE, step=step)

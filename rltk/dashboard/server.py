@@ -19,8 +19,11 @@ to every chart and every run. A traced step reads as its groups: the prompt once
 highest advantage first, each with its whole response token by token (every assistant turn and, greyed,
 every observation), its rewards and transcript one click away.
 
-Speed: the server listens at once; a thread then builds the form and loads the validation path (data,
-tokenizer) in the background, so the first edit barely waits. What is loaded stays loaded: each edit
+Speed: the server listens at once, and nothing it imports to answer a page loads torch or transformers
+(``tests/dashboard/test_dashboard_imports.py``), so its first answer comes well under 2 s after the command
+starts. Once it has answered its first request, a thread builds the form and loads the validation path
+(registry, data, tokenizer) in the background, so the first edit barely waits; started any earlier, that
+thread's imports would hold the interpreter while the page waited. What is loaded stays loaded: each edit
 afterwards costs one validation (``tests/dashboard/test_dashboard_speed.py`` times them).
 
 Safety: it listens on 127.0.0.1 unless told otherwise; it answers only
@@ -80,6 +83,14 @@ class Dashboard(ThreadingHTTPServer):
         self.runs_root, self.save_dir = Path(runs_root), Path(save_dir)
         self.token = secrets.token_urlsafe(24)
         self.lock = threading.Lock()  # validation loads configs through process-wide state (the registry)
+        self.warming = threading.Event()  # set once the background warm-up (see serve) has been started
+        self.warm_up = lambda: None
+
+    def start_warm_up(self) -> None:
+        """Start the background warm-up, once: called after the first answer (see the module's Speed note)."""
+        if not self.warming.is_set():
+            self.warming.set()
+            threading.Thread(target=self.warm_up, daemon=True).start()
 
     @property
     def url(self) -> str:
@@ -97,6 +108,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args):  # quiet: the terminal shows the URL, not every poll
         pass
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        finally:
+            self.server.start_warm_up()
 
     # ------------------------------------------------------------ plumbing
     def _send(self, status: int, body: bytes, content_type: str) -> None:
@@ -203,7 +220,7 @@ def serve(host: str = "127.0.0.1", port: int = 8765, runs_root: str | Path = "ru
         gc.collect()
         gc.freeze()
 
-    threading.Thread(target=warm, daemon=True).start()
+    server.warm_up = warm  # started after the first answer: its imports would delay that answer
     if ready is not None:
         ready(server)
     try:

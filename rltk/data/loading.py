@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rltk.data.images import check_placeholders, row_images
 from rltk.data.templates import fill_template, template_fields
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ def load_rows(
     extras_keys: Sequence[str] | None = None,
     id_key: str = "id",
     messages_key: str = "messages",
+    image_key: str | None = None,
     config_prefix: str = "data",
 ) -> list[dict]:
-    """Rows ``{"prompt", "ground_truth", "extras", "id"}`` from a local dataset.
+    """Rows ``{"prompt", "ground_truth", "extras", "id"}`` (and ``"images"``) from a local dataset.
 
     Sources: a ``.json`` file (a list of objects, or ``{"data": [...]}``), a
     ``.jsonl`` file (one object per line), ``.parquet``, ``.csv`` (values
@@ -86,6 +88,9 @@ def load_rows(
         id_key: the column holding a row id if present; otherwise ids are
             ``"<file stem>-<row index>"``.
         messages_key: the column holding chat messages, if the dataset has one.
+        image_key: the column holding each row's images, if the dataset has one: decoded into the row's
+            ``images`` (RGB ``PIL.Image`` s) and counted against the prompt's placeholders, as
+            :mod:`rltk.data.images` says; not an extra.
         config_prefix: the config section the arguments came from, used in
             error messages (``data.prompt_key`` ...).
     """
@@ -99,8 +104,9 @@ def load_rows(
     records, source = _read_records(path, split, config_prefix)
     columns = _columns_of(records, source, config_prefix)
     has_messages = messages_key in columns
-    extras_keys = _checked_keys(columns, source, prompt_key, answer_key, extras_keys, id_key, messages_key,
-                                has_messages, config_prefix)
+    image_key = image_key if image_key in columns else None
+    extras_keys = [key for key in _checked_keys(columns, source, prompt_key, answer_key, extras_keys, id_key,
+                                                messages_key, has_messages, config_prefix) if key != image_key]
     stem = Path(source).stem or "row"
     rows, seen_ids = [], set()
     for index, record in enumerate(records):
@@ -117,8 +123,16 @@ def load_rows(
             "extras": {key: record[key] for key in extras_keys},
             "id": row_id,
             **chat,
+            **(_images_of(record, prompt, where, image_key, path) if image_key else {}),
         })
     return rows
+
+
+def _images_of(record: dict, prompt: str | list[dict], where: str, image_key: str, path: Path) -> dict:
+    images = row_images(record.get(image_key), where=where, key=image_key,
+                        base_dir=path if path.is_dir() else path.parent)
+    check_placeholders(prompt, images, where=where, key=image_key)
+    return {"images": images}
 
 
 def _columns_of(records: list, source: str, config_prefix: str) -> list[str]:

@@ -17,6 +17,9 @@ from typing import Any
 from rltk.loggers.base import Logger, as_path, finite_or_none, scalar_metrics
 
 METRICS_FILE = "metrics.jsonl"
+#: The sampled trajectories of a run folder (written by :mod:`rltk.training.scaffold.traces`), named here beside
+#: the metrics so that what reads a run folder as data (the dashboard) finds both without importing torch.
+TRACES_FILE = "traces.jsonl"
 
 
 def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:

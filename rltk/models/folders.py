@@ -98,11 +98,13 @@ def load_full_state_into(module: nn.Module, state: dict[str, torch.Tensor], sour
         # An adapter folder (LoRA checkpoints hold nothing else): its tensors replace the adapter's,
         # the frozen base weights stay as the run built them.
         state = adapter_state_to_live(module, state, source)
+    else:
+        state = in_module_names(module, state)
     unexpected = sorted(set(state) - set(live))
     loaded_ids = {id(live[k]) for k in live if k in state}
     missing = [] if adapter_only else [k for k in live if k not in state and id(live[k]) not in loaded_ids]
-    mismatched = [f"{k}: model {tuple(live[k].shape)} vs checkpoint {tuple(state[k].shape)}"
-                  for k in live if k in state and tuple(live[k].shape) != tuple(state[k].shape)]
+    mismatched = [f"{k}: model {full_shape(live[k])} vs checkpoint {tuple(state[k].shape)}"
+                  for k in live if k in state and full_shape(live[k]) != tuple(state[k].shape)]
     if missing or unexpected or mismatched:
         raise KeyError(
             f"model weights in '{source}' do not match the model ({type(module).__name__}): "
@@ -110,7 +112,7 @@ def load_full_state_into(module: nn.Module, state: dict[str, torch.Tensor], sour
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
             f"shape mismatches {mismatched[:4]}. Was the checkpoint written for a different model config?"
         )
-    if not any(is_dtensor(t) for t in live.values()):
+    if not any(is_dtensor(t) or full_shape(t) != tuple(t.shape) for t in live.values()):
         # The module's own loader keeps custom _load_from_state_dict hooks working.
         module.load_state_dict({k: v for k, v in state.items()}, strict=False)
         return
@@ -118,6 +120,39 @@ def load_full_state_into(module: nn.Module, state: dict[str, torch.Tensor], sour
         for key, tensor in live.items():
             if key in state:
                 tensor.copy_(shard_like(state[key], tensor))
+
+
+def in_module_names(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A folder's tensors under ``module``'s own names.
+
+    ``save_pretrained`` writes a Hugging Face model in its hub format, which transformers 5 converts while
+    loading: Qwen3-MoE's per-expert ``experts.<e>.gate_proj.weight``, ``up_proj``, ``down_proj`` are the
+    stacked ``experts.gate_up_proj`` / ``experts.down_proj`` of the module. A module name missing from
+    ``state`` is built here from the tensors transformers' reverse conversion would split it into, traced
+    with element ids (one tensor at a time), so the conversion is transformers' own and exact.
+    """
+    import math
+
+    live = module.state_dict(keep_vars=True)
+    if set(live) <= set(state) or not hasattr(module, "config"):
+        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out, used = dict(state), set()
+    for name, tensor in live.items():
+        if name in state:
+            continue
+        shape = full_shape(tensor)
+        ids = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
+        pieces = revert_weight_conversion(module, {name: ids})
+        if name in pieces or not pieces or not set(pieces) <= set(state):
+            continue  # not converted (a tied weight stored once), or not in this folder: reported by the caller
+        whole = torch.empty(math.prod(shape), dtype=state[next(iter(pieces))].dtype)
+        for piece, piece_ids in pieces.items():
+            whole[piece_ids.reshape(-1).long()] = state[piece].reshape(-1)
+        used.update(pieces)
+        out[name] = whole.view(shape)
+    return {k: v for k, v in out.items() if k not in used}
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -128,11 +163,28 @@ def is_dtensor(tensor: Any) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def full_cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A full, detached CPU copy of ``tensor``; gathers a sharded DTensor (collective then)."""
+def full_cpu_copy(tensor: torch.Tensor, of: torch.Tensor | None = None) -> torch.Tensor:
+    """A full, detached CPU copy of ``tensor``; gathers a sharded DTensor or expert slice (collective then).
+
+    ``of``: the parameter ``tensor`` belongs to (an optimizer state), when the parameter says how it is split.
+    """
+    from rltk.models.parallel.expert_parallel import expert_shard_of, gather_expert_tensor
+
+    shard = expert_shard_of(tensor if of is None else of)
     if is_dtensor(tensor):
         tensor = tensor.full_tensor()
+    elif shard is not None and tensor.ndim:
+        tensor = gather_expert_tensor(tensor, shard)
     return tensor.detach().to("cpu", copy=True)
+
+
+def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor a rank may hold a part of (a DTensor's is already the global one)."""
+    from rltk.models.parallel.expert_parallel import expert_shard_of
+
+    shard = expert_shard_of(tensor)
+    shape = tuple(tensor.shape)
+    return (shape[0] * shard.size, *shape[1:]) if shard is not None else shape
 
 
 def shard_like(full: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -145,4 +197,8 @@ def shard_like(full: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import distribute_tensor
 
         return distribute_tensor(full.to(live.dtype), live.device_mesh, live.placements, src_data_rank=None)
+    from rltk.models.parallel.expert_parallel import expert_shard_of, local_expert_slice
+
+    if expert_shard_of(live) is not None and full.ndim:
+        full = local_expert_slice(full, expert_shard_of(live))
     return full.to(device=live.device, dtype=live.dtype)

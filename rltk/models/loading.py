@@ -122,8 +122,77 @@ def load_model(
             f"{config_key}='{path}' is not a Hugging Face model folder: it has no config.json. "
             f"Files present: {present}"
         )
+    auto_class = AutoModelForCausalLM
+    if is_vision_language_folder(folder):
+        from transformers import AutoModelForImageTextToText as auto_class
     with quiet_model_io():
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype], local_files_only=True)
+        return auto_class.from_pretrained(str(folder), dtype=DTYPES[dtype], local_files_only=True)
+
+
+def is_vision_language_folder(path: str | os.PathLike) -> bool:
+    """Whether the model folder ``path`` holds an image-text-to-text model (Qwen2.5-VL, Qwen3-VL ...).
+
+    Its ``config.json`` has a ``vision_config`` and its model type is one that ``AutoModelForImageTextToText``
+    builds; such a folder loads through that class and :func:`load_processor`.
+    """
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return False
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if "vision_config" not in config:
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return config.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def load_processor(path: str | os.PathLike, tokenizer: PreTrainedTokenizerBase, *, config_key: str = "model.path"):
+    """The multimodal processor saved in the local VLM folder ``path`` (images only), around ``tokenizer``.
+
+    Its class is the one ``processor_config.json`` declares (``AutoProcessor``'s choice: ``Qwen2_5_VLProcessor``
+    ...), its image processor ``AutoImageProcessor``'s, its chat template the folder's. Two things differ from
+    ``AutoProcessor.from_pretrained``, both on purpose: ``tokenizer`` is :func:`load_tokenizer`'s (the module
+    docstring's rule; ``AutoProcessor`` would load it through ``AutoTokenizer``, which for a generic tokenizer
+    under a Qwen model type rebuilds it with other ids), and there is no video processor: rltk feeds no videos,
+    and transformers cannot build one without torchvision, which the locks leave out (:func:`image_only_processor`).
+    """
+    from transformers import AutoImageProcessor
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+
+    folder = _require_folder(path, config_key, "preprocessor_config.json or processor_config.json")
+    files = [folder / name for name in ("processor_config.json", "preprocessor_config.json")]
+    if not any(f.is_file() for f in files):
+        present = sorted(p.name for p in folder.iterdir())[:20]
+        raise FileNotFoundError(f"{config_key}='{path}' is a vision-language model folder without an image "
+                                f"processor (no processor_config.json or preprocessor_config.json). "
+                                f"Files present: {present}")
+    declared = next((json.loads(f.read_text(encoding="utf-8")).get("processor_class") for f in files if f.is_file()
+                     and json.loads(f.read_text(encoding="utf-8")).get("processor_class")), None)
+    model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    name = declared or PROCESSOR_MAPPING_NAMES.get(model_type)
+    processor_class = processor_class_from_name(name) if name else None
+    if processor_class is None:
+        raise FileNotFoundError(f"{config_key}='{path}': no processor class for it (processor_config.json names "
+                                f"none and model_type {model_type!r} has none in transformers)")
+    image_processor = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    template_file = folder / "chat_template.jinja"
+    template = template_file.read_text(encoding="utf-8") if template_file.is_file() else tokenizer.chat_template
+    return image_only_processor(processor_class, image_processor, tokenizer, template)
+
+
+def image_only_processor(processor_class: type, image_processor, tokenizer, chat_template: str | None):
+    """An instance of ``processor_class`` (a transformers multimodal processor) with no video processor.
+
+    transformers checks every sub-processor its ``__init__`` names, the video processor too even when
+    it is None, and that check fails without torchvision; a subclass whose ``__init__`` names only the
+    image processor and the tokenizer is the same processor for images and text, and saves the same folder.
+    """
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    image_only = type(processor_class.__name__, (processor_class,), {"__init__": __init__,
+                                                                    "__module__": processor_class.__module__})
+    return image_only(image_processor, tokenizer, chat_template=chat_template)
 
 
 @contextlib.contextmanager

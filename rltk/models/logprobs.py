@@ -54,6 +54,8 @@ from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.packing import pack_rows
 from rltk.models.sharding import has_sharded_parameters
+from rltk.models.vision.inputs import refuse_packing_reason
+from rltk.models.vision.tower import forget_rope_deltas
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 
@@ -75,6 +77,7 @@ def response_logprobs(
     share_prompts: bool = True,
     routed_experts: torch.Tensor | None = None,
     router_trace=None,
+    vision_inputs: dict | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropy) of the response tokens under ``model``, without full logits.
 
@@ -111,6 +114,8 @@ def response_logprobs(
         router_trace: a :class:`rltk.models.moe.RouterTrace` to fill with what the routers computed
             (its ``valid`` marks the real tokens among the rows the routers saw).
             Either of the two turns prompt sharing off (one forward, whose tokens the routing aligns with).
+        vision_inputs: a VLM's image inputs of these rows (:func:`rltk.models.vision.inputs.batch_vision_inputs`),
+            or None; they turn prompt sharing off and refuse packing (see :func:`last_hidden_states`).
 
     Returns:
         ``(logprobs, entropy)``, fp32. Shape: (B, T) each; ``entropy`` is None
@@ -127,6 +132,9 @@ def response_logprobs(
         return _routed_response_logprobs(model, input_ids, attention_mask, width, routed_experts, router_trace,
                                          pack=pack, temperature=temperature, impl=impl, with_entropy=with_entropy,
                                          chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
+    if vision_inputs and pack:
+        raise ValueError(refuse_packing_reason())
+    share_prompts = share_prompts and not vision_inputs
     if pack:
         head = output_head_module(model)
         # A head sharded outside its own forward (the root module of an FSDP2 model: a DTensor here)
@@ -141,7 +149,8 @@ def response_logprobs(
     # samples of a group) runs once
     hidden = shared_prompt_hidden_states(model, input_ids, attention_mask, prompt_len) if share_prompts else None
     if hidden is None:
-        hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, prompt_len - 1 :]
+        hidden = last_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1],
+                                    vision_inputs=vision_inputs)[:, prompt_len - 1 :]
     head = output_head_module(model)
     gather_in_forward = _whole_only_in_forward(head)
     if not gather_in_forward and _is_dtensor(head.weight):
@@ -335,20 +344,24 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                       *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                       *, position_ids: torch.Tensor | None = None, vision_inputs: dict | None = None) -> torch.Tensor:
     """The base model's final (normed) hidden states for a left-padded batch. Shape: (B, S, D).
 
     Calls ``model``'s own forward (so wrappers do their work) with
     ``logits_to_keep=1`` and catches the base model's output with a forward
     hook; without a base model it falls back to ``output_hidden_states=True``.
     ``position_ids`` default to :func:`positions_from_mask`; a packed row
-    (:mod:`rltk.models.packing`) passes its own with ``attention_mask=None``.
+    (:mod:`rltk.models.packing`) passes its own with ``attention_mask=None``. A VLM's ``vision_inputs`` go
+    to its forward, which places the image features and computes its own (3-D) positions from them.
     """
     inner = unwrap_model(model)
     decoder = base_model(inner)
-    if position_ids is None:
+    if position_ids is None and not vision_inputs:
         position_ids = positions_from_mask(attention_mask)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if vision_inputs:
+        forget_rope_deltas(inner)
+        kwargs.update(vision_inputs)
     keep = _logits_to_keep_argument(inner)
     if keep is not None:
         kwargs[keep] = 1

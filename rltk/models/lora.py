@@ -274,7 +274,7 @@ def apply_lora(model: nn.Module, settings: Any, *, model_desc: str = "the model"
             r=r, lora_alpha=float(_setting(settings, "alpha", 16.0)), lora_dropout=float(_setting(settings, "dropout", 0.0)),
             # peft's own all-linear rule equals linear_modules(): every nn.Linear but the output layer.
             target_modules=ALL_LINEAR if targets == ALL_LINEAR else list(targets),
-            task_type="CAUSAL_LM", bias="none",
+            task_type="CAUSAL_LM", bias="none", exclude_modules=vision_tower_pattern(model),
         )
         peft_model = peft.get_peft_model(model, config)
     if _checkpointing(model):
@@ -283,6 +283,20 @@ def apply_lora(model: nn.Module, settings: Any, *, model_desc: str = "the model"
         # would get no gradient. Marking the embedding output as requiring grad fixes that.
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+def vision_tower_pattern(model: nn.Module) -> str | None:
+    """A VLM's vision tower as peft's ``exclude_modules`` regex (None for a text model): LoRA adapts the language
+    model only, as verl and EasyR1 do; the tower stays as loaded (``model.freeze_vision_tower``)."""
+    import re
+
+    from rltk.models.vision.tower import vision_tower
+
+    tower = vision_tower(model)
+    if tower is None:
+        return None
+    name = next(name for name, module in model.named_modules() if module is tower)
+    return re.escape(name) + r"(\..*)?"
 
 
 def _checkpointing(model: nn.Module) -> bool:

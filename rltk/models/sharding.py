@@ -1,12 +1,14 @@
 """Whole tensors from modules whose parameters a rank holds only a shard of.
 
-Two kinds of sharded parameters exist in rltk's engines:
+Three kinds of sharded parameters exist in rltk's engines:
 
 * DeepSpeed ZeRO-3 parameters (they carry ``ds_id``): outside their module's
   forward ``param.data`` is empty and the rank's partition sits in
   ``param.ds_tensor``; ``deepspeed.zero.GatheredParameters`` makes them whole.
 * FSDP2 ``DTensor`` parameters with a sharded placement:
   ``DTensor.full_tensor()`` makes them whole.
+* Expert-parallel slices of a MoE's experts (:mod:`rltk.models.parallel.expert_parallel`; they carry
+  their ``ExpertShard``): an all-gather over the expert group makes them whole.
 
 Making a tensor whole is a collective: every rank must ask for the same
 tensors in the same order. :func:`iter_full_state` walks a module's state dict
@@ -38,8 +40,10 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
-    """Whether this rank may hold only part of ``tensor`` (a ZeRO-3 parameter or a DTensor)."""
-    return is_zero3_parameter(tensor) or is_dtensor(tensor)
+    """Whether this rank may hold only part of ``tensor`` (a ZeRO-3 parameter, a DTensor, an expert slice)."""
+    from rltk.models.parallel.expert_parallel import expert_shard_of
+
+    return is_zero3_parameter(tensor) or is_dtensor(tensor) or expert_shard_of(tensor) is not None
 
 
 def has_sharded_parameters(module: nn.Module) -> bool:
@@ -55,6 +59,8 @@ def iter_full_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     then), so copy it out if you keep it. Every rank must consume the whole
     iterator: stopping early on one rank leaves the others waiting in a gather.
     """
+    from rltk.models.parallel.expert_parallel import expert_shard_of, gather_expert_tensor
+
     for name, tensor in module.state_dict(keep_vars=True).items():
         if is_zero3_parameter(tensor):
             import deepspeed
@@ -63,6 +69,8 @@ def iter_full_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, tensor.detach()
         elif is_dtensor(tensor):
             yield name, tensor.full_tensor().detach()
+        elif expert_shard_of(tensor) is not None:
+            yield name, gather_expert_tensor(tensor, expert_shard_of(tensor))
         else:
             yield name, tensor.detach()
 

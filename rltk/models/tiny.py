@@ -28,6 +28,17 @@ about 70k. It saves and loads like the dense one.
 Selected by config with ``model.tiny.moe.num_experts=8`` (0, the default, keeps the dense Qwen2); the
 other ``model.tiny.*`` sizes apply to both. Routing replay and the MoE metrics are
 :mod:`rltk.models.moe`.
+
+:func:`build_tiny_vlm` gives a randomly initialised ``Qwen2_5_VLForConditionalGeneration`` (Qwen2.5-VL's
+architecture, shrunk): a vision tower of ``depth`` blocks cuts each image into 14-pixel patches, merges 2x2
+of them into one token of the language model's width, and the language model (the ``model.tiny.*`` sizes)
+reads those tokens where the prompt has ``<|image_pad|>`` placeholders, with Qwen2.5-VL's 3-D rotary
+positions. Its tokenizer is the char tokenizer with :data:`VISION_TOKENS` appended (``vision=True``), its
+image processor (:func:`build_tiny_image_processor`) scales every image to about ``image_size ** 2`` pixels,
+so a square image is ``(image_size / 28) ** 2`` placeholder tokens (4 for the default 56). The processor
+(:func:`build_tiny_processor`, a ``Qwen2_5_VLProcessor``) saves beside the model; the folder loads back with
+``AutoModelForImageTextToText`` and ``AutoProcessor`` like any Hugging Face VLM. Selected by config with
+``model.tiny.vision.depth=2`` (0, the default, keeps a text-only model).
 """
 
 from __future__ import annotations
@@ -67,6 +78,13 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 #: tiny model (the embedding is drawn first), and the single-turn default's
 #: learning was measured over seeds with the 104-token vocabulary.
 LATE_SPECIAL_TOKENS: tuple[str, ...] = (TOOL_TOKEN,)
+
+#: Qwen2.5-VL's image markers, appended (after ``<|tool|>`` when there is one) by ``vision=True``: an image
+#: renders as ``<|vision_start|><|image_pad|><|vision_end|>`` and the processor repeats ``<|image_pad|>``
+#: once per merged patch. ``<|video_pad|>`` is there because the processor and the model's config need a
+#: video token id that no text can produce (rltk feeds no videos).
+VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_TOKEN = "<|image_pad|>"
 
 #: Every ordinary symbol, in id order after the special tokens. Arithmetic and
 #: Countdown come first so their ids stay small and stable; then letters,
@@ -131,6 +149,7 @@ _TEMPLATE_SOURCE: str = (
     "{%- endif -%}"
     "<|{{ message['role'] }}|>"
     "{%- if message['content'] is string -%}{{ message['content'] }}{%- endif -%}"
+    "CONTENT_PARTS"
     "{%- if tools and message['role'] == 'system' -%}{{ '\\n' }}{{ tool_line() }}{%- endif -%}"
     "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}"
     "{%- for call in message['tool_calls'] -%}"
@@ -146,24 +165,41 @@ _TEMPLATE_SOURCE: str = (
 )
 
 
-def chat_template(tool_role: bool) -> str:
-    """The tiny chat template for a tokenizer with (or without) the ``<|tool|>`` token.
+# Content given as a list of parts (the HF/OpenAI chat form): text parts in order, and an image part
+# ({"type": "image"} or "image_url") as the three vision markers, which the processor expands.
+_CONTENT_PARTS: str = (
+    "{%- if message['content'] is not string and message['content'] is iterable -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ['image', 'image_url'] -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- else -%}{{ raise_exception('tiny chat template: a content part is text or image, got ' + part['type']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+)
 
-    Without it a ``tool`` message is an error that says how to get the role,
-    rather than ``<|tool|>`` spelled out in characters the model never saw.
+
+def chat_template(tool_role: bool, vision: bool = False) -> str:
+    """The tiny chat template for a tokenizer with (or without) the ``<|tool|>`` token and the vision markers.
+
+    Without ``<|tool|>`` a ``tool`` message is an error that says how to get the role,
+    rather than ``<|tool|>`` spelled out in characters the model never saw. With ``vision`` a message's
+    content may be a list of text and image parts (:data:`VISION_TOKENS`).
     """
     roles = ["system", "user", "assistant"] + (["tool"] if tool_role else [])
     names = "system, user, assistant or tool" if tool_role else (
         "system, user or assistant (a tool message needs the tool role: model.tiny.tool_role=true, "
         "build_char_tokenizer(tool_role=True))")
-    return _TEMPLATE_SOURCE.replace("ROLES", repr(roles)).replace("ROLE_NAMES", names)
+    source = _TEMPLATE_SOURCE.replace("CONTENT_PARTS", _CONTENT_PARTS if vision else "")
+    return source.replace("ROLES", repr(roles)).replace("ROLE_NAMES", names)
 
 
 #: The chat template of :func:`build_char_tokenizer` with its defaults (no tool role).
 CHAT_TEMPLATE: str = chat_template(tool_role=False)
 
 
-def build_char_tokenizer(extra_chars: str = "", *, tool_role: bool = False) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(extra_chars: str = "", *, tool_role: bool = False,
+                         vision: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer over :data:`ALPHABET` plus ``extra_chars``.
 
     Every character is one token; a character outside the vocabulary becomes
@@ -190,8 +226,9 @@ def build_char_tokenizer(extra_chars: str = "", *, tool_role: bool = False) -> P
             existing symbols are ignored), e.g. ``"éü"``.
         tool_role: add the ``<|tool|>`` token and the ``tool`` role (multi-turn
             tasks whose tools answer in tool messages).
+        vision: add :data:`VISION_TOKENS` (after ``<|tool|>``) and image content parts to the template.
     """
-    late = LATE_SPECIAL_TOKENS if tool_role else ()
+    late = (LATE_SPECIAL_TOKENS if tool_role else ()) + (VISION_TOKENS if vision else ())
     vocab: dict[str, int] = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in ALPHABET + extra_chars:
         if char not in vocab:
@@ -211,7 +248,7 @@ def build_char_tokenizer(extra_chars: str = "", *, tool_role: bool = False) -> P
         unk_token=UNK_TOKEN,
         additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, *late],
     )
-    tokenizer.chat_template = chat_template(tool_role)
+    tokenizer.chat_template = chat_template(tool_role, vision)
     return tokenizer
 
 
@@ -323,8 +360,14 @@ def build_tiny_from_config(tiny, seed: int) -> tuple[PreTrainedTokenizerFast, Qw
     (:func:`build_tiny_moe_from_config`).
     """
     moe = getattr(tiny, "moe", None)
+    vision = getattr(tiny, "vision", None)
+    if moe is not None and moe.num_experts and vision is not None and vision.depth:
+        raise ValueError(f"model.tiny.moe.num_experts={moe.num_experts} with model.tiny.vision.depth={vision.depth}: "
+                         f"the tiny VLM is a dense Qwen2.5-VL; set one of them to 0")
     if moe is not None and moe.num_experts:
         return build_tiny_moe_from_config(tiny, seed)
+    if vision is not None and vision.depth:
+        return build_tiny_vlm_from_config(tiny, seed)
     tokenizer = build_char_tokenizer(tool_role=tiny.tool_role)
     model = build_tiny_model(
         tokenizer, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
@@ -401,14 +444,129 @@ def build_tiny_moe_from_config(tiny, seed: int):
     return tokenizer, model
 
 
+#: Qwen2.5-VL's vision patch, merge and frame sizes; an image side is a multiple of patch * merge pixels.
+VISION_PATCH_SIZE, VISION_MERGE_SIZE, VISION_TEMPORAL_PATCH_SIZE = 14, 2, 2
+
+
+def build_tiny_image_processor(image_size: int = 56):
+    """A Qwen2-VL image processor (the PIL backend: no torchvision) that scales every image to ``image_size ** 2`` pixels.
+
+    ``image_size`` must be a multiple of 28 (patch 14 times merge 2). The least and the most pixels are both
+    about ``image_size ** 2``, so a square image of any size becomes ``(image_size / 28) ** 2`` tokens; other
+    shapes keep their aspect ratio (sides rounded to multiples of 28), about as many tokens.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    step = VISION_PATCH_SIZE * VISION_MERGE_SIZE
+    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < step or image_size % step:
+        raise ValueError(f"model.tiny.vision.image_size={image_size!r} must be a positive multiple of {step} "
+                         f"(patch {VISION_PATCH_SIZE} x merge {VISION_MERGE_SIZE}), e.g. 56")
+    pixels = image_size * image_size
+    return Qwen2VLImageProcessorPil(
+        patch_size=VISION_PATCH_SIZE, merge_size=VISION_MERGE_SIZE, temporal_patch_size=VISION_TEMPORAL_PATCH_SIZE,
+        size={"shortest_edge": pixels, "longest_edge": pixels})
+
+
+def build_tiny_processor(tokenizer: PreTrainedTokenizerFast, image_size: int = 56):
+    """The ``Qwen2_5_VLProcessor`` of the tiny VLM: ``tokenizer`` (built with ``vision=True``) and its image processor."""
+    from transformers import Qwen2_5_VLProcessor
+
+    from rltk.models.loading import image_only_processor
+
+    missing = [t for t in VISION_TOKENS if t not in tokenizer.get_vocab()]
+    if missing:
+        raise ValueError(f"build_tiny_processor: the tokenizer lacks {missing}; build it with "
+                         f"build_char_tokenizer(vision=True)")
+    return image_only_processor(Qwen2_5_VLProcessor, build_tiny_image_processor(image_size), tokenizer,
+                                tokenizer.chat_template)
+
+
+def build_tiny_vlm(tokenizer: PreTrainedTokenizerFast, *, depth: int = 2, vision_hidden_size: int = 32,
+                   vision_heads: int = 2, seed: int = 0, **sizes):
+    """A randomly initialised ``Qwen2_5_VLForConditionalGeneration`` sized for ``tokenizer`` (with the vision tokens).
+
+    Deterministic in ``seed``, without touching the global torch RNG. The last vision block attends over the
+    whole image, the others within windows (Qwen2.5-VL's layout; with images of up to 4x4 merged patches a
+    window holds the whole image anyway).
+
+    Args:
+        depth: vision-tower blocks.
+        vision_hidden_size: the vision tower's width (MLP twice that), split into ``vision_heads`` heads.
+        sizes: any of :data:`SHARED_SIZES` and ``intermediate_size``, as in :func:`build_tiny_model` (its defaults).
+    """
+    import inspect
+
+    allowed = SHARED_SIZES + ("intermediate_size",)
+    unknown = sorted(set(sizes) - set(allowed))
+    if unknown:
+        raise ValueError(f"build_tiny_vlm: unknown size(s) {unknown}; valid: {', '.join(allowed)}")
+    defaults = inspect.signature(build_tiny_model).parameters
+    sizes = {name: sizes.get(name, defaults[name].default) for name in allowed}
+    _check_positive(depth=depth, vision_hidden_size=vision_hidden_size, vision_heads=vision_heads,
+                    **{k: v for k, v in sizes.items() if k != "tie_word_embeddings"})
+    hidden, heads = sizes["hidden_size"], sizes["num_heads"]
+    head_dim = hidden // heads
+    if hidden % heads or head_dim % 2 or head_dim < 8 or vision_hidden_size % vision_heads \
+            or (vision_hidden_size // vision_heads) % 4:
+        raise ValueError(
+            f"build_tiny_vlm: hidden_size={hidden} must split into num_heads={heads} heads of an even size of at "
+            f"least 8 (3-D rotary sections), and vision_hidden_size={vision_hidden_size} into vision_heads="
+            f"{vision_heads} heads of a size divisible by 4 (2-D rotary)")
+    missing = [t for t in VISION_TOKENS if t not in tokenizer.get_vocab()]
+    if missing:
+        raise ValueError(f"build_tiny_vlm: the tokenizer lacks {missing}; build it with build_char_tokenizer(vision=True)")
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    # mrope splits each head's rotary half (head_dim / 2 frequencies) into time, height and width sections
+    half = head_dim // 2
+    mrope = [half - 2 * (half // 3), half // 3, half // 3]
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start", "vision_end", "image", "video"), VISION_TOKENS)}
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=sizes["intermediate_size"],
+            num_hidden_layers=sizes["num_layers"], num_attention_heads=heads,
+            num_key_value_heads=sizes["num_kv_heads"], max_position_embeddings=sizes["max_position_embeddings"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+            tie_word_embeddings=sizes["tie_word_embeddings"], use_sliding_window=False, **special),
+        vision_config=dict(
+            depth=depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
+            num_heads=vision_heads, patch_size=VISION_PATCH_SIZE, spatial_merge_size=VISION_MERGE_SIZE,
+            temporal_patch_size=VISION_TEMPORAL_PATCH_SIZE, out_hidden_size=hidden,
+            fullatt_block_indexes=[depth - 1], window_size=4 * VISION_PATCH_SIZE * VISION_MERGE_SIZE),
+        tie_word_embeddings=sizes["tie_word_embeddings"], **ids, **special)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    for key, value in special.items():
+        setattr(model.generation_config, key, value)
+    return model
+
+
+def build_tiny_vlm_from_config(tiny, seed: int):
+    """The tokenizer and random-init VLM of a ``model.tiny`` section with ``vision.depth > 0``.
+
+    The processor is :func:`build_tiny_processor` over that tokenizer and ``tiny.vision.image_size``.
+    """
+    tokenizer = build_char_tokenizer(tool_role=tiny.tool_role, vision=True)
+    model = build_tiny_vlm(
+        tokenizer, depth=tiny.vision.depth, vision_hidden_size=tiny.vision.hidden_size,
+        vision_heads=tiny.vision.num_heads, seed=seed, intermediate_size=tiny.intermediate_size,
+        **{name: getattr(tiny, name) for name in SHARED_SIZES})
+    return tokenizer, model
+
+
 def save_pretrained_dir(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | os.PathLike
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | os.PathLike, *, processor=None
 ) -> Path:
-    """Save ``model`` (safetensors) and ``tokenizer`` into one Hugging Face folder.
+    """Save ``model`` (safetensors) and ``tokenizer`` (and a VLM's ``processor``) into one Hugging Face folder.
 
     The folder loads back with :func:`rltk.models.loading.load_model` and
-    :func:`rltk.models.loading.load_tokenizer` (or ``model.path=<folder>`` in a
-    config). Returns the folder as a ``Path``.
+    :func:`rltk.models.loading.load_tokenizer` (and :func:`rltk.models.loading.load_processor`), or
+    ``model.path=<folder>`` in a config. Returns the folder as a ``Path``.
     """
     from rltk.io import give_default_mode
     from rltk.models.loading import quiet_model_io
@@ -417,6 +575,8 @@ def save_pretrained_dir(
     path.mkdir(parents=True, exist_ok=True)
     with quiet_model_io():
         model.save_pretrained(path)
+    if processor is not None:
+        processor.save_pretrained(path)  # preprocessor_config.json, processor_config.json and the tokenizer
     tokenizer.save_pretrained(path)
     give_default_mode(path.glob("*.safetensors"))
     return path

@@ -25,6 +25,9 @@ was drawn from:
   the rollout policy needs).
 * greedy: the temperature-1 log-probs ``log softmax(logits)`` of the argmax
   token (the top-k/top-p filters would make every greedy token log-prob 0).
+* a vision-language model: its image and video tokens get probability 0 first
+  (:func:`rltk.models.vision.tower.vision_token_ids`), so every log-prob above
+  is that of the distribution renormalised without them.
 
 They are recorded by a logits processor placed after the sampling filters,
 one ``[N]`` vector per step, instead of through ``output_scores``, which would
@@ -47,6 +50,8 @@ import rltk
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.moe import is_moe
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
+from rltk.models.vision.inputs import batch_vision_inputs
+from rltk.models.vision.tower import forget_rope_deltas, vision_token_ids
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 from rltk.rollout.base import (
@@ -163,9 +168,17 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Sample ``params.n`` completions per prompt; see the module docstring for log-probs."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 vision_inputs: list[dict | None] | None = None) -> list[list[Completion]]:
+        """Sample ``params.n`` completions per prompt; see the module docstring for log-probs.
+
+        ``vision_inputs``: a VLM's image inputs of each prompt (``pixel_values``, ``image_grid_thw``, from its
+        processor; None for a prompt without images), whose placeholders ``prompt_ids`` already hold
+        (:mod:`rltk.models.vision.inputs`).
+        """
         prompt_ids = validate_prompt_ids(prompt_ids)
+        if vision_inputs is not None and len(vision_inputs) != len(prompt_ids):
+            raise ValueError(f"rollout engine 'hf': {len(vision_inputs)} vision inputs for {len(prompt_ids)} prompts")
         model = unwrap_model(self.model, through_peft=False)
         device = self.device or next(model.parameters()).device
         stop_ids = self._stop_token_ids(params)
@@ -180,8 +193,10 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
             with torch.no_grad(), _seeded(params.seed, device), _neutral_generation_config(model):
                 for start in range(0, len(rows), self.batch_size):
                     chunk = rows[start : start + self.batch_size]
+                    vision = None if vision_inputs is None else batch_vision_inputs(
+                        [vision_inputs[index] for index, _ in chunk], device)
                     generated, logprobs, routing = self._generate_chunk(
-                        model, [ids for _, ids in chunk], params, stop_ids, pad_id, device
+                        model, [ids for _, ids in chunk], params, stop_ids, pad_id, device, vision
                     )
                     width = max(len(ids) for _, ids in chunk)
                     for row, ((index, ids), token_row, logprob_row) in enumerate(zip(chunk, generated, logprobs)):
@@ -202,6 +217,7 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         stop_ids: list[int],
         pad_id: int,
         device: torch.device,
+        vision: dict | None = None,
     ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
         """Generated tokens and their log-probs per row, and an MoE policy's routing (``[N, W + steps, L, k]``,
         :class:`rltk.rollout.hf_routing.GenerationRouting`; None for a dense one)."""
@@ -224,6 +240,11 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         # scores actually sampled from, so it goes last in this list.
         recorder = _SampledTokenLogprobs()
         processors = LogitsProcessorList()
+        suppressed = vision_token_ids(model)
+        if suppressed:  # a VLM: image placeholders get probability 0 in every response (vision_token_ids)
+            from transformers.generation.logits_process import SuppressTokensLogitsProcessor
+
+            processors.append(SuppressTokensLogitsProcessor(suppressed, device=device))
         if not params.greedy:
             if params.temperature != 1.0:
                 processors.append(TemperatureLogitsWarper(params.temperature))
@@ -234,7 +255,7 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         processors.append(recorder)
 
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        blocker = sampling_blocker(model)
+        blocker = sampling_blocker(model) if vision is None else "the prompts have images"
         if blocker is None:
             generated = sample(model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
                                greedy=params.greedy, stop_ids=stop_ids, pad_id=pad_id, logits_processor=processors)
@@ -254,13 +275,17 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
         )
         # an MoE policy's routers are recorded over every forward, the shared prompt prefill included
         recording = record_generation_routing(model) if is_moe(model) else contextlib.nullcontext()
+        # a VLM's rotary offsets of its last forward must not reach this batch, and its prompts run in full:
+        # the shared prefill would leave offsets for the distinct prompts, not for the rows (forget_rope_deltas)
+        shared = {} if forget_rope_deltas(model) else _shared_prompt_cache(model, input_ids, attention_mask)
         with recording as routing:
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=config,
                 logits_processor=processors,
-                **_shared_prompt_cache(model, input_ids, attention_mask),
+                **shared,
+                **(vision or {}),
             )
         generated = sequences[:, width:]  # [N, L], L <= max_new_tokens
         logprobs = recorder.finish(generated)  # [N, L]

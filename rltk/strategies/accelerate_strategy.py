@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 import rltk
+from rltk.distributed import start_loopback_process_group
 from rltk.models.lora import adapter_live_names
 from rltk.models.sharding import rebuild_module, weightless_copy
 from rltk.strategies.base import (
@@ -40,6 +42,9 @@ from rltk.strategies.base import (
     load_weights_only, optimizer_state_by_name, read_strategy_meta,
 )
 from rltk.models.folders import full_cpu_copy, load_full_state_into, load_model_folder, save_model_folder
+from rltk.errors import ConfigError
+from rltk.models.parallel.expert_parallel import unsharded_copy
+from rltk.strategies.expert_parallel import ExpertParallelism, check_expert_parallel_size
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +68,13 @@ class AccelerateStrategy(TrainingStrategy):
         fsdp: shard parameters, gradients and optimizer state with FSDP2 when
             more than one process runs (with one process there is nothing to
             shard and this is plain training).
+        expert_parallel_size: split a mixture of experts' experts over this
+            many consecutive ranks, tokens sent to them by all-to-all
+            (:mod:`rltk.strategies.expert_parallel`; with DDP, not FSDP2).
     """
 
     def __init__(self, *, mixed_precision: str = "no", cpu: bool | None = None, seed: int | None = None,
-                 fsdp: bool = False):
+                 fsdp: bool = False, expert_parallel_size: int = 1):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -79,6 +87,8 @@ class AccelerateStrategy(TrainingStrategy):
         if cpu is None:
             cpu = not torch.cuda.is_available()
         # mixed_precision="no": Accelerate must not patch forward (see module docstring).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            start_loopback_process_group()  # before Accelerate starts one listening on every interface
         self.accelerator = accelerator = Accelerator(cpu=cpu, mixed_precision="no")
         self._device, self._rank = accelerator.device, accelerator.process_index
         self._world_size = accelerator.num_processes
@@ -88,6 +98,12 @@ class AccelerateStrategy(TrainingStrategy):
             torch.amp.GradScaler(self.accelerator.device.type) if self._autocast_dtype == torch.float16 else None
         )
         self.fsdp = fsdp
+        self._experts = None  # ExpertParallelism when expert_parallel_size > 1
+        if check_expert_parallel_size(expert_parallel_size) > 1:
+            if fsdp:
+                raise ConfigError(f"strategy_args.expert_parallel_size={expert_parallel_size} with "
+                                  "strategy_args.fsdp=true: expert parallelism runs with DDP here; set fsdp=false")
+            self._experts = ExpertParallelism(expert_parallel_size, self._world_size, self._rank)
         self.seed = seed
         if seed is not None:
             set_seed(seed)
@@ -109,6 +125,8 @@ class AccelerateStrategy(TrainingStrategy):
             model = self._shard(model)
             self._sharded = True
         else:
+            if self._experts is not None:
+                self._experts.shard(model.to(self.device))
             # Moves to the device and wraps in DDP when several processes run.
             model = self.accelerator.prepare_model(model)
         # The optimizer is built after wrapping: FSDP2 replaced the parameters by DTensors.
@@ -148,8 +166,9 @@ class AccelerateStrategy(TrainingStrategy):
 
     @property
     def shards_parameters(self) -> bool:
-        """True under FSDP2 with several processes: every forward all-gathers parameters."""
-        return self._sharded
+        """True under FSDP2 with several processes (every forward all-gathers parameters) or expert
+        parallelism (every forward exchanges tokens)."""
+        return self._sharded or self._experts is not None
 
     # ---------------------------------------------------------------- training
 
@@ -206,7 +225,10 @@ class AccelerateStrategy(TrainingStrategy):
         lr = self.current_lr
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self._optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), self.settings.clip_norm)
+        if self._experts is not None:
+            norm = self._experts.reduce_and_clip(list(self._model.parameters()), self.settings.clip_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), self.settings.clip_norm)
         grad_norm = float(full_cpu_copy(norm))  # FSDP2 returns a DTensor norm
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -246,7 +268,7 @@ class AccelerateStrategy(TrainingStrategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU copies of all weights on every rank (FSDP2: all-gathers each shard)."""
         self._require_setup("full_state_dict()")
-        return {name: full_cpu_copy(tensor) for name, tensor in self.unwrap().state_dict().items()}
+        return {name: full_cpu_copy(tensor) for name, tensor in self.unwrap().state_dict(keep_vars=True).items()}
 
     def full_model_copy(self) -> nn.Module:
         """A plain module with the current weights, on :attr:`device`. Collective under FSDP2.
@@ -255,6 +277,9 @@ class AccelerateStrategy(TrainingStrategy):
         from the structure taken at setup and :meth:`full_state_dict`; without
         FSDP2 it is a deep copy of :meth:`unwrap`.
         """
+        if self._experts is not None:
+            self._require_setup("full_model_copy()")
+            return unsharded_copy(self.unwrap())
         if not self._sharded:
             return super().full_model_copy()
         self._require_setup("full_model_copy()")
@@ -268,7 +293,7 @@ class AccelerateStrategy(TrainingStrategy):
         cannot be sharded again); otherwise :meth:`unwrap`. The weights are
         fp32 either way (autocast keeps fp32 master weights).
         """
-        if not self._sharded:
+        if not self._sharded and self._experts is None:
             return super().release_model()
         module = self.full_model_copy()
         self._model = self._optimizer = self._scheduler = self._skeleton = None
@@ -299,7 +324,7 @@ class AccelerateStrategy(TrainingStrategy):
         # LoRA: the adapter alone (the frozen base is rebuilt from the run's config); the same names on
         # every rank, so FSDP2's gathers stay collective.
         keep = adapter_live_names(self.unwrap())
-        weights = {name: full_cpu_copy(tensor) for name, tensor in self.unwrap().state_dict().items()
+        weights = {name: full_cpu_copy(tensor) for name, tensor in self.unwrap().state_dict(keep_vars=True).items()
                    if keep is None or name in keep}
         optimizer_state = optimizer_state_by_name(self._optimizer, self.unwrap())
         if self.is_main:
@@ -339,6 +364,7 @@ class AccelerateStrategy(TrainingStrategy):
             **super().describe(),
             "mixed_precision": self.mixed_precision,
             "fsdp": self._sharded,
+            "expert_parallel_size": self._experts.size if self._experts is not None else 1,
         }
 
 

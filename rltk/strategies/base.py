@@ -270,7 +270,7 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module)
             group_names.append(name)
             if param in optimizer.state:
                 state[name] = {
-                    k: full_cpu_copy(v) if isinstance(v, torch.Tensor) else v
+                    k: full_cpu_copy(v, of=param) if isinstance(v, torch.Tensor) else v
                     for k, v in optimizer.state[param].items()
                 }
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})

@@ -100,7 +100,7 @@ import torch
 from torch import nn
 
 import rltk
-from rltk.distributed import ensure_single_process_environment, seed_everything
+from rltk.distributed import ensure_single_process_environment, seed_everything, start_loopback_process_group
 from rltk.models.folders import save_model_folder
 from rltk.models.lora import adapter_live_names, is_lora_model
 from rltk.models.sharding import rebuild_module, weightless_copy
@@ -229,6 +229,7 @@ class DeepSpeedStrategy(TrainingStrategy):
             deepspeed.init_distributed()  # adopts the existing group
             return False
         ensure_single_process_environment()
+        start_loopback_process_group()  # deepspeed adopts it; its own would listen on every interface
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         return True
 

@@ -51,3 +51,29 @@ def test_a_model_folder_is_judged_by_its_config(tmp_path, capsys):
 
 def test_the_moe_default_validates(capsys):
     assert main(["validate", "grpo", MOE, "algorithm.routing_replay=rollout", "algorithm.router_aux_loss_coef=0.01"]) == 0
+
+
+EP = "strategy_args.expert_parallel_size"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{EP}=2"], f"{EP}=2: the policy is the tiny model with model.tiny.moe.num_experts=0, a dense model"),
+    ([f"{EP}=3", MOE], f"{EP}=3 does not divide the 8 experts per layer"),
+    ([f"{EP}=2", MOE, "strategy_args.fsdp=true"], f"{EP}=2 runs with strategy=accelerate and strategy_args.fsdp=false"),
+    ([f"{EP}=2", MOE, "strategy=deepspeed"], f"'{EP}': training_strategy 'deepspeed' has no argument"),
+    ([f"{EP}=0", MOE], f"bad value 0 for '{EP}'"),
+])
+def test_bad_expert_parallel_sizes_exit_2_naming_the_key(tmp_path, capsys, overrides, message):
+    assert main(["run", "grpo", f"output_dir={tmp_path / 'run'}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_expert_parallel_must_divide_the_launched_processes(monkeypatch, capsys):
+    assert main(["validate", "grpo", MOE, f"{EP}=2"]) == 0  # not launched yet: the process count is unknown
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["validate", "grpo", MOE, f"{EP}=2"]) == 2
+    assert f"{EP}=2 does not divide the 3 processes of this launch" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["validate", "grpo", MOE, f"{EP}=2"]) == 0

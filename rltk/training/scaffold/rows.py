@@ -32,10 +32,11 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
     extras_keys = list(d.extras_keys) if d.extras_keys is not None else None
     if d.path:
         train = load_rows(d.path, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                          extras_keys=extras_keys, messages_key=d.messages_key)
+                          extras_keys=extras_keys, messages_key=d.messages_key, image_key=d.image_key)
         if d.eval_path:
             held_out = load_rows(d.eval_path, split=d.eval_split, prompt_key=d.prompt_key,
-                                 answer_key=d.answer_key, extras_keys=extras_keys, messages_key=d.messages_key)
+                                 answer_key=d.answer_key, extras_keys=extras_keys, messages_key=d.messages_key,
+                                 image_key=d.image_key)
         else:  # carve a deterministic held-out slice off the training file
             order = list(range(len(train)))
             random.Random(cfg.seed).shuffle(order)
@@ -48,10 +49,22 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
         held_out = make_task(d.task, "heldout", d.eval_size, cfg.seed, **task_args)
     else:
         raise ConfigError("set either 'data.path' (a dataset file or folder) or 'data.task' (a synthetic task)")
+    _refuse_images(train + held_out, d.image_key)
     fmt = dict(system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
                prompt_template=d.prompt_template, max_prompt_tokens=d.max_prompt_tokens,
                on_too_long=d.on_too_long, tools=tool_schemas(cfg))
     return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
+
+
+def _refuse_images(rows: list[dict], image_key: str) -> None:
+    """Rows with images stop the run: they are read and checked, but not yet carried to the engine and the loss."""
+    with_images = next((row for row in rows if row.get("images")), None)
+    if with_images is not None:
+        raise ConfigError(
+            f"data.image_key='{image_key}': row '{with_images['id']}' has {len(with_images['images'])} image(s); "
+            f"rltk reads and checks them, but passing images to the rollout engine and every log-prob pass is "
+            f"not wired yet, so a run would train on the text alone. Drop the column or set data.image_key to "
+            f"a column the data lacks")
 
 
 def tool_schemas(cfg: DictConfig) -> list[dict] | None:

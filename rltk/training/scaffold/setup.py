@@ -52,6 +52,10 @@ def build_tokenizer_and_policy(cfg: DictConfig):
     else:
         tokenizer, model = build_tiny_from_config(cfg.model.tiny, cfg.seed)
         model = model.to(getattr(torch, cfg.model.dtype))
+    if cfg.model.freeze_vision_tower:
+        from rltk.models.vision.tower import freeze_vision_tower
+
+        freeze_vision_tower(model)
     if cfg.model.gradient_checkpointing:
         enable_activation_checkpointing(model)
     # from_pretrained hands back a model in eval mode, the tiny builder one in train mode; train both in
@@ -67,6 +71,35 @@ def build_tokenizer_and_policy(cfg: DictConfig):
 
     model = apply_lora(model, cfg.model.lora, model_desc=model_description(cfg))
     return tokenizer, model
+
+
+def build_processor(cfg: DictConfig, tokenizer):
+    """A vision-language policy's processor (image processor, placeholders, chat template), or None for a text policy.
+
+    ``tokenizer`` is :func:`build_tokenizer_and_policy`'s; the tiny VLM's processor is built in code
+    (:func:`rltk.models.tiny.build_tiny_processor`), a folder's loaded (:func:`rltk.models.loading.load_processor`).
+    """
+    from rltk.models.loading import is_vision_language_folder, load_processor
+    from rltk.models.tiny import build_tiny_processor
+
+    if not cfg.model.path:
+        vision = cfg.model.tiny.vision
+        return build_tiny_processor(tokenizer, vision.image_size) if vision.depth else None
+    if not is_vision_language_folder(cfg.model.path):
+        return None
+    try:
+        return load_processor(cfg.model.path, tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc).strip().splitlines()[0]) from exc
+
+
+def save_tokenizer_folder(cfg: DictConfig, tokenizer, folder) -> None:
+    """The run's tokenizer, and a VLM's processor (image processor config, chat template), into ``folder``:
+    what ``rltk export`` copies beside the weights, so that the exported folder is a complete model folder."""
+    processor = build_processor(cfg, tokenizer)
+    if processor is not None:
+        processor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 # ---------------------------------------------------------------- components

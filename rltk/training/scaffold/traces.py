@@ -40,9 +40,8 @@ from typing import Any, Sequence
 import torch
 
 from rltk.buffer.buffer import POLICY, staleness, trainer_version
-from rltk.loggers.jsonl import read_jsonl_metrics
+from rltk.loggers.jsonl import TRACES_FILE, read_jsonl_metrics
 
-TRACES_FILE = "traces.jsonl"
 #: ``info`` keys already written at the top level of a record.
 _TOP_LEVEL_INFO = ("prompt", "response", "ground_truth", "row_id", "sample_index")
 

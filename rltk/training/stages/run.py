@@ -48,6 +48,7 @@ from rltk.training.scaffold.rows import build_rows
 from rltk.training.scaffold.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
 from rltk.training.scaffold.setup import (
     build_strategy, build_tokenizer_and_policy, build_workflow, stage_config, trainer_workflow_config,
+    save_tokenizer_folder,
 )
 from rltk.training.stages.stage_checkpoint import LOG_ROWS_KEY, StageCheckpoint, restore_rollout_state
 from rltk.training.scaffold.traces import TraceWriter
@@ -145,7 +146,7 @@ def open_run(cfg: DictConfig) -> Run:
     run_dir = prepare_run_dir(cfg, write_config=not finished and process_rank() == 0)
     tokenizer, policy = build_tokenizer_and_policy(cfg)
     if process_rank() == 0 and not finished:
-        tokenizer.save_pretrained(run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
+        save_tokenizer_folder(cfg, tokenizer, run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
     seed_everything(cfg.seed + process_rank())  # same initial weights, different samples per rank
     train_rows, eval_rows = build_rows(cfg, tokenizer)
 

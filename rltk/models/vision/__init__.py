@@ -1,0 +1,3 @@
+"""Vision-language policies (Qwen2.5-VL, Qwen3-VL ...): :mod:`~rltk.models.vision.tower` finds and freezes the
+vision tower and clears the rotary offsets Qwen-VL models keep between forwards. The tiny VLM default is built in
+:mod:`rltk.models.tiny`, VLM folders and their processors load in :mod:`rltk.models.loading`."""
