@@ -20,24 +20,25 @@ STAGES["sft"] = StageSpec(
     "Supervised fine-tuning: cross-entropy on demonstrations (a warm-up before RL, or a run of its own).")
 # baseline_scores come from one greedy response per prompt (ReMax), reward_components (gdpo) and
 # sum_pi_squared (optimal_token_baseline) from the old-log-prob pass, each only when the estimator names them;
-# expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert).
+# expert experiences from buffer.expert.path (for buffer.sample_strategy=mix_expert); its update takes the old
+# log-probs from its own forward when the step plan allows (rltk.config.recipe_capabilities.StepPlan).
 STAGES["grpo"] = StageSpec(
     f"{_HERE}.grpo_stage:run_grpo_stage",
     "GRPO and its relatives (Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO, CISPO, ReMax): critic-free RL.",
     provides=rl_provides("baseline_scores", "reward_components", "sum_pi_squared", "ref_logprobs", expert_data=True),
     rl=True)
-# as grpo, and the critic's values
+# as grpo, and the critic's values; the old-log-prob pass runs every step
 STAGES["ppo"] = StageSpec(
     f"{_HERE}.ppo_stage:run_ppo_stage",
     "PPO with a learned critic: GAE advantages, clipped policy and value losses, KL in the reward.",
     provides=rl_provides("values", "baseline_scores", "reward_components", "sum_pi_squared", "ref_logprobs",
-                         expert_data=True),
+                         expert_data=True, on_policy_update=False),
     rl=True)
-# the teacher's log-probs; no KL reference, no greedy baseline, no expert data
+# the teacher's log-probs (the old-log-prob pass runs every step); no KL reference, no greedy baseline, no expert data
 STAGES["distill"] = StageSpec(
     f"{_HERE}.distill_stage:run_distill_stage",
     "On-policy distillation: the student samples, a frozen teacher scores every sampled token.",
-    provides=rl_provides("teacher_logprobs"), rl=True)
+    provides=rl_provides("teacher_logprobs", on_policy_update=False), rl=True)
 # DPO trains on pairs, not advantages: the algorithm.* components are not used, nothing of theirs to check
 STAGES["dpo"] = StageSpec(
     f"{_HERE}.dpo_stage:run_dpo_stage",

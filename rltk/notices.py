@@ -75,3 +75,10 @@ def alias_moved_modules(moved: dict[str, str]) -> None:
 def moved_modules() -> dict[str, str]:
     """Every old module name aliased so far in this process, with its new one."""
     return {old: new for entry in sys.meta_path if isinstance(entry, _MovedModules) for old, new in entry.moved.items()}
+
+
+def warn_old_call(old: str, new: str) -> None:
+    """The ``DeprecationWarning`` of a call written in a form that changed: ``old`` and ``new`` are the two forms,
+    as a caller writes them. The old form keeps working for one release; the warning points at its caller."""
+    warnings.warn(f"{old} is deprecated: call {new} (the old form goes in the next release)", DeprecationWarning,
+                  stacklevel=3)

@@ -258,7 +258,29 @@ def _ok_line(cfg, spec: RecipeSpec | None, files: list[Path], overrides: list[st
             f"{' for recipe ' + spec.name if spec else ''} "
             f"({what_runs(cfg, spec.name if spec else None)})"
             f"{'' if spec else '; no recipe given, so what a recipe serves was not checked (add RECIPE)'}"
-            f"{f'; the first {checked} warm-up examples fit the rollout' if checked else ''}")
+            f"{f'; the first {checked} warm-up examples fit the rollout' if checked else ''}"
+            f"{_indented(step_plans(cfg, spec.name if spec else None))}")
+
+
+def _indented(text: str) -> str:
+    return f"\n{text}" if text else ""
+
+
+def step_plans(cfg, recipe: str | None) -> str:
+    """The step plan of each RL stage of ``cfg`` (:class:`rltk.config.recipe_capabilities.StepPlan`): which pass
+    fills which batch field and what each component reads, for ``rltk validate``. Empty without an RL stage."""
+    from rltk.config.recipe_capabilities import StepPlan
+    from rltk.training.scaffold.setup import stage_config
+
+    stages = recipe_stages(recipe) if recipe in registered_stages() else registered_stages()
+    plans = []
+    for i, stage in enumerate(cfg.stages):
+        spec = stages.get(stage.type)
+        if spec is None or spec.fields("batch_fields") is None:  # not a loop that runs the estimator
+            continue
+        plan = StepPlan.build(stage_config(cfg, i), spec.provides, stage.type)
+        plans.append(f"step plan of stage '{stage.name}' ({stage.type}):\n{plan.describe()}")
+    return "\n".join(plans)
 
 
 def what_runs(cfg, recipe: str | None) -> str:

@@ -33,8 +33,9 @@ _FACE = {
     **dict.fromkeys(("Run", "Stage", "open_run", "run_stages", "finish_run", "build_stage_strategy",
                      "build_rl_strategy", "require_rows_per_rank"), "rltk.training.stages.run"),
     # an RL loop's pieces, in the order a step uses them
-    **dict.fromkeys(("LoopState", "RLParts", "start_rl_stage", "rl_steps", "kl_to_reference"),
-                    "rltk.training.stages.loop_state"),
+    **dict.fromkeys(("LoopState", "RLParts", "StageContext", "open_rl_stage", "start_rl_stage", "rl_steps",
+                     "kl_to_reference"), "rltk.training.stages.loop_state"),
+    "StepPlan": "rltk.config.recipe_capabilities",
     "open_rollout_source": "rltk.training.rollouts.rollout_source",
     **dict.fromkeys(("RolloutPlan", "collect_experiences"), "rltk.training.rollouts.collect"),
     "RowSampler": "rltk.data.sampler",

@@ -31,18 +31,21 @@ RL_STEP_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_logpr
                   "old_logprobs")
 
 #: The ``provides`` keys a stage may declare (see :class:`StageSpec`).
-PROVIDES_KEYS = ("batch_fields", "buffer_sources", "expert_data", "trainer_modes")
+PROVIDES_KEYS = ("batch_fields", "buffer_sources", "expert_data", "trainer_modes", "on_policy_update")
 
 
-def rl_provides(*fields: str, expert_data: bool = False) -> dict[str, Any]:
+def rl_provides(*fields: str, expert_data: bool = False, on_policy_update: bool = True) -> dict[str, Any]:
     """What a stage whose loop is :func:`~rltk.training.stages.loop_state.rl_steps` provides its components.
 
     :data:`RL_STEP_FIELDS` plus ``fields``, the batch fields of the passes the loop adds (a reference, a
     critic, a teacher); the ``policy`` buffer source; every ``trainer.mode`` (the rollout source samples in
-    the trainer or in producers); ``expert_data``: it lets ``buffer.expert.path``'s experiences into the buffer.
+    the trainer or in producers); ``expert_data``: it lets ``buffer.expert.path``'s experiences into the buffer;
+    ``on_policy_update``: its update takes ``old_logprobs`` from its own forward when nothing before it needs
+    them (the step plan decides when, :class:`rltk.config.recipe_capabilities.StepPlan`); false for a loop that
+    always runs the old-log-prob pass (ppo, distill).
     """
     return {"batch_fields": [*RL_STEP_FIELDS, *fields], "buffer_sources": ["policy"], "expert_data": expert_data,
-            "trainer_modes": ["sync", "one_step_off", "async"]}
+            "trainer_modes": ["sync", "one_step_off", "async"], "on_policy_update": on_policy_update}
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,11 @@ class StageSpec:
             before anything heavy starts. Keys (each left out is not checked): ``batch_fields`` (the fields
             an advantage estimator may name), ``buffer_sources`` (what a sample strategy may read),
             ``expert_data`` (it loads ``buffer.expert.path`` into the buffer; default false),
-            ``trainer_modes`` (the ``trainer.mode`` values it runs; ``sync`` alone when left out).
+            ``trainer_modes`` (the ``trainer.mode`` values it runs; ``sync`` alone when left out),
+            ``on_policy_update`` (its update may take ``old_logprobs`` from its own forward, where its loop reads
+            ``parts.on_policy``; default true: false for a loop that always runs the old-log-prob pass).
+            The step plan (:class:`rltk.config.recipe_capabilities.StepPlan`) reads the fields and the
+            components' signatures together: who fills what, and what nothing fills.
             :func:`rl_provides` builds it for a loop on ``rl_steps``.
         rl: the loop samples from the rollout workflow every step; a recipe of the stage's name runs it as
             its ``type: rl`` stage (:func:`rltk.recipes.recipe_stages`).

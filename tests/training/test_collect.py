@@ -151,11 +151,15 @@ def test_the_plan_follows_the_config_and_the_estimator():
     import rltk
 
     cfg = load_config([], ["algorithm.name=dapo"])
-    plan = RolloutPlan.from_config(cfg, rltk.get_component("advantage_fn", cfg.algorithm.advantage_fn))
+    plan = RolloutPlan.from_config(cfg)
     assert plan == RolloutPlan(greedy_baseline=False, dynamic_sampling=True, max_rounds=8)
     cfg = load_config([], ["algorithm.name=remax", "algorithm.dynamic_sampling_max_rounds=3"])
-    plan = RolloutPlan.from_config(cfg, rltk.get_component("advantage_fn", "remax"))
+    plan = RolloutPlan.from_config(cfg)
     assert plan == RolloutPlan(greedy_baseline=True, dynamic_sampling=False, max_rounds=1)
+    # the old form, an estimator beside the config, plans for that estimator for one more release
+    with pytest.warns(DeprecationWarning, match="RolloutPlan.from_config"):
+        old = RolloutPlan.from_config(load_config([], ["algorithm.name=dapo"]), rltk.get_component("advantage_fn", "remax"))
+    assert old == RolloutPlan(greedy_baseline=True, dynamic_sampling=True, max_rounds=8)
 
 
 # ----------------------------------------------------------------------------- expert data

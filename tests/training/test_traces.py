@@ -88,7 +88,7 @@ def test_an_async_steps_traces_count_staleness_from_the_policy_version_the_queue
     from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
     from rltk.buffer.strategies import OnPolicy
     from rltk.training.rollouts.collect import Rollout
-    from rltk.training.stages.loop_state import LoopState, sampled_batch
+    from rltk.training.stages.loop_state import LoopState, StageContext, sampled_batch
 
     def group(g, prompt):
         return [Experience([1, prompt], [2 + i, 3], float(i), g, info={"prompt": f"P{prompt}", "sample_index": i})
@@ -106,7 +106,8 @@ def test_an_async_steps_traces_count_staleness_from_the_policy_version_the_queue
     loop = LoopState(sampler=None, buffer=ExperienceBuffer())
     parts = SimpleNamespace(sample_strategy=OnPolicy(), plan=SimpleNamespace(reward_components=False))
     the_stage = SimpleNamespace(first_step=20, index=1, run=run)
-    batch = sampled_batch(the_stage, loop, parts, Rollout(lease.experiences, {}, lease.sampled_versions), step, None)
+    batch = sampled_batch(StageContext(the_stage, loop, None, parts), Rollout(lease.experiences, {},
+                                                                             lease.sampled_versions), step)
     records = TraceWriter(tmp_path, CharTokenizer()).records(the_stage, step, batch, loop.batch_items)
     assert [r["staleness"] for r in records] == [1, 1, 0, 0, 1, 0]  # trainer version 3 minus 2, 2, 3, 3, 2, 3
     assert sum(r["staleness"] for r in records) / 6 == pytest.approx(lease.metrics["staleness/mean"])

@@ -21,7 +21,7 @@ import time
 import torch
 
 from rltk.recipes import (
-    LoopState, RolloutPlan, RowSampler, any_rank, build_stage_strategy, collect_experiences, end_step,
+    LoopState, RolloutPlan, RowSampler, StageContext, any_rank, build_stage_strategy, collect_experiences, end_step,
     evaluate_at_start, require_rows_per_rank, sft_batch, sft_step,
 )
 
@@ -46,7 +46,8 @@ def run_rft_stage(stage):
     stage.checkpoint.restore(strategy, loop)
     if stage.resume is not None:
         run.workflow.engine.update_weights(strategy.unwrap())  # an engine with a copy of its own takes them
-    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
+    ctx = StageContext(stage, loop, strategy)  # what the loop's helpers take
+    evaluate_at_start(ctx)  # held-out accuracy before the stage trains
 
     for step in range(loop.step + 1, t.total_steps + 1):
         tick = time.perf_counter()
@@ -71,5 +72,5 @@ def run_rft_stage(stage):
 
         # log, evaluate, guard, checkpoint
         metrics["time/step_s"] = time.perf_counter() - tick
-        end_step(stage, loop, step, metrics, strategy)
+        end_step(ctx, step, metrics)
     return strategy  # the trained policy, for the next stage

@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rltk.batch import Experience
-from rltk.config.recipe_capabilities import required_batch_fields
+from rltk.config.recipe_capabilities import StepPlan
 from rltk.errors import ConfigError
 from rltk.training.step.ranks import any_rank
 
@@ -40,7 +41,7 @@ class Rollout:
 
 @dataclass(frozen=True)
 class RolloutPlan:
-    """How a step's rollouts are gathered, from the config and the chosen estimator.
+    """How a step's rollouts are gathered: what the step plan asks of them, and dynamic sampling.
 
     Attributes:
         greedy_baseline: ask the workflow for one greedy response per prompt, whose score
@@ -58,16 +59,31 @@ class RolloutPlan:
     reward_components: bool = False
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, advantage_fn) -> "RolloutPlan":
-        """The plan of a (stage) config whose ``algorithm.advantage_fn`` is ``advantage_fn``."""
+    def from_config(cls, cfg: DictConfig, step_plan: "StepPlan | None" = None) -> "RolloutPlan":
+        """The plan of a (stage) config: what its step plan (:class:`rltk.config.recipe_capabilities.StepPlan`,
+        built from ``cfg`` when not given) asks of the rollout, and ``algorithm.dynamic_sampling``."""
         a = cfg.algorithm
-        needs = required_batch_fields(advantage_fn)
+        if step_plan is not None and not isinstance(step_plan, StepPlan):  # rltk <= 0.x: the advantage_fn itself
+            warnings.warn("RolloutPlan.from_config(cfg, advantage_fn) is deprecated: pass the stage's StepPlan "
+                          "(or nothing), which reads algorithm.advantage_fn", DeprecationWarning, stacklevel=2)
+            step_plan = StepPlan.build(OmegaConf.merge(cfg, {"algorithm": {"advantage_fn": _name_of(step_plan)}}))
+        step_plan = step_plan if step_plan is not None else StepPlan.build(cfg)
         return cls(
-            greedy_baseline="baseline_scores" in needs,
-            reward_components="reward_components" in needs,
+            greedy_baseline=step_plan.greedy_baseline,
+            reward_components=step_plan.reward_components,
             dynamic_sampling=bool(a.dynamic_sampling),
             max_rounds=int(a.dynamic_sampling_max_rounds) if a.dynamic_sampling else 1,
         )
+
+
+def _name_of(advantage_fn) -> str:
+    """The registered name of ``advantage_fn`` (the deprecated form of :meth:`RolloutPlan.from_config`)."""
+    from rltk.registry import get_registry
+
+    for name, entry in get_registry().entries["advantage_fn"].items():
+        if entry.obj is advantage_fn:
+            return name
+    raise ValueError(f"{advantage_fn!r} is not a registered advantage_fn: register it to plan a rollout for it")
 
 
 def scores_differ(group: list[Experience], atol: float = EQUAL_SCORES_ATOL) -> bool:

@@ -2,11 +2,11 @@
 
 A recipe's loop reads the same whatever ``trainer.mode`` is::
 
-    with open_rollout_source(stage, strategy, loop, parts) as rollouts:       # closed however the stage ends
-        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):  # take, pick
+    with open_rollout_source(ctx) as rollouts:              # closed however the stage ends
+        for step, tick, rollout, batch in rl_steps(ctx, rollouts):  # take, pick
             ... train ...
             rollouts.after_update(step)                  # async: publish the weights every sync_every steps
-            end_step(..., rollouts=rollouts)             # rollouts.cursor, checkpoint, rollouts.commit
+            end_step(ctx, step, metrics, rollouts)       # rollouts.cursor, checkpoint, rollouts.commit
 
 :class:`SyncRollouts` samples with the trainer's own engine on every rank
 (``trainer.mode=sync``); :class:`rltk.training.rollouts.asynchronous.async_rollout.AsyncRollouts`
@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from rltk.notices import warn_old_call
 from rltk.training.rollouts.collect import Rollout, collect_experiences, produced_metrics
 
 if TYPE_CHECKING:
@@ -119,11 +120,19 @@ class ProducedRollouts(_Closes):
         self.rollouts.close()
 
 
-def open_rollout_source(stage, strategy, loop, parts) -> RolloutSource:
+def open_rollout_source(ctx, *old) -> RolloutSource:
     """The stage's source by ``trainer.mode``: :class:`SyncRollouts`, or producers started now
     (``one_step_off``/``async``: they sample with weights at most ``trainer.max_staleness`` steps old):
     processes beside the trainer, or with ``launcher=ray`` Ray actors on the cluster's nodes
-    (:class:`rltk.training.rollouts.asynchronous.ray_source.RayRollouts`). Collective with several ranks."""
+    (:class:`rltk.training.rollouts.asynchronous.ray_source.RayRollouts`). Collective with several ranks.
+
+    ``ctx`` is the stage's :class:`rltk.training.stages.loop_state.StageContext` (the old form
+    ``open_rollout_source(stage, strategy, loop, parts)`` works for one release)."""
+    if old:
+        warn_old_call("open_rollout_source(stage, strategy, loop, parts)", "open_rollout_source(ctx)")
+        stage, (strategy, loop, parts) = ctx, old
+    else:
+        stage, strategy, loop, parts = ctx.stage, ctx.strategy, ctx.loop, ctx.parts
     if stage.cfg.trainer.mode == "sync":
         return SyncRollouts(stage.run.workflow, loop.sampler, parts.plan, strategy)
     # the async wing is imported only by a stage that runs it (rltk.training.rollouts.asynchronous)

@@ -11,7 +11,7 @@ import dataclasses
 import time
 
 from rltk.training.rollouts.rollout_source import open_rollout_source
-from rltk.training.stages.loop_state import RLParts, rl_steps, start_rl_stage
+from rltk.training.stages.loop_state import open_rl_stage, rl_steps
 from rltk.training.stages.run import Stage, build_rl_strategy
 from rltk.training.stages.step_end import end_step, evaluate_at_start
 from rltk.training.step.batch_metrics import rollout_metrics
@@ -29,17 +29,19 @@ def run_distill_stage(stage: Stage):
 
     # The teacher: loaded once, refused (exit 2) when its tokenizer is not the student's
     teacher = load_teacher(cfg.distill.teacher_path, run.tokenizer, strategy, dtype=cfg.distill.teacher_dtype)
-    parts = RLParts.from_config(cfg, strategy)  # estimator (on_policy_distill), policy loss, sampling, forward
-    loop = start_rl_stage(stage, strategy)  # sampler, buffer, mini-batch order; restored when resumed
+    # estimator (on_policy_distill), policy loss, sampling, step plan, forward; sampler, buffer, mini-batch
+    # order, restored when resumed
+    ctx = open_rl_stage(stage, strategy, default="distill")
+    loop, parts = ctx.loop, ctx.parts
     fwd = parts.forward
-    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
+    evaluate_at_start(ctx)  # held-out accuracy before the stage trains
 
     # Sampled here (trainer.mode=sync), or by producer processes with weights at most
     # trainer.max_staleness versions behind (one_step_off, async); the teacher stays with the trainer.
-    with open_rollout_source(stage, strategy, loop, parts) as rollouts:
+    with open_rollout_source(ctx) as rollouts:
         # rollout: each step's experiences (sampled now, or a producer's batch) and what to train on, the sample
         # strategy's pick from the buffer (a step with nothing to train on is skipped on every rank)
-        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):
+        for step, tick, rollout, batch in rl_steps(ctx, rollouts):
 
             # log-probs of the sampled tokens under the student that sampled them and under the teacher
             batch["old_logprobs"], _ = old_logprobs_pass(strategy.unwrap(), batch, fwd,
@@ -70,5 +72,5 @@ def run_distill_stage(stage: Stage):
                        "distill/teacher_logprob": global_masked_mean(batch["teacher_logprobs"], mask, strategy),
                        "distill/student_logprob": global_masked_mean(batch["old_logprobs"], mask, strategy),
                        **update_metrics}
-            end_step(stage, loop, step, metrics, strategy, rollouts)
+            end_step(ctx, step, metrics, rollouts)
     return strategy  # the trained policy, for the next stage

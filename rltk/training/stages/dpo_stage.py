@@ -15,7 +15,7 @@ from rltk.data.sampler import RowSampler
 from rltk.errors import ConfigError
 from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
 from rltk.training.scaffold.rows import tool_schemas
-from rltk.training.stages.loop_state import LoopState
+from rltk.training.stages.loop_state import LoopState, StageContext
 from rltk.training.stages.run import Stage, build_stage_strategy, require_rows_per_rank
 from rltk.training.stages.step_end import end_step, evaluate_at_start
 from rltk.training.step.forward import ForwardSettings
@@ -69,7 +69,8 @@ def run_dpo_stage(stage: Stage):
                                      fwd)
             for i in range(0, len(pairs), REFERENCE_CHUNK)]).view(-1, 2)  # [P, 2]: chosen, rejected
         reference = loop.reference = None  # the copy's memory goes (its weights stay beside the checkpoints)
-    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
+    ctx = StageContext(stage, loop, strategy)
+    evaluate_at_start(ctx)  # held-out accuracy before the stage trains
 
     for step in range(loop.step + 1, t.total_steps + 1):
         tick = time.perf_counter()
@@ -101,5 +102,5 @@ def run_dpo_stage(stage: Stage):
 
         # log, evaluate, guard, checkpoint
         metrics.update({**collect_metrics, "time/step_s": time.perf_counter() - tick})
-        end_step(stage, loop, step, metrics, strategy)
+        end_step(ctx, step, metrics)
     return strategy  # the trained policy, for the next stage

@@ -11,7 +11,7 @@ import time
 
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.training.rollouts.rollout_source import open_rollout_source
-from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_steps, start_rl_stage
+from rltk.training.stages.loop_state import kl_to_reference, open_rl_stage, rl_steps
 from rltk.training.stages.run import Stage, build_rl_strategy
 from rltk.training.stages.step_end import end_step, evaluate_at_start
 from rltk.training.step.batch_metrics import rollout_metrics
@@ -29,27 +29,26 @@ def run_grpo_stage(stage: Stage):
     strategy = build_rl_strategy(stage)
     workflow = run.workflow
 
-    # Components, each chosen by name in the config: estimator, losses, sample strategy, rollout plan,
-    # and how every log-prob pass runs (one epoch over one mini-batch: the update takes the old
-    # log-probs from its own forward, see old_logprobs_from_update).
-    parts = RLParts.from_config(cfg, strategy)
-    # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
-    # from the stage's checkpoint when it resumes.
-    loop = start_rl_stage(stage, strategy)
+    # Components, each chosen by name in the config (estimator, losses, sample strategy), the step plan (which
+    # pass fills which field: with one epoch over one mini-batch the update takes the old log-probs from its
+    # own forward), how every log-prob pass runs; sampler, buffer (+ expert data), KL controller, mini-batch
+    # order, frozen reference, restored from the stage's checkpoint when it resumes.
+    ctx = open_rl_stage(stage, strategy, default="grpo")
+    loop, parts = ctx.loop, ctx.parts
     reference, fwd = loop.reference, parts.forward
-    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
+    evaluate_at_start(ctx)  # held-out accuracy before the stage trains
     # Sampled here (trainer.mode=sync), or by producer processes with weights published every
     # trainer.sync_every steps, at most trainer.max_staleness versions behind (one_step_off, async).
-    with open_rollout_source(stage, strategy, loop, parts) as rollouts:
+    with open_rollout_source(ctx) as rollouts:
         # rollout: each step's experiences (sampled now, or a producer's batch) and what to train on, the sample
         # strategy's pick from the buffer (a step with nothing to train on is skipped on every rank)
-        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):
-            # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it);
+        for step, tick, rollout, batch in rl_steps(ctx, rollouts):
+            # old and reference log-probs of the sampled tokens (+ sum_pi_squared where the plan has it);
             # an on-policy update (one epoch, one mini-batch) takes the old ones from its own forward instead
             if not parts.on_policy:
                 batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
                     strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
-                    with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
+                    with_sum_pi_squared=parts.step_plan.sum_pi_squared)
                 if sum_pi_squared is not None:
                     batch["sum_pi_squared"] = sum_pi_squared
             # an MoE policy's routing: trainer vs rollout top-k, expert balance, log-prob gap with/without replay
@@ -85,5 +84,5 @@ def run_grpo_stage(stage: Stage):
             elapsed = time.perf_counter() - tick
             metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, elapsed, strategy),
                        **rollout.metrics, "kl_coef": loop.kl_ctl.value, **kl_metrics, **moe_metrics, **update_metrics}
-            end_step(stage, loop, step, metrics, strategy, rollouts)
+            end_step(ctx, step, metrics, rollouts)
     return strategy  # the trained policy, for the next stage

@@ -14,7 +14,17 @@ remember between steps lives here, in :class:`LoopState`:
 :func:`start_rl_stage` builds it for an RL stage, fresh or restored from the
 stage's checkpoint (:class:`rltk.training.stages.stage_checkpoint.StageCheckpoint` saves and restores it). What
 the components of a step are (estimator, losses, sample strategy, rollout plan,
-forward settings) is :class:`RLParts`, chosen once from the config.
+forward settings, the step plan) is :class:`RLParts`, chosen once from the config. What every helper of
+the loop takes (the stage, its loop state, its parts, the policy's strategy) is one :class:`StageContext`::
+
+    ctx = open_rl_stage(stage, strategy, default="grpo")   # parts, loop state (restored on resume), context
+    evaluate_at_start(ctx)
+    with open_rollout_source(ctx) as rollouts:
+        for step, tick, rollout, batch in rl_steps(ctx, rollouts):
+            ...
+            end_step(ctx, step, metrics, rollouts)
+
+A loop without RL parts (supervised, DPO, a plugin's) builds ``StageContext(stage, loop, strategy)`` itself.
 """
 
 from __future__ import annotations
@@ -27,14 +37,15 @@ import torch
 
 from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
+from rltk.config.recipe_capabilities import StepPlan
 from rltk.data.sampler import RowSampler
+from rltk.notices import warn_old_call
 from rltk.training.rollouts.collect import Rollout, RolloutPlan, expert_experiences
 from rltk.training.step.estimator import Estimator
 from rltk.training.step.forward import ForwardSettings
 from rltk.training.step.loss_components import LossComponents
 from rltk.training.step.ranks import any_rank
 from rltk.training.step.reference import FrozenReference
-from rltk.training.updates.rl import old_logprobs_from_update
 from rltk.training.scaffold.setup import args_of
 # what a stage on rl_steps provides (kept here under their old names: rltk.recipes exports them too)
 from rltk.stage_spec import RL_STEP_FIELDS, rl_provides  # noqa: F401
@@ -117,10 +128,10 @@ class RLParts:
         estimator: ``algorithm.advantage_fn`` with its arguments; its signature read once.
         loss: policy loss, aggregation, KL estimator, entropy bonus.
         sample_strategy: what the buffer hands the trainer each step.
-        plan: a greedy response per prompt if the estimator needs ``baseline_scores``; DAPO's dynamic sampling.
+        plan: what the rollout gathers (the step plan's greedy baseline and reward columns; DAPO's dynamic sampling).
         forward: how every log-prob pass runs (:class:`rltk.training.step.forward.ForwardSettings`).
-        on_policy: the update takes ``old_logprobs`` from its own forward (see
-            :func:`rltk.training.updates.rl.old_logprobs_from_update`); the recipe decides whether it may.
+        step_plan: which pass fills which batch field (:class:`rltk.config.recipe_capabilities.StepPlan`):
+            what the loop reads instead of asking the estimator's signature again.
     """
 
     estimator: Estimator
@@ -128,22 +139,26 @@ class RLParts:
     sample_strategy: Any
     plan: RolloutPlan
     forward: ForwardSettings
-    on_policy: bool = False
+    step_plan: StepPlan
+
+    @property
+    def on_policy(self) -> bool:
+        """The update takes ``old_logprobs`` from its own forward (the step plan's
+        ``old_logprobs_from_update``): the loop runs no old-log-prob pass before it."""
+        return self.step_plan.old_logprobs_from_update
 
     @classmethod
-    def from_config(cls, cfg, strategy) -> "RLParts":
+    def from_config(cls, cfg, strategy, spec=None, stage_type: str = "rl") -> "RLParts":
+        """The parts of a stage of type ``stage_type`` whose config is ``cfg`` and whose registered spec is ``spec``
+        (:class:`rltk.StageSpec`, what its loop provides; None: nothing declared, see :meth:`StepPlan.build`)."""
         import rltk
 
-        a, t = cfg.algorithm, cfg.trainer
         sample_strategy = rltk.get_component("sample_strategy", cfg.buffer.sample_strategy)(
             **args_of(cfg, "buffer.sample_strategy"))
-        estimator = Estimator.from_config(cfg)
-        loss = LossComponents.from_config(cfg)
-        on_policy = old_logprobs_from_update(loss, estimator, ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
-                                             use_rollout_logprobs=a.use_rollout_logprobs, kl_coef=a.kl_coef)
-        return cls(estimator=estimator, loss=loss, sample_strategy=sample_strategy,
-                   plan=RolloutPlan.from_config(cfg, estimator.fn), forward=ForwardSettings.from_config(cfg, strategy),
-                   on_policy=on_policy)
+        step_plan = StepPlan.build(cfg, getattr(spec, "provides", None), stage_type)
+        return cls(estimator=Estimator.from_config(cfg), loss=LossComponents.from_config(cfg),
+                   sample_strategy=sample_strategy, plan=RolloutPlan.from_config(cfg, step_plan),
+                   forward=ForwardSettings.from_config(cfg, strategy), step_plan=step_plan)
 
 
 def build_kl_controller(cfg):
@@ -183,15 +198,69 @@ def start_rl_stage(stage, strategy, *, checkpointed=None) -> LoopState:
     return loop
 
 
-def sampled_batch(stage, loop: LoopState, parts: RLParts, rollout: Rollout, step: int,
-                  strategy) -> dict[str, torch.Tensor] | None:
+@dataclass
+class StageContext:
+    """What a stage's loop hands each of its helpers.
+
+    Attributes:
+        stage: the running :class:`rltk.training.stages.run.Stage` (``cfg``, ``run``, ``checkpoint``, ``guard``).
+        loop: what the stage carries from step to step (:class:`rltk.training.stages.loop_state.LoopState`).
+        strategy: the training strategy of the policy.
+        parts: the RL step's components and step plan (:class:`RLParts`); None in a loop without them.
+        checkpointed: what the divergence guard checks and the checkpoint holds when that is more than the
+            policy's strategy (PPO: policy and critic together); None: ``strategy``.
+    """
+
+    stage: Any
+    loop: LoopState
+    strategy: Any
+    parts: RLParts | None = None
+    checkpointed: Any = None
+
+    @property
+    def cfg(self):
+        """The stage's config."""
+        return self.stage.cfg
+
+    @property
+    def run(self):
+        """The run the stage belongs to."""
+        return self.stage.run
+
+    @property
+    def saved(self):
+        """What the guard checks and the stage's checkpoint saves: ``checkpointed``, else ``strategy``."""
+        return self.checkpointed if self.checkpointed is not None else self.strategy
+
+
+def open_rl_stage(stage, strategy, *, default: str, checkpointed=None) -> StageContext:
+    """The context of an RL stage: its parts (with the step plan of the stage's registered spec, or of the
+    builtin stage ``default`` when the stage was built without one) and its loop state, built afresh or
+    restored from the stage's checkpoint (``checkpointed``: what it restores, ``strategy`` by default;
+    :func:`rltk.training.stages.loop_state.start_rl_stage`)."""
+    import rltk
+
+    spec = stage.spec if getattr(stage, "spec", None) is not None else rltk.get_component("stage", default)
+    parts = RLParts.from_config(stage.cfg, strategy, spec, getattr(stage, "type", None) or default)
+    loop = start_rl_stage(stage, strategy, checkpointed=checkpointed)
+    return StageContext(stage, loop, strategy, parts, checkpointed)
+
+
+def sampled_batch(ctx, rollout: Rollout, step: int, *old) -> dict[str, torch.Tensor] | None:
     """The step's training batch: the sample strategy's pick from the buffer, padded to tensors.
 
-    ``rollout`` is what the rollout source gave for the step: its experiences, their metrics, and the
-    policy version that sampled each (None when this step's weights sampled them). None when any rank
-    has nothing to train on (e.g. every group filtered out as all-equal): ranks stay in lockstep, so
-    every rank skips the step, and the skip is logged.
+    ``ctx`` is the stage's :class:`StageContext`; ``rollout`` is what the
+    rollout source gave for the step: its experiences, their metrics, and the policy version that sampled
+    each (None when this step's weights sampled them). None when any rank has nothing to train on (e.g.
+    every group filtered out as all-equal): ranks stay in lockstep, so every rank skips the step, and the
+    skip is logged. (The old form ``sampled_batch(stage, loop, parts, rollout, step, strategy)`` works for
+    one release.)
     """
+    if old:
+        warn_old_call("sampled_batch(stage, loop, parts, rollout, step, strategy)", "sampled_batch(ctx, rollout, step)")
+        stage, loop, parts, rollout, step, strategy = ctx, rollout, step, *old
+    else:
+        stage, loop, parts, strategy = ctx.stage, ctx.loop, ctx.parts, ctx.strategy
     run = stage.run
     experiences, collect_metrics = rollout.experiences, rollout.metrics
     loop.buffer.put(experiences, step, versions=rollout.versions)
@@ -210,16 +279,22 @@ def sampled_batch(stage, loop: LoopState, parts: RLParts, rollout: Rollout, step
                    reward_names=run.workflow.reward.names if parts.plan.reward_components else None)
 
 
-def rl_steps(stage, loop: LoopState, parts: RLParts, strategy, rollouts):
+def rl_steps(ctx, rollouts, *old):
     """The stage's remaining steps as ``(step, tick, rollout, batch)``: each step's experiences from
     ``rollouts`` (a :class:`~rltk.training.rollouts.rollout_source.RolloutSource`) and the batch the sample
-    strategy picks from the buffer (:func:`sampled_batch`). ``tick`` is when the step began. A step with
+    strategy picks from the buffer (:func:`sampled_batch`); ``ctx`` is the stage's
+    :class:`StageContext`. ``tick`` is when the step began. A step with
     nothing to train on is skipped on every rank (logged), and ``rollouts.after_update`` still counts it:
-    the policy version counts steps, trained or skipped."""
-    for step in range(loop.step + 1, stage.cfg.trainer.total_steps + 1):
+    the policy version counts steps, trained or skipped. (The old form ``rl_steps(stage, loop, parts,
+    strategy, rollouts)`` works for one release.)"""
+    if old:
+        warn_old_call("rl_steps(stage, loop, parts, strategy, rollouts)", "rl_steps(ctx, rollouts)")
+        stage, loop, (parts, strategy, rollouts) = ctx, rollouts, old
+        ctx = StageContext(stage, loop, strategy, parts)
+    for step in range(ctx.loop.step + 1, ctx.cfg.trainer.total_steps + 1):
         tick = time.perf_counter()
         rollout = rollouts.take(step)  # time/rollout_s: sampling, or waiting for a producer's batch
-        batch = sampled_batch(stage, loop, parts, rollout, step, strategy)
+        batch = sampled_batch(ctx, rollout, step)
         if batch is None:
             rollouts.after_update(step)
             continue

@@ -11,7 +11,7 @@ import time
 
 from rltk.algorithms.kl import apply_kl_penalty
 from rltk.training.rollouts.rollout_source import open_rollout_source
-from rltk.training.stages.loop_state import RLParts, kl_to_reference, rl_steps, start_rl_stage
+from rltk.training.stages.loop_state import StageContext, kl_to_reference, open_rl_stage, rl_steps
 from rltk.training.stages.run import Stage, build_rl_strategy
 from rltk.training.stages.step_end import end_step, evaluate_at_start
 from rltk.training.step.batch_metrics import rollout_metrics
@@ -36,44 +36,45 @@ def run_ppo_stage(stage: Stage):
                                             total_steps=t.total_steps)
     strategies = PolicyAndCritic(strategy, critic_strategy)  # one checkpoint holds both
 
-    # Components, each chosen by name in the config: estimator (GAE), losses, sample strategy, rollout
-    # plan, and how every log-prob pass runs.
-    parts = RLParts.from_config(cfg, strategy)
-    # Sampler, buffer (+ expert data), KL controller, mini-batch order, frozen reference; restored
-    # (policy and critic) from the stage's checkpoint when it resumes.
-    loop = start_rl_stage(stage, strategy, checkpointed=strategies)
-    evaluate_at_start(stage, loop)  # held-out accuracy before the stage trains
+    # Components, each chosen by name in the config (estimator (GAE), losses, sample strategy), the step plan,
+    # how every log-prob pass runs; sampler, buffer (+ expert data), KL controller, mini-batch order, frozen
+    # reference, restored (policy and critic) from the stage's checkpoint when it resumes.
+    ctx = open_rl_stage(stage, strategy, default="ppo", checkpointed=strategies)
+    parts = ctx.parts
+    evaluate_at_start(ctx)  # held-out accuracy before the stage trains
 
     # Sampled here (trainer.mode=sync), or by producer processes with weights at most
     # trainer.max_staleness versions behind (one_step_off, async); the critic stays with the trainer.
-    with open_rollout_source(stage, strategy, loop, parts) as rollouts:
+    with open_rollout_source(ctx) as rollouts:
         # rollout: each step's experiences (sampled now, or a producer's batch) and what to train on, the sample
         # strategy's pick from the buffer (a step with nothing to train on is skipped on every rank)
-        for step, tick, rollout, batch in rl_steps(stage, loop, parts, strategy, rollouts):
-            metrics = ppo_step(stage, strategies, parts, loop, batch, step)
+        for step, tick, rollout, batch in rl_steps(ctx, rollouts):
+            metrics = ppo_step(ctx, batch, step)
             rollouts.after_update(step)  # async: every trainer.sync_every steps, the producers' next weights
 
             # log, evaluate, guard, checkpoint (policy, critic and the loop's position in one atomic folder)
             metrics = {**rollout_metrics(batch, workflow, parts.sample_strategy, time.perf_counter() - tick,
                                          strategy),
                        **rollout.metrics, **metrics}
-            end_step(stage, loop, step, metrics, strategies, rollouts)
+            end_step(ctx, step, metrics, rollouts)
     return strategy  # the trained policy, for the next stage
 
 
-def ppo_step(stage: Stage, strategies: PolicyAndCritic, parts: RLParts, loop, batch: dict, step: int) -> dict:
+def ppo_step(ctx: StageContext, batch: dict, step: int) -> dict:
     """One PPO step on a sampled ``batch``: old, reference and critic passes, GAE, then the critic's
-    update and, once the critic has warmed up, the policy's. Returns the step's metrics."""
+    update and, once the critic has warmed up, the policy's. Returns the step's metrics. ``ctx.checkpointed``
+    holds the policy and its critic (:class:`PolicyAndCritic`)."""
+    stage, parts, loop = ctx.stage, ctx.parts, ctx.loop
     cfg = stage.cfg
     a, t, c = cfg.algorithm, cfg.trainer, cfg.critic
-    strategy, critic_strategy = strategies.policy, strategies.critic
+    strategy, critic_strategy = ctx.checkpointed.policy, ctx.checkpointed.critic
     reference, fwd = loop.reference, parts.forward
 
-    # old and reference log-probs of the sampled tokens (+ sum_pi_squared if the estimator names it),
-    # and the critic's values
+    # old and reference log-probs of the sampled tokens (+ sum_pi_squared where the plan has it), and the
+    # critic's values
     batch["old_logprobs"], sum_pi_squared = old_logprobs_pass(
         strategy.unwrap(), batch, fwd, use_rollout_logprobs=a.use_rollout_logprobs, strategy=strategy,
-        with_sum_pi_squared=parts.estimator.names("sum_pi_squared"))
+        with_sum_pi_squared=parts.step_plan.sum_pi_squared)
     if sum_pi_squared is not None:
         batch["sum_pi_squared"] = sum_pi_squared
     batch["values"] = batched_values(critic_strategy.unwrap(), batch, fwd, strategy=critic_strategy)

@@ -36,6 +36,7 @@ from rltk.distributed import end_process_group, limit_torch_threads, process_ran
 from rltk.errors import ConfigError
 from rltk.loggers.base import StageSpan, stage_ended, stage_spans
 from rltk.loggers.plot import plot_training_curves
+from rltk.stage_spec import StageSpec
 from rltk.training.rollouts.engine_weights import connect_rollout_engine, engine_follows
 from rltk.training.scaffold.evaluation import evaluate
 from rltk.training.scaffold.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
@@ -110,6 +111,10 @@ class Stage:
     # the stage step a runner stopped at before its configured length (the warm-up reaching its target
     # accuracy); None when it ran them all. The next stage's steps follow it.
     stopped_at: int | None = None
+    type: str = "rl"  # the stage's type (``stages[i].type``)
+    # the registered stage that runs it (rltk.StageSpec: what its loop provides, which its step plan reads);
+    # None for a runner that is a plain function
+    spec: StageSpec | None = None
     checkpoint: StageCheckpoint = field(init=False, repr=False)  # save() and restore() of this stage
 
     def __post_init__(self):
@@ -211,9 +216,12 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], Any]]) -> None:
         first_step = run.last_step  # a stage's steps follow the last step the stage before it ran
         guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,
                                 vocab_size=vocab_size_of(run.policy), checkpoints=run.ckpt)
-        current = Stage(run, scfg, i, first_step, stage_resume, guard)  # its checkpoint restores the guard too
+        runner = runners[stage.type]
+        # its checkpoint restores the guard too
+        current = Stage(run, scfg, i, first_step, stage_resume, guard, type=stage.type,
+                        spec=runner if isinstance(runner, StageSpec) else None)
         try:
-            strategy = runners[stage.type](current)
+            strategy = runner(current)
             guard.end_stage(strategy)
         except TrainingDiverged:
             # What was logged up to the divergence is what the reader needs: flush it, and let every

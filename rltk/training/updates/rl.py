@@ -18,7 +18,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from rltk.algorithms.aggregation import masked_mean
-from rltk.algorithms.mismatch import correction_active, weighted_loss_agg
+from rltk.algorithms.mismatch import weighted_loss_agg
+from rltk.config.recipe_capabilities import update_may_take_old_logprobs
 from rltk.models.moe import RouterTrace, load_balancing_loss
 from rltk.training.step.estimator import Estimator
 from rltk.training.step.forward import ForwardSettings
@@ -57,35 +58,15 @@ def behaviour_logprobs(batch: dict[str, torch.Tensor], old_logprobs: torch.Tenso
 def old_logprobs_from_update(loss: LossComponents, advantage_fn: "Callable | Estimator", *, ppo_epochs: int,
                              mini_batches: int, use_rollout_logprobs: bool, kl_coef: float) -> bool:
     """Whether the update may take ``old_logprobs`` from its own training forward (detached) instead of a
-    separate no-grad pass of the policy before it.
-
-    With one epoch over one mini-batch the only optimizer step comes after the one training forward, so
-    the policy that forward evaluates is the policy that sampled the batch: ``pi_old = pi_theta.detach()``
-    and the PPO ratio is exactly 1 (as in the on-policy case of Schulman et al. 2017, arXiv:1707.06347).
-    The pass before the update is then a forward whose result is already known. It is still needed when
-
-    * ``ppo_epochs > 1`` or ``mini_batches > 1``: later mini-batches train a policy that has moved;
-    * ``use_rollout_logprobs``: the old log-probs are the engine's, not this policy's;
-    * a rollout-correction mode or ``log_metrics`` is on: both compare old with rollout log-probs before
-      the update (the weights and the narrowed mask are fixed before the first forward);
-    * the estimator names ``old_logprobs`` or ``sum_pi_squared``: advantages come before the update;
-    * a KL penalty is folded into the rewards (``kl_in == "reward"`` with ``kl_coef > 0``): it needs
-      ``old_logprobs`` before the advantages.
-
-    One difference remains where the policy is not deterministic in training mode (dropout): the
-    training forward's log-probs are then those of the dropped-out network, which the recompute (in
-    eval mode) is not. rltk's models train without dropout.
-    """
+    separate no-grad pass of the policy before it: the step plan's rule
+    (:func:`rltk.config.recipe_capabilities.update_may_take_old_logprobs`, where the cases are listed), asked
+    with components already built. A loop reads ``parts.on_policy``, its step plan's answer."""
     estimator = advantage_fn if isinstance(advantage_fn, Estimator) else Estimator.of(advantage_fn)
-    if ppo_epochs != 1 or mini_batches != 1 or use_rollout_logprobs:
-        return False
-    if correction_active(loss.rollout_correction) or loss.log_mismatch_metrics:
-        return False
-    if not estimator.readable:  # no signature to read: keep the pass, the estimator may want the field
-        return False
-    if estimator.names("old_logprobs") or estimator.names("sum_pi_squared"):
-        return False
-    return not (kl_coef > 0 and loss.kl_in == "reward")
+    names = frozenset(estimator.params) if estimator.readable else None
+    correction = {**loss.rollout_correction, "log_metrics": loss.log_mismatch_metrics}
+    return update_may_take_old_logprobs(names, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
+                                        use_rollout_logprobs=use_rollout_logprobs, rollout_correction=correction,
+                                        kl_coef=kl_coef, kl_in=loss.kl_in)
 
 
 class PolicyUpdate(NamedTuple):

@@ -134,7 +134,6 @@ class Producer:
     def __init__(self, cfg, *, stage_index: int, queue_path: str | None, weights_path: str, name: str,
                  timeout_s: float, index: int = 0, count: int = 1, poll_s: float = 0.005, trainer: bool = True,
                  seed_salt: int = 0, queue=None, follower_type=None):
-        import rltk
         from rltk.training.rollouts.asynchronous.queue import ExperienceQueue
         from rltk.data.sampler import RowSampler
         from rltk.distributed import limit_torch_threads, seed_everything
@@ -153,7 +152,7 @@ class Producer:
         tokenizer, self.policy = build_tokenizer_and_policy(cfg)
         train_rows = producer_rows(build_rows(cfg, tokenizer)[0], index, count)
         self.workflow = build_workflow(cfg, self.policy, tokenizer)
-        self.plan = RolloutPlan.from_config(cfg, rltk.get_component("advantage_fn", cfg.algorithm.advantage_fn))
+        self.plan = RolloutPlan.from_config(cfg)
         t = cfg.trainer
         self.max_staleness = 1 if t.mode == "one_step_off" else int(t.max_staleness)
         self.per_batch = batch_size(cfg)
