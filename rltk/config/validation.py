@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rltk.config.components import check_components, check_task
+from rltk.strategies.layout import check_peer_size_names
 from rltk.config.env_checks import check_agent_tools, check_env
 from rltk.config.launcher_checks import check_launcher
 from rltk.config.lora_checks import check_lora_fits_model, check_lora_values, check_no_stage_lora
@@ -48,6 +49,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     estimator's batch fields, a sample strategy's buffer sources).
     """
     registry = get_registry()
+    check_peer_size_names(OmegaConf.to_container(cfg.strategy_args, resolve=True))
     check_components(cfg, registry)
     check_env(cfg, registry)
     check_agent_tools(cfg, registry)

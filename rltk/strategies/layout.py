@@ -27,6 +27,41 @@ from rltk.errors import ConfigError
 AXES = ("dp", "sp", "tp")
 SIZE_KEYS = {"sp": "sequence_parallel_size", "tp": "tensor_parallel_size", "ep": "expert_parallel_size"}
 
+PIPELINE_REFUSAL = ("pipeline parallelism is not built in rltk (the strategy would have to own a micro-batch "
+                    "schedule across ranks, torch.distributed.pipelining's); to fit a model bigger than one device, "
+                    "split its layers with strategy_args.tensor_parallel_size or shard its parameters with "
+                    "strategy_args.fsdp=true or strategy=deepspeed strategy_args.zero_stage=3")
+CONTEXT_REFUSAL = ("context parallelism (ring attention) is not built in rltk; strategy_args.sequence_parallel_size "
+                   "splits every sequence over ranks by Ulysses all-to-all instead")
+
+#: The names peers give these sizes, each with rltk's key (or why there is none) and whose name it is. rltk takes
+#: one name for each thing: a peer's name is refused naming rltk's, never read as an alias.
+PEER_SIZE_NAMES: dict[str, tuple[str, str]] = {
+    "ulysses_sequence_parallel_size": ("strategy_args.sequence_parallel_size", "verl's and Trinity-RFT's"),
+    "ulysses_size": ("strategy_args.sequence_parallel_size", "ROLL's"),
+    "sp_size": ("strategy_args.sequence_parallel_size", "a common short"),
+    "tensor_model_parallel_size": ("strategy_args.tensor_parallel_size", "Megatron's"),
+    "tp_size": ("strategy_args.tensor_parallel_size", "Accelerate's ParallelismConfig"),
+    "expert_model_parallel_size": ("strategy_args.expert_parallel_size", "Megatron's"),
+    "ep_size": ("strategy_args.expert_parallel_size", "DeepSpeed-MoE's"),
+    "context_parallel_size": ("", CONTEXT_REFUSAL),
+    "cp_size": ("", CONTEXT_REFUSAL),
+    "pipeline_parallel_size": ("", PIPELINE_REFUSAL),
+    "pipeline_model_parallel_size": ("", PIPELINE_REFUSAL),
+    "pp_size": ("", PIPELINE_REFUSAL),
+}
+
+
+def check_peer_size_names(strategy_args: dict[str, Any] | None) -> None:
+    """ConfigError for a parallel size given under a peer's name (or one rltk does not build), naming rltk's key."""
+    for name in strategy_args or {}:
+        if name not in PEER_SIZE_NAMES:
+            continue
+        key, whose = PEER_SIZE_NAMES[name]
+        if key:
+            raise ConfigError(f"strategy_args.{name} is {whose} name; rltk's is {key} (the same meaning)")
+        raise ConfigError(f"strategy_args.{name}: {whose}")
+
 
 @dataclass(frozen=True)
 class ParallelLayout:

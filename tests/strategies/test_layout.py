@@ -6,6 +6,7 @@ import pytest
 
 from rltk.errors import ConfigError
 from rltk.strategies.layout import ParallelLayout
+from tests.waits import scaled
 
 
 def test_eight_ranks_at_sp2_tp2_sit_where_the_grid_says():
@@ -52,3 +53,28 @@ def test_sizes_that_do_not_fit_the_world_name_the_key(args, match):
 def test_no_arguments_is_data_parallel_only():
     layout = ParallelLayout.from_strategy_args({}, world_size=3)
     assert layout.is_data_parallel_only and layout.data_world_size == 3 and layout.data_rank(2) == 2
+
+
+@pytest.mark.parametrize("name,match", [
+    ("ulysses_sequence_parallel_size", r"verl's and Trinity-RFT's name; rltk's is strategy_args\.sequence_parallel_size"),
+    ("tensor_model_parallel_size", r"Megatron's name; rltk's is strategy_args\.tensor_parallel_size"),
+    ("expert_model_parallel_size", r"Megatron's name; rltk's is strategy_args\.expert_parallel_size"),
+    ("pipeline_parallel_size", r"pipeline parallelism is not built in rltk .* strategy_args\.tensor_parallel_size"),
+    ("context_parallel_size", r"ring attention\) is not built .* strategy_args\.sequence_parallel_size"),
+])
+def test_a_peers_name_for_a_size_is_refused_naming_rltks_key(name, match):
+    from rltk.strategies.layout import check_peer_size_names
+
+    with pytest.raises(ConfigError, match=match):
+        check_peer_size_names({name: 2})
+    check_peer_size_names({"sequence_parallel_size": 2, "fsdp": True})  # rltk's own names pass
+
+
+def test_rltk_validate_refuses_a_peers_name_with_exit_2_and_one_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rltk.commands.cli", "validate", "grpo",
+                          "strategy_args.tensor_model_parallel_size=2"], capture_output=True, text=True, timeout=scaled(300))
+    assert out.returncode == 2, out.stderr
+    assert "rltk's is strategy_args.tensor_parallel_size" in out.stderr and "Traceback" not in out.stderr
