@@ -82,6 +82,10 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     has_critic = recipe is not None and recipe.batch_fields is not None and "values" in recipe.batch_fields
     if "values" in needs or has_critic:  # a critic-based run: check its section too
         check_critic_config(cfg)
+        tp = (OmegaConf.to_container(cfg.strategy_args, resolve=True) or {}).get("tensor_parallel_size", 1)
+        if tp != 1:
+            raise ConfigError(f"{TP_KEY}={tp}: the critic (a value model, no vocabulary head) is not "
+                              f"tensor-parallel yet; train this recipe with {TP_KEY}=1")
     chainable = ["rl", *(n for n, e in registry.entries["stage"].items() if e.obj.chainable)]
     valid = sorted(recipe.stage_types) if recipe is not None and recipe.stage_types is not None else sorted(chainable)
     lent = dict(recipe.stage_recipes) if recipe is not None else {}
@@ -533,8 +537,7 @@ TINY_SIZES = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv
 def check_tensor_parallel_config(cfg: DictConfig) -> None:
     """ConfigError naming ``strategy_args.tensor_parallel_size`` for a size that is not a whole number >= 1, or
     that does not divide the model's heads, KV heads, MLP width or vocabulary, or (under a launcher, ``WORLD_SIZE``
-    set) the process count, or data ranks without FSDP2; then, for now, any size > 1 (the recipes' loop is not
-    tensor-parallel yet)."""
+    set) the process count, or data ranks without FSDP2."""
     args = OmegaConf.to_container(cfg.strategy_args, resolve=True) or {}
     size = args.get("tensor_parallel_size", 1)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -552,13 +555,6 @@ def check_tensor_parallel_config(cfg: DictConfig) -> None:
         if processes > size and not args.get("fsdp", False):
             raise ConfigError(f"{TP_KEY}={size} over {processes} processes leaves {processes // size} data-parallel "
                               "ranks, which shard with FSDP2 on the 2-D mesh: set strategy_args.fsdp=true")
-    # Remove once the update loop splits rows by data rank and scores log-probs through the vocabulary-parallel
-    # head: until then the ranks of a group would each take other rows, and a run would train on garbage.
-    raise ConfigError(
-        f"{TP_KEY}={size}: the recipes' training loop does not run tensor-parallel models yet (it splits rows by "
-        "rank, where the ranks of a tensor-parallel group must share theirs); tensor parallelism is available to "
-        "code that drives the strategy itself (AccelerateStrategy(tensor_parallel_size=...), "
-        "rltk.models.parallel.tensor_parallel). Use strategy_args.tensor_parallel_size=1")
 
 
 def _model_sizes(cfg: DictConfig) -> tuple[dict, str]:

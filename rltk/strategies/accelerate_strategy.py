@@ -234,7 +234,7 @@ class AccelerateStrategy(TrainingStrategy):
         self._require_setup("accumulate()")
         if is_last_micro_batch or self.world_size == 1:
             yield
-        elif self._sharded:
+        elif hasattr(self._model, "set_requires_gradient_sync"):  # FSDP2 (tensor parallel alone has no sync)
             self._model.set_requires_gradient_sync(False)
             try:
                 yield

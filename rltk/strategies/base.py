@@ -463,13 +463,15 @@ class TrainingStrategy(abc.ABC):
         A size that does not divide the process count, or one this engine does not build, is a
         :class:`~rltk.errors.ConfigError` naming its ``strategy_args`` key.
         """
-        layout = ParallelLayout.from_strategy_args(sizes, self.world_size)
-        for key in SIZE_KEYS.values():
-            if getattr(layout, key) > 1 and key not in self.built_parallel_sizes:
+        for key in SIZE_KEYS.values():  # what the engine cannot run is named before whether it fits the world
+            size = sizes.get(key, 1)
+            if isinstance(size, int) and not isinstance(size, bool) and size > 1 \
+                    and key not in self.built_parallel_sizes:
                 built = ", ".join(f"strategy_args.{k}" for k in sorted(self.built_parallel_sizes)) or "none"
                 raise ConfigError(
-                    f"strategy_args.{key}={getattr(layout, key)}: {type(self).__name__} does not run this kind of "
+                    f"strategy_args.{key}={size}: {type(self).__name__} does not run this kind of "
                     f"parallelism (sizes above 1 it runs: {built}); set strategy_args.{key}=1")
+        layout = ParallelLayout.from_strategy_args(sizes, self.world_size)
         self._layout = layout
         set_ranks_per_data_share(layout.sequence_parallel_size * layout.tensor_parallel_size)
 
@@ -621,6 +623,8 @@ class TrainingStrategy(abc.ABC):
         ``strategy_args.sequence_parallel_size > 1`` each rank of a sequence group runs its slice of every
         row (:func:`rltk.models.parallel.sequence.ulysses_response_logprobs`) and every rank of the group
         gets the whole ``[B, T]``."""
+        if self.layout.tensor_parallel_size > 1 and _holds_a_tensor_parallel_head(model):
+            return self._tensor_parallel_logprobs(model, input_ids, attention_mask, response_width, **options)
         sp = self.layout.sequence_parallel_size
         if sp == 1:
             from rltk.models.logprobs import response_logprobs
@@ -636,6 +640,26 @@ class TrainingStrategy(abc.ABC):
         self._split_forwards += 1
         return ulysses_response_logprobs(model, input_ids, attention_mask, response_width,
                                          group=self._axis_group("sp"), **options)
+
+    def _tensor_parallel_logprobs(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                  response_width: int, **options: Any) -> tuple[torch.Tensor, ...]:
+        """The padded-rows pass of a tensor-parallel model through the vocabulary-parallel head
+        (:func:`rltk.models.parallel.tensor_parallel.tensor_parallel_response_logprobs`): no rank holds the
+        gathered logits. What that pass does not take yet is refused naming its key."""
+        from rltk.models.parallel.tensor_parallel import tensor_parallel_response_logprobs
+
+        tp = self.layout.tensor_parallel_size
+        for option, key in (("pack", "trainer.pack_sequences"), ("routed_experts", "algorithm.routing_replay"),
+                            ("router_trace", "trainer.router_aux_loss_coef"), ("vision_inputs", "data.image_key"),
+                            ("with_sum_pi_squared", "algorithm.adv_estimator (one that reads sum_pi_squared)")):
+            if options.get(option) not in (None, False):
+                raise ConfigError(f"{key} does not combine with strategy_args.tensor_parallel_size={tp} yet; "
+                                  f"turn it off or set strategy_args.tensor_parallel_size=1")
+        logprobs, entropy = tensor_parallel_response_logprobs(
+            model, input_ids, attention_mask, response_width, temperature=options.get("temperature", 1.0),
+            impl=options.get("impl", "auto"), chunk_size=options.get("chunk_size"),
+            with_entropy=options.get("with_entropy", False))
+        return logprobs, entropy
 
     def reference_model(self, *, frozen: bool = True) -> nn.Module:
         """A second model with the weights as they are now, held the way this engine holds one. Collective.
@@ -827,3 +851,13 @@ class TrainingStrategy(abc.ABC):
             "optimizer_steps": self.optimizer_steps if self.settings else 0,
         }
 
+
+def _holds_a_tensor_parallel_head(model: nn.Module) -> bool:
+    """Whether ``model``'s output head is split by vocabulary rows (a DTensor): the policy a tensor-parallel
+    strategy trains, not a whole copy it holds beside it (the reference, the rollout engine's)."""
+    from rltk.models.logprobs import _is_dtensor, output_head_module
+
+    try:
+        return _is_dtensor(output_head_module(model).weight)
+    except NotImplementedError:  # no Linear head: not a causal LM this pass serves
+        return False

@@ -17,7 +17,8 @@ TP = "strategy_args.tensor_parallel_size"
     ([f"{TP}=4"], f"{TP}=4 does not divide num_key_value_heads=2 of the tiny model"),
     ([f"{TP}=2", "model.tiny.intermediate_size=255"], f"{TP}=2 does not divide intermediate_size=255"),
     ([f"{TP}=0"], f"{TP}: 0 is not a whole number of ranks >= 1"),
-    ([f"{TP}=2", "strategy=deepspeed"], "training_strategy 'deepspeed' has no argument 'tensor_parallel_size'"),
+    # one process: the size does not fit the world (that DeepSpeed runs no TP: test_sequence_parallel.py)
+    ([f"{TP}=2", "strategy=deepspeed"], f"{TP}=2 = 2 does not divide the 1 processes of the run"),
 ])
 def test_a_size_that_does_not_divide_exits_2_naming_the_key(tmp_path, capsys, overrides, message):
     assert main(["run", "grpo", f"output_dir={tmp_path / 'run'}", *overrides]) == 2
@@ -40,7 +41,12 @@ def test_a_model_folders_vocabulary_and_the_launched_world_are_checked(tmp_path,
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main(["validate", "grpo", f"{TP}=2"]) == 2
     assert "set strategy_args.fsdp=true" in capsys.readouterr().err
-    # a size that fits passes these checks and reaches the refusal of the recipes' loop, which is not
-    # tensor-parallel yet (the strategy is: tests/models/parallel/test_tensor_parallel.py)
-    assert main(["validate", "grpo", f"{TP}=2", "strategy_args.fsdp=true"]) == 2
-    assert "the recipes' training loop does not run tensor-parallel models yet" in capsys.readouterr().err
+    # a size that fits passes (a run: tests/recipes/test_tensor_parallel_recipe.py)
+    assert main(["validate", "grpo", f"{TP}=2", "strategy_args.fsdp=true"]) == 0
+
+
+def test_a_recipe_with_a_critic_is_refused_naming_the_key(capsys):
+    # the critic's value model has no vocabulary head to split; refused before anything is built
+    assert main(["validate", "ppo", f"{TP}=2"]) == 2
+    assert f"{TP}=2: the critic (a value model, no vocabulary head) is not tensor-parallel yet" in \
+        capsys.readouterr().err

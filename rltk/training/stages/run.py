@@ -125,6 +125,7 @@ def open_run(cfg: DictConfig) -> Run:
     """Run folder, tokenizer and policy, data, rollout workflow, loggers and the resume point."""
     limit_torch_threads()  # no more threads than cores, before the first parallel op
     seed_everything(cfg.seed)
+    data_rank = data_rank_of_run(cfg)  # parallel sizes that do not fit the processes stop here, before the folder
     # Whether this continues the run in the folder is settled before anything is written there:
     # an incompatible config stops here, with the folder untouched.
     # each stage's last checkpoint stays whatever keep_last: a later run may start from it (checkpoint.start_from)
@@ -147,7 +148,7 @@ def open_run(cfg: DictConfig) -> Run:
     tokenizer, policy = build_tokenizer_and_policy(cfg)
     if process_rank() == 0 and not finished:
         save_tokenizer_folder(cfg, tokenizer, run_dir / "tokenizer")  # so `rltk export` yields a complete model folder
-    seed_everything(cfg.seed + data_rank_of_run(cfg))  # same initial weights, different samples per data rank
+    seed_everything(cfg.seed + data_rank)  # same initial weights, different samples per data rank
     train_rows, eval_rows = build_rows(cfg, tokenizer)
 
     # The rollout engine shares the policy module; the workflow samples, scores and evaluates.
