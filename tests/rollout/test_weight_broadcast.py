@@ -1,5 +1,5 @@
 """The broadcast wire (:mod:`rltk.rollout.weight_broadcast`) between real processes over gloo: buckets, exact
-deltas, a group that cannot form, a receiver killed mid-transfer. No vLLM: the receivers are plain processes
+deltas, a group that cannot form, a receiver killed mid-transfer, a trainer killed mid-broadcast. No vLLM: the receivers are plain processes
 that do what rltk's vLLM backend does with each bucket (the layout travels through the group's store here)."""
 
 from __future__ import annotations
@@ -165,3 +165,48 @@ def test_a_receiver_killed_mid_transfer_fails_the_senders_broadcast_instead_of_h
         assert victim.wait(timeout=timeout) == -9
     finally:
         reap(processes)
+
+
+# A trainer: hosts the store, prints its port, joins as rank 0, publishes the update's layout, sends its first
+# bucket and SIGKILLs itself (store and all) before the second.
+DYING_SENDER = """
+import json, os, signal, sys
+import torch
+from rltk.rollout import weight_broadcast as wire
+
+timeout = float(sys.argv[1])
+rendezvous = wire.store("127.0.0.1", 0, 2, is_master=True, timeout_s=timeout)
+print(rendezvous.port, flush=True)
+group = wire.join(rendezvous, "gloo", 0, 2, timeout, address="127.0.0.1")
+state = {f"t{i}": torch.full((4096,), float(i)) for i in range(8)}  # 8 buckets of 16 KiB
+pieces = [wire.piece(n, t) for n, t in state.items()]
+rendezvous.set("update/0", json.dumps(pieces))
+[first, *_] = wire.bucket_layout(pieces, 16384)
+wire.broadcast(group, wire.pack(first, {n: (t,) for n, t in state.items()}, torch.device("cpu")), timeout)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_trainer_killed_mid_broadcast_fails_the_receivers_update_within_its_timeout_and_nothing_is_applied():
+    timeout = scaled(60)
+    sender = subprocess.Popen([sys.executable, "-c", DYING_SENDER, str(timeout)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(sender.stdout.readline())
+        rendezvous = wire.store("127.0.0.1", port, 2, is_master=False, timeout_s=timeout)
+        group = wire.join(rendezvous, "gloo", 1, 2, timeout, address="127.0.0.1")
+        pieces = json.loads(rendezvous.get("update/0"))
+        received, staged = 0, {}
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            for bucket_pieces in wire.receive(group, pieces, 16384, torch.device("cpu"), timeout):
+                received += 1
+                for entry, parts in bucket_pieces:
+                    wire.apply_piece(entry, parts, staged)
+        assert time.monotonic() - start < timeout  # the dead peer is noticed, not waited on for ever
+        # what came before the death, and nothing more: the rltk_broadcast worker stages a delta run's buckets
+        # like this and loads them only once every bucket is in; a full-weights run's server stays paused by
+        # the trainer, which paused it before the first bucket and died before resuming it
+        assert received == 1 and sorted(staged) == ["t0"]
+        assert sender.wait(timeout=timeout) == -9
+    finally:
+        reap([sender])
