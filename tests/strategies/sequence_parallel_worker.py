@@ -43,13 +43,14 @@ def tiny_lora_qwen2(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def global_batch() -> dict[str, torch.Tensor]:
-    """Left-padded prompts and right-padded responses of different lengths, and advantages."""
+def global_batch(left_padding: bool = True) -> dict[str, torch.Tensor]:
+    """Left-padded prompts (or, without ``left_padding``, whole ones: the split attention then runs on
+    causality alone, no mask) and right-padded responses of different lengths, and advantages."""
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(3, VOCAB, (GLOBAL_BATCH, PROMPT + RESPONSE), generator=generator)
     mask = torch.ones_like(ids)
     for row, (pad_left, pad_right) in enumerate([(0, 0), (2, 3), (1, 0), (3, 5)]):
-        mask[row, :pad_left] = 0
+        mask[row, :pad_left if left_padding else 0] = 0
         mask[row, PROMPT + RESPONSE - pad_right:] = 0
     ids = ids * mask
     advantages = torch.randn(GLOBAL_BATCH, RESPONSE, generator=generator)
@@ -72,9 +73,9 @@ def micro_loss(strategy, global_tokens: float, outputs: dict):
     return loss
 
 
-def run(strategy, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+def run(strategy, rows: torch.Tensor, left_padding: bool = True) -> dict[str, torch.Tensor]:
     """One forward/backward over ``rows`` of :func:`global_batch` in two micro-batches; outputs and gradients."""
-    batch = global_batch()
+    batch = global_batch(left_padding)
     global_tokens = float(batch["response_mask"].sum())
     part = {k: v[rows] for k, v in batch.items()}
     halves = rows.numel() // 2 or 1
@@ -104,7 +105,7 @@ def main() -> None:
     strategy = AccelerateStrategy(cpu=True, sequence_parallel_size=sp, fsdp="fsdp" in sys.argv[3:])
     strategy.setup(tiny_lora_qwen2() if "lora" in sys.argv[3:] else tiny_qwen2(), **SETUP)
     rows = torch.arange(GLOBAL_BATCH)[strategy.data_rank::strategy.data_world_size]
-    result = run(strategy, rows)
+    result = run(strategy, rows, left_padding="causal" not in sys.argv[3:])
     torch.save(result, out / f"rank{strategy.rank}.pt")
 
 

@@ -52,10 +52,10 @@ def _launch(tmp_path: Path, processes: int, *args: str) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(processes)]
 
 
-def _assert_like_one_process(ranks: list[dict], reference: dict, data_ranks: int) -> None:
+def _assert_like_one_process(ranks: list[dict], reference: dict, data_ranks: int, left_padding: bool = True) -> None:
     rows = torch.cat([r["rows"] for r in ranks[:: len(ranks) // data_ranks]])
     assert sorted(rows.tolist()) == list(range(worker.GLOBAL_BATCH))  # the data ranks split the rows
-    mask = worker.global_batch()["response_mask"].bool()
+    mask = worker.global_batch(left_padding)["response_mask"].bool()
     for result in ranks:
         rows = result["rows"]
         for key in ("logprobs", "entropy"):
@@ -73,6 +73,19 @@ def _assert_like_one_process(ranks: list[dict], reference: dict, data_ranks: int
 def test_two_ranks_splitting_every_sequence_match_one_process(tmp_path, one_process):
     ranks = _launch(tmp_path, 2, "2")
     _assert_like_one_process(ranks, one_process, data_ranks=1)
+
+
+@pytest.mark.distributed
+def test_rows_without_left_padding_split_on_causality_alone_and_match_one_process(tmp_path):
+    from rltk.models.parallel.sequence import only_trailing_padding
+
+    batch = worker.global_batch(left_padding=False)
+    assert only_trailing_padding(batch["attention_mask"]) and not only_trailing_padding(
+        worker.global_batch()["attention_mask"])
+    strategy = AccelerateStrategy(cpu=True)
+    strategy.setup(worker.tiny_qwen2(), **worker.SETUP)
+    reference = worker.run(strategy, torch.arange(worker.GLOBAL_BATCH), left_padding=False)
+    _assert_like_one_process(_launch(tmp_path, 2, "2", "causal"), reference, data_ranks=1, left_padding=False)
 
 
 @pytest.mark.distributed

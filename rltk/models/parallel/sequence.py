@@ -92,7 +92,7 @@ class _Split:
 
     group: object
     inner: object  # the model's own attention function
-    mask: torch.Tensor  # additive, the whole sequence's: [B, 1, S, S]
+    mask: torch.Tensor | None  # additive, the whole sequence's: [B, 1, S, S]; None: causal alone (see below)
 
 
 _active: list[_Split] = []
@@ -104,7 +104,10 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     split = _active[-1]
     query, key, value = (_AllToAll.apply(t, split.group, 1, 2) for t in (query, key, value))  # [B, h, S, d]
     kwargs.pop("is_causal", None)
-    out, _ = split.inner(module, query, key, value, split.mask.to(query.dtype), is_causal=False, **kwargs)
+    if split.mask is None:
+        out, _ = split.inner(module, query, key, value, None, is_causal=True, **kwargs)
+    else:
+        out, _ = split.inner(module, query, key, value, split.mask.to(query.dtype), is_causal=False, **kwargs)
     return _AllToAll.apply(out, split.group, 1, 2), None  # [B, S, h, d] -> [B, S/SP, H, d]
 
 
@@ -131,6 +134,17 @@ def whole_sequence_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     allowed = causal[None] & attention_mask.bool()[:, None, :]
     return torch.zeros(allowed.shape, dtype=torch.float32, device=attention_mask.device).masked_fill_(
         ~allowed, torch.finfo(torch.float32).min)[:, None]
+
+
+#: Attention functions that apply causality themselves when given no mask (``is_causal``); eager needs the mask.
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def only_trailing_padding(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of ``attention_mask`` ``[B, S]`` is ones then zeros (no left padding). Then causality
+    alone masks right: a real query sees no later position, and the trailing positions' outputs are never read."""
+    mask = attention_mask.bool()
+    return bool(mask[:, 0].all() and (mask[:, 1:] <= mask[:, :-1]).all())
 
 
 def check_heads_divide(model: nn.Module, size: int) -> None:
@@ -161,7 +175,12 @@ def ulysses_attention(model: nn.Module, group, attention_mask: torch.Tensor):
         raise ConfigError(f"{SIZE_KEY}: the model's attention implementation '{own}' has no attention function "
                           f"to split (valid: {', '.join(sorted(ALL_ATTENTION_FUNCTIONS.valid_keys()))})")
     _register()
-    _active.append(_Split(group, ALL_ATTENTION_FUNCTIONS[own], whole_sequence_mask(attention_mask)))
+    # an [S, S] mask would cost S^2 per row, and on CPU it sends sdpa to its math kernel, which keeps the
+    # [h, S, S] attention weights for the backward: measured 0.71x of one process's saved bytes at SP=2 with
+    # it, against (see benchmarks/parallel.py sp-memory) without
+    causal_alone = own in CAUSAL_WITHOUT_MASK and only_trailing_padding(attention_mask)
+    mask = None if causal_alone else whole_sequence_mask(attention_mask)
+    _active.append(_Split(group, ALL_ATTENTION_FUNCTIONS[own], mask))
     config._attn_implementation = ATTENTION_NAME
     try:
         yield
