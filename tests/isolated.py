@@ -30,3 +30,14 @@ def run_isolated(command: list[str], *, expect: int = 0, timeout: int = 600,
     assert out.returncode == expect, (f"{' '.join(command[-4:])} exited {out.returncode}, expected {expect}:\n"
                                       f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
     return out
+
+
+def load_worker(path: Path, name: str):
+    """The worker script at ``path`` (which its test also launches in processes of its own) as a module, so the
+    test's one-process reference runs the very code the processes run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,19 +15,13 @@ import torch
 from rltk.checkpoint import CheckpointManager
 from rltk.strategies.accelerate_strategy import AccelerateStrategy
 
+from tests.isolated import load_worker
 from tests.waits import scaled
 
 WORKER_PATH = Path(__file__).with_name("distributed_worker.py")
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("rltk_tests_distributed_worker", WORKER_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(WORKER_PATH, "rltk_tests_distributed_worker")
 
 
 def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

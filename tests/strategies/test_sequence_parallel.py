@@ -8,7 +8,6 @@ entropy bitwise equal, gradients within 3e-8; the all-to-all only reorders which
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,20 +18,14 @@ import torch
 
 from rltk.errors import ConfigError
 from rltk.strategies.accelerate_strategy import AccelerateStrategy
+from tests.isolated import load_worker
 from tests.waits import scaled
 
 WORKER_PATH = Path(__file__).with_name("sequence_parallel_worker.py")
 ATOL = 1e-5
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("rltk_tests_sequence_parallel_worker", WORKER_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(WORKER_PATH, "rltk_tests_sequence_parallel_worker")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ the global normalisers make the plan irrelevant to the gradient. See rl_step_wor
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,20 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.isolated import load_worker
 from tests.waits import scaled
 
 WORKER_PATH = Path(__file__).with_name("rl_step_worker.py")
 PHASES = ["ddp", "fsdp", "zero3", "ddp+budget", "fsdp+budget+pack", "zero3+budget+pack"]
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("rltk_tests_rl_step_worker", WORKER_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(WORKER_PATH, "rltk_tests_rl_step_worker")
 
 
 @pytest.fixture(scope="module")

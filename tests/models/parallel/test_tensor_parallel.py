@@ -4,7 +4,6 @@ every parameter's gradient (gathered to full) and the weights after one clipped 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 
 from rltk.errors import ConfigError
 from rltk.models.logprobs import response_logprobs
-from tests.isolated import run_isolated
+from tests.isolated import load_worker, run_isolated
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "tensor_parallel_worker.py"
@@ -21,14 +20,7 @@ WORKER = HERE / "tensor_parallel_worker.py"
 TOLERANCE = 1e-5
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("rltk_tests_tensor_parallel_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _worker_module()
+worker = load_worker(WORKER, "rltk_tests_tensor_parallel_worker")
 
 
 def _launch(tmp_path: Path, processes: int, fsdp: bool, tie: bool) -> list[dict]:

@@ -3,7 +3,6 @@ computation: outputs and the gradients of hidden states, weight and bias, torch 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from rltk.kernels import naive_token_logprobs_and_entropy
-from tests.isolated import run_isolated
+from tests.isolated import load_worker, run_isolated
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "vocab_parallel_worker.py"
@@ -20,14 +19,7 @@ WORKER = HERE / "vocab_parallel_worker.py"
 TOLERANCE = 2e-5
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("rltk_tests_vocab_parallel_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _worker_module()
+worker = load_worker(WORKER, "rltk_tests_vocab_parallel_worker")
 
 
 def _launch(tmp_path: Path, impl: str, extra_env: dict[str, str]) -> dict[str, dict]:
