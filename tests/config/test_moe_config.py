@@ -11,14 +11,6 @@ from rltk.commands.cli import main
 MOE = "model.tiny.moe.num_experts=8"
 
 
-
-@pytest.fixture(autouse=True)
-def _not_launched(monkeypatch):
-    """One process, whatever an earlier in-process test of this worker left in the environment: the checks
-    read WORLD_SIZE (an in-process DeepSpeed test sets the launcher's variables)."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.routing_replay=rollout"], "algorithm.routing_replay=rollout needs a mixture-of-experts policy, but "
                                            "the policy is the tiny model with model.tiny.moe.num_experts=0"),

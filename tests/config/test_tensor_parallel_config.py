@@ -12,14 +12,6 @@ from rltk.commands.cli import main
 TP = "strategy_args.tensor_parallel_size"
 
 
-
-@pytest.fixture(autouse=True)
-def _not_launched(monkeypatch):
-    """One process, whatever an earlier in-process test of this worker left in the environment: the checks
-    read WORLD_SIZE (an in-process DeepSpeed test sets the launcher's variables)."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-
 @pytest.mark.parametrize("overrides, message", [
     ([f"{TP}=3"], f"{TP}=3 does not divide num_attention_heads=4 of the tiny model (model.tiny)"),
     ([f"{TP}=4"], f"{TP}=4 does not divide num_key_value_heads=2 of the tiny model"),
