@@ -226,14 +226,14 @@ class BroadcastSync:
         for server in servers:
             try:
                 engine.post(server, "/pause?mode=abort", timeout=10.0)
-            except Exception:
+            except Exception:  # a dead server samples nothing either; the error already names it
                 pass
 
     def close(self, engine: ServerPoolEngine) -> None:
         for server in list(engine._servers):
             try:
                 engine.post(server, "/shutdown_weight_transfer_engine", timeout=5.0)
-            except Exception:
+            except Exception:  # closing: a server already gone has no group left to leave
                 pass
         self.group = None
 

@@ -234,7 +234,7 @@ def _broadcast_engine(layerwise: type, init_base: type, update_base: type) -> ty
                 self._group = None
                 try:
                     group.abort() if hasattr(group, "abort") else None
-                except Exception:
+                except Exception:  # shutting down: a group whose peer died may refuse even to abort
                     pass
 
     BroadcastEngine.__name__ = BroadcastEngine.__qualname__ = "RltkBroadcastWeightTransferEngine"
