@@ -367,7 +367,7 @@ def _write_model_skeleton(model: nn.Module, tokenizer: Any, path: str, processor
     if not getattr(model.config, "architectures", None):
         # a model built from a config names no architecture until save_pretrained; vLLM reads the class from it
         # (without it a Qwen2.5-VL config resolves to a pooling model)
-        _name_architecture(path, type(model).__name__)
+        _name_architecture(path, type(unwrap_model(model, through_peft=True)).__name__)  # a LoRA policy's base
     if processor is not None:
         processor.save_pretrained(path)
     generation_config = getattr(model, "generation_config", None)
