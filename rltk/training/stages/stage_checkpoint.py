@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 import rltk
-from rltk.distributed import every_rank, process_rank
+from rltk.distributed import data_coordinates, every_rank, process_group, process_rank
 from rltk.training.scaffold.resume import STAGE_ENDS_KEY
 
 if TYPE_CHECKING:  # the loop state is built above this module; only its type is named here
     from rltk.training.stages.loop_state import LoopState
 
+RANKS_PER_DATA_SHARE_KEY = "ranks_per_data_share"  # how many consecutive ranks held the same rows at the save
 PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
 REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
 WORKFLOW_STATE_KEY = "workflow"  # in each rank's dict: its workflow's state_dict()
@@ -70,6 +71,7 @@ class StageCheckpoint:
         if hasattr(workflow.reward, "state_dict"):  # a reward is any callable; the composer keeps counters
             mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
         state[PER_RANK_KEY] = every_rank(mine)
+        state[RANKS_PER_DATA_SHARE_KEY] = process_group()[0] // data_coordinates()[0]
         global_step = stage.first_step + stage_step
         # where each finished stage ended: a resumed run numbers the stages after them on from there
         state[STAGE_ENDS_KEY] = stage.run.stage_ends[: stage.index] + ([global_step] if state["stage_done"] else [])
@@ -112,6 +114,12 @@ def rank_state(state: dict) -> dict:
     """
     ranks = state.get(PER_RANK_KEY) or []
     rank = process_rank()
+    # saved at another layout with as many data ranks: the entry of the saved rank holding this one's rows
+    # (a sequence or tensor group's ranks keep the same state; rltk.checkpoint.saved_rank_of does the same)
+    saved_group = int(state.get(RANKS_PER_DATA_SHARE_KEY, 1))
+    data_world, data_rank = data_coordinates()
+    if len(ranks) != process_group()[0] and len(ranks) // saved_group == data_world:
+        rank = data_rank * saved_group
     return ranks[rank] if rank < len(ranks) else {}
 
 
