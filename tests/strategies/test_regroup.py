@@ -89,25 +89,23 @@ def test_the_same_grouping_and_other_parameters_pass_through_untouched():
     assert regroup_saved_state(torch.optim.AdamW(smaller.parameters()), smaller, saved, {}, "c")[0] is saved
 
 
-class _Strategy:
-    def __init__(self, rank: int, world: int, tp: int = 1):
-        self.rank, self.world_size = rank, world
-        self.layout = ParallelLayout(world_size=world, tensor_parallel_size=tp)
+def _at(rank: int, world: int, tp: int = 1) -> tuple[ParallelLayout, int]:
+    return ParallelLayout(world_size=world, tensor_parallel_size=tp), rank
 
 
 @pytest.mark.parametrize("saved, live, expected", [
     # saved at TP=2 x DP=2 (ranks 0,1 data rank 0; 2,3 data rank 1), resumed at DP=2: data rank 1 is saved rank 2
-    ({"world_size": 4, "tensor_parallel_size": 2}, _Strategy(1, 2), 1 * 2),
-    ({"world_size": 4, "tensor_parallel_size": 2}, _Strategy(0, 2), 0),
+    ({"world_size": 4, "tensor_parallel_size": 2}, _at(1, 2), 1 * 2),
+    ({"world_size": 4, "tensor_parallel_size": 2}, _at(0, 2), 0),
     # saved at DP=2, resumed at TP=2 x DP=2: rank 3 is data rank 1
-    ({"world_size": 2}, _Strategy(3, 4, tp=2), 1),
+    ({"world_size": 2}, _at(3, 4, tp=2), 1),
     # the same layout, or another number of data ranks (no data rank to match): its own rank
-    ({"world_size": 4, "tensor_parallel_size": 2}, _Strategy(3, 4, tp=2), 3),
-    ({"world_size": 2, "tensor_parallel_size": 2}, _Strategy(1, 2), 1),
+    ({"world_size": 4, "tensor_parallel_size": 2}, _at(3, 4, tp=2), 3),
+    ({"world_size": 2, "tensor_parallel_size": 2}, _at(1, 2), 1),
 ])
 def test_a_rank_resumes_the_rng_of_the_saved_rank_with_its_data_rank(tmp_path, saved, live, expected):
     (tmp_path / "strategy.json").write_text(json.dumps(saved))
-    assert saved_rank_of(live, tmp_path) == expected
+    assert saved_rank_of(*live, tmp_path) == expected
 
 
 @pytest.mark.parametrize("world, share, rank, saved, expected", [
