@@ -108,22 +108,19 @@ def test_a_rank_resumes_the_rng_of_the_saved_rank_with_its_data_rank(tmp_path, s
     assert saved_rank_of(*live, tmp_path) == expected
 
 
-@pytest.mark.parametrize("world, share, rank, saved, expected", [
+@pytest.mark.parametrize("layout, rank, saved, expected", [
     # saved by two data ranks of two tensor-parallel ranks each; resumed by two plain data ranks
-    (2, 1, 1, {"per_rank": ["d0", "d0", "d1", "d1"], "ranks_per_data_share": 2}, "d1"),
+    (ParallelLayout(world_size=2), 1, {"per_rank": ["d0", "d0", "d1", "d1"], "ranks_per_data_share": 2}, "d1"),
     # saved by two plain data ranks; resumed at TP=2 x DP=2: rank 3 holds data rank 1's rows
-    (4, 2, 3, {"per_rank": ["d0", "d1"], "ranks_per_data_share": 1}, "d1"),
+    (ParallelLayout(world_size=4, tensor_parallel_size=2), 3, {"per_rank": ["d0", "d1"], "ranks_per_data_share": 1},
+     "d1"),
     # the same layout, and an older checkpoint without the share: each rank its own entry
-    (4, 2, 3, {"per_rank": ["a", "b", "c", "d"], "ranks_per_data_share": 2}, "d"),
-    (2, 1, 1, {"per_rank": ["a", "b"]}, "b"),
+    (ParallelLayout(world_size=4, tensor_parallel_size=2), 3,
+     {"per_rank": ["a", "b", "c", "d"], "ranks_per_data_share": 2}, "d"),
+    (ParallelLayout(world_size=2), 1, {"per_rank": ["a", "b"]}, "b"),
 ])
-def test_a_rank_resumes_the_counters_of_the_saved_rank_with_its_data_rank(monkeypatch, world, share, rank, saved,
-                                                                            expected):
-    from rltk import distributed
+def test_a_rank_resumes_the_counters_of_the_saved_rank_with_its_data_rank(monkeypatch, layout, rank, saved, expected):
     from rltk.training.stages import stage_checkpoint
 
     monkeypatch.setattr(stage_checkpoint, "process_rank", lambda: rank)
-    monkeypatch.setattr(stage_checkpoint, "process_group", lambda: (world, rank))
-    monkeypatch.setattr(stage_checkpoint, "data_coordinates", lambda: (world // share, rank // share))
-    assert distributed.data_coordinates() == (1, 0)  # the real one is untouched
-    assert stage_checkpoint.rank_state(saved) == expected
+    assert stage_checkpoint.rank_state(saved, layout) == expected

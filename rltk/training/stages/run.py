@@ -155,7 +155,7 @@ def open_run(cfg: DictConfig) -> Run:
     # (an asynchronous run on vllm_server: the servers are the producer's, the trainer evaluates with hf)
     workflow = build_workflow(trainer_workflow_config(cfg), policy, tokenizer)
     if resume is not None:
-        restore_rollout_state(workflow, resume)
+        restore_rollout_state(workflow, resume, layout_of_run(cfg))
 
     resume_step = resume["global_step"] if resume is not None else 0
     # a warm-up that may stop on reaching sft.stop_at_accuracy (at a probe before its last step): its sft.steps
