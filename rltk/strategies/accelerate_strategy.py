@@ -432,7 +432,6 @@ class AccelerateStrategy(TrainingStrategy):
         }
 
 
-@rltk.hookimpl
 def _check_combinations(layout: ParallelLayout, fsdp: bool) -> None:
     """ConfigError for the parallel sizes that do not combine here: sequence parallel with tensor or expert
     parallel (not built together), or tensor parallel over several data-parallel ranks without FSDP2 (DDP
@@ -476,5 +475,6 @@ def clip_mixed_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return total.float()
 
 
+@rltk.hookimpl
 def rltk_training_strategies():
     return {"accelerate": AccelerateStrategy}
