@@ -186,3 +186,22 @@ def test_a_tower_that_trains_is_never_cached(parts):
         assert "get_image_features" not in vars(trainable.model)
     with features.serving([model]):
         assert "get_image_features" in vars(model.model)
+
+
+@pytest.mark.parametrize("impl", ["torch", "naive"])
+def test_the_fused_head_op_and_the_full_logits_agree_with_images(parts, impl):
+    from rltk.models.logprobs import response_logprobs, response_logprobs_naive
+
+    tokenizer, processor, model = parts
+    batch = collate(_experiences(tokenizer, processor, model), tokenizer.pad_token_id)
+    width = batch["response_mask"].shape[1]
+    vision = vision_inputs_of(batch)
+    with torch.no_grad():
+        fused, _ = response_logprobs(model, batch["input_ids"], batch["attention_mask"], width, impl=impl,
+                                     vision_inputs=vision)
+        full, _ = response_logprobs_naive(model, batch["input_ids"], batch["attention_mask"], width,
+                                          vision_inputs=vision)
+        text_only, _ = response_logprobs_naive(model, batch["input_ids"], batch["attention_mask"], width)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(fused[mask], full[mask], atol=ATOL, rtol=0)
+    assert (text_only[:4][mask[:4]] - full[:4][mask[:4]]).abs().max() > 1e-3  # the images matter
