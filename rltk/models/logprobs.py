@@ -155,9 +155,8 @@ def response_logprobs(
     gather_in_forward = _whole_only_in_forward(head)
     if not gather_in_forward and _is_dtensor(head.weight):
         _refuse_or_note_sharded_head(model, impl)
-        return _response_logprobs_through_forward(model, input_ids, attention_mask, width,
-                                                  temperature=temperature, with_entropy=with_entropy,
-                                                  with_sum_pi_squared=with_sum_pi_squared,
+        return _response_logprobs_through_forward(model, input_ids, attention_mask, width, temperature=temperature,
+                                                  with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
                                                   vision_inputs=vision_inputs)
     return _padded_head_outputs(model, head, hidden, input_ids, attention_mask, prompt_len, width,
                                 gather_in_forward=gather_in_forward, temperature=temperature, impl=impl,

@@ -63,6 +63,18 @@ def encode_prompt(processor, text: str, images: Sequence) -> tuple[list[int], Pr
                                                       out["image_grid_thw"].long())
 
 
+def expanded_length(processor, text: str, images: Sequence) -> int:
+    """How many ids :func:`encode_prompt` gives ``text`` with ``images``, from the images' sizes alone (no pixels
+    processed): the text's tokens plus, per image, its feature tokens less the one placeholder they replace."""
+    if images and processor.image_token not in text:
+        text = text.replace(TEXT_IMAGE_PLACEHOLDER, image_marker(processor))
+    length = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    image_processor = processor.image_processor
+    merge = getattr(image_processor, "merge_size", 1) ** 2
+    return length + sum(image_processor.get_number_of_image_patches(image.height, image.width, {}) // merge - 1
+                        for image in images)
+
+
 def _model_inputs(row: Any) -> dict | None:
     if row is None:
         return None
