@@ -8,6 +8,7 @@ cache (rltk.models.vision.features) must change nothing but how often the tower 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -217,6 +218,8 @@ def test_the_prompt_length_with_images_is_read_off_their_sizes(parts):
     wide = [Image.new("RGB", (140, 30), "red"), Image.new("RGB", (20, 90), "blue")]
     text = "<image> and <image>: which?"  # a text prompt's placeholders
     assert expanded_length(processor, text, wide) == len(encode_prompt(processor, text, wide)[0])
+    arrays = [np.asarray(image) for image in wide]  # a synthetic task's rows may hold arrays
+    assert expanded_length(processor, text, arrays) == len(encode_prompt(processor, text, arrays)[0])
 
 
 def test_max_prompt_tokens_counts_the_image_tokens(tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from rltk.batch import PromptImages
@@ -71,8 +72,16 @@ def expanded_length(processor, text: str, images: Sequence) -> int:
     length = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
     image_processor = processor.image_processor
     merge = getattr(image_processor, "merge_size", 1) ** 2
-    return length + sum(image_processor.get_number_of_image_patches(image.height, image.width, {}) // merge - 1
+    return length + sum(image_processor.get_number_of_image_patches(*_height_width(image), {}) // merge - 1
                         for image in images)
+
+
+def _height_width(image) -> tuple[int, int]:
+    """A ``PIL.Image``'s or an ``H x W (x C)`` array's height and width."""
+    if hasattr(image, "height"):
+        return image.height, image.width
+    shape = getattr(image, "shape", None) or np.asarray(image).shape
+    return int(shape[0]), int(shape[1])
 
 
 def _model_inputs(row: Any) -> dict | None:
