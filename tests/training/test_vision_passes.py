@@ -244,3 +244,23 @@ def test_max_prompt_tokens_counts_the_image_tokens(tmp_path):
     assert not any(row.get("images") for row in train + held_out) and len(train + held_out) == 12
     with pytest.raises(ConfigError, match=r"is 16 tokens \(with its 1 image.*data.max_prompt_tokens=15"):
         build_rows(load_config([], [*base, "data.max_prompt_tokens=15", "data.on_too_long=error"]), tokenizer)
+
+
+def test_the_hf_engine_samples_the_same_with_the_cache_and_runs_the_tower_once_per_image(parts):
+    from rltk.rollout.base import SamplingParams
+    from rltk.rollout.hf import HFRolloutEngine
+
+    tokenizer, processor, model = parts
+    prompts, visions = zip(*(encode_prompt(processor, *_rendered(tokenizer, colours, text)) for colours, text in SPECS))
+    engine = HFRolloutEngine(model, tokenizer)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=5, stop_token_ids=[], seed=11)
+    plain = engine.generate(list(prompts), params, vision_inputs=list(visions))
+    features = ImageFeatureCache()
+    with features.serving([model]):
+        cached = engine.generate(list(prompts), params, vision_inputs=list(visions))
+    # three samples of each prompt in one prefill: each of the 3 images ran the tower once, not 3 times
+    assert features.computed == 3 and features.reused == 2 * 3
+    for joint, single in zip(cached, plain):
+        assert [c.token_ids for c in joint] == [c.token_ids for c in single]
+        torch.testing.assert_close(torch.tensor([c.logprobs for c in joint]),
+                                   torch.tensor([c.logprobs for c in single]), atol=ATOL, rtol=0)
