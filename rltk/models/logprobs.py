@@ -51,11 +51,12 @@ import torch
 from torch import nn
 
 from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
+from rltk.kernels.excluded_tokens import exclude_tokens
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.packing import pack_rows
 from rltk.models.sharding import has_sharded_parameters
 from rltk.models.vision.inputs import refuse_packing_reason, token_type_ids
-from rltk.models.vision.tower import forget_rope_deltas
+from rltk.models.vision.tower import forget_rope_deltas, vision_token_ids
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
 
@@ -253,15 +254,21 @@ def _head_op(model: nn.Module, labels: torch.Tensor, *, temperature: float, impl
     """The fused head op over ``hidden`` [N, D] for ``labels`` [N], as a function of ``hidden`` alone so it can
     run as the head module's forward (:func:`run_as_forward`). The head weight is read inside it: under
     ZeRO-3 or an FSDP2 unit of its own it is whole only there. ``temperature`` includes the model's own
-    logit scaling."""
+    logit scaling. A VLM's image and video tokens are excluded from the softmax
+    (:func:`rltk.kernels.excluded_tokens.exclude_tokens`), as the rollout engines exclude them."""
+
+    excluded = vision_token_ids(model)
 
     def fused(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weight, bias = output_head(model)
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        return token_logprobs_and_entropy(
-            hidden.to(dtype), weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
+        hidden, weight, bias = hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        outputs = token_logprobs_and_entropy(
+            hidden, weight, labels, bias=bias,
             temperature=temperature, impl=impl, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared,
         )
+        # a VLM's engines never sample its image/video placeholders: score the distribution they sample from
+        return exclude_tokens(outputs, hidden, weight, bias, labels, excluded, temperature=temperature)
 
     return fused
 
@@ -323,14 +330,19 @@ def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, t
     keep = _logits_to_keep_argument(unwrap_model(model)) if keep_response_only else None
     if keep is not None:
         kwargs[keep] = width + 1  # positions P-1 .. S-1; the last one predicts nothing
-    logits = model(**kwargs).logits[:, -(width + 1) : -1]  # [B, T, V]
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = model(**kwargs).logits[:, -(width + 1) : -1].float()  # [B, T, V]
+    excluded = vision_token_ids(model)
+    if excluded:  # the rollout engines never sample a VLM's image/video placeholders: nor does this softmax
+        logits = logits.index_fill(-1, torch.tensor(excluded, device=logits.device), float("-inf"))
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
     response_valid = attention_mask[:, prompt_len:].bool()
     labels = input_ids[:, prompt_len:].masked_fill(~response_valid, 0)
     logprobs = torch.where(response_valid, log_probs.gather(-1, labels[..., None]).squeeze(-1), 0.0)
     entropy = sum_pi_squared = None
     if with_entropy:
-        entropy = torch.where(response_valid, -(log_probs.exp() * log_probs).sum(-1), 0.0)
+        # the excluded tokens' 0 * -inf terms are 0, not NaN
+        finite = torch.where(log_probs.isneginf(), 0.0, log_probs) if excluded else log_probs
+        entropy = torch.where(response_valid, -(log_probs.exp() * finite).sum(-1), 0.0)
     if with_sum_pi_squared:
         # sum_v pi(v)^2 = exp(logsumexp(2 log pi)), detached: a statistic, not a loss input
         sum_pi_squared = torch.where(response_valid, torch.logsumexp(2.0 * log_probs.detach(), dim=-1).exp(), 0.0)

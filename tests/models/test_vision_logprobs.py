@@ -1,7 +1,7 @@
 """A VLM's images through the hf engine and the trainer's teacher-forced log-probs (rltk.models.vision.inputs):
 the engine's sampled-token log-probs agree with ``response_logprobs`` given each row's own image inputs, within
-the text path's tolerance (1e-5, fp32; tests/rollout/test_hf.py), once the engine's renormalisation without the
-image tokens (which it never samples) is added back: ``engine = trainer - log(1 - p_vision)``."""
+the text path's tolerance (1e-5, fp32; tests/rollout/test_hf.py): both score the softmax without the image tokens,
+which the engine never samples (rltk.kernels.excluded_tokens), so every ratio is 1."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from rltk.rollout.base import SamplingParams
 from rltk.rollout.hf import HFRolloutEngine
 
 #: The worst |engine - trainer| log-prob gap measured here: 9.5e-7 (fp32, 4 seeds, ATEN_CPU_CAPABILITY avx2, default
-#: and the best); the text path's test allows 1e-5. The renormalisation term itself is about 0.035 nats a token.
+#: and the best); the text path's test allows 1e-5. The renormalisation term that the trainer's softmax without the
+#: image tokens now includes is about 0.035 nats a token (the teeth below).
 ATOL = 1e-5
 
 
@@ -50,27 +51,32 @@ def _teacher_forced(model, pad_id, prompts, visions, groups, n):
     return ids, mask, width_t, batch_vision_inputs([v for _, v, _ in rows]), rows
 
 
-def test_engine_logprobs_agree_with_the_trainers_given_each_rows_images(parts):
+@pytest.mark.parametrize(("greedy", "temperature"), [(False, 0.8), (True, 1.0)], ids=["sampled", "greedy"])
+def test_engine_logprobs_agree_with_the_trainers_given_each_rows_images(parts, greedy, temperature):
     tokenizer, processor, model = parts
     specs = [(["red"], "colour?"), (["blue", "yellow"], "which two?"), ([], "1+2=")]  # 1, 2 and no images
     prompts, visions = zip(*(_prompt(processor, colours, text) for colours, text in specs))
     engine = HFRolloutEngine(model, tokenizer)
-    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, stop_token_ids=[], seed=5)
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=6, stop_token_ids=[], seed=5, greedy=greedy)
     groups = engine.generate(list(prompts), params, vision_inputs=list(visions))
     ids, mask, width, vision, rows = _teacher_forced(model, tokenizer.pad_token_id, prompts, visions, groups, 3)
     vision_ids = vision_token_ids(model)
     assert not any(set(c.token_ids) & set(vision_ids) for _, _, c in rows)
     with torch.no_grad():
-        trainer, _ = response_logprobs(model, ids, mask, width, vision_inputs=vision)
+        trainer, _ = response_logprobs(model, ids, mask, width, temperature=temperature, vision_inputs=vision)
         engine_lps = torch.tensor([c.logprobs for _, _, c in rows])
         # p_vision from the full logits of the same forward (the model's own, with its 3-D positions)
         logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=token_type_ids(ids, model),
-                       **vision).logits[:, ids.shape[1] - width - 1:-1]
+                       **vision).logits[:, ids.shape[1] - width - 1:-1] / temperature
         p_vision = logits.float().softmax(-1)[..., vision_ids].sum(-1)
-        torch.testing.assert_close(trainer - torch.log1p(-p_vision), engine_lps, atol=ATOL, rtol=0)
+        torch.testing.assert_close(trainer, engine_lps, atol=ATOL, rtol=0)  # ratio exp(0) within 1e-5
+        # teeth: the full softmax (the trainer's before) is off by log(1 - p_vision), far above ATOL
+        full = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, -width:, None]).squeeze(-1)
+        torch.testing.assert_close(full - torch.log1p(-p_vision), engine_lps, atol=ATOL, rtol=0)  # no padding here
+        assert (-torch.log1p(-p_vision)).min() > 100 * ATOL
         # teeth: the same tokens with the first prompt's image another colour score otherwise
         other = dict(vision, pixel_values=vision["pixel_values"].flip(0))
-        shifted, _ = response_logprobs(model, ids, mask, width, vision_inputs=other)
+        shifted, _ = response_logprobs(model, ids, mask, width, temperature=temperature, vision_inputs=other)
     assert (shifted - trainer).abs().max() > 1e-3
 
 
