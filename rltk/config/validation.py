@@ -317,6 +317,13 @@ def check_vision_config(cfg: DictConfig) -> None:
             f"bad value '{cfg.rollout.engine}' for 'rollout.engine' with a vision-language policy ({described}): "
             f"rltk passes images to {', '.join(VISION_ENGINES)} only (vllm_server's requests do not carry images "
             f"yet); set rollout.engine=hf or rollout.engine=vllm")
+    tp = (OmegaConf.to_container(cfg.strategy_args, resolve=True) or {}).get("tensor_parallel_size", 1)
+    if vlm and tp != 1:
+        # the trainer scores the softmax without the image/video tokens (rltk.kernels.excluded_tokens), which
+        # reads their rows of the head; a vocabulary-parallel head holds them on one rank only
+        raise ConfigError(f"{TP_KEY}={tp} with a vision-language policy ({described}): a VLM is not "
+                          f"tensor-parallel yet (its log-probs exclude the image tokens, whose head rows a "
+                          f"vocabulary-sharded head splits across ranks); train it with {TP_KEY}=1")
 
 
 # --------------------------------------------------------------------------

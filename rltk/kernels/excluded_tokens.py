@@ -6,11 +6,10 @@ them, and records ``log p'``. The trainer must score that same distribution, or 
 ``pi_trainer / pi_engine`` is ``1 - S`` instead of 1. With ``u = (h W^T + b) / T`` the scaled logits, ``y``
 the label and ``B`` the excluded set (``|B|`` a handful of rows of the head, so no ``[N, V]`` tensor):
 
-    lse  = u_y - log p_y                       (the full log-normaliser, from the op's output)
-    p_b  = exp(u_b - lse),  S = sum_{b in B} p_b   (the excluded mass)
-    lse' = lse + log(1 - S)
-    log p'_y = log p_y - log(1 - S)                               (-inf when y itself is in B)
-    H'   = lse' - E_{p'}[u],  E_{p'}[u] = (E_p[u] - sum_b p_b u_b) / (1 - S),  E_p[u] = lse - H
+    log p_b = u_b - lse = u_b - u_y + log p_y      (lse, the full log-normaliser, read off the op's output)
+    S = sum_{b in B} p_b                           (the excluded mass)
+    log p'_y = log p_y - log(1 - S)                (-inf when y itself is in B)
+    H' = -sum_{v not in B} p'_v log p'_v = (H + sum_b p_b log p_b) / (1 - S) + log(1 - S)
     sum_v p'_v^2 = (sum_v p_v^2 - sum_b p_b^2) / (1 - S)^2
 
 Each line follows from ``p'_v = p_v / (1 - S)`` on ``v`` outside ``B``. Exact (fp32 rounding apart) and
@@ -19,6 +18,8 @@ stay as they are.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -52,19 +53,20 @@ def exclude_tokens(outputs: tuple[torch.Tensor, ...], hidden: torch.Tensor, weig
         banned_logits = banned_logits + bias[rows].float()
         target_logits = target_logits + bias[targets].float()
     banned_logits, target_logits = banned_logits / temperature, target_logits / temperature
-    # an ignored label gets a stand-in normaliser (S = 1/2 there) so that every branch stays finite: a NaN in a
-    # branch torch.where drops still poisons the gradient
-    stand_in = banned_logits.detach().logsumexp(-1) + torch.log(torch.tensor(2.0, device=hidden.device))
-    lse = torch.where(valid, target_logits - logprobs, stand_in)
-    p_banned = torch.exp(banned_logits - lse[:, None])  # [N, |B|]
+    # log p_b = u_b - lse = u_b - u_y + log p_y, with no large normaliser to cancel; an ignored label gets a
+    # stand-in normaliser (S = 1/2 there) so that every branch stays finite (a NaN in a branch torch.where
+    # drops still poisons the gradient)
+    stand_in = -banned_logits.detach().logsumexp(-1, keepdim=True) - math.log(2.0)
+    log_p_banned = banned_logits + torch.where(valid, logprobs - target_logits, 0.0)[:, None]
+    log_p_banned = torch.where(valid[:, None], log_p_banned, banned_logits + stand_in)  # [N, |B|]
+    p_banned = log_p_banned.exp()
     # 1 - S; kept above 0 where rounding would take an almost wholly excluded distribution through it
     kept = (1.0 - p_banned.sum(-1)).clamp(min=torch.finfo(torch.float32).tiny)
     log_kept = torch.log(kept)
     target_banned = (targets[:, None] == rows).any(-1) & valid
     new_logprobs = torch.where(target_banned, float("-inf"), torch.where(valid, logprobs - log_kept, logprobs))
-    mean_logit = lse - entropy  # E_p[u]
-    kept_mean_logit = (mean_logit - (p_banned * banned_logits).sum(-1)) / kept
-    new_entropy = torch.where(valid, lse + log_kept - kept_mean_logit, entropy)
+    kept_entropy = (entropy + (p_banned * log_p_banned).sum(-1)) / kept + log_kept
+    new_entropy = torch.where(valid, kept_entropy, entropy)
     result = (new_logprobs, new_entropy)
     if len(outputs) > 2:
         sum_pi_squared = outputs[2]

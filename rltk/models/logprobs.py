@@ -23,8 +23,13 @@ Models and wrappers:
   the temperature. Tanh soft-capping (Gemma 2/3 ``final_logit_softcapping``,
   RecurrentGemma ``logits_soft_cap``) is not a linear-softmax and raises
   NotImplementedError; other model-specific edits of the logits inside
-  ``forward`` (masking of image tokens, vocabulary slicing) are not detected:
-  check new architectures against :func:`response_logprobs_naive`.
+  ``forward`` (vocabulary slicing) are not detected: check new architectures
+  against :func:`response_logprobs_naive`.
+* A vision-language model's image and video placeholder tokens
+  (:func:`rltk.models.vision.tower.vision_token_ids`) are out of every softmax
+  here, naive and fused, as they are out of the rollout engines' sampling
+  (:mod:`rltk.kernels.excluded_tokens`), so the trainer scores the distribution
+  the engines sampled from; a text model's numbers are untouched.
 * The model is always called through its own (possibly wrapped) ``forward``,
   so DDP gradient sync, FSDP2 unsharding and DeepSpeed hooks run; the last
   hidden states are taken from the base model with a forward hook, and

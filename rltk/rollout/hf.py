@@ -27,7 +27,8 @@ was drawn from:
   token (the top-k/top-p filters would make every greedy token log-prob 0).
 * a vision-language model: its image and video tokens get probability 0 first
   (:func:`rltk.models.vision.tower.vision_token_ids`), so every log-prob above
-  is that of the distribution renormalised without them.
+  is that of the distribution renormalised without them, the one the trainer's
+  teacher-forced log-probs score too (:mod:`rltk.kernels.excluded_tokens`).
 
 They are recorded by a logits processor placed after the sampling filters,
 one ``[N]`` vector per step, instead of through ``output_scores``, which would
