@@ -64,7 +64,8 @@ def _experiences(tokenizer, processor, model):
 
 
 def _direct_logprobs(model, processor, tokenizer, experience, colours, text) -> torch.Tensor:
-    """The sample's response log-probs from ``model(**processor(text, images))`` with the response appended."""
+    """The sample's response log-probs from ``model(**processor(text, images))`` with the response appended,
+    under the softmax without the image/video tokens, the distribution the rollout engines sample."""
     rendered, images = _rendered(tokenizer, colours, text)
     out = processor(text=[rendered], images=images or None, return_tensors="pt", add_special_tokens=False)
     response = torch.tensor([experience.response_ids])
@@ -74,6 +75,7 @@ def _direct_logprobs(model, processor, tokenizer, experience, colours, text) -> 
     inputs["mm_token_type_ids"] = torch.cat([out["mm_token_type_ids"], torch.zeros_like(response)], 1)
     with torch.no_grad():
         logits = model(**inputs).logits[0, out["input_ids"].shape[1] - 1:-1].float()
+    logits[:, vision_token_ids(model)] = float("-inf")
     return logits.log_softmax(-1).gather(-1, response[0, :, None])[:, 0]
 
 
