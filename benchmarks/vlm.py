@@ -17,6 +17,7 @@ under benchmarks/results/.
     python benchmarks/vlm.py                                   # seeds 0-2, every level, 2 runs at a time
     python benchmarks/vlm.py --seeds 0 --levels avx2 --jobs 1  # one run
     python benchmarks/vlm.py --seeds 0 1 2 3 4 --levels default avx2 avx512 --jobs 2 trainer.total_steps=40
+    python benchmarks/vlm.py --workdir runs/vlm-bench --summarise      # the figures of runs made earlier
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def child(argv: list[str]) -> int:
     return main(argv)
 
 
-def run(seed: int, level: str, overrides: list[str], workdir: Path) -> dict:
+def run(seed: int, level: str, overrides: list[str], workdir: Path, at_step: int, *, again: bool = True) -> dict:
+    """One run in a fresh process (or, without ``again``, the run already in ``workdir``) and its figures."""
     run_dir = workdir / f"vlm-s{seed}-{level}"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -91,19 +93,19 @@ def run(seed: int, level: str, overrides: list[str], workdir: Path) -> dict:
                *overrides]
     log = workdir / f"{run_dir.name}.log"
     tick = time.perf_counter()
-    with open(log, "w") as out:
-        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{tail}")
+    if again:
+        with open(log, "w") as out:
+            done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{tail}")
+    wall = time.perf_counter() - tick if again else float("nan")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl_steps = [m for m in metrics if "time/step_s" in m and "bench/vision_forward_s" in m]
-    step_s = statistics.median(m["time/step_s"] for m in rl_steps)
-    vision_s = statistics.median(m["bench/vision_forward_s"] for m in rl_steps)
-    language_s = statistics.median(m["bench/language_model_forward_s"] for m in rl_steps)
-    return {"seed": seed, "level": level, "wall_s": time.perf_counter() - tick, **learning_curve(run_dir),
-            "rl_steps": len(rl_steps), "step_s": step_s, "vision_forward_s": vision_s,
-            "language_model_forward_s": language_s,
+    return {"seed": seed, "level": level, "wall_s": wall, **learning_curve(run_dir, at_step),
+            "rl_steps": len(rl_steps), "step_s": statistics.median(m["time/step_s"] for m in rl_steps),
+            "vision_forward_s": statistics.median(m["bench/vision_forward_s"] for m in rl_steps),
+            "language_model_forward_s": statistics.median(m["bench/language_model_forward_s"] for m in rl_steps),
             **json.loads((run_dir / PEAK_FILE).read_text())}
 
 
@@ -118,7 +120,11 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--levels", nargs="+", default=None, help="ATEN_CPU_CAPABILITY levels (default: all)")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--at-step", type=int, default=40,
+                        help="also the gains after this many GRPO steps (a multiple of trainer.eval_every): what "
+                             "the learning test's shorter run measures")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--summarise", action="store_true", help="read the runs already in --workdir, run nothing")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = parser.parse_args()
     levels = args.levels or cpu_levels()
@@ -127,11 +133,12 @@ def main() -> int:
 
     def one(job):
         seed, level = job
-        row = run(seed, level, args.overrides, workdir)
+        row = run(seed, level, args.overrides, workdir, args.at_step, again=not args.summarise)
         rest = row["step_s"] - row["vision_forward_s"] - row["language_model_forward_s"]
         print(f"seed {seed} {level:<8} warm-up stop {row['warmup_steps']!s:>4}  greedy {row['greedy_start']:.3f} -> "
               f"{row['greedy_end']:.3f} ({row['greedy_gain']:+.3f})  sampled {row['sampled_start']:.3f} -> "
-              f"{row['sampled_end']:.3f} ({row['sampled_gain']:+.3f})  RL step {row['step_s']:.2f}s = vision "
+              f"{row['sampled_end']:.3f} ({row['sampled_gain']:+.3f}; {row['at_step']['sampled_gain']:+.3f} after "
+              f"{args.at_step} steps)  RL step {row['step_s']:.2f}s = vision "
               f"{row['vision_forward_s']:.3f}s + LM forward {row['language_model_forward_s']:.3f}s + rest "
               f"{rest:.2f}s  peak RSS {row['peak_rss_mb']:.0f} MB  {row['wall_s']:.0f}s", flush=True)
         return row
@@ -139,6 +146,8 @@ def main() -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(one, [(seed, level) for level in levels for seed in args.seeds]))
     print(f"\ntext-only chance {TEXT_ONLY_CHANCE:.3f}; {len(rows)} runs (seeds {args.seeds}, levels {levels})")
+    print(f"sampled gain after {args.at_step} GRPO steps min / median / max: "
+          f"{spread([r['at_step']['sampled_gain'] for r in rows])}")
     print("| greedy after warm-up | greedy at end | greedy gain min / median / max | sampled gain min / median / max "
           "| RL step s (median) | vision forward s | LM forward s | peak RSS MB (max) |")
     print("|---|---|---|---|---|---|---|---|")

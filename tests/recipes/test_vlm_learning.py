@@ -2,8 +2,9 @@
 
 The tiny Qwen2.5-VL default names the colour of a shape drawn in code (``shape_colour``). Every prompt is the
 same text and the colours are equally frequent, so a policy that does not look at the picture scores at most
-the text-only chance level, 1/3. Each run must be above it already after the warm-up (the picture reaches the
-model) and then gain held-out greedy accuracy over the GRPO stage. The measured ranges are in
+the text-only chance level, 1/3. Each run's greedy policy must be well above it after the warm-up and at the
+end (the picture reaches the model and is read), and the sampling policy, which GRPO trains, must gain held-out
+accuracy over the GRPO stage and end above chance too. The measured ranges are in
 docs/measurements.md (benchmarks/vlm.py); each run here is one seed at one ``ATEN_CPU_CAPABILITY`` level.
 """
 
@@ -24,17 +25,23 @@ pytestmark = pytest.mark.slow
 
 CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "vlm.yaml"
 TEXT_ONLY_CHANCE = 1 / 3
-# benchmarks/vlm.py over seeds 0-2 at the levels default, avx2 and avx512: the smallest held-out greedy gain
-# of any run over its GRPO stage (accuracy at the end minus after the warm-up). The test asks for half.
+# benchmarks/vlm.py over seeds 0-2 at the levels default, avx2 and avx512: the smallest held-out sampled-accuracy
+# gain of any run over its first 40 GRPO steps (accuracy then minus after the warm-up; `--at-step 40`, its
+# default). The runs here stop at step 40, which with the config's constant learning rate is the same
+# trajectory, to keep each under ~90 s of a quiet machine. The test asks for half.
 MIN_BENCHMARK_GAIN = None
-ARGS = ["logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never"]
+RL_STEPS = 40
+ARGS = ["logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never", f"trainer.total_steps={RL_STEPS}"]
 
 
 def assert_learned(run_dir: Path) -> None:
-    evals = rl_evals(read_metrics(run_dir))
-    start, end = evals[0], evals[-1]
-    assert start > TEXT_ONLY_CHANCE + 0.1, f"the warm-up did not learn to read the picture: {evals}"
-    assert end > start + MIN_BENCHMARK_GAIN / 2, f"held-out accuracy did not rise over GRPO: {evals}"
+    metrics = read_metrics(run_dir)
+    greedy = rl_evals(metrics)
+    sampled = [m["eval/sampled_accuracy"] for m in metrics if "eval/sampled_accuracy" in m]
+    assert len(greedy) == 1 + RL_STEPS // 20, greedy  # when GRPO starts, then every 20 steps
+    assert min(greedy[0], greedy[-1]) > TEXT_ONLY_CHANCE + 0.2, f"the picture is not read: greedy {greedy}"
+    assert sampled[-1] > sampled[0] + MIN_BENCHMARK_GAIN / 2, f"sampled accuracy did not rise over GRPO: {sampled}"
+    assert sampled[-1] > TEXT_ONLY_CHANCE, sampled
 
 
 def test_the_vlm_default_learns_at_this_machines_kernel_level(tmp_path):
