@@ -26,12 +26,12 @@ pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "vlm.yaml"
 TEXT_ONLY_CHANCE = 1 / 3
 # benchmarks/vlm.py over seeds 0-2 at the levels default, avx2 and avx512: the smallest held-out sampled-accuracy
-# gain of any run over its first 40 GRPO steps (accuracy then minus after the warm-up; `--at-step 40`, its
-# default). The runs here stop at step 40, which with the config's constant learning rate is the same
-# trajectory, to keep each under ~90 s of a quiet machine. The test asks for half.
-MIN_BENCHMARK_GAIN = None
+# gain of any run over its 40 GRPO steps (accuracy at the end minus after the warm-up), measured on runs of 60
+# steps (`trainer.total_steps=60`, read at `--at-step 40`: with the constant learning rate the same
+# trajectory). The test asks for half.
+MIN_BENCHMARK_GAIN = 0.10  # seed 2 at the default level: sampled 0.600 -> 0.700 (the median +0.240)
 RL_STEPS = 40
-ARGS = ["logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never", f"trainer.total_steps={RL_STEPS}"]
+ARGS = ["logging.logger=[jsonl]", "logging.plot=false", "checkpoint.resume=never"]
 
 
 def assert_learned(run_dir: Path) -> None:
