@@ -29,9 +29,15 @@ LIMIT_FLAGS = ("max_body_bytes", "max_datums", "max_batch_tokens", "max_samples"
 def _load(args, stack: contextlib.ExitStack):
     """``(model, tokenizer, served name)`` for PATH, or the tiny default."""
     from rltk.commands.serve import resolve_model_dir
-    from rltk.models.loading import load_model, load_tokenizer
+    from rltk.models.loading import is_vision_language_folder, load_model, load_tokenizer
 
     model_dir, _ = resolve_model_dir(args.path, stack)
+    if model_dir is not None and is_vision_language_folder(model_dir):
+        # served as a text model, its image chunks would be refused and its LoRA would reach into the vision tower
+        raise ConfigError(f"rltk serve-tinker PATH='{args.path}' is a vision-language model folder; this service "
+                          f"serves text models only (no processor for the SDK's ImageChunk, no image inputs to "
+                          f"sampling or forward_backward). Serve a text model, or train the VLM with `rltk run ... "
+                          f"model.path=... data.image_key=...`")
     if model_dir is None:
         from rltk.models.tiny import build_char_tokenizer, build_tiny_model
 

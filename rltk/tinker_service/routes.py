@@ -178,7 +178,7 @@ async def _forward_backward(state: ServiceState, request) -> dict:
     try:
         fwd = decode_forward_backward(raw, request.headers.get("content-encoding"))
     except WireError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), param=exc.field) from None
     model = state.registry.model(fwd.model_id, state.owner(request))
     try:
         plan = plan_loss(fwd.loss_fn, fwd.loss_fn_config)
@@ -371,7 +371,7 @@ UNSUPPORTED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "pr
 
 
 async def _asample(state: ServiceState, request) -> dict:
-    from rltk.tinker_service.wire import encode_sample_response
+    from rltk.tinker_service.wire import encode_sample_response, unsupported_chunk
 
     body = parse(types.SampleRequest, await json_body(request, state.limits))
     if body.sampling_session_id is None:
@@ -386,7 +386,7 @@ async def _asample(state: ServiceState, request) -> dict:
     prompt: list[int] = []
     for j, chunk in enumerate(body.prompt.chunks):
         if not isinstance(chunk, types.EncodedTextChunk):
-            raise bad(f"prompt.chunks[{j}]", f"a {type(chunk).__name__}; this service takes text tokens only")
+            raise bad(f"prompt.chunks[{j}]", unsupported_chunk(getattr(chunk, "type", type(chunk).__name__)))
         prompt.extend(int(t) for t in chunk.tokens)
     if not prompt:
         raise bad("prompt", "no tokens")

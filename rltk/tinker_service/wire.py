@@ -22,7 +22,33 @@ PROTO_CONTENT_TYPE = "application/x-protobuf"
 
 
 class WireError(ValueError):
-    """A body the service cannot read; the message names the field."""
+    """A body the service cannot read; the message names the field (``field``, where one is known)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+#: The SDK's chunk kinds that carry an image (its ``ImageChunk``, ``ImageAssetPointerChunk``).
+IMAGE_CHUNK_KINDS = ("image", "image_asset_pointer")
+
+
+def unsupported_chunk(kind: str) -> str:
+    """Why a chunk of ``kind`` (``image``, ``image_asset_pointer``, ``dmel`` ...) is refused, naming what is missing.
+
+    The SDK's image chunks need a vision-language model behind the service and three things this service
+    does not have: the served folder's processor (to turn the PNG/JPEG bytes into pixel values and the image's
+    placeholder tokens, whose count the chunk's ``expected_tokens`` must match), the image inputs passed to
+    the sampler's generation and to ``forward_backward``'s log-prob pass, and LoRA adapters kept off the
+    vision tower. ``rltk run`` trains vision-language policies on images (``data.image_key``).
+    """
+    if kind in IMAGE_CHUNK_KINDS:
+        return (f"an {kind} chunk; rltk serve-tinker serves text models only and cannot read images yet: it has no "
+                f"vision-language model loading (AutoModelForImageTextToText), no processor to turn the image's "
+                f"bytes into pixel values and placeholder tokens (expected_tokens), and no image inputs to its "
+                f"sampler or its forward_backward log-prob pass. Send EncodedTextChunk tokens only "
+                f"(types.ModelInput.from_ints), or train on images with `rltk run ... data.image_key=...`")
+    return (f"{kind or 'an empty'} chunk; this service takes text (EncodedTextChunk) only")
 
 
 @dataclass
@@ -84,8 +110,8 @@ def _datum(msg, index: int) -> DatumIn:
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise WireError(f"data[{index}].model_input[{j}]: {kind or 'an empty'} chunk; this service takes "
-                            "text (EncodedTextChunk) only")
+            where = f"data[{index}].model_input[{j}]"
+            raise WireError(f"{where}: {unsupported_chunk(kind)}", field=where)
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
     inputs = {name: decode_tensor(tensor, f"data[{index}].loss_fn_inputs.{name}")
               for name, tensor in msg.loss_fn_inputs.items()}

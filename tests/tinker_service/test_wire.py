@@ -53,7 +53,7 @@ def test_a_zstd_body_decodes_and_garbage_is_refused():
 def test_image_chunks_are_refused_naming_the_chunk():
     datum = types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"x", format="png")]),
                         loss_fn_inputs={"target_tokens": np.array([2])})
-    with pytest.raises(WireError, match=r"data\[0\]\.model_input\[0\]: image chunk"):
+    with pytest.raises(WireError, match=r"data\[0\]\.model_input\[0\]: an image chunk; rltk serve-tinker serves text models only"):
         decode_forward_backward(_request(datum, "cross_entropy"))
 
 
