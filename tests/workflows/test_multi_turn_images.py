@@ -1,0 +1,143 @@
+"""Agents with eyes: an environment whose observation is an image, and the tiny VLM policy that sees it.
+
+The next turn's model input (recorded at the real tiny Qwen2.5-VL's forward inside the real hf engine) holds the
+image's tokens where the observation put them and the processor's pixel values of exactly that image.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from PIL import Image
+
+import rltk
+from rltk.environments.base import Environment, StepResult
+from rltk.rollout.base import SamplingParams
+from rltk.workflows.multi_turn import MultiTurnWorkflow
+from tests.builtin_plugins import ensure_registered
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 180, 60)}
+
+
+class ShowColour(Environment):
+    """A two-turn episode: the policy asks to see, the environment shows a square of the row's colour, and
+    the second turn scores 1 if it names the colour. ``image_size`` pixels a side."""
+
+    def __init__(self, image_size: int = 56):
+        self.image_size = image_size
+
+    def reset(self, row):
+        self.colour = row["ground_truth"]
+        return [{"role": "user", "content": "Ask to see the square, then name its colour."}]
+
+    def step(self, turn):
+        if turn.index == 0:
+            picture = Image.new("RGB", (self.image_size, self.image_size), COLOURS[self.colour])
+            return StepResult(observation=[{"role": "user", "content": [
+                {"type": "image", "image": picture}, {"type": "text", "text": "Its colour?"}]}])
+        return StepResult(reward=float(self.colour in turn.text), done=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins():
+    ensure_registered("tools", "tool_parsers", "multi_turn")
+    module = types.ModuleType("multi_turn_image_envs")
+    module.rltk_environments = lambda: {"show_colour": ShowColour}
+    rltk.register_plugin(module, "multi_turn_image_envs")
+    yield
+    rltk.unregister_plugin("multi_turn_image_envs")
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    from rltk.models.tiny import build_char_tokenizer, build_tiny_processor, build_tiny_vlm
+
+    tokenizer = build_char_tokenizer(vision=True)
+    return build_tiny_vlm(tokenizer, seed=1).eval(), tokenizer, build_tiny_processor(tokenizer)
+
+
+def _recorded_forwards(model):
+    """Every forward's ``input_ids`` (the language model's prompt) and every vision-tower call's pixel values and
+    grids, in call order: transformers' generate encodes the images once, before the prefill that reads them."""
+    from rltk.models.vision.tower import vision_tower
+
+    calls, seen = [], []
+
+    def record(module, args, kwargs):
+        calls.append(kwargs["input_ids"].detach().clone())
+
+    def record_tower(module, args, kwargs):
+        pixels = args[0] if args else kwargs["hidden_states"]
+        grids = args[1] if len(args) > 1 else kwargs["grid_thw"]
+        seen.append((len(calls), pixels.detach().clone(), grids.detach().clone()))
+
+    hooks = [model.register_forward_pre_hook(record, with_kwargs=True),
+             vision_tower(model).register_forward_pre_hook(record_tower, with_kwargs=True)]
+    return calls, seen, hooks
+
+
+def _workflow(vlm, processor=True, max_turns=2):
+    from rltk.rollout.hf import HFRolloutEngine
+
+    model, tokenizer, proc = vlm
+    return MultiTurnWorkflow(engine=HFRolloutEngine(model, tokenizer), tokenizer=tokenizer, reward=lambda **_: 0.0,
+                             sampling=SamplingParams(n=2, max_new_tokens=3, seed=0),
+                             env={"environment": "show_colour", "max_turns": max_turns, "max_total_tokens": 64},
+                             processor=proc if processor else None)
+
+
+def test_the_next_turns_model_input_holds_the_observed_images_tokens_and_pixels(vlm):
+    model, tokenizer, processor = vlm
+    calls, seen, hooks = _recorded_forwards(model)
+    try:
+        workflow = _workflow(vlm)
+        rows = [{"prompt": "", "ground_truth": colour, "extras": {}, "id": f"r{i}"}
+                for i, colour in enumerate(["red", "blue"])]
+        episodes, stats = workflow._rollout(rows, workflow.sampling)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert stats["engine_calls"] == 2 and [e.turns for e in episodes] == [2, 2, 2, 2]
+    # turn 1 saw no image; before turn 2's prefill the tower encoded the four episodes' images, in episode order
+    assert len(seen) == 1
+    at, pixels, grids = seen[0]
+    assert (calls[0] == image_id).sum() == 0  # turn 1's prefill
+    expected = [processor(text=["<|vision_start|><|image_pad|><|vision_end|>"],
+                          images=[Image.new("RGB", (56, 56), COLOURS[colour])], return_tensors="pt")["pixel_values"]
+                for colour in ("red", "red", "blue", "blue")]  # n=2 episodes of each row
+    assert torch.equal(pixels, torch.cat(expected).to(pixels.dtype))  # 16 patches of 14 px per 56 px image
+    assert grids.tolist() == [[1, 4, 4]] * 4
+    prefill = calls[at]  # the next forward: turn 2's prompt, [4 episodes, width]
+    per_image = 16 // 4  # 2 x 2 patches merge into one token: (56 / 28) ** 2 image tokens
+    assert prefill.shape[0] == 4 and ((prefill == image_id).sum(dim=1) == per_image).all()
+    for row, episode in zip(prefill.tolist(), episodes):
+        second_turn = next(i for i in range(1, len(episode.mask)) if episode.mask[i] and not episode.mask[i - 1])
+        sent = episode.prompt_ids + episode.response_ids[:second_turn]  # the opening, turn 1, the observation
+        assert row[len(row) - len(sent):] == sent and set(row[:len(row) - len(sent)]) <= {tokenizer.pad_token_id}
+        text = tokenizer.decode(row, skip_special_tokens=False)
+        assert "<|vision_start|>" + "<|image_pad|>" * per_image + "<|vision_end|>Its colour?" in text
+    for episode in episodes:
+        assert episode.vision["image_grid_thw"].tolist() == [[1, 4, 4]]
+        shown = episode.response_ids.count(image_id)
+        assert shown == per_image and all(m == 0 for t, m in zip(episode.response_ids, episode.mask) if t == image_id)
+
+
+def test_the_record_keeps_a_thumbnail_and_a_text_policy_fails_the_episode_naming_why(vlm):
+    import json
+
+    workflow = _workflow(vlm)
+    rows = [{"prompt": "", "ground_truth": "green", "extras": {}, "id": "g"}]
+    episodes, _ = workflow._rollout(rows, SamplingParams(n=1, max_new_tokens=3, seed=0))
+    experience = workflow._experience(rows[0], episodes[0], 0.0, {}, 0.0, 0, None)
+    part = experience.info["messages"][2]["content"][0]
+    assert (part["type"], part["width"], part["height"]) == ("image", 56, 56)
+    assert part["thumbnail"].startswith("data:image/png;base64,") and experience.info["images_shown"] == 1
+    json.dumps(experience.info)  # JSON, as a checkpointed buffer and the traces keep it
+    blind = _workflow(vlm, processor=False)
+    with pytest.warns(RuntimeWarning, match="the policy has no processor"):
+        episodes, stats = blind._rollout(rows, SamplingParams(n=1, max_new_tokens=3, seed=0))
+    assert stats["env_errors"] == 1 and episodes[0].stop_reason == "env_error"
+    assert "1 image(s) but the policy has no processor" in episodes[0].env_error
