@@ -54,7 +54,7 @@ from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.packing import pack_rows
 from rltk.models.sharding import has_sharded_parameters
-from rltk.models.vision.inputs import refuse_packing_reason
+from rltk.models.vision.inputs import refuse_packing_reason, token_type_ids
 from rltk.models.vision.tower import forget_rope_deltas
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
@@ -362,6 +362,8 @@ def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask
     if vision_inputs:
         forget_rope_deltas(inner)
         kwargs.update(vision_inputs)
+        # the processor's token types, which the model's 3-D rotary positions are built from
+        kwargs["mm_token_type_ids"] = token_type_ids(input_ids, inner)
     keep = _logits_to_keep_argument(inner)
     if keep is not None:
         kwargs[keep] = 1

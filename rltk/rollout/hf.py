@@ -50,7 +50,7 @@ import rltk
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.moe import is_moe
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
-from rltk.models.vision.inputs import batch_vision_inputs
+from rltk.models.vision.inputs import batch_vision_inputs, token_type_ids
 from rltk.models.vision.tower import forget_rope_deltas, vision_token_ids
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
@@ -287,6 +287,8 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
                 logits_processor=processors,
                 **shared,
                 **(vision or {}),
+                # the processor's token types: the model builds its 3-D rotary positions from them
+                **({"mm_token_type_ids": token_type_ids(input_ids, model)} if vision else {}),
             )
         generated = sequences[:, width:]  # [N, L], L <= max_new_tokens
         logprobs = recorder.finish(generated)  # [N, L]

@@ -49,22 +49,51 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
         held_out = make_task(d.task, "heldout", d.eval_size, cfg.seed, **task_args)
     else:
         raise ConfigError("set either 'data.path' (a dataset file or folder) or 'data.task' (a synthetic task)")
-    _refuse_images(train + held_out, d.image_key)
+    _check_image_rows(cfg, train + held_out)
     fmt = dict(system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
                prompt_template=d.prompt_template, max_prompt_tokens=d.max_prompt_tokens,
                on_too_long=d.on_too_long, tools=tool_schemas(cfg))
     return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
 
 
-def _refuse_images(rows: list[dict], image_key: str) -> None:
-    """Rows with images stop the run: they are read and checked, but not yet carried to the engine and the loss."""
+def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
+    """Rows with images need a vision-language policy and a run that carries them to every forward.
+
+    The synchronous RL loop (``trainer.mode=sync``, the ``single_turn`` workflow) and the supervised warm-up
+    carry each row's images from the processor to the engine and every log-prob pass; what does not (packed
+    rows, the asynchronous modes, a critic, the preference and distillation stages) is refused here, and
+    by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
+    """
+    from rltk.config.validation import policy_is_vlm
+    from rltk.models.vision.inputs import refuse_packing_reason
+
+    with_images = next((row for row in rows if row.get("images")), None)
+    if with_images is None:
+        return
+    key = cfg.data.image_key
+    where = (f"data.image_key='{key}': row '{with_images['id']}' has {len(with_images['images'])} image(s)")
+    vlm, described = policy_is_vlm(cfg)
+    if not vlm:
+        raise ConfigError(f"{where} but the policy ({described}) is a text model; use a vision-language model "
+                          f"(model.tiny.vision.depth=2 or a Qwen-VL folder), or drop the column")
+    if cfg.trainer.pack_sequences:
+        raise ConfigError(f"{where}: {refuse_packing_reason()}")
+    if cfg.trainer.mode != "sync":
+        raise ConfigError(f"{where}: trainer.mode={cfg.trainer.mode} does not carry images to its producer yet; "
+                          f"run with trainer.mode=sync")
+    if cfg.rollout.workflow != "single_turn":
+        raise ConfigError(f"{where}: rollout.workflow={cfg.rollout.workflow} does not carry images yet; "
+                          f"run with rollout.workflow=single_turn")
+
+
+def refuse_image_rows(rows: list[dict], cfg: DictConfig, what: str) -> None:
+    """Stop a stage (``what``, e.g. "the dpo stage") that would train on the text of rows with images alone."""
     with_images = next((row for row in rows if row.get("images")), None)
     if with_images is not None:
         raise ConfigError(
-            f"data.image_key='{image_key}': row '{with_images['id']}' has {len(with_images['images'])} image(s); "
-            f"rltk reads and checks them, but passing images to the rollout engine and every log-prob pass is "
-            f"not wired yet, so a run would train on the text alone. Drop the column or set data.image_key to "
-            f"a column the data lacks")
+            f"data.image_key='{cfg.data.image_key}': row '{with_images['id']}' has {len(with_images['images'])} "
+            f"image(s), but {what} does not carry images to its forwards yet, so it would train on the text "
+            f"alone; drop the column (or set data.image_key to a column the data lacks) for this stage")
 
 
 def tool_schemas(cfg: DictConfig) -> list[dict] | None:

@@ -150,10 +150,13 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
         model=policy, tokenizer=tokenizer, **args_of(cfg, "rollout.engine"))
     workflow_cls = rltk.get_component("workflow", cfg.rollout.workflow)
     # A workflow that names `env` in its signature (multi_turn, agentic) gets the env section.
-    env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in signature_params(workflow_cls)[0] else {}
+    named = signature_params(workflow_cls)[0]
+    env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in named else {}
+    # A workflow that names `processor` (single_turn) encodes a VLM's images with it (rltk.models.vision.inputs).
+    processor = build_processor(cfg, tokenizer) if "processor" in named else None
     workflow = workflow_cls(
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
-        **env, **args_of(cfg, "rollout.workflow"))
+        **env, **({"processor": processor} if processor is not None else {}), **args_of(cfg, "rollout.workflow"))
     # The trainer relies on what the base classes declare (state_dict, close, samples_from_module ...).
     for key, built, base in (("rollout.engine", engine, RolloutEngine), ("rollout.workflow", workflow, Workflow)):
         if not isinstance(built, base):
