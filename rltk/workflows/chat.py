@@ -129,7 +129,7 @@ class TurnRenderer:
                 return close[len(last):]
         return close
 
-    def opening(self, messages: Sequence[Mapping], where: str = "episode") -> tuple[list[int], dict | None]:
+    def opening(self, messages: Sequence[Mapping], where: str = "episode") -> tuple[list[int], Any]:
         """``(ids, image inputs or None)`` of the opening messages, their images (if any) through the processor."""
         from rltk.workflows.vision_turns import encode_images, message_images
 
@@ -141,7 +141,7 @@ class TurnRenderer:
         return encode_images(self.processor, text, images)
 
     def delta(self, messages: Sequence[Mapping], new_messages: Sequence[Mapping], turn_ids: Sequence[int],
-              finish_reason: str = "stop", where: str = "episode") -> tuple[list[int], dict | None]:
+              finish_reason: str = "stop", where: str = "episode") -> tuple[list[int], Any]:
         """:meth:`delta_ids` and the image inputs of ``new_messages``' images (None when they have none)."""
         from rltk.workflows.vision_turns import encode_images, message_images
 

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import rltk
-from rltk.batch import Experience
+from rltk.batch import Experience, PromptImages
 from rltk.environments.base import AssistantTurn, Environment, check_messages, check_step_result
 from rltk.registry import get_registry
 from rltk.rollout.base import RolloutEngine, SamplingParams
@@ -91,7 +91,7 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     env_infos: list[dict] = field(default_factory=list)
-    vision: dict | None = None  # the image inputs of every image shown so far (rltk.workflows.vision_turns)
+    vision: PromptImages | None = None  # every image shown so far, in order (rltk.workflows.vision_turns)
     last_text: str = ""
     turns: int = 0
     tool_calls: int = 0
@@ -245,7 +245,7 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             turn_params = replace(params, n=1, max_new_tokens=max(limits), seed=seed)
             visions = [e.vision for e in live]
             groups = generate_checked(self.engine, [e.prompt_ids + e.response_ids for e in live], turn_params,
-                                      "multi_turn", vision_inputs=visions if any(visions) else None)
+                                      "multi_turn", vision_inputs=visions if any(v is not None for v in visions) else None)
             stats["engine_calls"] += 1
             tick = time.perf_counter()
             for episode, limit, (completion,) in zip(live, limits, groups):
@@ -440,7 +440,7 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             prompt_ids=list(episode.prompt_ids), response_ids=list(episode.response_ids), score=score,
             group_id=group_id, response_mask=list(episode.mask), rollout_logprobs=list(episode.logprobs),
             finish_reason="length" if episode.truncated else "stop", reward_details=details, info=info,
-            baseline_score=baseline, turn_rewards=list(episode.turn_rewards) or None,
+            baseline_score=baseline, turn_rewards=list(episode.turn_rewards) or None, vision=episode.vision,
         )
 
 

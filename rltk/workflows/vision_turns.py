@@ -13,9 +13,10 @@ take the row's ``images`` (``data.image_key``) in order.
 With a vision-language policy the workflow renders such messages with the chat template, as text ones,
 and runs the text and the new images through the policy's processor (:func:`encode_images`): each image's
 marker becomes its run of image tokens (one per merged patch) in the episode's ids, and its
-``pixel_values`` and ``image_grid_thw`` join the episode's image inputs (:func:`join_images`), which the
-engine gets with every later turn's prompt (``vision_inputs``), so the policy sees every image shown so
-far when it writes its next turn. An image the policy cannot see (a text policy, no processor) is an error
+``pixel_values`` and ``image_grid_thw`` join the episode's :class:`rltk.batch.PromptImages`
+(:func:`join_images`), which the engine gets with every later turn's prompt (``vision_inputs``), so the
+policy sees every image shown so far when it writes its next turn, and the episode's experience keeps
+(``Experience.vision``), so every log-prob pass of the trainer sees them too. An image the policy cannot see (a text policy, no processor) is an error
 naming the episode, never a silent drop.
 
 The episode's record (``Experience.info["messages"]``) keeps a thumbnail of each image in its place
@@ -27,10 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rltk.batch import PromptImages
 from rltk.data.images import IMAGE_PART_TYPES, decode_image, is_image, thumbnail
-
-#: The keys of a sample's image inputs (:mod:`rltk.models.vision.inputs`).
-VISION_KEYS = ("pixel_values", "image_grid_thw")
 
 
 def image_parts(messages: Sequence[Mapping]) -> list[dict]:
@@ -80,8 +79,8 @@ def with_row_images(messages: list[dict], row: Mapping, where: str) -> list[dict
     return out
 
 
-def encode_images(processor: Any, text: str, images: Sequence) -> tuple[list[int], dict]:
-    """``(ids, {"pixel_values", "image_grid_thw"})`` of rendered ``text`` holding one image marker per image.
+def encode_images(processor: Any, text: str, images: Sequence) -> tuple[list[int], PromptImages]:
+    """``(ids, PromptImages)`` of rendered ``text`` holding one image marker per image.
 
     The processor expands each marker (Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``) into the
     image's tokens; the ids are tokenized without special tokens added, as the workflow's other ids are.
@@ -96,23 +95,25 @@ def encode_images(processor: Any, text: str, images: Sequence) -> tuple[list[int
         if ids.count(token_id) != int(grids.prod(-1).sum()) // (merge * merge):
             raise ValueError(f"{len(images)} image(s) but the rendered text has {text.count(image_token)} "
                              f"'{image_token}' marker(s): the chat template must render one per image part")
-    return ids, {"pixel_values": out["pixel_values"].float(), "image_grid_thw": grids.long()}
+    return ids, PromptImages(list(images), out["pixel_values"].float(), grids.long())
 
 
-def join_images(vision: dict | None, new: dict | None) -> dict | None:
-    """The image inputs of an episode so far (``vision``) with those of a newly appended message (``new``)."""
+def join_images(vision: PromptImages | None, new: PromptImages | None) -> PromptImages | None:
+    """The images of an episode so far (``vision``) and those of a newly appended message (``new``), in order:
+    the model places image ``i``'s features at the ``i``-th run of image tokens of the sequence."""
     import torch
 
     if new is None:
         return vision
     if vision is None:
-        return {key: new[key] for key in VISION_KEYS}
-    return {key: torch.cat([vision[key], new[key]]) for key in VISION_KEYS}
+        return new
+    return PromptImages(vision.images + new.images, torch.cat([vision.pixel_values, new.pixel_values]),
+                        torch.cat([vision.image_grid_thw, new.image_grid_thw]))
 
 
-def image_count(vision: dict | None) -> int:
+def image_count(vision: PromptImages | None) -> int:
     """How many images ``vision`` holds."""
-    return 0 if vision is None else int(vision["image_grid_thw"].shape[0])
+    return 0 if vision is None else int(vision.image_grid_thw.shape[0])
 
 
 def transcript_record(messages: Sequence[Mapping]) -> list[dict]:

@@ -120,7 +120,7 @@ def test_the_next_turns_model_input_holds_the_observed_images_tokens_and_pixels(
         text = tokenizer.decode(row, skip_special_tokens=False)
         assert "<|vision_start|>" + "<|image_pad|>" * per_image + "<|vision_end|>Its colour?" in text
     for episode in episodes:
-        assert episode.vision["image_grid_thw"].tolist() == [[1, 4, 4]]
+        assert episode.vision.image_grid_thw.tolist() == [[1, 4, 4]] and len(episode.vision.images) == 1
         shown = episode.response_ids.count(image_id)
         assert shown == per_image and all(m == 0 for t, m in zip(episode.response_ids, episode.mask) if t == image_id)
 
@@ -141,3 +141,41 @@ def test_the_record_keeps_a_thumbnail_and_a_text_policy_fails_the_episode_naming
         episodes, stats = blind._rollout(rows, SamplingParams(n=1, max_new_tokens=3, seed=0))
     assert stats["env_errors"] == 1 and episodes[0].stop_reason == "env_error"
     assert "1 image(s) but the policy has no processor" in episodes[0].env_error
+
+
+def test_the_trainer_scores_both_turns_with_the_episodes_image_as_the_engine_sampled_them(vlm):
+    """The episodes' experiences carry their images (Experience.vision) into the batch: the trainer's
+    teacher-forced log-probs equal one direct forward of each whole episode with its image, the engine's
+    sampling log-probs equal that forward's with image tokens at probability 0 (as the hf engine samples),
+    and other pixels change the second turn's log-probs but not the first's, which came before the image."""
+    from rltk.batch import collate
+    from rltk.models.vision.inputs import token_type_ids
+    from rltk.models.vision.tower import forget_rope_deltas, vision_token_ids
+    from rltk.training.step.forward import ForwardSettings, batched_logprobs
+
+    model, tokenizer, _ = vlm
+    workflow = _workflow(vlm)
+    experiences = workflow.run([{"prompt": "", "ground_truth": c, "extras": {}, "id": c} for c in ("red", "blue")])
+    batch = collate(experiences, tokenizer.pad_token_id)
+    settings = ForwardSettings(micro_batch_size=4)
+    with torch.no_grad():
+        trained, _ = batched_logprobs(model, batch, settings)
+    for row, e in enumerate(experiences):
+        ids = torch.tensor([e.prompt_ids + e.response_ids])
+        forget_rope_deltas(model)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=token_type_ids(ids, model),
+                           **e.vision.model_inputs()).logits[0, len(e.prompt_ids) - 1:-1].float()
+        targets = torch.tensor(e.response_ids)[:, None]
+        direct = logits.log_softmax(-1).gather(-1, targets)[:, 0]
+        torch.testing.assert_close(trained[row, :len(direct)], direct, atol=1e-5, rtol=0)
+        logits[:, vision_token_ids(model)] = float("-inf")
+        sampled = logits.log_softmax(-1).gather(-1, targets)[:, 0]
+        policy = torch.tensor(e.response_mask).bool()
+        torch.testing.assert_close(torch.tensor(e.rollout_logprobs)[policy], sampled[policy], atol=1e-4, rtol=0)
+    other = dict(batch, pixel_values=batch["pixel_values"].flip(-1))
+    with torch.no_grad():
+        moved = (batched_logprobs(model, other, settings)[0] - trained).abs()
+    for row, e in enumerate(experiences):
+        image_at = e.response_ids.index(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+        assert moved[row, :image_at].max() == 0 and moved[row, image_at:len(e.response_ids)].max() > 1e-3
