@@ -27,14 +27,3 @@ def test_listening_beyond_loopback_without_a_key_is_warned_about(capsys):
     assert "rltk serve-tinker: WARNING: listening on 203.0.113.1 without an API key" in err
     assert "cannot listen on 203.0.113.1:0 (--host/--port)" in err and "Traceback" not in err
 
-
-def test_a_vision_language_folder_is_refused_before_it_loads(capsys, tmp_path):
-    from rltk.models.tiny import build_char_tokenizer, build_tiny_processor, build_tiny_vlm, save_pretrained_dir
-
-    tokenizer = build_char_tokenizer(vision=True)
-    folder = save_pretrained_dir(build_tiny_vlm(tokenizer), tokenizer, tmp_path / "tiny-vlm",
-                                 processor=build_tiny_processor(tokenizer))
-    assert main(["serve-tinker", str(folder), "--port", "0", "--threads", "1"]) == 2
-    err = capsys.readouterr().err
-    assert f"PATH='{folder}' is a vision-language model folder; this service serves text models only" in err
-    assert "Traceback" not in err
