@@ -68,7 +68,7 @@ from rltk.workflows.base import (
     GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics,
 )
 from rltk.workflows.chat import TurnRenderer, generate_checked, render_text, row_messages, score_responses
-from rltk.workflows.vision_turns import image_count, image_parts, join_images, transcript_record
+from rltk.workflows.vision_turns import image_count, image_parts, join_images, transcript_record, with_row_images
 
 #: The ``env`` config section's keys and defaults (rltk.config.schema.EnvConfig mirrors them).
 ENV_DEFAULTS: dict[str, Any] = {
@@ -263,7 +263,9 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
                 if self.environment_cls is not None:
                     try:
                         env = self.environment_cls(**self.environment_args)
-                        opening = check_messages(env.reset(dict(row)), f"{where}: reset()")
+                        # an opening that keeps the row's {"type": "image"} parts shows the row's images
+                        opening = with_row_images(check_messages(env.reset(dict(row)), f"{where}: reset()"), row,
+                                                  where, all_shown=False)
                         prompt_ids, vision = self._opening_ids(opening, cache, where)
                     except Exception as exc:  # the environment's failure: drop this episode only
                         stats["env_errors"] += 1

@@ -59,12 +59,18 @@ def message_images(messages: Sequence[Mapping], where: str) -> list:
     return images
 
 
-def with_row_images(messages: list[dict], row: Mapping, where: str) -> list[dict]:
-    """``messages`` whose image parts without an image take ``row["images"]`` in order (a dataset row's)."""
+def with_row_images(messages: list[dict], row: Mapping, where: str, *, all_shown: bool = True) -> list[dict]:
+    """``messages`` whose image parts without an image take ``row["images"]`` in order (a dataset row's).
+
+    ``all_shown``: the messages must place every image of the row (a row's own messages); otherwise (an
+    environment's opening, which may show the row's images or not) messages without empty parts stay as
+    they are."""
     images = list(row.get("images") or [])
     if not images:
         return messages
     empty = [part for part in image_parts(messages) if part.get("image") is None and part.get("image_url") is None]
+    if not empty and not all_shown:
+        return messages
     if len(empty) != len(images):
         raise ValueError(f"{where}: {len(images)} image(s) in the row's 'images' but its messages have {len(empty)} "
                          f"image part(s) without one; give one {{'type': 'image'}} part per image")

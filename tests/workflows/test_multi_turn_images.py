@@ -212,3 +212,35 @@ def test_grpo_trains_the_tiny_vlm_on_episodes_that_show_it_an_image(tmp_path, ba
     assert traces and all(t["info"]["images_shown"] == 1 for t in traces)
     part = traces[0]["info"]["messages"][2]["content"][0]
     assert part["type"] == "image" and part["thumbnail"].startswith("data:image/png;base64,")
+
+
+@pytest.mark.slow  # two GRPO steps of the tiny VLM on one-turn episodes of a 12-row image dataset (~10 s)
+def test_grpo_runs_multi_turn_episodes_that_open_with_the_rows_images(tmp_path, batches):
+    """A dataset row's images (data.image_key, file paths) open its episode under rollout.workflow=multi_turn:
+    the row's {"type": "image"} part takes its image, and each trained row carries the image it showed."""
+    import json
+
+    from rltk.commands.cli import main
+    from tests.workflows.test_multi_turn_recipe import TINY
+
+    data = tmp_path / "data"
+    data.mkdir()
+    sizes = {"red": (56, 56), "blue": (56, 28)}
+    for name, size in sizes.items():
+        Image.new("RGB", size, COLOURS[name]).save(data / f"{name}.png")
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Its colour?"}]}],
+             "answer": name, "images": [f"{name}.png"]} for name in ("red", "blue") * 6]
+    (data / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    short = [a for a in TINY if not a.startswith(("data.train_size", "data.eval_size"))]
+    assert main(["run", "grpo", f"output_dir={tmp_path / 'run'}", *short, "model.tiny.vision.depth=2",
+                 f"data.path={data / 'rows.jsonl'}", "data.answer_key=answer", "data.use_chat_template=true",
+                 "data.eval_size=2", "data.max_prompt_tokens=64", "rollout.workflow=multi_turn", "env.max_turns=1",
+                 "rollout.max_new_tokens=6"]) == 0
+    assert len(batches) == 2
+    image_id = 106
+    for batch in batches:
+        grids = batch["image_grid_thw"][:, 0]  # one image a row
+        tokens = (batch["input_ids"] == image_id).sum(-1)
+        # the processor scales each picture to about 56^2 pixels, aspect kept: the square 4 x 4 patches, the wide 4 x 6
+        assert set(map(tuple, grids.tolist())) <= {(1, 4, 4), (1, 4, 6)}
+        assert tokens.tolist() == (grids.prod(-1) // 4).tolist()  # each row's own image's tokens

@@ -81,9 +81,9 @@ def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
     if cfg.trainer.mode != "sync":
         raise ConfigError(f"{where}: trainer.mode={cfg.trainer.mode} does not carry images to its producer yet; "
                           f"run with trainer.mode=sync")
-    if cfg.rollout.workflow != "single_turn":
+    if cfg.rollout.workflow not in ("single_turn", "multi_turn"):
         raise ConfigError(f"{where}: rollout.workflow={cfg.rollout.workflow} does not carry images yet; "
-                          f"run with rollout.workflow=single_turn")
+                          f"run with rollout.workflow=single_turn or multi_turn")
 
 
 def refuse_image_rows(rows: list[dict], cfg: DictConfig, what: str) -> None:
