@@ -318,7 +318,7 @@ def _check_warmup_demonstrations(cfg) -> int:
     Loads the tokenizer (not the model) and the data; each ``sft`` stage is checked with its overrides."""
     from rltk.config.env_checks import check_demonstrations
     from rltk.training.scaffold.rows import build_rows, sft_pairs, tool_schemas
-    from rltk.training.scaffold.setup import stage_config
+    from rltk.training.scaffold.setup import build_processor, stage_config
 
     stages = [i for i, stage in enumerate(cfg.stages) if stage.type == "sft"]
     if not stages:
@@ -330,7 +330,7 @@ def _check_warmup_demonstrations(cfg) -> int:
     else:
         from rltk.models.tiny import build_char_tokenizer
 
-        tokenizer = build_char_tokenizer(tool_role=cfg.model.tiny.tool_role)
+        tokenizer = build_char_tokenizer(tool_role=cfg.model.tiny.tool_role, vision=bool(cfg.model.tiny.vision.depth))
     checked = 0
     for index in stages:
         staged = stage_config(cfg, index)
@@ -338,7 +338,8 @@ def _check_warmup_demonstrations(cfg) -> int:
             staged.data.train_size = min(staged.data.train_size, VALIDATE_DEMONSTRATIONS)
             staged.data.eval_size = 1
         rows = build_rows(staged, tokenizer)[0][:VALIDATE_DEMONSTRATIONS]
-        pairs = sft_pairs(rows, tokenizer, staged.sft.completion_key, tools=tool_schemas(staged))
+        processor = build_processor(staged, tokenizer) if any(row.get("images") for row in rows) else None
+        pairs = sft_pairs(rows, tokenizer, staged.sft.completion_key, tools=tool_schemas(staged), processor=processor)
         check_demonstrations(staged, rows, pairs)
         checked = max(checked, len(rows))
     return checked

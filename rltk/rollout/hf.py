@@ -169,12 +169,13 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
     # ------------------------------------------------------------------ generate
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 vision_inputs: list[dict | None] | None = None) -> list[list[Completion]]:
+                 vision_inputs: list | None = None) -> list[list[Completion]]:
         """Sample ``params.n`` completions per prompt; see the module docstring for log-probs.
 
-        ``vision_inputs``: a VLM's image inputs of each prompt (``pixel_values``, ``image_grid_thw``, from its
-        processor; None for a prompt without images), whose placeholders ``prompt_ids`` already hold
-        (:mod:`rltk.models.vision.inputs`).
+        ``vision_inputs``: a VLM's images of each prompt, a :class:`rltk.batch.PromptImages` (what the
+        ``single_turn`` workflow hands every engine: the decoded images and the processor's ``pixel_values``
+        and ``image_grid_thw``; this engine reads the latter) or a dict of those two, None for a prompt
+        without images; ``prompt_ids`` already hold their expanded placeholders (:mod:`rltk.models.vision.inputs`).
         """
         prompt_ids = validate_prompt_ids(prompt_ids)
         if vision_inputs is not None and len(vision_inputs) != len(prompt_ids):

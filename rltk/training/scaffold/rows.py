@@ -111,8 +111,14 @@ def tool_schemas(cfg: DictConfig) -> list[dict] | None:
 
 
 def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
-              tools: list[dict] | None = None) -> list[tuple[list[int], list[int], list[int]]]:
-    """``(prompt ids, response ids, loss mask)`` for supervised warm-up.
+              tools: list[dict] | None = None, processor=None) -> list[tuple]:
+    """``(prompt ids, response ids, loss mask)`` for supervised warm-up, and the prompt's
+    :class:`rltk.batch.PromptImages` fourth for a row with images.
+
+    A row with ``images`` goes through a VLM's ``processor`` as the rollout's prompts do
+    (:func:`rltk.models.vision.inputs.encode_prompt`: placeholders expanded into image tokens), so the loss
+    sees the image features; its pixel values travel with the example into the batch. A demonstration
+    transcript with images is refused (its turns are not encoded by the processor yet).
 
     A row with a demonstration transcript (``sft_messages``) is tokenized by
     :func:`rltk.data.chat.tokenize_transcript` (``tools`` rendered as in the
@@ -127,6 +133,11 @@ def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
     pairs = []
     for row in rows:
         extras = row.get("extras") or {}
+        if row.get("images") and (processor is None or (row.get("sft_messages") and not completion_key)):
+            what = ("the policy has no processor (a text model)" if processor is None else
+                    "its demonstration transcript (sft_messages) is not encoded with images yet")
+            raise ConfigError(f"row '{row.get('id')}' has {len(row['images'])} image(s) (data.image_key) but {what}; "
+                              f"drop the column, or give the row a completion instead of a transcript")
         if row.get("sft_messages") and not completion_key:
             try:
                 pairs.append(tokenize_transcript(row["sft_messages"], tokenizer, tools=tools))
@@ -143,7 +154,13 @@ def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
             completion = str(extras[completion_key])
         else:
             completion = str(extras.get("solution", row["ground_truth"]))
-        prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if row.get("images"):
+            from rltk.models.vision.inputs import encode_prompt
+
+            prompt_ids, vision = encode_prompt(processor, row["prompt"], row["images"])
+            pairs.append((prompt_ids, completion_ids, [1] * len(completion_ids), vision))
+            continue
+        prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         pairs.append((prompt_ids, completion_ids, [1] * len(completion_ids)))
     return pairs

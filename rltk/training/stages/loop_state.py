@@ -294,11 +294,15 @@ def rl_steps(ctx, rollouts, *old):
         ctx = StageContext(stage, loop, strategy, parts)
     # A frozen vision tower runs once per image and step: the rollout's prefill and every pass of the step reuse
     # its features (rltk.models.vision.features); the cache is emptied when the step ends.
+    # Not where parameters are sharded over ranks: each tower forward gathers them (a collective), and ranks
+    # whose rows hold different images would skip different forwards.
     features = ImageFeatureCache()
+    sharded = getattr(ctx.strategy, "shards_parameters", False) and getattr(ctx.strategy, "data_world_size", 1) > 1
     reference = ctx.loop.reference.copy if ctx.loop.reference is not None else None
     engine_model = getattr(ctx.stage.run.workflow.engine, "model", None)  # colocated hf: the policy module
+    cached = [] if sharded else [ctx.strategy.unwrap(), engine_model, reference]
     for step in range(ctx.loop.step + 1, ctx.cfg.trainer.total_steps + 1):
-        with features.serving([ctx.strategy.unwrap(), engine_model, reference]):
+        with features.serving(cached):
             tick = time.perf_counter()
             rollout = rollouts.take(step)  # time/rollout_s: sampling, or waiting for a producer's batch
             batch = sampled_batch(ctx, rollout, step)
