@@ -16,8 +16,8 @@ marker becomes its run of image tokens (one per merged patch) in the episode's i
 ``pixel_values`` and ``image_grid_thw`` join the episode's :class:`rltk.batch.PromptImages`
 (:func:`join_images`), which the engine gets with every later turn's prompt (``vision_inputs``), so the
 policy sees every image shown so far when it writes its next turn, and the episode's experience keeps
-(``Experience.vision``), so every log-prob pass of the trainer sees them too. An image the policy cannot see (a text policy, no processor) is an error
-naming the episode, never a silent drop.
+(``Experience.vision``), so every log-prob pass of the trainer sees them too. An image the policy cannot
+see (a text policy, no processor) is an error naming the episode, never a silent drop.
 
 The episode's record (``Experience.info["messages"]``) keeps a thumbnail of each image in its place
 (:func:`transcript_record`): JSON, small, and what the trace view shows.

@@ -59,10 +59,10 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
 def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
     """Rows with images need a vision-language policy and a run that carries them to every forward.
 
-    The synchronous RL loop (``trainer.mode=sync``, the ``single_turn`` and ``multi_turn`` workflows) and the supervised warm-up
-    carry each row's images from the processor to the engine and every log-prob pass; what does not (packed
-    rows, the asynchronous modes, a critic, the preference and distillation stages) is refused here, and
-    by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
+    The synchronous RL loop (``trainer.mode=sync``, the ``single_turn`` and ``multi_turn`` workflows) and the
+    supervised warm-up carry each row's images from the processor to the engine and every log-prob pass; what
+    does not (packed rows, the asynchronous modes, a critic, the preference and distillation stages) is refused
+    here, and by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
     """
     from rltk.config.validation import policy_is_vlm
     from rltk.models.vision.inputs import refuse_packing_reason
