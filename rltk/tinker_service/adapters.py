@@ -78,7 +78,8 @@ class Workspace:
         targets = _targets(self.base, train_attn, train_mlp)
         # a VLM's vision tower has its own gate/up/down projections: LoRA adapts the language model only
         config = peft.LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                                 target_modules=targets or "all-linear", exclude_modules=vision_tower_pattern(self.base))
+                                 target_modules=targets or "all-linear",
+                                 exclude_modules=vision_tower_pattern(self.base))
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
@@ -235,7 +236,8 @@ class Workspace:
             self.drop(name)
 
     def sample(self, sampler_id: str, prompt: list[int], params, stop_strings: list[str], *,
-               prompt_logprobs: bool, vision=None) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
+               prompt_logprobs: bool,
+               vision=None) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
         """``params.n`` completions of ``prompt`` from a sampler: ``(tokens, logprobs, reason)`` each; ``vision``
         the prompt's images (:class:`rltk.batch.PromptImages`), whose tokens ``prompt`` holds."""
         from rltk.rollout.hf import HFRolloutEngine

@@ -243,9 +243,10 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             limits = [min(self.max_new_tokens_per_turn, self.max_total_tokens - len(e.response_ids)) for e in live]
             seed = None if params.seed is None else params.seed + turn  # a fresh stream per turn, reproducible
             turn_params = replace(params, n=1, max_new_tokens=max(limits), seed=seed)
-            visions = [e.vision for e in live]
+            visions = [e.vision for e in live]  # every image shown so far, for the policy to see this turn
+            shown = visions if any(v is not None for v in visions) else None
             groups = generate_checked(self.engine, [e.prompt_ids + e.response_ids for e in live], turn_params,
-                                      "multi_turn", vision_inputs=visions if any(v is not None for v in visions) else None)
+                                      "multi_turn", vision_inputs=shown)
             stats["engine_calls"] += 1
             tick = time.perf_counter()
             for episode, limit, (completion,) in zip(live, limits, groups):
