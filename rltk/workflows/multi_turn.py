@@ -44,6 +44,12 @@ returns messages the template cannot render) has no opening to train on, so
 the episode is dropped. Both are counted (``rollout/env_errors``) and training
 goes on.
 
+Images. With a vision-language policy (``processor``), messages may hold image parts: a row's
+``{"type": "image"}`` parts take its ``images``, an environment's opening or observation carries its own
+(``{"type": "image", "image": ...}``). They go through the processor as their messages are appended, every
+later turn is generated with all the images shown so far, and the experience keeps them
+(``Experience.vision``); see :mod:`rltk.workflows.vision_turns`.
+
 The reward function scores the final answer as in ``single_turn``: its
 ``prompt`` is the row's ``prompt`` (else the opening rendered as text) and its
 ``response`` the decoded last assistant turn.
