@@ -140,3 +140,15 @@ def test_bad_image_chunks_are_a_400_naming_the_chunk(server):
                                           types.EncodedTextChunk(tokens=_ids(tokenizer, AFTER))])
         with pytest.raises(tinker.BadRequestError, match=message):
             sampler.sample(prompt, 1, params).result()
+
+
+def test_a_vision_language_models_adapters_leave_the_vision_tower_alone():
+    from rltk.models.tiny import build_char_tokenizer, build_tiny_vlm
+    from rltk.tinker_service.adapters import Workspace
+
+    tokenizer = build_char_tokenizer(vision=True)
+    workspace = Workspace(build_tiny_vlm(tokenizer), tokenizer)
+    workspace.create("a", 4)
+    names = [n for n, _ in workspace.peft_model.named_parameters() if ".a." in n]
+    assert names and not any(".visual." in n for n in names)  # the tower's gate/up/down projections too
+    assert any("mlp.gate_proj" in n for n in names) and any("self_attn.q_proj" in n for n in names)
