@@ -244,3 +244,9 @@ def test_grpo_runs_multi_turn_episodes_that_open_with_the_rows_images(tmp_path, 
         # the processor scales each picture to about 56^2 pixels, aspect kept: the square 4 x 4 patches, the wide 4 x 6
         assert set(map(tuple, grids.tolist())) <= {(1, 4, 4), (1, 4, 6)}
         assert tokens.tolist() == (grids.prod(-1) // 4).tolist()  # each row's own image's tokens
+    # the run's traces keep a thumbnail of each traced row's image beside its prompt, at the image's own size
+    from rltk.training.scaffold.traces import read_traces
+
+    traces = read_traces(tmp_path / "run" / "traces.jsonl")
+    by_id = {f"rows-{i}": sizes[r["answer"]] for i, r in enumerate(rows)}
+    assert traces and all([(p["width"], p["height"]) for p in t["images"]] == [by_id[t["row_id"]]] for t in traces)
