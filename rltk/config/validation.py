@@ -544,6 +544,16 @@ def check_tensor_parallel_config(cfg: DictConfig) -> None:
         raise ConfigError(f"{TP_KEY}: {size!r} is not a whole number of ranks >= 1")
     if size == 1:
         return
+    from rltk.models.lora import lora_enabled
+
+    if lora_enabled(cfg.model.get("lora")):
+        # peft wraps each projection the plan splits in a layer of its own (the plan's paths then name the
+        # wrapper), and the adapter would need a split of its own: A whole and B by columns beside a
+        # column-parallel weight, A by rows beside a row-parallel one
+        raise ConfigError(f"{TP_KEY}={size} with model.lora: LoRA adapters are not tensor-parallel (their A and B "
+                          "matrices are not split with the layers they adapt); train the adapters data-parallel "
+                          f"({TP_KEY}=1, or strategy_args.fsdp=true to shard the frozen base), or set "
+                          "model.lora.r=0 to train every weight")
     sizes, described = _model_sizes(cfg)
     check_tensor_parallel_sizes(sizes, size, described)
     world = os.environ.get("WORLD_SIZE")

@@ -191,17 +191,23 @@ def sampling_params(cfg: DictConfig, *, greedy: bool = False) -> SamplingParams:
                           max_new_tokens=r.max_new_tokens)
 
 
+def layout_of_run(cfg: DictConfig):
+    """The :class:`~rltk.strategies.layout.ParallelLayout` of the run's ``strategy_args`` sizes over the launched
+    processes, before any strategy exists; a size that does not divide the processes exits 2 here."""
+    import os
+
+    from rltk.strategies.layout import ParallelLayout
+
+    return ParallelLayout.from_strategy_args(args_of(cfg, "strategy"), int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def data_rank_of_run(cfg: DictConfig) -> int:
     """This process's data rank under the run's ``strategy_args`` sizes, before any strategy exists: what seeds
     its sampling, so that the ranks of a sequence- or tensor-parallel group (one share of the rows) sample
-    alike. The process rank when only data is split; a size that does not divide the processes exits 2 here."""
-    import os
-
+    alike. The process rank when only data is split."""
     from rltk.distributed import process_rank
-    from rltk.strategies.layout import ParallelLayout
 
-    layout = ParallelLayout.from_strategy_args(args_of(cfg, "strategy"), int(os.environ.get("WORLD_SIZE", "1")))
-    return layout.data_rank(process_rank())
+    return layout_of_run(cfg).data_rank(process_rank())
 
 
 def build_strategy(cfg: DictConfig, model, *, lr: float, total_steps: int, warmup_steps: int,
