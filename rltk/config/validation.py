@@ -280,8 +280,9 @@ def check_async_config(cfg: DictConfig, recipe=None, registry=None) -> None:
 # section, or model.path's config.json), and whether the rest of the config can run one
 # --------------------------------------------------------------------------
 
-#: Rollout engines that generate with a VLM's images (the others take token ids only).
-VISION_ENGINES = ("hf",)
+#: Rollout engines that generate with a VLM's images (the others take token ids only): ``vllm`` passes them as
+#: vLLM's multimodal inputs (rltk.rollout.vllm_vision); ``vllm_server``'s requests carry token ids only so far.
+VISION_ENGINES = ("hf", "vllm")
 
 
 def policy_is_vlm(cfg: DictConfig) -> tuple[bool, str]:
@@ -314,8 +315,8 @@ def check_vision_config(cfg: DictConfig) -> None:
     if vlm and cfg.rollout.engine not in VISION_ENGINES:
         raise ConfigError(
             f"bad value '{cfg.rollout.engine}' for 'rollout.engine' with a vision-language policy ({described}): "
-            f"rltk passes images to {', '.join(VISION_ENGINES)} only (vLLM's multimodal inputs are not wired "
-            f"yet); set rollout.engine=hf")
+            f"rltk passes images to {', '.join(VISION_ENGINES)} only (vllm_server's requests do not carry images "
+            f"yet); set rollout.engine=hf or rollout.engine=vllm")
 
 
 # --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ cache (rltk.models.vision.features) must change nothing but how often the tower 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -186,3 +187,80 @@ def test_a_tower_that_trains_is_never_cached(parts):
         assert "get_image_features" not in vars(trainable.model)
     with features.serving([model]):
         assert "get_image_features" in vars(model.model)
+
+
+@pytest.mark.parametrize("impl", ["torch", "naive"])
+def test_the_fused_head_op_and_the_full_logits_agree_with_images(parts, impl):
+    from rltk.models.logprobs import response_logprobs, response_logprobs_naive
+
+    tokenizer, processor, model = parts
+    batch = collate(_experiences(tokenizer, processor, model), tokenizer.pad_token_id)
+    width = batch["response_mask"].shape[1]
+    vision = vision_inputs_of(batch)
+    with torch.no_grad():
+        fused, _ = response_logprobs(model, batch["input_ids"], batch["attention_mask"], width, impl=impl,
+                                     vision_inputs=vision)
+        full, _ = response_logprobs_naive(model, batch["input_ids"], batch["attention_mask"], width,
+                                          vision_inputs=vision)
+        text_only, _ = response_logprobs_naive(model, batch["input_ids"], batch["attention_mask"], width)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(fused[mask], full[mask], atol=ATOL, rtol=0)
+    assert (text_only[:4][mask[:4]] - full[:4][mask[:4]]).abs().max() > 1e-3  # the images matter
+
+
+def test_the_prompt_length_with_images_is_read_off_their_sizes(parts):
+    from rltk.models.vision.inputs import expanded_length
+
+    tokenizer, processor, _ = parts
+    for colours, text in SPECS:
+        rendered, images = _rendered(tokenizer, colours, text)
+        assert expanded_length(processor, rendered, images) == len(encode_prompt(processor, rendered, images)[0])
+    wide = [Image.new("RGB", (140, 30), "red"), Image.new("RGB", (20, 90), "blue")]
+    text = "<image> and <image>: which?"  # a text prompt's placeholders
+    assert expanded_length(processor, text, wide) == len(encode_prompt(processor, text, wide)[0])
+    arrays = [np.asarray(image) for image in wide]  # a synthetic task's rows may hold arrays
+    assert expanded_length(processor, text, arrays) == len(encode_prompt(processor, text, arrays)[0])
+
+
+def test_max_prompt_tokens_counts_the_image_tokens(tmp_path):
+    import json
+
+    from rltk.config.loader import load_config
+    from rltk.errors import ConfigError
+    from rltk.training.scaffold.rows import build_rows
+
+    Image.new("RGB", (56, 56), "red").save(tmp_path / "big.png")
+    rows = [{"prompt": f"<image> colour {i}?", "answer": "red", "images": ["big.png"]} for i in range(12)]
+    rows += [{"prompt": f"colour {i}?", "answer": "red"} for i in range(12)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["model.tiny.vision.depth=2", f"data.path={tmp_path / 'rows.jsonl'}", "data.task=null"]
+    tokenizer = build_char_tokenizer(vision=True)
+    # "<image> colour 1?" is 17 characters, but 16 ids once the processor replaces <image> with the vision
+    # markers around the image's 4 tokens ("colour 10?": 17); a text row "colour 1?" is 9
+    train, held_out = build_rows(load_config([], [*base, "data.max_prompt_tokens=16"]), tokenizer)
+    kept = train + held_out
+    assert len(kept) == 12 + 10 and sum(bool(row.get("images")) for row in kept) == 10
+    train, held_out = build_rows(load_config([], [*base, "data.max_prompt_tokens=15"]), tokenizer)
+    assert not any(row.get("images") for row in train + held_out) and len(train + held_out) == 12
+    with pytest.raises(ConfigError, match=r"is 16 tokens \(with its 1 image.*data.max_prompt_tokens=15"):
+        build_rows(load_config([], [*base, "data.max_prompt_tokens=15", "data.on_too_long=error"]), tokenizer)
+
+
+def test_the_hf_engine_samples_the_same_with_the_cache_and_runs_the_tower_once_per_image(parts):
+    from rltk.rollout.base import SamplingParams
+    from rltk.rollout.hf import HFRolloutEngine
+
+    tokenizer, processor, model = parts
+    prompts, visions = zip(*(encode_prompt(processor, *_rendered(tokenizer, colours, text)) for colours, text in SPECS))
+    engine = HFRolloutEngine(model, tokenizer)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=5, stop_token_ids=[], seed=11)
+    plain = engine.generate(list(prompts), params, vision_inputs=list(visions))
+    features = ImageFeatureCache()
+    with features.serving([model]):
+        cached = engine.generate(list(prompts), params, vision_inputs=list(visions))
+    # three samples of each prompt in one prefill: each of the 3 images ran the tower once, not 3 times
+    assert features.computed == 3 and features.reused == 2 * 3
+    for joint, single in zip(cached, plain):
+        assert [c.token_ids for c in joint] == [c.token_ids for c in single]
+        torch.testing.assert_close(torch.tensor([c.logprobs for c in joint]),
+                                   torch.tensor([c.logprobs for c in single]), atol=ATOL, rtol=0)

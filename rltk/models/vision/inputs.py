@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from rltk.batch import PromptImages
@@ -61,6 +62,26 @@ def encode_prompt(processor, text: str, images: Sequence) -> tuple[list[int], Pr
     out = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
     return out["input_ids"][0].tolist(), PromptImages(list(images), out["pixel_values"].float(),
                                                       out["image_grid_thw"].long())
+
+
+def expanded_length(processor, text: str, images: Sequence) -> int:
+    """How many ids :func:`encode_prompt` gives ``text`` with ``images``, from the images' sizes alone (no pixels
+    processed): the text's tokens plus, per image, its feature tokens less the one placeholder they replace."""
+    if images and processor.image_token not in text:
+        text = text.replace(TEXT_IMAGE_PLACEHOLDER, image_marker(processor))
+    length = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    image_processor = processor.image_processor
+    merge = getattr(image_processor, "merge_size", 1) ** 2
+    return length + sum(image_processor.get_number_of_image_patches(*_height_width(image), {}) // merge - 1
+                        for image in images)
+
+
+def _height_width(image) -> tuple[int, int]:
+    """A ``PIL.Image``'s or an ``H x W (x C)`` array's height and width."""
+    if hasattr(image, "height"):
+        return image.height, image.width
+    shape = getattr(image, "shape", None) or np.asarray(image).shape
+    return int(shape[0]), int(shape[1])
 
 
 def _model_inputs(row: Any) -> dict | None:

@@ -53,7 +53,47 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
     fmt = dict(system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
                prompt_template=d.prompt_template, max_prompt_tokens=d.max_prompt_tokens,
                on_too_long=d.on_too_long, tools=tool_schemas(cfg))
-    return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
+    if d.max_prompt_tokens is None or not any(row.get("images") for row in train + held_out):
+        return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
+    # rows with images: their length is counted with the image tokens the processor expands them into
+    from rltk.training.scaffold.setup import build_processor
+
+    processor = build_processor(cfg, tokenizer)
+    fmt["max_prompt_tokens"] = None
+    return tuple(_within_length_with_images(format_prompts(rows, tokenizer, **fmt), tokenizer, processor,
+                                            d.max_prompt_tokens, d.on_too_long) for rows in (train, held_out))
+
+
+def _within_length_with_images(rows: list[dict], tokenizer, processor, max_tokens: int,
+                               on_too_long: str) -> list[dict]:
+    """The formatted rows whose prompt fits ``data.max_prompt_tokens``, a row with images counted as the
+    processor encodes it (each image its feature tokens, :func:`rltk.models.vision.inputs.expanded_length`); the
+    others dropped with a logged count or refused, as ``data.on_too_long`` says (as
+    :func:`rltk.data.loading.format_prompts` does for text rows)."""
+    import logging
+
+    from rltk.models.vision.inputs import expanded_length
+
+    kept, dropped = [], []
+    for row in rows:
+        images = row.get("images") or []
+        length = expanded_length(processor, row["prompt"], images)
+        if length <= max_tokens:
+            kept.append(row)
+        elif on_too_long == "error":
+            raise ConfigError(f"row '{row['id']}': the prompt is {length} tokens (with its {len(images)} "
+                              f"image(s)' tokens), more than data.max_prompt_tokens={max_tokens}. Raise the limit, "
+                              f"use smaller images, or set data.on_too_long=filter to drop such rows")
+        else:
+            dropped.append(row["id"])
+    if dropped:
+        logging.getLogger(__name__).warning(
+            "dropped %d of %d prompts longer than data.max_prompt_tokens=%d (image tokens counted; first ids: %s)",
+            len(dropped), len(rows), max_tokens, ", ".join(dropped[:5]))
+    if rows and not kept:
+        raise ConfigError(f"all {len(rows)} prompts are longer than data.max_prompt_tokens={max_tokens} with their "
+                          f"image tokens; nothing is left to train on. Raise the limit.")
+    return kept
 
 
 def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:

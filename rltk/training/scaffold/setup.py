@@ -146,8 +146,9 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
     """
     from rltk.config.components import signature_params
 
-    engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
-        model=policy, tokenizer=tokenizer, **args_of(cfg, "rollout.engine"))
+    engine_cls = rltk.get_component("rollout_engine", cfg.rollout.engine)
+    engine = engine_cls(model=policy, tokenizer=tokenizer, **engine_processor(cfg, tokenizer, engine_cls),
+                        **args_of(cfg, "rollout.engine"))
     workflow_cls = rltk.get_component("workflow", cfg.rollout.workflow)
     # A workflow that names `env` in its signature (multi_turn, agentic) gets the env section.
     named = signature_params(workflow_cls)[0]
@@ -164,6 +165,17 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
                               f"{base.__module__}.{base.__name__}; a registered {key.split('.')[1]} must, so the "
                               f"trainer can rely on what the base class declares")
     return workflow
+
+
+def engine_processor(cfg: DictConfig, tokenizer, engine_cls) -> dict:
+    """``{"processor": ...}`` for an engine that names ``processor`` (``vllm``: vLLM preprocesses a VLM's images
+    with it) when the policy is a VLM; else nothing."""
+    from rltk.config.components import signature_params
+
+    if "processor" not in signature_params(engine_cls)[0]:
+        return {}
+    processor = build_processor(cfg, tokenizer)
+    return {"processor": processor} if processor is not None else {}
 
 
 def trainer_workflow_config(cfg: DictConfig) -> DictConfig:
