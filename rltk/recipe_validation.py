@@ -270,7 +270,7 @@ def step_plans(cfg, recipe: str | None) -> str:
     """The step plan of each RL stage of ``cfg`` (:class:`rltk.config.recipe_capabilities.StepPlan`): which pass
     fills which batch field and what each component reads, for ``rltk validate``. Empty without an RL stage."""
     from rltk.config.recipe_capabilities import StepPlan
-    from rltk.training.scaffold.setup import stage_config
+    from rltk.config.merge import stage_config
 
     stages = recipe_stages(recipe) if recipe in registered_stages() else registered_stages()
     plans = []
@@ -287,7 +287,7 @@ def what_runs(cfg, recipe: str | None) -> str:
     """What a run of ``cfg`` trains, stage by stage, for ``rltk validate``'s ok line: e.g. ``2 stages: warmup
     (sft), dpo (dpo, loss sigmoid)``; a stage that feeds an advantage estimator names its algorithm, the
     reward_model recipe its loss."""
-    from rltk.training.scaffold.setup import stage_config
+    from rltk.config.merge import stage_config
 
     parts = []
     for i, stage in enumerate(cfg.stages):
@@ -318,7 +318,7 @@ def _check_warmup_demonstrations(cfg) -> int:
     Loads the tokenizer (not the model) and the data; each ``sft`` stage is checked with its overrides."""
     from rltk.config.env_checks import check_demonstrations
     from rltk.training.scaffold.rows import build_rows, sft_pairs, tool_schemas
-    from rltk.training.scaffold.setup import stage_config
+    from rltk.config.merge import stage_config
 
     stages = [i for i, stage in enumerate(cfg.stages) if stage.type == "sft"]
     if not stages:

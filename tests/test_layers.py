@@ -25,7 +25,7 @@ PACKAGE = ROOT / "rltk"
 LAYERS: list[tuple[str, ...]] = [
     ("rltk", "rltk.registry", "rltk.hookspecs", "rltk.errors", "rltk.batch", "rltk.batch_types",
      "rltk.serialization", "rltk.io", "rltk.argv", "rltk.distributed", "rltk.notices", "rltk.parsing",
-     "rltk.stage_spec", "rltk.builtin_stages"),
+     "rltk.stage_spec", "rltk.builtin_stages", "rltk.components"),
     ("rltk.algorithms", "rltk.kernels"),
     ("rltk.models", "rltk.data", "rltk.rewards", "rltk.tools", "rltk.environments", "rltk.loggers"),
     # the OpenAI-compatible endpoint over a rollout engine is a peer of the workflows (agentic runs one);

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from rltk.batch import Experience
+if TYPE_CHECKING:  # the experiences are only passed on here: no torch to import
+    from rltk.batch import Experience
+
 
 POLICY = "policy"
 

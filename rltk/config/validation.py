@@ -73,7 +73,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_guard(cfg)
     check_prompt_template(cfg)
     check_task(cfg)
-    needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
+    needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].described)
     check_workflow_serves(cfg, needs)
     check_reward_components(cfg, needs)
     check_distill_task_coef(cfg)
@@ -250,9 +250,9 @@ def check_async_config(cfg: DictConfig, recipe=None, registry=None) -> None:
             f"bad value {t.mode!r} for 'trainer.mode': the {recipe.name} recipe runs "
             f"{', '.join(sorted(modes or ['sync']))}" + (f"; {', '.join(runs)} runs {t.mode}" if runs else ""))
     engines = (registry or get_registry()).entries["rollout_engine"]
-    engine = engines[cfg.rollout.engine].obj  # the name was checked with the other components
+    engine = engines[cfg.rollout.engine].described  # the name was checked with the other components
     if not getattr(engine, "runs_in_producer", False):
-        able = sorted(name for name, entry in engines.items() if getattr(entry.obj, "runs_in_producer", False))
+        able = sorted(name for name, entry in engines.items() if getattr(entry.described, "runs_in_producer", False))
         raise ConfigError(
             f"bad value {cfg.rollout.engine!r} for 'rollout.engine' with trainer.mode={t.mode}: a producer process "
             f"samples only with engines that declare runs_in_producer, and {engine.__module__}.{engine.__qualname__} "
@@ -455,8 +455,7 @@ def check_rollout_correction_config(cfg: DictConfig) -> None:
     rollout log-probs, every ratio is 1 and a correction would silently do
     nothing, so that combination is refused.
     """
-    # imported here: the module's other functions need torch, and importing rltk.config must not
-    from rltk.algorithms.mismatch import check_rollout_correction, correction_active
+    from rltk.algorithms.correction_settings import check_rollout_correction, correction_active
 
     settings = OmegaConf.to_container(OmegaConf.select(cfg, _CORRECTION_KEY), resolve=True)
     settings.pop("log_metrics", None)
