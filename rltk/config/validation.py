@@ -98,6 +98,10 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
                 f"bad value {stage.type!r} for 'stages[{i}].type' (stage '{stage.name}')."
                 f"{did_you_mean(stage.type, valid)} Valid{runs}: {', '.join(valid)}{rl}"
             )
+        spec = registry.entries["stage"].get(stage.type)
+        if spec is not None and spec.obj.check is not None:  # the loop's own refusals, before any stage runs
+            spec.obj.check_config(apply_overrides(cfg, dict(stage.overrides or {}),
+                                                  f"stages[{i}].overrides (stage '{stage.name}')"))
         # a stage another recipe lends is checked against what that recipe's loop serves
         if stage.overrides or stage.type in lent:
             check_no_stage_lora(i, stage.name, stage.overrides or {})
