@@ -476,8 +476,8 @@ def _register_from_source(registry: Registry, module: str, info: PluginInfo) -> 
     if found is None:
         return False
     added = []
-    for kind, entries in found.items():
-        for name, ref in entries.items():
+    for kind in (k for k in KINDS if k in found):  # in the order collect() reads a module's hooks
+        for name, ref in found[kind].items():
             if name in registry.entries[kind]:
                 other = registry.entries[kind][name]
                 raise RegistryError(f"{kind} '{name}' is registered by two plugins: '{other.plugin}' and "
