@@ -177,7 +177,7 @@ class Entry:
     """One registered component.
 
     A builtin is registered by reference (``ref``, ``"module:attribute"``, read from its registration module's
-    source, :mod:`rltk.components.source`): ``obj`` imports it on first use; ``described`` is what checking a
+    source, :mod:`rltk.registration.source`): ``obj`` imports it on first use; ``described`` is what checking a
     config needs, read from the source while the module is not imported (so ``rltk validate`` needs no torch).
     """
 
@@ -211,12 +211,12 @@ class Entry:
     @property
     def described(self) -> Any:
         """What a config check reads of the component: the component once its module is imported, else its
-        description read from the source (:class:`rltk.components.source.Described`: the same signature,
+        description read from the source (:class:`rltk.registration.source.Described`: the same signature,
         type hints, docstring and literal class attributes), else the component itself."""
         if self._obj is not _UNLOADED or self.ref.partition(":")[0] in sys.modules:
             return self.obj
         if self._described is _UNLOADED:
-            from rltk.components.source import describe
+            from rltk.registration.source import describe
 
             self._described = describe(self.ref, lambda: self.obj)
         return self._described if self._described is not None else self.obj
@@ -470,7 +470,7 @@ def _register_from_source(registry: Registry, module: str, info: PluginInfo) -> 
     leaves out (tests/test_builtin_registrations_from_source.py holds each builtin to what importing it gives)."""
     if ":" in module or module in sys.modules:
         return False
-    from rltk.components.source import read_registrations
+    from rltk.registration.source import read_registrations
 
     found = read_registrations(module, {kind.hook: kind.name for kind in KINDS.values()})
     if found is None:

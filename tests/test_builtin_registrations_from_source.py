@@ -1,9 +1,9 @@
 """rltk's builtins are registered from their source without importing them (``rltk validate`` needs no torch,
 issue 55 item 5); what the source says must be what importing them gives, for every builtin.
 
-The registry reads each builtin registration module's hooks (:func:`rltk.components.source.read_registrations`)
+The registry reads each builtin registration module's hooks (:func:`rltk.registration.source.read_registrations`)
 and, for a config check, each component's signature, type hints, docstring and literal class attributes
-(:func:`rltk.components.source.describe`). Here both are compared with the imported objects, so a builtin whose
+(:func:`rltk.registration.source.describe`). Here both are compared with the imported objects, so a builtin whose
 source the reader gets wrong fails here rather than letting ``rltk validate`` check a config differently.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rltk.components.source import Described, describe, read_registrations
+from rltk.registration.source import Described, describe, read_registrations
 from rltk.config.components import expected_types, signature_params
 from rltk.registry import KINDS, PROJECT
 

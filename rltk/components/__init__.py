@@ -1,5 +1,5 @@
-"""How rltk's own components are registered without importing them (so ``rltk validate`` starts without torch).
+"""rltk's own components declared on their own, registered through rltk's entry points like a plugin's.
 
-:mod:`rltk.components.source` reads a builtin registration module's ``rltk_*`` hooks and each component's
-signature from its source, where the reading is exact; the registry imports a component only when it is used.
+* :mod:`~rltk.components.builtin_stages`: rltk's training loops (sft, grpo, ppo, distill, dpo, reward_model) as
+  stages (:class:`rltk.StageSpec`), with what each provides and refuses; importing it imports no training code.
 """

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rltk.components.source import Described
+from rltk.registration.source import Described
 from rltk.config.schema import COMPONENT_KEYS
 from rltk.errors import ConfigError
 from rltk.registry import KINDS, Registry, did_you_mean, unknown_name_message

@@ -32,7 +32,7 @@ class RecipeSpec:
     """What a recipe serves its components, so validation can refuse one it cannot feed.
 
     Built from the registered stages a recipe runs (:class:`rltk.StageSpec`'s ``provides``; see
-    :func:`rltk.recipe_validation.recipe_spec`). ``None`` means "not declared": nothing is checked against it.
+    :func:`rltk.recipe_tools.validation.recipe_spec`). ``None`` means "not declared": nothing is checked against it.
 
     Attributes:
         name: the recipe's name (its script's stem), for messages.
@@ -74,7 +74,7 @@ def required_batch_fields(advantage_fn: Any) -> frozenset[str]:
 
 
 #: The pass of an RL step that fills each batch field a stage may provide besides the rollout's own
-#: (:data:`rltk.stage_spec.RL_STEP_FIELDS`), as :meth:`StepPlan.describe` names it. A field a plugin stage
+#: (:data:`rltk.registration.stage_spec.RL_STEP_FIELDS`), as :meth:`StepPlan.describe` names it. A field a plugin stage
 #: declares that is none of these is its loop's.
 ROLLOUT_PASS = "rollout"
 FIELD_PASSES: dict[str, str] = {
@@ -173,7 +173,7 @@ class StepPlan:
         """The plan of the RL stage ``stage`` whose config is ``cfg`` and whose loop ``provides`` what it says
         (None, or no ``batch_fields``: not declared, so every field a component names counts as filled by
         its usual pass and nothing is unfilled)."""
-        from rltk.stage_spec import RL_STEP_FIELDS
+        from rltk.registration.stage_spec import RL_STEP_FIELDS
 
         a = cfg.algorithm
         entries = get_registry().entries

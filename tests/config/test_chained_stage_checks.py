@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rltk.errors import ConfigError
-from rltk.recipe_validation import validate
+from rltk.recipe_tools.validation import validate
 
 CHAIN = "stages=[{name: warmup, type: sft}, {name: pref, type: dpo%s}, {name: rl, type: grpo}]"
 
@@ -29,7 +29,7 @@ def test_what_the_dpo_loop_refuses_is_refused_before_the_warm_up_runs():
 
 
 def test_a_stage_check_is_named_as_module_and_function():
-    from rltk.stage_spec import StageSpec
+    from rltk.registration.stage_spec import StageSpec
 
     with pytest.raises(ValueError, match="StageSpec check 'no_colon': name it 'package.module:function'"):
         StageSpec("a.b:c", check="no_colon")

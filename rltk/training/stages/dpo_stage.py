@@ -1,7 +1,7 @@
 """The DPO loop and its variants (IPO, SLiC hinge, cDPO), offline from preference pairs or online from samples.
 
 Rafailov et al. 2023 (arXiv:2305.18290). The algorithm box is ``recipes/dpo.py``'s docstring; the stage
-is registered as ``dpo`` (:mod:`rltk.builtin_stages`).
+is registered as ``dpo`` (:mod:`rltk.components.builtin_stages`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
-from rltk.builtin_stages import check_dpo_stage
+from rltk.components.builtin_stages import check_dpo_stage
 from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
 from rltk.training.scaffold.rows import tool_schemas
 from rltk.training.stages.loop_state import LoopState, StageContext

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import rltk
 from rltk.errors import ConfigError
-from rltk.stage_spec import StageSpec, rl_provides
+from rltk.registration.stage_spec import StageSpec, rl_provides
 
 _HERE = "rltk.training.stages"
 

@@ -22,7 +22,7 @@ from rltk.config.loader import load_config
 from rltk.config.recipe_capabilities import RecipeSpec
 from rltk.errors import ConfigError
 from rltk.registry import RegistryError, get_registry, unknown_name_message
-from rltk.stage_spec import StageSpec
+from rltk.registration.stage_spec import StageSpec
 
 
 # ---------------------------------------------------------------- a recipe's stages
