@@ -110,12 +110,13 @@ def test_the_described_builtins_include_every_component_a_grpo_config_names():
         assert key in described, key
 
 
-def test_rltk_validate_grpo_imports_no_torch():
-    """The whole of ``rltk validate grpo`` (builtins only: a plugin's own imports are its own) in a fresh
-    interpreter: torch is never imported (the config's components are read from their source)."""
+@pytest.mark.parametrize("plugins", ["builtins only", "with the plugins installed"])
+def test_rltk_validate_grpo_imports_no_torch(plugins):
+    """The whole of ``rltk validate grpo`` in a fresh interpreter: torch is never imported (the config's
+    components are read from their source). The repository's own plugins, where installed, import none either."""
     code = ("import json, sys; from rltk.commands.cli import main; code = main(['validate', 'grpo']); "
             "print(json.dumps([code, [m for m in ('torch', 'accelerate', 'deepspeed') if m in sys.modules]]))")
-    env = dict(os.environ, RLTK_DISABLE_PLUGIN_AUTOLOAD="1",
+    env = dict(os.environ, RLTK_DISABLE_PLUGIN_AUTOLOAD="1" if plugins == "builtins only" else "0",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     from tests.waits import scaled
 
