@@ -30,6 +30,10 @@ reads::
                                 the last response token, which the engine never ran, and on rows
                                 without a record); only when an experience carries it. Replayed by
                                 ``algorithm.routing_replay=rollout`` (:mod:`rltk.models.moe`)
+    pixel_values    [B, N, D]   float32; a VLM prompt's image patches (its processor's), zero rows after
+                                them; only when an experience carries images (``Experience.vision``)
+    image_grid_thw  [B, I, 3]   int64; each image's patch grid, zero grids after them (a zero grid is no
+                                image); see :mod:`rltk.models.vision.inputs`
 
 Later stages add ``old_logprobs``, ``ref_logprobs``, ``values``,
 ``advantages`` and ``returns`` (all ``[B, T]``) to the same dict, and
@@ -45,6 +49,41 @@ from typing import Any, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+
+@dataclass
+class PromptImages:
+    """One prompt's images as every consumer needs them (the per-prompt object of a VLM's rollout).
+
+    A workflow makes one per prompt with images (:func:`rltk.models.vision.inputs.encode_prompt`, which also
+    gives the prompt's ids, the image placeholders expanded), hands the list to the engine's
+    ``generate(prompt_ids, params, vision_inputs=[PromptImages | None per prompt])``, and each sample's
+    :class:`Experience` keeps its prompt's (the ``n`` samples share one object).
+
+    Attributes:
+        images: the decoded RGB ``PIL.Image`` s in placeholder order (for engines that take raw images,
+            vLLM's ``multi_modal_data``); empty for one read back from a checkpoint, which keeps the rest.
+        pixel_values: the processor's patches of all of them. Shape: (patches, D), float32.
+        image_grid_thw: each image's ``(frames, height, width)`` patch grid. Shape: (images, 3), int64.
+    """
+
+    images: list = field(repr=False)
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """``{"pixel_values", "image_grid_thw"}`` for a model's forward or ``generate``."""
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
+    def state(self) -> dict[str, list]:
+        """JSON-able: the processor outputs as nested lists (float32 values survive JSON exactly)."""
+        return {"pixel_values": self.pixel_values.tolist(), "image_grid_thw": self.image_grid_thw.tolist()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "PromptImages":
+        """The inverse of :meth:`state` (no decoded images: they served the engine, which has run)."""
+        return cls([], torch.tensor(state["pixel_values"], dtype=torch.float32),
+                   torch.tensor(state["image_grid_thw"], dtype=torch.long).reshape(-1, 3))
 
 
 @dataclass
@@ -68,8 +107,13 @@ class Experience:
     # An MoE policy's routing while it sampled: [len(prompt_ids) + len(response_ids)][L][k] expert indices
     # (rltk.models.moe); -1 where not recorded. Only from engines that record it (hf).
     routed_experts: list | None = None
+    # A VLM prompt's images and processor outputs (shared by the samples of one prompt); a dict (a
+    # checkpointed buffer's PromptImages.state()) is read back into one
+    vision: PromptImages | None = None
 
     def __post_init__(self):
+        if isinstance(self.vision, dict):
+            self.vision = PromptImages.from_state(self.vision)
         if self.response_mask is None:
             self.response_mask = [1] * len(self.response_ids)
         if len(self.response_mask) != len(self.response_ids):
@@ -180,6 +224,8 @@ def collate(experiences: list[Experience], pad_token_id: int, *,
         batch["reward_components"] = reward_components(experiences, reward_names)
     if any(e.routed_experts is not None for e in experiences):
         batch["routed_experts"] = collate_routing(experiences, in_prompt, in_response)
+    if any(e.vision is not None for e in experiences):
+        batch.update(collate_vision([e.vision for e in experiences]))
     if any(e.baseline_score is not None for e in experiences):
         batch["baseline_scores"] = torch.tensor(
             [e.baseline_score if e.baseline_score is not None else 0.0 for e in experiences],
@@ -202,6 +248,22 @@ def collate_routing(experiences: list[Experience], in_prompt: torch.Tensor,
     if recorded and real.any():
         routed[real] = torch.tensor(_flat(recorded), dtype=torch.long).reshape(-1, layers, k)
     return routed
+
+
+def collate_vision(rows: Sequence[PromptImages | None]) -> dict[str, torch.Tensor]:
+    """``pixel_values`` ``[B, N, D]`` and ``image_grid_thw`` ``[B, I, 3]`` of rows with these images (None: none):
+    each row's own patches and grids, zeros after them, so every slice of rows keeps its samples' images."""
+    given = [r for r in rows if r is not None and r.image_grid_thw.numel()]
+    patches = max((r.pixel_values.shape[0] for r in given), default=0)
+    width = given[0].pixel_values.shape[1] if given else 0
+    images = max((r.image_grid_thw.shape[0] for r in given), default=0)
+    pixel_values = torch.zeros(len(rows), patches, width, dtype=torch.float32)
+    grids = torch.zeros(len(rows), images, 3, dtype=torch.long)
+    for index, r in enumerate(rows):
+        if r is not None and r.image_grid_thw.numel():
+            pixel_values[index, : r.pixel_values.shape[0]] = r.pixel_values
+            grids[index, : r.image_grid_thw.shape[0]] = r.image_grid_thw
+    return {"pixel_values": pixel_values, "image_grid_thw": grids}
 
 
 def _flat(rows) -> list:

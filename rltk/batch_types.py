@@ -44,6 +44,10 @@ class TrainingBatch(TypedDict, total=False):
     reward_components: Annotated[Tensor, "[B, K]", "float32", "collate: each reward function's own score (gdpo)"]
     routed_experts: Annotated[Tensor, "[B, P + T, L, k]", "int64",
                               "collate: an MoE policy's experts per token and layer at rollout (-1: none)"]
+    pixel_values: Annotated[Tensor, "[B, N, D]", "float32",
+                            "collate: a VLM prompt's image patches, zero rows after them"]
+    image_grid_thw: Annotated[Tensor, "[B, I, 3]", "int64",
+                              "collate: each image's patch grid, zero grids after them"]
     # the loop's passes
     old_logprobs: Annotated[Tensor, "[B, T]", "float32", "old-log-prob pass: the behaviour policy's"]
     sum_pi_squared: Annotated[Tensor, "[B, T]", "float32", "old-log-prob pass: sum_v pi_old(v)^2"]

@@ -54,6 +54,7 @@ from rltk.serialization import (
 
 if TYPE_CHECKING:
     from rltk.strategies.base import TrainingStrategy
+    from rltk.strategies.layout import ParallelLayout
 
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
@@ -126,6 +127,28 @@ def restore_rng_state(state: dict[str, Any], generators: Mapping[str, torch.Gene
 # --------------------------------------------------------------------------
 # Durability helpers
 # --------------------------------------------------------------------------
+
+
+def saved_rank_of(layout: "ParallelLayout | None", rank: int, path: Path) -> int:
+    """The rank whose RNG state ``rank`` (of a run laid out as ``layout``) resumes from ``path`` with: its own,
+    unless the checkpoint was written at another layout (``strategy.json``'s world and sequence/tensor-parallel
+    sizes) with as many data ranks, where it is the saved rank with the same data rank. A sequence or tensor
+    group samples alike, and what the resumed run must repeat is each data rank's draws, wherever that rank now
+    sits in the grid."""
+    from rltk.strategies.base import STRATEGY_META_FILE
+
+    try:
+        meta = json.loads((path / STRATEGY_META_FILE).read_text())
+    except (OSError, ValueError):
+        return rank
+    if layout is None:
+        return rank
+    group = int(meta.get("sequence_parallel_size", 1)) * int(meta.get("tensor_parallel_size", 1))
+    world = int(meta.get("world_size", layout.world_size))
+    if world // group != layout.data_world_size or (
+            world == layout.world_size and group == layout.world_size // layout.data_world_size):
+        return rank
+    return layout.data_rank(rank) * group
 
 
 def _fsync_file(path: Path) -> None:
@@ -535,7 +558,7 @@ class CheckpointManager:
         payload = read_state_file(path)
         if strategy is not None:
             strategy.load(path)
-        rank = strategy.rank if strategy is not None else 0
+        rank = saved_rank_of(getattr(strategy, "layout", None), strategy.rank, path) if strategy is not None else 0
         rng_file = path / RNG_DIR / f"rank_{rank:05d}.pt"
         if rng_file.is_file():
             rng_state = torch_load(rng_file)

@@ -170,7 +170,7 @@ class ExperienceBuffer:
         return {
             "evicted": self.evicted,
             "items": [{"step": item.step, "source": item.source, "version": item.version,
-                       "experience": dataclasses.asdict(item.experience)} for item in self._items],
+                       "experience": _experience_state(item.experience)} for item in self._items],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -202,3 +202,12 @@ class ExperienceBuffer:
                                  f"experience ({type(exc).__name__}: {exc})") from exc
         self._items = items
         self.evicted = evicted
+
+
+def _experience_state(experience: Experience) -> dict[str, Any]:
+    """An experience's fields, JSON-able: a VLM prompt's images as their processor outputs
+    (:meth:`rltk.batch.PromptImages.state`), which is all the trainer reads of them."""
+    vision = experience.vision
+    state = dataclasses.asdict(dataclasses.replace(experience, vision=None))
+    state["vision"] = None if vision is None else vision.state()
+    return state

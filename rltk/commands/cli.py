@@ -157,7 +157,11 @@ def cmd_export(args) -> int:
         print(f"exported the LoRA adapter of {args.checkpoint} -> {out} (load with PeftModel.from_pretrained on the "
               f"base model, or as model.lora.path; `rltk export --merge` writes a plain model folder instead)")
     else:
-        print(f"exported {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)")
+        from rltk.models.loading import is_vision_language_folder
+
+        auto = "AutoModelForImageTextToText and AutoProcessor" if is_vision_language_folder(out) else \
+            "AutoModelForCausalLM"
+        print(f"exported {args.checkpoint} -> {out} (load with {auto}.from_pretrained)")
     return EXIT_OK
 
 

@@ -284,8 +284,9 @@ def check_async_config(cfg: DictConfig, recipe=None, registry=None) -> None:
 # section, or model.path's config.json), and whether the rest of the config can run one
 # --------------------------------------------------------------------------
 
-#: Rollout engines that generate with a VLM's images (the others take token ids only).
-VISION_ENGINES = ("hf",)
+#: Rollout engines that generate with a VLM's images (the others take token ids only): ``vllm`` passes them as
+#: vLLM's multimodal inputs (rltk.rollout.vllm_vision); ``vllm_server``'s requests carry token ids only so far.
+VISION_ENGINES = ("hf", "vllm")
 
 
 def policy_is_vlm(cfg: DictConfig) -> tuple[bool, str]:
@@ -318,8 +319,8 @@ def check_vision_config(cfg: DictConfig) -> None:
     if vlm and cfg.rollout.engine not in VISION_ENGINES:
         raise ConfigError(
             f"bad value '{cfg.rollout.engine}' for 'rollout.engine' with a vision-language policy ({described}): "
-            f"rltk passes images to {', '.join(VISION_ENGINES)} only (vLLM's multimodal inputs are not wired "
-            f"yet); set rollout.engine=hf")
+            f"rltk passes images to {', '.join(VISION_ENGINES)} only (vllm_server's requests do not carry images "
+            f"yet); set rollout.engine=hf or rollout.engine=vllm")
 
 
 # --------------------------------------------------------------------------
@@ -547,6 +548,16 @@ def check_tensor_parallel_config(cfg: DictConfig) -> None:
         raise ConfigError(f"{TP_KEY}: {size!r} is not a whole number of ranks >= 1")
     if size == 1:
         return
+    from rltk.models.lora import lora_enabled
+
+    if lora_enabled(cfg.model.get("lora")):
+        # peft wraps each projection the plan splits in a layer of its own (the plan's paths then name the
+        # wrapper), and the adapter would need a split of its own: A whole and B by columns beside a
+        # column-parallel weight, A by rows beside a row-parallel one
+        raise ConfigError(f"{TP_KEY}={size} with model.lora: LoRA adapters are not tensor-parallel (their A and B "
+                          "matrices are not split with the layers they adapt); train the adapters data-parallel "
+                          f"({TP_KEY}=1, or strategy_args.fsdp=true to shard the frozen base), or set "
+                          "model.lora.r=0 to train every weight")
     sizes, described = _model_sizes(cfg)
     check_tensor_parallel_sizes(sizes, size, described)
     world = os.environ.get("WORLD_SIZE")

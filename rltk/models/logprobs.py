@@ -54,7 +54,7 @@ from rltk.kernels import IGNORE_INDEX, token_logprobs_and_entropy
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.packing import pack_rows
 from rltk.models.sharding import has_sharded_parameters
-from rltk.models.vision.inputs import refuse_packing_reason
+from rltk.models.vision.inputs import refuse_packing_reason, token_type_ids
 from rltk.models.vision.tower import forget_rope_deltas
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
@@ -155,9 +155,9 @@ def response_logprobs(
     gather_in_forward = _whole_only_in_forward(head)
     if not gather_in_forward and _is_dtensor(head.weight):
         _refuse_or_note_sharded_head(model, impl)
-        return _response_logprobs_through_forward(model, input_ids, attention_mask, width,
-                                                  temperature=temperature, with_entropy=with_entropy,
-                                                  with_sum_pi_squared=with_sum_pi_squared)
+        return _response_logprobs_through_forward(model, input_ids, attention_mask, width, temperature=temperature,
+                                                  with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
+                                                  vision_inputs=vision_inputs)
     return _padded_head_outputs(model, head, hidden, input_ids, attention_mask, prompt_len, width,
                                 gather_in_forward=gather_in_forward, temperature=temperature, impl=impl,
                                 with_entropy=with_entropy, chunk_size=chunk_size,
@@ -288,6 +288,7 @@ def response_logprobs_naive(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
+    vision_inputs: dict | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The reference for :func:`response_logprobs`: full ``model(...).logits`` and ``log_softmax``.
 
@@ -297,25 +298,28 @@ def response_logprobs_naive(
     """
     return _logprobs_from_logits(model, input_ids, attention_mask, response_width, temperature=temperature,
                                  with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
-                                 keep_response_only=False)
+                                 keep_response_only=False, vision_inputs=vision_inputs)
 
 
 def _response_logprobs_through_forward(model, input_ids, attention_mask, response_width, *, temperature,
-                                       with_entropy, with_sum_pi_squared):
+                                       with_entropy, with_sum_pi_squared, vision_inputs=None):
     """:func:`response_logprobs_naive` restricted to the ``T + 1`` last positions where the model takes
     ``logits_to_keep``: ``[B, T + 1, V]`` logits instead of ``[B, S, V]``."""
     return _logprobs_from_logits(model, input_ids, attention_mask, response_width, temperature=temperature,
                                  with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
-                                 keep_response_only=True)
+                                 keep_response_only=True, vision_inputs=vision_inputs)
 
 
 def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, temperature, with_entropy,
-                          with_sum_pi_squared, keep_response_only):
+                          with_sum_pi_squared, keep_response_only, vision_inputs=None):
     batch_size, prompt_len, width = _check_batch(input_ids, attention_mask, response_width)
     if width == 0:
         return _empty_outputs(batch_size, input_ids.device, with_entropy, with_sum_pi_squared)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                   position_ids=positions_from_mask(attention_mask), use_cache=False)
+    if vision_inputs:  # the model places the features and builds its 3-D positions (see last_hidden_states)
+        forget_rope_deltas(unwrap_model(model))
+        kwargs.update(vision_inputs, position_ids=None, mm_token_type_ids=token_type_ids(input_ids, model))
     keep = _logits_to_keep_argument(unwrap_model(model)) if keep_response_only else None
     if keep is not None:
         kwargs[keep] = width + 1  # positions P-1 .. S-1; the last one predicts nothing
@@ -362,6 +366,8 @@ def last_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask
     if vision_inputs:
         forget_rope_deltas(inner)
         kwargs.update(vision_inputs)
+        # the processor's token types, which the model's 3-D rotary positions are built from
+        kwargs["mm_token_type_ids"] = token_type_ids(input_ids, inner)
     keep = _logits_to_keep_argument(inner)
     if keep is not None:
         kwargs[keep] = 1

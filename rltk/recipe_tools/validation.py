@@ -330,7 +330,7 @@ def _check_warmup_demonstrations(cfg) -> int:
     else:
         from rltk.models.tiny import build_char_tokenizer
 
-        tokenizer = build_char_tokenizer(tool_role=cfg.model.tiny.tool_role)
+        tokenizer = build_char_tokenizer(tool_role=cfg.model.tiny.tool_role, vision=bool(cfg.model.tiny.vision.depth))
     checked = 0
     for index in stages:
         staged = stage_config(cfg, index)
@@ -338,7 +338,12 @@ def _check_warmup_demonstrations(cfg) -> int:
             staged.data.train_size = min(staged.data.train_size, VALIDATE_DEMONSTRATIONS)
             staged.data.eval_size = 1
         rows = build_rows(staged, tokenizer)[0][:VALIDATE_DEMONSTRATIONS]
-        pairs = sft_pairs(rows, tokenizer, staged.sft.completion_key, tools=tool_schemas(staged))
+        processor = None
+        if any(row.get("images") for row in rows):
+            from rltk.training.scaffold.setup import build_processor  # imports torch: only for rows with images
+
+            processor = build_processor(staged, tokenizer)
+        pairs = sft_pairs(rows, tokenizer, staged.sft.completion_key, tools=tool_schemas(staged), processor=processor)
         check_demonstrations(staged, rows, pairs)
         checked = max(checked, len(rows))
     return checked

@@ -50,7 +50,7 @@ import rltk
 from rltk.models.kv_cache import cache_keyword
 from rltk.models.moe import is_moe
 from rltk.models.sharding import has_sharded_parameters, iter_full_state
-from rltk.models.vision.inputs import batch_vision_inputs
+from rltk.models.vision.inputs import batch_vision_inputs, token_type_ids
 from rltk.models.vision.tower import forget_rope_deltas, vision_token_ids
 from rltk.models.wrappers import unwrap_model
 from rltk.notices import notice_once
@@ -169,12 +169,13 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
     # ------------------------------------------------------------------ generate
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 vision_inputs: list[dict | None] | None = None) -> list[list[Completion]]:
+                 vision_inputs: list | None = None) -> list[list[Completion]]:
         """Sample ``params.n`` completions per prompt; see the module docstring for log-probs.
 
-        ``vision_inputs``: a VLM's image inputs of each prompt (``pixel_values``, ``image_grid_thw``, from its
-        processor; None for a prompt without images), whose placeholders ``prompt_ids`` already hold
-        (:mod:`rltk.models.vision.inputs`).
+        ``vision_inputs``: a VLM's images of each prompt, a :class:`rltk.batch.PromptImages` (what the
+        ``single_turn`` workflow hands every engine: the decoded images and the processor's ``pixel_values``
+        and ``image_grid_thw``; this engine reads the latter) or a dict of those two, None for a prompt
+        without images; ``prompt_ids`` already hold their expanded placeholders (:mod:`rltk.models.vision.inputs`).
         """
         prompt_ids = validate_prompt_ids(prompt_ids)
         if vision_inputs is not None and len(vision_inputs) != len(prompt_ids):
@@ -287,6 +288,8 @@ class HFRolloutEngine(ModelAndTokenizer, RolloutEngine):
                 logits_processor=processors,
                 **shared,
                 **(vision or {}),
+                # the processor's token types: the model builds its 3-D rotary positions from them
+                **({"mm_token_type_ids": token_type_ids(input_ids, model)} if vision else {}),
             )
         generated = sequences[:, width:]  # [N, L], L <= max_new_tokens
         logprobs = recorder.finish(generated)  # [N, L]

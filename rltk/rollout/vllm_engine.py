@@ -57,6 +57,7 @@ from rltk.rollout.base import (
     Completion, ModelAndTokenizer, RolloutEngine, SamplingParams, cut_at_stop, validate_prompt_ids,
 )
 from rltk.models.wrappers import unwrap_model
+from rltk.rollout import vllm_vision, vllm_weight_sync
 
 MIN_VLLM_VERSION = (0, 32)  # the weight-transfer API and layerwise reload this engine syncs through
 _USE_HF = "or set rollout.engine=hf (transformers, any device)"
@@ -121,6 +122,9 @@ def check_head_size(model_config: Any, platform: str) -> None:
         supported = CPUAttentionBackend.get_supported_head_sizes()
     except (ImportError, AttributeError):  # a vLLM that moved it: let vLLM say so itself
         return
+    from rltk.rollout.vllm_vision import text_config
+
+    model_config = text_config(model_config)  # a VLM's language model (its vision tower runs on torch's SDPA)
     heads = getattr(model_config, "num_attention_heads", None)
     head_dim = getattr(model_config, "head_dim", None) or (
         model_config.hidden_size // heads if heads else None)
@@ -219,13 +223,15 @@ def _build_llm(vllm, kwargs: dict[str, Any]):
         torch.set_num_threads(threads)
 
 
-def vllm_request_kwargs(params: SamplingParams, stop_token_ids: Sequence[int], seed: int | None, n: int) -> dict:
+def vllm_request_kwargs(params: SamplingParams, stop_token_ids: Sequence[int], seed: int | None, n: int,
+                        logit_bias: Mapping[int, float] | None = None) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one request of ``n`` samples.
 
     ``logprobs=0`` asks for the sampled token's log-prob only; ``ignore_eos``
     makes ``stop_token_ids`` (eos included unless the caller chose otherwise)
     the only stop condition, matching the ``hf`` engine; vLLM switches top-k
-    off with ``-1`` and decodes greedily at temperature 0.
+    off with ``-1`` and decodes greedily at temperature 0. ``logit_bias``: a
+    VLM's banned vision tokens (:func:`rltk.rollout.vllm_vision.banned_vision_tokens`).
     """
     kwargs = {
         "n": n,
@@ -236,6 +242,8 @@ def vllm_request_kwargs(params: SamplingParams, stop_token_ids: Sequence[int], s
         "detokenize": False,
         "seed": seed,
     }
+    if logit_bias:
+        kwargs["logit_bias"] = dict(logit_bias)
     if params.greedy:
         kwargs.update(temperature=0.0, top_p=1.0, top_k=-1)
     else:
@@ -352,14 +360,32 @@ def _peft_or_self(model: nn.Module) -> nn.Module:
     return peft_model_of(model) if is_lora_model(model) else model
 
 
-def _write_model_skeleton(model: nn.Module, tokenizer: Any, path: str) -> None:
-    """Config, generation config and tokenizer of ``model``: what vLLM needs to build it with dummy weights."""
+def _write_model_skeleton(model: nn.Module, tokenizer: Any, path: str, processor: Any = None) -> None:
+    """Config, generation config and tokenizer of ``model`` (and a VLM's processor): what vLLM needs to build it
+    with dummy weights."""
     model.config.save_pretrained(path)
+    if not getattr(model.config, "architectures", None):
+        # a model built from a config names no architecture until save_pretrained; vLLM reads the class from it
+        # (without it a Qwen2.5-VL config resolves to a pooling model)
+        _name_architecture(path, type(unwrap_model(model, through_peft=True)).__name__)  # a LoRA policy's base
+    if processor is not None:
+        processor.save_pretrained(path)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(path)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(path)
+
+
+def _name_architecture(path: str, name: str) -> None:
+    import json
+
+    config_file = os.path.join(path, "config.json")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    config["architectures"] = [name]
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
 
 
 def _check_engine_args(*, lora_sync: str, tensor_parallel_size: int, gpu_memory_utilization: float | None,
@@ -451,12 +477,22 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
         enable_prefix_caching: reuse KV of shared prompt prefixes (the ``n``
             samples of a prompt); the cache is reset after each weight update.
         seed: vLLM's engine seed (offset by ``RANK // tensor_parallel_size``).
+        processor: a vision-language policy's processor (its image processor and chat template), written beside
+            the config vLLM builds the model from; needed for a VLM without ``model_path`` (a folder has its own).
+        max_images_per_prompt: a VLM's most images in one prompt (vLLM's ``limit_mm_per_prompt``; it sizes
+            its encoder budget by it).
         lora_sync: for a LoRA policy, ``"adapter"`` (default): vLLM serves the
             frozen base (sent once) with the adapter as a LoRA (``enable_lora``),
             and a sync writes the adapter alone and loads it as a new
             ``LoRARequest``; ``"merged"``: every sync sends the merged weights.
             Adapter sync needs no ``modules_to_save`` (those train base weights).
         engine_kwargs: anything else for ``vllm.LLM(...)``, passed through.
+
+    A vision-language policy (Qwen2.5-VL, the tiny VLM default) samples with each prompt's images as vLLM's
+    multimodal inputs (:meth:`generate`'s ``vision_inputs``). vLLM's multimodal processor needs a tokenizer, so
+    for a VLM vLLM loads the folder's (``skip_tokenizer_init`` off) and the engine checks that it gives the
+    vision tokens the config's ids; token ids still come from rltk, and vLLM never detokenizes. Without
+    torchvision, :mod:`rltk.rollout.vllm_vision` lets vLLM load Qwen-VL models at all.
     """
 
     def __init__(
@@ -476,6 +512,8 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
         enable_prefix_caching: bool = True,
         seed: int = 0,
         lora_sync: str = "adapter",
+        processor: Any = None,
+        max_images_per_prompt: int = 4,
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
         world_size = _check_engine_args(lora_sync=lora_sync, tensor_parallel_size=tensor_parallel_size,
@@ -485,6 +523,12 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
         self.platform = vllm_platform()
         unwrapped = unwrap_model(model, through_peft=False)
         check_head_size(unwrapped.config, self.platform)
+        self.vision = vllm_vision.is_vision_language(unwrapped.config)
+        if self.vision and model_path is None and processor is None:
+            raise ConfigError("rollout.engine=vllm: a vision-language policy built in memory needs its processor "
+                              "(VLLMRolloutEngine(..., processor=...)) for vLLM to preprocess its images")
+        self._banned = vllm_vision.banned_vision_tokens(unwrapped)
+        self._image_token_id = getattr(unwrapped.config, "image_token_id", None) if self.vision else None
         enable_sleep_mode = _sleep_mode(enable_sleep_mode, self.platform)
         if enforce_eager is None:
             enforce_eager = self.platform == "cpu"
@@ -503,15 +547,14 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
         if model_path is None:
             self._skeleton_dir = tempfile.mkdtemp(prefix="rltk-vllm-")
             weakref.finalize(self, shutil.rmtree, self._skeleton_dir, ignore_errors=True)
-            _write_model_skeleton(unwrapped, tokenizer, self._skeleton_dir)
+            _write_model_skeleton(unwrapped, tokenizer, self._skeleton_dir, processor if self.vision else None)
             model_path, load_format = self._skeleton_dir, "dummy"
 
-        from rltk.rollout import vllm_weight_sync
-
         vllm_weight_sync.register()  # the worker runs in this process: registering here is enough
+        vllm_vision.register()  # Qwen-VL models without torchvision (vLLM also loads it as a plugin)
         kwargs: dict[str, Any] = dict(
             model=model_path,
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not self.vision,  # a multimodal processor needs vLLM's own tokenizer
             tensor_parallel_size=tensor_parallel_size,
             enable_sleep_mode=enable_sleep_mode,
             dtype=dtype,
@@ -531,6 +574,8 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
             kwargs.update(_lora_kwargs(self._lora_rank))
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if self.vision:
+            kwargs.update(vllm_vision.engine_kwargs(max_images_per_prompt))
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(engine_kwargs or {})
@@ -540,6 +585,12 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
         self._vllm = vllm
         self.llm = _build_llm(vllm, kwargs)
         self.logprobs_are_processed = True  # logprobs_mode=processed_logprobs: those of the distribution sampled
+        if self.vision:
+            disagreement = vllm_vision.engine_tokenizer_agrees(self.llm.get_tokenizer(), unwrapped.config)
+            if disagreement:
+                self.close()
+                raise ConfigError(f"rollout.engine=vllm: {disagreement}; save the model folder with rltk's "
+                                  f"tokenizer (rltk.models.tiny.save_pretrained_dir) or {_USE_HF}")
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
         self._load_first_weights(model, load_format)
 
@@ -558,9 +609,21 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Sample ``params.n`` completions per prompt (waking a sleeping engine first)."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 vision_inputs: Sequence[Any] | None = None) -> list[list[Completion]]:
+        """Sample ``params.n`` completions per prompt (waking a sleeping engine first).
+
+        ``vision_inputs`` (a VLM only): one entry per prompt, None for a prompt without images, else its
+        decoded images in placeholder order: a ``PIL.Image``, a list of them, or an object with an ``images``
+        list (:func:`rltk.rollout.vllm_vision.prompt_images`). ``prompt_ids`` hold the image placeholders as
+        the model's processor expanded them (one ``<|image_pad|>`` per merged patch, what the trainer scores),
+        or one unexpanded placeholder per image. vLLM expands placeholders itself, so each run goes to it as
+        one, and vLLM's expansion (of images it preprocesses with the policy's processor) must give back the
+        prompt as the trainer holds it, else a RuntimeError names the prompt. No completion holds a vision
+        token (:func:`rltk.rollout.vllm_vision.banned_vision_tokens`).
+        """
         prompt_ids = validate_prompt_ids(prompt_ids)
+        images = self._images_per_prompt(prompt_ids, vision_inputs)
         if self._asleep:
             self.wake_up()
         stop_ids = self._stop_token_ids(params)
@@ -573,17 +636,34 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
                 # that do not depend on how vLLM fans out n > 1.
                 requests = [(params.seed + index * params.n + j, 1) for j in range(params.n)]
             for seed, n in requests:
-                prompts.append({"prompt_token_ids": ids})
-                sampling.append(self._vllm.SamplingParams(**vllm_request_kwargs(params, stop_ids, seed, n)))
+                prompts.append(vllm_vision.vllm_prompt(ids, images[index], self._image_token_id))
+                sampling.append(self._vllm.SamplingParams(**vllm_request_kwargs(params, stop_ids, seed, n,
+                                                                               self._banned)))
                 owners.append(index)
         with eager_at_baseline_cpu_kernels():
             outputs = self.llm.generate(prompts, sampling_params=sampling, use_tqdm=False,
                                         **({"lora_request": self._lora_request} if self._lora_request else {}))
+        for output, index in zip(outputs, owners):
+            if images[index]:
+                vllm_vision.check_expansion(getattr(output, "prompt_token_ids", None), prompt_ids[index], index)
         completions = completions_from_outputs(outputs, owners, stop_ids, params.max_new_tokens, self._decode)
         grouped: list[list[Completion]] = [[] for _ in prompt_ids]
         for completion in completions:
             grouped[completion.prompt_index].append(completion)
         return grouped
+
+    def _images_per_prompt(self, prompt_ids: list[list[int]], vision_inputs: Sequence[Any] | None) -> list[list]:
+        if vision_inputs is None:
+            return [[] for _ in prompt_ids]
+        if len(vision_inputs) != len(prompt_ids):
+            raise ValueError(f"rollout engine 'vllm': {len(vision_inputs)} vision inputs for {len(prompt_ids)} "
+                             f"prompts")
+        images = [vllm_vision.prompt_images(entry, index) for index, entry in enumerate(vision_inputs)]
+        if any(images) and not self.vision:
+            raise ValueError("rollout engine 'vllm': prompts with images for a text model")
+        for index, (ids, given) in enumerate(zip(prompt_ids, images)):
+            vllm_vision.check_image_placeholders(ids, given, self._image_token_id, index)
+        return images
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -600,8 +680,9 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
         every rank must call this, and each full tensor is copied out before
         the next is gathered. A sleeping engine wakes its weights (not its KV
         cache) first; the prefix cache is reset because cached keys and values
-        belong to the old weights. A LoRA policy's adapters are merged into the
-        weights on the way (:func:`engine_weights`).
+        belong to the old weights, and so is a VLM's encoder cache (image features). A LoRA policy's adapters are
+        merged into the weights on the way (:func:`engine_weights`); a VLM's vision tower goes with the rest,
+        under transformers' names (``model.visual.*``), which vLLM's loader maps to its own.
         """
         if self._asleep:
             self._wake(["weights"])
@@ -612,6 +693,8 @@ class VLLMRolloutEngine(ModelAndTokenizer, RolloutEngine):
         self.weight_version += 1
         if self.enable_prefix_caching:
             self.llm.reset_prefix_cache()
+        if self.vision:  # image features the old vision tower computed, kept by image (vLLM's encoder cache)
+            self.llm.llm_engine.reset_encoder_cache()
 
     def _push(self, state: Mapping[str, torch.Tensor]) -> None:
         state = with_tied_head(dict(state), unwrap_model(self.model, through_peft=False).config)

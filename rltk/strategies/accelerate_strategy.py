@@ -46,6 +46,7 @@ from rltk.models.folders import full_cpu_copy, load_full_state_into, load_model_
 from rltk.models.parallel.expert_parallel import unsharded_copy
 from rltk.strategies.expert_parallel import ExpertParallelism, check_expert_parallel_size
 from rltk.strategies.layout import ParallelLayout
+from rltk.strategies.regroup import regroup_saved_state
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,12 @@ class AccelerateStrategy(TrainingStrategy):
 
             check_heads_divide(model, self.layout.sequence_parallel_size)
         if self.layout.tensor_parallel_size > 1:
+            from rltk.models.lora import is_lora_model
+
+            if is_lora_model(model):  # what the config check says (rltk.config.validation), for direct callers
+                raise ConfigError(f"strategy_args.tensor_parallel_size={self.layout.tensor_parallel_size} with a "
+                                  "LoRA model: LoRA adapters are not tensor-parallel; train them with "
+                                  "strategy_args.tensor_parallel_size=1")
             self._skeleton = weightless_copy(model)
             model = self._shard_tensor_parallel(model)
             self._sharded = True
@@ -403,9 +410,12 @@ class AccelerateStrategy(TrainingStrategy):
         read_strategy_meta(directory, "AccelerateStrategy", CHECKPOINT_FORMAT,
                            otherwise="export its model folder and start from that")
         load_full_state_into(self.unwrap(), load_model_folder(directory / MODEL_SUBDIR), directory / MODEL_SUBDIR)
-        load_optimizer_state_by_name(self._optimizer, self.unwrap(), load_weights_only(directory / OPTIMIZER_FILE),
-                                     directory / OPTIMIZER_FILE)
-        self._scheduler.load_state_dict(load_weights_only(directory / SCHEDULER_FILE))
+        # a checkpoint of another layout groups the same parameters otherwise (tensor parallelism splits groups)
+        saved, schedule = regroup_saved_state(
+            self._optimizer, self.unwrap(), load_weights_only(directory / OPTIMIZER_FILE),
+            load_weights_only(directory / SCHEDULER_FILE), directory / OPTIMIZER_FILE)
+        load_optimizer_state_by_name(self._optimizer, self.unwrap(), saved, directory / OPTIMIZER_FILE)
+        self._scheduler.load_state_dict(schedule)
         if self._grad_scaler is not None and (directory / GRAD_SCALER_FILE).exists():
             self._grad_scaler.load_state_dict(load_weights_only(directory / GRAD_SCALER_FILE))
         self.barrier()
@@ -416,10 +426,12 @@ class AccelerateStrategy(TrainingStrategy):
             "mixed_precision": self.mixed_precision,
             "fsdp": self._sharded,
             "expert_parallel_size": self._experts.size if self._experts is not None else 1,
+            # what wrote the checkpoint; any layout resumes it (tensors by name, groups by regroup_saved_state)
+            "sequence_parallel_size": self.layout.sequence_parallel_size,
+            "tensor_parallel_size": self.layout.tensor_parallel_size,
         }
 
 
-@rltk.hookimpl
 def _check_combinations(layout: ParallelLayout, fsdp: bool) -> None:
     """ConfigError for the parallel sizes that do not combine here: sequence parallel with tensor or expert
     parallel (not built together), or tensor parallel over several data-parallel ranks without FSDP2 (DDP
@@ -463,5 +475,6 @@ def clip_mixed_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return total.float()
 
 
+@rltk.hookimpl
 def rltk_training_strategies():
     return {"accelerate": AccelerateStrategy}

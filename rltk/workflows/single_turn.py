@@ -16,6 +16,7 @@ from typing import Any
 
 import rltk
 from rltk.batch import Experience
+from rltk.models.vision.inputs import encode_prompt
 from rltk.rollout.base import POLICY_VERSIONS, Completion, RolloutEngine, SamplingParams
 from rltk.workflows.base import (
     GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics, reward_means, score_samples,
@@ -35,6 +36,10 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
         sampling: sampling parameters of training rollouts (``n`` = group size).
         max_prompt_tokens: prompts longer than this are an error naming the row
             (filter them when loading data); ``None`` accepts any length.
+        processor: a vision-language policy's processor (``None`` for a text policy): a row's ``images``
+            and prompt go through it (:func:`rltk.models.vision.inputs.encode_prompt`, image placeholders
+            expanded into image tokens), the engine samples with each prompt's
+            :class:`rltk.batch.PromptImages` (``vision_inputs=``) and every experience keeps its prompt's.
 
     Group ids come from a counter owned by the workflow, so no two rows ever
     share one, across calls included. Each experience's ``info`` holds the
@@ -44,7 +49,7 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
     workflow_name = "single_turn"
 
     def __init__(self, *, engine: RolloutEngine, tokenizer: Any, reward: Any, sampling: SamplingParams,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, processor: Any = None):
         check_workflow_parts(self.workflow_name, sampling, reward)
         if max_prompt_tokens is not None and (
             not isinstance(max_prompt_tokens, int) or isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1
@@ -58,6 +63,7 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
         self.reward = reward
         self.sampling = sampling
         self.max_prompt_tokens = max_prompt_tokens
+        self.processor = processor
         self._next_group_id = 0  # group ids stay unique across calls (the Workflow contract)
         self._metrics: dict[str, float] = {}
 
@@ -77,13 +83,13 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
         if not rows:
             self._metrics = {}
             return []
-        prompt_ids = self._tokenize(rows)
+        prompt_ids, visions = self._tokenize(rows)
 
         tick = time.perf_counter()
-        groups = self._generate(prompt_ids, self.sampling)
+        groups = self._generate(prompt_ids, self.sampling, visions)
         greedy = None
         if greedy_baseline:
-            greedy = self._generate(prompt_ids, replace(self.sampling, n=1, greedy=True))
+            greedy = self._generate(prompt_ids, replace(self.sampling, n=1, greedy=True), visions)
         generate_s = time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -94,7 +100,7 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
         scored = iter(self._score_all(rows, to_score))  # one reward call for the whole step
         experiences = []
         baselines = []
-        for index, (row, ids, completions) in enumerate(zip(rows, prompt_ids, groups)):
+        for index, (row, ids, completions, vision) in enumerate(zip(rows, prompt_ids, groups, visions)):
             group_id = self.new_group_id()
             row_scored = [next(scored) for _ in completions]
             baseline = None
@@ -113,6 +119,7 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
                         rollout_logprobs=list(completion.logprobs),
                         finish_reason=completion.finish_reason,
                         routed_experts=completion.routed_experts,
+                        vision=vision,
                         reward_details=details,
                         info={
                             "prompt": row["prompt"],
@@ -164,7 +171,8 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
             raise ValueError("single_turn.evaluate() got no rows; give it the held-out split")
         if params is None:
             params = replace(self.sampling, n=1, greedy=True)
-        groups = self._generate(self._tokenize(rows), params)
+        prompt_ids, visions = self._tokenize(rows)
+        groups = self._generate(prompt_ids, params, visions)
         responses = [[self._decode(completion) for completion in completions] for completions in groups]
         scores = [score for score, _ in self._score_all(rows, responses)]
         lengths, truncated = [], 0
@@ -176,8 +184,18 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
 
     # ------------------------------------------------------------------ helpers
 
-    def _tokenize(self, rows: list[dict]) -> list[list[int]]:
+    def _tokenize(self, rows: list[dict]) -> tuple[list[list[int]], list]:
+        """Each row's prompt ids and :class:`rltk.batch.PromptImages` (None for a row without images)."""
         encoded = self.tokenizer([row["prompt"] for row in rows], add_special_tokens=False)["input_ids"]
+        visions: list = [None] * len(rows)
+        for index, row in enumerate(rows):
+            if row.get("images"):
+                if self.processor is None:
+                    raise ValueError(
+                        f"single_turn: row {index} (id {row.get('id', str(index))!r}) has {len(row['images'])} "
+                        f"image(s) but the policy has no processor (a text model); use a vision-language model "
+                        f"(model.tiny.vision.depth > 0 or a VLM folder) or drop data.image_key")
+                encoded[index], visions[index] = encode_prompt(self.processor, row["prompt"], row["images"])
         for index, (row, ids) in enumerate(zip(rows, encoded)):
             if not ids:
                 raise ValueError(
@@ -187,13 +205,17 @@ class SingleTurnWorkflow(GroupNumbering, Workflow):
             if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
                 raise ValueError(
                     f"single_turn: row {index} (id {row.get('id', str(index))!r}) has a prompt of {len(ids)} "
-                    f"tokens, more than max_prompt_tokens={self.max_prompt_tokens}. Filter long prompts when "
-                    f"loading the data, or raise rollout.workflow_args.max_prompt_tokens."
+                    f"tokens, more than max_prompt_tokens={self.max_prompt_tokens} (image tokens count). "
+                    f"Filter long prompts when loading the data, or raise rollout.workflow_args.max_prompt_tokens."
                 )
-        return [list(ids) for ids in encoded]
+        return [list(ids) for ids in encoded], visions
 
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        groups = self.engine.generate(prompt_ids, params)
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                  visions: list | None = None) -> list[list[Completion]]:
+        if visions is not None and any(v is not None for v in visions):
+            groups = self.engine.generate(prompt_ids, params, vision_inputs=visions)
+        else:
+            groups = self.engine.generate(prompt_ids, params)
         if len(groups) != len(prompt_ids) or any(len(g) != params.n for g in groups):
             raise RuntimeError(
                 f"rollout engine {type(self.engine).__name__} broke its contract: asked for {params.n} "

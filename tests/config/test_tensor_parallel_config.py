@@ -50,3 +50,10 @@ def test_a_recipe_with_a_critic_is_refused_naming_the_key(capsys):
     assert main(["validate", "ppo", f"{TP}=2"]) == 2
     assert f"{TP}=2: the critic (a value model, no vocabulary head) is not tensor-parallel yet" in \
         capsys.readouterr().err
+
+
+def test_lora_is_refused_naming_both_keys_and_why(capsys):
+    assert main(["validate", "grpo", f"{TP}=2", "model.lora.r=8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{TP}=2 with model.lora: LoRA adapters are not tensor-parallel" in err and "Traceback" not in err
+    assert main(["validate", "grpo", f"{TP}=1", "model.lora.r=8"]) == 0

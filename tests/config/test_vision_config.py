@@ -13,9 +13,9 @@ VLM = "model.tiny.vision.depth=2"
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ([VLM, "rollout.engine=vllm"], "bad value 'vllm' for 'rollout.engine' with a vision-language policy (the tiny "
-                                   "VLM (model.tiny.vision.depth=2)): rltk passes images to hf only"),
-    ([VLM, "rollout.engine=vllm_server"], "bad value 'vllm_server' for 'rollout.engine'"),
+    ([VLM, "rollout.engine=vllm_server"], "bad value 'vllm_server' for 'rollout.engine' with a vision-language "
+                                          "policy (the tiny VLM (model.tiny.vision.depth=2)): rltk passes images to "
+                                          "hf, vllm only"),
     ([VLM, "model.tiny.moe.num_experts=8"], "the tiny VLM is a dense Qwen2.5-VL"),
     ([VLM, "model.tiny.vision.image_size=50"], "image_size a positive multiple of 28"),
 ])
@@ -24,6 +24,16 @@ def test_bad_vision_settings_exit_2_naming_the_key(tmp_path, capsys, overrides, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_vllm_engine_takes_a_vlm():
+    from omegaconf import OmegaConf
+
+    from rltk.config.schema import RunConfig
+    from rltk.config.validation import check_vision_config
+
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist([VLM, "rollout.engine=vllm"]))
+    check_vision_config(cfg)  # no error: rltk.rollout.vllm_vision (tests/rollout/test_vllm_vision.py)
 
 
 def test_a_model_folder_is_judged_by_its_config(tmp_path):

@@ -90,7 +90,7 @@ def test_undecodable_bytes_are_named(tmp_path):
         decode_image("bad.png", where="row 3", key="pic", base_dir=tmp_path)
 
 
-def test_a_run_on_image_rows_exits_2_before_anything_heavy(tmp_path, capsys):
+def test_a_text_policy_on_image_rows_exits_2_before_anything_heavy(tmp_path, capsys):
     from rltk.commands.cli import main
 
     (tmp_path / "data").mkdir()
@@ -99,7 +99,7 @@ def test_a_run_on_image_rows_exits_2_before_anything_heavy(tmp_path, capsys):
     assert main(["run", "grpo", f"output_dir={tmp_path / 'run'}", f"data.path={data}", "data.task=null",
                  "stages=[]"]) == 2
     err = capsys.readouterr().err
-    assert "data.image_key='images'" in err and "not wired yet" in err and "Traceback" not in err
+    assert "data.image_key='images'" in err and "is a text model" in err and "Traceback" not in err
     missing = _write(tmp_path, [{"prompt": "<image>?", "answer": "red", "images": "gone.png"}])
     assert main(["run", "grpo", f"output_dir={tmp_path / 'run2'}", f"data.path={missing}", "stages=[]"]) == 2
     assert "gone.png' does not exist" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from PIL import Image
 
 from rltk.models.logprobs import response_logprobs
 from rltk.models.tiny import build_char_tokenizer, build_tiny_processor, build_tiny_vlm
-from rltk.models.vision.inputs import batch_vision_inputs
+from rltk.models.vision.inputs import batch_vision_inputs, token_type_ids
 from rltk.models.vision.tower import vision_token_ids
 from rltk.rollout.base import SamplingParams
 from rltk.rollout.hf import HFRolloutEngine
@@ -64,7 +64,8 @@ def test_engine_logprobs_agree_with_the_trainers_given_each_rows_images(parts):
         trainer, _ = response_logprobs(model, ids, mask, width, vision_inputs=vision)
         engine_lps = torch.tensor([c.logprobs for _, _, c in rows])
         # p_vision from the full logits of the same forward (the model's own, with its 3-D positions)
-        logits = model(input_ids=ids, attention_mask=mask, **vision).logits[:, ids.shape[1] - width - 1:-1]
+        logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=token_type_ids(ids, model),
+                       **vision).logits[:, ids.shape[1] - width - 1:-1]
         p_vision = logits.float().softmax(-1)[..., vision_ids].sum(-1)
         torch.testing.assert_close(trainer - torch.log1p(-p_vision), engine_lps, atol=ATOL, rtol=0)
         # teeth: the same tokens with the first prompt's image another colour score otherwise

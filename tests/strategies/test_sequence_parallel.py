@@ -91,6 +91,15 @@ def test_a_lora_adapter_split_over_two_ranks_matches_one_process(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two torchrun processes: ~20 s
+def test_two_ranks_splitting_every_sequence_and_sharding_with_fsdp2_match_one_process(tmp_path, one_process):
+    # FSDP2 shards the parameters over the sequence group's two ranks: each forward gathers them, each backward
+    # reduce-scatters the two token shares' gradients (averaged, then scaled back to their sum)
+    ranks = _launch(tmp_path, 2, "2", "fsdp")
+    _assert_like_one_process(ranks, one_process, data_ranks=1)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow  # four torchrun processes on the CI's two cores: about a minute
 def test_sequence_parallel_2_by_data_parallel_2_match_one_process(tmp_path, one_process):
     ranks = _launch(tmp_path, 4, "2")

@@ -152,3 +152,12 @@ def test_running_a_finished_run_again_reports_it_and_rewrites_nothing(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"rltk: {run_dir} already finished" in again.stdout and "final held-out" in again.stdout
     assert snapshot(run_dir) == before
+
+
+def test_the_split_over_processes_may_change_on_resume_but_not_the_engine():
+    # the accelerate strategy's checkpoints resume at any layout (tests/recipes/test_parallel_checkpoints.py)
+    saved = {"strategy": "accelerate", "strategy_args": {"tensor_parallel_size": 2, "fsdp": True}}
+    new = {"strategy": "accelerate", "strategy_args": {"sequence_parallel_size": 2}}
+    assert config_differences(saved, new) == []
+    assert config_differences(saved, {"strategy": "deepspeed", "strategy_args": {"zero_stage": 3}}) == [
+        ("strategy", "accelerate", "deepspeed"), ("strategy_args.zero_stage", "(unset)", 3)]

@@ -169,6 +169,9 @@ RESUME_SAFE_KEYS = (
     "guard.",  # when a diverged run stops: loosen it and resume, and the run trains as it would have
     "buffer.queue_resume",  # given for the resume that replaces a lost experience queue
     "algorithm.rollout_correction.log_metrics",  # only logs the mismatch; the update is the same
+    # How the policy is split over the processes, not what it computes: the accelerate strategy's checkpoints
+    # hold whole tensors by name and regroup the optimizer state (rltk.strategies.regroup), so any split resumes.
+    "strategy_args.fsdp", "strategy_args.tensor_parallel_size", "strategy_args.sequence_parallel_size",
 )
 
 _UNSET = "(unset)"

@@ -49,22 +49,91 @@ def _build_rows(cfg: DictConfig, tokenizer) -> tuple[list[dict], list[dict]]:
         held_out = make_task(d.task, "heldout", d.eval_size, cfg.seed, **task_args)
     else:
         raise ConfigError("set either 'data.path' (a dataset file or folder) or 'data.task' (a synthetic task)")
-    _refuse_images(train + held_out, d.image_key)
+    _check_image_rows(cfg, train + held_out)
     fmt = dict(system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
                prompt_template=d.prompt_template, max_prompt_tokens=d.max_prompt_tokens,
                on_too_long=d.on_too_long, tools=tool_schemas(cfg))
-    return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
+    if d.max_prompt_tokens is None or not any(row.get("images") for row in train + held_out):
+        return format_prompts(train, tokenizer, **fmt), format_prompts(held_out, tokenizer, **fmt)
+    # rows with images: their length is counted with the image tokens the processor expands them into
+    from rltk.training.scaffold.setup import build_processor
+
+    processor = build_processor(cfg, tokenizer)
+    fmt["max_prompt_tokens"] = None
+    return tuple(_within_length_with_images(format_prompts(rows, tokenizer, **fmt), tokenizer, processor,
+                                            d.max_prompt_tokens, d.on_too_long) for rows in (train, held_out))
 
 
-def _refuse_images(rows: list[dict], image_key: str) -> None:
-    """Rows with images stop the run: they are read and checked, but not yet carried to the engine and the loss."""
+def _within_length_with_images(rows: list[dict], tokenizer, processor, max_tokens: int,
+                               on_too_long: str) -> list[dict]:
+    """The formatted rows whose prompt fits ``data.max_prompt_tokens``, a row with images counted as the
+    processor encodes it (each image its feature tokens, :func:`rltk.models.vision.inputs.expanded_length`); the
+    others dropped with a logged count or refused, as ``data.on_too_long`` says (as
+    :func:`rltk.data.loading.format_prompts` does for text rows)."""
+    import logging
+
+    from rltk.models.vision.inputs import expanded_length
+
+    kept, dropped = [], []
+    for row in rows:
+        images = row.get("images") or []
+        length = expanded_length(processor, row["prompt"], images)
+        if length <= max_tokens:
+            kept.append(row)
+        elif on_too_long == "error":
+            raise ConfigError(f"row '{row['id']}': the prompt is {length} tokens (with its {len(images)} "
+                              f"image(s)' tokens), more than data.max_prompt_tokens={max_tokens}. Raise the limit, "
+                              f"use smaller images, or set data.on_too_long=filter to drop such rows")
+        else:
+            dropped.append(row["id"])
+    if dropped:
+        logging.getLogger(__name__).warning(
+            "dropped %d of %d prompts longer than data.max_prompt_tokens=%d (image tokens counted; first ids: %s)",
+            len(dropped), len(rows), max_tokens, ", ".join(dropped[:5]))
+    if rows and not kept:
+        raise ConfigError(f"all {len(rows)} prompts are longer than data.max_prompt_tokens={max_tokens} with their "
+                          f"image tokens; nothing is left to train on. Raise the limit.")
+    return kept
+
+
+def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
+    """Rows with images need a vision-language policy and a run that carries them to every forward.
+
+    The synchronous RL loop (``trainer.mode=sync``, the ``single_turn`` workflow) and the supervised warm-up
+    carry each row's images from the processor to the engine and every log-prob pass; what does not (packed
+    rows, the asynchronous modes, a critic, the preference and distillation stages) is refused here, and
+    by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
+    """
+    from rltk.config.validation import policy_is_vlm
+    from rltk.models.vision.inputs import refuse_packing_reason
+
+    with_images = next((row for row in rows if row.get("images")), None)
+    if with_images is None:
+        return
+    key = cfg.data.image_key
+    where = (f"data.image_key='{key}': row '{with_images['id']}' has {len(with_images['images'])} image(s)")
+    vlm, described = policy_is_vlm(cfg)
+    if not vlm:
+        raise ConfigError(f"{where} but the policy ({described}) is a text model; use a vision-language model "
+                          f"(model.tiny.vision.depth=2 or a Qwen-VL folder), or drop the column")
+    if cfg.trainer.pack_sequences:
+        raise ConfigError(f"{where}: {refuse_packing_reason()}")
+    if cfg.trainer.mode != "sync":
+        raise ConfigError(f"{where}: trainer.mode={cfg.trainer.mode} does not carry images to its producer yet; "
+                          f"run with trainer.mode=sync")
+    if cfg.rollout.workflow != "single_turn":
+        raise ConfigError(f"{where}: rollout.workflow={cfg.rollout.workflow} does not carry images yet; "
+                          f"run with rollout.workflow=single_turn")
+
+
+def refuse_image_rows(rows: list[dict], cfg: DictConfig, what: str) -> None:
+    """Stop a stage (``what``, e.g. "the dpo stage") that would train on the text of rows with images alone."""
     with_images = next((row for row in rows if row.get("images")), None)
     if with_images is not None:
         raise ConfigError(
-            f"data.image_key='{image_key}': row '{with_images['id']}' has {len(with_images['images'])} image(s); "
-            f"rltk reads and checks them, but passing images to the rollout engine and every log-prob pass is "
-            f"not wired yet, so a run would train on the text alone. Drop the column or set data.image_key to "
-            f"a column the data lacks")
+            f"data.image_key='{cfg.data.image_key}': row '{with_images['id']}' has {len(with_images['images'])} "
+            f"image(s), but {what} does not carry images to its forwards yet, so it would train on the text "
+            f"alone; drop the column (or set data.image_key to a column the data lacks) for this stage")
 
 
 def tool_schemas(cfg: DictConfig) -> list[dict] | None:
@@ -82,8 +151,14 @@ def tool_schemas(cfg: DictConfig) -> list[dict] | None:
 
 
 def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
-              tools: list[dict] | None = None) -> list[tuple[list[int], list[int], list[int]]]:
-    """``(prompt ids, response ids, loss mask)`` for supervised warm-up.
+              tools: list[dict] | None = None, processor=None) -> list[tuple]:
+    """``(prompt ids, response ids, loss mask)`` for supervised warm-up, and the prompt's
+    :class:`rltk.batch.PromptImages` fourth for a row with images.
+
+    A row with ``images`` goes through a VLM's ``processor`` as the rollout's prompts do
+    (:func:`rltk.models.vision.inputs.encode_prompt`: placeholders expanded into image tokens), so the loss
+    sees the image features; its pixel values travel with the example into the batch. A demonstration
+    transcript with images is refused (its turns are not encoded by the processor yet).
 
     A row with a demonstration transcript (``sft_messages``) is tokenized by
     :func:`rltk.data.chat.tokenize_transcript` (``tools`` rendered as in the
@@ -98,6 +173,11 @@ def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
     pairs = []
     for row in rows:
         extras = row.get("extras") or {}
+        if row.get("images") and (processor is None or (row.get("sft_messages") and not completion_key)):
+            what = ("the policy has no processor (a text model)" if processor is None else
+                    "its demonstration transcript (sft_messages) is not encoded with images yet")
+            raise ConfigError(f"row '{row.get('id')}' has {len(row['images'])} image(s) (data.image_key) but {what}; "
+                              f"drop the column, or give the row a completion instead of a transcript")
         if row.get("sft_messages") and not completion_key:
             try:
                 pairs.append(tokenize_transcript(row["sft_messages"], tokenizer, tools=tools))
@@ -114,7 +194,13 @@ def sft_pairs(rows: list[dict], tokenizer, completion_key: str | None = None, *,
             completion = str(extras[completion_key])
         else:
             completion = str(extras.get("solution", row["ground_truth"]))
-        prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if row.get("images"):
+            from rltk.models.vision.inputs import encode_prompt
+
+            prompt_ids, vision = encode_prompt(processor, row["prompt"], row["images"])
+            pairs.append((prompt_ids, completion_ids, [1] * len(completion_ids), vision))
+            continue
+        prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         pairs.append((prompt_ids, completion_ids, [1] * len(completion_ids)))
     return pairs

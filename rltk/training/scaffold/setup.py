@@ -141,14 +141,18 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
     """
     from rltk.config.components import signature_params
 
-    engine = rltk.get_component("rollout_engine", cfg.rollout.engine)(
-        model=policy, tokenizer=tokenizer, **args_of(cfg, "rollout.engine"))
+    engine_cls = rltk.get_component("rollout_engine", cfg.rollout.engine)
+    engine = engine_cls(model=policy, tokenizer=tokenizer, **engine_processor(cfg, tokenizer, engine_cls),
+                        **args_of(cfg, "rollout.engine"))
     workflow_cls = rltk.get_component("workflow", cfg.rollout.workflow)
     # A workflow that names `env` in its signature (multi_turn, agentic) gets the env section.
-    env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in signature_params(workflow_cls)[0] else {}
+    named = signature_params(workflow_cls)[0]
+    env = {"env": OmegaConf.to_container(cfg.env, resolve=True)} if "env" in named else {}
+    # A workflow that names `processor` (single_turn) encodes a VLM's images with it (rltk.models.vision.inputs).
+    processor = build_processor(cfg, tokenizer) if "processor" in named else None
     workflow = workflow_cls(
         engine=engine, tokenizer=tokenizer, reward=build_reward(cfg), sampling=sampling_params(cfg),
-        **env, **args_of(cfg, "rollout.workflow"))
+        **env, **({"processor": processor} if processor is not None else {}), **args_of(cfg, "rollout.workflow"))
     # The trainer relies on what the base classes declare (state_dict, close, samples_from_module ...).
     for key, built, base in (("rollout.engine", engine, RolloutEngine), ("rollout.workflow", workflow, Workflow)):
         if not isinstance(built, base):
@@ -156,6 +160,17 @@ def build_workflow(cfg: DictConfig, policy, tokenizer):
                               f"{base.__module__}.{base.__name__}; a registered {key.split('.')[1]} must, so the "
                               f"trainer can rely on what the base class declares")
     return workflow
+
+
+def engine_processor(cfg: DictConfig, tokenizer, engine_cls) -> dict:
+    """``{"processor": ...}`` for an engine that names ``processor`` (``vllm``: vLLM preprocesses a VLM's images
+    with it) when the policy is a VLM; else nothing."""
+    from rltk.config.components import signature_params
+
+    if "processor" not in signature_params(engine_cls)[0]:
+        return {}
+    processor = build_processor(cfg, tokenizer)
+    return {"processor": processor} if processor is not None else {}
 
 
 def trainer_workflow_config(cfg: DictConfig) -> DictConfig:
@@ -183,17 +198,23 @@ def sampling_params(cfg: DictConfig, *, greedy: bool = False) -> SamplingParams:
                           max_new_tokens=r.max_new_tokens)
 
 
+def layout_of_run(cfg: DictConfig):
+    """The :class:`~rltk.strategies.layout.ParallelLayout` of the run's ``strategy_args`` sizes over the launched
+    processes, before any strategy exists; a size that does not divide the processes exits 2 here."""
+    import os
+
+    from rltk.strategies.layout import ParallelLayout
+
+    return ParallelLayout.from_strategy_args(args_of(cfg, "strategy"), int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def data_rank_of_run(cfg: DictConfig) -> int:
     """This process's data rank under the run's ``strategy_args`` sizes, before any strategy exists: what seeds
     its sampling, so that the ranks of a sequence- or tensor-parallel group (one share of the rows) sample
-    alike. The process rank when only data is split; a size that does not divide the processes exits 2 here."""
-    import os
-
+    alike. The process rank when only data is split."""
     from rltk.distributed import process_rank
-    from rltk.strategies.layout import ParallelLayout
 
-    layout = ParallelLayout.from_strategy_args(args_of(cfg, "strategy"), int(os.environ.get("WORLD_SIZE", "1")))
-    return layout.data_rank(process_rank())
+    return layout_of_run(cfg).data_rank(process_rank())
 
 
 def build_strategy(cfg: DictConfig, model, *, lr: float, total_steps: int, warmup_steps: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from rltk.training.scaffold.rows import refuse_image_rows
 from rltk.training.rollouts.rollout_source import open_rollout_source
 from rltk.training.stages.loop_state import open_rl_stage, rl_steps
 from rltk.training.stages.run import Stage, build_rl_strategy
@@ -23,6 +24,7 @@ from rltk.training.updates.rl import policy_update
 
 def run_distill_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
+    refuse_image_rows(run.train_rows, cfg, "the distill stage (its teacher's forward)")
     a, t = cfg.algorithm, cfg.trainer
     strategy = build_rl_strategy(stage)  # the schedule counts optimizer steps
     workflow = run.workflow

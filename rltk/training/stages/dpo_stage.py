@@ -14,7 +14,7 @@ from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
 from rltk.components.builtin_stages import check_dpo_stage
 from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
-from rltk.training.scaffold.rows import tool_schemas
+from rltk.training.scaffold.rows import refuse_image_rows, tool_schemas
 from rltk.training.stages.loop_state import LoopState, StageContext
 from rltk.training.stages.run import Stage, build_stage_strategy, require_rows_per_rank
 from rltk.training.stages.step_end import end_step, evaluate_at_start
@@ -32,6 +32,7 @@ REFERENCE_CHUNK = 256
 
 def run_dpo_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
+    refuse_image_rows(run.train_rows, cfg, "the dpo stage (its preference pairs)")
     d, t = cfg.dpo, cfg.trainer
     check_dpo_stage(cfg)  # validation ran it too; a script's own run_stages may not have validated
     strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps, warmup_steps=t.warmup_steps,

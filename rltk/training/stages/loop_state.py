@@ -39,6 +39,7 @@ from rltk.batch import collate
 from rltk.buffer.buffer import ExperienceBuffer
 from rltk.config.recipe_capabilities import StepPlan
 from rltk.data.sampler import RowSampler
+from rltk.models.vision.features import ImageFeatureCache
 from rltk.notices import warn_old_call
 from rltk.training.rollouts.collect import Rollout, RolloutPlan, expert_experiences
 from rltk.training.step.estimator import Estimator
@@ -291,14 +292,24 @@ def rl_steps(ctx, rollouts, *old):
         warn_old_call("rl_steps(stage, loop, parts, strategy, rollouts)", "rl_steps(ctx, rollouts)")
         stage, loop, (parts, strategy, rollouts) = ctx, rollouts, old
         ctx = StageContext(stage, loop, strategy, parts)
+    # A frozen vision tower runs once per image and step: the rollout's prefill and every pass of the step reuse
+    # its features (rltk.models.vision.features); the cache is emptied when the step ends.
+    # Not where parameters are sharded over ranks: each tower forward gathers them (a collective), and ranks
+    # whose rows hold different images would skip different forwards.
+    features = ImageFeatureCache()
+    sharded = getattr(ctx.strategy, "shards_parameters", False) and getattr(ctx.strategy, "data_world_size", 1) > 1
+    reference = ctx.loop.reference.copy if ctx.loop.reference is not None else None
+    engine_model = getattr(ctx.stage.run.workflow.engine, "model", None)  # colocated hf: the policy module
+    cached = [] if sharded else [ctx.strategy.unwrap(), engine_model, reference]
     for step in range(ctx.loop.step + 1, ctx.cfg.trainer.total_steps + 1):
-        tick = time.perf_counter()
-        rollout = rollouts.take(step)  # time/rollout_s: sampling, or waiting for a producer's batch
-        batch = sampled_batch(ctx, rollout, step)
-        if batch is None:
-            rollouts.after_update(step)
-            continue
-        yield step, tick, rollout, batch
+        with features.serving(cached):
+            tick = time.perf_counter()
+            rollout = rollouts.take(step)  # time/rollout_s: sampling, or waiting for a producer's batch
+            batch = sampled_batch(ctx, rollout, step)
+            if batch is None:
+                rollouts.after_update(step)
+                continue
+            yield step, tick, rollout, batch
 
 
 def kl_to_reference(loss: LossComponents, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from rltk.algorithms.kl import apply_kl_penalty
+from rltk.training.scaffold.rows import refuse_image_rows
 from rltk.training.rollouts.rollout_source import open_rollout_source
 from rltk.training.stages.loop_state import StageContext, kl_to_reference, open_rl_stage, rl_steps
 from rltk.training.stages.run import Stage, build_rl_strategy
@@ -24,6 +25,7 @@ from rltk.training.updates.rl import policy_update
 
 def run_ppo_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
+    refuse_image_rows(run.train_rows, cfg, "the ppo stage (its critic, a value model, sees the text only)")
     t, c = cfg.trainer, cfg.critic
     # The schedule counts optimizer steps, of the RL steps after the critic's warm-up (the policy waits
     # through it); the rollout engine follows the strategy's weights (ZeRO-3: from a whole copy of its own).

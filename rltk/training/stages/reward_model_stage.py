@@ -15,6 +15,7 @@ import rltk
 from rltk.data.sampler import RowSampler
 from rltk.distributed import end_process_group, process_rank
 from rltk.errors import ConfigError
+from rltk.training.scaffold.rows import refuse_image_rows
 from rltk.training.scaffold.run_outputs import write_summary
 from rltk.training.scaffold.setup import args_of, build_strategy
 from rltk.training.stages.run import Run, Stage
@@ -35,6 +36,7 @@ def refuse_unsupported(cfg) -> None:
 
 def run_reward_model_stage(stage: Stage):
     """Train a reward model from the policy as the stage starts (``rltk run reward_model``)."""
+    refuse_image_rows(stage.run.train_rows, stage.cfg, "the reward_model stage (its preference pairs)")
     train_reward_model(stage.run)
 
 

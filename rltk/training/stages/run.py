@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 import rltk
-from rltk.checkpoint import CheckpointManager
+from rltk.checkpoint import CheckpointManager, saved_rank_of
 from rltk.distributed import end_process_group, limit_torch_threads, process_rank, seed_everything
 from rltk.errors import ConfigError
 from rltk.loggers.base import StageSpan, stage_ended, stage_spans
@@ -47,8 +47,8 @@ from rltk.training.scaffold.resume import (
 from rltk.training.scaffold.rows import build_rows
 from rltk.training.scaffold.run_outputs import MetricLog, build_loggers, prepare_run_dir, write_summary
 from rltk.training.scaffold.setup import (
-    build_strategy, build_tokenizer_and_policy, build_workflow, data_rank_of_run, stage_config, trainer_workflow_config,
-    save_tokenizer_folder,
+    build_strategy, build_tokenizer_and_policy, build_workflow, data_rank_of_run, layout_of_run, stage_config,
+    trainer_workflow_config, save_tokenizer_folder,
 )
 from rltk.training.stages.stage_checkpoint import LOG_ROWS_KEY, StageCheckpoint, restore_rollout_state
 from rltk.training.scaffold.traces import TraceWriter
@@ -155,7 +155,7 @@ def open_run(cfg: DictConfig) -> Run:
     # (an asynchronous run on vllm_server: the servers are the producer's, the trainer evaluates with hf)
     workflow = build_workflow(trainer_workflow_config(cfg), policy, tokenizer)
     if resume is not None:
-        restore_rollout_state(workflow, resume)
+        restore_rollout_state(workflow, resume, layout_of_run(cfg))
 
     resume_step = resume["global_step"] if resume is not None else 0
     # a warm-up that may stop on reaching sft.stop_at_accuracy (at a probe before its last step): its sft.steps
@@ -212,7 +212,8 @@ def run_stages(run: Run, runners: Mapping[str, Callable[[Stage], Any]]) -> None:
                 if "started_from" not in resume:
                     # and draw what the uninterrupted run drew next: a stage before (a DPO stage's sampled
                     # evaluation) may have used the global RNG after the run's start
-                    load_rng_state(resume["path"], process_rank())
+                    load_rng_state(resume["path"], saved_rank_of(layout_of_run(run.cfg), process_rank(),
+                                                                 Path(resume["path"])))
             resume = None
         first_step = run.last_step  # a stage's steps follow the last step the stage before it ran
         guard = DivergenceGuard(scfg, stage_name=stage.name, stage_type=stage.type, first_step=first_step,

@@ -14,7 +14,7 @@ from rltk.training.scaffold.evaluation import evaluate, probe
 from rltk.training.stages.loop_state import LoopState
 from rltk.training.stages.run import Stage, require_rows_per_rank
 from rltk.training.scaffold.rows import sft_pairs, tool_schemas
-from rltk.training.scaffold.setup import build_strategy, samples_every_step
+from rltk.training.scaffold.setup import build_processor, build_strategy, samples_every_step
 from rltk.training.updates.sft import sft_batch, sft_step
 from rltk.training.stages.stage_checkpoint import should_checkpoint
 
@@ -38,7 +38,9 @@ def run_sft_stage(stage: Stage):
     # Otherwise nothing samples during this stage, so the rollout engine is not pointed at the
     # strategy's weights (under ZeRO-3 that would cost a whole copy for nothing).
     probe_rows = run.train_rows[: s.probe_size]
-    pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg))
+    # a VLM's rows with images go through its processor, as the rollout's prompts do
+    processor = build_processor(cfg, run.tokenizer) if any(row.get("images") for row in run.train_rows) else None
+    pairs = sft_pairs(run.train_rows, run.tokenizer, s.completion_key, tools=tool_schemas(cfg), processor=processor)
     # before the first step of a run with RL: tools and turn caps fit the rollout
     if any(samples_every_step(st.type) for st in run.cfg.stages):
         check_demonstrations(cfg, run.train_rows, pairs)  # (`rltk run sft` samples only to evaluate)

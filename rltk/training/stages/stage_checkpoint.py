@@ -11,10 +11,13 @@ from omegaconf import DictConfig
 import rltk
 from rltk.distributed import every_rank, process_rank
 from rltk.training.scaffold.resume import STAGE_ENDS_KEY
+from rltk.training.scaffold.setup import layout_of_run
 
 if TYPE_CHECKING:  # the loop state is built above this module; only its type is named here
+    from rltk.strategies.layout import ParallelLayout
     from rltk.training.stages.loop_state import LoopState
 
+RANKS_PER_DATA_SHARE_KEY = "ranks_per_data_share"  # how many consecutive ranks held the same rows at the save
 PER_RANK_KEY = "per_rank"  # checkpoint state: one JSON-able dict per rank, in rank order (see rank_state)
 REWARD_STATE_KEY = "reward_counters"  # in each rank's dict: its RewardComposer.state_dict()
 WORKFLOW_STATE_KEY = "workflow"  # in each rank's dict: its workflow's state_dict()
@@ -70,6 +73,8 @@ class StageCheckpoint:
         if hasattr(workflow.reward, "state_dict"):  # a reward is any callable; the composer keeps counters
             mine[REWARD_STATE_KEY] = workflow.reward.state_dict()
         state[PER_RANK_KEY] = every_rank(mine)
+        layout = layout_of_run(stage.run.cfg)
+        state[RANKS_PER_DATA_SHARE_KEY] = layout.world_size // layout.data_world_size
         global_step = stage.first_step + stage_step
         # where each finished stage ended: a resumed run numbers the stages after them on from there
         state[STAGE_ENDS_KEY] = stage.run.stage_ends[: stage.index] + ([global_step] if state["stage_done"] else [])
@@ -87,7 +92,7 @@ class StageCheckpoint:
             return False
         # the generators continue where they stopped: seeding them again would replay their draws
         state = stage.run.ckpt.load(stage.resume["path"], checkpointed, generators=loop.generators)
-        buffer_restored = loop.load_state_dict(state, rank_state(state))
+        buffer_restored = loop.load_state_dict(state, rank_state(state, layout_of_run(stage.run.cfg)))
         if stage.guard is not None:
             stage.guard.load_state_dict(state.get(GUARD_KEY, {}))  # count on from where it stopped
         return buffer_restored
@@ -104,7 +109,7 @@ class StageCheckpoint:
             reference.save(path)
 
 
-def rank_state(state: dict) -> dict:
+def rank_state(state: dict, layout: "ParallelLayout") -> dict:
     """This rank's ``rank_extra`` (and reward counters) from a checkpoint's state, see :func:`save_checkpoint`.
 
     Empty when the checkpoint holds none for this rank: written by an older
@@ -112,10 +117,15 @@ def rank_state(state: dict) -> dict:
     """
     ranks = state.get(PER_RANK_KEY) or []
     rank = process_rank()
+    # saved at another layout with as many data ranks: the entry of the saved rank holding this one's rows
+    # (a sequence or tensor group's ranks keep the same state; rltk.checkpoint.saved_rank_of does the same)
+    saved_group = int(state.get(RANKS_PER_DATA_SHARE_KEY, 1))
+    if len(ranks) != layout.world_size and len(ranks) // saved_group == layout.data_world_size:
+        rank = layout.data_rank(rank) * saved_group
     return ranks[rank] if rank < len(ranks) else {}
 
 
-def restore_rollout_state(workflow, resume: dict) -> None:
+def restore_rollout_state(workflow, resume: dict, layout: "ParallelLayout") -> None:
     """Let ``workflow`` and its reward continue from a checkpoint's state, each rank from its own entry.
 
     The workflow's state keeps group ids unique across the resume (a sample
@@ -126,7 +136,7 @@ def restore_rollout_state(workflow, resume: dict) -> None:
     checkpoint without them (older rltk, or components without
     ``state_dict``) leaves them where they start.
     """
-    saved = rank_state(resume)
+    saved = rank_state(resume, layout)
     if WORKFLOW_STATE_KEY in saved:
         workflow.load_state_dict(saved[WORKFLOW_STATE_KEY])
     if REWARD_STATE_KEY in saved and hasattr(workflow.reward, "load_state_dict"):  # a reward is any callable

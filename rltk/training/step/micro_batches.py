@@ -45,6 +45,7 @@ from rltk.batch import slice_batch
 from rltk.models.critic import response_values
 from rltk.models.logprobs import response_logprobs
 from rltk.models.packing import trim_padding
+from rltk.models.vision.inputs import vision_inputs_of
 from rltk.training.step.ranks import all_ranks_max
 
 __all__ = [
@@ -225,6 +226,10 @@ def run_logprobs(model: torch.nn.Module, data: dict[str, torch.Tensor], response
     input_ids, attention_mask, width, routed = _cut(data, response_width, kwargs.pop("routed_experts", None),
                                                     trim=trim or pack)
     forward = response_logprobs if strategy is None else strategy.logprobs
+    # a VLM's rows carry their own images (rltk.models.vision.inputs): only these rows' reach the model
+    vision = vision_inputs_of(data)
+    if vision is not None:
+        kwargs["vision_inputs"] = vision
     outputs = forward(model, input_ids, attention_mask, width, pack=pack, routed_experts=routed, **kwargs)
     return tuple(None if o is None else _pad_columns(o, response_width) for o in outputs)
 

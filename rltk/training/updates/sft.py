@@ -7,6 +7,7 @@ import functools
 import torch
 
 from rltk.batch import Experience, collate
+from rltk.models.vision.inputs import vision_inputs_of
 from rltk.training.step.micro_batches import MicroBatch, micro_batches, run_logprobs
 from rltk.training.updates.update_loop import MicroLoss, optimizer_step
 
@@ -18,13 +19,16 @@ def sft_batch(examples: list[tuple[list[int], ...]], pad_token_id: int) -> dict[
     completion) or ``(prompt ids, response ids, loss mask)``: a chat
     transcript after its opening, the mask 1 on assistant tokens and 0 on tool
     results, user or environment messages and template tokens (see
-    :func:`rltk.data.chat.tokenize_transcript`).
+    :func:`rltk.data.chat.tokenize_transcript`); a fourth item is the prompt's
+    :class:`rltk.batch.PromptImages` (a VLM's row with images), which the batch carries.
     """
     experiences = []
     for i, example in enumerate(examples):
-        prompt_ids, response_ids, *mask = example
+        prompt_ids, response_ids, *rest = example
+        mask = rest[0] if rest else None
+        vision = rest[1] if len(rest) > 1 else None
         experiences.append(Experience(prompt_ids=prompt_ids, response_ids=response_ids, score=0.0, group_id=i,
-                                      response_mask=list(mask[0]) if mask else None))
+                                      response_mask=list(mask) if mask is not None else None, vision=vision))
     return collate(experiences, pad_token_id)
 
 
@@ -71,6 +75,9 @@ def _padded_logprobs(model, mb: dict[str, torch.Tensor], width: int, *, strategy
                      **kwargs) -> tuple[torch.Tensor, ...]:
     """The micro-batch's log-probs at the batch's full widths (rows cut by count: nothing to trim), the
     strategy's pass (:meth:`~rltk.strategies.base.TrainingStrategy.logprobs`)."""
+    vision = vision_inputs_of(mb)  # a VLM's rows carry their own images
+    if vision is not None:
+        kwargs["vision_inputs"] = vision
     return strategy.logprobs(model, mb["input_ids"], mb["attention_mask"], width, **kwargs)
 
 
