@@ -105,11 +105,11 @@ def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
     here, and by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
     """
     from rltk.config.validation import policy_is_vlm
-    from rltk.models.vision.inputs import refuse_packing_reason
 
     with_images = next((row for row in rows if row.get("images")), None)
     if with_images is None:
         return
+    from rltk.models.vision.inputs import refuse_packing_reason  # imports torch: only for rows with images
     key = cfg.data.image_key
     where = (f"data.image_key='{key}': row '{with_images['id']}' has {len(with_images['images'])} image(s)")
     vlm, described = policy_is_vlm(cfg)

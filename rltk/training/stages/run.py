@@ -36,7 +36,7 @@ from rltk.distributed import end_process_group, limit_torch_threads, process_ran
 from rltk.errors import ConfigError
 from rltk.loggers.base import StageSpan, stage_ended, stage_spans
 from rltk.loggers.plot import plot_training_curves
-from rltk.stage_spec import StageSpec
+from rltk.registration.stage_spec import StageSpec
 from rltk.training.rollouts.engine_weights import connect_rollout_engine, engine_follows
 from rltk.training.scaffold.evaluation import evaluate
 from rltk.training.scaffold.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
