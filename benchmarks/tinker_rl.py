@@ -32,7 +32,7 @@ SERVER_WAIT_S = 180.0
 
 def start_server(*extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """``rltk serve-tinker --port 0 ...`` in a subprocess; returns it and its base URL once it listens."""
-    proc = subprocess.Popen([sys.executable, "-m", "rltk.cli", "serve-tinker", "--port", "0", *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "rltk.commands.cli", "serve-tinker", "--port", "0", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
     deadline = time.monotonic() + SERVER_WAIT_S

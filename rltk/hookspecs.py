@@ -282,7 +282,7 @@ def rltk_stages() -> dict:
     strategy holding the trained policy (see :func:`rltk.training.stages.run.run_stages`).
     ``provides`` says what its steps serve the config's components (batch fields, buffer
     sources, expert data, trainer modes), which ``rltk validate`` checks the config against.
-    The builtins (sft, grpo, ppo, dpo, distill, reward_model) are ``rltk.builtin_stages``.
+    The builtins (sft, grpo, ppo, dpo, distill, reward_model) are ``rltk.components.builtin_stages``.
     """
 
 

@@ -28,8 +28,8 @@ import importlib
 #: name -> the module that defines it.
 _FACE = {
     # the run and its stages
-    **dict.fromkeys(("parse_recipe_args", "recipe_stages", "registered_stages"), "rltk.recipe_validation"),
-    **dict.fromkeys(("StageSpec", "rl_provides", "RL_STEP_FIELDS"), "rltk.stage_spec"),
+    **dict.fromkeys(("parse_recipe_args", "recipe_stages", "registered_stages"), "rltk.recipe_tools.validation"),
+    **dict.fromkeys(("StageSpec", "rl_provides", "RL_STEP_FIELDS"), "rltk.registration.stage_spec"),
     **dict.fromkeys(("Run", "Stage", "open_run", "run_stages", "finish_run", "build_stage_strategy",
                      "build_rl_strategy", "require_rows_per_rank"), "rltk.training.stages.run"),
     # an RL loop's pieces, in the order a step uses them

@@ -8,9 +8,11 @@ of the ``rltk`` distribution itself.
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.metadata as importlib_metadata
 import inspect
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Mapping
@@ -168,19 +170,61 @@ def _label(component: Any) -> str:
     return getattr(component, "__qualname__", None) or repr(component)
 
 
-@dataclass
-class Entry:
-    """One registered component."""
+_UNLOADED = object()
 
-    kind: str
-    name: str
-    obj: Any
-    plugin: str  # plugin name (entry point "dist:name" or module name)
-    overrides: str | None = None
+
+class Entry:
+    """One registered component.
+
+    A builtin is registered by reference (``ref``, ``"module:attribute"``, read from its registration module's
+    source, :mod:`rltk.registration.source`): ``obj`` imports it on first use; ``described`` is what checking a
+    config needs, read from the source while the module is not imported (so ``rltk validate`` needs no torch).
+    """
+
+    def __init__(self, kind: str, name: str, obj: Any = _UNLOADED, plugin: str = "", overrides: str | None = None,
+                 *, ref: str | None = None):
+        if obj is _UNLOADED and ref is None:
+            raise TypeError("Entry needs the component or a reference to it")
+        self.kind, self.name, self.plugin, self.overrides, self.ref = kind, name, plugin, overrides, ref
+        self._obj = obj
+        self._described: Any = _UNLOADED
+
+    def __repr__(self) -> str:
+        return f"Entry({self.kind!r}, {self.name!r}, plugin={self.plugin!r})"
+
+    @property
+    def obj(self) -> Any:
+        """The component itself (imported now if it was registered by reference)."""
+        if self._obj is _UNLOADED:
+            module, _, attribute = self.ref.partition(":")
+            obj = importlib.import_module(module)
+            for part in attribute.split("."):
+                obj = getattr(obj, part)
+            _check_component(KINDS[self.kind], self.name, obj, self.plugin)
+            self._obj = obj
+        return self._obj
+
+    @property
+    def loaded(self) -> bool:
+        return self._obj is not _UNLOADED
+
+    @property
+    def described(self) -> Any:
+        """What a config check reads of the component: the component once its module is imported, else its
+        description read from the source (:class:`rltk.registration.source.Described`: the same signature,
+        type hints, docstring and literal class attributes), else the component itself."""
+        if self._obj is not _UNLOADED or self.ref.partition(":")[0] in sys.modules:
+            return self.obj
+        if self._described is _UNLOADED:
+            from rltk.registration.source import describe
+
+            self._described = describe(self.ref, lambda: self.obj)
+        return self._described if self._described is not None else self.obj
 
     @property
     def summary(self) -> str:
-        doc = inspect.getdoc(self.obj) if not isinstance(self.obj, dict) else self.obj.get("description", "")
+        described = self.described
+        doc = inspect.getdoc(described) if not isinstance(described, dict) else described.get("description", "")
         return (doc or "").strip().splitlines()[0] if doc else ""
 
 
@@ -402,6 +446,11 @@ def _load_entry_points(pm: pluggy.PluginManager, registry: Registry, builtins_on
         seen.add(key)
         if builtins_only and dist != PROJECT:
             continue
+        plugin_name = f"{dist}:{ep.name}"
+        version = ep.dist.version if ep.dist else "?"
+        if dist == PROJECT and _register_from_source(registry, ep.value, PluginInfo(plugin_name, dist, version,
+                                                                                    ep.value)):
+            continue
         try:
             module = ep.load()
         except Exception as exc:
@@ -410,9 +459,35 @@ def _load_entry_points(pm: pluggy.PluginManager, registry: Registry, builtins_on
                 f"import: {type(exc).__name__}: {exc}. Fix or uninstall it (pip uninstall {dist}), "
                 f"or set RLTK_DISABLE_PLUGIN_AUTOLOAD=1 to load builtins only."
             ) from exc
-        plugin_name = f"{dist}:{ep.name}"
-        version = ep.dist.version if ep.dist else "?"
         _register(registry, module, PluginInfo(plugin_name, dist, version, ep.value))
+
+
+def _register_from_source(registry: Registry, module: str, info: PluginInfo) -> bool:
+    """Register rltk's own registration module ``module`` by reference, read from its source without importing
+    it (its components import when first used); False when its source cannot say exactly what it registers.
+
+    Only rltk's own modules are read so: a builtin never overrides and has no lifecycle hooks, which this
+    leaves out (tests/test_builtin_registrations_from_source.py holds each builtin to what importing it gives)."""
+    if ":" in module or module in sys.modules:
+        return False
+    from rltk.registration.source import read_registrations
+
+    found = read_registrations(module, {kind.hook: kind.name for kind in KINDS.values()})
+    if found is None:
+        return False
+    added = []
+    for kind in (k for k in KINDS if k in found):  # in the order collect() reads a module's hooks
+        for name, ref in found[kind].items():
+            if name in registry.entries[kind]:
+                other = registry.entries[kind][name]
+                raise RegistryError(f"{kind} '{name}' is registered by two plugins: '{other.plugin}' and "
+                                    f"'{info.name}'")
+            added.append(Entry(kind, name, plugin=info.name, ref=ref))
+    registry.plugins[info.name] = info
+    for entry in added:
+        registry.entries[entry.kind][entry.name] = entry
+        info.components.setdefault(entry.kind, []).append(entry.name)
+    return True
 
 
 _lock = threading.Lock()

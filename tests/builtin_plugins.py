@@ -24,6 +24,9 @@ def ensure_registered(*entry_point_names: str) -> None:
     eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["rltk"]
     registry = get_registry()
     for name in entry_point_names:
+        # a builtin registered from its source (rltk.registration.source) is a plugin the manager never imported
+        if f"rltk:{name}" in registry.plugins:
+            continue
         module = importlib.import_module(eps[name])
         if not registry.pm.is_registered(module):
             register_plugin(module, name=f"rltk:{name}")

@@ -16,7 +16,7 @@ import rltk.algorithms.advantages as advantages_module
 import rltk.batch as batch_module
 from rltk.batch import Experience, collate
 from rltk.batch_types import BATCH_FIELDS, FIELD_DTYPES, FIELD_SHAPES, TrainingBatch
-from rltk.recipe_validation import shipped_recipe_spec, shipped_recipes
+from rltk.recipe_tools.validation import shipped_recipe_spec, shipped_recipes
 from rltk.registry import KINDS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -65,7 +65,7 @@ def test_validate_loads_no_model_code():
 
 def test_a_short_run_cuts_the_recipes_warmup_to_fit_and_a_warmup_you_set_must_fit(tmp_path, capsys):
     from rltk.errors import ConfigError
-    from rltk.recipe_validation import validate
+    from rltk.recipe_tools.validation import validate
 
     cfg, _ = validate("grpo", [], [])
     assert (cfg.trainer.warmup_steps, cfg.sft.warmup_steps) == (10, 20)  # the shipped length trains as before
@@ -126,7 +126,7 @@ def test_shipped_recipes_come_from_the_package():
 
 def test_rm_is_another_name_for_the_reward_model_recipe():
     # `rltk run rm` (issue 32's name) runs the reward_model script with its config: one recipe, two names.
-    from rltk.recipe_validation import default_config_for, resolve_recipe, validate
+    from rltk.recipe_tools.validation import default_config_for, resolve_recipe, validate
 
     assert resolve_recipe("rm") == resolve_recipe("reward_model") == shipped_recipes()["reward_model"]
     assert default_config_for(resolve_recipe("rm")).name == "reward_model.yaml"

@@ -187,7 +187,7 @@ def _claimed_files() -> dict[str, set[str]]:
 def _config(argv: list[str]):
     """The resolved config of ``rltk run RECIPE [--config FILE ...] key=value ...``, as ``cmd_run`` builds it."""
     from rltk.config.loader import load_config
-    from rltk.recipe_validation import config_layers, resolve_recipe, shipped_recipe_spec
+    from rltk.recipe_tools.validation import config_layers, resolve_recipe, shipped_recipe_spec
 
     recipe = resolve_recipe(argv[1])
     files = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--config"]
@@ -199,7 +199,7 @@ def _config(argv: list[str]):
 def _stage_ends(argv: list[str], cfg) -> list[int]:
     """The step of each stage's last checkpoint, counted as rltk/training/stages/run.py counts stages' steps (the
     reward-model recipe trains its model after them)."""
-    from rltk.recipe_validation import resolve_recipe
+    from rltk.recipe_tools.validation import resolve_recipe
     from rltk.training.scaffold.setup import stage_config
 
     ends, step = [], 0

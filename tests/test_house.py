@@ -21,12 +21,7 @@ KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 #: folder (relative to the repository) -> why it may still hold more than the limit. Only shrinks: the test fails
 #: when an entry fits again.
-KNOWN_CROWDED: dict[str, str] = {
-    "rltk/": "20 modules once the stages landed (builtin_stages, parsing, recipe_validation, recipes, stage_spec) "
-             "beside three old-name shims (cli, serve_command, produce_command, gone next release), 21 with argv "
-             "(the launcher's arguments, taken off without torch so the rltk command starts without it): the top "
-             "level is split in its own change (issue 55, item 5)",
-}
+KNOWN_CROWDED: dict[str, str] = {}
 
 
 def module_circles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -25,7 +25,7 @@ PACKAGE = ROOT / "rltk"
 LAYERS: list[tuple[str, ...]] = [
     ("rltk", "rltk.registry", "rltk.hookspecs", "rltk.errors", "rltk.batch", "rltk.batch_types",
      "rltk.serialization", "rltk.io", "rltk.argv", "rltk.distributed", "rltk.notices", "rltk.parsing",
-     "rltk.stage_spec", "rltk.builtin_stages"),
+     "rltk.components", "rltk.registration"),
     ("rltk.algorithms", "rltk.kernels"),
     ("rltk.models", "rltk.data", "rltk.rewards", "rltk.tools", "rltk.environments", "rltk.loggers"),
     # the OpenAI-compatible endpoint over a rollout engine is a peer of the workflows (agentic runs one);
@@ -39,10 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rltk.training.rollouts",),
     ("rltk.training.updates",),
     ("rltk.training.stages",),
-    # rltk.cli, rltk.serve_command and rltk.produce_command: the commands' old names, for one release
-    ("rltk.recipe_utils", "rltk.recipe_validation", "rltk.recipes", "rltk.commands", "rltk.cli", "rltk.serve_command",
-     "rltk.produce_command",
-     "rltk._recipes", "rltk.dashboard"),
+    ("rltk.recipe_tools", "rltk.recipes", "rltk.commands", "rltk._recipes", "rltk.dashboard"),
 ]
 
 #: (importing module, imported module): why it is still allowed. Each entry names who removes it;
@@ -111,7 +108,7 @@ def layer_of(name: str) -> int:
 
 def room_of(name: str) -> str:
     """The package a module lives in (``rltk.models``; in the training loop its room, ``rltk.training.step``), or
-    the module itself at the top (``rltk.recipe_utils``)."""
+    the module itself at the top (``rltk.recipes``)."""
     parts = name.split(".")
     return ".".join(parts[:3] if parts[:2] == ["rltk", "training"] and len(parts) > 2 else parts[:2])
 

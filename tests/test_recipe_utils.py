@@ -12,8 +12,8 @@ import pytest
 
 import rltk
 from rltk.errors import ConfigError
-from rltk.recipe_validation import recipe_stages, shipped_recipe_spec, validate
-from rltk.stage_spec import RL_STEP_FIELDS, StageSpec
+from rltk.recipe_tools.validation import recipe_stages, shipped_recipe_spec, validate
+from rltk.registration.stage_spec import RL_STEP_FIELDS, StageSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_recipe_stages_take_a_scripts_own_loop_and_refuse_a_bad_spec():
 def test_registering_the_stages_imports_no_loop_and_no_torch():
     # what rltk validate reads of a stage is its spec: the loop is imported only when the stage runs
     code = ("import sys\n"
-            "from rltk.builtin_stages import rltk_stages\n"
+            "from rltk.components.builtin_stages import rltk_stages\n"
             "stages = rltk_stages()\n"
             "assert 'values' in stages['ppo'].provides['batch_fields'] and stages['grpo'].rl\n"
             "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('rltk.training')]\n"
@@ -98,10 +98,10 @@ def test_registering_the_stages_imports_no_loop_and_no_torch():
 
 def test_the_old_import_paths_work_for_a_release_with_a_deprecation_warning():
     import rltk.recipe_utils as old
-    from rltk import recipe_validation
+    from rltk.recipe_tools import validation as recipe_validation
 
     with pytest.warns(DeprecationWarning, match="rltk.recipe_utils.parse_recipe_args moved to "
-                                                "rltk.recipe_validation.parse_recipe_args"):
+                                                "rltk.recipe_tools.validation.parse_recipe_args"):
         assert old.parse_recipe_args is recipe_validation.parse_recipe_args
     with pytest.warns(DeprecationWarning, match="recipe_spec"):
         assert old.recipe_spec(REPO / "recipes" / "ppo.py") == shipped_recipe_spec("ppo")

@@ -126,7 +126,7 @@ def _preset(obj: dict) -> list[str]:
 def catalogue_markdown() -> str:
     from rltk.config.schema import COMPONENT_KEYS
     from rltk.registry import KINDS, get_registry, list_components
-    from rltk.stage_spec import StageSpec
+    from rltk.registration.stage_spec import StageSpec
 
     registry = get_registry()
     keys_of: dict[str, list[str]] = {}

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from rltk.batch import Experience
+if TYPE_CHECKING:  # the experiences are only passed on here: no torch to import
+    from rltk.batch import Experience
+
 
 POLICY = "policy"
 
@@ -81,6 +83,8 @@ class ExperienceBuffer:
         ``versions[i]`` is the policy version that sampled ``experiences[i]``'s oldest token (an asynchronous run's
         producer); ``None``: the weights of step ``step`` sampled them all.
         """
+        from rltk.batch import Experience  # here, not at the top: the buffer's import needs no torch
+
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"ExperienceBuffer.put: step must be an integer training step, got {step!r}")
         if not isinstance(source, str) or not source:
@@ -175,6 +179,8 @@ class ExperienceBuffer:
         Raises ``ValueError`` naming the offending item when an entry is not a
         stored experience, and when the items exceed this buffer's ``capacity``.
         """
+        from rltk.batch import Experience
+
         if not isinstance(state, dict) or set(state) != {"evicted", "items"} or not isinstance(state["items"], list):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"ExperienceBuffer.load_state_dict: expected {{'evicted': int, 'items': list}} as "

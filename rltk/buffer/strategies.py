@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import rltk
-from rltk.batch import Experience
 from rltk.buffer.buffer import POLICY, BufferItem, ExperienceBuffer
+
+if TYPE_CHECKING:  # the experiences are only passed on here: no torch to import
+    from rltk.batch import Experience
 
 
 class SampleStrategy(abc.ABC):

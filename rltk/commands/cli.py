@@ -27,7 +27,7 @@ from rltk.commands.serve import cmd_serve
 from rltk.commands.serve_tinker import cmd_serve_tinker
 from rltk.config.loader import load_config
 from rltk.errors import ConfigError
-from rltk.recipe_validation import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
+from rltk.recipe_tools.validation import (  # noqa: F401 (shipped_recipes, VALIDATE_DEMONSTRATIONS: used from here by tests)
     VALIDATE_DEMONSTRATIONS, UsageError, _is_yaml, _recipes_dir, config_layers, default_config_for, resolve_recipe,
     shipped_recipe_spec, shipped_recipes, validate,
 )

@@ -27,9 +27,10 @@ LIMIT_FLAGS = ("max_body_bytes", "max_datums", "max_batch_tokens", "max_samples"
 
 
 def _load(args, stack: contextlib.ExitStack):
-    """``(model, tokenizer, served name)`` for PATH, or the tiny default."""
+    """``(model, tokenizer, served name, processor)`` for PATH (the processor a vision-language folder's, else
+    None), or the tiny default."""
     from rltk.commands.serve import resolve_model_dir
-    from rltk.models.loading import load_model, load_tokenizer
+    from rltk.models.loading import is_vision_language_folder, load_model, load_tokenizer
 
     model_dir, _ = resolve_model_dir(args.path, stack)
     if model_dir is None:
@@ -43,11 +44,16 @@ def _load(args, stack: contextlib.ExitStack):
             model.get_input_embeddings().weight.mul_(TINY_EMBEDDING_SCALE)
         print("rltk: no PATH given: serving the untrained tiny model of the embedded default as 'tiny' (embeddings scaled for LoRA)",
               file=sys.stderr)
-        return model, tokenizer, args.model_name or "tiny"
+        return model, tokenizer, args.model_name or "tiny", None
     tokenizer = load_tokenizer(model_dir, config_key="rltk serve-tinker PATH")
     model = load_model(model_dir, dtype=args.dtype, config_key="rltk serve-tinker PATH")
     name = args.model_name or Path(args.path).expanduser().resolve().name
-    return model, tokenizer, name
+    processor = None
+    if is_vision_language_folder(model_dir):  # its image chunks are read (rltk.tinker_service.images)
+        from rltk.models.loading import load_processor
+
+        processor = load_processor(model_dir, tokenizer)
+    return model, tokenizer, name, processor
 
 
 def _limits(args):
@@ -92,14 +98,14 @@ def build_service(args):
             state_dir.mkdir(parents=True, exist_ok=True)
         else:
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rltk-tinker-")))
-        model, tokenizer, name = _load(args, stack)
+        model, tokenizer, name, processor = _load(args, stack)
         served = ServedTokenizer.write(name, tokenizer, getattr(model, "config", None), state_dir / SERVED_TOKENIZER_DIR)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device)
         for p in model.parameters():
             p.requires_grad_(False)
         state = ServiceState(
-            workspace=Workspace(model, tokenizer), model_name=name, tokenizer=served,
+            workspace=Workspace(model, tokenizer, processor), model_name=name, tokenizer=served,
             registry=Registry(state_dir, session_timeout_s=args.session_timeout,
                               max_models_per_owner=args.max_models_per_key, max_samplers_per_session=args.max_samplers),
             futures=FutureStore(max_queued_per_owner=args.max_queued), limits=limits)

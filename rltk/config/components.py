@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rltk.registration.source import Described
 from rltk.config.schema import COMPONENT_KEYS
 from rltk.errors import ConfigError
 from rltk.registry import KINDS, Registry, did_you_mean, unknown_name_message
@@ -181,7 +182,8 @@ def check_component_args(kind: str, name: str, obj: Any, args: Any, key: str) ->
     # own ``check_args(args)`` raises ValueError saying what is wrong and what is valid. It goes first,
     # since it knows more than the annotation; a TypeError from it (a value of the wrong type it did not
     # expect) is left to the annotation check below, which names the argument and its type.
-    check = getattr(obj, "check_args", None) if inspect.isfunction(obj) else None
+    is_function = inspect.isfunction(obj) or (isinstance(obj, Described) and obj.is_function)
+    check = getattr(obj, "check_args", None) if is_function else None
     if callable(check):
         plain = OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)
         try:
@@ -219,10 +221,10 @@ def check_components(cfg: DictConfig, registry: Registry) -> None:
                         f"(selected: {', '.join(names)})"
                     )
             for name in names:
-                check_component_args(kind, name, registry.entries[kind][name].obj,
+                check_component_args(kind, name, registry.entries[kind][name].described,
                                      (args or {}).get(name, {}), f"{key}_args.{name}")
         else:
-            check_component_args(kind, names[0], registry.entries[kind][names[0]].obj, args, key + "_args")
+            check_component_args(kind, names[0], registry.entries[kind][names[0]].described, args, key + "_args")
     check_agent(cfg, registry)
     weights = OmegaConf.select(cfg, "reward.weights") or {}
     for w in weights:
@@ -238,7 +240,7 @@ def check_agent(cfg: DictConfig, registry: Registry) -> None:
     declares ``component_args = {arg: kind}`` (the agentic workflow: ``{"agent": "agent"}``) names a
     registered component of that kind, which takes ``rollout.workflow_args.<arg>_args``."""
     workflow = registry.entries["workflow"].get(OmegaConf.select(cfg, "rollout.workflow"))
-    declared = getattr(workflow.obj, "component_args", None) if workflow is not None else None
+    declared = getattr(workflow.described, "component_args", None) if workflow is not None else None
     args = OmegaConf.select(cfg, "rollout.workflow_args") or {}
     for arg, kind in (declared or {}).items():
         if arg not in args or kind not in registry.entries:
@@ -247,7 +249,7 @@ def check_agent(cfg: DictConfig, registry: Registry) -> None:
         table = registry.entries[kind]
         if not isinstance(name, str) or name not in table:
             raise ConfigError(unknown_name_message(kind, str(name), list(table), where=key))
-        check_component_args(kind, name, table[name].obj, args.get(f"{arg}_args"), f"{key}_args")
+        check_component_args(kind, name, table[name].described, args.get(f"{arg}_args"), f"{key}_args")
 
 
 def check_task(cfg: DictConfig) -> None:
@@ -260,7 +262,7 @@ def check_task(cfg: DictConfig) -> None:
     table = get_registry().entries["task"]
     if cfg.data.task not in table:
         raise ConfigError(unknown_name_message("task", cfg.data.task, list(table), where="data.task"))
-    valid, takes_any = task_arguments(table[cfg.data.task].obj)
+    valid, takes_any = task_arguments(table[cfg.data.task].described)
     for arg in cfg.data.task_args or {}:
         if arg not in valid and not takes_any:
             raise ConfigError(

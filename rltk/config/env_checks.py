@@ -21,7 +21,7 @@ from rltk.tools.resolve import is_mcp_name
 def workflow_reads_env(cfg: DictConfig, registry: Registry) -> bool:
     """Whether ``rollout.workflow`` (already checked to be registered) takes the ``env`` section."""
     entry = registry.entries["workflow"].get(cfg.rollout.workflow)
-    return entry is not None and "env" in signature_params(entry.obj)[0]
+    return entry is not None and "env" in signature_params(entry.described)[0]
 
 
 def check_env(cfg: DictConfig, registry: Registry) -> None:
@@ -34,7 +34,7 @@ def check_env(cfg: DictConfig, registry: Registry) -> None:
         table = registry.entries["environment"]
         if not isinstance(name, str) or name not in table:
             raise ConfigError(unknown_name_message("environment", str(name), list(table), where="env.environment"))
-        check_component_args("environment", name, table[name].obj, env.environment_args, "env.environment_args")
+        check_component_args("environment", name, table[name].described, env.environment_args, "env.environment_args")
     elif env.environment_args:
         raise ConfigError(f"'env.environment_args' is set ({OmegaConf.to_container(env.environment_args)}) but "
                           f"'env.environment' is null; name an environment or remove its arguments")
@@ -86,7 +86,7 @@ def check_env(cfg: DictConfig, registry: Registry) -> None:
     parser = env.tool_parser
     if not isinstance(parser, str) or parser not in table:
         raise ConfigError(unknown_name_message("tool_parser", str(parser), list(table), where="env.tool_parser"))
-    check_component_args("tool_parser", parser, table[parser].obj, env.tool_parser_args, "env.tool_parser_args")
+    check_component_args("tool_parser", parser, table[parser].described, env.tool_parser_args, "env.tool_parser_args")
 
     for key in ("max_turns", "max_new_tokens_per_turn", "max_total_tokens"):
         value = OmegaConf.select(cfg, f"env.{key}")
@@ -97,11 +97,11 @@ def check_env(cfg: DictConfig, registry: Registry) -> None:
 def check_agent_tools(cfg: DictConfig, registry: Registry) -> None:
     """An agent that offers the tools it is given (a ``tools`` parameter) needs them in ``env.tools``."""
     workflow = registry.entries["workflow"].get(cfg.rollout.workflow)
-    if workflow is None or "agent" not in (getattr(workflow.obj, "component_args", None) or {}):
+    if workflow is None or "agent" not in (getattr(workflow.described, "component_args", None) or {}):
         return
     name = OmegaConf.select(cfg, "rollout.workflow_args.agent")
     entry = registry.entries["agent"].get(name) if isinstance(name, str) else None
-    if entry is not None and "tools" in signature_params(entry.obj)[0] and not cfg.env.tools:
+    if entry is not None and "tools" in signature_params(entry.described)[0] and not cfg.env.tools:
         raise ConfigError(f"'env.tools' is empty, but agent '{name}' offers the tools rltk gives it: list them in "
                           f"env.tools (e.g. env.tools=[calculator]); the warm-up renders the same list into its "
                           f"prompts and demonstrations")

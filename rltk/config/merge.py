@@ -131,3 +131,10 @@ def apply_overrides(cfg: DictConfig, overrides: dict[str, Any], source: str) -> 
         except OmegaConfBaseException as exc:
             raise _explain(exc, source) from exc
     return merged
+
+
+def stage_config(cfg: DictConfig, index: int) -> DictConfig:
+    """The config of stage ``index``: the run config with that stage's overrides applied."""
+    stage = cfg.stages[index]
+    overrides = OmegaConf.to_container(stage.overrides, resolve=True) if stage.overrides else {}
+    return apply_overrides(cfg, overrides, f"stages[{index}].overrides (stage '{stage.name}')")

@@ -88,10 +88,10 @@ def check_moe_config(cfg: DictConfig, registry) -> None:
         raise ConfigError(f"bad value {aux} for 'algorithm.router_aux_loss_coef': a weight >= 0 (0: off)")
     if replay == "none":
         return
-    engine = registry.entries["rollout_engine"][cfg.rollout.engine].obj
+    engine = registry.entries["rollout_engine"][cfg.rollout.engine].described
     if not getattr(engine, "returns_routed_experts", False):
         able = sorted(name for name, entry in registry.entries["rollout_engine"].items()
-                      if getattr(entry.obj, "returns_routed_experts", False))
+                      if getattr(entry.described, "returns_routed_experts", False))
         raise ConfigError(
             f"{key}: rollout engine '{cfg.rollout.engine}' (rollout.engine) does not return the experts each "
             f"token was routed to. Engines that do: {', '.join(able) or 'none'}; or set algorithm.routing_replay=none")

@@ -32,7 +32,7 @@ class RecipeSpec:
     """What a recipe serves its components, so validation can refuse one it cannot feed.
 
     Built from the registered stages a recipe runs (:class:`rltk.StageSpec`'s ``provides``; see
-    :func:`rltk.recipe_validation.recipe_spec`). ``None`` means "not declared": nothing is checked against it.
+    :func:`rltk.recipe_tools.validation.recipe_spec`). ``None`` means "not declared": nothing is checked against it.
 
     Attributes:
         name: the recipe's name (its script's stem), for messages.
@@ -74,7 +74,7 @@ def required_batch_fields(advantage_fn: Any) -> frozenset[str]:
 
 
 #: The pass of an RL step that fills each batch field a stage may provide besides the rollout's own
-#: (:data:`rltk.stage_spec.RL_STEP_FIELDS`), as :meth:`StepPlan.describe` names it. A field a plugin stage
+#: (:data:`rltk.registration.stage_spec.RL_STEP_FIELDS`), as :meth:`StepPlan.describe` names it. A field a plugin stage
 #: declares that is none of these is its loop's.
 ROLLOUT_PASS = "rollout"
 FIELD_PASSES: dict[str, str] = {
@@ -173,7 +173,7 @@ class StepPlan:
         """The plan of the RL stage ``stage`` whose config is ``cfg`` and whose loop ``provides`` what it says
         (None, or no ``batch_fields``: not declared, so every field a component names counts as filled by
         its usual pass and nothing is unfilled)."""
-        from rltk.stage_spec import RL_STEP_FIELDS
+        from rltk.registration.stage_spec import RL_STEP_FIELDS
 
         a = cfg.algorithm
         entries = get_registry().entries
@@ -181,7 +181,7 @@ class StepPlan:
         declared = provides.get("batch_fields")
         available = frozenset(KINDS["advantage_fn"].provided if declared is None else declared)
         estimator = f"'algorithm.advantage_fn'='{a.advantage_fn}'"
-        named, required = _batch_params(entries["advantage_fn"][a.advantage_fn].obj, "advantage_fn")
+        named, required = _batch_params(entries["advantage_fn"][a.advantage_fn].described, "advantage_fn")
         old_from_update = bool(provides.get("on_policy_update", True)) and update_may_take_old_logprobs(
             named, ppo_epochs=cfg.trainer.ppo_epochs, mini_batches=cfg.trainer.mini_batches,
             use_rollout_logprobs=a.use_rollout_logprobs, kl_coef=a.kl_coef, kl_in=a.kl_in,
@@ -248,10 +248,10 @@ def _reads(cfg: DictConfig, estimator_named: frozenset[str] | None,
         return tuple(sorted(f for f in named or () if f in BATCH_FIELDS))
 
     reads = [(f"advantage_fn '{a.advantage_fn}'", fields(estimator_named))]
-    named, _ = _batch_params(entries["policy_loss"][a.policy_loss].obj, "policy_loss")
+    named, _ = _batch_params(entries["policy_loss"][a.policy_loss].described, "policy_loss")
     reads.append((f"policy_loss '{a.policy_loss}'", fields(named)))
     if a.kl_coef > 0:
-        named, _ = _batch_params(entries["kl_penalty_fn"][a.kl_penalty_fn].obj, "kl_penalty_fn")
+        named, _ = _batch_params(entries["kl_penalty_fn"][a.kl_penalty_fn].described, "kl_penalty_fn")
         reads.append((f"kl_penalty_fn '{a.kl_penalty_fn}' (in the {a.kl_in})", fields(named)))
     if critic:
         reads.append(("the critic's value loss", ("response_mask", "returns", "values")))
@@ -273,7 +273,7 @@ def check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[st
         servers = [r.name for r in recipe.others if r.batch_fields is not None and needs <= r.batch_fields]
         fits = sorted(
             n for n, e in registry.entries["advantage_fn"].items()
-            if required_batch_fields(e.obj) <= recipe.batch_fields
+            if required_batch_fields(e.described) <= recipe.batch_fields
         )
         where = f"`rltk run {servers[0]}`" if servers else "a recipe that provides it"
         raise ConfigError(
@@ -292,7 +292,7 @@ def check_recipe_serves(cfg: DictConfig, recipe: RecipeSpec, needs: frozenset[st
     if recipe.buffer_sources is None:
         return
     name = cfg.buffer.sample_strategy
-    cls = registry.entries["sample_strategy"][name].obj
+    cls = registry.entries["sample_strategy"][name].described
     reads = getattr(cls, "buffer_sources", None)
     if not callable(reads):
         return
@@ -346,7 +346,7 @@ def check_workflow_serves(cfg: DictConfig, needs: frozenset[str]) -> None:
     if "baseline_scores" not in needs:
         return
     name = cfg.rollout.workflow
-    cls = get_registry().entries["workflow"][name].obj
+    cls = get_registry().entries["workflow"][name].described
     try:
         params = inspect.signature(cls.run).parameters
     except (AttributeError, TypeError, ValueError):

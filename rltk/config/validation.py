@@ -73,7 +73,7 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
     check_guard(cfg)
     check_prompt_template(cfg)
     check_task(cfg)
-    needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].obj)
+    needs = required_batch_fields(registry.entries["advantage_fn"][cfg.algorithm.advantage_fn].described)
     check_workflow_serves(cfg, needs)
     check_reward_components(cfg, needs)
     check_distill_task_coef(cfg)
@@ -98,6 +98,10 @@ def validate_config(cfg: DictConfig, recipe: RecipeSpec | None = None) -> None:
                 f"bad value {stage.type!r} for 'stages[{i}].type' (stage '{stage.name}')."
                 f"{did_you_mean(stage.type, valid)} Valid{runs}: {', '.join(valid)}{rl}"
             )
+        spec = registry.entries["stage"].get(stage.type)
+        if spec is not None and spec.obj.check is not None:  # the loop's own refusals, before any stage runs
+            spec.obj.check_config(apply_overrides(cfg, dict(stage.overrides or {}),
+                                                  f"stages[{i}].overrides (stage '{stage.name}')"))
         # a stage another recipe lends is checked against what that recipe's loop serves
         if stage.overrides or stage.type in lent:
             check_no_stage_lora(i, stage.name, stage.overrides or {})
@@ -250,9 +254,9 @@ def check_async_config(cfg: DictConfig, recipe=None, registry=None) -> None:
             f"bad value {t.mode!r} for 'trainer.mode': the {recipe.name} recipe runs "
             f"{', '.join(sorted(modes or ['sync']))}" + (f"; {', '.join(runs)} runs {t.mode}" if runs else ""))
     engines = (registry or get_registry()).entries["rollout_engine"]
-    engine = engines[cfg.rollout.engine].obj  # the name was checked with the other components
+    engine = engines[cfg.rollout.engine].described  # the name was checked with the other components
     if not getattr(engine, "runs_in_producer", False):
-        able = sorted(name for name, entry in engines.items() if getattr(entry.obj, "runs_in_producer", False))
+        able = sorted(name for name, entry in engines.items() if getattr(entry.described, "runs_in_producer", False))
         raise ConfigError(
             f"bad value {cfg.rollout.engine!r} for 'rollout.engine' with trainer.mode={t.mode}: a producer process "
             f"samples only with engines that declare runs_in_producer, and {engine.__module__}.{engine.__qualname__} "
@@ -463,8 +467,7 @@ def check_rollout_correction_config(cfg: DictConfig) -> None:
     rollout log-probs, every ratio is 1 and a correction would silently do
     nothing, so that combination is refused.
     """
-    # imported here: the module's other functions need torch, and importing rltk.config must not
-    from rltk.algorithms.mismatch import check_rollout_correction, correction_active
+    from rltk.algorithms.correction_settings import check_rollout_correction, correction_active
 
     settings = OmegaConf.to_container(OmegaConf.select(cfg, _CORRECTION_KEY), resolve=True)
     settings.pop("log_metrics", None)

@@ -3,7 +3,7 @@
 The page keeps a list of ``key=value`` overrides, exactly what one would type
 after ``rltk run RECIPE``. From them this module writes the YAML (the
 recipe's own config file with the overrides merged in) and checks it with
-:func:`rltk.recipe_validation.validate`, the code behind ``rltk validate``, on that YAML as
+:func:`rltk.recipe_tools.validation.validate`, the code behind ``rltk validate``, on that YAML as
 ``rltk run RECIPE --config FILE`` would read it. The YAML is what is saved, so
 what was validated is what runs.
 """
@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rltk.errors import ConfigError
-from rltk.recipe_validation import UsageError, default_config_for, resolve_recipe, shipped_recipes, validate
+from rltk.recipe_tools.validation import UsageError, default_config_for, resolve_recipe, shipped_recipes, validate
 from rltk.config.loader import load_config, load_yaml, parse_overrides
 from rltk.registry import RegistryError
 

@@ -147,7 +147,7 @@ def _section(cls: type, prefix: str, parent: type | None = None) -> dict:
 
 def component_description(kind: str, entry) -> dict:
     """A registered component as the form shows it: plugin, summary, and its configurable arguments."""
-    params, takes_kwargs = signature_params(entry.obj)
+    params, takes_kwargs = signature_params(entry.described)
     provided = KINDS[kind].provided
     args = []
     for name, p in params.items():
@@ -158,7 +158,7 @@ def component_description(kind: str, entry) -> dict:
         required = p.default is inspect.Parameter.empty
         args.append({"name": name, "type": annotation, "widget": _kind_of_type(annotation) if annotation else "yaml",
                      "required": required, "default": None if required else jsonable(p.default)})
-    doc = inspect.getdoc(entry.obj) if not isinstance(entry.obj, dict) else entry.obj.get("description", "")
+    doc = inspect.getdoc(entry.described) if not isinstance(entry.described, dict) else entry.described.get("description", "")
     return {"name": entry.name, "plugin": entry.plugin, "summary": summary_of(doc or ""),
             "doc": plain_text(doc or ""),
             "args": args, "takes_any": takes_kwargs}

@@ -128,3 +128,48 @@ def check_placeholders(prompt: str | list[dict], images: list, *, where: str, ke
                else "{'type': 'image'} content parts in its messages")
         raise ImageDataError(f"{where}: {len(images)} image(s) in column '{key}' (data.image_key) but the prompt places "
                         f"{places} ({how}); give one placeholder per image")
+
+
+#: A trace's thumbnail of an image: its longer side at most this many pixels ...
+THUMBNAIL_SIDE = 64
+#: ... and its PNG at most this many bytes (a 64 x 64 photo's PNG is ~10 KiB; the side shrinks until it fits).
+THUMBNAIL_MAX_BYTES = 8192
+#: The prefix of a thumbnail's ``src``: the dashboard shows no image whose address does not start with it.
+THUMBNAIL_PREFIX = "data:image/png;base64,"
+
+
+def thumbnail(image, *, side: int = THUMBNAIL_SIDE, max_bytes: int = THUMBNAIL_MAX_BYTES) -> dict:
+    """A small PNG of ``image`` (a ``PIL.Image``, or anything :func:`decode_image` reads), as traces keep it.
+
+    ``{"type": "image", "width": W, "height": H, "thumbnail": "data:image/png;base64,..."}``: ``W x H`` the
+    image's own size, the thumbnail at most ``side`` pixels on its longer side (aspect kept, never enlarged)
+    and at most ``max_bytes`` of PNG: a noisy image that does not fit is shrunk by 3/4 steps until it does.
+    The dict is a chat content part (``type`` image), so a transcript that carries it still reads as one.
+    """
+    import base64
+
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        image = decode_image(image, where="thumbnail", key="image", base_dir=Path("."))
+    width, height = image.size
+    target = max(1, min(int(side), max(width, height)))
+    while True:
+        small = image.convert("RGB")
+        small.thumbnail((target, target), Image.Resampling.LANCZOS)
+        buffer = io.BytesIO()
+        small.save(buffer, format="PNG", optimize=True)
+        data = buffer.getvalue()
+        if len(data) <= max_bytes or target <= 4:
+            break
+        target = max(4, target * 3 // 4)
+    return {"type": "image", "width": width, "height": height,
+            "thumbnail": THUMBNAIL_PREFIX + base64.b64encode(data).decode("ascii")}
+
+
+def is_image(value: Any) -> bool:
+    """Whether ``value`` is a decoded image (a ``PIL.Image``), without importing PIL where nothing uses it."""
+    import sys
+
+    image_module = sys.modules.get("PIL.Image")
+    return image_module is not None and isinstance(value, image_module.Image)

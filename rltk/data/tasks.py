@@ -13,6 +13,7 @@ from __future__ import annotations
 import rltk
 from rltk.data.multi_turn_tasks import calculator_arithmetic, guess_number
 from rltk.data.synthetic import arithmetic, countdown
+from rltk.data.visual_tasks import shape_colour
 
 
 @rltk.hookimpl
@@ -22,4 +23,5 @@ def rltk_tasks():
         "countdown": countdown,
         "guess_number": guess_number,
         "calculator_arithmetic": calculator_arithmetic,
+        "shape_colour": shape_colour,
     }

@@ -65,7 +65,9 @@ class StepResult:
 
     Attributes:
         observation: chat messages appended after the assistant turn (role
-            ``"user"`` or ``"tool"``); may be empty. Ignored when ``done``.
+            ``"user"`` or ``"tool"``); may be empty. Ignored when ``done``. A message's content
+            may be a list of parts with images (``{"type": "image", "image": <PIL.Image, bytes, path,
+            array>}``), which a vision-language policy sees with its next turn.
         reward: this turn's reward; it sits on the last token of the assistant
             turn it answers (``Experience.turn_rewards``) and adds to the episode score.
         done: the episode is over (no further turn is generated).
@@ -133,11 +135,17 @@ def check_step_result(result: Any, where: str) -> StepResult:
 
 
 def check_messages(messages: Any, where: str) -> list[dict]:
-    """``messages`` as a list of ``{"role": str, "content": str, ...}`` dicts, or an error naming ``where``."""
+    """``messages`` as a list of ``{"role": str, "content": str | [part, ...], ...}`` dicts, or an error naming
+    ``where``. Content parts are the chat format's ``{"type": "text", "text": ...}`` and ``{"type": "image",
+    "image": ...}`` (an image the policy sees with its next turn; :mod:`rltk.workflows.vision_turns`)."""
     if not isinstance(messages, list):
         raise TypeError(f"{where} must be a list of chat messages, got {type(messages).__name__}")
     for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        parts_ok = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                                     for p in content)
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise TypeError(f"{where}[{index}] must be a dict with string 'role' and 'content', got {message!r:.120}")
+                or not (isinstance(content, str) or parts_ok):
+            raise TypeError(f"{where}[{index}] must be a dict with string 'role' and 'content' (text, or a list of "
+                            f"{{'type': ...}} content parts), got {message!r:.120}")
     return messages

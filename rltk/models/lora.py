@@ -31,13 +31,18 @@ import contextlib
 import copy
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from torch import nn
 
 from rltk.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch is imported by the functions that run on a model: config validation reads the settings helpers
+# (lora_enabled, target_list, adapter_config) without it, so that `rltk validate` starts without torch.
 
 # --------------------------------------------------------------------------
 # The matching rules: which modules a config's targets name, and whether an adapter fits a model.
@@ -316,6 +321,8 @@ def is_lora_model(model: nn.Module | None) -> bool:
         from peft import PeftModel
     except ImportError:
         return False
+    from torch import nn
+
     seen = 0
     while seen < 8:  # wrappers nest a few levels at most
         if isinstance(model, PeftModel):
@@ -330,6 +337,7 @@ def is_lora_model(model: nn.Module | None) -> bool:
 def peft_model_of(model: nn.Module) -> nn.Module:
     """The ``PeftModel`` inside ``model``'s wrappers (DDP ``.module``, ``torch.compile``'s ``_orig_mod``)."""
     from peft import PeftModel
+    from torch import nn
 
     while not isinstance(model, PeftModel):
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
@@ -364,6 +372,7 @@ def adapter_names(model: nn.Module) -> dict[str, str]:
     asks peft's own ``get_peft_model_state_dict`` which keys it keeps and how it
     renames them, by handing it each key's index in place of its tensor.
     """
+    import torch
     from peft import get_peft_model_state_dict
 
     peft_model = peft_model_of(model)

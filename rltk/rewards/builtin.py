@@ -16,6 +16,7 @@ import rltk
 from rltk.rewards.judges.llm_judge import llm_judge
 from rltk.rewards.judges.reward_model import reward_model
 from rltk.rewards.programs.code_execution import code_execution
+from rltk.rewards.verifiable.choice import multiple_choice
 from rltk.rewards.verifiable.countdown import countdown
 from rltk.rewards.verifiable.format import format_tags
 from rltk.rewards.verifiable.math import exact_match, math_answer
@@ -29,6 +30,7 @@ def rltk_reward_fns():
         "math_answer": math_answer,
         "countdown": countdown,
         "format_tags": format_tags,
+        "multiple_choice": multiple_choice,
         "code_execution": code_execution,
         "reward_model": reward_model,
         "llm_judge": llm_judge,

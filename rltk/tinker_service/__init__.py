@@ -15,6 +15,8 @@
 * :mod:`rltk.tinker_service.adapters`: the base model with one LoRA adapter and Adam per training
   client, frozen adapter copies for samplers, log-probs, sampling, saving and loading.
 * :mod:`rltk.tinker_service.losses`: Tinker's loss names mapped onto registered policy losses.
+* :mod:`rltk.tinker_service.images`: the SDK's image chunks, for a vision-language model: decoded,
+  counted by its processor, their tokens put in place.
 
 It sits beside :mod:`rltk.serve` (whose API-key middleware, body limits and error shapes it
 reuses) and imports nothing above the rollout engines; the command is

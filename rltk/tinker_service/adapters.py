@@ -55,9 +55,10 @@ def _targets(model: nn.Module, train_attn: bool, train_mlp: bool) -> list[str]:
 class Workspace:
     """The base model with its adapters and samplers; see the module docstring."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any):
+    def __init__(self, model: nn.Module, tokenizer: Any, processor: Any = None):
         self.base = model
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's: image chunks are read (rltk.tinker_service.images)
         self.peft_model: nn.Module | None = None
         self.adapters: dict[str, Adapter] = {}
         self.samplers: dict[str, str] = {}  # sampler id -> the adapter name holding its frozen weights
@@ -72,9 +73,13 @@ class Workspace:
         """A new adapter ``name`` of ``rank`` (B = 0: the model is the base model until the first step)."""
         import peft
 
+        from rltk.models.lora import vision_tower_pattern
+
         targets = _targets(self.base, train_attn, train_mlp)
+        # a VLM's vision tower has its own gate/up/down projections: LoRA adapts the language model only
         config = peft.LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                                 target_modules=targets or "all-linear")
+                                 target_modules=targets or "all-linear",
+                                 exclude_modules=vision_tower_pattern(self.base))
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
@@ -113,8 +118,14 @@ class Workspace:
 
     # ------------------------------------------------------------------ training
 
-    def token_logprobs(self, name: str | None, tokens: list[list[int]], targets: list[list[int]]) -> torch.Tensor:
-        """Log-prob of ``targets[b][i]`` after ``tokens[b][: i + 1]``, right-padded with 0. Shape: (B, T)."""
+    def token_logprobs(self, name: str | None, tokens: list[list[int]], targets: list[list[int]],
+                       visions: list | None = None) -> torch.Tensor:
+        """Log-prob of ``targets[b][i]`` after ``tokens[b][: i + 1]``, right-padded with 0. Shape: (B, T).
+
+        ``visions[b]``: row ``b``'s images (:class:`rltk.batch.PromptImages`, None without), whose tokens
+        ``tokens[b]`` holds; the model places their features there."""
+        from rltk.models.vision.inputs import batch_vision_inputs
+
         from rltk.kernels import token_logprobs_and_entropy
         from rltk.kernels.logprobs import IGNORE_INDEX
         from rltk.models.logprobs import last_hidden_states, logit_temperature_factor, output_head
@@ -129,7 +140,8 @@ class Workspace:
             labels[row, : len(tgts)] = torch.tensor(tgts)
             mask[row, : len(toks)] = 1
         with self._activate(name):
-            hidden = last_hidden_states(model, ids, mask)  # [B, T, D]; position i predicts label i
+            vision = batch_vision_inputs(visions, self.device) if visions else None
+            hidden = last_hidden_states(model, ids, mask, vision_inputs=vision)  # [B, T, D]; i predicts label i
             weight, bias = output_head(model)
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
             logprobs = token_logprobs_and_entropy(
@@ -147,7 +159,7 @@ class Workspace:
             with torch.set_grad_enabled(not forward_only):
                 tokens = [d.tokens for d in data]
                 targets = [d.inputs["target_tokens"].astype("int64").tolist() for d in data]
-                logprobs = self.token_logprobs(name, tokens, targets)
+                logprobs = self.token_logprobs(name, tokens, targets, [getattr(d, "vision", None) for d in data])
                 mask = (torch.arange(logprobs.shape[1], device=self.device)[None, :]
                         < torch.tensor([len(t) for t in tokens], device=self.device)[:, None]).to(logprobs.dtype)
                 inputs = {key: self._padded(data, key, logprobs.shape) for key in ("weights", "logprobs", "advantages")
@@ -224,18 +236,22 @@ class Workspace:
             self.drop(name)
 
     def sample(self, sampler_id: str, prompt: list[int], params, stop_strings: list[str], *,
-               prompt_logprobs: bool) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
-        """``params.n`` completions of ``prompt`` from a sampler: ``(tokens, logprobs, reason)`` each."""
+               prompt_logprobs: bool,
+               vision=None) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
+        """``params.n`` completions of ``prompt`` from a sampler: ``(tokens, logprobs, reason)`` each; ``vision``
+        the prompt's images (:class:`rltk.batch.PromptImages`), whose tokens ``prompt`` holds."""
         from rltk.rollout.hf import HFRolloutEngine
 
         name = self.samplers[sampler_id]
         model = self.peft_model if self.peft_model is not None else self.base
         with self._activate(name), torch.no_grad():
             engine = HFRolloutEngine(model, self.tokenizer)
-            completions = engine.generate([prompt], params)[0]
+            completions = (engine.generate([prompt], params, vision_inputs=[vision]) if vision is not None
+                           else engine.generate([prompt], params))[0]
             scored = None
             if prompt_logprobs and len(prompt) > 1:
-                scored = [math.nan] + self.token_logprobs(name, [prompt[:-1]], [prompt[1:]])[0].tolist()
+                scored = [math.nan] + self.token_logprobs(name, [prompt[:-1]], [prompt[1:]],
+                                                          None if vision is None else [vision])[0].tolist()
             elif prompt_logprobs:
                 scored = [math.nan]
         sequences = [_cut_at_strings(c.token_ids, c.logprobs, c.finish_reason, stop_strings, self.tokenizer)

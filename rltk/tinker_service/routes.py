@@ -172,14 +172,20 @@ def add_training_routes(app, state: ServiceState) -> None:
 
 async def _forward_backward(state: ServiceState, request) -> dict:
     from rltk.tinker_service.losses import LossError, plan_loss
-    from rltk.tinker_service.wire import WireError, decode_forward_backward, encode_forward_backward_output
+    from rltk.tinker_service.wire import (
+        WireError, decode_forward_backward, encode_forward_backward_output, unsupported_chunk,
+    )
 
     raw = await read_body(request, state.limits)
     try:
         fwd = decode_forward_backward(raw, request.headers.get("content-encoding"))
     except WireError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), param=exc.field) from None
     model = state.registry.model(fwd.model_id, state.owner(request))
+    for index, datum in enumerate(fwd.data):
+        if datum.images and state.workspace.processor is None:
+            raise bad(datum.images[0].field, unsupported_chunk("image"))
+        datum.tokens, datum.vision = _with_images(state, datum.tokens, datum.images)
     try:
         plan = plan_loss(fwd.loss_fn, fwd.loss_fn_config)
     except LossError as exc:
@@ -370,8 +376,19 @@ def _sampling_params(state: ServiceState, body, prompt_len: int):
 UNSUPPORTED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
 
 
+def _with_images(state: ServiceState, tokens: list[int], images: list):
+    """A model input's tokens with its images' tokens in place, and their processor outputs (None without)."""
+    from rltk.tinker_service.images import ImageChunkError, expand
+
+    try:
+        return expand(state.workspace.processor, tokens, images)
+    except ImageChunkError as exc:
+        raise bad(exc.field, str(exc)[len(exc.field) + 2:]) from None
+
+
 async def _asample(state: ServiceState, request) -> dict:
-    from rltk.tinker_service.wire import encode_sample_response
+    from rltk.tinker_service.images import ImageIn
+    from rltk.tinker_service.wire import encode_sample_response, unsupported_chunk
 
     body = parse(types.SampleRequest, await json_body(request, state.limits))
     if body.sampling_session_id is None:
@@ -384,10 +401,15 @@ async def _asample(state: ServiceState, request) -> dict:
         raise bad("target_prompt_logprobs" if body.target_prompt_logprobs is not None else "record_stability_info",
                   "not supported by rltk serve-tinker")
     prompt: list[int] = []
+    images: list[ImageIn] = []
     for j, chunk in enumerate(body.prompt.chunks):
+        if isinstance(chunk, types.ImageChunk) and state.workspace.processor is not None:
+            images.append(ImageIn(len(prompt), chunk.data, chunk.format, chunk.expected_tokens, f"prompt.chunks[{j}]"))
+            continue
         if not isinstance(chunk, types.EncodedTextChunk):
-            raise bad(f"prompt.chunks[{j}]", f"a {type(chunk).__name__}; this service takes text tokens only")
+            raise bad(f"prompt.chunks[{j}]", unsupported_chunk(getattr(chunk, "type", type(chunk).__name__)))
         prompt.extend(int(t) for t in chunk.tokens)
+    prompt, vision = _with_images(state, prompt, images)
     if not prompt:
         raise bad("prompt", "no tokens")
     check_tokens("prompt", prompt, state.workspace.vocab_size)
@@ -398,7 +420,7 @@ async def _asample(state: ServiceState, request) -> dict:
 
     def work():
         sequences, scored = state.workspace.sample(sampler.id, prompt, params, stop_strings,
-                                                   prompt_logprobs=bool(body.prompt_logprobs))
+                                                   prompt_logprobs=bool(body.prompt_logprobs), vision=vision)
         if scored is not None and last_n is not None:
             scored = [math.nan] * (len(scored) - last_n) + scored[-last_n:]
         return encode_sample_response(sequences, scored)

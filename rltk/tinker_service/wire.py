@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,32 @@ PROTO_CONTENT_TYPE = "application/x-protobuf"
 
 
 class WireError(ValueError):
-    """A body the service cannot read; the message names the field."""
+    """A body the service cannot read; the message names the field (``field``, where one is known)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+#: The SDK's chunk kinds that carry an image (its ``ImageChunk``, ``ImageAssetPointerChunk``).
+IMAGE_CHUNK_KINDS = ("image", "image_asset_pointer")
+
+
+def unsupported_chunk(kind: str) -> str:
+    """Why a chunk of ``kind`` (``image``, ``image_asset_pointer``, ``dmel`` ...) is refused by a service whose
+    model cannot read it: images need a vision-language model served (PATH a folder whose ``config.json`` has
+    a ``vision_config``, with its processor), which reads ``ImageChunk`` bytes (:mod:`rltk.tinker_service.images`);
+    an asset pointer is an address, which the service never fetches."""
+    if kind == "image_asset_pointer":
+        return ("an image_asset_pointer chunk; rltk serve-tinker fetches no image addresses: send the image's "
+                "bytes as an ImageChunk (png or jpeg)")
+    if kind in IMAGE_CHUNK_KINDS:
+        return ("an image chunk; the served model is a text model, which cannot read images: serve a "
+                "vision-language model folder (rltk serve-tinker PATH whose config.json has a vision_config, "
+                "Qwen2.5-VL or Qwen3-VL, with its processor) to send ImageChunk inputs, or send EncodedTextChunk "
+                "tokens only (types.ModelInput.from_ints)")
+    return (f"{kind or 'an empty'} chunk; this service takes text (EncodedTextChunk) and, with a vision-language "
+            f"model, image (ImageChunk) chunks only")
 
 
 @dataclass
@@ -31,6 +57,8 @@ class DatumIn:
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+    images: list = field(default_factory=list)  # its image chunks (rltk.tinker_service.images.ImageIn), in order
+    vision: Any = None  # their processor outputs once expanded (rltk.batch.PromptImages), for a VLM
 
 
 @dataclass
@@ -80,16 +108,24 @@ def decode_tensor(msg, where: str) -> np.ndarray:
 
 
 def _datum(msg, index: int) -> DatumIn:
+    from rltk.tinker_service.images import ImageIn
+
     tokens: list[int] = []
+    images: list[ImageIn] = []
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
+        where = f"data[{index}].model_input[{j}]"
+        if kind == "image":  # placed at its position once the served model's processor has counted its tokens
+            image = chunk.image
+            images.append(ImageIn(len(tokens), bytes(image.data), image.format,
+                                  int(image.expected_tokens) if image.HasField("expected_tokens") else None, where))
+            continue
         if kind != "encoded_text":
-            raise WireError(f"data[{index}].model_input[{j}]: {kind or 'an empty'} chunk; this service takes "
-                            "text (EncodedTextChunk) only")
+            raise WireError(f"{where}: {unsupported_chunk(kind)}", field=where)
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
     inputs = {name: decode_tensor(tensor, f"data[{index}].loss_fn_inputs.{name}")
               for name, tensor in msg.loss_fn_inputs.items()}
-    return DatumIn(tokens=tokens, inputs=inputs)
+    return DatumIn(tokens=tokens, inputs=inputs, images=images)
 
 
 def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> ForwardBackwardIn:

@@ -41,16 +41,24 @@ def row_messages(row: Mapping, where: str = "row") -> list[dict]:
     messages = row.get("messages")
     if messages is not None:
         if not isinstance(messages, (list, tuple)) or not messages or not all(
-                isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, Mapping) and isinstance(m.get("role"), str) and _is_content(m.get("content"))
                 for m in messages):
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': str}} "
-                             f"dicts, got {messages!r:.120}")
-        return [dict(m) for m in messages]
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': str or "
+                             f"a list of content parts}} dicts, got {messages!r:.120}")
+        from rltk.workflows.vision_turns import with_row_images
+
+        return with_row_images([dict(m) for m in messages], row, where)
     prompt = row.get("prompt")
     if not isinstance(prompt, str):
         raise KeyError(f"{where} has neither 'messages' (a list of chat messages) nor a text 'prompt'; "
                        f"its keys are {sorted(row)}")
     return [{"role": "user", "content": prompt}]
+
+
+def _is_content(content: Any) -> bool:
+    """A message's content: text, or a list of content parts (``{"type": "text" | "image", ...}``)."""
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(part, Mapping) and isinstance(part.get("type"), str) for part in content))
 
 
 class TurnRenderer:
@@ -82,11 +90,17 @@ class TurnRenderer:
     closing, the rest after the stop token (Qwen's ``\\n``), or the whole
     closing when the turn was cut by a length limit (mask 0: the policy did
     not write it).
+
+    With a vision-language policy's ``processor``, :meth:`opening` and :meth:`delta` also take messages with
+    image parts (:mod:`rltk.workflows.vision_turns`): the newly rendered text and its images go through the
+    processor, which expands each image's marker into its image tokens, and the images' inputs come back
+    beside the ids. Earlier ids are never touched, as for text.
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, processor: Any = None):
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.processor = processor
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
         text = render_text(tokenizer, probe, tools=self.tools, add_generation_prompt=False)
         if _PROBE not in text:
@@ -115,6 +129,35 @@ class TurnRenderer:
                 return close[len(last):]
         return close
 
+    def opening(self, messages: Sequence[Mapping], where: str = "episode") -> tuple[list[int], Any]:
+        """``(ids, image inputs or None)`` of the opening messages, their images (if any) through the processor."""
+        from rltk.workflows.vision_turns import encode_images, message_images
+
+        images = message_images(messages, where)
+        if not images:
+            return self.opening_ids(messages), None
+        self._need_processor(len(images), where)
+        text = render_text(self.tokenizer, messages, tools=self.tools, add_generation_prompt=True)
+        return encode_images(self.processor, text, images)
+
+    def delta(self, messages: Sequence[Mapping], new_messages: Sequence[Mapping], turn_ids: Sequence[int],
+              finish_reason: str = "stop", where: str = "episode") -> tuple[list[int], Any]:
+        """:meth:`delta_ids` and the image inputs of ``new_messages``' images (None when they have none)."""
+        from rltk.workflows.vision_turns import encode_images, message_images
+
+        images = message_images(new_messages, where)
+        if not images:
+            return self.delta_ids(messages, new_messages, turn_ids, finish_reason), None
+        self._need_processor(len(images), where)
+        return encode_images(self.processor, self._delta_text(messages, new_messages, turn_ids, finish_reason),
+                             images)
+
+    def _need_processor(self, count: int, where: str) -> None:
+        if self.processor is None:
+            raise ValueError(f"{where}: the messages show {count} image(s) but the policy has no processor (a text "
+                             f"model cannot see them); use a vision-language policy (model.tiny.vision.depth > 0 "
+                             f"or a VLM folder as model.path)")
+
     def delta_ids(self, messages: Sequence[Mapping], new_messages: Sequence[Mapping],
                   turn_ids: Sequence[int], finish_reason: str = "stop") -> list[int]:
         """Ids to append after an assistant turn: the rest of its closing, ``new_messages``, the generation prompt.
@@ -124,6 +167,11 @@ class TurnRenderer:
         template when the rendering of ``messages + new_messages`` does not
         extend that of ``messages`` (see the class docstring).
         """
+        text = self._delta_text(messages, new_messages, turn_ids, finish_reason)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _delta_text(self, messages: Sequence[Mapping], new_messages: Sequence[Mapping],
+                    turn_ids: Sequence[int], finish_reason: str) -> str:
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("TurnRenderer.delta_ids: messages must end with the assistant turn just generated")
         before = render_text(self.tokenizer, messages, tools=self.tools, add_generation_prompt=False)
@@ -139,14 +187,25 @@ class TurnRenderer:
         if not before.endswith(self.assistant_close):
             raise ValueError(f"{template_name(self.tokenizer)} closes the last assistant message differently from "
                              f"an earlier one ({before[-40:]!r} does not end with {self.assistant_close!r})")
-        text = self.missing_close(turn_ids, finish_reason) + after[len(before):]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return self.missing_close(turn_ids, finish_reason) + after[len(before):]
 
 
 def generate_checked(engine: RolloutEngine, prompt_ids: list[list[int]], params: SamplingParams,
-                     workflow: str = "workflow") -> list[list[Completion]]:
-    """``engine.generate(prompt_ids, params)``, refusing results that break the engine contract (wrong counts)."""
-    groups = engine.generate(prompt_ids, params)
+                     workflow: str = "workflow", *, vision_inputs: list | None = None) -> list[list[Completion]]:
+    """``engine.generate(prompt_ids, params)``, refusing results that break the engine contract (wrong counts).
+
+    ``vision_inputs`` (one per prompt, None for a prompt without images) go to an engine that takes them
+    (``generate(..., vision_inputs=)``, the ``hf`` engine); an engine that does not is an error naming it.
+    """
+    if vision_inputs is None:
+        groups = engine.generate(prompt_ids, params)
+    else:
+        import inspect
+
+        if "vision_inputs" not in inspect.signature(engine.generate).parameters:
+            raise ValueError(f"{workflow}: the prompts show images but rollout engine {type(engine).__name__} "
+                             f"generates from token ids only (no vision_inputs); use rollout.engine=hf")
+        groups = engine.generate(prompt_ids, params, vision_inputs=vision_inputs)
     if len(groups) != len(prompt_ids) or any(len(g) != params.n for g in groups):
         raise RuntimeError(
             f"{workflow}: rollout engine {type(engine).__name__} broke its contract: asked for {params.n} "

@@ -44,6 +44,12 @@ returns messages the template cannot render) has no opening to train on, so
 the episode is dropped. Both are counted (``rollout/env_errors``) and training
 goes on.
 
+Images. With a vision-language policy (``processor``), messages may hold image parts: a row's
+``{"type": "image"}`` parts take its ``images``, an environment's opening or observation carries its own
+(``{"type": "image", "image": ...}``). They go through the processor as their messages are appended, every
+later turn is generated with all the images shown so far, and the experience keeps them
+(``Experience.vision``); see :mod:`rltk.workflows.vision_turns`.
+
 The reward function scores the final answer as in ``single_turn``: its
 ``prompt`` is the row's ``prompt`` (else the opening rendered as text) and its
 ``response`` the decoded last assistant turn.
@@ -59,7 +65,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import rltk
-from rltk.batch import Experience
+from rltk.batch import Experience, PromptImages
 from rltk.environments.base import AssistantTurn, Environment, check_messages, check_step_result
 from rltk.registry import get_registry
 from rltk.rollout.base import RolloutEngine, SamplingParams
@@ -68,6 +74,7 @@ from rltk.workflows.base import (
     GroupNumbering, Workflow, check_rows, check_workflow_parts, held_out_metrics,
 )
 from rltk.workflows.chat import TurnRenderer, generate_checked, render_text, row_messages, score_responses
+from rltk.workflows.vision_turns import image_count, image_parts, join_images, transcript_record, with_row_images
 
 #: The ``env`` config section's keys and defaults (rltk.config.schema.EnvConfig mirrors them).
 ENV_DEFAULTS: dict[str, Any] = {
@@ -90,6 +97,7 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     env_infos: list[dict] = field(default_factory=list)
+    vision: PromptImages | None = None  # every image shown so far, in order (rltk.workflows.vision_turns)
     last_text: str = ""
     turns: int = 0
     tool_calls: int = 0
@@ -120,6 +128,9 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
         env: the ``env`` config section (keys of :data:`ENV_DEFAULTS`; missing
             keys take those defaults, ``max_new_tokens_per_turn`` that of
             ``sampling.max_new_tokens``). Filled in by the recipe.
+        processor: a vision-language policy's processor (None for a text policy): images in the opening
+            (a row's ``images``, an environment's ``reset``) and in observations go through it, and every
+            turn is generated with the episode's images so far (:mod:`rltk.workflows.vision_turns`).
 
     Episodes are numbered into groups by a counter kept in :meth:`state_dict`.
     """
@@ -127,7 +138,7 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
     workflow_name = "multi_turn"
 
     def __init__(self, *, engine: RolloutEngine, tokenizer: Any, reward: Any, sampling: SamplingParams,
-                 env: Mapping[str, Any] | None = None):
+                 env: Mapping[str, Any] | None = None, processor: Any = None):
         check_workflow_parts(self.workflow_name, sampling, reward)
         self.engine, self.tokenizer, self.reward, self.sampling = engine, tokenizer, reward, sampling
         cfg = _env_config(env, sampling)
@@ -147,7 +158,8 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
         self.max_turns = cfg["max_turns"]
         self.max_new_tokens_per_turn = cfg["max_new_tokens_per_turn"]
         self.max_total_tokens = cfg["max_total_tokens"]
-        self.renderer = TurnRenderer(tokenizer, [t.schema() for t in self.tools.values()])
+        self.processor = processor
+        self.renderer = TurnRenderer(tokenizer, [t.schema() for t in self.tools.values()], processor)
         self.fallback = float(getattr(reward, "fallback", 0.0))
         self._next_group_id = 0
         self._metrics: dict[str, float] = {}
@@ -237,8 +249,10 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             limits = [min(self.max_new_tokens_per_turn, self.max_total_tokens - len(e.response_ids)) for e in live]
             seed = None if params.seed is None else params.seed + turn  # a fresh stream per turn, reproducible
             turn_params = replace(params, n=1, max_new_tokens=max(limits), seed=seed)
+            visions = [e.vision for e in live]  # every image shown so far, for the policy to see this turn
+            shown = visions if any(v is not None for v in visions) else None
             groups = generate_checked(self.engine, [e.prompt_ids + e.response_ids for e in live], turn_params,
-                                      "multi_turn")
+                                      "multi_turn", vision_inputs=shown)
             stats["engine_calls"] += 1
             tick = time.perf_counter()
             for episode, limit, (completion,) in zip(live, limits, groups):
@@ -256,8 +270,10 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
                 if self.environment_cls is not None:
                     try:
                         env = self.environment_cls(**self.environment_args)
-                        opening = check_messages(env.reset(dict(row)), f"{where}: reset()")
-                        prompt_ids = self._opening_ids(opening, cache)
+                        # an opening that keeps the row's {"type": "image"} parts shows the row's images
+                        opening = with_row_images(check_messages(env.reset(dict(row)), f"{where}: reset()"), row,
+                                                  where, all_shown=False)
+                        prompt_ids, vision = self._opening_ids(opening, cache, where)
                     except Exception as exc:  # the environment's failure: drop this episode only
                         stats["env_errors"] += 1
                         self._warn_env_error(f"{where}: environment '{self.env_config['environment']}' failed to open "
@@ -266,15 +282,17 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
                         continue
                 else:
                     opening = row_messages(row, where)
-                    prompt_ids = self._opening_ids(opening, cache)
-                episodes.append(_Episode(index, sample, env, [dict(m) for m in opening], prompt_ids))
+                    prompt_ids, vision = self._opening_ids(opening, cache, where)
+                episodes.append(_Episode(index, sample, env, [dict(m) for m in opening], prompt_ids, vision=vision))
         return episodes
 
-    def _opening_ids(self, messages: list[dict], cache: dict) -> list[int]:
+    def _opening_ids(self, messages: list[dict], cache: dict, where: str) -> tuple[list[int], dict | None]:
+        if image_parts(messages):  # not cached: images are not text to key on (and rarely repeat across rows)
+            return self.renderer.opening(messages, where)
         key = json.dumps(messages, sort_keys=True)
         if key not in cache:
             cache[key] = self.renderer.opening_ids(messages)
-        return list(cache[key])
+        return list(cache[key]), None
 
     def _advance(self, episode: _Episode, completion, limit: int, stats: dict) -> None:
         """Append one generated turn to ``episode`` and answer it (tools, environment, or the end)."""
@@ -315,11 +333,19 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
         if not episode.done and episode.turns >= self.max_turns:
             episode.stop_reason = "max_turns"
         if not episode.done:
-            delta = self.renderer.delta_ids(episode.messages, observation, ids, finish)
+            try:
+                delta, shown = self.renderer.delta(episode.messages, observation, ids, finish,
+                                                   f"multi_turn: row {episode.row_index}'s observation")
+            except ValueError as exc:
+                if not image_parts(observation):  # a template that cannot be continued: the run's problem
+                    raise
+                self._fail(episode, exc, stats)  # an image the policy cannot see, or one that does not decode
+                return
             if len(episode.response_ids) + len(delta) >= self.max_total_tokens:  # no room left for a turn
                 episode.stop_reason = "max_total_tokens"
             else:
                 episode.messages.extend(dict(m) for m in observation)
+                episode.vision = join_images(episode.vision, shown)
                 episode.response_ids += delta
                 episode.mask += [0] * len(delta)
                 episode.logprobs += [0.0] * len(delta)
@@ -403,7 +429,7 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             "ground_truth": row.get("ground_truth", ""),
             "row_id": row.get("id", str(episode.row_index)),
             "sample_index": episode.sample_index,
-            "messages": episode.messages,
+            "messages": transcript_record(episode.messages),  # images as thumbnails: the record stays JSON
             "turns": episode.turns,
             "tool_calls": episode.tool_calls,
             "tool_errors": episode.tool_errors,
@@ -417,11 +443,13 @@ class MultiTurnWorkflow(GroupNumbering, Workflow):
             info["env_error"] = episode.env_error
         if episode.env_infos:
             info["env_info"] = episode.env_infos
+        if episode.vision is not None:
+            info["images_shown"] = image_count(episode.vision)
         return Experience(
             prompt_ids=list(episode.prompt_ids), response_ids=list(episode.response_ids), score=score,
             group_id=group_id, response_mask=list(episode.mask), rollout_logprobs=list(episode.logprobs),
             finish_reason="length" if episode.truncated else "stop", reward_details=details, info=info,
-            baseline_score=baseline, turn_rewards=list(episode.turn_rewards) or None,
+            baseline_score=baseline, turn_rewards=list(episode.turn_rewards) or None, vision=episode.vision,
         )
 
 

@@ -12,7 +12,7 @@ import rltk
 from rltk.commands.cli import main
 from rltk.config import load_config
 from rltk.errors import ConfigError
-from rltk.recipe_validation import shipped_recipe_spec
+from rltk.recipe_tools.validation import shipped_recipe_spec
 from rltk.workflows.base import Workflow
 
 REPO = Path(__file__).resolve().parents[2]

@@ -44,7 +44,7 @@ def test_no_local_producers_is_valid_in_the_asynchronous_modes():
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
 def test_the_rl_recipes_run_the_asynchronous_modes_and_a_recipe_that_does_not_refuses_them(mode):
-    from rltk.recipe_validation import shipped_recipe_spec
+    from rltk.recipe_tools.validation import shipped_recipe_spec
 
     for recipe, stages in [("grpo", []), ("ppo", []), ("distill", ["stages=[{name: d, type: distill}]"])]:
         load_config([], [f"trainer.mode={mode}", *stages], recipe=shipped_recipe_spec(recipe))

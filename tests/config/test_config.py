@@ -208,7 +208,7 @@ def test_the_recipe_must_fill_the_buffer_sources_the_sample_strategy_reads():
 
 
 def test_shipped_recipes_declare_what_they_serve():
-    from rltk.recipe_validation import shipped_recipe_spec
+    from rltk.recipe_tools.validation import shipped_recipe_spec
 
     grpo, ppo = shipped_recipe_spec("grpo"), shipped_recipe_spec("ppo")
     assert "values" not in grpo.batch_fields and "values" in ppo.batch_fields

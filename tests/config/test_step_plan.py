@@ -13,7 +13,7 @@ from rltk.config import load_config
 from rltk.config.recipe_capabilities import (
     ENGINE_LOGPROBS, FIELD_PASSES, UPDATE_FORWARD, StepPlan, update_may_take_old_logprobs,
 )
-from rltk.stage_spec import RL_STEP_FIELDS, StageSpec, rl_provides
+from rltk.registration.stage_spec import RL_STEP_FIELDS, StageSpec, rl_provides
 
 
 def plan_of(stage: str, *overrides: str) -> StepPlan:

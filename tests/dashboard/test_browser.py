@@ -591,3 +591,57 @@ def test_a_step_reads_as_groups_with_whole_multi_turn_responses(browser, dashboa
     assert groups[1].find_elements(By.CSS_SELECTOR, ".turn-label") == []
     screenshot(driver, tmp_path, "dashboard-groups")
     assert console_errors(driver) == []
+
+
+def test_a_prompts_images_show_as_thumbnails_beside_it_and_in_the_transcript(browser, dashboard, tmp_path):
+    """Records with ``images`` (rltk.data.images.thumbnail of real images) show each thumbnail beside the
+    group's prompt, decoded by the browser at its own size; an environment's image in the transcript shows in
+    its message; a thumbnail that is not a PNG the trace carries (an address out) is never loaded."""
+    import json
+
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    from rltk.data.images import thumbnail
+    from tests.dashboard.conftest import write_run
+
+    client, runs_root, _ = dashboard
+    folder = write_run(runs_root / "eyes")
+    records = [json.loads(line) for line in (folder / "traces.jsonl").read_text().splitlines()]
+    wide, square = Image.new("RGB", (120, 60), (255, 0, 0)), Image.new("RGB", (56, 56), (0, 0, 255))
+    seen = thumbnail(Image.new("RGB", (30, 30), (0, 160, 0)))
+    for record in records:
+        record["images"] = [thumbnail(wide), thumbnail(square), {"type": "image", "width": 1, "height": 1,
+                                                                 "thumbnail": "http://127.0.0.1:9/x.png"}]
+        record["info"]["messages"].insert(1, {"role": "user", "content": [seen, {"type": "text", "text": "what now?"}]})
+    (folder / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    driver = browser
+    console_errors(driver)
+    driver.get(f"http://127.0.0.1:{client.port}/#runs/eyes")
+    wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#steps tr.has-traces[data-step="4"]'), "the table")
+    driver.find_element(By.CSS_SELECTOR, '#steps tr.has-traces[data-step="4"]').click()
+    group = wait_for(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#traces .group"), "the groups")[0]
+    row = group.find_element(By.CSS_SELECTOR, ".prompt-row")
+    assert row.find_element(By.CSS_SELECTOR, "pre.prompt").text == "40+2="
+    thumbs = row.find_elements(By.CSS_SELECTOR, ".thumbs img.thumb")
+    assert len(thumbs) == 2  # the address out is not shown
+    loaded = wait_for(driver, lambda d: [d.execute_script("return [arguments[0].complete, arguments[0].naturalWidth, "
+                                                          "arguments[0].naturalHeight]", t) for t in thumbs]
+                      if all(d.execute_script("return arguments[0].complete", t) for t in thumbs) else None,
+                      "the thumbnails to decode")
+    assert loaded == [[True, 64, 32], [True, 56, 56]]  # the PNGs the trace holds, aspect kept, never enlarged
+    assert thumbs[0].get_attribute("title") == "image, 120 x 60 px (thumbnail)"
+    beside = driver.execute_script("const a = arguments[0].getBoundingClientRect(), b = arguments[1]"
+                                   ".getBoundingClientRect(); return [a.right <= b.left, a.top < b.bottom]",
+                                   thumbs[1], row.find_element(By.CSS_SELECTOR, "pre.prompt"))
+    assert beside == [True, True]  # to the left of the prompt, on its line
+    sample = group.find_elements(By.CSS_SELECTOR, ".sample")[0]
+    sample.find_element(By.CSS_SELECTOR, ".sample-details > summary").click()
+    message = sample.find_elements(By.CSS_SELECTOR, ".messages .msg")[1]
+    assert message.text.startswith("user:") and "what now?" in message.text
+    image = message.find_element(By.CSS_SELECTOR, "img.thumb")
+    wait_for(driver, lambda d: d.execute_script("return arguments[0].naturalWidth", image) == 30,
+             "the transcript's image")
+    assert driver.find_elements(By.CSS_SELECTOR, 'img[src^="http"]') == []
+    screenshot(driver, tmp_path, "dashboard-images")
+    assert console_errors(driver) == []

@@ -103,3 +103,43 @@ def test_a_text_policy_on_image_rows_exits_2_before_anything_heavy(tmp_path, cap
     missing = _write(tmp_path, [{"prompt": "<image>?", "answer": "red", "images": "gone.png"}])
     assert main(["run", "grpo", f"output_dir={tmp_path / 'run2'}", f"data.path={missing}", "stages=[]"]) == 2
     assert "gone.png' does not exist" in capsys.readouterr().err
+
+
+def _decoded(part: dict):
+    import base64
+
+    from PIL import Image
+
+    from rltk.data.images import THUMBNAIL_PREFIX
+
+    assert part["thumbnail"].startswith(THUMBNAIL_PREFIX)
+    data = base64.b64decode(part["thumbnail"][len(THUMBNAIL_PREFIX):])
+    return data, Image.open(io.BytesIO(data))
+
+
+def test_a_thumbnail_is_a_small_png_that_keeps_the_aspect_and_the_colours():
+    from PIL import Image
+
+    from rltk.data.images import thumbnail
+
+    image = Image.new("RGB", (200, 100), (255, 0, 0))
+    image.paste((0, 0, 255), (100, 0, 200, 100))  # left half red, right half blue
+    part = thumbnail(image)
+    assert (part["type"], part["width"], part["height"]) == ("image", 200, 100)  # the image's own size
+    data, small = _decoded(part)
+    assert small.format == "PNG" and small.size == (64, 32)  # longer side 64, aspect 2:1 kept
+    assert small.convert("RGB").getpixel((8, 16)) == (255, 0, 0) and small.convert("RGB").getpixel((56, 16)) == (0, 0, 255)
+    tiny = thumbnail(Image.new("RGB", (20, 10), (0, 255, 0)))
+    assert _decoded(tiny)[1].size == (20, 10)  # never enlarged
+
+
+def test_a_noisy_image_shrinks_until_its_png_fits_the_byte_cap():
+    import numpy as np
+
+    from rltk.data.images import THUMBNAIL_MAX_BYTES, thumbnail
+
+    noise = np.random.default_rng(0).integers(0, 256, size=(300, 300, 3), dtype=np.uint8)
+    unbounded, _ = _decoded(thumbnail(noise, max_bytes=10**9))
+    assert len(unbounded) > THUMBNAIL_MAX_BYTES  # 64 x 64 x 3 bytes of noise do not compress
+    data, small = _decoded(thumbnail(noise))
+    assert len(data) <= THUMBNAIL_MAX_BYTES and max(small.size) < 64 and small.size[0] == small.size[1]

@@ -2,6 +2,7 @@ import rltk
 from rltk.rewards.judges.llm_judge import llm_judge
 from rltk.rewards.judges.reward_model import reward_model
 from rltk.rewards.marks import is_batched
+from rltk.rewards.verifiable.choice import multiple_choice
 from rltk.rewards.verifiable.countdown import countdown
 from rltk.rewards.verifiable.format import format_tags
 from rltk.rewards.verifiable.math import exact_match, math_answer
@@ -9,7 +10,7 @@ from rltk.rewards.verifiable.math import exact_match, math_answer
 
 def test_builtin_reward_functions_are_registered():
     expected = {"exact_match": exact_match, "math_answer": math_answer, "countdown": countdown,
-                "format_tags": format_tags, "reward_model": reward_model, "llm_judge": llm_judge}
+                "format_tags": format_tags, "multiple_choice": multiple_choice, "reward_model": reward_model, "llm_judge": llm_judge}
     for name, fn in expected.items():
         assert rltk.get_component("reward_fn", name) is fn
     entries = {e.name: e for e in rltk.list_components("reward_fn")}

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from rltk.rewards.verifiable import countdown as cd
 from rltk.rewards.verifiable import math as rm
+from rltk.rewards.verifiable.choice import multiple_choice
 from rltk.rewards.verifiable.countdown import countdown, extract_expression
 from rltk.rewards.verifiable.format import format_tags
 from rltk.rewards.verifiable.math import (
@@ -93,6 +94,8 @@ REWARDS = {
     "math_answer flexible": lambda r: _math(r, "16", flexible=True),
     "countdown": lambda r: _countdown(r),
     "format_tags": lambda r: format_tags(prompt="", response=r, ground_truth="", extras={}),
+    "multiple_choice": lambda r: multiple_choice(prompt="", response=r, ground_truth="16",
+                                                 extras={"choices": ["16", "61"]}),
 }
 
 

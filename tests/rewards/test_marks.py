@@ -48,7 +48,7 @@ def test_every_builtin_reward_is_marked_bounded():
     assert not is_bounded(fns.pop("code_execution"))
     services = {name: fns.pop(name) for name in ("reward_model", "llm_judge")}
     assert all(is_batched(fn) and not is_bounded(fn) for fn in services.values())
-    assert sorted(fns) == ["countdown", "exact_match", "format_tags", "math_answer"]
+    assert sorted(fns) == ["countdown", "exact_match", "format_tags", "math_answer", "multiple_choice"]
     assert all(is_bounded(fn) for fn in fns.values())
     composer = build_reward_composer(list(fns))
     assert composer.in_process == list(fns)

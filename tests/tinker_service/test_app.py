@@ -247,6 +247,40 @@ def test_bad_input_is_a_400_naming_the_field(server):
     service.close("success").result()
 
 
+def test_image_chunks_are_refused_naming_what_the_service_lacks(server):
+    """A text model's service: the SDK's ImageChunk and ImageAssetPointerChunk (sampling) and ImageChunk
+    (forward_backward, protobuf) come back as tinker.BadRequestError naming the chunk and what reading images
+    needs (a vision-language folder served, tests/tinker_service/test_vision.py), before any work."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(buffer, format="PNG")
+    image = types.ImageChunk(data=buffer.getvalue(), format="png", expected_tokens=4)
+    tokens = server["tokenizer"].encode("1+1=", add_special_tokens=False)
+    service = _client(server)
+    client = service.create_lora_training_client(base_model="tiny-folder", rank=4).result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    missing = {"image": r"the served model is a text model, which cannot read images: serve a vision-language model folder",
+               "image_asset_pointer": r"fetches no image addresses"}
+    pointer = types.ImageAssetPointerChunk(format="png", location="/tmp/x.png", expected_tokens=4)
+    for chunk, kind in ((image, "image"), (pointer, "image_asset_pointer")):
+        prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=tokens), chunk])
+        with pytest.raises(tinker.BadRequestError, match=rf"prompt\.chunks\[1\]: an {kind} chunk; .*" + missing[kind]):
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    # forward_backward's protobuf carries ImageChunk (the SDK cannot send an asset pointer there)
+    datum = types.Datum(model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=tokens[:2]), image]),
+                        loss_fn_inputs={"target_tokens": np.array(tokens[1:3] + [0] * 4)})
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.model_input\[1\]: an image chunk; " + missing["image"]):
+        client.forward_backward([datum], "cross_entropy").result()
+    # the refusals left the client working
+    text = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:])})
+    assert len(client.forward_backward([text], "cross_entropy").result().loss_fn_outputs) == 1
+    service.close("success").result()
+
+
 CHILD = textwrap.dedent("""
     import os, sys
     import tinker

@@ -26,3 +26,4 @@ def test_listening_beyond_loopback_without_a_key_is_warned_about(capsys):
     err = capsys.readouterr().err
     assert "rltk serve-tinker: WARNING: listening on 203.0.113.1 without an API key" in err
     assert "cannot listen on 203.0.113.1:0 (--host/--port)" in err and "Traceback" not in err
+

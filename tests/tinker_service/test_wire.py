@@ -50,11 +50,14 @@ def test_a_zstd_body_decodes_and_garbage_is_refused():
         decode_forward_backward(b"\xff\xff\xff")
 
 
-def test_image_chunks_are_refused_naming_the_chunk():
-    datum = types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"x", format="png")]),
-                        loss_fn_inputs={"target_tokens": np.array([2])})
-    with pytest.raises(WireError, match=r"data\[0\]\.model_input\[0\]: image chunk"):
-        decode_forward_backward(_request(datum, "cross_entropy"))
+def test_image_chunks_decode_to_their_place_among_the_tokens():
+    chunks = [types.EncodedTextChunk(tokens=[5, 6]), types.ImageChunk(data=b"png-bytes", format="png", expected_tokens=4),
+              types.EncodedTextChunk(tokens=[7]), types.ImageChunk(data=b"jpeg-bytes", format="jpeg")]
+    datum = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={"target_tokens": np.array([2])})
+    decoded = decode_forward_backward(_request(datum, "cross_entropy")).data[0]
+    assert decoded.tokens == [5, 6, 7]  # the images' tokens go in once the served processor counts them
+    assert [(i.at, i.data, i.format, i.expected_tokens, i.field) for i in decoded.images] == [
+        (2, b"png-bytes", "png", 4, "data[0].model_input[1]"), (3, b"jpeg-bytes", "jpeg", None, "data[0].model_input[3]")]
 
 
 def test_outputs_and_samples_decode_with_the_sdk():

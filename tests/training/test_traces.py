@@ -80,6 +80,39 @@ def test_records_hold_prompt_rewards_advantage_and_the_per_token_view():
     assert "prompt" not in r2["info"]  # written once, at the top level
 
 
+def test_records_keep_a_thumbnail_of_each_prompt_image_and_of_images_in_the_transcript(tmp_path):
+    """A row's images (row id -> images) become the record's ``images`` thumbnails in the prompt's order, once
+    per row; an image content part in ``info["messages"]`` (an environment's observation) becomes the same
+    thumbnail part, so the record stays plain JSON."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from rltk.data.images import THUMBNAIL_PREFIX
+
+    def pixel(part):
+        data = base64.b64decode(part["thumbnail"][len(THUMBNAIL_PREFIX):])
+        return Image.open(io.BytesIO(data)).convert("RGB").getpixel((0, 0))
+
+    batch, items = batch_and_items()
+    seen = Image.new("RGB", (8, 8), (0, 200, 0))
+    items[2].experience.info["messages"].insert(
+        2, {"role": "user", "content": [{"type": "image", "image": seen}, {"type": "text", "text": "look"}]})
+    red, blue = Image.new("RGB", (100, 50), (255, 0, 0)), Image.new("RGB", (30, 30), (0, 0, 255))
+    writer = TraceWriter(tmp_path, CharTokenizer(), row_images={"r0": [red, blue]})
+    r0, r1, r2 = writer.records(stage(), 5, batch, items)
+    assert [(p["width"], p["height"], pixel(p)) for p in r0["images"]] == [(100, 50, (255, 0, 0)), (30, 30, (0, 0, 255))]
+    assert r1["images"] is writer.thumbnails("r0")  # made once per row, however often it is traced
+    assert r2["images"] == []  # row r1 has no images
+    part = r2["info"]["messages"][2]["content"][0]
+    assert (part["type"], part["width"], pixel(part)) == ("image", 8, (0, 200, 0)) and "image" not in part
+    assert writer.write(stage(), 6, batch, items) == 3
+    back = read_traces(tmp_path / TRACES_FILE)
+    assert back[0]["images"] == r0["images"] and back[2]["info"]["messages"][2]["content"][0] == part
+    assert TraceWriter(tmp_path / "text", CharTokenizer()).records(stage(), 5, batch, items)[0]["images"] == []
+
+
 def test_an_async_steps_traces_count_staleness_from_the_policy_version_the_queue_recorded(tmp_path):
     """Queue -> lease -> the step's buffer -> trace records, as recipes/grpo.py runs them: each trace's
     staleness is the trainer's version minus the version of the sample's oldest token, the queue's

@@ -11,10 +11,13 @@ servers, a server engine in one file).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 import rltk
 from rltk_plugin_example.serve_engine import rltk_rollout_engines  # noqa: F401  (registered with this module)
+
+if TYPE_CHECKING:
+    import torch
 
 
 def group_rank_advantages(*, scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor):
@@ -32,6 +35,8 @@ def group_rank_advantages(*, scores: torch.Tensor, group_ids: torch.Tensor, resp
     Shape: scores (B,), group_ids (B,), response_mask (B, T) -> advantages,
     returns (B, T), zero outside the mask.
     """
+    import torch  # here: importing a plugin should not cost torch (`rltk validate` runs without it)
+
     scores = scores.float()
     same_group = group_ids[:, None] == group_ids[None, :]  # [B, B]
     below = (same_group & (scores[None, :] < scores[:, None])).sum(1).float()

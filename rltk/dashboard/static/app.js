@@ -798,7 +798,7 @@ function groupNode(g) {
       el("span", {text: `group ${fmt(g.group_id)}`}), el("span", {text: `${g.samples.length} samples`}),
       el("span", {text: `mean score ${fmt(mean)}`}), el("span", {text: `row ${fmt(first.row_id)}`}),
       el("span", {text: `ground truth: ${fmt(first.ground_truth)}`})),
-    el("pre", {class: "prompt", text: first.prompt}),
+    promptNode(first),
     prompts.size > 1 ? el("div", {class: "muted", text: "the samples of this group had different prompts: each row shows its own"}) : null,
     el("div", {class: "samples"}, ...g.samples.map((t) => sampleNode(t, prompts.size > 1))));
 }
@@ -826,14 +826,36 @@ function sampleNode(t, ownPrompt) {
     el("span", {class: "score", "data-score": t.score, text: `score ${fmt(t.score)}`}),
     el("span", {class: "muted", text: fmt(t.finish_reason)}));
   return el("div", {class: "sample trajectory", "data-row": t.row, "data-advantage": t.advantage}, meta,
-    el("div", {class: "sample-body"}, ownPrompt ? el("pre", {class: "prompt", text: t.prompt}) : null,
+    el("div", {class: "sample-body"}, ownPrompt ? promptNode(t) : null,
        Array.isArray(t.tokens) ? tokensNode(t) : el("pre", {class: "response", text: t.response}), details));
 }
 
+// A prompt's text with the thumbnails of its images beside it (traces' "images"), when it has some.
+function promptNode(t) {
+  const text = el("pre", {class: "prompt", text: t.prompt});
+  const images = (Array.isArray(t.images) ? t.images : []).map(imageNode).filter((n) => n);
+  return images.length ? el("div", {class: "prompt-row"}, el("div", {class: "thumbs"}, ...images), text) : text;
+}
+
+// One image thumbnail of a trace: only a PNG the trace itself carries (a data: address), never a link out.
+function imageNode(part) {
+  if (!part || typeof part.thumbnail !== "string" || !part.thumbnail.startsWith("data:image/png;base64,")) return null;
+  const size = `${fmt(part.width)} x ${fmt(part.height)} px`;
+  return el("img", {class: "thumb", src: part.thumbnail, alt: `image (${size})`, title: `image, ${size} (thumbnail)`});
+}
+
+// A transcript message; content parts (text, an environment's image) in order, images as their thumbnails.
 function messageNode(m) {
-  const parts = [`${m.role}: `, typeof m.content === "string" ? m.content : JSON.stringify(m.content)];
-  if (m.tool_calls) parts.push("\ntool calls: " + JSON.stringify(m.tool_calls));
-  return el("div", {class: "msg " + (m.role || ""), text: parts.join("")});
+  const node = el("div", {class: "msg " + (m.role || ""), text: `${m.role}: `});
+  if (typeof m.content === "string") node.append(m.content);
+  else if (Array.isArray(m.content)) {
+    for (const part of m.content) {
+      const image = part && part.type === "image" ? imageNode(part) : null;
+      node.append(image || (part && part.type === "text" && typeof part.text === "string" ? part.text : JSON.stringify(part)));
+    }
+  } else node.append(JSON.stringify(m.content));
+  if (m.tool_calls) node.append("\ntool calls: " + JSON.stringify(m.tool_calls));
+  return node;
 }
 
 // The whole response, token by token: every assistant turn and observation (grey: not the policy's,

@@ -99,17 +99,17 @@ def _within_length_with_images(rows: list[dict], tokenizer, processor, max_token
 def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
     """Rows with images need a vision-language policy and a run that carries them to every forward.
 
-    The synchronous RL loop (``trainer.mode=sync``, the ``single_turn`` workflow) and the supervised warm-up
-    carry each row's images from the processor to the engine and every log-prob pass; what does not (packed
-    rows, the asynchronous modes, a critic, the preference and distillation stages) is refused here, and
-    by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
+    The synchronous RL loop (``trainer.mode=sync``, the ``single_turn`` and ``multi_turn`` workflows) and the
+    supervised warm-up carry each row's images from the processor to the engine and every log-prob pass; what
+    does not (packed rows, the asynchronous modes, a critic, the preference and distillation stages) is refused
+    here, and by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
     """
     from rltk.config.validation import policy_is_vlm
-    from rltk.models.vision.inputs import refuse_packing_reason
 
     with_images = next((row for row in rows if row.get("images")), None)
     if with_images is None:
         return
+    from rltk.models.vision.inputs import refuse_packing_reason  # imports torch: only for rows with images
     key = cfg.data.image_key
     where = (f"data.image_key='{key}': row '{with_images['id']}' has {len(with_images['images'])} image(s)")
     vlm, described = policy_is_vlm(cfg)
@@ -121,9 +121,9 @@ def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
     if cfg.trainer.mode != "sync":
         raise ConfigError(f"{where}: trainer.mode={cfg.trainer.mode} does not carry images to its producer yet; "
                           f"run with trainer.mode=sync")
-    if cfg.rollout.workflow != "single_turn":
+    if cfg.rollout.workflow not in ("single_turn", "multi_turn"):
         raise ConfigError(f"{where}: rollout.workflow={cfg.rollout.workflow} does not carry images yet; "
-                          f"run with rollout.workflow=single_turn")
+                          f"run with rollout.workflow=single_turn or multi_turn")
 
 
 def refuse_image_rows(rows: list[dict], cfg: DictConfig, what: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rltk
-from rltk.config.merge import apply_overrides
+from rltk.config.merge import apply_overrides, stage_config  # noqa: F401  (stage_config moved to rltk.config, torch-free)
 from rltk.errors import ConfigError
 from rltk.rollout.base import RolloutEngine, SamplingParams
 from rltk.workflows.base import Workflow
@@ -23,11 +23,6 @@ def args_of(cfg: DictConfig, key: str) -> dict:
     return dict(OmegaConf.to_container(node, resolve=True)) if node is not None else {}
 
 
-def stage_config(cfg: DictConfig, index: int) -> DictConfig:
-    """The config of stage ``index``: the run config with that stage's overrides applied."""
-    stage = cfg.stages[index]
-    overrides = OmegaConf.to_container(stage.overrides, resolve=True) if stage.overrides else {}
-    return apply_overrides(cfg, overrides, f"stages[{index}].overrides (stage '{stage.name}')")
 
 
 # ---------------------------------------------------------------- model

@@ -12,7 +12,13 @@ group only mean something next to each other), one JSON object per line::
      "source": "policy", "staleness": 0, "response_tokens": 3, "policy_tokens": 3,
      "tokens": ["4", "2", "<eos>"], "token_ids": [...], "response_mask": [1, 1, 1],
      "advantages": [0.94, 0.94, 0.94], "logprobs": [-0.1, -0.3, -0.01], "token_rewards": [0, 0, 1.0],
-     "info": {...}}
+     "info": {...}, "images": [{"type": "image", "width": 56, "height": 56, "thumbnail": "data:image/png;base64,..."}]}
+
+``images`` holds a thumbnail of each of the prompt's images (``data.image_key``), in the prompt's order:
+a PNG of at most 64 pixels a side and 8 KiB (:func:`rltk.data.images.thumbnail`), made once per row and
+kept for the run, enough to tell which picture a sample answered without copying the dataset into the
+file. An image anywhere in ``info`` (an environment's or a tool's observation in ``messages``, as
+``{"type": "image", "image": ...}`` content parts) is written as the same thumbnail part.
 
 ``info`` is the workflow's own record of the episode, whatever it holds:
 multi-turn episodes keep their ``messages`` (assistant turns, tool calls and
@@ -40,6 +46,7 @@ from typing import Any, Sequence
 import torch
 
 from rltk.buffer.buffer import POLICY, staleness, trainer_version
+from rltk.data.images import is_image, thumbnail
 from rltk.loggers.jsonl import TRACES_FILE, read_jsonl_metrics
 
 #: ``info`` keys already written at the top level of a record.
@@ -60,7 +67,11 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if is_image(value):
+        return thumbnail(value)
     if isinstance(value, dict):
+        if value.get("type") == "image" and is_image(value.get("image")):  # a chat content part: the part itself
+            return {**{str(k): _jsonable(v) for k, v in value.items() if k != "image"}, **thumbnail(value["image"])}
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
@@ -106,10 +117,13 @@ class TraceWriter:
         every: trace every ``every``-th stage step (``logging.traces_every``).
         max_mb: the file's size cap in MiB (``logging.traces_max_mb``).
         resume_step: the global step a resumed run continues from (0 for a new run): later lines go.
+        row_images: the images of the rows that have some, by row id (``row["images"]``), for the records'
+            ``images`` thumbnails.
     """
 
     def __init__(self, run_dir: str | Path, tokenizer, *, per_step: int = 16, every: int = 1,
-                 max_mb: float = 100.0, resume_step: int | None = None):
+                 max_mb: float = 100.0, resume_step: int | None = None,
+                 row_images: dict[str, list] | None = None):
         self.path = Path(run_dir) / TRACES_FILE
         self.tokenizer = tokenizer
         self.per_step, self.every = int(per_step), int(every)
@@ -118,6 +132,15 @@ class TraceWriter:
         if resume_step is not None:
             _drop_after(self.path, resume_step)
         self.size = self.path.stat().st_size if self.path.exists() else 0
+        self.row_images = dict(row_images or {})
+        self._thumbnails: dict[str, list[dict]] = {}  # by row id: a row is traced again in later epochs
+
+    def thumbnails(self, row_id: Any) -> list[dict]:
+        """The thumbnails of row ``row_id``'s images (``[]`` for a row without any)."""
+        key = str(row_id)
+        if key not in self._thumbnails:
+            self._thumbnails[key] = [thumbnail(image) for image in self.row_images.get(key, ())]
+        return self._thumbnails[key]
 
     def _pieces(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own; one batched call where the tokenizer has it (a real model's responses
@@ -174,6 +197,7 @@ class TraceWriter:
                 # a critic's value estimates (ppo), beside the advantages computed from them
                 "values": [_number(x, 4) for x in batch["values"][row, :n].tolist()] if "values" in batch else None,
                 "info": _jsonable({k: v for k, v in info.items() if k not in _TOP_LEVEL_INFO}),
+                "images": self.thumbnails(info.get("row_id")) if self.row_images else [],
             }
             out.append(record)
         return out

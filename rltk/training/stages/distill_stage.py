@@ -2,7 +2,7 @@
 
 GKD with lambda = 1 (Agarwal et al. 2024, arXiv:2306.13649); Thinking Machines' "On-Policy Distillation"
 (2025). The algorithm box is ``recipes/distill.py``'s docstring; the stage is registered as ``distill``
-(:mod:`rltk.builtin_stages`).
+(:mod:`rltk.components.builtin_stages`).
 """
 
 from __future__ import annotations

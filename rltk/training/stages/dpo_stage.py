@@ -1,7 +1,7 @@
 """The DPO loop and its variants (IPO, SLiC hinge, cDPO), offline from preference pairs or online from samples.
 
 Rafailov et al. 2023 (arXiv:2305.18290). The algorithm box is ``recipes/dpo.py``'s docstring; the stage
-is registered as ``dpo`` (:mod:`rltk.builtin_stages`).
+is registered as ``dpo`` (:mod:`rltk.components.builtin_stages`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from rltk.data.preferences import synthetic_preferences
 from rltk.data.sampler import RowSampler
-from rltk.errors import ConfigError
+from rltk.components.builtin_stages import check_dpo_stage
 from rltk.training.rollouts.collect import RolloutPlan, collect_experiences
 from rltk.training.scaffold.rows import refuse_image_rows, tool_schemas
 from rltk.training.stages.loop_state import LoopState, StageContext
@@ -34,9 +34,7 @@ def run_dpo_stage(stage: Stage):
     run, cfg = stage.run, stage.cfg
     refuse_image_rows(run.train_rows, cfg, "the dpo stage (its preference pairs)")
     d, t = cfg.dpo, cfg.trainer
-    if d.online and d.precompute_reference:
-        raise ConfigError("dpo.precompute_reference=true needs fixed pairs, but dpo.online=true samples new ones "
-                          "every step: set one of them to false")
+    check_dpo_stage(cfg)  # validation ran it too; a script's own run_stages may not have validated
     strategy = build_stage_strategy(stage, lr=t.lr, total_steps=t.total_steps, warmup_steps=t.warmup_steps,
                                     lr_schedule=t.lr_schedule)
     require_rows_per_rank(strategy, "trainer.prompts_per_step", t.prompts_per_step)

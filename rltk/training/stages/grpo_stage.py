@@ -2,7 +2,7 @@
 
 Shao et al. 2024 (arXiv:2402.03300) for the group-relative advantage; every other piece (estimator,
 policy loss, KL estimator, sample strategy) is the config's. The algorithm box is ``recipes/grpo.py``'s
-docstring; the stage is registered as ``grpo`` (:mod:`rltk.builtin_stages`).
+docstring; the stage is registered as ``grpo`` (:mod:`rltk.components.builtin_stages`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from rltk.training.step.ranks import any_rank
 from rltk.training.step.reference import FrozenReference
 from rltk.training.scaffold.setup import args_of
 # what a stage on rl_steps provides (kept here under their old names: rltk.recipes exports them too)
-from rltk.stage_spec import RL_STEP_FIELDS, rl_provides  # noqa: F401
+from rltk.registration.stage_spec import RL_STEP_FIELDS, rl_provides  # noqa: F401
 
 #: The name of the mini-batch generator in a checkpoint's RNG files (see :meth:`LoopState.generators`).
 MINIBATCH_GENERATOR = "minibatch_order"

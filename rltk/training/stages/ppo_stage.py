@@ -2,7 +2,7 @@
 
 Schulman et al. 2017 (arXiv:1707.06347), as RLHF runs it (Ziegler et al. 2019, arXiv:1909.08593; Ouyang
 et al. 2022, arXiv:2203.02155). The algorithm box is ``recipes/ppo.py``'s docstring; the stage is
-registered as ``ppo`` (:mod:`rltk.builtin_stages`).
+registered as ``ppo`` (:mod:`rltk.components.builtin_stages`).
 """
 
 from __future__ import annotations

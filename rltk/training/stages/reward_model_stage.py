@@ -3,7 +3,7 @@
 InstructGPT's reward-model step (Ouyang et al. 2022, arXiv:2203.02155, eq. 1): ``loss = -mean log
 sigmoid(r(x, y_c) - r(x, y_r))`` (``reward_model.loss``, by default ``bradley_terry``). It trains after a
 run's stages (the SFT model is its starting point) a model that is not the policy, so it is registered as
-``reward_model`` (:mod:`rltk.builtin_stages`) but not chainable: ``rltk run reward_model`` runs it.
+``reward_model`` (:mod:`rltk.components.builtin_stages`) but not chainable: ``rltk run reward_model`` runs it.
 The algorithm box is ``recipes/reward_model.py``'s docstring.
 """
 

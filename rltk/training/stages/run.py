@@ -36,7 +36,7 @@ from rltk.distributed import end_process_group, limit_torch_threads, process_ran
 from rltk.errors import ConfigError
 from rltk.loggers.base import StageSpan, stage_ended, stage_spans
 from rltk.loggers.plot import plot_training_curves
-from rltk.stage_spec import StageSpec
+from rltk.registration.stage_spec import StageSpec
 from rltk.training.rollouts.engine_weights import connect_rollout_engine, engine_follows
 from rltk.training.scaffold.evaluation import evaluate
 from rltk.training.scaffold.guard import DivergenceGuard, TrainingDiverged, vocab_size_of
@@ -173,7 +173,8 @@ def open_run(cfg: DictConfig) -> Run:
             logger.truncate_after(resume_step, keep_at_step=resume[LOG_ROWS_KEY])
     lg = cfg.logging
     traces = TraceWriter(run_dir, tokenizer, per_step=lg.traces_per_step, every=lg.traces_every,
-                         max_mb=lg.traces_max_mb, resume_step=resume_step) \
+                         max_mb=lg.traces_max_mb, resume_step=resume_step,
+                         row_images={str(row["id"]): row["images"] for row in train_rows if row.get("images")}) \
         if lg.traces and process_rank() == 0 and not finished else None
     if finished and process_rank() == 0:
         print(f"rltk: {run_dir} already finished (checkpoint {resume['path']}): nothing left to train, reporting "

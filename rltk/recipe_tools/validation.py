@@ -22,7 +22,7 @@ from rltk.config.loader import load_config
 from rltk.config.recipe_capabilities import RecipeSpec
 from rltk.errors import ConfigError
 from rltk.registry import RegistryError, get_registry, unknown_name_message
-from rltk.stage_spec import StageSpec
+from rltk.registration.stage_spec import StageSpec
 
 
 # ---------------------------------------------------------------- a recipe's stages
@@ -270,7 +270,7 @@ def step_plans(cfg, recipe: str | None) -> str:
     """The step plan of each RL stage of ``cfg`` (:class:`rltk.config.recipe_capabilities.StepPlan`): which pass
     fills which batch field and what each component reads, for ``rltk validate``. Empty without an RL stage."""
     from rltk.config.recipe_capabilities import StepPlan
-    from rltk.training.scaffold.setup import stage_config
+    from rltk.config.merge import stage_config
 
     stages = recipe_stages(recipe) if recipe in registered_stages() else registered_stages()
     plans = []
@@ -287,7 +287,7 @@ def what_runs(cfg, recipe: str | None) -> str:
     """What a run of ``cfg`` trains, stage by stage, for ``rltk validate``'s ok line: e.g. ``2 stages: warmup
     (sft), dpo (dpo, loss sigmoid)``; a stage that feeds an advantage estimator names its algorithm, the
     reward_model recipe its loss."""
-    from rltk.training.scaffold.setup import stage_config
+    from rltk.config.merge import stage_config
 
     parts = []
     for i, stage in enumerate(cfg.stages):
@@ -318,7 +318,7 @@ def _check_warmup_demonstrations(cfg) -> int:
     Loads the tokenizer (not the model) and the data; each ``sft`` stage is checked with its overrides."""
     from rltk.config.env_checks import check_demonstrations
     from rltk.training.scaffold.rows import build_rows, sft_pairs, tool_schemas
-    from rltk.training.scaffold.setup import build_processor, stage_config
+    from rltk.config.merge import stage_config
 
     stages = [i for i, stage in enumerate(cfg.stages) if stage.type == "sft"]
     if not stages:
@@ -338,7 +338,11 @@ def _check_warmup_demonstrations(cfg) -> int:
             staged.data.train_size = min(staged.data.train_size, VALIDATE_DEMONSTRATIONS)
             staged.data.eval_size = 1
         rows = build_rows(staged, tokenizer)[0][:VALIDATE_DEMONSTRATIONS]
-        processor = build_processor(staged, tokenizer) if any(row.get("images") for row in rows) else None
+        processor = None
+        if any(row.get("images") for row in rows):
+            from rltk.training.scaffold.setup import build_processor  # imports torch: only for rows with images
+
+            processor = build_processor(staged, tokenizer)
         pairs = sft_pairs(rows, tokenizer, staged.sft.completion_key, tools=tool_schemas(staged), processor=processor)
         check_demonstrations(staged, rows, pairs)
         checked = max(checked, len(rows))

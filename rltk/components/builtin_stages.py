@@ -10,7 +10,8 @@ it). ``type: grpo`` in any run's ``stages`` runs :mod:`rltk.training.stages.grpo
 from __future__ import annotations
 
 import rltk
-from rltk.stage_spec import StageSpec, rl_provides
+from rltk.errors import ConfigError
+from rltk.registration.stage_spec import StageSpec, rl_provides
 
 _HERE = "rltk.training.stages"
 
@@ -42,11 +43,21 @@ STAGES["distill"] = StageSpec(
 # DPO trains on pairs, not advantages: the algorithm.* components are not used, nothing of theirs to check
 STAGES["dpo"] = StageSpec(
     f"{_HERE}.dpo_stage:run_dpo_stage",
-    "DPO and its variants (IPO, SLiC hinge, cDPO), offline from preference pairs or online from samples.")
+    "DPO and its variants (IPO, SLiC hinge, cDPO), offline from preference pairs or online from samples.",
+    check=f"{__name__}:check_dpo_stage")
 STAGES["reward_model"] = StageSpec(
     f"{_HERE}.reward_model_stage:run_reward_model_stage",
     "Reward-model training (Bradley-Terry on preference pairs), after the stages of `rltk run reward_model`.",
     chainable=False)
+
+
+def check_dpo_stage(cfg) -> None:
+    """What the DPO loop refuses in its stage's config, checked before any stage runs (a chained DPO stage
+    would otherwise fail only after the stages before it): a reference pass precomputed over fixed pairs
+    while ``dpo.online`` samples new pairs every step."""
+    if cfg.dpo.online and cfg.dpo.precompute_reference:
+        raise ConfigError("dpo.precompute_reference=true needs fixed pairs, but dpo.online=true samples new ones "
+                          "every step: set one of them to false")
 
 
 @rltk.hookimpl

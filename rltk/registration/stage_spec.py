@@ -70,6 +70,10 @@ class StageSpec:
             its ``type: rl`` stage (:func:`rltk.recipes.recipe_stages`).
         chainable: it may be named in any run's ``stages`` (false: only its own recipe runs it, e.g.
             ``reward_model``, which trains a model that is not the policy).
+        check: what the loop refuses in its config, for ``rltk validate`` and ``rltk run`` to refuse before
+            any stage runs: ``"package.module:function"`` (or the function), called with the stage's config
+            (its overrides applied); it raises :class:`rltk.errors.ConfigError` naming the key. Named by
+            string, its module is imported to check a config, so it should not import torch.
     """
 
     loop: str | Callable
@@ -77,13 +81,15 @@ class StageSpec:
     provides: Mapping[str, Any] = field(default_factory=dict)
     rl: bool = False
     chainable: bool = True
+    check: str | Callable | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.provides) - set(PROVIDES_KEYS))
         if unknown:
             raise ValueError(f"StageSpec provides {unknown}: the keys are {', '.join(PROVIDES_KEYS)}")
-        if isinstance(self.loop, str) and ":" not in self.loop:
-            raise ValueError(f"StageSpec loop {self.loop!r}: name it 'package.module:function'")
+        for what, target in (("loop", self.loop), ("check", self.check)):
+            if isinstance(target, str) and ":" not in target:
+                raise ValueError(f"StageSpec {what} {target!r}: name it 'package.module:function'")
         # `rltk list` shows the first line of a component's docstring: this spec's description
         object.__setattr__(self, "__doc__", self.description or getattr(self.loop, "__doc__", None))
 
@@ -93,6 +99,16 @@ class StageSpec:
             return self.loop
         module, _, name = self.loop.partition(":")
         return getattr(importlib.import_module(module), name)
+
+    def check_config(self, cfg) -> None:
+        """Run the stage's own :attr:`check` on ``cfg``, the stage's config (nothing without one)."""
+        if self.check is None:
+            return
+        check = self.check
+        if isinstance(check, str):
+            module, _, name = check.partition(":")
+            check = getattr(importlib.import_module(module), name)
+        check(cfg)
 
     def __call__(self, stage):
         return self.resolve()(stage)
