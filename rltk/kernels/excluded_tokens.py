@@ -8,9 +8,13 @@ the label and ``B`` the excluded set (``|B|`` a handful of rows of the head, so 
 
     log p_b = u_b - lse = u_b - u_y + log p_y      (lse, the full log-normaliser, read off the op's output)
     S = sum_{b in B} p_b                           (the excluded mass)
-    log p'_y = log p_y - log(1 - S)                (-inf when y itself is in B)
+    log p'_y = log p_y - log(1 - S)                (y outside B; see below for y in B)
     H' = -sum_{v not in B} p'_v log p'_v = (H + sum_b p_b log p_b) / (1 - S) + log(1 - S)
     sum_v p'_v^2 = (sum_v p_v^2 - sum_b p_b^2) / (1 - S)^2
+
+A label in ``B`` has no log-prob under ``p'`` (-inf): no engine sampled it, so it is a token the response holds
+from elsewhere (an environment turn's image placeholders inside a multi-turn response, masked from the loss). It
+keeps its full-softmax log-prob instead, finite, so that the loss's masking (a product with 0) stays clean.
 
 Each line follows from ``p'_v = p_v / (1 - S)`` on ``v`` outside ``B``. Exact (fp32 rounding apart) and
 differentiable by autograd through the op's own outputs and the ``|B|`` extra logits, so the fused kernels
@@ -37,7 +41,7 @@ def exclude_tokens(outputs: tuple[torch.Tensor, ...], hidden: torch.Tensor, weig
         hidden: Shape: (N, D). weight: Shape: (V, D). bias: Shape: (V,) or None. labels: Shape: (N,).
         excluded: the token ids the sampler never draws; an empty list returns ``outputs`` unchanged.
         temperature: the one the op applied (the model's own logit scaling included).
-        ignore_index: labels without a target: their log-prob stays 0 and their entropy is left as the op gave
+        ignore_index: labels without a target (an excluded label keeps the full softmax's log-prob, see the module): their log-prob stays 0 and their entropy is left as the op gave
             it (no normaliser can be read from a log-prob of 0; callers mask those positions).
     """
     if not excluded:
@@ -64,7 +68,7 @@ def exclude_tokens(outputs: tuple[torch.Tensor, ...], hidden: torch.Tensor, weig
     kept = (1.0 - p_banned.sum(-1)).clamp(min=torch.finfo(torch.float32).tiny)
     log_kept = torch.log(kept)
     target_banned = (targets[:, None] == rows).any(-1) & valid
-    new_logprobs = torch.where(target_banned, float("-inf"), torch.where(valid, logprobs - log_kept, logprobs))
+    new_logprobs = torch.where(valid & ~target_banned, logprobs - log_kept, logprobs)
     kept_entropy = (entropy + (p_banned * log_p_banned).sum(-1)) / kept + log_kept
     new_entropy = torch.where(valid, kept_entropy, entropy)
     result = (new_logprobs, new_entropy)

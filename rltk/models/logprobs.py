@@ -335,14 +335,23 @@ def _logprobs_from_logits(model, input_ids, attention_mask, response_width, *, t
     keep = _logits_to_keep_argument(unwrap_model(model)) if keep_response_only else None
     if keep is not None:
         kwargs[keep] = width + 1  # positions P-1 .. S-1; the last one predicts nothing
-    logits = model(**kwargs).logits[:, -(width + 1) : -1].float()  # [B, T, V]
-    excluded = vision_token_ids(model)
-    if excluded:  # the rollout engines never sample a VLM's image/video placeholders: nor does this softmax
-        logits = logits.index_fill(-1, torch.tensor(excluded, device=logits.device), float("-inf"))
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    logits = model(**kwargs).logits[:, -(width + 1) : -1].float() / temperature  # [B, T, V]
     response_valid = attention_mask[:, prompt_len:].bool()
     labels = input_ids[:, prompt_len:].masked_fill(~response_valid, 0)
-    logprobs = torch.where(response_valid, log_probs.gather(-1, labels[..., None]).squeeze(-1), 0.0)
+    excluded = vision_token_ids(model)
+    full_logprobs = excluded_label = None
+    if excluded:  # the rollout engines never sample a VLM's image/video placeholders: nor does this softmax
+        rows = torch.tensor(excluded, device=logits.device)
+        # an excluded label (an environment turn's image inside a multi-turn response) keeps the full softmax's
+        # log-prob, finite (rltk.kernels.excluded_tokens)
+        excluded_label = torch.isin(labels, rows)
+        full_logprobs = logits.gather(-1, labels[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        logits = logits.index_fill(-1, rows, float("-inf"))
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logprobs = log_probs.gather(-1, labels[..., None]).squeeze(-1)
+    if excluded_label is not None:
+        logprobs = torch.where(excluded_label, full_logprobs, logprobs)
+    logprobs = torch.where(response_valid, logprobs, 0.0)
     entropy = sum_pi_squared = None
     if with_entropy:
         # the excluded tokens' 0 * -inf terms are 0, not NaN

@@ -64,10 +64,16 @@ def test_values_and_gradients_are_those_of_the_softmax_without_the_excluded_ids(
         torch.testing.assert_close(g.double(), r.double(), atol=5e-5, rtol=0)
 
 
-def test_an_excluded_label_scores_minus_infinity_and_none_changes_nothing():
+def test_an_excluded_label_keeps_the_full_softmaxs_logprob_and_none_changes_nothing():
     hidden, weight, bias, labels = _inputs()
-    labels[0] = EXCLUDED[1]
+    labels[0] = EXCLUDED[1]  # an environment's image placeholder inside a multi-turn response
     outputs = token_logprobs_and_entropy(hidden, weight, labels, bias=bias)
     got = exclude_tokens(outputs, hidden, weight, bias, labels, EXCLUDED, temperature=1.0)
-    assert got[0][0].item() == float("-inf") and torch.isfinite(got[0][1:]).all()
+    assert got[0][0] == outputs[0][0] and torch.isfinite(got[0]).all()
+    others = labels != IGNORE
+    others[0] = False
+    assert (got[0] != outputs[0])[others].all()  # the others are corrected
+    # finite gradients under the loss's masking (a product with 0 there)
+    grads = torch.autograd.grad((got[0] * (labels != EXCLUDED[1])).sum(), (hidden, weight))
+    assert all(torch.isfinite(g).all() for g in grads)
     assert exclude_tokens(outputs, hidden, weight, bias, labels, [], temperature=1.0) is outputs

@@ -121,3 +121,22 @@ def test_a_text_models_outputs_are_the_fused_ops_bit_for_bit():
                                           impl="torch", with_sum_pi_squared=True)
     for g, w in zip(got, want):
         assert torch.equal(g, w.view(2, 3))
+
+
+def test_an_image_token_inside_the_response_keeps_the_full_softmaxs_logprob_on_both_paths(vlm_batch):
+    """An environment turn's image placeholders inside a multi-turn response (masked from the loss): finite
+    log-probs, those of the full softmax, and finite gradients, naive and fused alike."""
+    model = vlm_batch[0]
+    image_id = model.config.image_token_id
+    ids = torch.tensor([[3, 5, 7, 9, image_id, 13], [4, 6, 8, 10, 12, 14]])  # text rows: no features to place
+    mask, width, vision = torch.ones_like(ids), 3, {}
+    full = _full_softmax_logprobs(model, ids, mask, width, vision)
+    for outputs in (response_logprobs(model, ids, mask, width, temperature=TEMPERATURE, impl="torch",
+                                      vision_inputs=vision),
+                    response_logprobs_naive(model, ids, mask, width, temperature=TEMPERATURE, vision_inputs=vision)):
+        logprobs = outputs[0]
+        assert torch.isfinite(logprobs).all()
+        torch.testing.assert_close(logprobs[0, -2], full[0, -2], atol=ATOL, rtol=0)
+        model.zero_grad()
+        (logprobs * (ids[:, -width:] != image_id)).sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

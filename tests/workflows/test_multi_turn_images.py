@@ -148,8 +148,9 @@ def test_the_record_keeps_a_thumbnail_and_a_text_policy_fails_the_episode_naming
 
 def test_the_trainer_scores_both_turns_with_the_episodes_image_as_the_engine_sampled_them(vlm):
     """The episodes' experiences carry their images (Experience.vision) into the batch: the trainer's
-    teacher-forced log-probs equal one direct forward of each whole episode with its image, the engine's
-    sampling log-probs equal that forward's with image tokens at probability 0 (as the hf engine samples),
+    teacher-forced log-probs and the engine's sampling log-probs equal one direct forward of each whole episode
+    with its image, with image tokens at probability 0 (as the hf engine samples; the environment's image tokens
+    themselves keep the full softmax's log-prob),
     and other pixels change the second turn's log-probs but not the first's, which came before the image."""
     from rltk.batch import collate
     from rltk.models.vision.inputs import token_type_ids
@@ -171,9 +172,14 @@ def test_the_trainer_scores_both_turns_with_the_episodes_image_as_the_engine_sam
                            **e.vision.model_inputs()).logits[0, len(e.prompt_ids) - 1:-1].float()
         targets = torch.tensor(e.response_ids)[:, None]
         direct = logits.log_softmax(-1).gather(-1, targets)[:, 0]
-        torch.testing.assert_close(trained[row, :len(direct)], direct, atol=1e-5, rtol=0)
         logits[:, vision_token_ids(model)] = float("-inf")
         sampled = logits.log_softmax(-1).gather(-1, targets)[:, 0]
+        # the trainer scores the engines' softmax (rltk.kernels.excluded_tokens); the environment's image
+        # placeholders, which no softmax without them can score, keep the full softmax's (finite) log-prob
+        excluded = torch.isin(targets[:, 0], torch.tensor(vision_token_ids(model)))
+        assert excluded.any()
+        torch.testing.assert_close(trained[row, :len(direct)], torch.where(excluded, direct, sampled), atol=1e-5,
+                                   rtol=0)
         policy = torch.tensor(e.response_mask).bool()
         torch.testing.assert_close(torch.tensor(e.rollout_logprobs)[policy], sampled[policy], atol=1e-4, rtol=0)
     other = dict(batch, pixel_values=batch["pixel_values"].flip(-1))
