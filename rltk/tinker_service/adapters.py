@@ -127,7 +127,9 @@ class Workspace:
         from rltk.models.vision.inputs import batch_vision_inputs
 
         from rltk.kernels import token_logprobs_and_entropy
+        from rltk.kernels.excluded_tokens import exclude_tokens
         from rltk.kernels.logprobs import IGNORE_INDEX
+        from rltk.models.vision.tower import vision_token_ids
         from rltk.models.logprobs import last_hidden_states, logit_temperature_factor, output_head
 
         model = self.peft_model if self.peft_model is not None else self.base
@@ -144,9 +146,13 @@ class Workspace:
             hidden = last_hidden_states(model, ids, mask, vision_inputs=vision)  # [B, T, D]; i predicts label i
             weight, bias = output_head(model)
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
-            logprobs = token_logprobs_and_entropy(
-                hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), labels.reshape(-1),
-                bias=None if bias is None else bias.to(dtype), temperature=logit_temperature_factor(model))[0]
+            hidden, weight = hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype)
+            bias, temperature = None if bias is None else bias.to(dtype), logit_temperature_factor(model)
+            outputs = token_logprobs_and_entropy(hidden, weight, labels.reshape(-1), bias=bias,
+                                                 temperature=temperature)
+            # the sampler (the hf engine) never draws a VLM's image tokens: score the softmax without them too
+            logprobs = exclude_tokens(outputs, hidden, weight, bias, labels.reshape(-1), vision_token_ids(model),
+                                      temperature=temperature)[0]
         return logprobs.view(len(tokens), width) * mask
 
     def forward_backward(self, name: str, plan: LossPlan, data: list, *, forward_only: bool):

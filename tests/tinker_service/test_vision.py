@@ -92,7 +92,14 @@ def test_forward_and_sample_read_the_image_chunk_as_rltk_reads_the_image(server)
     red, ids = datum((220, 30, 30))
     got = client.forward([red], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     _, logits = _direct_logits(server, before, (220, 30, 30), after)
-    direct = logits.log_softmax(-1)[:-1].gather(-1, ids[1:, None])[:, 0]
+    from rltk.models.vision.tower import vision_token_ids
+
+    full = logits.log_softmax(-1)[:-1].gather(-1, ids[1:, None])[:, 0]
+    # the softmax the sampler draws from, without the image tokens (rltk.kernels.excluded_tokens); the image
+    # placeholders themselves, as targets, keep the full softmax's log-prob
+    banned = vision_token_ids(server["model"])
+    kept = logits.index_fill(-1, torch.tensor(banned), float("-inf")).log_softmax(-1)[:-1]
+    direct = torch.where(torch.isin(ids[1:], torch.tensor(banned)), full, kept.gather(-1, ids[1:, None])[:, 0])
     np.testing.assert_allclose(got[:-1], direct.numpy(), atol=1e-4)  # the adapter starts at B = 0: the base model
     # another picture moves the scores after the image, and only there
     blue, _ = datum((30, 60, 220))
