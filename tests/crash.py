@@ -40,3 +40,25 @@ def crash_at_step(step: int):
         assert crashed == [crash_step], f"the run never reached step {crash_step}, so it did not crash there"
     finally:
         rltk.unregister_plugin("crasher")
+
+
+#: A script that runs ``rltk`` (``sys.argv[2:]``) with a plugin exiting 3 at the end of global step
+#: ``sys.argv[1]``: after that step's metrics, before its checkpoint. For runs launched as processes
+#: of their own (torchrun), where :func:`crash_at_step` cannot reach.
+CRASH_DRIVER = '''
+import sys, types
+import rltk
+from rltk.commands.cli import main
+
+crash_step = int(sys.argv[1])
+crasher = types.ModuleType("crasher")
+
+@rltk.hookimpl
+def rltk_on_step_end(step):
+    if step == crash_step:
+        raise SystemExit(3)
+
+crasher.rltk_on_step_end = rltk_on_step_end
+rltk.register_plugin(crasher, name="crasher")
+sys.exit(main(sys.argv[2:]))
+'''

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.crash import CRASH_DRIVER
 from tests.isolated import run_isolated
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -38,23 +39,6 @@ ARGS = [
     f"stages=[{{name: warmup, type: sft, overrides: {{checkpoint.every: {SFT_STEPS}}}}}, {{name: rl, type: rl}}]",
 ]
 ENV = {"RLTK_DISABLE_PLUGIN_AUTOLOAD": "1"}
-CRASH_DRIVER = '''
-import sys, types
-import rltk
-from rltk.commands.cli import main
-
-crash_step = int(sys.argv[1])
-crasher = types.ModuleType("crasher")
-
-@rltk.hookimpl
-def rltk_on_step_end(step):
-    if step == crash_step:
-        raise SystemExit(3)  # after this step's metrics, before its checkpoint
-
-crasher.rltk_on_step_end = rltk_on_step_end
-rltk.register_plugin(crasher, name="crasher")
-sys.exit(main(sys.argv[2:]))
-'''
 TIMINGS = ("time", "per_s", "memory", "throughput")
 
 

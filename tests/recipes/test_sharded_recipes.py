@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rltk.commands.cli import main
+from tests.crash import CRASH_DRIVER
 from tests.isolated import run_isolated
 
 pytestmark = pytest.mark.slow
@@ -38,23 +39,6 @@ ZERO3 = ["strategy=deepspeed", "strategy_args.zero_stage=3",
 COMPARED = ("sft/sft_loss", "reward", "response_length", "pg_loss", "kl", "entropy", "grad_norm",
             "critic/vf_loss", "critic/values_mean", "eval/accuracy", "eval/mean_response_length")
 
-CRASH_DRIVER = '''
-import sys, types
-import rltk
-from rltk.commands.cli import main
-
-crash_step = int(sys.argv[1])
-crasher = types.ModuleType("crasher")
-
-@rltk.hookimpl
-def rltk_on_step_end(step):
-    if step == crash_step:
-        raise SystemExit(3)  # a crash after the metrics of this step, before its checkpoint
-
-crasher.rltk_on_step_end = rltk_on_step_end
-rltk.register_plugin(crasher, name="crasher")
-sys.exit(main(sys.argv[2:]))
-'''
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
