@@ -18,6 +18,7 @@ VLM = "model.tiny.vision.depth=2"
                                           "hf, vllm only"),
     ([VLM, "model.tiny.moe.num_experts=8"], "the tiny VLM is a dense Qwen2.5-VL"),
     ([VLM, "model.tiny.vision.image_size=50"], "image_size a positive multiple of 28"),
+    ([VLM, "trainer.pack_sequences=true"], "trainer.pack_sequences=true with a vision-language policy"),
     ([VLM, "strategy_args.tensor_parallel_size=2"],
      "strategy_args.tensor_parallel_size=2 with a vision-language policy (the tiny VLM (model.tiny.vision.depth=2)): "
      "a VLM is not tensor-parallel yet"),
