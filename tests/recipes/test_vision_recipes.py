@@ -124,12 +124,11 @@ def test_a_vlm_run_killed_mid_stage_resumes_bit_for_bit(tmp_path, image_rows):
 
 
 @pytest.mark.parametrize("recipe, overrides, message", [
-    ("grpo", ["trainer.pack_sequences=true"], "packing (trainer.pack_sequences) is refused for rows with images"),
     ("grpo", ["trainer.mode=one_step_off"], "trainer.mode=one_step_off does not carry images"),
     ("dpo", ["stages=[{name: prefs, type: dpo}]"], "the dpo stage"),
     ("ppo", [], "the ppo stage (its critic"),
     ("grpo", ["model.tiny.vision.depth=0"], "is a text model"),
-], ids=["packing", "one_step_off", "dpo", "ppo", "text-policy"])
+], ids=["one_step_off", "dpo", "ppo", "text-policy"])
 def test_what_does_not_carry_images_exits_2_naming_the_key(tmp_path, capsys, image_rows, recipe, overrides, message):
     code = main(["run", recipe, f"output_dir={tmp_path / 'run'}", f"data.path={image_rows}", *GRPO, *overrides])
     err = capsys.readouterr().err

@@ -101,23 +101,21 @@ def _check_image_rows(cfg: DictConfig, rows: list[dict]) -> None:
 
     The synchronous RL loop (``trainer.mode=sync``, the ``single_turn`` and ``multi_turn`` workflows) and the
     supervised warm-up carry each row's images from the processor to the engine and every log-prob pass; what
-    does not (packed rows, the asynchronous modes, a critic, the preference and distillation stages) is refused
+    does not (the asynchronous modes, a critic, the preference and distillation stages) is refused
     here, and by :func:`refuse_image_rows` as a stage starts, naming ``data.image_key``.
+    Packing is refused for any VLM policy before rows load (:func:`rltk.config.validation.check_vision_config`).
     """
     from rltk.config.validation import policy_is_vlm
 
     with_images = next((row for row in rows if row.get("images")), None)
     if with_images is None:
         return
-    from rltk.models.vision.inputs import refuse_packing_reason  # imports torch: only for rows with images
     key = cfg.data.image_key
     where = (f"data.image_key='{key}': row '{with_images['id']}' has {len(with_images['images'])} image(s)")
     vlm, described = policy_is_vlm(cfg)
     if not vlm:
         raise ConfigError(f"{where} but the policy ({described}) is a text model; use a vision-language model "
                           f"(model.tiny.vision.depth=2 or a Qwen-VL folder), or drop the column")
-    if cfg.trainer.pack_sequences:
-        raise ConfigError(f"{where}: {refuse_packing_reason()}")
     if cfg.trainer.mode != "sync":
         raise ConfigError(f"{where}: trainer.mode={cfg.trainer.mode} does not carry images to its producer yet; "
                           f"run with trainer.mode=sync")
