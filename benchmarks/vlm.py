@@ -15,7 +15,7 @@ then the gain's min / median / max over the runs, as a table for docs/measuremen
 under benchmarks/results/.
 
     python benchmarks/vlm.py                                   # seeds 0-2, every level, 2 runs at a time
-    python benchmarks/vlm.py trainer.total_steps=60            # docs' figures: 60 GRPO steps, read at 40 too
+    python benchmarks/vlm.py --seeds 0 1 2 --jobs 2           # docs' figures: 3 seeds x 3 levels
     python benchmarks/vlm.py --seeds 0 --levels avx2 --jobs 1  # one run
     python benchmarks/vlm.py --seeds 0 1 2 3 4 --levels default avx2 avx512 --jobs 2 trainer.total_steps=40
     python benchmarks/vlm.py --workdir runs/vlm-bench --summarise      # the figures of runs made earlier
