@@ -296,12 +296,16 @@ def rl_steps(ctx, rollouts, *old):
     # its features (rltk.models.vision.features); the cache is emptied when the step ends.
     # Not where parameters are sharded over ranks: each tower forward gathers them (a collective), and ranks
     # whose rows hold different images would skip different forwards.
+    steps = range(ctx.loop.step + 1, ctx.cfg.trainer.total_steps + 1)
+    if not steps:  # a stage resumed at its end: nothing to set up
+        return
     features = ImageFeatureCache()
     sharded = getattr(ctx.strategy, "shards_parameters", False) and getattr(ctx.strategy, "data_world_size", 1) > 1
     reference = ctx.loop.reference.copy if ctx.loop.reference is not None else None
-    engine_model = getattr(ctx.stage.run.workflow.engine, "model", None)  # colocated hf: the policy module
+    # colocated hf: the policy module; a workflow need not hold an engine (a plugin one, the agentic endpoint)
+    engine_model = getattr(getattr(ctx.stage.run.workflow, "engine", None), "model", None)
     cached = [] if sharded else [ctx.strategy.unwrap(), engine_model, reference]
-    for step in range(ctx.loop.step + 1, ctx.cfg.trainer.total_steps + 1):
+    for step in steps:
         with features.serving(cached):
             tick = time.perf_counter()
             rollout = rollouts.take(step)  # time/rollout_s: sampling, or waiting for a producer's batch
