@@ -17,7 +17,7 @@ def test_builtin_tasks_come_from_the_rltk_entry_point():
     # installed plugins (the wordle example in CI) add their own tasks; only rltk's are checked here
     entries = {e.name: e.plugin for e in rltk.list_components("task") if e.plugin.startswith("rltk:")}
     assert entries == {**{name: "rltk:tasks" for name in
-                          ("arithmetic", "countdown", "guess_number", "calculator_arithmetic")},
+                          ("arithmetic", "countdown", "guess_number", "calculator_arithmetic", "shape_colour")},
                        "verifiers": "rltk:verifiers_environments"}  # a verifiers env's own datasets
 
 
